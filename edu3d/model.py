@@ -1,0 +1,217 @@
+"""The serial reference GPT: the model every parallel layout is compared against.
+
+After reading this file you should understand:
+
+* a GPT is an embedding, a stack of identical pre-LayerNorm blocks (attention then MLP, each
+  added back onto the residual stream) and a head that turns the stream into logits;
+* the forward pass is split into ``embed``, the blocks and ``head`` so that a pipeline stage
+  can run just its piece, and tensor parallelism can cut the same ``nn.Linear`` weights;
+* the initial weights depend only on ``(config, seed)``: they are drawn from a private
+  ``torch.Generator`` in ``named_parameters()`` order, never from the global RNG. That is what
+  lets a parallel run cut its shards out of exactly the weights the serial run starts from;
+* how many parameters the model has and how many FLOPs one training token costs.
+
+There is no parallel code here, and no dropout (parity tests need determinism).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 64
+    seq_len: int = 32
+    vocab_size: int = 256
+    tie_weights: bool = False  # lm_head reuses the token embedding matrix (GPT-2 does)
+
+    def __post_init__(self):
+        for name in ("n_layers", "n_heads", "d_model", "seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.d_model % self.n_heads:
+            ok = ", ".join(str(h) for h in range(1, self.d_model + 1) if self.d_model % h == 0)
+            raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
+                             f"choose one of {ok}")
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+PRESETS = {
+    "tiny": GPTConfig(n_layers=4, n_heads=4, d_model=64, seq_len=32, vocab_size=256),
+    "small": GPTConfig(n_layers=6, n_heads=8, d_model=256, seq_len=128, vocab_size=1024),
+    "medium": GPTConfig(n_layers=8, n_heads=8, d_model=512, seq_len=256, vocab_size=4096),
+    "gpt2-small": GPTConfig(n_layers=12, n_heads=12, d_model=768, seq_len=1024,
+                            vocab_size=50257, tie_weights=True),
+}
+
+
+def config_from(preset: str = "tiny", *, layers: int | None = None, heads: int | None = None,
+                d_model: int | None = None, seq: int | None = None, vocab: int | None = None,
+                tie: bool | None = None) -> GPTConfig:
+    """A preset with some fields overridden (``None`` keeps the preset's value)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    overrides = {"n_layers": layers, "n_heads": heads, "d_model": d_model, "seq_len": seq,
+                 "vocab_size": vocab, "tie_weights": tie}
+    return dataclasses.replace(PRESETS[preset],
+                               **{k: v for k, v in overrides.items() if v is not None})
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention where each token sees only itself and earlier tokens.
+
+    ``qkv`` is one fused ``Linear(d, 3d)`` whose output is laid out ``[q | k | v]``, each ``d``
+    wide with the heads contiguous inside it (head ``i`` is columns ``i*hd:(i+1)*hd``). Tensor
+    parallelism relies on this layout: giving each rank whole heads means cutting the same
+    head range out of q, k and v.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        # [B, T, heads * hd] -> [B, heads, T, hd]: the heads attend independently.
+        q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``proj(GELU(fc(x)))``, widening ``d -> 4d -> d``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One transformer layer, pre-LayerNorm: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer whose initial weights depend only on ``(config, seed)``."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation drawn from a private generator, in ``named_parameters()`` order.
+
+        Weights ~ N(0, 0.02); the two projections that write into the residual stream
+        (``attn.proj``, ``mlp.proj``) get std ``0.02 / sqrt(2 * n_layers)`` so the stream's
+        variance does not grow with depth (GPT-2 paper, section 2.3). Biases 0, LayerNorm
+        gains 1. A tied ``lm_head.weight`` is the embedding, which ``named_parameters``
+        yields once.
+        """
+        g = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # LayerNorm gain
+                p.fill_(1.0)
+            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                p.normal_(0.0, residual_std, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, T]`` -> residual stream ``[B, T, d]`` (token + position embedding)."""
+        T = idx.shape[1]
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than seq_len="
+                             f"{self.config.seq_len}; crop it or build the model with seq={T}")
+        pos = torch.arange(T, device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(pos)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual stream ``[B, T, d]`` -> logits ``[B, T, vocab]``."""
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Returns ``(logits, loss)``; ``loss`` is the mean cross-entropy over all tokens
+        (targets equal to -100 are ignored), or ``None`` without targets."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+
+def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Parameter count (shared tensors counted once).
+
+    With ``exclude_embeddings`` the token and position tables are left out, as in the scaling
+    law papers: a lookup costs no FLOPs. A tied ``lm_head`` is the token table, so it goes too.
+    """
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        n -= model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
+    return n
+
+
+def flops_per_token(config: GPTConfig) -> int:
+    """Training FLOPs per token: ``6N + 12·L·h·s`` (Chowdhery et al. 2022, PaLM, appendix B).
+
+    ``N`` is the non-embedding parameter count: each weight does one multiply-add (2 FLOPs)
+    per token forward and twice that backward, hence 6N. Attention adds ``QK^T`` and ``AV``,
+    ``2·2·h·s`` FLOPs per token and layer forward, times 3 for forward + backward. ``N`` is
+    computed from the config, so this is cheap even for gpt2-small.
+    """
+    d, L = config.d_model, config.n_layers
+    per_layer = 12 * d * d + 13 * d  # qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, proj 4d^2+d, 2 LNs 4d
+    n = L * per_layer + 2 * d  # + ln_f
+    if not config.tie_weights:
+        n += d * config.vocab_size  # lm_head
+    return 6 * n + 12 * L * d * config.seq_len

@@ -1,0 +1,1 @@
+"""The parallel mechanics: data parallelism and ZeRO, tensor parallelism, pipelines."""

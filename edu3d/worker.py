@@ -1,0 +1,192 @@
+"""The wrapper torchrun starts on every rank: ``python -m edu3d.worker --script|--module|--call``.
+
+After reading this file you should understand what edu3d adds around your code on each rank,
+and why:
+
+* **a rank prefix** on every line it prints (``[rank 3] ...``), so the launcher can stream the
+  output of many ranks through one pipe and still say who said what;
+* **an error file** ``errors/rank{R}.json`` written the moment your code raises, with the
+  traceback and a timestamp. When one rank fails the others soon fail too (their partner is
+  gone), so the launcher names the rank whose error came *first*;
+* **a pid file** ``pids/rank{R}.pid``, because torchrun starts each worker in a session of
+  its own, so killing torchrun's process group does not reach them;
+* **a watchdog** thread that ends the rank if torchrun or the launcher disappears, so an
+  interrupted notebook never leaves ranks behind.
+
+This module imports no torch unless it calls a function for you (``--call``), so launching
+an empty script costs the same as a bare torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import os
+import pickle
+import runpy
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+PREFIX_FMT = "[rank {}] "
+
+
+class _Prefixed(io.TextIOBase):
+    """A text stream that writes ``prefix`` before every line (whole lines only)."""
+
+    def __init__(self, stream, prefix: str):
+        self.stream, self.prefix, self.buf = stream, prefix, ""
+
+    def writable(self):
+        return True
+
+    def write(self, s: str) -> int:
+        self.buf += s
+        if "\n" in self.buf:
+            *lines, self.buf = self.buf.split("\n")
+            # one write per batch keeps lines whole when several ranks share the pipe
+            self.stream.write("".join(f"{self.prefix}{line}\n" for line in lines))
+            self.stream.flush()
+        return len(s)
+
+    def flush(self):
+        if self.buf:
+            self.stream.write(f"{self.prefix}{self.buf}\n")
+            self.buf = ""
+        self.stream.flush()
+
+    def fileno(self):
+        return self.stream.fileno()
+
+    def isatty(self):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _start_watchdog(interval: float = 0.2) -> None:
+    parent = os.getppid()
+    launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0"))
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent or (launcher and not _alive(launcher)):
+                os._exit(3)
+
+    threading.Thread(target=watch, name="edu3d-watchdog", daemon=True).start()
+
+
+def _write(path: Path, data: str | bytes) -> None:
+    """Write atomically (temporary file, then rename): a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def _parse_layout(text: str | None):
+    if not text:
+        return None
+    from edu3d.mesh import Layout
+
+    return Layout(**json.loads(text))
+
+
+def _call(spec: str, layout_json: str | None, args_file: str | None, init: bool):
+    module, _, name = spec.partition(":")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    args, kwargs = ((), {})
+    if args_file:
+        with open(args_file, "rb") as f:
+            args, kwargs = pickle.load(f)
+    if not init:
+        return fn(*args, **kwargs)
+    from edu3d import runtime
+
+    mesh = runtime.init(_parse_layout(layout_json))
+    try:
+        return fn(mesh, *args, **kwargs)
+    finally:
+        runtime.shutdown(mesh)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m edu3d.worker")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--script")
+    target.add_argument("--module")
+    target.add_argument("--call", help="module:function, called as function(mesh, *args, **kw)")
+    p.add_argument("--layout", help="JSON of Layout fields for --call")
+    p.add_argument("--args-file", help="pickled (args, kwargs) for --call")
+    p.add_argument("--no-init", action="store_true", help="--call without runtime.init")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
+    _start_watchdog()
+    if run_dir:
+        _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+    if os.environ.get("EDU3D_PREFIX", "1") != "0":
+        sys.stdout = _Prefixed(sys.stdout, PREFIX_FMT.format(rank))
+        sys.stderr = _Prefixed(sys.stderr, PREFIX_FMT.format(rank))
+
+    error = None
+    try:
+        if a.script:
+            sys.argv = [a.script, *rest]
+            sys.path.insert(0, str(Path(a.script).resolve().parent))
+            runpy.run_path(a.script, run_name="__main__")
+        elif a.module:
+            sys.argv = [a.module, *rest]
+            runpy.run_module(a.module, run_name="__main__", alter_sys=True)
+        else:
+            result = _call(a.call, a.layout, a.args_file, not a.no_init)
+            if run_dir:
+                _write(run_dir / "results" / f"rank{rank}.pkl", pickle.dumps(result))
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            error = {"type": "SystemExit", "message": f"exited with code {e.code}",
+                     "traceback": f"SystemExit: {e.code}\n"}
+    except BaseException as e:  # noqa: BLE001 - every failure must be reported, then exit
+        error = {"type": type(e).__name__, "message": str(e),
+                 "traceback": traceback.format_exc()}
+
+    from edu3d import trace
+
+    if error is not None:
+        error.update(rank=rank, time_ns=time.time_ns(), pid=os.getpid())
+        if run_dir:
+            _write(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
+        sys.stderr.write(error["traceback"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip finalization: a broken process group can hang on teardown
+    trace.current().flush()
+    if run_dir:
+        _write(run_dir / "done" / f"rank{rank}", "")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written. Leaving through os._exit skips interpreter finalization, where
+    # process-group objects a script kept alive would be destroyed late and abort gloo.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
