@@ -146,6 +146,19 @@ def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir
     return ["--script", os.path.abspath(target), "--", *map(str, args)]
 
 
+def _import_root(target) -> list[str]:
+    """The sys.path entry that makes a function's module importable (``tests.test_x`` needs
+    the folder above ``tests``)."""
+    mod = sys.modules.get(getattr(target, "__module__", "") or "")
+    file = getattr(mod, "__file__", None)
+    if not callable(target) or not file:
+        return []
+    root = Path(file).resolve().parent
+    for _ in range(target.__module__.count(".")):
+        root = root.parent
+    return [str(root)]
+
+
 def _print_line(rank: int | None, stream: str, text: str) -> None:
     out = sys.stdout if stream == "stdout" else sys.stderr
     out.write((PREFIX_FMT.format(rank) if rank is not None else "") + text + "\n")
@@ -266,9 +279,10 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
                      PYTHONUNBUFFERED="1")
     if not any(a.startswith(_MULTINODE) for a in torchrun_args):
         child_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
-    # the launching directory's modules (a notebook's helpers) import on every rank
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.getcwd(), child_env.get("PYTHONPATH", "")) if p)
+    # the launching directory's modules (a notebook's helpers) and the target function's
+    # package import on every rank
+    paths = [os.getcwd(), *_import_root(target), child_env.get("PYTHONPATH", "")]
+    child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs}))
 
     emit = _print_line if echo is True else (echo or (lambda *a: None))
