@@ -128,16 +128,20 @@ def run(args: argparse.Namespace, out=None) -> list[dict]:
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="edu3d train", description="Train the reference GPT on the synthetic corpus."))
-    args = parser.parse_args(argv)
+def main_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the arguments (before any process starts), then train."""
     try:
         config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
     run(args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="edu3d train", description="Train the reference GPT on the synthetic corpus."))
+    return main_from_args(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

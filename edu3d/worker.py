@@ -97,6 +97,15 @@ def _write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def _user_traceback(err: BaseException) -> str:
+    """The traceback without this wrapper's own frames (worker.py, runpy)."""
+    tb = err.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb))
+
+
 def _parse_layout(text: str | None):
     if not text:
         return None
@@ -165,8 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             error = {"type": "SystemExit", "message": f"exited with code {e.code}",
                      "traceback": f"SystemExit: {e.code}\n"}
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then exit
-        error = {"type": type(e).__name__, "message": str(e),
-                 "traceback": traceback.format_exc()}
+        error = {"type": type(e).__name__, "message": str(e), "traceback": _user_traceback(e)}
 
     from edu3d import trace
 

@@ -1,0 +1,189 @@
+"""The ``edu3d`` command.
+
+::
+
+    edu3d run -n 4 script.py [ARGS]     run a script on 4 ranks (torchrun underneath)
+    edu3d run -n 4 -m package.module    ... or a module
+    edu3d doctor                        versions, backends, GPUs, cores, a 2-rank smoke run
+    edu3d train --steps 60 --json       train the reference GPT (one JSON object per step)
+    edu3d course                        open the course in JupyterLab
+
+``edu3d run`` passes torchrun's multi-node options through (``--nnodes``, ``--node-rank``,
+``--rdzv-endpoint``, ``--rdzv-backend``, ``--rdzv-id``, ``--master-addr``, ``--master-port``),
+so the same script runs across machines. This module imports no torch at start-up: ``edu3d
+run`` costs what a bare torchrun costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from edu3d import __version__
+
+# torchrun options edu3d run forwards unchanged (multi-node and rendezvous)
+PASSTHROUGH = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
+               "--rdzv-conf", "--master-addr", "--master-port", "--local-addr")
+
+
+# ---- edu3d run ------------------------------------------------------------------------------
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run a script or module on N ranks",
+                       description="Run a script (or -m module) on N ranks through torchrun. "
+                                   "Output is prefixed by rank; the first failing rank ends "
+                                   "the run with its traceback and exit code 1.")
+    p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks on this node (default 2)")
+    p.add_argument("--timeout", type=float, default=None, help="kill the run after S seconds")
+    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module name")
+    for opt in PASSTHROUGH:
+        p.add_argument(opt, dest="tr_" + opt[2:].replace("-", "_"), default=None,
+                       help=argparse.SUPPRESS if opt in ("--rdzv-conf", "--local-addr") else
+                       f"passed to torchrun as {opt}")
+    p.add_argument("target", help="script path, or module name with -m")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from edu3d.launch import LaunchError, LaunchTimeout, launch
+
+    if args.nprocs < 1:
+        print(f"edu3d run: -n {args.nprocs}: need at least one rank", file=sys.stderr)
+        return 2
+    torchrun_args = [f"{opt}={getattr(args, 'tr_' + opt[2:].replace('-', '_'))}"
+                     for opt in PASSTHROUGH
+                     if getattr(args, "tr_" + opt[2:].replace("-", "_")) is not None]
+    try:
+        launch(args.target, args.nprocs, args=args.args, module=args.module,
+               timeout=args.timeout, torchrun_args=torchrun_args, name=Path(args.target).stem)
+    except LaunchTimeout as err:
+        print(f"edu3d run: {err}", file=sys.stderr)
+        return 124
+    except LaunchError as err:
+        print(f"edu3d run: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("edu3d run: interrupted; every rank was killed", file=sys.stderr)
+        return 130
+    return 0
+
+
+# ---- edu3d doctor ---------------------------------------------------------------------------
+def smoke(mesh) -> dict:
+    """What ``edu3d doctor`` runs on 2 ranks: an all-reduce and a ring of send/recv."""
+    import torch
+    import torch.distributed as dist
+
+    n, r = mesh.layout.world_size, mesh.rank
+    t = torch.full((1024,), float(r + 1))
+    dist.all_reduce(t)
+    ok_reduce = bool(torch.all(t == n * (n + 1) / 2))
+    got = torch.empty(1)
+    reqs = [dist.isend(torch.tensor([float(r)]), (r + 1) % n),
+            dist.irecv(got, (r - 1) % n)]
+    for q in reqs:
+        q.wait()
+    return {"backend": dist.get_backend(), "all_reduce": ok_reduce,
+            "send_recv": float(got.item()) == float((r - 1) % n)}
+
+
+def _doctor(args) -> int:
+    print(f"edu3d {__version__}   python {platform.python_version()}   "
+          f"{platform.system()} {platform.machine()}")
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as err:
+        print(f"torch: NOT importable ({err}); pip install 'torch>=2.4'")
+        return 1
+    print(f"torch {torch.__version__}")
+    backends = [name for name, ok in (("gloo", dist.is_gloo_available()),
+                                      ("nccl", dist.is_nccl_available()),
+                                      ("mpi", dist.is_mpi_available())) if ok]
+    print(f"distributed backends compiled in: {', '.join(backends) or 'none'}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+    print(f"CUDA GPUs: {gpus}{' (' + names + ')' if gpus else ''}")
+    print(f"CPU cores: {os.cpu_count()}   OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', 'unset (edu3d sets 1 per rank)')}")
+    import importlib.util
+
+    for mod in ("jupyterlab", "ipywidgets", "plotly", "matplotlib"):
+        found = importlib.util.find_spec(mod) is not None
+        print(f"{mod}: {'found' if found else f'NOT found (pip install {mod})'}")
+
+    from edu3d.launch import LaunchError, launch
+
+    t0 = time.perf_counter()
+    try:
+        res = launch(smoke, 2, env={"EDU3D_BACKEND": "gloo"}, timeout=args.timeout, echo=False,
+                     name="doctor")
+    except LaunchError as err:
+        print(f"gloo smoke run on 2 ranks: FAILED\n{err}")
+        return 1
+    ok = all(r["all_reduce"] and r["send_recv"] for r in res.results)
+    print(f"gloo smoke run on 2 ranks: {'OK' if ok else 'WRONG RESULTS'} "
+          f"(all_reduce and send/recv, {time.perf_counter() - t0:.1f} s)")
+    if gpus >= 2:
+        print("NCCL: run `edu3d run -n 2` on a script calling edu3d.runtime.init() to use it")
+    return 0 if ok else 1
+
+
+# ---- edu3d train, course --------------------------------------------------------------------
+def _add_train(sub, full: bool) -> None:
+    help_ = "train the reference GPT"
+    if not full:  # keep `edu3d run` free of torch: train's options are built only when asked
+        sub.add_parser("train", help=help_, add_help=False)
+        return
+    from edu3d import train
+
+    p = sub.add_parser("train", help=help_,
+                       description="Train the reference GPT on the synthetic corpus. With "
+                                   "--json, stdout holds exactly one JSON object per step.")
+    train.add_arguments(p)
+    p.set_defaults(func=lambda a: train.main_from_args(a, p))
+
+
+def _course(args) -> int:
+    notebooks = Path(__file__).resolve().parent.parent / "notebooks"
+    if not notebooks.is_dir():
+        print(f"edu3d course: no notebooks/ folder next to the package ({notebooks}); "
+              "install edu3d from a checkout with `pip install -e .`", file=sys.stderr)
+        return 1
+    cmd = [sys.executable, "-m", "jupyterlab", f"--notebook-dir={notebooks}"]
+    if args.no_browser:
+        cmd.append("--no-browser")
+    if args.port:
+        cmd.append(f"--port={args.port}")
+    print("opening", " ".join(cmd), file=sys.stderr)
+    os.execv(sys.executable, cmd)
+
+
+def build_parser(full: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edu3d", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"edu3d {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_run(sub)
+    d = sub.add_parser("doctor", help="check the installation and a 2-rank gloo run")
+    d.add_argument("--timeout", type=float, default=120.0)
+    d.set_defaults(func=_doctor)
+    _add_train(sub, full)
+    c = sub.add_parser("course", help="open the course notebooks in JupyterLab")
+    c.add_argument("--no-browser", action="store_true")
+    c.add_argument("--port", type=int, default=None)
+    c.set_defaults(func=_course)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(full=argv[:1] == ["train"]).parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""``%%torchrun``: run a notebook cell on N ranks.
+
+After ``%load_ext edu3d``::
+
+    %%torchrun -n 4 --timeout 60
+    from edu3d import runtime
+    mesh = runtime.init()
+    print(f"hello from rank {mesh.rank} of {mesh.layout.world_size}")
+
+The cell is written to ``cell.py`` in a fresh run folder and launched with
+:func:`edu3d.launch.launch` (a cell's code cannot be sent to other processes any other way:
+spawn cannot pickle functions defined in a notebook). Each rank is a new Python process, so
+the cell must import what it uses; variables of the notebook are not visible in it.
+
+While it runs, a status line shows the elapsed time and how many ranks have finished; output
+is printed with a ``[rank R]`` prefix. The finished :class:`~edu3d.launch.RunResult` is
+stored in the notebook variable ``_torchrun`` (``_torchrun.events()`` is the run's trace). A
+failing rank stops the cell with an error naming that rank; interrupting the kernel or the
+timeout kills every rank.
+"""
+
+from __future__ import annotations
+
+import html
+
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import HTML, display
+
+from edu3d.launch import LaunchError, launch, new_run_dir
+
+
+def _status(text: str, colour: str) -> HTML:
+    return HTML(f'<div style="font-family:monospace;color:{colour}">{html.escape(text)}</div>')
+
+
+@magics_class
+class TorchrunMagics(Magics):
+    @magic_arguments()
+    @argument("-n", "--nprocs", type=int, default=2, help="number of ranks (default 2)")
+    @argument("--timeout", type=float, default=120.0,
+              help="seconds before every rank is killed (default 120)")
+    @cell_magic
+    def torchrun(self, line: str, cell: str):
+        """Run the cell on ``-n`` ranks through torchrun."""
+        args = parse_argstring(self.torchrun, line)
+        if args.nprocs < 1:
+            raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1")
+        run_dir = new_run_dir("cell")
+        script = run_dir / "cell.py"
+        script.write_text(cell)
+        n = args.nprocs
+        handle = display(_status(f"starting {n} ranks ...", "#555"), display_id=True)
+
+        def on_poll(elapsed: float, done: int) -> None:
+            handle.update(_status(f"running on {n} ranks: {elapsed:.1f} s, "
+                                  f"{done}/{n} finished", "#0072B2"))
+
+        try:
+            result = launch(script, n, timeout=args.timeout, run_dir=run_dir, on_poll=on_poll)
+        except KeyboardInterrupt:
+            handle.update(_status(f"interrupted: all {n} ranks were killed", "#D55E00"))
+            raise
+        except LaunchError as err:
+            handle.update(_status(f"failed: {str(err).splitlines()[0]}", "#D55E00"))
+            raise
+        handle.update(_status(f"{n} ranks finished in {result.elapsed_s:.1f} s "
+                              f"(run folder {run_dir.name})", "#009E73"))
+        self.shell.user_ns["_torchrun"] = result
+
+
+def register(ipython) -> None:
+    ipython.register_magics(TorchrunMagics)

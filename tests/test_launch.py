@@ -1,0 +1,171 @@
+"""The launcher: results, rank prefixes, and every failure path (nothing may be left running)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from edu3d.launch import LaunchError, LaunchTimeout, RankError, _running, launch
+from edu3d.mesh import Layout
+from tests import workers
+
+
+def _pids(run_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in (run_dir / "pids").glob("rank*.pid")]
+
+
+def _assert_all_gone(run_dir: Path, wait_s: float = 5.0):
+    deadline = time.monotonic() + wait_s
+    while any(_running(p) for p in _pids(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in _pids(run_dir) if _running(p)]
+    assert not alive, f"processes left running: {alive}"
+
+
+def _script(tmp_path, body: str) -> Path:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_function_on_n_ranks_returns_per_rank_results(n):
+    res = launch(workers.rank_info, n, kwargs={"numel": 7}, timeout=240, echo=False)
+    assert [r["rank"] for r in res.results] == list(range(n))
+    assert all(r["world"] == n and r["sum"] == n * (n + 1) / 2 for r in res.results)
+    assert all(r["threads"] == 1 and r["omp"] == "1" and r["traced"] for r in res.results)
+    events = [e for e in res.events() if e["op"] == "all_reduce"]
+    assert sorted(e["rank"] for e in events) == list(range(n))
+    assert all(e["bytes"] == 7 * 4 and e["n"] == n and e["t1"] >= e["t0"] for e in events)
+    _assert_all_gone(res.run_dir)
+
+
+def test_output_is_streamed_with_rank_prefix(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        r = os.environ["RANK"]
+        print("out from", r)
+        print("err from", r, file=sys.stderr)
+    """)
+    seen = []
+    res = launch(script, 3, echo=lambda *line: seen.append(line), timeout=120)
+    for r in range(3):
+        assert (r, "stdout", f"out from {r}") in seen
+        assert (r, "stderr", f"err from {r}") in seen
+        assert res.lines(r) == [f"out from {r}"]
+
+
+def test_script_arguments_and_layout(tmp_path):
+    script = _script(tmp_path, """
+        import sys
+        from edu3d import runtime
+        from edu3d.mesh import Layout
+        mesh = runtime.init(Layout(dp=2, tp=2))
+        print(sys.argv[1:], tuple(mesh.coord))
+        runtime.shutdown(mesh)
+    """)
+    res = launch(script, 4, args=["--lr", "3"], echo=False, timeout=120)
+    assert res.lines(3) == ["['--lr', '3'] (0, 1, 1)"]
+
+
+def test_raising_rank_is_named_with_traceback_and_nothing_is_left(tmp_path):
+    script = _script(tmp_path, """
+        import os, time
+        import torch.distributed as dist
+        from edu3d import runtime
+        mesh = runtime.init()
+        if mesh.rank == 3:
+            time.sleep(0.5)
+            raise RuntimeError("rank three is broken")
+        dist.barrier()
+    """)
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(script, 4, echo=False, timeout=120)
+    err = info.value
+    assert err.rank == 3
+    assert "rank 3 failed: RuntimeError: rank three is broken" in str(err)
+    assert 'script.py", line 8' in err.traceback and "worker.py" not in err.traceback
+    assert time.monotonic() - t0 < 30
+    _assert_all_gone(err.run_dir)
+
+
+def test_function_failure_names_rank():
+    with pytest.raises(RankError, match="rank 1 failed: ValueError: deliberate failure"):
+        launch(workers.raise_on, 2, args=(1,), echo=False, timeout=120)
+
+
+@pytest.mark.parametrize("body,reason", [
+    ("os._exit(7)", "exited with code 7"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal SIGKILL"),
+    ("sys.exit(4)", "exited with code 4"),
+])
+def test_rank_dying_without_python_error(tmp_path, body, reason):
+    script = _script(tmp_path, f"""
+        import os, signal, sys, time
+        if os.environ["RANK"] == "1":
+            {body}
+        time.sleep(60)
+    """)
+    with pytest.raises(RankError) as info:
+        launch(script, 2, echo=False, timeout=60)
+    assert info.value.rank == 1 and reason in str(info.value)
+    _assert_all_gone(info.value.run_dir)
+
+
+def test_timeout_kills_every_rank():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"within 8 s; rank\(s\) \[0, 1, 2\]") as info:
+        launch(workers.sleep_forever, 3, echo=False, timeout=8)
+    assert time.monotonic() - t0 < 20
+    run_dir = Path(str(info.value).rsplit("run folder: ", 1)[1].rstrip(")"))
+    _assert_all_gone(run_dir)
+
+
+def _start_cli_run(tmp_path, n=2):
+    script = _script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    runs = tmp_path / "runs"
+    env = {**os.environ, "EDU3D_RUNS": str(runs)}
+    proc = subprocess.Popen([sys.executable, "-m", "edu3d.cli", "run", "-n", str(n), str(script)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        dirs = list(runs.glob("*")) if runs.exists() else []
+        if dirs and len(_pids(dirs[0])) == n:
+            return proc, dirs[0]
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail("ranks did not start within 60 s")
+
+
+def test_interrupt_kills_every_rank(tmp_path):
+    proc, run_dir = _start_cli_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err
+    _assert_all_gone(run_dir)
+
+
+def test_launcher_killed_hard_leaves_no_orphans(tmp_path):
+    """SIGKILL gives the launcher no chance to clean up: the ranks' watchdogs must."""
+    proc, run_dir = _start_cli_run(tmp_path)
+    proc.kill()
+    proc.wait()
+    _assert_all_gone(run_dir, wait_s=15)
+
+
+def test_bad_input_fails_before_any_process(tmp_path):
+    with pytest.raises(LaunchError, match="nprocs must be a positive integer"):
+        launch(workers.rank_info, 0)
+    with pytest.raises(LaunchError, match="does not exist"):
+        launch(str(tmp_path / "missing.py"), 2)
+    with pytest.raises(LaunchError, match="defined in a notebook cell"):
+        launch(lambda mesh: None, 2)
+    with pytest.raises(ValueError, match="8 ranks, but 4 were launched"):
+        launch(workers.rank_info, 4, layout=Layout(dp=2, tp=2, pp=2))
+    assert not (Path(os.environ["EDU3D_RUNS"]) / "missing").exists()

@@ -1,0 +1,50 @@
+"""Functions the launcher tests run on every rank (called as fn(mesh, ...))."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from edu3d import comm, trace
+
+
+def rank_info(mesh, numel: int = 10):
+    """Who am I, and does a traced all-reduce over every rank give N(N+1)/2?"""
+    t = torch.full((numel,), float(mesh.rank + 1))
+    comm.all_reduce(t, mesh.groups["world"])
+    return {"rank": mesh.rank, "world": dist.get_world_size(), "coord": tuple(mesh.coord),
+            "sum": t[0].item(), "threads": torch.get_num_threads(),
+            "omp": os.environ.get("OMP_NUM_THREADS"), "traced": trace.current().enabled}
+
+
+def group_members(mesh):
+    """Each group's members as the ranks themselves report them through a real all-gather."""
+    out = {}
+    for dim in ("tp", "dp", "pp", "mp"):
+        group = mesh.group(dim)
+        got = torch.zeros(dist.get_world_size(group), dtype=torch.long)
+        comm.all_gather(got, torch.tensor([mesh.rank]), group)
+        out[dim] = got.tolist()
+    return out
+
+
+def device_mesh_groups(mesh):
+    """The groups of torch's own init_device_mesh with mesh_dim_names (pp, dp, tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = mesh.layout
+    dm = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp),
+                          mesh_dim_names=("pp", "dp", "tp"))
+    return {dim: dist.get_process_group_ranks(dm.get_group(dim)) for dim in ("pp", "dp", "tp")}
+
+
+def raise_on(mesh, bad_rank: int):
+    if mesh.rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()  # the others wait in a collective, as real code would
+    return mesh.rank
+
+
+def sleep_forever(mesh):
+    time.sleep(3600)
