@@ -120,6 +120,9 @@ def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir
     """Turn a target into edu3d.worker arguments; bad input fails here, before any process."""
     if callable(target):
         mod, name = target.__module__, target.__qualname__
+        spec = getattr(sys.modules.get(mod), "__spec__", None)
+        if mod == "__main__" and spec is not None:  # run with `python -m package.module`
+            mod = spec.name
         if mod == "__main__" or "<locals>" in name:
             raise LaunchError(
                 f"{name} is defined in a notebook cell or a script's __main__, and another "

@@ -48,3 +48,25 @@ def raise_on(mesh, bad_rank: int):
 
 def sleep_forever(mesh):
     time.sleep(3600)
+
+
+def comm_ops(mesh):
+    """Each traced collective once, with results so the test can check values and events."""
+    n, r = dist.get_world_size(), mesh.rank
+    world = mesh.groups["world"]
+    x = torch.arange(4, dtype=torch.float32) + 10 * r
+    gathered = torch.empty(4 * n)
+    comm.all_gather(gathered, x, world)
+    scattered = torch.empty(2)
+    comm.reduce_scatter(scattered, torch.ones(2 * n) * (r + 1), world)
+    b = torch.full((3,), float(r))
+    comm.broadcast(b, src=n - 1, group=world)
+    got = torch.empty(5, dtype=torch.float64)
+    send = comm.send(torch.full((5,), float(r), dtype=torch.float64), (r + 1) % n, world,
+                     async_op=True)
+    comm.recv(got, (r - 1) % n, world)
+    send.wait()
+    h = comm.all_reduce(torch.ones(6), world, async_op=True)
+    h.wait()
+    return {"gathered": gathered.tolist(), "scattered": scattered.tolist(),
+            "broadcast": b.tolist(), "received": got[0].item()}

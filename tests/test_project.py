@@ -1,0 +1,45 @@
+"""The project's own promises: one set of dependencies, README's test command is CI's."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _requirements_pyproject() -> set[str]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    reqs = data["project"]["dependencies"] + data["project"]["optional-dependencies"]["dev"]
+    return {r.replace(" ", "") for r in reqs}
+
+
+def _requirements_environment() -> set[str]:
+    text = (ROOT / "environment.yml").read_text()
+    pip_block = text.split("- pip:", 1)[1]
+    items = re.findall(r"^\s+-\s+(\S+)\s*$", pip_block, re.M)
+    return {i for i in items if i not in ("-e", ".")} - {"."}
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    env = {r for r in _requirements_environment() if not r.startswith("-e")}
+    assert env == _requirements_pyproject()
+
+
+def test_torch_requirement_admits_2_13():
+    torch_req = next(r for r in _requirements_pyproject() if r.startswith("torch"))
+    lower = re.search(r">=([\d.]+)", torch_req).group(1)
+    assert tuple(map(int, lower.split("."))) <= (2, 13)
+    assert "<" not in torch_req or "<2.13" not in torch_req
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"```bash\n# test\n(.+?)\n```", readme, re.S).group(1).strip()
+    assert command in ci
+
+
+def test_widgets_are_importable_as_edu3d_widgets():
+    import edu3d.widgets
+
+    assert Path(edu3d.widgets.__file__).parent == ROOT / "widgets"
