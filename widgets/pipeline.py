@@ -1,0 +1,182 @@
+"""The pipeline Gantt chart: a measured pipeline step over its theory, with its memory.
+
+After reading this file you should know how to read the course's pipeline pictures:
+
+* **lanes = pipeline ranks**, x = time in ms; each rank has its compute lane and a thin
+  communication sub-lane under it (sends are instants, receives last as long as the rank
+  waited);
+* **colour = operation**: forward blue, full backward orange, input-gradient ``I`` teal,
+  weight-gradient ``W`` green; **tint = model chunk** (interleaving); **label = micro-batch**;
+  hatched grey = idle, the bubble;
+* the **ghost** under the bars is the simulated schedule
+  (:func:`edu3d.parallel.pp.simulate.simulate`) with the *measured* mean cost of each action,
+  so any gap between ghost and bars is what the theory leaves out (message latency, Python
+  overhead, an uneven stage);
+* the title prints the bubble fraction measured next to the formula ``(p-1)/(v·m+p-1)``;
+* under the lanes, a strip per rank shows the bytes of activations held (measured by the
+  engine): GPipe's grows to m micro-batches, 1F1B's stays at most p.
+
+:func:`pipeline_figure` draws one step; :func:`compare_figure` puts several schedules one
+under the other on the same time axis.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from edu3d.parallel.pp.schedules import build
+from edu3d.parallel.pp.simulate import Costs, bubble_formula, bubble_of, simulate
+from edu3d.widgets import style
+from edu3d.widgets.timeline import add_bars, idle_gaps, lanes
+
+_COMPUTE = ("F", "B", "I", "W")
+
+
+def step_events(events: list[dict], step: int | None = None) -> list[dict]:
+    """The events of one step (the last one if ``step`` is None), time-shifted so the step's
+    first compute starts at 0."""
+    steps = sorted({e["step"] for e in events if e.get("step") is not None})
+    if steps:
+        step = steps[-1] if step is None else step
+        events = [e for e in events if e.get("step") == step]
+    comp = [e for e in events if e["lane"] == "compute"]
+    origin = min((e["t0"] for e in comp), default=0.0)
+    return [{**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin} for e in events]
+
+
+def measured_costs(events: list[dict]) -> Costs:
+    """Mean measured duration of each compute kind (µs) and the median receive wait."""
+    def mean(op, default):
+        d = [e["t1"] - e["t0"] for e in events if e["lane"] == "compute" and e["op"] == op
+             and not e.get("sim")]
+        return statistics.fmean(d) if d else default
+
+    f = mean("F", 1.0)
+    b = mean("B", 2 * f)
+    i, w = mean("I", b / 2), mean("W", b / 2)
+    return Costs(F=f, B=b, I=i, W=w, p2p=0.0)
+
+
+def theory(name: str, pp: int, m: int, vpp: int = 1, events: list[dict] | None = None):
+    """The simulated timeline of a schedule, with costs measured from ``events`` if given."""
+    costs = measured_costs(events) if events else Costs()
+    return simulate(build(name, pp, m, vpp), pp, costs)
+
+
+def _add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show_legend: bool):
+    """Draw one schedule's lanes (ghost, idle, compute, comm) into subplot ``row``."""
+    where = lanes(ranks)
+    before = len(fig.data)
+    chunks = 1 + max((e.get("chunk", 0) or 0 for e in evs + ghost), default=0)
+    add_bars(fig, idle_gaps(evs), where, name="idle", color="rgba(0,0,0,0)",
+             pattern=style.IDLE_PATTERN, text=False, showlegend=show_legend)
+    for is_ghost, source in ((True, ghost), (False, evs)):
+        for op in (*_COMPUTE, "send", "recv"):
+            sel = [e for e in source if e["op"] == op and e["lane"] in ("compute", "comm")]
+            if not sel:
+                continue
+            color = [style.tint(style.op_color(op), e.get("chunk", 0) or 0, chunks) for e in sel]
+            add_bars(fig, sel, where, name=f"{op} (theory)" if is_ghost else op,
+                     legendgroup=op + ("-theory" if is_ghost else ""), color=color,
+                     ghost=is_ghost, showlegend=show_legend,
+                     text=not is_ghost and op in _COMPUTE)
+    for trace in fig.data[before:]:
+        trace.update(xaxis=f"x{'' if row == 1 else row}", yaxis=f"y{'' if row == 1 else row}")
+    return where
+
+
+def _memory_strip(fig, evs: list[dict], row: int, ranks) -> None:
+    import plotly.graph_objects as go
+
+    for r in ranks:
+        mem = sorted((e for e in evs if e["lane"] == "mem" and e["rank"] == r),
+                     key=lambda e: e["t0"])
+        if not mem:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[0.0] + [e["t0"] / 1e3 for e in mem],
+            y=[0.0] + [e["mem"]["activations"] / 2**20 for e in mem],
+            mode="lines", line={"shape": "hv", "width": 1.5,
+                                "color": style.group_color(r)},
+            name=f"activations rank {r}", legendgroup="mem",
+            hovertemplate=f"rank {r}: " + "%{y:.2f} MiB at %{x:.2f} ms<extra></extra>"),
+            row=row, col=1)
+
+
+def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measured over "
+                   "theory", takeaway: str | None = None, memory: bool = True):
+    """Several pipeline steps one under the other on one time axis.
+
+    Each run is ``{"name", "pp", "m", "vpp", "events"}`` (``events``: a run's trace, one
+    step of it is drawn; ``vpp`` only for interleaved). Returns a ``go.Figure``.
+    """
+    from plotly.subplots import make_subplots
+
+    rows, titles, heights = [], [], []
+    for run in runs:
+        evs = step_events(run["events"], run.get("step"))
+        vpp = run.get("vpp", 1)
+        ghost = theory(run["name"], run["pp"], run["m"], vpp, evs).events
+        measured, formula = bubble_of(evs), bubble_formula(run["name"], run["pp"], run["m"], vpp)
+        label = ("(p-1)/(v·m+p-1)" if run["name"] == "interleaved" else "(p-1)/(m+p-1)")
+        titles.append(f"{run['name']}  p={run['pp']} m={run['m']}"
+                      + (f" v={vpp}" if vpp > 1 else "")
+                      + f": bubble measured {measured:.1%}, "
+                      + (f"formula {label} = {formula:.1%}" if run["name"] != "zb-h1" else
+                         f"1F1B formula {formula:.1%}, ZB-H1 simulated "
+                         f"{bubble_of(ghost):.1%}"))
+        rows.append((evs, ghost, run["pp"]))
+        heights.append(0.2 + 0.5 * run["pp"])
+        if memory:
+            titles.append("activations held (MiB)")
+            heights.append(0.15 + 0.1 * run["pp"])
+    fig = make_subplots(rows=len(heights), cols=1, shared_xaxes=True, subplot_titles=titles,
+                        row_heights=heights, vertical_spacing=0.06 if len(heights) > 2 else 0.1)
+    row = 1
+    for k, (evs, ghost, pp) in enumerate(rows):
+        ranks = list(range(pp))
+        where = _add_schedule(fig, evs, ghost, row, ranks, show_legend=(k == 0))
+        fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext,
+                         range=where.extent[::-1], showgrid=False, zeroline=False,
+                         row=row, col=1)
+        row += 1
+        if memory:
+            _memory_strip(fig, evs, row, ranks)
+            fig.update_yaxes(title_text="MiB", rangemode="tozero", row=row, col=1)
+            row += 1
+    style.frame(fig, title, takeaway or "Bars: measured; translucent: the schedule simulated "
+                "with the measured costs; hatched: idle (the bubble).",
+                height=max(360, int(170 * sum(heights))) + 60)
+    fig.update_layout(barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"})
+    fig.update_xaxes(title_text="time (ms)", row=row - 1, col=1)
+    fig.update_xaxes(rangemode="tozero")
+    return fig
+
+
+def pipeline_figure(events: list[dict], name: str, pp: int, m: int, vpp: int = 1, *,
+                    step: int | None = None, title: str | None = None,
+                    takeaway: str | None = None, memory: bool = True):
+    """One measured pipeline step drawn over its theory, with the activation strip."""
+    return compare_figure([{"name": name, "pp": pp, "m": m, "vpp": vpp, "events": events,
+                            "step": step}],
+                          title=title or f"Pipeline Gantt: {name}", takeaway=takeaway,
+                          memory=memory)
+
+
+def synthetic_trace(name: str, pp: int, m: int, vpp: int = 1, jitter: float = 0.1,
+                    seed: int = 0) -> list[dict]:
+    """A measured-looking trace made from the simulator with noisy costs (µs), for testing
+    and for drawing a schedule nobody has time to run (8 ranks, 32 micro-batches)."""
+    import random
+
+    rng = random.Random(seed)
+    t = simulate(build(name, pp, m, vpp), pp, Costs(F=1000, B=2000, I=1000, W=1000, p2p=50),
+                 activation_bytes=[2**20] * (pp * vpp))
+    out = []
+    for e in t.events:
+        e = {k: v for k, v in e.items() if k != "sim"}
+        if e["lane"] == "compute":
+            e["t1"] = e["t0"] + (e["t1"] - e["t0"]) * (1 + jitter * rng.random())
+        e["step"] = 0
+        out.append(e)
+    return out
