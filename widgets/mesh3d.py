@@ -1,0 +1,138 @@
+"""The 3D mesh as a cube of ranks, with the groups the ranks really formed.
+
+After reading this file you should be able to look at a layout ``Layout(dp, tp, pp)`` and see:
+
+* every rank as a point at its coordinates (x = tp, y = dp, z = pp), labelled with its global
+  rank: TP varies fastest, so TP partners are neighbouring rank numbers, PP partners the
+  farthest apart;
+* the groups along one dimension as coloured lines joining their members: a TP, DP or PP
+  group is a line along that axis, a model-parallel (MP = tp x pp) group is a plane at one dp
+  coordinate. A dropdown switches between the dimensions.
+
+The cube is drawn from a *report*: what each rank of a live run said about itself (its
+coordinates, and the members of each of its groups as proven by an all-gather over that
+group, see :func:`edu3d.demos.mesh_report`). Without a report it draws what the layout
+predicts; the title says which.
+"""
+
+from __future__ import annotations
+
+from edu3d.mesh import Layout
+from edu3d.widgets import style
+
+DIMS = ("tp", "dp", "pp", "mp")
+DIM_NAMES = {"tp": "TP groups", "dp": "DP groups", "pp": "PP groups",
+             "mp": "MP groups (tp x pp)"}
+
+
+def predicted_report(layout: Layout) -> list[dict]:
+    """What :func:`edu3d.demos.mesh_report` would return on every rank, from the layout alone."""
+    return [{"rank": r, "coords": layout.coords(r)._asdict(),
+             "groups": {d: layout.group_of(r, d) for d in DIMS}}
+            for r in range(layout.world_size)]
+
+
+def groups_from(report: list[dict], dim: str) -> list[list[int]]:
+    """The distinct groups along ``dim`` that the ranks reported, sorted by first member."""
+    return sorted({tuple(r["groups"][dim]) for r in report}, key=lambda g: (g[0], g))
+
+
+def _edges(members: list[int], pos: dict) -> tuple[list, list, list]:
+    """Line segments between members one grid step apart (a line for 1D groups, a grid for
+    MP planes), separated by ``None`` so one trace draws them all."""
+    xs, ys, zs = [], [], []
+    for i, a in enumerate(members):
+        for b in members[i + 1:]:
+            pa, pb = pos[a], pos[b]
+            if sum(abs(u - v) for u, v in zip(pa, pb)) == 1:
+                for p in (pa, pb):
+                    xs.append(p[0])
+                    ys.append(p[1])
+                    zs.append(p[2])
+                xs.append(None)
+                ys.append(None)
+                zs.append(None)
+    return xs, ys, zs
+
+
+def _takeaway(layout: Layout, dim: str) -> str:
+    if dim == "tp":
+        return "TP partners are neighbouring ranks (stride 1): they talk every layer."
+    if dim == "dp":
+        return (f"DP partners are {layout.tp} rank(s) apart (stride tp): they all-reduce "
+                f"gradients once per step.")
+    if dim == "pp":
+        return (f"PP partners are {layout.tp * layout.dp} rank(s) apart (stride tp*dp): "
+                f"they pass activations stage to stage.")
+    return "An MP group holds one whole model replica: all tp x pp ranks with the same dp."
+
+
+def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = "tp",
+                title: str | None = None):
+    """The dp x tp x pp cube with its groups; ``dim`` is the dimension shown first.
+
+    ``report``: per-rank dicts ``{"rank", "coords": {"pp","dp","tp"}, "groups": {"tp": [...],
+    "dp": [...], "pp": [...], "mp": [...]}}`` as returned by a live run of
+    :func:`edu3d.demos.mesh_report` (``RunResult.results``).
+    """
+    import plotly.graph_objects as go
+
+    if dim not in DIMS:
+        raise ValueError(f"dim {dim!r} must be one of {', '.join(DIMS)}")
+    live = report is not None
+    report = sorted(report if live else predicted_report(layout), key=lambda r: r["rank"])
+    if len(report) != layout.world_size:
+        raise ValueError(f"the report has {len(report)} ranks but {layout} has "
+                         f"{layout.world_size}; pass the results of a run with this layout")
+    pos = {r["rank"]: (r["coords"]["tp"], r["coords"]["dp"], r["coords"]["pp"]) for r in report}
+
+    fig = go.Figure()
+    owner = []  # which dimension each trace belongs to (None: always shown)
+    for d in DIMS:
+        for i, members in enumerate(groups_from(report, d)):
+            xs, ys, zs = _edges(list(members), pos)
+            pts = [pos[m] for m in members]
+            color = style.group_color(i)
+            label = f"{d.upper()} group {i}: {list(members)}"
+            # lines between neighbours, and the members re-drawn in the group's colour
+            fig.add_trace(go.Scatter3d(
+                x=xs + [p[0] for p in pts], y=ys + [p[1] for p in pts],
+                z=zs + [p[2] for p in pts], mode="lines+markers", name=label,
+                line={"color": color, "width": 9}, marker={"size": 13, "color": color},
+                hoverinfo="name", visible=d == dim, showlegend=True))
+            owner.append(d)
+
+    hover = [f"<b>rank {r['rank']}</b><br>pp={r['coords']['pp']} dp={r['coords']['dp']} "
+             f"tp={r['coords']['tp']}<br>" +
+             "<br>".join(f"{d.upper()} {r['groups'][d]}" for d in DIMS) for r in report]
+    fig.add_trace(go.Scatter3d(
+        x=[pos[r["rank"]][0] for r in report], y=[pos[r["rank"]][1] for r in report],
+        z=[pos[r["rank"]][2] for r in report], mode="markers+text",
+        text=[str(r["rank"]) for r in report], textposition="middle center",
+        textfont={"color": "white", "size": 14}, name="ranks", showlegend=False,
+        marker={"size": 16, "color": style.BLACK, "opacity": 0.8},
+        hovertext=hover, hoverinfo="text"))
+    owner.append(None)
+
+    source = "reported by the ranks of a live run" if live else "predicted from the layout"
+    head = title or f"{layout.world_size} ranks as {layout}: groups {source}"
+
+    def view(d):
+        visible = [o is None or o == d for o in owner]
+        return {"label": DIM_NAMES[d], "method": "update",
+                "args": [{"visible": visible},
+                         {"title.text": style.title_text(head, _takeaway(layout, d))}]}
+
+    style.frame(fig, head, _takeaway(layout, dim), height=560)
+    axis = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}
+    fig.update_layout(
+        scene={name: {"title": {"text": f"{label} coordinate"},
+                      "tickvals": list(range(axis[label])), "range": [-0.4, axis[label] - 0.6]}
+               for name, label in (("xaxis", "tp"), ("yaxis", "dp"), ("zaxis", "pp"))}
+        | {"aspectmode": "cube", "camera": {"eye": {"x": 1.6, "y": -1.6, "z": 1.0}}},
+        updatemenus=[{"type": "dropdown", "buttons": [view(d) for d in DIMS],
+                      "active": DIMS.index(dim), "x": 0.0, "xanchor": "left",
+                      "y": 1.0, "yanchor": "top"}],
+        legend={"title": {"text": "groups"}},
+    )
+    return fig

@@ -1,0 +1,128 @@
+"""The course's visual grammar in one place: colours per operation and the chart frame.
+
+After reading this file you should know how every edu3d chart is coloured and framed, so a
+new visualizer looks like the others:
+
+* **colour = operation.** Forward blue, backward orange, input-grad teal, weight-grad green,
+  communication yellow (always on its own sub-lane), idle hatched grey. The colours come from
+  the Okabe-Ito palette (and Paul Tol's teal/green, which stay apart from it under the common
+  colour-vision deficiencies), so nobody has to tell red from green.
+* **tint = model chunk.** Interleaved pipelines put several chunks on one rank; chunk ``c`` of
+  ``v`` is the operation's colour mixed towards white.
+* **theory is a ghost** (the same colour, translucent) drawn under the measurement.
+* **frame:** every chart has a title, axis titles with units, and a one-line takeaway under
+  the title (:func:`frame`).
+
+Nothing here imports plotly: these are plain strings and dicts, cheap to import anywhere.
+"""
+
+from __future__ import annotations
+
+# Okabe & Ito (2008), "Color Universal Design"; TEAL and GREEN from Paul Tol's muted scheme.
+BLUE = "#0072B2"
+ORANGE = "#E69F00"
+SKY = "#56B4E9"
+TEAL = "#44AA99"
+GREEN = "#117733"
+YELLOW = "#F0E442"
+SAND = "#DDCC77"
+OLIVE = "#999933"
+VERMILLION = "#D55E00"
+PURPLE = "#CC79A7"
+GREY = "#9E9E9E"
+BLACK = "#000000"
+
+#: operation -> colour (compute ops in pipeline notation, then collectives).
+OP_COLORS = {
+    "F": BLUE, "forward": BLUE,
+    "B": ORANGE, "backward": ORANGE,
+    "I": TEAL, "input_grad": TEAL,
+    "W": GREEN, "weight_grad": GREEN,
+    "optimizer": VERMILLION, "step": VERMILLION,
+    "recompute": PURPLE,
+    # communication: the yellow family, so every transfer reads as "talking"
+    "all_reduce": YELLOW, "all_gather": SAND, "reduce_scatter": OLIVE,
+    "broadcast": "#E5D36B", "send": "#C9B84A", "recv": "#C9B84A",
+    "SEND_F": "#C9B84A", "RECV_F": "#C9B84A", "SEND_B": "#B8A63C", "RECV_B": "#B8A63C",
+    "barrier": "#D8D3A0",
+    "idle": GREY,
+}
+#: colours for operations that have no fixed colour, handed out in order of first use.
+EXTRA_COLORS = (VERMILLION, PURPLE, SKY, BLACK, "#882255", "#332288")
+#: one colour per group in pictures of groups (mesh cube, collectives).
+GROUP_COLORS = (BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, OLIVE, "#882255",
+                TEAL, "#332288", SAND, BLACK)
+
+COMM_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv",
+                      "barrier", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+
+GHOST_OPACITY = 0.3  # theory under measurement
+IDLE_PATTERN = {"shape": "/", "fgcolor": GREY, "bgcolor": "rgba(0,0,0,0)", "solidity": 0.3}
+FONT = {"family": "Inter, Helvetica, Arial, sans-serif", "size": 13}
+
+
+_extra_assigned: dict[str, str] = {}  # unknown op -> colour, stable within a session
+
+
+def op_color(op: str) -> str:
+    """The colour of an operation; unknown operations get a stable extra colour."""
+    if op in OP_COLORS:
+        return OP_COLORS[op]
+    if op not in _extra_assigned:
+        _extra_assigned[op] = EXTRA_COLORS[len(_extra_assigned) % len(EXTRA_COLORS)]
+    return _extra_assigned[op]
+
+
+def group_color(i: int) -> str:
+    """Colour of the ``i``-th group in a picture of groups."""
+    return GROUP_COLORS[i % len(GROUP_COLORS)]
+
+
+def hex_to_rgb(color: str) -> tuple[int, int, int]:
+    c = color.lstrip("#")
+    return int(c[0:2], 16), int(c[2:4], 16), int(c[4:6], 16)
+
+
+def rgba(color: str, alpha: float) -> str:
+    """``"#0072B2", 0.3`` -> ``"rgba(0,114,178,0.3)"``."""
+    r, g, b = hex_to_rgb(color)
+    return f"rgba({r},{g},{b},{alpha:g})"
+
+
+def tint(color: str, chunk: int = 0, chunks: int = 1) -> str:
+    """The colour of model chunk ``chunk`` of ``chunks``: chunk 0 is the colour itself, later
+    chunks are mixed towards white (at most 60 %, so they stay recognisable)."""
+    if chunks <= 1 or chunk <= 0:
+        return color
+    mix = 0.6 * chunk / (chunks - 1)
+    r, g, b = (round(v + (255 - v) * mix) for v in hex_to_rgb(color))
+    return f"#{r:02X}{g:02X}{b:02X}"
+
+
+def title_text(title: str, takeaway: str | None = None) -> str:
+    """A title with the takeaway as a smaller second line (works in every plotly version and
+    in exported HTML)."""
+    if not takeaway:
+        return f"<b>{title}</b>"
+    return f"<b>{title}</b><br><span style='font-size:0.85em'>{takeaway}</span>"
+
+
+def frame(fig, title: str, takeaway: str | None = None, *, x: str | None = None,
+          y: str | None = None, height: int | None = None, legend: bool = True):
+    """Apply the shared chart frame to a plotly figure and return it.
+
+    ``x`` and ``y`` are axis titles *with units* (``"time (ms)"``); ``takeaway`` is the one
+    line the learner should remember.
+    """
+    fig.update_layout(
+        title={"text": title_text(title, takeaway), "x": 0.0, "xanchor": "left"},
+        font=FONT, template="plotly_white", showlegend=legend,
+        margin={"l": 70, "r": 20, "t": 90 if takeaway else 60, "b": 50},
+    )
+    if height is not None:
+        fig.update_layout(height=height)
+    if x is not None:
+        fig.update_xaxes(title_text=x)
+    if y is not None:
+        fig.update_yaxes(title_text=y)
+    return fig
