@@ -73,3 +73,33 @@ def format_table(rep: dict) -> str:
         lines.append(f"{r['name']:<22} {r['edu3d_s'] * 1e3:>8.2f}ms {r['reference_s'] * 1e3:>8.2f}ms "
                      f"{r['ratio']:>7.3f}  {r['reference']}")
     return "\n".join(lines)
+
+
+def launch_overhead(nprocs: int = 8, reps: int = 7, **_) -> dict:
+    """``edu3d run -n N`` of an empty script against a bare ``torchrun --standalone`` of the
+    same script: what edu3d's launcher (rank wrapper, output prefixing, pid and error files,
+    watchdog) adds to starting N ranks. Whole commands are timed, interleaved."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "empty.py")
+        open(script, "w").close()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "EDU3D_RUNS": os.path.join(tmp, "runs")}
+        commands = {
+            "edu3d": [sys.executable, "-m", "edu3d.cli", "run", "-n", str(nprocs), script],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         f"--nproc_per_node={nprocs}", script],
+        }
+        times: dict[str, list[float]] = {k: [] for k in commands}
+        for _ in range(reps):
+            for name, cmd in commands.items():
+                t0 = time.perf_counter()
+                subprocess.run(cmd, env=env, check=True, capture_output=True)
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return report("launch", nprocs, [result(f"run -n {nprocs} empty script", med["edu3d"],
+                                            "torch.distributed.run --standalone",
+                                            med["torchrun"])])

@@ -133,6 +133,36 @@ def _doctor(args) -> int:
     return 0 if ok else 1
 
 
+# ---- edu3d bench ---------------------------------------------------------------------------
+BENCHMARKS = {  # name -> "module:function(nprocs, reps, **options) -> report dict"
+    "launch": "edu3d.bench:launch_overhead",
+}
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark edu3d against PyTorch's own implementations",
+                       description="Time edu3d and the PyTorch implementation side by side in "
+                                   "one process tree; medians of interleaved repetitions.")
+    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: per benchmark)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default: per benchmark)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    import importlib
+    import json
+
+    from edu3d.bench import format_table
+
+    module, _, fn = BENCHMARKS[args.name].partition(":")
+    options = {k: v for k, v in (("nprocs", args.nprocs), ("reps", args.reps)) if v is not None}
+    rep = getattr(importlib.import_module(module), fn)(**options)
+    print(json.dumps(rep) if args.json else format_table(rep))
+    return 0
+
+
 # ---- edu3d train, course --------------------------------------------------------------------
 def _add_train(sub, full: bool) -> None:
     help_ = "train the reference GPT"
@@ -172,6 +202,7 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=120.0)
     d.set_defaults(func=_doctor)
     _add_train(sub, full)
+    _add_bench(sub)
     c = sub.add_parser("course", help="open the course notebooks in JupyterLab")
     c.add_argument("--no-browser", action="store_true")
     c.add_argument("--port", type=int, default=None)
