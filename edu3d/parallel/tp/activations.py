@@ -1,0 +1,131 @@
+"""Activation memory of one transformer layer under TP and SP, measured and predicted.
+
+After reading this file you should understand:
+
+* what "activation memory" is: the tensors autograd keeps from the forward pass for the
+  backward pass. :func:`saved_activation_bytes` counts exactly those, by hooking every save
+  (``torch.autograd.graph.saved_tensors_hooks``), each storage once, parameters excluded;
+* Korthikanti et al. (2022) count, per layer, in 16-bit: ``sbh(34 + 5as/h)`` serial,
+  ``sbh(10 + 24/t + 5as/(ht))`` with TP (LayerNorm inputs, the QKV and MLP inputs stay
+  whole on every rank: the ``10``), and ``sbh/t(34 + 5as/h)`` with TP+SP (everything split);
+* how that formula maps onto this course's model (:func:`model_activation_bytes`): 4-byte
+  fp32 values instead of 2-byte ones (x2), no dropout (its two ``sbh`` masks and the
+  ``as²b`` mask go), and fused attention, which keeps no ``s x s`` score matrix (the
+  ``5as/h`` term) but one log-sum-exp per head and token. What remains is the paper's term
+  list, value for value, plus the LayerNorms' per-token mean and 1/std;
+* the collectives one layer issues (:func:`block_collectives`): without SP two all-reduces
+  forward and two backward; with SP an all-gather and a reduce-scatter in each direction per
+  sub-layer, plus the all-gathers that re-build the sharded input for the weight gradient.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from edu3d import trace
+from edu3d.mesh import Layout
+from edu3d.model import GPT, GPTConfig
+
+
+def saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves while ``module(x)`` runs (each storage once, parameters not
+    counted), and the output."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    return sum(saved.values()), y
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
+    """Activation bytes per layer, 16-bit, with dropout (Korthikanti et al. 2022, table 2)."""
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def model_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           value_bytes: int = 4) -> int:
+    """Korthikanti's count for this course's layer: fp32, no dropout, fused attention.
+
+    Values per layer, ``sbh`` units: LayerNorm inputs 2, QKV input 1, Q K V 3, attention
+    output (= ``proj`` input) 1, MLP input 1, GELU input 4, ``proj`` input 4 (= 16, the
+    paper's 34 bytes less the two dropout masks, halved to values); plus ``4sb`` LayerNorm
+    statistics and ``asb`` log-sum-exps. Under TP the 4 LayerNorm/QKV/MLP-input values stay
+    whole unless SP splits them too.
+    """
+    whole = 4 * s * b * h + 4 * s * b  # LN inputs, QKV and MLP inputs, LN statistics
+    split = 12 * s * b * h + a * s * b  # Q K V, proj input, GELU in/out, log-sum-exp
+    values = (whole + split) / t if sp else whole + split / t
+    return int(round(values * value_bytes))
+
+
+def _tp_block(config: GPTConfig, mesh, sp: bool, seed: int):
+    from edu3d.parallel.tp.parallelize import parallelize
+
+    return parallelize(GPT(config, seed), mesh, sequence_parallel=sp).gpt.blocks[0]
+
+
+def block_input(config: GPTConfig, batch: int, mesh, sp: bool, seed: int = 0) -> torch.Tensor:
+    """A deterministic residual-stream input ``[b, s, h]`` (this rank's tokens under SP)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, config.seq_len, config.d_model, generator=g)
+    if sp:
+        t = mesh.size("tp")
+        x = x.chunk(t, dim=1)[mesh.index("tp")]
+    return x.contiguous().requires_grad_()
+
+
+def measure_layer(mesh, config: GPTConfig, batch: int, sp: bool, seed: int = 0) -> dict:
+    """Run one TP(+SP) layer on every rank: saved bytes vs both formulas."""
+    block = _tp_block(config, mesh, sp, seed)
+    measured, _ = saved_activation_bytes(block, block_input(config, batch, mesh, sp, seed))
+    s, b, h, a, t = config.seq_len, batch, config.d_model, config.n_heads, mesh.size("tp")
+    return {"tp": t, "sp": sp, "measured": measured,
+            "model_formula": model_activation_bytes(s, b, h, a, t, sp),
+            "korthikanti_16bit": korthikanti_bytes(s, b, h, a, t, sp)}
+
+
+def block_collectives(mesh, config: GPTConfig, batch: int, sp: bool, seed: int = 0) -> dict:
+    """The tp collectives of one layer's forward and backward, counted from the trace."""
+    block = _tp_block(config, mesh, sp, seed)
+    x = block_input(config, batch, mesh, sp, seed)
+    counts = {}
+    with trace.use(trace.Recorder(mesh.rank)) as rec:
+        y = block(x)
+        counts["forward"] = Counter(e["op"] for e in rec.events if e["lane"] == "comm")
+        rec.events.clear()
+        y.backward(torch.ones_like(y))
+        counts["backward"] = Counter(e["op"] for e in rec.events if e["lane"] == "comm")
+    return {phase: dict(sorted(c.items())) for phase, c in counts.items()}
+
+
+def measure_all(mesh, config: GPTConfig, batch: int = 2) -> dict:
+    """Launch target: memory and collectives of one layer, tp = the mesh's, SP off and on."""
+    return {sp: {"memory": measure_layer(mesh, config, batch, sp),
+                 "collectives": block_collectives(mesh, config, batch, sp)}
+            for sp in (False, True)}
+
+
+def run(tp_sizes=(1, 2, 4), config: GPTConfig | None = None, batch: int = 2,
+        timeout: float = 240) -> list[dict]:
+    """Measure every tp size in ``tp_sizes`` (one launch each); rank 0's rows."""
+    from edu3d.launch import launch
+
+    config = config or GPTConfig()
+    rows = []
+    for t in tp_sizes:
+        Layout(tp=t).validate(config=config)
+        res = launch(measure_all, t, args=(config, batch), layout=Layout(tp=t), timeout=timeout)
+        for sp, r in res.results[0].items():
+            rows.append({**r["memory"], "collectives": r["collectives"]})
+    return rows

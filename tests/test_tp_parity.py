@@ -1,0 +1,153 @@
+"""Tensor (and sequence) parallel training equals the serial model, step by step.
+
+For every configuration — tp, SP on/off, tied embeddings on/off, input-gradient overlap, and
+dp x tp — one launch per world size runs, on the same global batches:
+
+* one plain-SGD step (no clipping): the loss, the gradient norm and **every gradient**
+  (shards glued back together) against the serial model's (SGD first: Adam would hide a
+  wrong gradient scale);
+* ten AdamW steps with warmup and clipping through ``build_trainer``: the losses, gradient
+  norms and **every weight** afterwards against the serial loop of :mod:`edu3d.train`
+  (the attention key bias, whose gradient is exactly zero, is checked as zero instead; see
+  :func:`_without_key_bias`).
+
+All within 1e-5 relative (fp32), ``rel = ||a - b|| / ||b||`` per tensor. The vocabulary
+(250) is not a multiple of 4 or 8, so the padded vocabulary is exercised too.
+"""
+
+import argparse
+
+import pytest
+import torch
+
+from edu3d.data import SyntheticCorpus
+from edu3d.launch import launch
+from edu3d.mesh import Layout, Mesh
+from edu3d.model import GPT, GPTConfig
+from edu3d.parallel.tp import build_trainer
+from edu3d.train import add_arguments, make_optimizer, train_step
+
+TOL = 1e-5
+BATCH = 4
+
+
+def _config(tp: int, tie: bool) -> GPTConfig:
+    heads = max(4, tp)
+    return GPTConfig(n_layers=2, n_heads=heads, d_model=8 * heads, seq_len=16, vocab_size=250,
+                     tie_weights=tie)
+
+
+def _args(optimizer: str, sp: bool, overlap: bool) -> argparse.Namespace:
+    if optimizer == "sgd":
+        argv = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
+    else:
+        argv = ["--lr", "3e-3", "--warmup", "3", "--clip", "0.5"]
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--global-batch", str(BATCH)])
+    args.sp, args.tp_overlap = sp, overlap
+    return args
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The query and value thirds of a ``qkv.bias``; other tensors unchanged.
+
+    The key bias's gradient is exactly zero in exact arithmetic (``q·(k + b)`` shifts every
+    score of a query's softmax row by the same ``q·b``, and softmax ignores shifts), so in
+    fp32 it is rounding noise (~1e-9 of the other gradients), different for any summation
+    order. AdamW divides by the noise's own scale and turns it into real steps, so after
+    Adam steps the key bias is noise in the serial run too; :func:`_key_bias_grad_ratio`
+    checks the zero instead.
+    """
+    if name.endswith("attn.qkv.bias"):
+        q, _, v = t.chunk(3)
+        return torch.cat([q, v])
+    return t
+
+
+def _key_bias_grad_ratio(grads: dict) -> float:
+    """Largest ||key-bias grad|| / ||qkv-bias grad|| over the layers."""
+    return max((g.chunk(3)[1].norm() / g.norm()).item() for n, g in grads.items()
+               if n.endswith("attn.qkv.bias"))
+
+
+def _run(mesh, cfg, args, steps):
+    """Serial and parallel runs side by side; returns (serial model, trainer, max rel errs)."""
+    serial = GPT(cfg, seed=0)
+    opt = make_optimizer(serial, args)
+    trainer = build_trainer(GPT(cfg, seed=0), mesh, args)
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len, seed=0)
+    errs = {"loss": 0.0, "grad_norm": 0.0}
+    for step in range(1, steps + 1):
+        x, y = corpus.batch(step, BATCH)
+        want = train_step(serial, opt, x, y, step, args)
+        got = trainer.step(x, y, step)
+        for k in errs:
+            errs[k] = max(errs[k], abs(got[k] - want[k]) / abs(want[k]))
+    return serial, trainer, errs
+
+
+def parity_worker(mesh, configs) -> list[dict]:
+    """``configs``: (layout kwargs, sp, tie, overlap). One mesh per distinct layout."""
+    meshes, rows = {mesh.layout: mesh}, []
+    for layout_kw, sp, tie, overlap in configs:
+        layout = Layout(**layout_kw)
+        if layout not in meshes:
+            meshes[layout] = Mesh.build(layout)
+        m, cfg = meshes[layout], _config(layout.tp, tie)
+
+        serial, trainer, errs = _run(m, cfg, _args("sgd", sp, overlap), steps=1)
+        grads = trainer.model.gather("grad")
+        row = {"layout": str(layout), "sp": sp, "tie": tie, "overlap": overlap,
+               "sgd_loss": errs["loss"], "sgd_grad_norm": errs["grad_norm"],
+               "grad": max(_rel(grads[n], p.grad) for n, p in serial.named_parameters()),
+               "all_grads": len(grads) == len(list(serial.parameters())), "key_bias_grad": _key_bias_grad_ratio(grads),
+               "serial_key_bias_grad": _key_bias_grad_ratio(
+                   {n: p.grad for n, p in serial.named_parameters()})}
+        serial, trainer, errs = _run(m, cfg, _args("adamw", sp, overlap), steps=10)
+        weights = trainer.model.gather("param")
+        worst = max((_rel(_without_key_bias(n, weights[n]), _without_key_bias(n, p)), n)
+                    for n, p in serial.named_parameters())
+        row.update(adam_loss=errs["loss"], adam_grad_norm=errs["grad_norm"],
+                   adam_weights=worst[0], worst_weight=worst[1])
+        rows.append(row)
+    return rows
+
+
+def _configs(layout_kw: dict) -> list[tuple]:
+    return [(layout_kw, sp, tie, False) for sp in (False, True) for tie in (False, True)]
+
+
+def _check(results):
+    rows = results[0]
+    for other in results[1:]:  # every rank agrees on every number
+        assert other == rows
+    for row in rows:
+        errs = {k: v for k, v in row.items() if k.startswith(("sgd", "adam", "grad"))}
+        assert max(errs.values()) < TOL, row
+        assert row["all_grads"]
+        assert row["key_bias_grad"] < 1e-6 and row["serial_key_bias_grad"] < 1e-6, row
+    return rows
+
+
+def test_tp2_equals_serial():
+    res = launch(parity_worker, 2, args=(_configs({"tp": 2}) + [({"tp": 2}, False, True, True),
+                                                                ({"tp": 2}, True, False, True)],),
+                 layout=Layout(tp=2), timeout=240)
+    rows = _check(res.results)
+    assert len(rows) == 6
+
+
+def test_tp4_and_dp2_tp2_equal_serial():
+    res = launch(parity_worker, 4, args=(_configs({"tp": 4}) + _configs({"dp": 2, "tp": 2}),),
+                 layout=Layout(tp=4), timeout=240)
+    assert len(_check(res.results)) == 8
+
+
+@pytest.mark.slow
+def test_tp8_equals_serial():
+    res = launch(parity_worker, 8, args=([({"tp": 8}, sp, True, False) for sp in (False, True)],),
+                 layout=Layout(tp=8), timeout=300)
+    assert len(_check(res.results)) == 2
