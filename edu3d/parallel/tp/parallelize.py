@@ -24,8 +24,6 @@ After reading this file you should understand:
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -196,7 +194,11 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
 
 
 class TPTrainer:
-    """One ``dp x tp`` training step that reproduces :func:`edu3d.train.train_step`."""
+    """One ``dp x tp`` training step that reproduces :func:`edu3d.train.train_step`.
+
+    ``step(x, y, step)`` takes the *global* batch and returns ``{"loss", "grad_norm"}``: the
+    global-batch mean loss and the total gradient norm before clipping, as the serial run.
+    """
 
     def __init__(self, model: nn.Module, mesh: Mesh, args):
         from edu3d.train import make_optimizer
@@ -222,9 +224,8 @@ class TPTrainer:
         return flat[-1]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
-        from edu3d.train import lr_at
+        from edu3d.train import clip_and_step
 
-        t0 = time.perf_counter()
         i = self.mesh.index("dp")
         xs, ys = shard_rows(x, i, self.dp), shard_rows(y, i, self.dp)
         self.optimizer.zero_grad(set_to_none=True)
@@ -233,19 +234,8 @@ class TPTrainer:
         self.model.sync_sequence_parallel_grads()
         loss = self._sync_dp(loss)
         norm = self.model.grad_norm()
-        clip = self.args.clip if self.args.clip > 0 else float("inf")
-        # exactly torch.nn.utils.clip_grad_norm_: scale by min(1, clip / (norm + 1e-6))
-        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        lr = lr_at(step, self.args)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        seconds = time.perf_counter() - t0
-        return {"step": step, "loss": loss.item(), "grad_norm": norm.item(), "lr": lr,
-                "tokens_per_s": x.numel() / seconds}
+        clip_and_step(self.optimizer, list(self.model.parameters()), norm, step, self.args)
+        return {"loss": loss.item(), "grad_norm": norm.item()}
 
 
 def build_trainer(model: nn.Module, mesh: Mesh, args) -> TPTrainer:
