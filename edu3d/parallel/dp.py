@@ -249,6 +249,14 @@ class DPTrainer:
             self.optimizer.step()
             return {"loss": global_mean(loss, self.group), "grad_norm": grad_norm.item()}
 
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by memory category (see :func:`edu3d.memory.measure`)."""
+        params = list(self.model.parameters())
+        grads = [b.buffer for b in self.dp.buckets] + [p.grad for p in params if p.grad is not None]
+        state = [t for s in self.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        return {"params": params, "grads": grads, "optimizer": state}
+
 
 def global_mean(local: torch.Tensor, group) -> float:
     """The mean over the group of one scalar per rank (the global-batch mean loss)."""
@@ -261,12 +269,12 @@ def build_trainer(model, mesh, args):
     """The trainer ``edu3d train --dp N [--zero S] [--grad-accum K]`` uses on each rank.
 
     ``args`` carries the serial loop's options plus ``zero`` (0-3), ``grad_accum``,
-    ``dp_impl`` and ``bucket_mb``. Returns an object with ``.step(x, y, step) -> {"loss",
+    ``dp_impl`` and ``bucket_mb`` (and optionally ``prefetch`` for ZeRO-3). Returns an object with ``.step(x, y, step) -> {"loss",
     "grad_norm"}`` taking the global batch.
     """
     stage = getattr(args, "zero", 0) or 0
     if stage:
         from edu3d.parallel.zero import ZeroTrainer
 
-        return ZeroTrainer(model, mesh, args, stage)
+        return ZeroTrainer(model, mesh, args, stage, getattr(args, "prefetch", False))
     return DPTrainer(model, mesh, args)

@@ -1,0 +1,324 @@
+"""ZeRO stages 1, 2 and 3: data parallelism that stops keeping N copies of everything.
+
+After reading this file you should understand where each byte of training state lives
+(Rajbhandari et al. 2019; formulas in DESIGN.md, measured in :mod:`edu3d.memory`):
+
+* the model is cut into **units** (the embeddings, each transformer block, the head). Each
+  unit's parameters are laid end to end in one **flat buffer**, padded to a multiple of N, and
+  rank ``r`` owns the contiguous slice ``[r·P/N, (r+1)·P/N)`` of it: its **shard**;
+* **stage 1** shards the optimizer state. Backward fills full gradients as usual; then each
+  unit's gradient buffer is *reduce-scattered* (rank r receives the sum of its slice), the
+  optimizer steps only the owned slice, and the updated slices are *all-gathered* back into
+  every rank's full parameters. Traffic: reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as
+  an all-reduce (which *is* a reduce-scatter followed by an all-gather);
+* **stage 2** also shards gradients: as soon as backward has produced all of a unit's
+  gradients, they are reduce-scattered and the full gradients freed, so a rank never holds
+  more than one unit's full gradients. Same 2Ψ traffic;
+* **stage 3** also shards the parameters: a unit's full weights exist only while it computes.
+  They are all-gathered before its forward, freed after it, gathered again before its
+  backward, and freed once its gradients are reduce-scattered. Traffic 3Ψ (two all-gathers,
+  one reduce-scatter); ``prefetch=True`` starts gathering the next unit while the current one
+  computes.
+
+Memory per rank in fp32 (4-byte params and grads, 8 bytes of Adam moments; K=8):
+stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
+
+The optimizer is the serial loop's own (AdamW or SGD, decay on matrices only) applied to
+views of the shard, one per parameter piece the shard contains, so every element is updated
+by exactly the arithmetic the serial model uses. Gradients are summed and divided by N here,
+never averaged by the backend (``ReduceOp.AVG`` is broken on gloo).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from edu3d import comm, trace
+from edu3d.data import microbatches, shard_rows
+
+STAGES = (1, 2, 3)
+
+
+class FlatUnit:
+    """One unit's parameters as a padded flat buffer, and this rank's shard of it."""
+
+    def __init__(self, name: str, modules: list, params: list, n: int, index: int):
+        self.name, self.modules, self.params = name, modules, params
+        self.numel = sum(p.numel() for p in params)
+        self.padded = math.ceil(self.numel / n) * n
+        self.shard_numel = self.padded // n
+        self.lo, self.hi = index * self.shard_numel, (index + 1) * self.shard_numel
+        self.offsets = []
+        off = 0
+        for p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        p0 = params[0]
+        self.flat_param = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for p, o in zip(params, self.offsets):
+                self.flat_param[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat_param[o:o + p.numel()].view_as(p)
+        self.shard_param = self.flat_param[self.lo:self.hi]
+        self.flat_grad: torch.Tensor | None = None
+        self.shard_grad = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
+        self.ready = 0
+        self.gathered = True
+        self.pending = None  # an asynchronous all-gather in flight (prefetch)
+
+    def pieces(self):
+        """``(param, start, end)``: the part of each parameter inside this rank's shard, in
+        the parameter's own flat coordinates."""
+        for p, o in zip(self.params, self.offsets):
+            a, b = max(o, self.lo), min(o + p.numel(), self.hi)
+            if a < b:
+                yield p, a - o, b - o, a - self.lo
+
+    def flatten_grads(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.shard_grad.dtype, device=self.shard_grad.device)
+        for p, o in zip(self.params, self.offsets):
+            flat[o:o + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
+
+
+def model_units(model) -> list[tuple[str, list, list]]:
+    """``(name, modules in call order, parameters)`` per unit: embeddings, blocks, head.
+
+    A model that is not edu3d's GPT is one unit.
+    """
+    if not all(hasattr(model, a) for a in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head")):
+        return [("model", [model], [p for p in model.parameters() if p.requires_grad])]
+    units, seen = [], set()
+    for name, modules in [("embed", [model.tok_emb, model.pos_emb])] + [
+            (f"block{i}", [b]) for i, b in enumerate(model.blocks)] + [
+            ("head", [model.ln_f, model.lm_head])]:
+        params = [p for m in modules for p in m.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        units.append((name, modules, params))
+    return units
+
+
+class Zero:
+    """Shards a model's optimizer state (stage 1), gradients (2) and parameters (3) over
+    ``group``. Drive it like :class:`~edu3d.parallel.dp.DataParallel`: ``zero_grad()``,
+    forward/backward per micro-batch, ``finish()``; then ``clip_(max_norm)`` and ``step(lr)``.
+    """
+
+    def __init__(self, model, group, stage: int, args, prefetch: bool = False):
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
+        if stage == 3 and getattr(getattr(model, "config", None), "tie_weights", False):
+            raise ValueError("ZeRO-3 here shards each unit separately and the tied lm_head "
+                             "would need the embedding unit inside the head; train with "
+                             "untied weights (drop --tie) or use stage 1 or 2")
+        self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
+        self.n = dist.get_world_size(group)
+        self.index = dist.get_group_rank(group, dist.get_rank()) if group else dist.get_rank()
+        src = dist.get_process_group_ranks(group)[0] if group else 0
+        with torch.no_grad():
+            for p in model.parameters():
+                comm.broadcast(p.data, src, group)
+        self.units = [FlatUnit(name, mods, ps, self.n, self.index)
+                      for name, mods, ps in model_units(model)]
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        if stage == 1:
+            for u in self.units:
+                u.flat_grad = torch.zeros_like(u.flat_param)
+                u.shard_grad = u.flat_grad[u.lo:u.hi]
+        else:
+            for p in self._unit_of:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if stage == 3:
+            for u in self.units:
+                u.shard_param = u.shard_param.clone()  # the only persistent copy
+                self._free(u)
+            self._install_gather_hooks()
+        self.optimizer = self._make_optimizer(args)
+
+    # ---- optimizer on shard views -----------------------------------------------------------
+    def _make_optimizer(self, args):
+        decay, no_decay = [], []
+        for u in self.units:
+            for p, a, b, s in u.pieces():
+                piece = torch.nn.Parameter(u.shard_param[s:s + b - a], requires_grad=False)
+                piece.grad = u.shard_grad[s:s + b - a]
+                (decay if p.dim() >= 2 else no_decay).append(piece)
+        self.pieces = decay + no_decay
+        groups = [{"params": decay, "weight_decay": args.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if not groups:
+            return None
+        if args.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=args.lr)
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+    # ---- stage 3: gather before use, free after ---------------------------------------------
+    def _free(self, u: FlatUnit) -> None:
+        u.flat_param.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _start_gather(self, u: FlatUnit, async_op: bool):
+        u.flat_param.untyped_storage().resize_(u.padded * u.flat_param.element_size())
+        with trace.current().context(chunk=self.units.index(u)):
+            return comm.all_gather(u.flat_param, u.shard_param, self.group, async_op=async_op)
+
+    def _gather(self, u: FlatUnit) -> None:
+        if u.pending is not None:
+            u.pending.wait()
+            u.pending = None
+        elif not u.gathered:
+            self._start_gather(u, async_op=False)
+        u.gathered = True
+
+    def _prefetch(self, i: int) -> None:
+        if self.prefetch and 0 <= i < len(self.units):
+            u = self.units[i]
+            if not u.gathered and u.pending is None:
+                u.pending = self._start_gather(u, async_op=True)
+
+    def _install_gather_hooks(self) -> None:
+        for i, u in enumerate(self.units):
+            def before_forward(module, inputs, u=u, i=i):
+                self._gather(u)
+                self._prefetch(i + 1)
+
+            def after_forward(module, inputs, output, u=u, i=i):
+                if module is u.modules[-1]:
+                    self._free(u)
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(lambda grad, u=u, i=i: self._before_backward(u, i))
+
+            for m in u.modules:
+                m.register_forward_pre_hook(before_forward)
+                m.register_forward_hook(after_forward)
+
+    def _before_backward(self, u: FlatUnit, i: int) -> None:
+        self._gather(u)
+        self._prefetch(i - 1)
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.shard_grad.zero_()
+            u.ready = 0
+            if u.flat_grad is not None:
+                u.flat_grad.zero_()
+                for p, o in zip(u.params, u.offsets):
+                    p.grad = u.flat_grad[o:o + p.numel()].view_as(p)
+
+    def _reduce_scatter(self, u: FlatUnit, flat: torch.Tensor) -> None:
+        out = torch.empty_like(u.shard_grad)
+        with trace.current().context(chunk=self.units.index(u)):
+            comm.reduce_scatter(out, flat, self.group)
+        u.shard_grad += out
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        """Stages 2 and 3: once a unit's gradients are complete, keep only this rank's slice."""
+        u = self._unit_of[p]
+        u.ready += 1
+        if u.ready < len(u.params):
+            return
+        u.ready = 0
+        self._reduce_scatter(u, u.flatten_grads())
+        for q in u.params:
+            q.grad = None
+        if self.stage == 3:
+            self._free(u)
+
+    def finish(self) -> None:
+        """After the last backward: every rank's shard holds the average gradient of its slice."""
+        for u in self.units:
+            if self.stage == 1:
+                flat = u.flat_grad.clone()
+                u.shard_grad.zero_()
+                self._reduce_scatter(u, flat)
+            u.shard_grad.div_(self.n)
+
+    def clip_(self, max_norm: float) -> torch.Tensor:
+        """Scale the sharded gradients like ``clip_grad_norm_`` would scale the full ones;
+        returns the total norm before clipping."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for u in self.units:
+            sq += u.shard_grad.double().pow(2).sum()
+        comm.all_reduce(sq, self.group)
+        total = sq.sqrt().to(self.units[0].shard_grad.dtype)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for u in self.units:
+            u.shard_grad.mul_(coef)
+        return total[0]
+
+    def step(self, lr: float) -> None:
+        """Update this rank's slices; stages 1-2 then all-gather the full parameters."""
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.step()
+        if self.stage < 3:
+            for i, u in enumerate(self.units):
+                with trace.current().context(chunk=i):
+                    comm.all_gather(u.flat_param, u.shard_param.clone(), self.group)
+
+    # ---- inspection -------------------------------------------------------------------------
+    def full_state(self, what: str) -> dict:
+        """Unsharded parameters or gradients by name (for tests and charts; untraced)."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        out = {}
+        for u in self.units:
+            shard = u.shard_param if what == "params" else u.shard_grad
+            parts = [torch.empty_like(shard) for _ in range(self.n)]
+            dist.all_gather(parts, shard.contiguous(), group=self.group)
+            flat = torch.cat(parts)
+            for p, o in zip(u.params, u.offsets):
+                out[names[p]] = flat[o:o + p.numel()].view(p.shape).clone()
+        return out
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by memory category (see :func:`edu3d.memory.measure`)."""
+        params = [p for u in self.units for p in u.params] + [u.shard_param for u in self.units]
+        grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
+        grads += [u.shard_grad for u in self.units]
+        state = [] if self.optimizer is None else [
+            t for s in self.optimizer.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor)]
+        return {"params": params, "grads": grads, "optimizer": state}
+
+
+class ZeroTrainer:
+    """A training step with ZeRO, recorded exactly like :func:`edu3d.train.train_step`."""
+
+    def __init__(self, model, mesh, args, stage: int, prefetch: bool = False):
+        self.model, self.args = model, args
+        self.group, self.index, self.n = mesh.dp, mesh.index("dp"), mesh.size("dp")
+        self.k = getattr(args, "grad_accum", 1) or 1
+        self.zero = Zero(model, self.group, stage, args, prefetch=prefetch)
+
+    def step(self, x, y, step: int) -> dict:
+        from edu3d.parallel.dp import global_mean
+        from edu3d.train import lr_at
+
+        rec = trace.current()
+        with rec.context(step=step):
+            self.zero.zero_grad()
+            xs, ys = shard_rows(x, self.index, self.n), shard_rows(y, self.index, self.n)
+            total = torch.zeros(())
+            for i, (mx, my) in enumerate(microbatches(xs, ys, self.k)):
+                with rec.context(mb=i):
+                    with rec.span("compute", "F"):
+                        _, loss = self.model(mx, my)
+                    with rec.span("compute", "B"):
+                        (loss / self.k).backward()
+                total += loss.detach()
+            self.zero.finish()
+            grad_norm = self.zero.clip_(self.args.clip if self.args.clip > 0 else float("inf"))
+            self.zero.step(lr_at(step, self.args))
+            return {"loss": global_mean(total / self.k, self.group), "grad_norm": grad_norm.item()}
+
+    def full_state(self, what: str) -> dict:
+        return self.zero.full_state(what)
+
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.zero.tensors()
