@@ -116,6 +116,14 @@ def check_args(args: argparse.Namespace):
     if args.schedule == "interleaved" and args.pp > 1 and args.microbatches % args.pp:
         raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches "
                           f"{args.microbatches} must be a multiple of --pp {args.pp}")
+    if args.pp > 1 and args.tp > 1:
+        raise LayoutError("--pp with --tp (3D) is not available yet: the pipeline trainer "
+                          "cuts whole layers; use --pp with --dp, or --tp with --dp")
+    if args.zero and (args.tp > 1 or args.pp > 1):
+        raise LayoutError(f"--zero {args.zero} runs with pure data parallelism; drop --tp/--pp")
+    if args.grad_accum > 1 and (args.tp > 1 or args.pp > 1):
+        raise LayoutError("--grad-accum is data parallelism's; pipelines accumulate over "
+                          "--microbatches")
     if args.zero and args.dp == 1:
         raise LayoutError(f"--zero {args.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")

@@ -1,0 +1,68 @@
+"""`edu3d train` with a parallel layout prints the serial run's losses (same seed, same global
+batch), because every layout is the serial computation cut into pieces."""
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edu3d.train import add_arguments, run
+
+STEPS = ["--steps", "3", "--json", "--global-batch", "8"]
+
+
+def _losses(*argv):
+    args = add_arguments(argparse.ArgumentParser()).parse_args([*STEPS, *argv])
+    return [(r["loss"], r["grad_norm"]) for r in run(args, out=io.StringIO())]
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return _losses()
+
+
+LAYOUTS = [
+    ["--dp", "2", "--dp-impl", "naive"],
+    ["--dp", "4", "--dp-impl", "bucketed", "--grad-accum", "2"],
+    ["--dp", "2", "--zero", "1"],
+    ["--dp", "2", "--zero", "2"],
+    ["--dp", "2", "--zero", "3"],
+    ["--tp", "2"],
+    ["--tp", "2", "--sp", "--dp", "2"],
+    ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
+    ["--pp", "2", "--vpp", "2", "--schedule", "interleaved", "--microbatches", "4"],
+    ["--pp", "2", "--dp", "2", "--schedule", "zb-h1", "--microbatches", "2"],
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(a) for a in LAYOUTS])
+def test_layout_losses_equal_serial(serial, layout):
+    got = _losses(*layout)
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, serial):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+def test_cli_stdout_is_rank0_records_only():
+    p = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", *STEPS, "--dp", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(line)["step"] for line in p.stdout.splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp", "3"], "tp=3 does not divide n_heads=4; choose 1, 2, 4"),
+    (["--pp", "8"], "choose pp*vpp <= 4"),
+    (["--dp", "3"], "multiple of 3"),
+    (["--sp"], "add --tp 2"),
+    (["--zero", "2"], "add --dp 2"),
+    (["--pp", "2", "--vpp", "2"], "needs --schedule interleaved"),
+])
+def test_bad_layouts_fail_before_any_process(argv, message):
+    p = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and message in p.stderr
+    assert "launching" not in p.stderr
