@@ -106,11 +106,13 @@ def test_timeline_of_8_ranks_by_2000_events_is_fast():
             events.append({"rank": r, "lane": lane, "op": op, "t0": i * 10.0, "t1": i * 10.0 + 8,
                            "mb": i % 16, "bytes": 1024, "group": "pp", "n": 2,
                            **({"sim": True} if i % 7 == 0 else {})})
-    start = time.perf_counter()
+    timeline_figure(events[:10])  # plotly's own import is not the chart's cost
+    # CPU time of this process: what the chart costs, even when other processes share the cores
+    start = time.process_time()
     fig = timeline_figure(events, title="big", takeaway="fast")
     text = fig.to_json()
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"8 ranks x 2000 events took {elapsed:.2f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"8 ranks x 2000 events took {elapsed:.2f} s of CPU"
     assert len(fig.data) <= 2 * len(ops) + 1  # per op (measured/ghost) + idle, not per event
     assert sum(len(t.x) for t in fig.data if t.name != "idle") == 16000
     assert len(json.loads(text)["data"]) == len(fig.data)
@@ -120,7 +122,9 @@ def test_mesh_cube_from_a_report():
     layout = Layout(dp=2, tp=2, pp=2)
     fig = mesh_figure(layout)  # no report: what the layout predicts
     ranks = fig.data[-1]
-    assert list(ranks.text) == [str(r) for r in range(8)]
+    assert list(ranks.text) == [f"<b>{r}</b>" for r in range(8)]
+    tp_colors = list(ranks.marker.color)  # each rank in its TP group's colour
+    assert tp_colors[0] == tp_colors[1] != tp_colors[2]
     assert (ranks.x[5], ranks.y[5], ranks.z[5]) == (1, 0, 1)  # (tp, dp, pp) of rank 5
     assert "pp=1 dp=0 tp=1" in ranks.hovertext[5]
     groups = fig.data[:-1]
@@ -133,6 +137,8 @@ def test_mesh_cube_from_a_report():
     assert [g.name for g, v in zip(groups, dp_visible) if v] == [
         f"DP group {i}: {g}" for i, g in enumerate(layout.groups("dp"))]
     assert dp_visible[-1] is True  # rank markers always shown
+    dp_colors = menu.buttons[1].args[0]["marker.color"][-1]
+    assert dp_colors[0] == dp_colors[2] != dp_colors[1]
     scene = fig.layout.scene
     assert (scene.xaxis.title.text, scene.yaxis.title.text, scene.zaxis.title.text) == (
         "tp coordinate", "dp coordinate", "pp coordinate")

@@ -5,9 +5,10 @@ After reading this file you should be able to look at a layout ``Layout(dp, tp, 
 * every rank as a point at its coordinates (x = tp, y = dp, z = pp), labelled with its global
   rank: TP varies fastest, so TP partners are neighbouring rank numbers, PP partners the
   farthest apart;
-* the groups along one dimension as coloured lines joining their members: a TP, DP or PP
-  group is a line along that axis, a model-parallel (MP = tp x pp) group is a plane at one dp
-  coordinate. A dropdown switches between the dimensions.
+* the groups along one dimension as coloured lines joining their members (each rank takes
+  its group's colour): a TP, DP or PP group is a line along that axis, a model-parallel
+  (MP = tp x pp) group is a plane at one dp coordinate. A dropdown switches between the
+  dimensions.
 
 The cube is drawn from a *report*: what each rank of a live run said about itself (its
 coordinates, and the members of each of its groups as proven by an all-gather over that
@@ -87,20 +88,20 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
     pos = {r["rank"]: (r["coords"]["tp"], r["coords"]["dp"], r["coords"]["pp"]) for r in report}
 
     fig = go.Figure()
-    owner = []  # which dimension each trace belongs to (None: always shown)
+    owner, line_colors = [], []  # per group trace: its dimension and colour
+    rank_colors = {}  # dim -> colour of each rank's group along dim (for the rank markers)
     for d in DIMS:
+        rank_colors[d] = [None] * len(report)
         for i, members in enumerate(groups_from(report, d)):
-            xs, ys, zs = _edges(list(members), pos)
-            pts = [pos[m] for m in members]
             color = style.group_color(i)
-            label = f"{d.upper()} group {i}: {list(members)}"
-            # lines between neighbours, and the members re-drawn in the group's colour
+            for m in members:
+                rank_colors[d][m] = color
+            xs, ys, zs = _edges(list(members), pos)
             fig.add_trace(go.Scatter3d(
-                x=xs + [p[0] for p in pts], y=ys + [p[1] for p in pts],
-                z=zs + [p[2] for p in pts], mode="lines+markers", name=label,
-                line={"color": color, "width": 9}, marker={"size": 13, "color": color},
-                hoverinfo="name", visible=d == dim, showlegend=True))
+                x=xs, y=ys, z=zs, mode="lines", name=f"{d.upper()} group {i}: {list(members)}",
+                line={"color": color, "width": 10}, hoverinfo="name", visible=d == dim))
             owner.append(d)
+            line_colors.append(color)
 
     hover = [f"<b>rank {r['rank']}</b><br>pp={r['coords']['pp']} dp={r['coords']['dp']} "
              f"tp={r['coords']['tp']}<br>" +
@@ -108,9 +109,9 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
     fig.add_trace(go.Scatter3d(
         x=[pos[r["rank"]][0] for r in report], y=[pos[r["rank"]][1] for r in report],
         z=[pos[r["rank"]][2] for r in report], mode="markers+text",
-        text=[str(r["rank"]) for r in report], textposition="middle center",
-        textfont={"color": "white", "size": 14}, name="ranks", showlegend=False,
-        marker={"size": 16, "color": style.BLACK, "opacity": 0.8},
+        text=[f"<b>{r['rank']}</b>" for r in report], textposition="top center",
+        textfont={"color": style.BLACK, "size": 15}, name="ranks", showlegend=False,
+        marker={"size": 12, "color": rank_colors[dim]},
         hovertext=hover, hoverinfo="text"))
     owner.append(None)
 
@@ -119,8 +120,11 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
 
     def view(d):
         visible = [o is None or o == d for o in owner]
+        # restyle takes one value per trace: group traces keep their colour, the rank
+        # markers (last trace) take the colour of their group along d
+        colors = [*line_colors, rank_colors[d]]
         return {"label": DIM_NAMES[d], "method": "update",
-                "args": [{"visible": visible},
+                "args": [{"visible": visible, "marker.color": colors},
                          {"title.text": style.title_text(head, _takeaway(layout, d))}]}
 
     style.frame(fig, head, _takeaway(layout, dim), height=560)

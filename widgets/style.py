@@ -13,7 +13,8 @@ new visualizer looks like the others:
 * **frame:** every chart has a title, axis titles with units, and a one-line takeaway under
   the title (:func:`frame`).
 
-Nothing here imports plotly: these are plain strings and dicts, cheap to import anywhere.
+Nothing here imports plotly at import time: these are plain strings and dicts, cheap to
+import anywhere.
 """
 
 from __future__ import annotations
@@ -107,13 +108,26 @@ def title_text(title: str, takeaway: str | None = None) -> str:
     return f"<b>{title}</b><br><span style='font-size:0.85em'>{takeaway}</span>"
 
 
+def html_export_renderer() -> None:
+    """Inside a Jupyter kernel plotly's default renderer emits only plotly's own mime type,
+    which JupyterLab draws but an exported HTML page does not. Add the ``notebook`` renderer
+    (plotly.js embedded once, works offline) so every chart survives ``nbconvert --to html``.
+    A renderer the user chose is left alone."""
+    import plotly.io as pio
+
+    if pio.renderers.default == "plotly_mimetype":
+        pio.renderers.default = "plotly_mimetype+notebook"
+
+
 def frame(fig, title: str, takeaway: str | None = None, *, x: str | None = None,
           y: str | None = None, height: int | None = None, legend: bool = True):
     """Apply the shared chart frame to a plotly figure and return it.
 
     ``x`` and ``y`` are axis titles *with units* (``"time (ms)"``); ``takeaway`` is the one
-    line the learner should remember.
+    line the learner should remember. Also makes sure the chart shows in exported HTML
+    (:func:`html_export_renderer`).
     """
+    html_export_renderer()
     fig.update_layout(
         title={"text": title_text(title, takeaway), "x": 0.0, "xanchor": "left"},
         font=FONT, template="plotly_white", showlegend=legend,
