@@ -24,13 +24,14 @@ def mesh_report(mesh) -> dict:
     import torch
     import torch.distributed as dist
 
-    from edu3d import comm
+    from edu3d import comm, runtime
 
-    me = torch.tensor([mesh.rank], dtype=torch.int64)
+    dev = runtime.device()  # NCCL only moves tensors that live on this rank's GPU
+    me = torch.tensor([mesh.rank], dtype=torch.int64, device=dev)
     groups = {}
     for dim in DIMS:
         pg = mesh.group(dim)
-        members = torch.empty(dist.get_world_size(pg), dtype=torch.int64)
+        members = torch.empty(dist.get_world_size(pg), dtype=torch.int64, device=dev)
         comm.all_gather(members, me, group=pg)
         groups[dim] = members.tolist()
     return {"rank": mesh.rank, "world_size": dist.get_world_size(),
@@ -46,15 +47,16 @@ def first_all_reduce(mesh, numel: int = 1 << 18, repeats: int = 2) -> dict:
     import torch
     import torch.distributed as dist
 
-    from edu3d import comm, trace
+    from edu3d import comm, runtime, trace
 
     rec = trace.current()
+    dev = runtime.device()
     world = dist.get_world_size()
     comm.barrier()
     for step in range(repeats):
         with rec.context(step=step):
             with rec.span("compute", "fill"):
-                t = torch.full((numel,), float(mesh.rank + 1))
+                t = torch.full((numel,), float(mesh.rank + 1), device=dev)
             comm.all_reduce(t)
             comm.barrier()
     return {"rank": mesh.rank, "world_size": world, "backend": dist.get_backend(),
