@@ -34,12 +34,13 @@ def stdout_lines(cell) -> list[str]:
     return text.splitlines()
 
 
-def execute(path: Path, solutions: bool, monkeypatch) -> nbformat.NotebookNode:
-    """Run a notebook top to bottom in a fresh kernel that sees EDU3D_SOLUTIONS."""
+def execute(path: Path, solutions: bool, monkeypatch, runs: Path) -> nbformat.NotebookNode:
+    """Run a notebook top to bottom in a fresh kernel that sees EDU3D_SOLUTIONS (the kernel
+    inherits this process's environment; runs it launches go to ``runs``)."""
     nb = nbformat.read(path, as_version=4)
     monkeypatch.setenv("EDU3D_SOLUTIONS", "1" if solutions else "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("EDU3D_RUNS", str(ROOT / "runs"))
+    monkeypatch.setenv("EDU3D_RUNS", str(runs))
     NotebookClient(nb, timeout=240, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     return nb
@@ -52,8 +53,8 @@ def test_there_are_exercise_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_solutions_pass_every_check(path, monkeypatch):
-    ran = execute(path, True, monkeypatch)
+def test_solutions_pass_every_check(path, monkeypatch, tmp_path):
+    ran = execute(path, True, monkeypatch, tmp_path)
     committed = checked(nbformat.read(path, as_version=4))
     for cell, stored in zip(checked(ran), committed, strict=True):
         lines = stdout_lines(cell)
@@ -65,8 +66,8 @@ def test_solutions_pass_every_check(path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_untouched_stubs_fail_every_check(path, monkeypatch):
-    ran = execute(path, False, monkeypatch)
+def test_untouched_stubs_fail_every_check(path, monkeypatch, tmp_path):
+    ran = execute(path, False, monkeypatch, tmp_path)
     committed = checked(nbformat.read(path, as_version=4))
     for cell, stored in zip(checked(ran), committed, strict=True):
         lines = stdout_lines(cell)
