@@ -209,3 +209,74 @@ def sent_bytes(events: list[dict], algo: str | None = None, rank: int | None = N
     return sum(e["bytes"] for e in events if e["op"] == "send"
                and (algo is None or e.get("algo") == algo)
                and (rank is None or e["rank"] == rank))
+
+
+# ---- live runs for chapter 01 ------------------------------------------------------------------
+GALLERY = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def collectives_gallery(mesh, numel: int = 4) -> dict:
+    """Run each collective once on a small buffer; return this rank's buffer before and after.
+
+    Rank ``r`` starts with ``[10r, 10r+1, ...]`` so every value says where it came from.
+    broadcast, reduce, all-reduce, all-gather and reduce-scatter are this file's algorithms;
+    all-to-all is torch.distributed's (it is a transpose, not a reduction).
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    start = torch.arange(numel, dtype=torch.float32) + 10 * rank
+    out = {}
+    for op in GALLERY:
+        x = start.clone()
+        with trace.current().context(case=f"gallery/{op}"):
+            if op == "broadcast":
+                after = tree_broadcast(x, 0)
+            elif op == "reduce":
+                reduced = tree_reduce(x.clone(), 0)
+                after = reduced if rank == 0 else None  # other ranks hold partial sums
+            elif op == "all_reduce":
+                after = ring_all_reduce(x)
+            elif op == "all_gather":
+                x = start[:1].clone()  # every rank contributes one value
+                buf = torch.zeros(n)
+                buf[rank] = x[0]
+                after = ring_all_gather(buf)
+            elif op == "reduce_scatter":
+                after = ring_reduce_scatter(x).clone()
+            else:
+                after = torch.empty_like(x)
+                dist.all_to_all_single(after, x)
+        out[op] = {"before": x.tolist() if op != "all_gather" else [float(start[0])],
+                   "after": None if after is None else after.tolist()}
+    return out
+
+
+def ring_demo(mesh, numel: int = 1000) -> dict:
+    """One traced ring all-reduce, checked against ``dist.all_reduce``."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(numel, generator=g)
+    want = x.clone()
+    dist.all_reduce(want)
+    with trace.current().context(case="ring_demo"):
+        ring_all_reduce(x)
+    return {"rank": rank, "numel": numel, "equal": bool(torch.allclose(x, want, rtol=1e-5,
+                                                                          atol=1e-6)),
+            "max_abs_diff": float((x - want).abs().max())}
+
+
+def ring_sizes(mesh, numel: int = 1000) -> list[int]:
+    """Ring all-reduce on the first n ranks for every n in 2..world (traced as ``ring/n{n}``);
+    returns the sizes for which the result equalled ``dist.all_reduce``'s."""
+    rank, agreed = dist.get_rank(), []
+    for n in range(2, dist.get_world_size() + 1):
+        group = dist.new_group(list(range(n)))
+        if rank >= n:
+            continue
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        with trace.current().context(case=f"ring/n{n}"):
+            ring_all_reduce(x, group)
+        if torch.allclose(x, want, rtol=1e-5, atol=1e-6):
+            agreed.append(n)
+    return agreed

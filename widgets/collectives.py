@@ -1,0 +1,167 @@
+"""Collectives, drawn from live runs: the gallery of buffers, and the ring all-reduce replay.
+
+After reading this file you should be able to read two pictures:
+
+* :func:`gallery_figure` — for each collective (a dropdown), every rank's buffer **before** and
+  **after**, one row per rank. Rank ``r`` starts with values ``10r, 10r+1, ...``, so every
+  number in the "after" panel says which ranks it came from;
+* :func:`ring_replay_figure` — the N x N grid of a ring all-reduce (row = rank, column =
+  chunk), stepped through both phases by a slider. A cell shows how many ranks' contributions
+  that rank holds for that chunk (``k/N``); arrows are the step's transfers. During
+  reduce-scatter the counts grow by one per step until each rank owns one complete chunk;
+  all-gather then copies complete chunks around. The counter compares the bytes sent so far,
+  summed from the trace's ``send`` events, with ``2(N-1)/N · S``.
+"""
+
+from __future__ import annotations
+
+from edu3d.widgets import style
+
+
+def _pad(rows: list, width: int) -> list:
+    return [(r or []) + [None] * (width - len(r or [])) for r in rows]
+
+
+def gallery_figure(results: list[dict], op: str = "all_reduce"):
+    """``results``: per-rank return values of :func:`edu3d.ring.collectives_gallery`."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    ops = list(results[0])
+    n = len(results)
+    takeaways = {
+        "broadcast": "one rank's buffer is copied to every rank",
+        "reduce": "the sum arrives on one rank (rank 0); the others end with partial sums",
+        "all_reduce": "every rank ends with the sum of all buffers (reduce + broadcast)",
+        "all_gather": "every rank ends with every rank's piece, concatenated",
+        "reduce_scatter": "rank i ends with chunk i of the sum: 1/N of an all-reduce's result",
+        "all_to_all": "rank i sends its j-th piece to rank j: a transpose across ranks",
+    }
+
+    def panels(o):
+        before = [r[o]["before"] for r in results]
+        after = [r[o]["after"] for r in results]
+        width = max(len(x or []) for x in before + after)
+        return _pad(before, width), _pad(after, width)
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("before", "after"),
+                        horizontal_spacing=0.08)
+    before, after = panels(op)
+    for col, z in ((1, before), (2, after)):
+        fig.add_trace(go.Heatmap(z=z, text=[[("" if v is None else f"{v:g}") for v in row]
+                                            for row in z], texttemplate="%{text}",
+                                 colorscale="Blues", showscale=False, xgap=2, ygap=2,
+                                 hovertemplate="rank %{y}, element %{x}: %{z}<extra></extra>"),
+                      row=1, col=col)
+    buttons = []
+    for o in ops:
+        b, a = panels(o)
+        buttons.append({"label": o.replace("_", "-"), "method": "update", "args": [
+            {"z": [b, a], "text": [[[("" if v is None else f"{v:g}") for v in row] for row in z]
+                                   for z in (b, a)]},
+            {"title.text": style.title_text(f"{o.replace('_', '-')} on {n} ranks", takeaways[o])}]})
+    style.frame(fig, f"{op.replace('_', '-')} on {n} ranks", takeaways[op], height=330,
+                legend=False)
+    fig.update_layout(updatemenus=[{"buttons": buttons, "x": 1.0, "xanchor": "right", "y": 1.25,
+                                    "active": ops.index(op)}])
+    fig.update_yaxes(title_text="rank", autorange="reversed", dtick=1)
+    fig.update_xaxes(title_text="element index", dtick=1)
+    return fig
+
+
+def ring_states(events: list[dict], n: int, case: str | None = None) -> list[dict]:
+    """Replay a ring all-reduce from its trace: one state per (phase, step).
+
+    Returns ``[{"phase", "step", "counts": N x N contributions, "moves": [(src, dst, chunk)],
+    "sent": bytes sent so far by all ranks}]``, starting with the initial state.
+    """
+    sends = sorted((e for e in events if e["op"] == "send" and e.get("algo") == "ring_all_reduce"
+                    and (case is None or e.get("case") == case)),
+                   key=lambda e: (e["phase"] != "reduce_scatter", e["ring_step"], e["rank"]))
+    counts = [[1] * n for _ in range(n)]
+    states = [{"phase": "start", "step": -1, "counts": [r[:] for r in counts], "moves": [],
+               "sent": 0}]
+    sent = 0
+    keys = list(dict.fromkeys((e["phase"], e["ring_step"]) for e in sends))
+    for phase, step in keys:
+        moves = [(e["rank"], e["peer"], e["chunk"]) for e in sends
+                 if e["phase"] == phase and e["ring_step"] == step]
+        prev = [r[:] for r in counts]
+        for src, dst, chunk in moves:
+            counts[dst][chunk] = (prev[dst][chunk] + prev[src][chunk]
+                                  if phase == "reduce_scatter" else prev[src][chunk])
+        sent += sum(e["bytes"] for e in sends if e["phase"] == phase and e["ring_step"] == step)
+        states.append({"phase": phase, "step": step, "counts": [r[:] for r in counts],
+                       "moves": moves, "sent": sent})
+    return states
+
+
+def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str | None = None):
+    """Animate a ring all-reduce of a ``total_bytes`` buffer over ``n`` ranks from its trace."""
+    import plotly.graph_objects as go
+
+    states = ring_states(events, n, case)
+    formula = 2 * (n - 1) / n * total_bytes  # per rank
+
+    def heat(s):
+        z = [[c / n for c in row] for row in s["counts"]]
+        text = [[f"{c}/{n}" for c in row] for row in s["counts"]]
+        return go.Heatmap(z=z, text=text, texttemplate="%{text}", zmin=0, zmax=1,
+                          colorscale=[[0, "#FFFFFF"], [1, style.BLUE]], showscale=False,
+                          xgap=3, ygap=3,
+                          hovertemplate="rank %{y}, chunk %{x}: %{text} of the sum"
+                                        "<extra></extra>")
+
+    def arrows(s):
+        return [{"x": c, "y": dst, "ax": c, "ay": src, "xref": "x", "yref": "y", "axref": "x",
+                 "ayref": "y", "showarrow": True, "arrowhead": 3, "arrowwidth": 2,
+                 "arrowcolor": style.VERMILLION, "opacity": 0.8}
+                for src, dst, c in s["moves"] if abs(dst - src) == 1]
+
+    def label(s):
+        per_rank = s["sent"] / n
+        phase = "start" if s["phase"] == "start" else f"{s['phase'].replace('_', '-')} step {s['step']}"
+        return (f"{phase}: sent {per_rank:,.0f} B per rank so far; "
+                f"formula 2(N-1)/N·S = {formula:,.0f} B")
+
+    fig = go.Figure(data=[heat(states[0])],
+                    frames=[go.Frame(data=[heat(s)], name=str(i),
+                                     layout={"annotations": arrows(s), "title.text":
+                                             style.title_text(f"Ring all-reduce, {n} ranks",
+                                                              label(s))})
+                            for i, s in enumerate(states)])
+    style.frame(fig, f"Ring all-reduce, {n} ranks", label(states[-1]), height=420, legend=False)
+    fig.update_layout(
+        sliders=[{"steps": [{"label": ("start" if s["phase"] == "start" else
+                                       f"{'RS' if s['phase'] == 'reduce_scatter' else 'AG'}{s['step']}"),
+                             "method": "animate",
+                             "args": [[str(i)], {"mode": "immediate",
+                                                 "frame": {"duration": 0, "redraw": True}}]}
+                            for i, s in enumerate(states)],
+                  "currentvalue": {"prefix": "step "}, "active": len(states) - 1}],
+        updatemenus=[{"type": "buttons", "x": 0, "y": -0.25, "xanchor": "left", "buttons": [
+            {"label": "play", "method": "animate",
+             "args": [None, {"frame": {"duration": 700, "redraw": True}, "fromcurrent": False}]}]}])
+    fig.update_yaxes(title_text="rank", autorange="reversed", dtick=1)
+    fig.update_xaxes(title_text="chunk", dtick=1)
+    return fig
+
+
+def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_reduce"):
+    """Bytes sent per rank (from traces) against the formula, for several world sizes N."""
+    import plotly.graph_objects as go
+
+    factor = 2 if op == "all_reduce" else 1
+    ns = sorted(measured)
+    theory = [factor * (n - 1) / n * total_bytes for n in ns]
+    fig = go.Figure([
+        go.Bar(x=ns, y=theory, name=f"formula {factor}(N-1)/N·S", marker_color=style.YELLOW,
+               opacity=style.GHOST_OPACITY),
+        go.Scatter(x=ns, y=[measured[n] for n in ns], name="measured (trace)", mode="markers",
+                   marker={"color": style.BLACK, "size": 11, "symbol": "x"})])
+    style.frame(fig, f"Bytes sent per rank by a ring {op.replace('_', '-')} of S = "
+                     f"{total_bytes:,} B", f"approaches {factor}·S as N grows: the ring's cost "
+                     "hardly depends on how many ranks there are", x="ranks N",
+                y="bytes sent per rank")
+    fig.update_layout(barmode="overlay")
+    return fig
