@@ -9,14 +9,16 @@ After reading this file you should understand how a schedule (data) becomes a ru
 * ``B`` back-propagates through the stage; ``I`` computes only the gradient of the stage's
   input (what the previous stage waits for) and ``W`` only the weights' (what nobody waits
   for), using the same split as PyTorch's zero-bubble schedules;
-* messages: consecutive ``SEND``/``RECV`` actions are posted together as one
-  ``batch_isend_irecv`` (Megatron's ``send_forward_recv_backward`` where two directions
-  meet). Sends never block (their handles are waited at the end of the step); a receive
-  blocks until its tensor is there. Each message has a tag naming ``(direction, stage,
-  micro-batch)``, so two messages between the same ranks cannot be confused;
-* shapes: the first message of each channel in a step is preceded by a small metadata
-  tensor ``[ndim, dtype, *shape]``, so a receiver allocates the right buffer without being
-  told shapes in advance;
+* messages: consecutive sends are posted together as one ``batch_isend_irecv`` and never
+  block (their handles are waited at the end of the step); receives are posted *early*
+  (see :meth:`PipelineEngine._prepost`: a send whose receive is not yet posted stalls until
+  the sender's next library call), and a ``RECV`` action waits for its tensor. Each message
+  has a tag naming ``(direction, stage, micro-batch)``, so two messages between the same
+  ranks cannot be confused;
+* shapes: the first message of each channel (direction and stage pair) is preceded by a
+  small metadata tensor ``[ndim, dtype, *shape]``, so a receiver allocates the right buffers
+  without being told shapes in advance; later steps reuse the learned shapes (a sender whose
+  shape changes raises an error instead of corrupting the receiver);
 * every executed action is a trace event (``compute`` F/B/I/W, ``comm`` send/recv on group
   ``pp``) and after each compute action a ``mem`` event holds the bytes of activations this
   rank keeps (measured with ``saved_tensors_hooks``): every run has a measured timeline.
@@ -24,12 +26,20 @@ After reading this file you should understand how a schedule (data) becomes a ru
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 from edu3d import trace
 from edu3d.parallel.pp.schedules import Action
 from edu3d.parallel.pp.stage import PipelineStage
+
+def scaled_loss(loss: torch.Tensor, m: int) -> torch.Tensor:
+    """What a micro-batch back-propagates: its mean loss divided by the number of micro-batches,
+    so the m gradients add up to the gradient of the mean over the whole batch."""
+    return loss / m
+
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _META_LEN = 8
@@ -65,84 +75,120 @@ class PipelineEngine:
 
     ``stages`` maps global stage index -> :class:`PipelineStage` (this rank's); ``ranks``
     lists the global ranks of the pipeline group in stage-rank order; ``group`` is that
-    process group; ``scale_loss=False`` reproduces the classic bug (no 1/m).
+    process group. ``microbatch_loss(loss, m)`` turns a micro-batch's mean loss into what is
+    back-propagated (default ``loss / m``; ``lambda loss, m: loss`` is the classic bug).
     """
 
     def __init__(self, stages: dict[int, PipelineStage], actions: list[Action], n_stages: int,
-                 ranks: list[int], group, microbatches: int, scale_loss: bool = True):
+                 ranks: list[int], group, microbatches: int,
+                 microbatch_loss: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
         self.stages, self.actions, self.n_stages = stages, actions, n_stages
         self.ranks, self.group, self.m = ranks, group, microbatches
         self.pp = len(ranks)
-        self.scale_loss = scale_loss
+        self.microbatch_loss = microbatch_loss or scaled_loss
         self.meter = _ActivationMeter([p for st in stages.values() for p in st.parameters()])
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
+        # shapes learned from the first step's metadata, per (direction, sending stage)
+        self.shapes: dict[tuple, tuple] = {}  # receiver side
+        self.sent_shapes: dict[tuple, tuple] = {}  # sender side
 
     # ---- messages ---------------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
         return self.ranks[stage % self.pp]
 
-    def _tag(self, direction: str, from_stage: int, mb: int, meta: bool) -> int:
-        return ((from_stage * 2 + (direction == "B")) * self.m + mb) * 2 + int(meta) + 1
+    def _tag(self, direction: str, from_stage: int, mb: int | None) -> int:
+        """A distinct tag per (direction, sending stage, micro-batch); ``None`` = metadata."""
+        slot = self.m if mb is None else mb
+        return ((from_stage * 2 + (direction == "B")) * (self.m + 1) + slot) + 1
 
-    def _post(self, comms: list[Action]) -> None:
-        """Post a run of consecutive messages together; wait for the receives."""
+    def _send(self, sends: list[Action]) -> None:
+        """Post a run of consecutive sends as one batch; they complete in the background."""
         rec = trace.current()
-        ops, recvs, metas = [], [], []
-        for a in comms:
+        ops = []
+        for a in sends:
             direction = a.kind[-1]  # F or B
-            if a.kind.startswith("SEND"):
-                peer_stage = a.stage + (1 if direction == "F" else -1)
-                t = (self.out_send if direction == "F" else self.grad_send).pop((a.stage, a.mb))
-                if (direction, a.stage) not in self.meta_sent:
-                    self.meta_sent.add((direction, a.stage))
-                    meta = torch.zeros(_META_LEN, dtype=torch.int64)
-                    meta[: 2 + t.dim()] = torch.tensor([t.dim(), _DTYPES.index(t.dtype),
-                                                        *t.shape])
-                    ops.append(dist.P2POp(dist.isend, meta, self._peer(peer_stage), self.group,
-                                          self._tag(direction, a.stage, a.mb, True)))
-                    self.keep.append(meta)
-                ops.append(dist.P2POp(dist.isend, t, self._peer(peer_stage), self.group,
-                                      self._tag(direction, a.stage, a.mb, False)))
-                self.keep.append(t)
-                rec.record("comm", "send", rec.now(), rec.now(), group="pp", n=self.pp,
-                           peer=self._peer(peer_stage), bytes=t.numel() * t.element_size(),
-                           mb=a.mb, stage=a.stage, chunk=a.stage // self.pp)
-            else:
-                from_stage = a.stage + (-1 if direction == "F" else 1)
-                channel = (direction, from_stage)
-                recvs.append((a, from_stage, channel))
-                if channel not in self.channels:
-                    meta = torch.zeros(_META_LEN, dtype=torch.int64)
-                    metas.append((channel, meta))
-                    ops.append(dist.P2POp(dist.irecv, meta, self._peer(from_stage), self.group,
-                                          self._tag(direction, from_stage, a.mb, True)))
-        t0 = rec.now()
-        works = dist.batch_isend_irecv(ops) if ops else []
-        sends = [w for op, w in zip(ops, works) if op.op is dist.isend]
-        self.pending_sends.extend(sends)
-        for op, w in zip(ops, works):
-            if op.op is not dist.isend:
-                w.wait()  # metadata first: it says how big the data is
-        for channel, meta in metas:
-            ndim, code = int(meta[0]), int(meta[1])
-            self.channels[channel] = (torch.Size(meta[2:2 + ndim].tolist()), _DTYPES[code])
-        data_ops, bufs = [], []
-        for a, from_stage, channel in recvs:
-            shape, dtype = self.channels[channel]
-            buf = torch.empty(shape, dtype=dtype)
-            bufs.append((a, buf))
-            data_ops.append(dist.P2POp(dist.irecv, buf, self._peer(from_stage), self.group,
-                                       self._tag(a.kind[-1], from_stage, a.mb, False)))
-        for w in (dist.batch_isend_irecv(data_ops) if data_ops else []):
-            w.wait()
-        t1 = rec.now()
-        for a, buf in bufs:
-            (self.inputs if a.kind == "RECV_F" else self.grads_in)[(a.stage, a.mb)] = buf
-            rec.record("comm", "recv", t0, t1, group="pp", n=self.pp,
-                       peer=self._peer(a.stage + (-1 if a.kind == "RECV_F" else 1)),
-                       bytes=buf.numel() * buf.element_size(), mb=a.mb, stage=a.stage,
+            peer = self._peer(a.stage + (1 if direction == "F" else -1))
+            t = (self.out_send if direction == "F" else self.grad_send).pop((a.stage, a.mb))
+            sent = self.sent_shapes.get((direction, a.stage))
+            if sent is not None and sent != (t.shape, t.dtype):
+                raise ValueError(
+                    f"stage {a.stage} now sends {tuple(t.shape)} {t.dtype} but its receiver "
+                    f"learned {tuple(sent[0])} {sent[1]} from the first step; build a new "
+                    "engine (trainer) when micro-batch shapes change")
+            if sent is None:  # first message of the channel: tell the receiver the shape
+                self.sent_shapes[(direction, a.stage)] = (t.shape, t.dtype)
+                meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                meta[: 2 + t.dim()] = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape])
+                ops.append(dist.P2POp(dist.isend, meta, peer, self.group,
+                                      self._tag(direction, a.stage, None)))
+                self.keep.append(meta)
+            ops.append(dist.P2POp(dist.isend, t, peer, self.group,
+                                  self._tag(direction, a.stage, a.mb)))
+            self.keep.append(t)
+            now = rec.now()
+            rec.record("comm", "send", now, now, group="pp", n=self.pp, peer=peer,
+                       bytes=t.numel() * t.element_size(), mb=a.mb, stage=a.stage,
                        chunk=a.stage // self.pp)
+        self.pending_sends.extend(dist.batch_isend_irecv(ops))
+
+    def _prepost(self) -> None:
+        """Post every receive of the step as early as possible.
+
+        A gloo send whose receive is not posted yet waits until the *sender* next enters the
+        library, which on a busy rank can be a whole compute action later. So at the start of
+        a step the data receives of every channel whose shape is known are all posted; on the
+        first step only the small metadata receives are, and each channel's data receives
+        follow as soon as its metadata has arrived (checked between actions).
+        """
+        for channel in self.channels:
+            if channel in self.shapes:
+                self._post_channel(channel)
+                continue
+            direction, from_stage = channel
+            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            work = dist.irecv(meta, self._peer(from_stage), self.group,
+                              self._tag(direction, from_stage, None))
+            self.meta_pending[channel] = (meta, work)
+
+    def _progress(self, block_on: tuple | None = None) -> None:
+        """Post the data receives of every channel whose metadata has arrived."""
+        for channel, (meta, work) in list(self.meta_pending.items()):
+            if channel != block_on and not work.is_completed():
+                continue
+            work.wait()
+            del self.meta_pending[channel]
+            ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
+            self.shapes[channel] = (torch.Size(meta[2:2 + ndim].tolist()), dtype)
+            self._post_channel(channel)
+
+    def _post_channel(self, channel: tuple) -> None:
+        """Post the receives of all of a channel's micro-batches in this step."""
+        shape, dtype = self.shapes[channel]
+        direction, from_stage = channel
+        ops = []
+        for a in self.channels[channel]:
+            buf = torch.empty(shape, dtype=dtype)
+            ops.append(dist.P2POp(dist.irecv, buf, self._peer(from_stage), self.group,
+                                  self._tag(direction, from_stage, a.mb)))
+            self.posted[(a.kind, a.stage, a.mb)] = buf
+        for op, w in zip(ops, dist.batch_isend_irecv(ops)):
+            self.recv_work[id(op.tensor)] = w
+
+    def _recv(self, a: Action) -> None:
+        """Wait for a (pre-posted) receive: the comm event lasts as long as the rank waited."""
+        rec = trace.current()
+        direction = a.kind[-1]
+        from_stage = a.stage + (-1 if direction == "F" else 1)
+        t0 = rec.now()
+        if (a.kind, a.stage, a.mb) not in self.posted:
+            self._progress(block_on=(direction, from_stage))
+        buf = self.posted.pop((a.kind, a.stage, a.mb))
+        self.recv_work.pop(id(buf)).wait()
+        (self.inputs if direction == "F" else self.grads_in)[(a.stage, a.mb)] = buf
+        rec.record("comm", "recv", t0, rec.now(), group="pp", n=self.pp,
+                   peer=self._peer(from_stage), bytes=buf.numel() * buf.element_size(),
+                   mb=a.mb, stage=a.stage, chunk=a.stage // self.pp)
 
     # ---- compute ----------------------------------------------------------------------------
     def _forward(self, s: int, i: int) -> None:
@@ -159,7 +205,7 @@ class PipelineEngine:
             if stage.is_last:
                 loss = stage.loss(out, y_mb)
                 self.losses.append(loss.detach())
-                out = loss / self.m if self.scale_loss else loss
+                out = self.microbatch_loss(loss, self.m)
         self.saved[(s, i)] = (emb, x, out, self.meter.bytes)
         if not stage.is_last:
             if s + 1 in self.stages:  # next stage on this rank (pp = 1): hand over directly
@@ -214,26 +260,36 @@ class PipelineEngine:
         self.batch, self.losses = batch, []
         self.inputs, self.grads_in, self.out_send, self.grad_send = {}, {}, {}, {}
         self.saved, self.pending_sends, self.keep = {}, [], []
-        self.meta_sent, self.channels = set(), {}  # per step: channels whose shape is known
+        self.meta_pending, self.posted, self.recv_work = {}, {}, {}
+        self.channels: dict[tuple, list[Action]] = {}  # (direction, from stage) -> its RECVs
+        for a in self.actions:
+            if a.kind.startswith("RECV"):
+                d = a.kind[-1]
+                self.channels.setdefault((d, a.stage + (-1 if d == "F" else 1)), []).append(a)
+        self._prepost()
         rec = trace.current()
         run = {"F": self._forward, "B": self._backward, "I": self._backward_input,
                "W": self._backward_weight}
-        comms: list[Action] = []
+        sends: list[Action] = []
         for a in self.actions:
-            if not a.is_compute:
-                comms.append(a)
+            if a.kind.startswith("SEND"):
+                sends.append(a)
                 continue
-            if comms:
-                self._post(comms)
-                comms = []
+            if sends:  # consecutive sends go out as one batch
+                self._send(sends)
+                sends = []
+            self._progress()
+            if a.kind.startswith("RECV"):
+                self._recv(a)
+                continue
             with rec.span("compute", a.kind, mb=a.mb, stage=a.stage, chunk=a.stage // self.pp):
                 run[a.kind](a.stage, a.mb)
             held = sum(v[3] for v in self.saved.values())
             self.peak_in_flight = max(self.peak_in_flight, len(self.saved))
             self.peak_activation_bytes = max(self.peak_activation_bytes, held)
             rec.mark_memory("activations", activations=held)
-        if comms:
-            self._post(comms)
+        if sends:
+            self._send(sends)
         for w in self.pending_sends:
             w.wait()
         self.keep.clear()

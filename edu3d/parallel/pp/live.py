@@ -65,3 +65,72 @@ def measured_bubbles(events: list[dict], steps: list[int]) -> list[float]:
 def measured_bubble(events: list[dict], steps: list[int]) -> float:
     """Median bubble fraction over ``steps`` after the first (warm-up) one."""
     return statistics.median(measured_bubbles(events, steps[1:] or steps))
+
+
+# ---- exercise helpers: a learner's schedule and loss scale, checked against the serial GPT ----
+def _small_model(layers: int, seed: int = 0):
+    config = config_from("tiny", layers=layers, heads=2, d_model=32, seq=16, vocab=64)
+    return config, SyntheticCorpus(config.vocab_size, config.seq_len, seed=seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def schedule_parity(mesh, compute: list[list[str]], m: int, layers: int = 4) -> dict:
+    """Run per-rank compute lists (strings like ``"0F1"``) for one step; return this rank's
+    worst relative gradient error against the serial GPT and its peak in-flight count."""
+    config, corpus = _small_model(layers)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    trainer = PipelineTrainer(model, mesh, "1f1b", m, compute=compute)
+    x, y = corpus.batch(1, m * 2)
+    trainer.forward_backward(x, y)
+    ref(x, y)[1].backward()
+    mine = {id(p) for p in trainer.params}
+    refs = dict(ref.named_parameters())
+    err = max(_rel(p.grad, refs[n].grad) for n, p in model.named_parameters() if id(p) in mine)
+    return {"grad_err": err, "peak_in_flight": trainer.engine.peak_in_flight}
+
+
+def local_mesh():
+    """A one-rank mesh for runs inside the notebook's own process (no messages needed)."""
+    from edu3d.mesh import Layout, Mesh
+
+    return Mesh(Layout(), 0, {})
+
+
+def gradients(m: int = 4, microbatch_loss=None, scale_loss: bool = True, layers: int = 2,
+              chunks: int = 2) -> tuple[dict, dict]:
+    """``(pipeline_grads, serial_grads)`` by parameter name after one step on one batch.
+
+    Runs in this process: one rank holding ``chunks`` stages, ``m`` micro-batches."""
+    config, corpus = _small_model(layers)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    trainer = PipelineTrainer(model, local_mesh(), "interleaved", m, vpp=chunks,
+                              scale_loss=scale_loss, microbatch_loss=microbatch_loss)
+    x, y = corpus.batch(1, m * 2)
+    trainer.forward_backward(x, y)
+    ref(x, y)[1].backward()
+    return ({n: p.grad.clone() for n, p in model.named_parameters()},
+            {n: p.grad.clone() for n, p in ref.named_parameters()})
+
+
+def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_loss: bool = True,
+                microbatch_loss=None, layers: int = 2, lr: float = 3e-3) -> dict:
+    """Losses of the serial model and of a one-rank pipeline, step by step, same data.
+
+    Uses the defaults of ``edu3d train`` (clipping at 1.0, weight decay 0.1)."""
+    from edu3d.train import make_optimizer, train_step
+
+    config, corpus = _small_model(layers)
+    args = Namespace(lr=lr, clip=1.0, weight_decay=0.1, optimizer=optimizer, warmup=0)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    trainer = PipelineTrainer(model, local_mesh(), "interleaved", m, args, vpp=2,
+                              scale_loss=scale_loss, microbatch_loss=microbatch_loss)
+    opt = make_optimizer(ref, args)
+    out = {"serial": [], "pipeline": []}
+    for step in range(1, steps + 1):
+        x, y = corpus.batch(step, m * 2)
+        out["pipeline"].append(trainer.step(x, y, step)["loss"])
+        out["serial"].append(train_step(ref, opt, x, y, step, args)["loss"])
+    return out

@@ -54,8 +54,8 @@ def balanced(costs: list[float], n_stages: int, first_extra: float = 0.0,
     """The contiguous cut of layers with the smallest maximum stage cost.
 
     ``costs[i]`` is layer ``i``'s cost; ``first_extra`` and ``last_extra`` are the embedding's
-    and head's, charged to the first and last stage. Ties go to the cut that puts more layers
-    in earlier stages (as :func:`uniform` does).
+    and head's, charged to the first and last stage. Among cuts with the same bottleneck the
+    evenest wins (then the one with more layers in earlier stages, as :func:`uniform`).
     """
     n = len(costs)
     if not 1 <= n_stages <= n:
@@ -69,17 +69,22 @@ def balanced(costs: list[float], n_stages: int, first_extra: float = 0.0,
                 + (last_extra if s == n_stages - 1 else 0.0))
 
     @lru_cache(maxsize=None)
-    def best(s: int, a: int) -> tuple[float, tuple[int, ...]]:
-        """Cheapest bottleneck for stages s.. covering layers a..n; returns (max, ends)."""
-        if s == n_stages - 1:
-            return cost(s, a, n), (n,)
-        options = []
-        for b in range(n - (n_stages - s - 1), a, -1):  # more layers first on ties
-            rest, ends = best(s + 1, b)
-            options.append((max(cost(s, a, b), rest), (b, *ends)))
-        return min(options, key=lambda o: o[0])
+    def best(s: int, a: int) -> tuple[float, float, tuple[int, ...]]:
+        """Stages s.. covering layers a..n: (bottleneck, sum of squared stage costs, ends).
 
-    ends = best(0, 0)[1]
+        The bottleneck decides; among equal bottlenecks the evener cut (smaller sum of
+        squares) wins, then the one with more layers in earlier stages."""
+        if s == n_stages - 1:
+            c = cost(s, a, n)
+            return c, c * c, (n,)
+        options = []
+        for b in range(n - (n_stages - s - 1), a, -1):
+            worst, sq, ends = best(s + 1, b)
+            c = cost(s, a, b)
+            options.append((max(c, worst), sq + c * c, (b, *ends)))
+        return min(options, key=lambda o: (o[0], o[1]))
+
+    ends = best(0, 0)[2]
     return list(zip((0, *ends[:-1]), ends))
 
 

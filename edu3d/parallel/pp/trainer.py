@@ -23,9 +23,13 @@ from edu3d import comm
 from edu3d.data import microbatches, shard_rows
 from edu3d.parallel.pp.engine import PipelineEngine
 from edu3d.parallel.pp.partition import partition
-from edu3d.parallel.pp.schedules import build, chunks
+from edu3d.parallel.pp.schedules import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import split_model
 from edu3d.train import lr_at, make_optimizer
+
+
+def _unscaled(loss: torch.Tensor, m: int) -> torch.Tensor:
+    return loss  # the bug: m micro-batches' gradients add up to m times the mean's
 
 
 class PipelineTrainer:
@@ -33,7 +37,10 @@ class PipelineTrainer:
 
     def __init__(self, model: nn.Module, mesh, schedule: str = "1f1b", microbatches: int = 4,
                  args=None, partition_method: str = "uniform", scale_loss: bool = True,
-                 vpp: int | None = None):
+                 vpp: int | None = None, compute=None, microbatch_loss=None):
+        """``compute`` (per-rank lists of compute actions, e.g. from a learner's generator)
+        replaces the named schedule's; ``scale_loss=False`` drops the 1/m (the bug the
+        exercise hunts); ``microbatch_loss(loss, m)`` replaces the scaling altogether."""
         layout = mesh.layout
         if layout.tp > 1:
             raise ValueError(f"tp={layout.tp}: this pipeline trainer cuts whole layers; "
@@ -47,9 +54,16 @@ class PipelineTrainer:
         self.pp_rank = mesh.index("pp")
         self.stages = split_model(model, parts, pp, self.pp_rank)
         self.module = nn.ModuleDict({str(s): st for s, st in self.stages.items()})
-        actions = build(schedule, pp, microbatches, v)[self.pp_rank]
-        self.engine = PipelineEngine(self.stages, actions, len(parts), mesh.ranks("pp"),
-                                     mesh.pp, microbatches, scale_loss)
+        if compute is None:
+            actions = build(schedule, pp, microbatches, v)
+        else:
+            actions = with_comms([[a if isinstance(a, Action) else Action.parse(a) for a in ops]
+                                  for ops in compute], pp, v)
+        if not scale_loss:
+            microbatch_loss = _unscaled
+        self.engine = PipelineEngine(self.stages, actions[self.pp_rank], len(parts),
+                                     mesh.ranks("pp"), mesh.groups.get("pp"), microbatches,
+                                     microbatch_loss)
         self.params = list(self.module.parameters())
         self.optimizer = make_optimizer(self.module, args) if args is not None else None
 

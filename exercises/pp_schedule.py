@@ -1,0 +1,47 @@
+"""Exercise 05: write the 1F1B pipeline schedule, then hunt the missing 1/m.
+
+Part 1. A schedule is data: for each pipeline rank, the ordered list of its compute actions
+in PyTorch's notation, ``"<stage><kind><micro-batch>"`` (``"0F3"`` = stage 0, forward of
+micro-batch 3; ``"2B0"`` = stage 2, backward of micro-batch 0). With one stage per rank,
+rank ``r`` runs stage ``r``. Megatron's 1F1B rule for ``p`` ranks and ``m`` micro-batches:
+
+* warm-up: rank ``r`` runs ``p - r - 1`` forwards (never more than ``m``);
+* steady state: one forward, then one backward, until every forward has run;
+* cool-down: the remaining backwards.
+
+Forwards and backwards each take the micro-batches in order 0, 1, 2, ...
+
+Part 2. Each micro-batch's loss is the mean over its tokens. The pipeline adds up the
+gradients of ``m`` micro-batches. What must a micro-batch back-propagate so that the sum
+equals the gradient of the whole batch's mean loss? And how would you *detect* a pipeline
+that gets this wrong, when its loss curve under AdamW looks perfect?
+"""
+
+from __future__ import annotations
+
+
+def one_f_one_b(pp: int, m: int) -> list[list[str]]:
+    """Per rank ``r`` in ``0..pp-1``, rank r's compute actions, e.g. for pp=2, m=3:
+    ``[["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"], ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]]``.
+    """
+    raise NotImplementedError(
+        "hint: for each rank r, w = min(pp - r - 1, m) warm-up forwards; then for "
+        "i in range(m - w): forward w + i, backward i; then backwards m - w .. m - 1. "
+        "Write each action as f'{r}F{i}' or f'{r}B{i}'.")
+
+
+def microbatch_loss(loss, m: int):
+    """What one micro-batch back-propagates, given its mean loss ``loss`` (a scalar tensor)
+    and the number of micro-batches ``m``."""
+    raise NotImplementedError(
+        "hint: the batch's mean loss is the average of the m micro-batch means; "
+        "its gradient is the sum of the micro-batches' gradients of what?")
+
+
+def gradient_scale(pipeline_grads: dict, serial_grads: dict) -> float:
+    """The gradient check: how many times larger the pipeline's gradient is than the
+    serial model's, as the ratio of their global norms (both dicts map parameter name ->
+    gradient tensor). A correct pipeline gives 1.0."""
+    raise NotImplementedError(
+        "hint: the global norm is the square root of the sum of every tensor's squared "
+        "norm (t.norm() ** 2); divide the pipeline's by the serial one's and return a float")
