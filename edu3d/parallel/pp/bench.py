@@ -1,0 +1,85 @@
+"""``edu3d bench pp``: edu3d's 1F1B engine timed against PyTorch's ``Schedule1F1B``.
+
+After reading this file you should know what the comparison holds equal: the same ranks and
+process group, the same stages (the very same modules: edu3d's :class:`PipelineStage` objects
+are handed to ``torch.distributed.pipelining.PipelineStage``), the same micro-batches and the
+same loss (mean cross-entropy, gradients scaled by 1/m in both). One repetition is one
+forward-backward step of the whole pipeline; repetitions alternate between the two and the
+median of each is reported (:mod:`edu3d.bench`), as ``ratio = edu3d / torch``; the goal is
+1.05 or less.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from edu3d import bench
+from edu3d.data import SyntheticCorpus
+from edu3d.model import GPT, config_from
+from edu3d.parallel.pp.trainer import PipelineTrainer
+
+REFERENCE = "torch.distributed.pipelining.Schedule1F1B"
+
+
+class _TorchStage(nn.Module):
+    """An edu3d stage with the first stage's embedding folded in (torch feeds token ids)."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x):
+        return self.stage(self.stage.embed(x) if self.stage.is_first else x)
+
+
+def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
+           rows: int = 2, reps: int = 7, warmup: int = 2) -> dict | None:
+    """On every rank: time both pipelines; rank 0 returns the report."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    config = config_from("tiny", layers=layers, heads=4, d_model=d_model, seq=seq, vocab=64)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
+    x, y = corpus.batch(1, m * rows)
+    pp, rank = mesh.size("pp"), mesh.index("pp")
+
+    ours = PipelineTrainer(GPT(config, seed=0), mesh, "1f1b", m)
+    theirs_model = PipelineTrainer(GPT(config, seed=0), mesh, "1f1b", m)  # same cut, own weights
+    (stage,) = theirs_model.stages.values()
+    torch_stage = PipelineStage(_TorchStage(stage), rank, pp, torch.device("cpu"),
+                                group=mesh.pp)
+    schedule = Schedule1F1B(torch_stage, m, loss_fn=stage.loss)
+
+    def edu3d_step():
+        ours.forward_backward(x, y)
+
+    def torch_step():
+        for p in stage.parameters():
+            p.grad = None
+        kwargs = {"target": y} if stage.is_last else {}
+        schedule.step(x, **kwargs) if rank == 0 else schedule.step(**kwargs)
+
+    times = bench.interleaved_medians({"edu3d": edu3d_step, "torch": torch_step}, reps=reps,
+                                      warmup=warmup, group=mesh.groups["world"])
+    # the two computed the same thing: same weights, same batch -> same gradients
+    err = max(float((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-12))
+              for a, b in zip(ours.params, theirs_model.params))
+    err_t = torch.tensor([err], dtype=torch.float64)
+    dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
+    if mesh.rank != 0:
+        return None
+    return bench.report("pp", pp, [bench.result(
+        "1f1b", times["edu3d"], REFERENCE, times["torch"], microbatches=m, layers=layers,
+        d_model=d_model, seq=seq, rows_per_microbatch=rows,
+        max_grad_rel_diff=float(err_t.item()))])
+
+
+def run_benchmark(nprocs: int = 4, json_out: bool = False, **opts) -> dict:
+    """Launch ``nprocs`` pipeline ranks (gloo on CPU), time both, return the report."""
+    from edu3d.launch import launch
+    from edu3d.mesh import Layout
+
+    run = launch(worker, nprocs, kwargs=opts, layout=Layout(pp=nprocs), timeout=600,
+                 echo=not json_out, name="bench-pp")
+    return run.results[0]
