@@ -91,13 +91,14 @@ class RunResult:
         return [text for r, s, text in self.output if r == rank and s == stream]
 
 
-def new_run_dir(name: str = "run") -> Path:
+def new_run_dir(name: str = "run", create: bool = True) -> Path:
     """A fresh folder under ``$EDU3D_RUNS`` (default ``./runs``) for one run's files."""
     base = Path(os.environ.get("EDU3D_RUNS", "runs"))
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40]
-    path = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}"
-    path.mkdir(parents=True)
-    return path.resolve()
+    path = (base / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}").resolve()
+    if create:
+        path.mkdir(parents=True)
+    return path
 
 
 def _loopback_ifname() -> str:
@@ -117,7 +118,8 @@ def torchrun_command(nprocs: int, worker_args: Sequence[str],
 
 
 def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir: Path):
-    """Turn a target into edu3d.worker arguments; bad input fails here, before any process."""
+    """Turn a target into edu3d.worker arguments (and the pickled call arguments, if any);
+    bad input fails here, before any process or folder is made."""
     if callable(target):
         mod, name = target.__module__, target.__qualname__
         spec = getattr(sys.modules.get(mod), "__spec__", None)
@@ -134,19 +136,19 @@ def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir
                           f"not {type(target).__name__}")
     target = os.fspath(target)
     if module:
-        return ["--module", target, "--", *map(str, args)]
+        return ["--module", target, "--", *map(str, args)], None
     if ":" in target and not os.path.exists(target):
         out = ["--call", target]
         if layout is not None:
             out += ["--layout", json.dumps(layout.__dict__)]
-        if args or kwargs:
-            (run_dir / "call-args.pkl").write_bytes(pickle.dumps((tuple(args), dict(kwargs or {}))))
+        payload = pickle.dumps((tuple(args), dict(kwargs or {}))) if args or kwargs else None
+        if payload:
             out += ["--args-file", str(run_dir / "call-args.pkl")]
-        return out + ([] if init else ["--no-init"])
+        return out + ([] if init else ["--no-init"]), payload
     if not os.path.isfile(target):
         raise LaunchError(f"script {target!r} does not exist (for a module use module=True / "
                           f"'edu3d run -m', for a function 'package.module:function')")
-    return ["--script", os.path.abspath(target), "--", *map(str, args)]
+    return ["--script", os.path.abspath(target), "--", *map(str, args)], None
 
 
 def _import_root(target) -> list[str]:
@@ -252,14 +254,15 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
            module: bool = False, layout=None, init: bool = True, timeout: float | None = None,
            run_dir: str | os.PathLike | None = None, env: dict | None = None,
            echo: bool | Callable[[int | None, str, str], None] = True,
-           on_poll: Callable[[float, int], None] | None = None,
+           on_poll: Callable[[float, int], None] | None = None, progress: bool | None = None,
            torchrun_args: Sequence[str] = (), name: str | None = None) -> RunResult:
     """Run ``target`` on ``nprocs`` ranks and wait for it.
 
     ``echo``: ``True`` prints each line with its rank prefix, ``False`` prints nothing, a
     callable receives ``(rank, stream, line)`` (rank ``None`` for torchrun's own lines).
     ``on_poll(elapsed_s, ranks_done)`` is called a few times a second (progress displays).
-    ``timeout`` (seconds) bounds the whole run. Raises :class:`RankError`,
+    ``progress`` shows a live status line under the cell (default: when running in a
+    Jupyter kernel). ``timeout`` (seconds) bounds the whole run. Raises :class:`RankError`,
     :class:`LaunchTimeout` or :class:`LaunchError`; ``KeyboardInterrupt`` kills the run.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -271,10 +274,12 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be positive seconds, not {timeout!r}")
     label = name or (getattr(target, "__name__", None) or Path(os.fspath(target)).stem)
-    run_dir = Path(run_dir).resolve() if run_dir else new_run_dir(label)
+    run_dir = Path(run_dir).resolve() if run_dir else new_run_dir(label, create=False)
+    worker_argv, payload = _worker_args(target, module, args, kwargs, layout, init, run_dir)
+    cmd = torchrun_command(nprocs, worker_argv, torchrun_args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(nprocs, _worker_args(target, module, args, kwargs, layout, init,
-                                                run_dir), torchrun_args)
+    if payload:
+        (run_dir / "call-args.pkl").write_bytes(payload)
 
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", "1")
@@ -288,6 +293,44 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs}))
 
+    status = _notebook_status(nprocs) if progress or (progress is None and _in_kernel()) else None
+    poll = on_poll
+    if status is not None:
+        def poll(elapsed: float, done: int) -> None:
+            status.running(elapsed, done)
+            if on_poll is not None:
+                on_poll(elapsed, done)
+    try:
+        result = _launch(cmd, child_env, run_dir, nprocs, timeout, echo, poll)
+    except KeyboardInterrupt:
+        if status is not None:
+            status.failed(f"interrupted: all {nprocs} ranks were killed")
+        raise
+    except LaunchError as err:
+        if status is not None:
+            status.failed(f"failed: {str(err).splitlines()[0]}")
+        raise
+    if status is not None:
+        status.finished(result.elapsed_s, run_dir)
+    return result
+
+
+def _in_kernel() -> bool:
+    if "ipykernel" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+def _notebook_status(nprocs: int):
+    from edu3d.magic import NotebookStatus
+
+    return NotebookStatus(nprocs)
+
+
+def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll) -> RunResult:
+    """Start torchrun, stream its output, watch for errors and the timeout, collect results."""
     emit = _print_line if echo is True else (echo or (lambda *a: None))
     lines: queue.Queue = queue.Queue()
     output: list = []

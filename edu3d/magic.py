@@ -30,8 +30,30 @@ from IPython.display import HTML, display
 from edu3d.launch import LaunchError, launch, new_run_dir
 
 
-def _status(text: str, colour: str) -> HTML:
-    return HTML(f'<div style="font-family:monospace;color:{colour}">{html.escape(text)}</div>')
+class NotebookStatus:
+    """One status line under a notebook cell, updated in place while ranks run."""
+
+    COLOURS = {"run": "#0072B2", "ok": "#009E73", "fail": "#D55E00", "wait": "#555555"}
+
+    def __init__(self, nprocs: int):
+        self.n = nprocs
+        self.handle = display(self._html(f"starting {nprocs} ranks ...", "wait"),
+                              display_id=True)
+
+    def _html(self, text: str, kind: str) -> HTML:
+        return HTML(f'<div style="font-family:monospace;color:{self.COLOURS[kind]}">'
+                    f"{html.escape(text)}</div>")
+
+    def running(self, elapsed: float, done: int) -> None:
+        self.handle.update(self._html(f"running on {self.n} ranks: {elapsed:.1f} s, "
+                                      f"{done}/{self.n} finished", "run"))
+
+    def finished(self, elapsed: float, run_dir) -> None:
+        self.handle.update(self._html(f"{self.n} ranks finished in {elapsed:.1f} s "
+                                      f"(run folder {run_dir.name})", "ok"))
+
+    def failed(self, message: str) -> None:
+        self.handle.update(self._html(message, "fail"))
 
 
 @magics_class
@@ -49,24 +71,8 @@ class TorchrunMagics(Magics):
         run_dir = new_run_dir("cell")
         script = run_dir / "cell.py"
         script.write_text(cell)
-        n = args.nprocs
-        handle = display(_status(f"starting {n} ranks ...", "#555"), display_id=True)
-
-        def on_poll(elapsed: float, done: int) -> None:
-            handle.update(_status(f"running on {n} ranks: {elapsed:.1f} s, "
-                                  f"{done}/{n} finished", "#0072B2"))
-
-        try:
-            result = launch(script, n, timeout=args.timeout, run_dir=run_dir, on_poll=on_poll)
-        except KeyboardInterrupt:
-            handle.update(_status(f"interrupted: all {n} ranks were killed", "#D55E00"))
-            raise
-        except LaunchError as err:
-            handle.update(_status(f"failed: {str(err).splitlines()[0]}", "#D55E00"))
-            raise
-        handle.update(_status(f"{n} ranks finished in {result.elapsed_s:.1f} s "
-                              f"(run folder {run_dir.name})", "#009E73"))
-        self.shell.user_ns["_torchrun"] = result
+        self.shell.user_ns["_torchrun"] = launch(script, args.nprocs, timeout=args.timeout,
+                                                 run_dir=run_dir, progress=True)
 
 
 def register(ipython) -> None:

@@ -192,6 +192,19 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Ten
     return lr
 
 
+def serial_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
+    """The reference step: forward and backward on the whole global batch, the total
+    gradient norm, clip, learning rate, update. Returns ``{"loss", "grad_norm"}``."""
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    clip_and_step(optimizer, params, grad_norm, step, args)
+    return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+
+
 class SerialTrainer:
     """The reference: the whole model and the whole global batch on one process."""
 
@@ -200,22 +213,13 @@ class SerialTrainer:
         self.optimizer = make_optimizer(model, args)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
-        self.optimizer.zero_grad(set_to_none=True)
-        _, loss = self.model(x, y)
-        loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        clip_and_step(self.optimizer, params, grad_norm, step, self.args)
-        return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+        return serial_step(self.model, self.optimizer, x, y, step, self.args)
 
 
 def train_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
-    """One serial optimizer step on the global batch ``(x, y)``; returns the step's record."""
-    trainer = SerialTrainer.__new__(SerialTrainer)
-    trainer.model, trainer.args, trainer.optimizer = model, args, optimizer
+    """One serial step on the global batch ``(x, y)``, returned as a full record."""
     t0 = time.perf_counter()
-    out = trainer.step(x, y, step)
+    out = serial_step(model, optimizer, x, y, step, args)
     return _record(step, out, lr_at(step, args), x.numel(), time.perf_counter() - t0)
 
 

@@ -70,3 +70,14 @@ def comm_ops(mesh):
     h.wait()
     return {"gathered": gathered.tolist(), "scattered": scattered.tolist(),
             "broadcast": b.tolist(), "received": got[0].item()}
+
+
+def cuda_all_reduce(mesh, numel: int = 1 << 20):
+    """An all-reduce on each rank's own GPU (NCCL), timed by CUDA events in the trace."""
+    from edu3d import runtime
+
+    dev = runtime.device()
+    t = torch.full((numel,), float(mesh.rank + 1), device=dev)
+    comm.all_reduce(t, mesh.groups["world"])
+    torch.cuda.synchronize()
+    return {"backend": dist.get_backend(), "device": str(dev), "value": t[0].item()}
