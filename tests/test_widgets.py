@@ -47,7 +47,7 @@ def test_palette_and_helpers():
     unknown = style.op_color("mystery_op")
     assert unknown == style.op_color("mystery_op")  # stable
     assert style.tint(style.BLUE, 0, 2) == style.BLUE
-    assert style.tint(style.BLUE, 1, 2) != style.BLUE and style.tint("#000000", 1, 2) == "#999999"
+    assert style.tint(style.BLUE, 1, 2) != style.BLUE and style.tint("#000000", 1, 2) == "#737373"
     assert style.rgba("#0072B2", 0.3) == "rgba(0,114,178,0.3)"
     assert "takeaway" in style.title_text("T", "takeaway")
 
@@ -122,7 +122,9 @@ def test_mesh_cube_from_a_report():
     layout = Layout(dp=2, tp=2, pp=2)
     fig = mesh_figure(layout)  # no report: what the layout predicts
     ranks = fig.data[-1]
-    assert list(ranks.text) == [f"<b>{r}</b>" for r in range(8)]
+    assert list(ranks.text) == [str(r) for r in range(8)]
+    labels = fig.layout.scene.annotations
+    assert [(a.text, a.x, a.y, a.z) for a in labels][5] == ("<b>5</b>", 1, 0, 1)
     tp_colors = list(ranks.marker.color)  # each rank in its TP group's colour
     assert tp_colors[0] == tp_colors[1] != tp_colors[2]
     assert (ranks.x[5], ranks.y[5], ranks.z[5]) == (1, 0, 1)  # (tp, dp, pp) of rank 5

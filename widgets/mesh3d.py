@@ -108,10 +108,10 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
              "<br>".join(f"{d.upper()} {r['groups'][d]}" for d in DIMS) for r in report]
     fig.add_trace(go.Scatter3d(
         x=[pos[r["rank"]][0] for r in report], y=[pos[r["rank"]][1] for r in report],
-        z=[pos[r["rank"]][2] for r in report], mode="markers+text",
-        text=[f"<b>{r['rank']}</b>" for r in report], textposition="top center",
-        textfont={"color": style.BLACK, "size": 15}, name="ranks", showlegend=False,
-        marker={"size": 12, "color": rank_colors[dim]},
+        z=[pos[r["rank"]][2] for r in report], mode="markers",
+        text=[str(r["rank"]) for r in report], name="ranks", showlegend=False,
+        marker={"size": max(8, 20 - 2 * max(layout.shape)), "color": rank_colors[dim],
+                "line": {"color": "#333333", "width": 2}},
         hovertext=hover, hoverinfo="text"))
     owner.append(None)
 
@@ -133,7 +133,12 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
         scene={name: {"title": {"text": f"{label} coordinate"},
                       "tickvals": list(range(axis[label])), "range": [-0.4, axis[label] - 0.6]}
                for name, label in (("xaxis", "tp"), ("yaxis", "dp"), ("zaxis", "pp"))}
-        | {"aspectmode": "cube", "camera": {"eye": {"x": 1.6, "y": -1.6, "z": 1.0}}},
+        # an eye direction parallel to no cube diagonal, so no two ranks hide each other
+        | {"aspectmode": "cube",
+           # rank numbers as scene annotations: drawn over the 3D scene, never hidden by it
+           "annotations": [{"x": p[0], "y": p[1], "z": p[2], "text": f"<b>{rank}</b>",
+                            "showarrow": False, "font": {"color": "white", "size": 13}}
+                           for rank, p in pos.items()], "camera": {"eye": {"x": 2.0, "y": -1.0, "z": 0.6}}},
         updatemenus=[{"type": "dropdown", "buttons": [view(d) for d in DIMS],
                       "active": DIMS.index(dim), "x": 0.0, "xanchor": "left",
                       "y": 1.0, "yanchor": "top"}],

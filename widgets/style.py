@@ -92,10 +92,11 @@ def rgba(color: str, alpha: float) -> str:
 
 def tint(color: str, chunk: int = 0, chunks: int = 1) -> str:
     """The colour of model chunk ``chunk`` of ``chunks``: chunk 0 is the colour itself, later
-    chunks are mixed towards white (at most 60 %, so they stay recognisable)."""
+    chunks are mixed towards white (at most 45 %, so they stay recognisable and do not look
+    like translucent theory ghosts)."""
     if chunks <= 1 or chunk <= 0:
         return color
-    mix = 0.6 * chunk / (chunks - 1)
+    mix = 0.45 * chunk / (chunks - 1)
     r, g, b = (round(v + (255 - v) * mix) for v in hex_to_rgb(color))
     return f"#{r:02X}{g:02X}{b:02X}"
 

@@ -30,7 +30,8 @@ from edu3d.widgets import style
 
 DRAWN_LANES = ("compute", "comm")  # "mem" events are instants, drawn by the memory charts
 LANE_HEIGHT = {"compute": 0.62, "comm": 0.28}
-LANE_GAP = 0.04
+LANE_GAP = 0.12
+GHOST_SCALE = 1.25  # ghosts are taller than measured bars, so theory peeks out around them
 RANK_GAP = 0.3
 
 
@@ -105,7 +106,8 @@ def add_bars(fig, events, where: Lanes, *, name: str, color, ghost: bool = False
     t0 = np.fromiter((e["t0"] for e in events), float, len(events)) / 1e3
     t1 = np.fromiter((e["t1"] for e in events), float, len(events)) / 1e3
     y = np.fromiter((where.center[(e["rank"], e["lane"])] for e in events), float, len(events))
-    width = np.fromiter((where.height[e["lane"]] for e in events), float, len(events))
+    scale = GHOST_SCALE if ghost else 1.0
+    width = np.fromiter((where.height[e["lane"]] * scale for e in events), float, len(events))
     # numpy arrays (numbers and fixed-width strings) pass plotly's validation without a
     # per-element walk; lists and object arrays of 16000 entries would cost seconds
     hover = np.array([f"<b>{e['op']}</b> on rank {e['rank']}{' (theory)' if ghost else ''}<br>"
