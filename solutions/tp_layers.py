@@ -1,0 +1,97 @@
+"""Solution to exercise 04: tensor-parallel layers and the vocabulary-parallel loss.
+
+Every function takes the tensor-parallel process group ``group`` explicitly; rank ``r`` of
+``t`` holds shard ``r`` of every split tensor. Collectives go through :mod:`edu3d.comm`
+(recorded in the trace) and always reduce with SUM; the only other reduction, the max in
+the loss, is a numerical shift and uses ``ReduceOp.MAX``.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from edu3d import comm
+
+
+class IdentityAllReduce(torch.autograd.Function):
+    """``f``: forward identity; backward all-reduce (every rank's gradient of the shared
+    input is partial: the true one is their sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class AllReduceIdentity(torch.autograd.Function):
+    """``g``: forward all-reduce (sum the partial products); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        comm.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def column_parallel_linear(x, weight_shard, bias_shard, group):
+    """``Y_r = X · W_r^T + b_r``: this rank's output features. ``x`` is the full input."""
+    return F.linear(IdentityAllReduce.apply(x, group), weight_shard, bias_shard)
+
+
+def row_parallel_linear(x_shard, weight_shard, bias, group):
+    """``Y = Σ_r X_r · W_r^T + b``: ``x_shard`` holds this rank's input features; ``bias`` is
+    the full, replicated bias, added once after the sum."""
+    return AllReduceIdentity.apply(F.linear(x_shard, weight_shard), group) + bias
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy from this rank's vocabulary columns ``[start, start + V_r)``.
+
+    Columns at or beyond ``vocab_size`` are padding. Returns the per-token loss (0 where the
+    target is ``ignore_index``).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group, start, vocab_size, ignore_index):
+        cols = start + torch.arange(logits.shape[-1])
+        z = logits.masked_fill(cols >= vocab_size, float("-inf"))
+        zmax = z.max(dim=-1).values
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+        z = z - zmax.unsqueeze(-1)
+        ignored = target == ignore_index
+        mine = (target >= start) & (target < start + logits.shape[-1]) & ~ignored
+        local = (target - start).masked_fill(~mine, 0)
+        z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = z.exp()
+        both = torch.stack([exp.sum(dim=-1), z_target])
+        comm.all_reduce(both, group)
+        sum_exp, z_target = both[0], both[1]
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, mine, ignored)
+        return (sum_exp.log() - z_target).masked_fill(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, ignored = ctx.saved_tensors
+        g = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
+        return g * grad.masked_fill(ignored, 0.0).unsqueeze(-1), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard, target, group, start, vocab_size,
+                                 ignore_index=-100):
+    """Mean cross entropy over the non-ignored tokens, like ``F.cross_entropy``.
+
+    ``logits_shard``: ``[tokens, V_r]``, this rank's columns; ``target``: ``[tokens]``.
+    """
+    per_token = VocabParallelCrossEntropy.apply(logits_shard, target, group, start,
+                                                vocab_size, ignore_index)
+    return per_token.sum() / (target != ignore_index).sum()
