@@ -6,6 +6,9 @@
     edu3d run -n 4 -m package.module    ... or a module
     edu3d doctor                        versions, backends, GPUs, cores, a 2-rank smoke run
     edu3d train --steps 60 --json       train the reference GPT (one JSON object per step)
+    edu3d train --dp 2 --tp 2 ...       ... on a parallel layout
+    edu3d schedule --name 1f1b --pp 4 --microbatches 8   a pipeline schedule as data
+    edu3d bench pp --json               edu3d vs PyTorch, side by side
     edu3d course                        open the course in JupyterLab
 
 ``edu3d run`` passes torchrun's multi-node options through (``--nnodes``, ``--node-rank``,
@@ -134,8 +137,9 @@ def _doctor(args) -> int:
 
 
 # ---- edu3d bench ---------------------------------------------------------------------------
-BENCHMARKS = {  # name -> "module:function(nprocs, reps, **options) -> report dict"
+BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
     "launch": "edu3d.bench:launch_overhead",
+    "pp": "edu3d.parallel.pp.bench:run_benchmark",
 }
 
 
@@ -158,24 +162,36 @@ def _bench(args) -> int:
 
     module, _, fn = BENCHMARKS[args.name].partition(":")
     options = {k: v for k, v in (("nprocs", args.nprocs), ("reps", args.reps)) if v is not None}
-    rep = getattr(importlib.import_module(module), fn)(**options)
+    rep = getattr(importlib.import_module(module), fn)(json_out=args.json, **options)
     print(json.dumps(rep) if args.json else format_table(rep))
     return 0
 
 
 # ---- edu3d train, course --------------------------------------------------------------------
-def _add_train(sub, full: bool) -> None:
-    help_ = "train the reference GPT"
-    if not full:  # keep `edu3d run` free of torch: train's options are built only when asked
-        sub.add_parser("train", help=help_, add_help=False)
-        return
+def _add_train(sub) -> None:
     from edu3d import train
 
-    p = sub.add_parser("train", help=help_,
-                       description="Train the reference GPT on the synthetic corpus. With "
-                                   "--json, stdout holds exactly one JSON object per step.")
+    p = sub.add_parser("train", help=LAZY["train"][0],
+                       description="Train the reference GPT on the synthetic corpus, serially "
+                                   "or on a parallel layout (dp * tp * pp ranks). With --json, "
+                                   "stdout holds exactly one JSON object per step.")
     train.add_arguments(p)
     p.set_defaults(func=lambda a: train.main_from_args(a, p))
+
+
+def _add_schedule(sub) -> None:
+    from edu3d.parallel.pp.cli import add_subcommand
+
+    add_subcommand(sub)
+
+
+# Subcommands whose options need torch are built only when invoked, so `edu3d run` stays
+# as fast as a bare torchrun: name -> (help, builder).
+LAZY = {
+    "train": ("train the reference GPT, serially or on a parallel layout", _add_train),
+    "schedule": ("print a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1) as data",
+                 _add_schedule),
+}
 
 
 def _course(args) -> int:
@@ -193,15 +209,22 @@ def _course(args) -> int:
     os.execv(sys.executable, cmd)
 
 
-def build_parser(full: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edu3d", description=__doc__.split("\n\n")[0])
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser for ``command`` (all commands when None); others as placeholders."""
+    parser = argparse.ArgumentParser(
+        prog="edu3d", description="edu3d: 3D-parallel LLM training you can see. Real "
+                                  "torch.distributed runs, measured and drawn.")
     parser.add_argument("--version", action="version", version=f"edu3d {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_run(sub)
     d = sub.add_parser("doctor", help="check the installation and a 2-rank gloo run")
     d.add_argument("--timeout", type=float, default=120.0)
     d.set_defaults(func=_doctor)
-    _add_train(sub, full)
+    for name, (help_, add) in LAZY.items():
+        if command is None or command == name:
+            add(sub)
+        else:
+            sub.add_parser(name, help=help_, add_help=False)
     _add_bench(sub)
     c = sub.add_parser("course", help="open the course notebooks in JupyterLab")
     c.add_argument("--no-browser", action="store_true")
@@ -212,7 +235,8 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(full=argv[:1] == ["train"]).parse_args(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in LAZY else "").parse_args(argv)
     return args.func(args) or 0
 
 
