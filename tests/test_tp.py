@@ -244,3 +244,34 @@ def test_layouts_the_model_cannot_take_fail_with_the_valid_choices():
         check_layout(Layout(tp=3), cfg)
     with pytest.raises(LayoutError, match="does not divide it; choose tp in 1, 2"):
         check_layout(Layout(tp=4), config_from("tiny", seq=30), sequence_parallel=True)
+
+
+def test_bench_tp_reports_both_modes_and_agrees_with_dtensor():
+    from edu3d.parallel.tp.bench import run_benchmark
+
+    rep = run_benchmark(2, reps=1)  # a shape check, not a timing: benchmarks are commands
+    assert rep["benchmark"] == "tp" and rep["world_size"] == 2
+    assert [r["name"] for r in rep["results"]] == ["2 blocks fwd+bwd", "2 blocks fwd+bwd sp"]
+    for r in rep["results"]:
+        assert r["ratio"] > 0 and r["max_abs_diff"] < 1e-4
+        assert r["reference"].startswith("torch.distributed.tensor.parallel")
+
+
+def test_split_figure_draws_every_rank_and_names_the_collective():
+    from edu3d.widgets.tensor_split import split_figure
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 6), torch.randn(6, 8)
+    results = []
+    for r in range(2):
+        col = {"x": x, "w": w.chunk(2, 1)[r], "partial": x @ w.chunk(2, 1)[r], "result": x @ w}
+        row = {"x": x.chunk(2, 1)[r], "w": w.chunk(2, 0)[r],
+               "partial": x.chunk(2, 1)[r] @ w.chunk(2, 0)[r], "result": x @ w}
+        results.append({"serial": x @ w, "column": col, "row": row})
+    for kind, word in (("column", "all-gather"), ("row", "all-reduce")):
+        fig = split_figure(results, kind)
+        assert len(fig.data) == 3 * 2 + 2
+        assert any(word in a.text for a in fig.layout.annotations)
+        assert "on 2 ranks" in fig.layout.title.text
+    with pytest.raises(ValueError, match="kind must be"):
+        split_figure(results, "diagonal")
