@@ -107,6 +107,9 @@ class DataParallel:
         self.sync = True
         self.comm_hook = comm_hook
         self._pending: list = []  # (tensor, handle) of asynchronous all-reduces in flight
+        self._next = 0  # the next bucket to launch
+        self._grads_seen = 0
+        self.launch_log: list = []  # (bucket, gradients ready when it was launched), last step
         self.buckets: list[Bucket] = []
         if broadcast:
             self.broadcast_parameters()
@@ -139,6 +142,7 @@ class DataParallel:
             for b in self.buckets:
                 b.buffer.zero_()
                 b.ready = 0
+            self._next, self._grads_seen, self.launch_log = 0, 0, []
             self._attach_grad_views()  # in case someone set p.grad to None
         else:
             for p in self.params:
@@ -166,9 +170,16 @@ class DataParallel:
             return
         b, _ = self._bucket_of[p]
         b.ready += 1
-        if b.ready == len(b.params):
-            with trace.current().context(chunk=b.index):
-                self._pending.append((b.buffer, self._all_reduce(b.buffer, async_op=True)))
+        self._grads_seen += 1
+        # like DDP, launch buckets strictly in bucket order (every rank must issue the
+        # collectives in the same order): a ready bucket waits for all earlier ones
+        while (self._next < len(self.buckets)
+               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+            nb = self.buckets[self._next]
+            self.launch_log.append((nb.index, self._grads_seen))
+            with trace.current().context(chunk=nb.index):
+                self._pending.append((nb.buffer, self._all_reduce(nb.buffer, async_op=True)))
+            self._next += 1
 
     def finish(self) -> None:
         """Make every ``p.grad`` the average over the group (call after the last backward)."""
@@ -191,8 +202,6 @@ class DataParallel:
             for t, handle in self._pending:
                 self._finish_one(t, handle)
             self._pending = []
-            for b in self.buckets:
-                b.ready = 0
 
     def _finish_one(self, t: torch.Tensor, handle) -> None:
         if handle is not None:
@@ -216,7 +225,9 @@ class DPTrainer:
         self.index, self.n = mesh.index("dp"), mesh.size("dp")
         self.k = getattr(args, "grad_accum", 1) or 1
         self.dp = DataParallel(model, self.group, getattr(args, "dp_impl", "bucketed"),
-                               getattr(args, "bucket_mb", 25.0), comm_hook=comm_hook)
+                               getattr(args, "bucket_mb", 25.0),
+                               reverse_buckets=getattr(args, "reverse_buckets", True),
+                               comm_hook=comm_hook)
         self.optimizer = make_optimizer(model, args)
 
     def forward_backward(self, x, y):
@@ -278,3 +289,53 @@ def build_trainer(model, mesh, args):
 
         return ZeroTrainer(model, mesh, args, stage, getattr(args, "prefetch", False))
     return DPTrainer(model, mesh, args)
+
+
+# ---- live runs for chapter 02 ------------------------------------------------------------------
+def lesson_args(**overrides):
+    """The serial loop's default options (tiny model) with ``overrides`` applied."""
+    import argparse
+
+    from edu3d.train import add_arguments
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args([])
+    args.__dict__.update(dict(zero=0, grad_accum=1, dp_impl="bucketed", bucket_mb=25.0))
+    args.__dict__.update(overrides)
+    return args
+
+
+def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) -> dict:
+    """Train the same model with each version (trainer options by name) for ``steps`` steps,
+    traced as ``case=name``; rank 0 also trains the serial reference.
+
+    Returns ``{"serial": losses, name: {"losses", "step_s", "launch_log"}}``.
+    """
+    import statistics
+    import time
+
+    from edu3d.data import SyntheticCorpus
+    from edu3d.model import GPT
+    from edu3d.train import config_from_args, make_optimizer, train_step
+
+    out = {}
+    base = lesson_args(**common)
+    config = config_from_args(base)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=base.seed)
+    if dist.get_rank() == 0:
+        model = GPT(config, seed=base.seed)
+        opt = make_optimizer(model, base)
+        out["serial"] = [train_step(model, opt, *corpus.batch(s, base.global_batch), s,
+                                    base)["loss"] for s in range(1, steps + 1)]
+    for name, options in versions.items():
+        args = lesson_args(**{**common, **options})
+        trainer = build_trainer(GPT(config, seed=args.seed), mesh, args)
+        losses, times = [], []
+        with trace.current().context(case=name):
+            for s in range(1, steps + 1):
+                t0 = time.perf_counter()
+                losses.append(trainer.step(*corpus.batch(s, args.global_batch), s)["loss"])
+                times.append(time.perf_counter() - t0)
+        log = getattr(getattr(trainer, "dp", None), "launch_log", [])
+        out[name] = {"losses": losses, "step_s": statistics.median(times),
+                     "launch_log": list(log)}
+    return out

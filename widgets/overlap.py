@@ -1,0 +1,68 @@
+"""Compute/communication overlap in data parallelism, drawn from a live run's trace.
+
+After reading this file you should be able to read a DP step on a timeline: per rank a compute
+lane (forward blue, backward orange) and a communication sub-lane (all-reduce yellow, one bar
+per bucket, from its launch to the moment the step waited for it). With buckets in reverse
+order the first all-reduces start while backward is still running; with buckets in forward
+order the first bucket holds the embedding, whose gradient is the last one backward produces,
+so every all-reduce waits for the end of backward.
+"""
+
+from __future__ import annotations
+
+from edu3d.widgets.timeline import timeline_figure
+
+
+def step_events(events: list[dict], case: str, step: int) -> list[dict]:
+    """One step of one configuration, times shifted so the step starts at 0 ms."""
+    sel = [e for e in events if e.get("case") == case and e.get("step") == step
+           and e.get("lane") in ("compute", "comm")]
+    if not sel:
+        return []
+    t0 = min(e["t0"] for e in sel)
+    return [{**e, "t0": e["t0"] - t0, "t1": e["t1"] - t0} for e in sel]
+
+
+def overlap_figure(events: list[dict], case: str, step: int, takeaway: str | None = None):
+    """The timeline of one DP step of ``case`` (see :func:`edu3d.parallel.dp.compare_versions`)."""
+    evs = step_events(events, case, step)
+    return timeline_figure(evs, title=f"One data-parallel step: {case}, step {step}",
+                           takeaway=takeaway, idle=False,
+                           ops=["F", "B", "all_reduce"])
+
+
+def launched_during_backward(launch_log: list, total_grads: int) -> int:
+    """How many buckets were launched before the last gradient of backward was ready."""
+    return sum(1 for _, seen in launch_log if seen < total_grads)
+
+
+PAPER_COUNT = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def traffic_per_step(events: list[dict], case: str, step: int, rank: int = 0) -> float:
+    """Bytes one rank moved in one step, in the ZeRO paper's count (all-reduce 2S, all-gather
+    and reduce-scatter S, S the full buffer)."""
+    return sum(PAPER_COUNT.get(e["op"], 0) * e.get("bytes", 0) for e in events
+               if e.get("case") == case and e.get("step") == step and e["rank"] == rank
+               and e["lane"] == "comm")
+
+
+def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: str = "Ψ"):
+    """Measured traffic per configuration (bars) next to the formula (ghost bars)."""
+    import plotly.graph_objects as go
+
+    from edu3d.widgets import style
+
+    names = list(measured)
+    fig = go.Figure([
+        go.Bar(x=names, y=[formula[n] for n in names], name="formula",
+               marker_color=style.YELLOW, opacity=style.GHOST_OPACITY,
+               text=[f"{formula[n]:g}{unit}" for n in names], textposition="outside"),
+        go.Bar(x=names, y=[measured[n] for n in names], name="measured (trace)",
+               marker_color=style.OLIVE, width=0.4,
+               text=[f"{measured[n]:.3f}{unit}" for n in names], textposition="inside")])
+    style.frame(fig, "Bytes moved per rank per step", "measured from the trace, in units of "
+                f"Ψ = parameters × 4 bytes; padding explains the last digits",
+                x="configuration", y=f"traffic ({unit})")
+    fig.update_layout(barmode="overlay")
+    return fig
