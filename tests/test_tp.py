@@ -156,9 +156,21 @@ def check_cross_entropy(group) -> dict[str, float]:
     return errs
 
 
+def parallelize_from_layout(mesh) -> float:
+    """``parallelize`` given a Layout (it builds the mesh) vs given the launch's mesh."""
+    from edu3d.parallel.tp import parallelize
+
+    cfg = GPTConfig(n_layers=1, n_heads=4, d_model=16, seq_len=8, vocab_size=30)
+    idx = torch.arange(16).view(2, 8) % 30
+    a = parallelize(GPT(cfg), mesh)(idx, idx)[1]
+    b = parallelize(GPT(cfg), mesh.layout)(idx, idx)[1]
+    c = GPT(cfg)(idx, idx)[1]
+    return max(abs(a.item() - c.item()), abs(b.item() - c.item())) / c.item()
+
+
 def tp_worker(mesh) -> dict:
     """Everything at the launch's tp, then at tp=2 on a dp=2 x tp=2 mesh of the same ranks."""
-    out = {}
+    out = {"layout_err": parallelize_from_layout(mesh)}
     for m in (mesh, Mesh.build(Layout(dp=2, tp=2))):
         t = m.size("tp")
         out[t] = {"ops": check_operators(m.tp), "layers": check_layers(m.tp),
@@ -173,6 +185,11 @@ def tp_worker(mesh) -> dict:
 def results():
     res = launch(tp_worker, 4, layout=Layout(tp=4), timeout=240)
     return res.results  # per rank: {tp: {...}}
+
+
+def test_parallelize_takes_a_layout_or_a_mesh(results):
+    for rank_res in results:
+        assert rank_res["layout_err"] < 1e-6
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -132,12 +132,14 @@ def _check(results):
     return rows
 
 
-def test_tp2_equals_serial():
-    res = launch(parity_worker, 2, args=(_configs({"tp": 2}) + [({"tp": 2}, False, True, True),
-                                                                ({"tp": 2}, True, False, True)],),
-                 layout=Layout(tp=2), timeout=240)
+def test_tp1_and_tp2_equal_serial():
+    """tp=2 (with and without overlap), and tp=1 inside dp=2 (the operators degrade to
+    identities; the dp average and the global norm still have to be right)."""
+    configs = (_configs({"tp": 2}) + [({"tp": 2}, False, True, True), ({"tp": 2}, True, False, True),
+                                      ({"dp": 2}, False, False, False), ({"dp": 2}, True, True, False)])
+    res = launch(parity_worker, 2, args=(configs,), layout=Layout(tp=2), timeout=240)
     rows = _check(res.results)
-    assert len(rows) == 6
+    assert len(rows) == 8
 
 
 def test_tp4_and_dp2_tp2_equal_serial():
