@@ -308,13 +308,16 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
     """Train the same model with each version (trainer options by name) for ``steps`` steps,
     traced as ``case=name``; rank 0 also trains the serial reference.
 
-    Returns ``{"serial": losses, name: {"losses", "step_s", "launch_log"}}``.
+    Returns ``{"serial": losses, name: {"losses", "step_s", "launch_log", "psi", "memory"
+    (measured bytes per category after the last step), "units" (ZeRO: name, numel, padded
+    size of each flat unit)}}``.
     """
     import statistics
     import time
 
+    from edu3d import memory
     from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT
+    from edu3d.model import GPT, num_params
     from edu3d.train import config_from_args, make_optimizer, train_step
 
     out = {}
@@ -337,5 +340,8 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
                 times.append(time.perf_counter() - t0)
         log = getattr(getattr(trainer, "dp", None), "launch_log", [])
         out[name] = {"losses": losses, "step_s": statistics.median(times),
-                     "launch_log": list(log)}
+                     "launch_log": list(log), "psi": num_params(trainer.model),
+                     "memory": memory.measure(trainer.tensors())}
+        if hasattr(trainer, "zero"):
+            out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.zero.units]
     return out

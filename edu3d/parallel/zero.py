@@ -160,6 +160,13 @@ class Zero:
     def _free(self, u: FlatUnit) -> None:
         u.flat_param.untyped_storage().resize_(0)
         u.gathered = False
+        self._mark_resident()
+
+    def _mark_resident(self) -> None:
+        """Record the bytes of parameters this rank holds right now (the ZeRO-3 sawtooth)."""
+        full = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
+        shards = sum(u.shard_param.untyped_storage().nbytes() for u in self.units)
+        trace.current().mark_memory("params", params=full + shards)
 
     def _start_gather(self, u: FlatUnit, async_op: bool):
         u.flat_param.untyped_storage().resize_(u.padded * u.flat_param.element_size())
@@ -172,7 +179,10 @@ class Zero:
             u.pending = None
         elif not u.gathered:
             self._start_gather(u, async_op=False)
+        else:
+            return
         u.gathered = True
+        self._mark_resident()
 
     def _prefetch(self, i: int) -> None:
         if self.prefetch and 0 <= i < len(self.units):

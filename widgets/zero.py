@@ -1,0 +1,139 @@
+"""ZeRO, drawn from live runs: who owns what, how much memory each rank holds, and ZeRO-3's
+gather/free rhythm.
+
+After reading this file you should be able to read three pictures:
+
+* :func:`sharding_map_figure` — x = position in the model's flat parameter vector (units laid
+  end to end, each padded to a multiple of N), one row per rank and category (params blue,
+  grads orange, optimizer state vermillion). A full-width bar means the rank keeps all of it;
+  a short bar is its shard. The dropdown steps through stages 0-3: optimizer state is sharded
+  from stage 1, gradients from 2, parameters from 3;
+* :func:`memory_bars_figure` — bytes per rank per category, measured from the tensors each
+  rank holds (solid, stacked) next to the formula (ghost), for each stage;
+* :func:`resident_params_figure` — ZeRO-3's resident parameter bytes over one step, from the
+  ``mem`` events the run recorded: a sawtooth between the shard ``4Ψ/N`` and the shard plus
+  one gathered unit, never the full ``4Ψ``.
+"""
+
+from __future__ import annotations
+
+from edu3d.memory import zero_bytes
+from edu3d.widgets import style
+
+CATS = ("params", "grads", "optimizer")
+CAT_COLORS = {"params": style.BLUE, "grads": style.ORANGE, "optimizer": style.VERMILLION}
+FIRST_SHARDED_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
+
+
+def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 1):
+    """``units``: ``(name, numel, padded)`` per flat unit, in order (see
+    :class:`edu3d.parallel.zero.FlatUnit`)."""
+    import plotly.graph_objects as go
+
+    starts, pos = [], 0
+    for _, _, padded in units:
+        starts.append(pos)
+        pos += padded
+    total = pos
+    rows = [f"rank {r} · {c}" for r in range(n) for c in CATS]
+
+    def bars(st):
+        out = {c: ([], [], []) for c in CATS}  # y, base, length
+        for r in range(n):
+            for c in CATS:
+                y = f"rank {r} · {c}"
+                if st >= FIRST_SHARDED_STAGE[c]:
+                    for (_, _, padded), s0 in zip(units, starts):
+                        k = padded // n
+                        out[c][0].append(y)
+                        out[c][1].append(s0 + r * k)
+                        out[c][2].append(k)
+                else:
+                    out[c][0].append(y)
+                    out[c][1].append(0)
+                    out[c][2].append(total)
+        return out
+
+    def traces(st):
+        b = bars(st)
+        return [go.Bar(y=b[c][0], base=b[c][1], x=b[c][2], orientation="h", name=c,
+                       marker_color=CAT_COLORS[c],
+                       hovertemplate="%{y}: elements %{base} .. %{x}<extra></extra>")
+                for c in CATS]
+
+    def takeaway(st):
+        held = {0: "every rank holds everything: 16Ψ bytes each",
+                1: "optimizer state sharded: each rank steps only its slice",
+                2: "gradients sharded too: reduce-scatter as backward produces them",
+                3: "parameters sharded too: gathered per unit just before use"}
+        return held[st]
+
+    fig = go.Figure(traces(stage))
+    buttons = [{"label": f"stage {st}", "method": "update",
+                "args": [{"base": [bars(st)[c][1] for c in CATS],
+                          "x": [bars(st)[c][2] for c in CATS],
+                          "y": [bars(st)[c][0] for c in CATS]},
+                         {"title.text": style.title_text(
+                             f"ZeRO-{st} sharding map, {n} ranks", takeaway(st))}]}
+               for st in range(4)]
+    style.frame(fig, f"ZeRO-{stage} sharding map, {n} ranks", takeaway(stage),
+                x="position in the flat parameter vector (elements)",
+                height=140 + 24 * len(rows))
+    fig.update_layout(barmode="overlay", updatemenus=[{"buttons": buttons, "active": stage,
+                                                       "x": 1.0, "xanchor": "right", "y": 1.18}])
+    fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
+    for (name, _, _), s0 in zip(units, starts):
+        fig.add_vline(x=s0, line={"color": style.GREY, "width": 1, "dash": "dot"})
+        fig.add_annotation(x=s0, y=1.0, yref="paper", text=name, showarrow=False,
+                           xanchor="left", font={"size": 10})
+    return fig
+
+
+def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per):
+    """``measured[stage]``: bytes per category on one rank (:func:`edu3d.memory.measure`).
+    ``bytes_per`` goes to :func:`edu3d.memory.zero_bytes` (fp32 Adam by default)."""
+    import plotly.graph_objects as go
+
+    stages = sorted(measured)
+    x_meas = [f"stage {s}" for s in stages]
+    fig = go.Figure()
+    for c in CATS:
+        fig.add_trace(go.Bar(x=x_meas, y=[zero_bytes(psi, n, s, **bytes_per)[c] / 1e6
+                                          for s in stages],
+                             name=f"{c} (formula)", marker_color=CAT_COLORS[c],
+                             opacity=style.GHOST_OPACITY, offsetgroup="formula",
+                             legendgroup=c))
+        fig.add_trace(go.Bar(x=x_meas, y=[measured[s][c] / 1e6 for s in stages],
+                             name=f"{c} (measured)", marker_color=CAT_COLORS[c],
+                             offsetgroup="measured", legendgroup=c))
+    ratios = ", ".join(f"stage {s}: {measured[s]['total'] / zero_bytes(psi, n, s, **bytes_per)['total']:.4f}"
+                       for s in stages)
+    style.frame(fig, f"Memory per rank, {n} ranks, Ψ = {psi:,} parameters (fp32 Adam)",
+                f"measured / formula = {ratios}", x="ZeRO stage", y="MB per rank")
+    fig.update_layout(barmode="stack")
+    return fig
+
+
+def resident_params_figure(events: list[dict], psi: int, n: int, step: int, rank: int = 0,
+                           case: str | None = None):
+    """ZeRO-3's resident parameter bytes over one step, with the shard and full-model lines."""
+    import plotly.graph_objects as go
+
+    mem = sorted((e for e in events if e.get("lane") == "mem" and e["rank"] == rank
+                  and e.get("step") == step and "params" in e.get("mem", {})
+                  and (case is None or e.get("case") == case)), key=lambda e: e["t0"])
+    t0 = mem[0]["t0"] if mem else 0.0
+    xs = [(e["t0"] - t0) / 1e3 for e in mem]
+    ys = [e["mem"]["params"] / 1e6 for e in mem]
+    fig = go.Figure([
+        go.Scatter(x=xs, y=ys, mode="lines", line={"shape": "hv", "color": style.BLUE},
+                   name="resident parameters (measured)"),
+        go.Scatter(x=[0, max(xs, default=1)], y=[4 * psi / n / 1e6] * 2, mode="lines",
+                   line={"dash": "dash", "color": style.GREY}, name="shard 4Ψ/N (formula)"),
+        go.Scatter(x=[0, max(xs, default=1)], y=[4 * psi / 1e6] * 2, mode="lines",
+                   line={"dash": "dot", "color": style.VERMILLION},
+                   name="full model 4Ψ (what DP holds)")])
+    style.frame(fig, f"ZeRO-3: parameters held by rank {rank} during step {step}",
+                "each unit is gathered before its forward and again before its backward, "
+                "and freed right after", x="time (ms)", y="MB")
+    return fig
