@@ -44,21 +44,22 @@ def split_figure(results: list[dict], kind: str = "column"):
     vmax = max(float(v.abs().max()) for p in parts for v in (p["x"], p["w"], p["partial"]))
     vmax = max(vmax, float(serial.abs().max()))
 
-    specs = [[{}, {}, {}, {"rowspan": t} if i == 0 else None, {"rowspan": t} if i == 0 else None]
-             for i in range(t)]
+    # columns: input, weight shard, partial output, (arrow), after the collective, serial
+    joined = [{"rowspan": t}, {"rowspan": t}]
+    specs = [[{}, {}, {}, None] + (joined if i == 0 else [None, None]) for i in range(t)]
     names = []
     for i in range(t):
         names += [f"rank {i}: X{'' if kind == 'column' else f'{i + 1}'}", f"rank {i}: W{i + 1}",
                   f"rank {i}: partial Y"]
         if i == 0:
             names += ["after the collective", "serial X·W"]
-    fig = make_subplots(rows=t, cols=5, specs=specs, subplot_titles=names,
-                        horizontal_spacing=0.06, vertical_spacing=0.12,
-                        column_widths=[0.18, 0.18, 0.2, 0.22, 0.22])
+    fig = make_subplots(rows=t, cols=6, specs=specs, subplot_titles=names,
+                        horizontal_spacing=0.03, vertical_spacing=0.12,
+                        column_widths=[0.15, 0.15, 0.17, 0.13, 0.2, 0.2])
 
     def heat(z, row, col):
         fig.add_trace(go.Heatmap(z=z.tolist(), zmin=-vmax, zmax=vmax, colorscale=_SCALE,
-                                 showscale=(row, col) == (1, 5), xgap=1, ygap=1,
+                                 showscale=(row, col) == (1, 6), xgap=1, ygap=1,
                                  hovertemplate="row %{y}, col %{x}: %{z:.3f}<extra></extra>"),
                       row=row, col=col)
         fig.update_yaxes(autorange="reversed", showticklabels=False, row=row, col=col)
@@ -68,10 +69,13 @@ def split_figure(results: list[dict], kind: str = "column"):
         heat(p["x"], i + 1, 1)
         heat(p["w"], i + 1, 2)
         heat(p["partial"], i + 1, 3)
-    heat(result, 1, 4)
-    heat(serial, 1, 5)
-    fig.add_annotation(x=0.615, y=0.5, xref="paper", yref="paper", text=f"<b>{arrow}</b> ➜",
-                       showarrow=False, font={"size": 14}, bgcolor="#F0E442", opacity=0.9)
+    heat(result, 1, 5)
+    heat(serial, 1, 6)
+    left = fig.get_subplot(1, 3).xaxis.domain[1]
+    right = fig.get_subplot(1, 5).xaxis.domain[0]
+    fig.add_annotation(x=(left + right) / 2, y=0.5, xref="paper", yref="paper",
+                       text=f"<b>{arrow}</b><br>➜", showarrow=False, font={"size": 13},
+                       bgcolor="#F0E442")
     frame(fig, f"{title} on {t} ranks (max |difference| to serial = {err:.1e})", takeaway,
           height=170 * t + 120, legend=False)
     return fig

@@ -4,7 +4,8 @@ Read in this order: :mod:`~edu3d.parallel.tp.ops` (the conjugate communication o
 :mod:`~edu3d.parallel.tp.layers` (column, row, vocabulary-parallel layers and the loss),
 :mod:`~edu3d.parallel.tp.parallelize` (the model transformation and the training step),
 :mod:`~edu3d.parallel.tp.activations` (activation memory, measured against Korthikanti's
-formula) and :mod:`~edu3d.parallel.tp.bench` (edu3d against PyTorch's DTensor TP).
+formula), :mod:`~edu3d.parallel.tp.live` (the runs chapter 04 draws, and exercise 04's
+grader) and :mod:`~edu3d.parallel.tp.bench` (edu3d against PyTorch's DTensor TP).
 """
 
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,

@@ -122,7 +122,10 @@ class TensorParallelGPT(nn.Module):
 
     @torch.no_grad()
     def gather(self, what: str = "param") -> dict[str, torch.Tensor]:
-        """Full tensors (``"param"`` or ``"grad"``) under serial names, on every rank."""
+        """Full tensors (``"param"`` or ``"grad"``) under serial names, on every rank.
+
+        For inspection and tests (it uses ``dist.all_gather`` directly, so this traffic,
+        which is not part of training, stays out of the trace)."""
         n, out = ops.group_size(self.group), {}
         for name, p in self.serial_named_parameters():
             t = p if what == "param" else p.grad
