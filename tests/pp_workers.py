@@ -81,3 +81,21 @@ def parity(mesh, configs: list[dict], adam_steps: int = 10) -> list[dict]:
             row["norm_err"] = abs(rec["grad_norm"] - ref_rec["grad_norm"]) / ref_rec["grad_norm"]
         out.append(row)
     return out
+
+
+def train_records(mesh, argv: list[str], steps: int) -> list[dict]:
+    """``edu3d train``'s per-step records through :func:`build_trainer` (what the lead wires)."""
+    import argparse
+
+    from edu3d.parallel.pp.trainer import build_trainer
+    from edu3d.train import add_arguments, config_from_args
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    config = config_from_args(args)
+    trainer = build_trainer(GPT(config, seed=args.seed), mesh, args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    out = []
+    for step in range(1, steps + 1):
+        x, y = corpus.batch(step, args.global_batch)
+        out.append(trainer.step(x, y, step))
+    return out

@@ -85,7 +85,7 @@ def _add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show
     return where
 
 
-def _memory_strip(fig, evs: list[dict], row: int, ranks) -> None:
+def _memory_strip(fig, evs: list[dict], row: int, ranks, show_legend: bool) -> None:
     import plotly.graph_objects as go
 
     for r in ranks:
@@ -98,7 +98,7 @@ def _memory_strip(fig, evs: list[dict], row: int, ranks) -> None:
             y=[0.0] + [e["mem"]["activations"] / 2**20 for e in mem],
             mode="lines", line={"shape": "hv", "width": 1.5,
                                 "color": style.group_color(r)},
-            name=f"activations rank {r}", legendgroup="mem",
+            name=f"activations rank {r}", legendgroup=f"mem{r}", showlegend=show_legend,
             hovertemplate=f"rank {r}: " + "%{y:.2f} MiB at %{x:.2f} ms<extra></extra>"),
             row=row, col=1)
 
@@ -141,7 +141,7 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
                          row=row, col=1)
         row += 1
         if memory:
-            _memory_strip(fig, evs, row, ranks)
+            _memory_strip(fig, evs, row, ranks, show_legend=(k == 0))
             fig.update_yaxes(title_text="MiB", rangemode="tozero", row=row, col=1)
             row += 1
     style.frame(fig, title, takeaway or "Bars: measured; translucent: the schedule simulated "
