@@ -10,7 +10,8 @@ small dict that the notebook draws.
   than computed from a formula.
 * :func:`first_all_reduce` — rank ``r`` contributes ``r + 1``; after one all-reduce (SUM)
   every rank holds ``1 + 2 + ... + N = N(N+1)/2``.
-* :func:`groups_table` — the reported groups as stable text, for checked notebook cells.
+* :func:`groups_table` and :func:`coords_table` — the reports as stable, sorted text, for
+  checked notebook cells.
 """
 
 from __future__ import annotations
