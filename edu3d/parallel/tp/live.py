@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edu3d import trace
 from edu3d.mesh import Layout, Mesh
 from edu3d.model import GPT, GPTConfig
 from edu3d.parallel.tp import ops
@@ -99,7 +100,8 @@ def cross_entropy_demo(mesh, vocab: int = 11, tokens: int = 6, seed: int = 0) ->
 
 
 def train_demo(mesh, config: GPTConfig, steps: int = 8, batch: int = 4) -> dict:
-    """Serial, TP and TP+SP training on the same batches; per-step loss and grad norm."""
+    """Serial, TP and TP+SP training on the same batches: per-step loss and grad norm, and
+    each run's time window in the trace (``"windows"``)."""
     from edu3d.data import SyntheticCorpus
     from edu3d.parallel.tp.parallelize import build_trainer
     from edu3d.train import SerialTrainer, add_arguments
@@ -107,12 +109,14 @@ def train_demo(mesh, config: GPTConfig, steps: int = 8, batch: int = 4) -> dict:
     args = add_arguments(argparse.ArgumentParser()).parse_args(
         ["--global-batch", str(batch), "--lr", "3e-3"])
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
-    out = {}
+    out, rec = {"windows": {}}, trace.current()
     for name, sp in (("serial", None), ("tp", False), ("tp+sp", True)):
         args.sp, args.tp_overlap = bool(sp), False
         trainer = (SerialTrainer(GPT(config, 0), args) if sp is None
                    else build_trainer(GPT(config, 0), mesh, args))
+        t0 = rec.now()
         out[name] = [trainer.step(*corpus.batch(s, batch), s) for s in range(1, steps + 1)]
+        out["windows"][name] = (t0, rec.now())  # which trace events belong to this run
     return out
 
 

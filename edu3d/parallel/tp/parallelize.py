@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from edu3d import comm
+from edu3d import comm, trace
 from edu3d.data import shard_rows
 from edu3d.mesh import Layout, LayoutError, Mesh
 from edu3d.parallel.tp import ops
@@ -232,12 +232,18 @@ class TPTrainer:
         i = self.mesh.index("dp")
         xs, ys = shard_rows(x, i, self.dp), shard_rows(y, i, self.dp)
         self.optimizer.zero_grad(set_to_none=True)
-        _, loss = self.model(xs, ys)
-        loss.backward()
-        self.model.sync_sequence_parallel_grads()
-        loss = self._sync_dp(loss)
-        norm = self.model.grad_norm()
-        clip_and_step(self.optimizer, list(self.model.parameters()), norm, step, self.args)
+        rec = trace.current()  # compute spans, so a timeline shows the collectives inside them
+        with rec.context(step=step):
+            with rec.span("compute", "forward"):
+                _, loss = self.model(xs, ys)
+            with rec.span("compute", "backward"):
+                loss.backward()
+                self.model.sync_sequence_parallel_grads()
+                loss = self._sync_dp(loss)
+            with rec.span("compute", "optimizer"):
+                norm = self.model.grad_norm()
+                clip_and_step(self.optimizer, list(self.model.parameters()), norm, step,
+                              self.args)
         return {"loss": loss.item(), "grad_norm": norm.item()}
 
 
