@@ -345,3 +345,47 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
         if hasattr(trainer, "zero"):
             out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.zero.units]
     return out
+
+
+# ---- grading exercise 02 -------------------------------------------------------------------------
+def grade_ddp_exercise(mesh, bucket_mb: float = 0.02) -> dict:
+    """Run the learner's ``sync_gradients`` and ``BucketedDDP`` (exercises/bucketed_ddp.py)
+    against the serial gradient of the global batch; every verdict is a bool (an unfinished
+    or broken part is False, never an exception, so all ranks stay in step)."""
+    from edu3d import grading
+    from edu3d.data import SyntheticCorpus
+    from edu3d.model import GPT, config_from
+
+    mod = grading.load("bucketed_ddp")
+    config = config_from("tiny", layers=2)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
+    x, y = corpus.batch(1, 8)
+    serial = GPT(config, seed=0)
+    serial(x, y)[1].backward()
+    want = [p.grad for p in serial.parameters()]
+    n, index = mesh.size("dp"), mesh.index("dp")
+    xs, ys = shard_rows(x, index, n), shard_rows(y, index, n)
+
+    def matches(model):
+        return all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7)
+                   for p, g in zip(model.parameters(), want))
+
+    out = {}
+    model = GPT(config, seed=0)
+    model(xs, ys)[1].backward()
+    try:
+        mod.sync_gradients(model, mesh.dp)
+        out["sync_gradients"] = matches(model)
+    except NotImplementedError:
+        out["sync_gradients"] = False
+    model = GPT(config, seed=0)
+    try:
+        ddp = mod.BucketedDDP(model, mesh.dp, bucket_mb)
+        model(xs, ys)[1].backward()
+        ddp.finish()
+        total = len(list(model.parameters()))
+        out["bucketed"] = matches(model)
+        out["overlap"] = bool(ddp.launched_at) and ddp.launched_at[0] < total
+    except NotImplementedError:
+        out["bucketed"] = out["overlap"] = False
+    return out

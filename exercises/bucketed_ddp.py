@@ -1,0 +1,67 @@
+"""Exercise 02: gradient averaging for data parallelism, and two bug hunts.
+
+1. **Bug hunt:** :func:`sync_gradients` runs, but the model it trains does not match the serial
+   one. Find out why and fix it.
+2. **Bug hunt:** :func:`make_buckets` builds buckets that can never overlap with backward.
+   Find out why and fix it.
+3. **Build:** :class:`BucketedDDP` averages gradients bucket by bucket, launching each
+   bucket's asynchronous all-reduce as soon as its last gradient is ready
+   (``register_post_accumulate_grad_hook``), and finishing (wait, divide by N, copy back)
+   after backward.
+
+Reduce with SUM (``edu3d.comm.all_reduce``) and divide by N yourself. Run the checks in
+``exercises/02_bucketed_ddp.ipynb``.
+"""
+
+import torch
+import torch.distributed as dist
+
+from edu3d import comm
+
+
+def sync_gradients(model: torch.nn.Module, group=None) -> None:
+    """After backward: make every ``p.grad`` the average over the group."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        comm.all_reduce(p.data, group)
+        p.data /= n
+
+
+def make_buckets(params: list, bucket_mb: float) -> list[list]:
+    """Buckets of at least ``bucket_mb`` MB (the last may be smaller), in launch order."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedDDP:
+    """Average gradients bucket by bucket, each launched as soon as it is complete.
+
+    Keep ``self.launched_at``: for each launched bucket, how many gradients had been produced
+    when you launched it (the checks use it to see whether you overlapped with backward).
+    """
+
+    def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0):
+        raise NotImplementedError(
+            "hint: self.buckets = make_buckets(list(model.parameters()), bucket_mb); map each "
+            "parameter to its bucket; register p.register_post_accumulate_grad_hook(self._on_grad) "
+            "on every parameter; keep a ready-count per bucket and the next bucket to launch")
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        raise NotImplementedError(
+            "hint: count the gradient; while the next bucket is complete, torch.cat its "
+            "gradients (reshape(-1)), launch comm.all_reduce(flat, group, async_op=True), "
+            "remember (bucket, flat, handle), append the gradients seen to self.launched_at")
+
+    def finish(self) -> None:
+        """Wait for every bucket, divide by N, copy the averages back into ``p.grad``."""
+        raise NotImplementedError(
+            "hint: for each pending (bucket, flat, handle): handle.wait(); flat /= n; copy "
+            "consecutive slices of flat back into each p.grad (view_as(p)); reset the counters")

@@ -1,0 +1,37 @@
+"""Exercise 01: write a ring all-reduce over send/recv.
+
+Cut the flat buffer into N chunks with ``torch.tensor_split(t.view(-1), N)`` (the sizes may
+differ by one element when N does not divide the size). Then:
+
+* **reduce-scatter**, N-1 steps: in step ``s`` rank ``i`` sends chunk ``(i - s - 1) % N`` to
+  its right neighbour ``(i + 1) % N`` and *adds* the chunk ``(i - s - 2) % N`` that arrives
+  from its left neighbour ``(i - 1) % N``. Afterwards rank ``i`` holds the full sum of chunk i.
+* **all-gather**, N-1 steps: in step ``s`` rank ``i`` sends chunk ``(i - s) % N`` and *copies*
+  the arriving chunk ``(i - s - 1) % N``.
+
+Each rank then sent exactly ``2(N-1)/N · S`` bytes. Use :func:`exchange` for every transfer
+(sending and receiving at the same time; a ring of blocking sends can deadlock), and run the
+checks in ``exercises/01_ring_allreduce.ipynb``.
+"""
+
+import torch
+import torch.distributed as dist
+
+from edu3d import comm
+
+
+def exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int) -> None:
+    """Send ``send_buf`` to ``dst`` while receiving ``recv_buf`` from ``src`` (given)."""
+    handles = [comm.recv(recv_buf, src, async_op=True), comm.send(send_buf, dst, async_op=True)]
+    for h in handles:
+        h.wait()
+
+
+def ring_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over all ranks in place with a ring; return ``t``."""
+    n, i = dist.get_world_size(), dist.get_rank()
+    raise NotImplementedError(
+        "hint: chunks = torch.tensor_split(t.view(-1), n); two loops of n-1 steps; in each "
+        "step make incoming = torch.empty_like(<the chunk you receive>), call "
+        "exchange(<chunk you send>, (i + 1) % n, incoming, (i - 1) % n), then add_ (first "
+        "loop) or copy_ (second loop) incoming into the chunk you received")

@@ -1,0 +1,38 @@
+"""Exercise 03 (solution): a ZeRO-1 step, optimizer work sharded over the ranks."""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from edu3d import comm
+
+
+def shard_range(numel: int, n: int, rank: int) -> tuple[int, int, int]:
+    """``(lo, hi, padded)``: rank's slice ``[lo, hi)`` of a flat buffer padded to a multiple
+    of ``n``."""
+    padded = math.ceil(numel / n) * n
+    k = padded // n
+    return rank * k, (rank + 1) * k, padded
+
+
+@torch.no_grad()
+def zero1_sgd_step(params: list, lr: float, group=None) -> None:
+    """Each rank holds its local (not yet averaged) gradients; update ``params`` in place to
+    ``p - lr * mean-over-ranks(grad)``, doing the update only on this rank's slice."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in params)
+    lo, hi, padded = shard_range(numel, n, rank)
+    flat_grad = torch.zeros(padded)
+    flat_grad[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
+    my_grad = torch.empty(hi - lo)
+    comm.reduce_scatter(my_grad, flat_grad, group)  # the sum of my slice
+    my_grad /= n
+    flat_param = torch.zeros(padded)
+    flat_param[:numel] = torch.cat([p.reshape(-1) for p in params])
+    my_param = flat_param[lo:hi] - lr * my_grad  # the optimizer step, on 1/N of the model
+    comm.all_gather(flat_param, my_param, group)
+    off = 0
+    for p in params:
+        p.copy_(flat_param[off:off + p.numel()].view_as(p))
+        off += p.numel()
