@@ -26,7 +26,8 @@ class IdentityAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise NotImplementedError("every rank used the same x, so each holds a partial "
-                                  "gradient: sum a copy of grad over ctx.group; return (grad, None)")
+                                  "gradient: sum a copy of grad over ctx.group; "
+                                  "return (grad, None)")
 
 
 class AllReduceIdentity(torch.autograd.Function):

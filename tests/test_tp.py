@@ -56,8 +56,8 @@ def check_operators(group) -> dict[str, float]:
     x = x.clone().requires_grad_()  # split along the sequence
     y = ops.split_all_gather(x, group, 1)
     y.backward(torch.full_like(y, mine))
-    errs["split/all-gather"] = max(_err(y, x[:, 2 * r:2 * r + 2]),
-                                   _err(x.grad, blocks.repeat_interleave(2).view(1, -1, 1).expand(1, -1, 3)))
+    per_block = blocks.repeat_interleave(2).view(1, -1, 1).expand(1, -1, 3)
+    errs["split/all-gather"] = max(_err(y, x[:, 2 * r:2 * r + 2]), _err(x.grad, per_block))
 
     pos = torch.arange(1, 2 * t + 1, dtype=torch.float32).view(1, -1, 1)
     x = (mine * pos).expand(1, -1, 3).clone().requires_grad_()

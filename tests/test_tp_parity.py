@@ -42,7 +42,8 @@ def _args(optimizer: str, sp: bool, overlap: bool) -> argparse.Namespace:
         argv = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
     else:
         argv = ["--lr", "3e-3", "--warmup", "3", "--clip", "0.5"]
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv + ["--global-batch", str(BATCH)])
+    argv += ["--global-batch", str(BATCH)]
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
     args.sp, args.tp_overlap = sp, overlap
     return args
 
@@ -103,7 +104,8 @@ def parity_worker(mesh, configs) -> list[dict]:
         row = {"layout": str(layout), "sp": sp, "tie": tie, "overlap": overlap,
                "sgd_loss": errs["loss"], "sgd_grad_norm": errs["grad_norm"],
                "grad": max(_rel(grads[n], p.grad) for n, p in serial.named_parameters()),
-               "all_grads": len(grads) == len(list(serial.parameters())), "key_bias_grad": _key_bias_grad_ratio(grads),
+               "all_grads": len(grads) == len(list(serial.parameters())),
+               "key_bias_grad": _key_bias_grad_ratio(grads),
                "serial_key_bias_grad": _key_bias_grad_ratio(
                    {n: p.grad for n, p in serial.named_parameters()})}
         serial, trainer, errs = _run(m, cfg, _args("adamw", sp, overlap), steps=10)
@@ -135,8 +137,9 @@ def _check(results):
 def test_tp1_and_tp2_equal_serial():
     """tp=2 (with and without overlap), and tp=1 inside dp=2 (the operators degrade to
     identities; the dp average and the global norm still have to be right)."""
-    configs = (_configs({"tp": 2}) + [({"tp": 2}, False, True, True), ({"tp": 2}, True, False, True),
-                                      ({"dp": 2}, False, False, False), ({"dp": 2}, True, True, False)])
+    overlap = [({"tp": 2}, False, True, True), ({"tp": 2}, True, False, True)]
+    tp1 = [({"dp": 2}, False, False, False), ({"dp": 2}, True, True, False)]
+    configs = _configs({"tp": 2}) + overlap + tp1
     res = launch(parity_worker, 2, args=(configs,), layout=Layout(tp=2), timeout=240)
     rows = _check(res.results)
     assert len(rows) == 8

@@ -78,7 +78,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     With sequence parallelism the input was all-gathered by ``AllGatherReduceScatter`` (whose
     backward reduce-scatters the partial gradient); this layer keeps only *this rank's
     tokens* of it for backward and all-gathers them again there: an all-gather more, ``(t-1)/t``
-    of the input's memory less (Korthikanti et al. 2022, section 4.2.3).
+    of the input's memory less (Korthikanti et al. 2022, section 4.2.3). ``overlap`` does
+    not apply there: the reduce-scatter runs in that operator, after this layer's backward.
     """
 
     @staticmethod

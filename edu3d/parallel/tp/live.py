@@ -162,7 +162,8 @@ def _layer_checks(ex, group) -> dict:
         y = ex.IdentityAllReduce.apply(x, group)
         y.backward(torch.full((3,), float(r + 1)))
         close("forward", y, torch.full((3,), float(r + 1)), 0)
-        close("backward (expected the sum over ranks)", x.grad, torch.full((3,), t * (t + 1) / 2), 0)
+        close("backward (expected the sum over ranks)", x.grad,
+              torch.full((3,), t * (t + 1) / 2), 0)
 
     def g_operator():
         x = torch.full((3,), float(r + 1), requires_grad=True)

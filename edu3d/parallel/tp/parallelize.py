@@ -14,8 +14,9 @@ After reading this file you should understand:
 * with **sequence parallelism** the residual stream between the parallel regions is split
   along the sequence: LayerNorms run on ``s/t`` tokens, the position embedding is split in
   (``SplitAllGather``), and each column region (attention, MLP, LM head) starts with an
-  all-gather of the tokens (``AllGatherReduceScatter``), set as forward hooks. The LayerNorm gains and biases and the row layers' biases then see only
-  their rank's tokens, so their gradients are *partial* and are all-reduced over tp;
+  all-gather of the tokens (``AllGatherReduceScatter``), set as forward hooks. The LayerNorm
+  gains and biases and the row layers' biases then see only their rank's tokens, so their
+  gradients are *partial* and are all-reduced over tp;
 * a training step under ``dp x tp``: each dp rank takes its rows of the global batch, the
   gradients are summed over dp and divided by dp, the global gradient norm adds the squared
   norms of the shards across tp (replicated tensors counted once), and clipping, learning rate
@@ -70,7 +71,8 @@ class TensorParallelGPT(nn.Module):
 
     def __init__(self, gpt: nn.Module, group, sequence_parallel: bool, specs: dict):
         super().__init__()
-        self.gpt, self.group, self.sequence_parallel, self.specs = gpt, group, sequence_parallel, specs
+        self.gpt, self.group, self.specs = gpt, group, specs
+        self.sequence_parallel = sequence_parallel
         self.config = gpt.config
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -168,7 +170,8 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
     specs = {name: None for name, _ in model.named_parameters()}
 
     tok = VocabParallelEmbedding.from_embedding(model.tok_emb, group, **sp)
-    head = ColumnParallelLinear.from_linear(model.lm_head, group, pad_to=vpad, overlap=overlap, **sp)
+    head = ColumnParallelLinear.from_linear(model.lm_head, group, pad_to=vpad, overlap=overlap,
+                                            **sp)
     if cfg.tie_weights:
         head.weight = tok.weight  # one shard parameter, both uses' gradients add up in it
     model.tok_emb, model.lm_head = tok, head
