@@ -268,7 +268,7 @@ def test_bench_tp_reports_both_modes_and_agrees_with_dtensor():
 
     rep = run_benchmark(2, reps=1)  # a shape check, not a timing: benchmarks are commands
     assert rep["benchmark"] == "tp" and rep["world_size"] == 2
-    assert [r["name"] for r in rep["results"]] == ["2 blocks fwd+bwd", "2 blocks fwd+bwd sp"]
+    assert [r["name"] for r in rep["results"]] == ["2 blocks", "2 blocks overlap", "2 blocks sp"]
     for r in rep["results"]:
         assert r["ratio"] > 0 and r["max_abs_diff"] < 1e-4
         assert r["reference"].startswith("torch.distributed.tensor.parallel")

@@ -12,6 +12,11 @@ After reading this file you should understand what is compared, and why it is fa
   copy of the model has the ``qkv`` rows reordered to ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` first,
   so both sides compute the same heads (the outputs are compared before timing).
 
+Rows: ``L blocks`` (plain TP), ``L blocks overlap`` (edu3d's column layers all-reduce the
+input gradient asynchronously while computing the weight gradient; the reference is the same
+DTensor plan), ``L blocks sp`` (sequence parallelism on both sides); each row is one forward
+and backward.
+
 The embedding and the loss are left out: DTensor's loss-parallel path is a separate feature,
 and the blocks are where tensor parallelism's traffic is.
 """
@@ -71,14 +76,15 @@ def _run_blocks(blocks, x):
 
 
 def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
-                 config: GPTConfig = CONFIG) -> dict | None:
-    """Launch target: time forward + backward of the blocks both ways; rank 0 reports."""
+                 config: GPTConfig = CONFIG, overlap: bool = False) -> dict | None:
+    """Launch target: time forward + backward of the blocks both ways; rank 0 reports.
+    ``overlap`` runs edu3d's column layers with the asynchronous input-gradient all-reduce."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from edu3d.parallel.tp.parallelize import parallelize
 
     t, r = mesh.size("tp"), mesh.index("tp")
-    ours = parallelize(GPT(config, 0), mesh, sequence_parallel=sp).gpt.blocks
+    ours = parallelize(GPT(config, 0), mesh, sequence_parallel=sp, overlap=overlap).gpt.blocks
     theirs, dmesh = _dtensor_blocks(GPT(config, 0), t, sp)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, config.seq_len, config.d_model, generator=g)
@@ -102,19 +108,20 @@ def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
                                 reps=reps, warmup=2, group=mesh.tp)
     if mesh.rank != 0:
         return None
-    name = f"{config.n_layers} blocks fwd+bwd{' sp' if sp else ''}"
+    name = f"{config.n_layers} blocks{' sp' if sp else ''}{' overlap' if overlap else ''}"
     reference = ("torch.distributed.tensor.parallel (ColwiseParallel/RowwiseParallel"
                  + (", SequenceParallel)" if sp else ")"))
     return result(name, times["edu3d"], reference, times["dtensor"], max_abs_diff=diff)
 
 
 def bench_all(mesh, reps: int) -> dict | None:
-    rows = [tp_benchmark(mesh, sp, reps) for sp in (False, True)]
+    rows = [tp_benchmark(mesh, sp, reps, overlap=overlap)
+            for sp, overlap in ((False, False), (False, True), (True, False))]
     return report("tp", mesh.layout.world_size, rows) if mesh.rank == 0 else None
 
 
 def run_benchmark(nprocs: int = 2, reps: int = 10, json_out: bool = False, **_) -> dict:
-    """``edu3d bench tp [-n N]``: both TP and TP+SP on ``nprocs`` tensor-parallel ranks."""
+    """``edu3d bench tp [-n N]``: TP, TP with overlap, and TP+SP on ``nprocs`` ranks."""
     from edu3d.launch import launch
 
     Layout(tp=nprocs).validate(config=CONFIG)
