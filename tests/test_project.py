@@ -43,3 +43,17 @@ def test_widgets_are_importable_as_edu3d_widgets():
     import edu3d.widgets
 
     assert Path(edu3d.widgets.__file__).parent == ROOT / "widgets"
+
+
+def test_notebooks_store_outputs_only_where_nbval_checks_them():
+    """nbval compares only executed cells: a checked cell saved without output would pass
+    vacuously, and unchecked outputs bloat the repository."""
+    import nbformat
+
+    from edu3d.nbtools import problems
+
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted(
+        (ROOT / "exercises").glob("*.ipynb"))
+    assert notebooks
+    found = {nb.name: problems(nbformat.read(nb, as_version=4)) for nb in notebooks}
+    assert not {k: v for k, v in found.items() if v}

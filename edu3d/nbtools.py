@@ -1,0 +1,96 @@
+"""Keeping the course's notebooks gradeable: ``python -m edu3d.nbtools refresh|strip NB...``.
+
+nbval compares a cell's new output with the output stored in the notebook, but only for
+cells that were executed when saved (an ``execution_count``) and that are marked
+``# NBVAL_CHECK_OUTPUT``. So a committed notebook must store exactly:
+
+* for checked cells, the output of a clean run with the reference solutions
+  (``EDU3D_SOLUTIONS=1``) and its execution count;
+* for every other cell, nothing: charts and logs are for the learner's own run, and outputs
+  full of timings would only bloat the repository.
+
+``refresh`` executes a notebook top to bottom in its own folder and stores it that way;
+``strip`` only removes outputs (checked cells keep theirs). ``check`` reports notebooks
+that break the rule (the test suite runs it on every notebook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+MARK = "# NBVAL_CHECK_OUTPUT"
+
+
+def is_checked(cell) -> bool:
+    return cell.cell_type == "code" and cell.source.lstrip().startswith(MARK)
+
+
+def strip(nb) -> None:
+    """Remove outputs and counts from every unchecked code cell, in place."""
+    for cell in nb.cells:
+        if cell.cell_type == "code" and not is_checked(cell):
+            cell.outputs, cell.execution_count = [], None
+        cell.get("metadata", {}).pop("execution", None)
+
+
+def problems(nb) -> list[str]:
+    """What makes nbval's comparison of this notebook vacuous or noisy."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if is_checked(cell):
+            if not cell.outputs or cell.execution_count is None:
+                out.append(f"cell {i}: checked cell stores no output/execution count, so "
+                           "nbval would not compare it; run `python -m edu3d.nbtools refresh`")
+        elif cell.outputs:
+            out.append(f"cell {i}: unchecked cell stores outputs; strip them")
+    return out
+
+
+def refresh(path: Path, timeout: int = 600) -> None:
+    """Execute with the reference solutions, keep checked outputs, strip the rest."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    saved = os.environ.get("EDU3D_SOLUTIONS")
+    os.environ["EDU3D_SOLUTIONS"] = "1"  # the kernel inherits it
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if saved is None:
+            os.environ.pop("EDU3D_SOLUTIONS")
+        else:
+            os.environ["EDU3D_SOLUTIONS"] = saved
+    strip(nb)
+    nbformat.write(nb, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edu3d.nbtools", description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=("refresh", "strip", "check"))
+    p.add_argument("notebooks", nargs="+", type=Path)
+    a = p.parse_args(argv)
+    import nbformat
+
+    bad = 0
+    for path in a.notebooks:
+        if a.action == "refresh":
+            refresh(path)
+        elif a.action == "strip":
+            nb = nbformat.read(path, as_version=4)
+            strip(nb)
+            nbformat.write(nb, path)
+        for msg in problems(nbformat.read(path, as_version=4)):
+            bad += 1
+            print(f"{path}: {msg}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
