@@ -224,6 +224,10 @@ class DPTrainer:
         self.group = mesh.dp
         self.index, self.n = mesh.index("dp"), mesh.size("dp")
         self.k = getattr(args, "grad_accum", 1) or 1
+        if comm_hook is None and getattr(args, "compress", None):
+            from edu3d.parallel.compress import make_hook
+
+            comm_hook = make_hook(args.compress)
         self.dp = DataParallel(model, self.group, getattr(args, "dp_impl", "bucketed"),
                                getattr(args, "bucket_mb", 25.0),
                                reverse_buckets=getattr(args, "reverse_buckets", True),
