@@ -42,10 +42,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> i
 
 
 def measure(tensors_by_category: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Measured bytes per category, plus ``total``."""
+    """Measured bytes per category, plus ``total`` (device memory); an optional ``"host"``
+    list (state offloaded to CPU memory) is reported separately, outside the total."""
     seen: set = set()
     out = {cat: storage_bytes(tensors_by_category.get(cat, []), seen) for cat in CATEGORIES}
     out["total"] = sum(out.values())
+    if "host" in tensors_by_category:  # offloaded to CPU memory: reported, not in the total
+        out["host"] = storage_bytes(tensors_by_category["host"], seen)
     return out
 
 

@@ -6,6 +6,8 @@ without gradient accumulation, on a model whose unit sizes are odd (padding on e
 * gradients after one SGD step and weights after 10 AdamW steps within 1e-5 relative;
 * measured bytes of params + grads + optimizer state per rank within 2% of
   ``zero_bytes`` (fp32: stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``);
+* with ``offload`` the optimizer state leaves the device: 4Ψ + 4Ψ/N there (stage 2) and
+  16Ψ/N bytes in host memory;
 * bytes moved per step, summed from the trace (all-reduce 2S, all-gather and reduce-scatter
   S, the paper's count), equal ``2Ψ`` for stages 1-2 and ``3Ψ`` for stage 3 within 1%; and
   ``2Ψ`` for plain DP. With K micro-batches, stages 2 and 3 reduce-scatter every micro-batch
@@ -24,6 +26,7 @@ from tests.test_dp import parity_worker, report_and_check
 CONFIGS = [{"name": f"zero{s}/k{k}", "zero": s, "grad_accum": k}
            for s in (1, 2, 3) for k in (1, 2)] + [
     {"name": "zero3-prefetch/k2", "zero": 3, "grad_accum": 2, "prefetch": True},
+    {"name": "zero2-offload/k2", "zero": 2, "grad_accum": 2, "offload": True},
     {"name": "dp/k1", "zero": 0, "grad_accum": 1}]
 
 
@@ -56,7 +59,10 @@ def test_zero_stages_equal_serial_with_formula_memory_and_traffic(world):
             entry = per_rank[name]
             psi = entry["psi"]
             measured = entry["memory"]["total"]
-            predicted = zero_bytes(psi, world, stage)["total"]
+            offload = cfg.get("offload", False)
+            predicted = zero_bytes(psi, world, stage, optimizer_bytes=0 if offload else 8)["total"]
+            if offload:  # master shard + its gradient + two moments in host memory: 16Ψ/N
+                assert abs(entry["memory"]["host"] / (16 * psi / world) - 1) < 0.02
             print(f"world {world} {name} rank {rank}: memory {measured / predicted:.4f} of "
                   f"formula", end="; ")
             assert abs(measured / predicted - 1) < 0.02, (name, rank, entry["memory"])

@@ -18,7 +18,11 @@ After reading this file you should understand where each byte of training state 
   They are all-gathered before its forward, freed after it, gathered again before its
   backward, and freed once its gradients are reduce-scattered. Traffic 3Ψ (two all-gathers,
   one reduce-scatter); ``prefetch=True`` starts gathering the next unit while the current one
-  computes.
+  computes;
+* ``offload=True`` (any stage) keeps the optimizer's work in host memory: the shard's fp32
+  master copy, its gradient and the Adam moments live on the CPU, the step runs there, and
+  only the updated shard is copied back (ZeRO-Offload, Ren et al. 2021). On a GPU that moves
+  ``16Ψ/N`` bytes per rank off the device; on a CPU-only machine it is the same memory.
 
 Memory per rank in fp32 (4-byte params and grads, 8 bytes of Adam moments; K=8):
 stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
@@ -107,7 +111,8 @@ class Zero:
     forward/backward per micro-batch, ``finish()``; then ``clip_(max_norm)`` and ``step(lr)``.
     """
 
-    def __init__(self, model, group, stage: int, args, prefetch: bool = False):
+    def __init__(self, model, group, stage: int, args, prefetch: bool = False,
+                 offload: bool = False):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
         if stage == 3 and getattr(getattr(model, "config", None), "tie_weights", False):
@@ -115,6 +120,7 @@ class Zero:
                              "would need the embedding unit inside the head; train with "
                              "untied weights (drop --tie) or use stage 1 or 2")
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
+        self.offload = offload
         self.n = dist.get_world_size(group)
         self.index = dist.get_group_rank(group, dist.get_rank()) if group else dist.get_rank()
         src = dist.get_process_group_ranks(group)[0] if group else 0
@@ -142,9 +148,15 @@ class Zero:
     def _make_optimizer(self, args):
         decay, no_decay = [], []
         for u in self.units:
+            # offload: the optimizer works on a host copy of the shard (master weights,
+            # gradient, moments in CPU memory); only the shard itself stays on the device
+            u.host_param = u.shard_param.detach().to("cpu", copy=True) if self.offload else None
+            u.host_grad = torch.zeros(u.shard_numel) if self.offload else None
+            param = u.host_param if self.offload else u.shard_param
+            grad = u.host_grad if self.offload else u.shard_grad
             for p, a, b, s in u.pieces():
-                piece = torch.nn.Parameter(u.shard_param[s:s + b - a], requires_grad=False)
-                piece.grad = u.shard_grad[s:s + b - a]
+                piece = torch.nn.Parameter(param[s:s + b - a], requires_grad=False)
+                piece.grad = grad[s:s + b - a]
                 (decay if p.dim() >= 2 else no_decay).append(piece)
         self.pieces = decay + no_decay
         groups = [{"params": decay, "weight_decay": args.weight_decay},
@@ -263,10 +275,16 @@ class Zero:
 
     def step(self, lr: float) -> None:
         """Update this rank's slices; stages 1-2 then all-gather the full parameters."""
+        if self.offload:
+            for u in self.units:
+                u.host_grad.copy_(u.shard_grad)
         if self.optimizer is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             self.optimizer.step()
+        if self.offload:
+            for u in self.units:
+                u.shard_param.copy_(u.host_param)
         if self.stage < 3:
             for i, u in enumerate(self.units):
                 with trace.current().context(chunk=i):
@@ -294,6 +312,9 @@ class Zero:
         state = [] if self.optimizer is None else [
             t for s in self.optimizer.state.values() for t in s.values()
             if isinstance(t, torch.Tensor)]
+        if self.offload:
+            host = state + [u.host_param for u in self.units] + [u.host_grad for u in self.units]
+            return {"params": params, "grads": grads, "optimizer": [], "host": host}
         return {"params": params, "grads": grads, "optimizer": state}
 
 
@@ -304,7 +325,8 @@ class ZeroTrainer:
         self.model, self.args = model, args
         self.group, self.index, self.n = mesh.dp, mesh.index("dp"), mesh.size("dp")
         self.k = getattr(args, "grad_accum", 1) or 1
-        self.zero = Zero(model, self.group, stage, args, prefetch=prefetch)
+        self.zero = Zero(model, self.group, stage, args, prefetch=prefetch,
+                         offload=getattr(args, "offload", False))
 
     def step(self, x, y, step: int) -> dict:
         from edu3d.parallel.dp import global_mean
