@@ -108,8 +108,9 @@ class TensorParallelGPT(nn.Module):
 
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm: shards' squares summed over tp, replicated ones once."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        device = next(self.parameters()).device  # NCCL reduces only GPU tensors
+        sharded = torch.zeros((), dtype=torch.float64, device=device)
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.serial_named_parameters():
             if p.grad is None:
                 continue
