@@ -12,7 +12,9 @@ every rank and returns plain tensors and numbers; the charts only draw them:
 * :func:`train_demo` — a few training steps of the TP (and TP+SP) model next to the serial
   loop on the same batches;
 * :func:`memory_sweep` — activation memory of one layer for tp = 1, 2, 4 (sub-meshes of the
-  launched ranks), SP off and on, next to the formula.
+  launched ranks), SP off and on, next to the formula;
+* :func:`grade` — exercise 04's grader: the learner's ``exercises/tp_layers.py`` run on real
+  ranks against the serial layers and hand-computed values.
 """
 
 from __future__ import annotations
