@@ -140,3 +140,18 @@ def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_los
         out["pipeline"].append(trainer.step(x, y, step)["loss"])
         out["serial"].append(train_step(ref, opt, x, y, step, args)["loss"])
     return out
+
+
+def replay_bubble(events: list[dict], step: int, name: str, pp: int, m: int,
+                  vpp: int = 1) -> float:
+    """The bubble the schedule would have with exactly the compute times measured in
+    ``step`` and nothing between actions (no message latency, no Python overhead).
+
+    measured - replay = what the engine and the messages add; replay - formula = what
+    unequal action times add (uneven stages, or a busy machine slowing some actions)."""
+    from edu3d.parallel.pp.schedules import build
+    from edu3d.parallel.pp.simulate import Costs, simulate
+
+    durations = {(e["stage"], e["op"], e["mb"]): e["t1"] - e["t0"] for e in events
+                 if e.get("step") == step and e["lane"] == "compute"}
+    return simulate(build(name, pp, m, vpp), pp, Costs(measured=durations)).bubble

@@ -30,7 +30,9 @@ class Costs:
     """Seconds (or any unit) per action; ``I + W`` should equal ``B``.
 
     ``scale`` multiplies the compute cost of one stage (a list by global stage), so
-    unbalanced stages can be simulated.
+    unbalanced stages can be simulated; ``measured`` gives individual actions their own cost
+    (a *replay* of a run: what the schedule would take with exactly those compute times and
+    no overhead between actions).
     """
 
     F: float = 1.0
@@ -39,8 +41,11 @@ class Costs:
     W: float = 1.0
     p2p: float = 0.0
     scale: list[float] | None = None
+    measured: dict | None = None  # (stage, kind, mb) -> duration of that very action
 
     def of(self, a: Action) -> float:
+        if self.measured is not None and (a.stage, a.kind, a.mb) in self.measured:
+            return self.measured[(a.stage, a.kind, a.mb)]
         base = getattr(self, a.kind)
         return base * (self.scale[a.stage] if self.scale else 1.0)
 
