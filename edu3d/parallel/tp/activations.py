@@ -25,7 +25,6 @@ from collections import Counter
 import torch
 
 from edu3d import trace
-from edu3d.mesh import Layout
 from edu3d.model import GPT, GPTConfig
 
 
@@ -107,25 +106,3 @@ def block_collectives(mesh, config: GPTConfig, batch: int, sp: bool, seed: int =
         y.backward(torch.ones_like(y))
         counts["backward"] = Counter(e["op"] for e in rec.events if e["lane"] == "comm")
     return {phase: dict(sorted(c.items())) for phase, c in counts.items()}
-
-
-def measure_all(mesh, config: GPTConfig, batch: int = 2) -> dict:
-    """Launch target: memory and collectives of one layer, tp = the mesh's, SP off and on."""
-    return {sp: {"memory": measure_layer(mesh, config, batch, sp),
-                 "collectives": block_collectives(mesh, config, batch, sp)}
-            for sp in (False, True)}
-
-
-def run(tp_sizes=(1, 2, 4), config: GPTConfig | None = None, batch: int = 2,
-        timeout: float = 240) -> list[dict]:
-    """Measure every tp size in ``tp_sizes`` (one launch each); rank 0's rows."""
-    from edu3d.launch import launch
-
-    config = config or GPTConfig()
-    rows = []
-    for t in tp_sizes:
-        Layout(tp=t).validate(config=config)
-        res = launch(measure_all, t, args=(config, batch), layout=Layout(tp=t), timeout=timeout)
-        for sp, r in res.results[0].items():
-            rows.append({**r["memory"], "collectives": r["collectives"]})
-    return rows
