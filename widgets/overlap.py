@@ -66,3 +66,23 @@ def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: 
                 x="configuration", y=f"traffic ({unit})")
     fig.update_layout(barmode="overlay")
     return fig
+
+
+def compression_figure(errors: dict):
+    """Loss per step with each compression hook (see
+    :func:`edu3d.parallel.compress.compression_error`), uncompressed as the reference line."""
+    import plotly.graph_objects as go
+
+    from edu3d.widgets import style
+
+    fig = go.Figure()
+    for i, (name, r) in enumerate(errors.items()):
+        fig.add_trace(go.Scatter(
+            x=list(range(1, len(r["losses"]) + 1)), y=r["losses"], mode="lines+markers",
+            name=f"{name} (weights differ by {r['param_rel_diff']:.1e})",
+            line={"color": style.BLACK if name == "none" else style.group_color(i),
+                  "width": 3 if name == "none" else 1.5}))
+    style.frame(fig, "Training with compressed gradients",
+                "16-bit casts are indistinguishable; int8 and top-k trade accuracy for bytes",
+                x="step", y="loss (nats)")
+    return fig
