@@ -119,3 +119,28 @@ def test_plans_are_what_the_docstring_says():
     assert max(t.step for t in bcast) == 2  # log2(8) rounds
     red = ring.tree_plan(5, root=0, phase="reduce")
     assert {t.src for t in red} == {1, 2, 3, 4} and red[-1].dst == 0
+
+
+def test_replay_of_a_ring_trace_ends_with_every_rank_holding_every_sum():
+    from edu3d.widgets.collectives import ring_states
+
+    n, chunk_bytes = 4, 40
+    events = [{"op": "send", "algo": "ring_all_reduce", "phase": t.phase, "ring_step": t.step,
+               "rank": t.src, "peer": t.dst, "chunk": t.chunk, "bytes": chunk_bytes}
+              for t in ring.ring_plan(n)]
+    states = ring_states(events, n)
+    assert len(states) == 1 + 2 * (n - 1)
+    after_rs = states[n - 1]["counts"]
+    assert all(after_rs[i][i] == n for i in range(n))  # rank i owns the full sum of chunk i
+    assert states[-1]["counts"] == [[n] * n for _ in range(n)]
+    assert states[-1]["sent"] == 2 * (n - 1) * n * chunk_bytes
+
+
+def test_alpha_beta_fit_recovers_a_known_model():
+    from edu3d.bench_comm import fit_alpha_beta
+
+    n, alpha, beta = 4, 50e-6, 1e-9
+    sizes = [2**k for k in range(10, 27, 2)]
+    times = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta for s in sizes]
+    a, b = fit_alpha_beta(sizes, times, n)
+    assert abs(a / alpha - 1) < 1e-6 and abs(b / beta - 1) < 1e-6

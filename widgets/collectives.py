@@ -165,3 +165,32 @@ def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_re
                 y="bytes sent per rank")
     fig.update_layout(barmode="overlay")
     return fig
+
+
+def cost_model_figure(rep: dict):
+    """All-reduce time against message size (log-log) for edu3d's ring and the library, with
+    the fitted alpha-beta line of each (a report of :mod:`edu3d.bench_comm`)."""
+    import plotly.graph_objects as go
+
+    rows = [r for r in rep["results"] if r.get("op") == "all_reduce"]
+    n = rep["world_size"]
+    xs = [r["bytes"] for r in rows]
+    fig = go.Figure()
+    for key, col, color, label in (("edu3d", "edu3d_s", style.BLUE, "edu3d ring"),
+                                   ("reference", "reference_s", style.ORANGE,
+                                    rows[0]["reference"])):
+        alpha, beta = rows[0][f"{key}_alpha_s"], rows[0][f"{key}_beta_s_per_byte"]
+        fig.add_trace(go.Scatter(x=xs, y=[r[col] * 1e3 for r in rows], mode="markers",
+                                 marker={"color": color, "size": 9}, name=f"{label} (measured)"))
+        fig.add_trace(go.Scatter(x=xs, y=[r[f"{key}_model_s"] * 1e3 for r in rows],
+                                 mode="lines", line={"color": color, "dash": "dash"},
+                                 opacity=0.6,
+                                 name=f"{label}: α = {alpha * 1e6:.0f} µs, "
+                                      f"1/β = {1 / max(beta, 1e-30) / 1e9:.2f} GB/s"))
+    style.frame(fig, f"All-reduce time vs message size, {n} ranks",
+                "t = 2(N-1)·α + 2(N-1)/N·S·β: flat (latency α) for small messages, "
+                "linear (bandwidth 1/β) for large ones", x="message size S (bytes)",
+                y="time (ms)")
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    return fig
