@@ -43,9 +43,9 @@ def _comparable(name: str, t: torch.Tensor) -> torch.Tensor:
 
     The key bias's true gradient is exactly zero (adding ``q·b_k`` to every score of a row
     does not change its softmax), so its computed gradient is pure rounding noise, which Adam
-    divides by its own square root: after 10 AdamW steps the key bias of the *serial* model
-    run with 2 micro-batches differs from the unsplit serial run by 1.5e-4 relative (lr 3e-3). The q and
-    v biases are compared; the key bias is not.
+    divides by its own square root: after 10 AdamW steps (lr 3e-3) the key bias of the
+    *serial* model run with 2 micro-batches differs from the unsplit serial run by 1.5e-4
+    relative. The q and v biases are compared; the key bias is not.
     """
     if name.endswith("attn.qkv.bias"):
         q, _, v = t.chunk(3)

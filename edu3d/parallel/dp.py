@@ -284,8 +284,9 @@ def build_trainer(model, mesh, args):
     """The trainer ``edu3d train --dp N [--zero S] [--grad-accum K]`` uses on each rank.
 
     ``args`` carries the serial loop's options plus ``zero`` (0-3), ``grad_accum``,
-    ``dp_impl`` and ``bucket_mb`` (and optionally ``prefetch`` for ZeRO-3). Returns an object with ``.step(x, y, step) -> {"loss",
-    "grad_norm"}`` taking the global batch.
+    ``dp_impl`` and ``bucket_mb``; optionally ``prefetch`` and ``offload`` (ZeRO),
+    ``reverse_buckets`` and ``compress`` (DP). Returns an object with
+    ``.step(x, y, step) -> {"loss", "grad_norm"}`` taking the global batch.
     """
     stage = getattr(args, "zero", 0) or 0
     if stage:
