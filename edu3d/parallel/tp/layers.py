@@ -266,7 +266,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
     ``start`` defaults to ``rank * logits.shape[-1]``; columns at or beyond ``vocab_size``
     are padding and take no part. ``reduction`` is ``"mean"`` over the non-ignored tokens (as
-    ``F.cross_entropy``), ``"sum"`` or ``"none"``. Equal on every rank of the group.
+    ``F.cross_entropy``; 0 rather than nan when every target is ignored), ``"sum"`` or
+    ``"none"``. Equal on every rank of the group.
     """
     if start is None:
         start = ops.group_rank(group) * logits.shape[-1]
