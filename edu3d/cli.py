@@ -140,6 +140,7 @@ def _doctor(args) -> int:
 BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
     "launch": "edu3d.bench:launch_overhead",
     "pp": "edu3d.parallel.pp.bench:run_benchmark",
+    "tp": "edu3d.parallel.tp.bench:run_benchmark",
 }
 
 

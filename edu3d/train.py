@@ -108,6 +108,10 @@ def check_args(args: argparse.Namespace):
         args.microbatches = args.pp
     mb = (args.microbatches or 1) if args.pp > 1 else args.grad_accum
     layout.validate(config=config, global_batch=args.global_batch, microbatches=mb)
+    if args.tp > 1:
+        from edu3d.parallel.tp import check_layout
+
+        check_layout(layout, config, args.sp)
     if args.sp and args.tp == 1:
         raise LayoutError("--sp splits the sequence across the tensor-parallel group; "
                           "add --tp 2 (or more)")

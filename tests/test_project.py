@@ -57,3 +57,11 @@ def test_notebooks_store_outputs_only_where_nbval_checks_them():
     assert notebooks
     found = {nb.name: problems(nbformat.read(nb, as_version=4)) for nb in notebooks}
     assert not {k: v for k, v in found.items() if v}
+
+
+def test_every_subpackage_is_declared_for_regular_installs():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = set(data["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "edu3d").rglob("__init__.py")} | {"edu3d.widgets"}
+    assert on_disk == declared
