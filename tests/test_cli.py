@@ -78,3 +78,15 @@ def test_doctor_reports_gloo_working_on_two_ranks():
 def test_help(args):
     p = _run(args)
     assert p.returncode == 0 and "usage: edu3d" in p.stdout
+
+
+def test_every_benchmark_entry_point_exists():
+    """`edu3d bench NAME` resolves to a real function for every NAME it offers."""
+    import importlib
+
+    from edu3d.cli import BENCHMARKS
+
+    assert {"launch", "comm", "dp", "zero", "tp", "pp"} <= set(BENCHMARKS)
+    for name, target in BENCHMARKS.items():
+        module, _, fn = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), fn)), name
