@@ -157,5 +157,7 @@ def test_buckets_follow_reverse_registration_order():
     assert [[p.numel() for p in b.params] for b in rev] == [[400, 300], [200, 100]]
     fwd = make_buckets(params, bucket_mb=500 * 4 / 2**20, reverse=False)
     assert [[p.numel() for p in b.params] for b in fwd] == [[100, 200, 300], [400]]
+    first = make_buckets(params, bucket_mb=500 * 4 / 2**20, first_bucket_mb=300 * 4 / 2**20)
+    assert [[p.numel() for p in b.params] for b in first] == [[400], [300, 200], [100]]
     with pytest.raises(ValueError, match="bucket_mb"):
         make_buckets(params, 0)

@@ -56,22 +56,26 @@ class Bucket:
     offsets: list = field(default_factory=list)
 
 
-def make_buckets(params: list, bucket_mb: float, reverse: bool = True) -> list[Bucket]:
+def make_buckets(params: list, bucket_mb: float, reverse: bool = True,
+                 first_bucket_mb: float | None = None) -> list[Bucket]:
     """Group ``params`` into buckets of at least ``bucket_mb`` MB (the last may be smaller).
 
     ``reverse=True`` fills buckets from the last registered parameter backwards, the order in
     which backward produces gradients, so the first bucket is ready early. In forward order
     the first bucket waits for the embedding's gradient, which arrives last: no overlap.
+    ``first_bucket_mb`` caps the first bucket (PyTorch DDP uses 1 MB) so that communication
+    starts after the first few gradients rather than after ``bucket_mb`` of them.
     """
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb} must be positive (e.g. 25, PyTorch's default)")
     order = list(reversed(params)) if reverse else list(params)
     limit = bucket_mb * 2**20
+    first = min(first_bucket_mb, bucket_mb) * 2**20 if first_bucket_mb else limit
     groups, current, size = [], [], 0
     for p in order:
         current.append(p)
         size += p.numel() * p.element_size()
-        if size >= limit:
+        if size >= (first if not groups else limit):
             groups.append(current)
             current, size = [], 0
     if current:
@@ -98,7 +102,7 @@ class DataParallel:
 
     def __init__(self, model: torch.nn.Module, group=None, impl: str = "bucketed",
                  bucket_mb: float = 25.0, reverse_buckets: bool = True, comm_hook=None,
-                 broadcast: bool = True):
+                 broadcast: bool = True, first_bucket_mb: float | None = 1.0):
         if impl not in IMPLS:
             raise ValueError(f"dp impl {impl!r} is not one of {', '.join(IMPLS)}")
         self.model, self.group, self.impl = model, group, impl
@@ -114,7 +118,8 @@ class DataParallel:
         if broadcast:
             self.broadcast_parameters()
         if impl == "bucketed":
-            self.buckets = make_buckets(self.params, bucket_mb, reverse_buckets)
+            self.buckets = make_buckets(self.params, bucket_mb, reverse_buckets,
+                                        first_bucket_mb)
             self._bucket_of = {}
             for b in self.buckets:
                 for p, off in zip(b.params, b.offsets):
