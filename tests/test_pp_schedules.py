@@ -159,3 +159,17 @@ def test_schedule_command(capsys):
     assert schedule_main(["--name", "zb-h1", "--pp", "4", "-m", "8", "--format", "table"]) == 0
     assert "peak in-flight" in capsys.readouterr().out
     assert schedule_main(["--name", "gpipe", "--pp", "2", "-m", "2", "--vpp", "2"]) == 2
+
+
+def test_replay_with_measured_durations():
+    """Costs.measured gives single actions their own time: equal times reproduce the formula,
+    one slow backward on the last stage stretches everybody's step."""
+    actions = build("1f1b", 2, 4)
+    even = {(a.stage, a.kind, a.mb): (1.0 if a.kind == "F" else 2.0)
+            for ops in actions for a in ops if a.is_compute}
+    assert simulate(actions, 2, Costs(measured=even)).bubble == pytest.approx(
+        bubble_formula("1f1b", 2, 4))
+    slow = {**even, (1, "B", 0): 6.0}
+    sim = simulate(actions, 2, Costs(measured=slow))
+    assert sim.makespan == simulate(actions, 2, Costs(measured=even)).makespan + 4.0
+    assert sim.bubble > bubble_formula("1f1b", 2, 4)
