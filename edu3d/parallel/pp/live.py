@@ -13,7 +13,6 @@ chart shows is the schedule's bubble, not an uneven cut.
 
 from __future__ import annotations
 
-import os
 import statistics
 from argparse import Namespace
 
@@ -28,19 +27,14 @@ from edu3d.parallel.pp.trainer import PipelineTrainer
 
 def run_schedules(mesh, runs: list[dict], *, layers: int = 4, d_model: int = 128,
                   seq: int = 64, vocab: int = 64, rows: int = 1, steps: int = 3,
-                  seed: int = 0, pin: bool = False) -> list[dict]:
+                  seed: int = 0) -> list[dict]:
     """Run each ``{"name", "m", "vpp"}`` for ``steps`` forward/backward steps.
-
-    ``pin`` binds rank r to CPU core ``r % cores`` (fewer migrations when ranks <= cores).
 
     Returns, per run, the trace step ids it used and this rank's peak in-flight micro-batches
     and peak activation bytes. Use it through :func:`edu3d.launch.launch` with a
     ``Layout(pp=P)``; read the events from the launch result.
     """
     torch.manual_seed(seed)
-    if pin and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[mesh.rank % len(cores)]})
     rec = trace.current()
     config = config_from("tiny", layers=layers, heads=4, d_model=d_model, seq=seq, vocab=vocab)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=seed)
