@@ -70,3 +70,23 @@ def test_zero_stages_equal_serial_with_formula_memory_and_traffic(world):
             want = expected_traffic(stage, cfg["grad_accum"]) * psi
             print(f"traffic {moved / psi:.4f} psi")
             assert abs(moved / want - 1) < 0.01, (name, rank, moved / psi)
+
+
+def test_zero3_holds_at_most_two_gathered_units_and_frees_them():
+    """From the ``mem`` events ZeRO-3 records on every gather and free: during a step a rank
+    holds its shards plus at most two full units (the one computing and the next one, whose
+    backward hook can fire first), and after the step only its shards."""
+    world, name = 2, "zero3/k1"
+    result = launch(parity_worker, world, args=([c for c in CONFIGS if c["name"] == name],),
+                    timeout=240, echo=False)
+    for rank in range(world):
+        mem = [e for e in result.events() if e["lane"] == "mem" and e["rank"] == rank
+               and e.get("case") == f"{name}/adamw" and e.get("step") == 10]
+        resident = [e["mem"]["params"] for e in mem]
+        psi = result.results[rank][name]["psi"]
+        units = [3159, 9099, 9099, 2781]  # embed, 2 blocks, head of the test model (d=27)
+        assert sum(units) == psi
+        shards = sum(-(-u // world) for u in units) * 4
+        assert resident[-1] == shards
+        assert max(resident) <= shards + 4 * 2 * max(units)
+        assert max(resident) < shards + 4 * psi  # never everything at once
