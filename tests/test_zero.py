@@ -27,7 +27,8 @@ CONFIGS = [{"name": f"zero{s}/k{k}", "zero": s, "grad_accum": k}
            for s in (1, 2, 3) for k in (1, 2)] + [
     {"name": "zero3-prefetch/k2", "zero": 3, "grad_accum": 2, "prefetch": True},
     {"name": "zero2-offload/k2", "zero": 2, "grad_accum": 2, "offload": True},
-    {"name": "dp/k1", "zero": 0, "grad_accum": 1}]
+    {"name": "dp/k1", "zero": 0, "grad_accum": 1},
+    {"name": "dp/k2", "zero": 0, "grad_accum": 2}]  # no_sync: still 2Ψ with 2 micro-batches
 
 
 def configs_for(world: int) -> list[dict]:
