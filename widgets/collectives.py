@@ -8,7 +8,8 @@ After reading this file you should be able to read two pictures:
 * :func:`ring_replay_figure` — the N x N grid of a ring all-reduce (row = rank, column =
   chunk), stepped through both phases by a slider. A cell shows how many ranks' contributions
   that rank holds for that chunk (``k/N``); arrows are the step's transfers. During
-  reduce-scatter the counts grow by one per step until each rank owns one complete chunk;
+  reduce-scatter the counts grow by one per step until each rank owns one complete chunk
+  (the arrow from the last rank back up to rank 0 closes the ring);
   all-gather then copies complete chunks around. The counter compares the bytes sent so far,
   summed from the trace's ``send`` events, with ``2(N-1)/N · S``.
 """
@@ -116,7 +117,7 @@ def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str |
         return [{"x": c, "y": dst, "ax": c, "ay": src, "xref": "x", "yref": "y", "axref": "x",
                  "ayref": "y", "showarrow": True, "arrowhead": 3, "arrowwidth": 2,
                  "arrowcolor": style.VERMILLION, "opacity": 0.8}
-                for src, dst, c in s["moves"] if abs(dst - src) == 1]
+                for src, dst, c in s["moves"]]
 
     def label(s):
         per_rank = s["sent"] / n
