@@ -282,6 +282,28 @@ def ring_sizes(mesh, numel: int = 1000) -> list[int]:
     return agreed
 
 
+def hierarchy_demo(mesh, numel: int = 1200, ranks_per_node: int = 3) -> dict:
+    """A flat ring all-reduce and a hierarchical one on the same data, traced as
+    ``case=flat`` and ``case=hierarchical``; both checked against ``dist.all_reduce``."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
+    want = x.clone()
+    dist.all_reduce(want)
+    out = {}
+    for case, fn in (("flat", ring_all_reduce),
+                     ("hierarchical", lambda t: hierarchical_all_reduce(t, ranks_per_node))):
+        with trace.current().context(case=case):
+            got = fn(x.clone())
+        out[case] = bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
+    return out
+
+
+def inter_node_bytes(events: list[dict], ranks_per_node: int, case: str | None = None) -> int:
+    """Bytes of ``send`` events whose two ends sit in different (simulated) nodes."""
+    return sum(e["bytes"] for e in events if e["op"] == "send"
+               and (case is None or e.get("case") == case)
+               and e["rank"] // ranks_per_node != e["peer"] // ranks_per_node)
+
+
 # ---- grading exercise 01 -------------------------------------------------------------------------
 def grade_ring_exercise(mesh, sizes=(1001, 840)) -> dict:
     """Run the learner's ``ring_all_reduce`` (exercises/ring_allreduce.py, or the solution)
