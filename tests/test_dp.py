@@ -161,3 +161,20 @@ def test_buckets_follow_reverse_registration_order():
     assert [[p.numel() for p in b.params] for b in first] == [[400], [300, 200], [100]]
     with pytest.raises(ValueError, match="bucket_mb"):
         make_buckets(params, 0)
+
+
+def test_overlap_helpers_read_run_shaped_events():
+    from edu3d.widgets.overlap import (compression_figure, launched_during_backward,
+                                       overlap_figure, traffic_per_step)
+
+    events = [{"rank": 0, "lane": "compute", "op": "B", "t0": 10.0, "t1": 50.0, "step": 1,
+               "case": "c"},
+              {"rank": 0, "lane": "comm", "op": "all_reduce", "t0": 30.0, "t1": 60.0,
+               "step": 1, "case": "c", "bytes": 400, "n": 2}]
+    assert traffic_per_step(events, "c", 1) == 800  # all-reduce counts 2S
+    assert launched_during_backward([(0, 3), (1, 10)], 10) == 1
+    fig = overlap_figure(events, "c", 1)
+    assert {t.name for t in fig.data} >= {"B", "all_reduce"}
+    errs = {"none": {"losses": [2.0, 1.0], "param_rel_diff": 0.0},
+            "fp16": {"losses": [2.0, 1.1], "param_rel_diff": 1e-3}}
+    assert len(compression_figure(errs).data) == 2

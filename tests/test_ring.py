@@ -144,3 +144,18 @@ def test_alpha_beta_fit_recovers_a_known_model():
     times = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta for s in sizes]
     a, b = fit_alpha_beta(sizes, times, n)
     assert abs(a / alpha - 1) < 1e-6 and abs(b / beta - 1) < 1e-6
+
+
+def test_collectives_figures_build_from_run_shaped_data():
+    from edu3d.widgets.collectives import bytes_figure, cost_model_figure, gallery_figure
+
+    gallery = [{op: {"before": [10 * r, 10 * r + 1], "after": None if op == "reduce" and r
+                     else [r, r + 1]} for op in ring.GALLERY} for r in range(3)]
+    fig = gallery_figure(gallery, "all_gather")
+    assert len(fig.layout.updatemenus[0].buttons) == len(ring.GALLERY)
+    assert len(bytes_figure({2: 4000.0, 4: 6000.0}, 4000).data) == 2
+    rows = [{"op": "all_reduce", "bytes": s, "edu3d_s": 1e-3, "reference_s": 1e-3,
+             "reference": "torch.distributed.all_reduce", "edu3d_alpha_s": 1e-4,
+             "edu3d_beta_s_per_byte": 1e-9, "edu3d_model_s": 1e-3, "reference_alpha_s": 1e-4,
+             "reference_beta_s_per_byte": 1e-9, "reference_model_s": 1e-3} for s in (1024, 4096)]
+    assert len(cost_model_figure({"world_size": 4, "results": rows}).data) == 4

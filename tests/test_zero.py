@@ -91,3 +91,18 @@ def test_zero3_holds_at_most_two_gathered_units_and_frees_them():
         assert resident[-1] == shards
         assert max(resident) <= shards + 4 * 2 * max(units)
         assert max(resident) < shards + 4 * psi  # never everything at once
+
+
+def test_zero_figures_build_from_run_shaped_data():
+    from edu3d.memory import zero_bytes
+    from edu3d.widgets.zero import memory_bars_figure, resident_params_figure, sharding_map_figure
+
+    fig = sharding_map_figure([("embed", 10, 12), ("block0", 30, 32)], 4, stage=2)
+    params, grads, _ = fig.data
+    assert list(params.x) == [44] * 4  # stage 2: every rank holds all parameters
+    assert list(grads.x) == [3, 8] * 4 and list(grads.base[:2]) == [0, 12]  # ... a grad shard
+    measured = {s: zero_bytes(1000, 4, s) for s in range(4)}
+    assert "1.0000" in memory_bars_figure(measured, 1000, 4).layout.title.text
+    events = [{"rank": 0, "lane": "mem", "op": "params", "t0": t, "t1": t, "step": 1,
+               "mem": {"params": b}} for t, b in ((0, 100), (5, 400), (9, 100))]
+    assert list(resident_params_figure(events, 100, 4, 1).data[0].y) == [1e-4, 4e-4, 1e-4]
