@@ -57,8 +57,8 @@ def int8_hook(t: torch.Tensor, group) -> Done:
     n = dist.get_world_size(group)
     scale = (t.abs().max() / 127).clamp_min(1e-30).reshape(1)
     q = torch.round(t / scale).to(torch.int8)
-    qs = torch.empty(n * q.numel(), dtype=torch.int8)
-    scales = torch.empty(n, dtype=scale.dtype)
+    qs = torch.empty(n * q.numel(), dtype=torch.int8, device=t.device)
+    scales = torch.empty(n, dtype=scale.dtype, device=t.device)
     comm.all_gather(qs, q, group)
     comm.all_gather(scales, scale, group)
     t.copy_((qs.view(n, -1).to(t.dtype) * scales.unsqueeze(1)).sum(0))
@@ -86,8 +86,8 @@ class TopK:
         sent = torch.zeros_like(flat)
         sent[idx] = vals
         self.residual[key] = corrected - sent  # what was not sent waits for the next step
-        all_idx = torch.empty(n * k, dtype=idx.dtype)
-        all_vals = torch.empty(n * k, dtype=vals.dtype)
+        all_idx = torch.empty(n * k, dtype=idx.dtype, device=t.device)
+        all_vals = torch.empty(n * k, dtype=vals.dtype, device=t.device)
         comm.all_gather(all_idx, idx, group)
         comm.all_gather(all_vals, vals, group)
         flat.zero_()

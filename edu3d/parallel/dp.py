@@ -244,7 +244,7 @@ class DPTrainer:
         returns the local mean loss (a tensor)."""
         rec = trace.current()
         xs, ys = shard_rows(x, self.index, self.n), shard_rows(y, self.index, self.n)
-        total = torch.zeros(())
+        total = torch.zeros((), device=xs.device)
         for i, (mx, my) in enumerate(microbatches(xs, ys, self.k)):
             last = i == self.k - 1
             with (contextlib.nullcontext() if last else self.dp.no_sync()), rec.context(mb=i):

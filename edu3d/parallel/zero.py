@@ -263,7 +263,7 @@ class Zero:
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the sharded gradients like ``clip_grad_norm_`` would scale the full ones;
         returns the total norm before clipping."""
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].shard_grad.device)
         for u in self.units:
             sq += u.shard_grad.double().pow(2).sum()
         comm.all_reduce(sq, self.group)
@@ -336,7 +336,7 @@ class ZeroTrainer:
         with rec.context(step=step):
             self.zero.zero_grad()
             xs, ys = shard_rows(x, self.index, self.n), shard_rows(y, self.index, self.n)
-            total = torch.zeros(())
+            total = torch.zeros((), device=xs.device)
             for i, (mx, my) in enumerate(microbatches(xs, ys, self.k)):
                 with rec.context(mb=i):
                     with rec.span("compute", "F"):
