@@ -14,6 +14,7 @@ chart shows is the schedule's bubble, not an uneven cut.
 from __future__ import annotations
 
 import statistics
+import time
 from argparse import Namespace
 
 import torch
@@ -149,3 +150,78 @@ def replay_bubble(events: list[dict], step: int, name: str, pp: int, m: int,
     durations = {(e["stage"], e["op"], e["mb"]): e["t1"] - e["t0"] for e in events
                  if e.get("step") == step and e["lane"] == "compute"}
     return simulate(build(name, pp, m, vpp), pp, Costs(measured=durations)).bubble
+
+
+# ---- stages of known cost: the schedule's own bubble, without CPU contention -------------------
+class _Wait(torch.autograd.Function):
+    """Identity that takes ``f`` seconds forward and ``b`` seconds backward (sleeping, so two
+    ranks on a shared CPU do not slow each other down)."""
+
+    @staticmethod
+    def forward(ctx, x, f: float, b: float):
+        time.sleep(f)
+        ctx.b = b
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.b)
+        return grad, None, None
+
+
+class TimedStage(torch.nn.Module):
+    """A pipeline stage whose forward lasts ``f`` s and backward ``b`` s (one tiny weight so
+    gradients really flow). Same interface as :class:`~edu3d.parallel.pp.stage.PipelineStage`.
+    """
+
+    def __init__(self, f: float, b: float, is_first: bool, is_last: bool, width: int = 16):
+        super().__init__()
+        self.f, self.b, self.is_first, self.is_last = f, b, is_first, is_last
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx.float().unsqueeze(-1) * self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(x * self.weight, self.f, self.b)
+
+    def body_parameters(self):
+        return [self.weight]
+
+    @staticmethod
+    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return out.mean()
+
+
+def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
+              steps: int = 3) -> list[dict]:
+    """Like :func:`run_schedules`, with :class:`TimedStage` stages of fixed cost.
+
+    The engine, the schedule and the messages are real; only the compute is a wait of known
+    length, so the measured bubble is the schedule's (plus message latency and overhead),
+    not the machine's other processes. Backward-split schedules (ZB-H1) put the whole
+    backward wait into ``I``.
+    """
+    from edu3d.parallel.pp.engine import PipelineEngine
+    from edu3d.parallel.pp.schedules import build, chunks
+
+    rec = trace.current()
+    pp, rank = mesh.size("pp"), mesh.index("pp")
+    out, step_id = [], 0
+    for run in runs:
+        v = chunks(run["name"], run.get("vpp", 1))
+        n = pp * v
+        stages = {s: TimedStage(f_ms / 1e3 / v, b_ms / 1e3 / v, s == 0, s == n - 1)
+                  for s in range(rank, n, pp)}
+        engine = PipelineEngine(stages, build(run["name"], pp, run["m"], v)[rank], n,
+                                mesh.ranks("pp"), mesh.pp, run["m"])
+        batch = [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+                 for _ in range(run["m"])]
+        ids = []
+        for _ in range(steps):
+            with rec.context(step=step_id):
+                engine.run(batch)
+            ids.append(step_id)
+            step_id += 1
+        out.append({**run, "steps": ids, "peak_in_flight": engine.peak_in_flight})
+    return out
