@@ -26,6 +26,7 @@ After reading this file you should understand how a schedule (data) becomes a ru
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -87,6 +88,7 @@ class PipelineEngine:
         self.pp = len(ranks)
         self.microbatch_loss = microbatch_loss or scaled_loss
         self.meter = _ActivationMeter([p for st in stages.values() for p in st.parameters()])
+        self.activation_bytes: dict[tuple, int] = {}  # (stage, micro-batch shape) -> bytes
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
         # shapes learned from the first step's metadata, per (direction, sending stage)
@@ -194,7 +196,11 @@ class PipelineEngine:
     def _forward(self, s: int, i: int) -> None:
         stage = self.stages[s]
         x_mb, y_mb = self.batch[i]
-        with self.meter:
+        # every micro-batch of a stage saves the same tensors: count them once (the hook is a
+        # Python call per saved tensor, too slow to leave on)
+        shape = (s, tuple(x_mb.shape))
+        measure = shape not in self.activation_bytes
+        with self.meter if measure else contextlib.nullcontext():
             if stage.is_first:
                 emb = stage.embed(x_mb)
                 x = emb.detach().requires_grad_()
@@ -206,7 +212,9 @@ class PipelineEngine:
                 loss = stage.loss(out, y_mb)
                 self.losses.append(loss.detach())
                 out = self.microbatch_loss(loss, self.m)
-        self.saved[(s, i)] = (emb, x, out, self.meter.bytes)
+        if measure:
+            self.activation_bytes[shape] = self.meter.bytes
+        self.saved[(s, i)] = (emb, x, out, self.activation_bytes[shape])
         if not stage.is_last:
             if s + 1 in self.stages:  # next stage on this rank (pp = 1): hand over directly
                 self.inputs[(s + 1, i)] = out.detach()
