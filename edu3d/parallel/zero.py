@@ -74,8 +74,8 @@ class FlatUnit:
         self.pending = None  # an asynchronous all-gather in flight (prefetch)
 
     def pieces(self):
-        """``(param, start, end)``: the part of each parameter inside this rank's shard, in
-        the parameter's own flat coordinates."""
+        """``(param, start, end, at)``: elements ``[start, end)`` of ``param`` (flattened)
+        lie in this rank's shard, beginning at offset ``at`` of the shard."""
         for p, o in zip(self.params, self.offsets):
             a, b = max(o, self.lo), min(o + p.numel(), self.hi)
             if a < b:
