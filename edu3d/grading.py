@@ -49,8 +49,11 @@ def load(name: str, solutions: bool | None = None) -> ModuleType:
 def check(title: str, test: Callable[[], object]) -> bool:
     """Run ``test``; it passes when it returns without raising and does not return False.
 
-    Prints one stable verdict line; the reason for a failure goes to stderr.
+    Prints one stable verdict line; the reason for a failure goes to stderr. Runs launched
+    inside the check show no live status line, so the cell's output is the verdict alone.
     """
+    saved = os.environ.get("EDU3D_PROGRESS")
+    os.environ["EDU3D_PROGRESS"] = "0"  # runs launched by a check show no status line
     try:
         ok = test() is not False
         reason = "" if ok else "the check returned False"
@@ -58,6 +61,11 @@ def check(title: str, test: Callable[[], object]) -> bool:
         ok, reason = False, f"not implemented yet: {err}"
     except Exception:  # noqa: BLE001 - a check must report, not crash the notebook
         ok, reason = False, traceback.format_exc(limit=3)
+    finally:
+        if saved is None:
+            os.environ.pop("EDU3D_PROGRESS", None)
+        else:
+            os.environ["EDU3D_PROGRESS"] = saved
     print(f"{'PASS' if ok else 'FAIL'} {title}", flush=True)
     if not ok:
         print(f"  why: {reason}", file=sys.stderr, flush=True)

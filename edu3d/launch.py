@@ -261,8 +261,8 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     ``echo``: ``True`` prints each line with its rank prefix, ``False`` prints nothing, a
     callable receives ``(rank, stream, line)`` (rank ``None`` for torchrun's own lines).
     ``on_poll(elapsed_s, ranks_done)`` is called a few times a second (progress displays).
-    ``progress`` shows a live status line under the cell (default: when running in a
-    Jupyter kernel). ``timeout`` (seconds) bounds the whole run. Raises :class:`RankError`,
+    ``progress`` shows a live status line under the cell (default: in a Jupyter kernel,
+    unless ``EDU3D_PROGRESS=0``). ``timeout`` (seconds) bounds the whole run. Raises :class:`RankError`,
     :class:`LaunchTimeout` or :class:`LaunchError`; ``KeyboardInterrupt`` kills the run.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -293,7 +293,9 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs}))
 
-    status = _notebook_status(nprocs) if progress or (progress is None and _in_kernel()) else None
+    if progress is None:
+        progress = _in_kernel() and os.environ.get("EDU3D_PROGRESS", "1") != "0"
+    status = _notebook_status(nprocs) if progress else None
     poll = on_poll
     if status is not None:
         def poll(elapsed: float, done: int) -> None:

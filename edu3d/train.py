@@ -63,8 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="micro-batches accumulated per step (data parallelism)")
     par.add_argument("--dp-impl", choices=("naive", "flat", "overlap", "bucketed"),
                      default="bucketed", help="how gradients are averaged")
-    par.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size for bucketed")
+    par.add_argument("--bucket-mb", type=float, default=25.0,
+                     help="bucket size in MB for --dp-impl bucketed (PyTorch DDP's default: 25)")
     par.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
+    par.add_argument("--offload", action="store_true",
+                     help="ZeRO: keep the optimizer state (and its update) on the CPU")
+    par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,
+                     help="compress data-parallel gradients (lossy: losses drift from serial)")
     par.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
     par.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp)")
     par.add_argument("--tp-overlap", action="store_true",
@@ -128,6 +133,11 @@ def check_args(args: argparse.Namespace):
     if args.grad_accum > 1 and (args.tp > 1 or args.pp > 1):
         raise LayoutError("--grad-accum is data parallelism's; pipelines accumulate over "
                           "--microbatches")
+    if args.offload and not args.zero:
+        raise LayoutError("--offload moves ZeRO's sharded optimizer state; add --zero 1 (or 2, 3)")
+    if args.compress and (args.zero or args.dp == 1 or args.tp > 1 or args.pp > 1):
+        raise LayoutError("--compress applies to plain data parallelism: use it with --dp N "
+                          "and no --zero/--tp/--pp")
     if args.zero and args.dp == 1:
         raise LayoutError(f"--zero {args.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")

@@ -66,3 +66,11 @@ def test_bad_layouts_fail_before_any_process(argv, message):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and message in p.stderr
     assert "launching" not in p.stderr
+
+
+def test_offload_and_compression_options_reach_the_ranks():
+    offload = _losses("--dp", "2", "--zero", "2", "--offload")
+    assert offload[0][0] == pytest.approx(_losses()[0][0], rel=1e-5)
+    compressed = _losses("--dp", "2", "--compress", "bf16")
+    assert compressed[0][0] == pytest.approx(offload[0][0], rel=1e-5)  # step 1 loss: before any update
+    assert compressed[-1][0] == pytest.approx(offload[-1][0], rel=1e-2)  # then close, not equal
