@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from edu3d.worker import PREFIX_FMT
+from edu3d.worker import PREFIX_FMT, _alive
 
 _PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
 # torchrun options that mean "the user is setting up rendezvous themselves" (multi-node)
@@ -182,12 +182,8 @@ def _pids(run_dir: Path) -> list[int]:
 
 def _running(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _alive(pid):
         return False
-    except PermissionError:
-        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

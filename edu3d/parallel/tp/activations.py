@@ -25,24 +25,19 @@ from collections import Counter
 import torch
 
 from edu3d import trace
+from edu3d.memory import measure_activations
 from edu3d.model import GPT, GPTConfig
 
 
 def saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Bytes autograd saves while ``module(x)`` runs (each storage once, parameters not
     counted), and the output."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}
+    out = {}
 
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
+    def forward():
+        out["y"] = module(x)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = module(x)
-    return sum(saved.values()), y
+    return measure_activations(forward, exclude=module.parameters()), out["y"]
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
