@@ -33,6 +33,14 @@ PASSTHROUGH = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "
                "--rdzv-conf", "--master-addr", "--master-port", "--local-addr")
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts (ranks, steps, micro-batches ...)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
 # ---- edu3d run ------------------------------------------------------------------------------
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run a script or module on N ranks",

@@ -21,17 +21,11 @@ import time
 
 import torch
 
+from edu3d.cli import positive_int
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT, PRESETS, config_from, num_params
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -18,24 +18,18 @@ import argparse
 import json
 import sys
 
+from edu3d.cli import positive_int
 from edu3d.parallel.pp.check import ScheduleError, check
 from edu3d.parallel.pp.schedules import SCHEDULES, build, chunks, format_torch
 from edu3d.parallel.pp.simulate import Costs, bubble_formula, simulate
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--name", required=True, choices=SCHEDULES, help="schedule")
-    parser.add_argument("--pp", type=_positive, required=True, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=_positive, required=True,
+    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=positive_int, required=True,
                         help="micro-batches per step")
-    parser.add_argument("--vpp", type=_positive, default=1,
+    parser.add_argument("--vpp", type=positive_int, default=1,
                         help="chunks per rank (interleaved only)")
     parser.add_argument("--format", choices=("torch", "table", "json"), default="torch")
     return parser
