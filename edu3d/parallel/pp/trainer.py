@@ -25,7 +25,7 @@ from edu3d.parallel.pp.engine import PipelineEngine
 from edu3d.parallel.pp.partition import partition
 from edu3d.parallel.pp.schedules import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import split_model
-from edu3d.train import lr_at, make_optimizer
+from edu3d.train import clip_and_step, make_optimizer
 
 
 def _unscaled(loss: torch.Tensor, m: int) -> torch.Tensor:
@@ -103,12 +103,7 @@ class PipelineTrainer:
         """One optimizer step on the global batch, as ``edu3d.train.train_step``."""
         loss = self.forward_backward(x, y)
         norm = self.grad_norm()
-        if self.args.clip > 0:  # clip_grad_norm_'s rule: scale by min(1, clip/(norm+1e-6))
-            coef = torch.clamp(self.args.clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad for p in self.params], coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.args)
-        self.optimizer.step()
+        clip_and_step(self.optimizer, self.params, norm, step, self.args)
         return {"loss": loss.item(), "grad_norm": norm.item()}
 
 
