@@ -21,72 +21,11 @@ import time
 
 import torch
 
-from edu3d.cli import positive_int
 from edu3d.data import SyntheticCorpus
-from edu3d.model import GPT, PRESETS, config_from, num_params
+from edu3d.model import GPT, num_params
+from edu3d.options import add_arguments, check_args, config_from_args  # noqa: F401 (re-exported)
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the model, data and optimizer options of ``edu3d train`` to ``parser``."""
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default="tiny", choices=list(PRESETS), help="preset")
-    model.add_argument("--layers", type=positive_int, help="override the preset's n_layers")
-    model.add_argument("--heads", type=positive_int, help="override n_heads")
-    model.add_argument("--d-model", type=positive_int, help="override d_model")
-    model.add_argument("--seq", type=positive_int, help="override seq_len")
-    model.add_argument("--vocab", type=positive_int, help="override vocab_size")
-    model.add_argument("--tie", action="store_true", default=None,
-                       help="tie lm_head to the token embedding")
-    opt = parser.add_argument_group("training")
-    opt.add_argument("--steps", type=positive_int, default=60)
-    opt.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
-    opt.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    opt.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step")
-    opt.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup")
-    opt.add_argument("--weight-decay", type=float, default=0.1)
-    opt.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 disables")
-    opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                     help="sgd is plain SGD, the honest check of gradient scale")
-    par = parser.add_argument_group("parallelism (ranks = dp * tp * pp, launched with torchrun)")
-    par.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree")
-    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
-                     help="ZeRO stage over the data-parallel group")
-    par.add_argument("--grad-accum", type=positive_int, default=1,
-                     help="micro-batches accumulated per step (data parallelism)")
-    par.add_argument("--dp-impl", choices=("naive", "flat", "overlap", "bucketed"),
-                     default="bucketed", help="how gradients are averaged")
-    par.add_argument("--bucket-mb", type=float, default=25.0,
-                     help="bucket size in MB for --dp-impl bucketed (PyTorch DDP's default: 25)")
-    par.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
-    par.add_argument("--offload", action="store_true",
-                     help="ZeRO: keep the optimizer state (and its update) on the CPU")
-    par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,
-                     help="compress data-parallel gradients (lossy: losses drift from serial)")
-    par.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
-    par.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp)")
-    par.add_argument("--tp-overlap", action="store_true",
-                     help="overlap the input-gradient all-reduce with weight gradients")
-    par.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
-    par.add_argument("--vpp", type=positive_int, default=1, help="model chunks per pipeline rank")
-    par.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
-                     default="1f1b", help="pipeline schedule")
-    par.add_argument("--microbatches", type=positive_int, default=None,
-                     help="pipeline micro-batches per step (default: pp)")
-    par.add_argument("--partition", choices=("uniform", "balanced"), default="uniform",
-                     help="how layers are cut into pipeline stages")
-    par.add_argument("--timeout", type=float, default=600.0,
-                     help="seconds before a parallel run is killed")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per step and nothing else on stdout")
-    return parser
-
-
-def layout_from_args(args: argparse.Namespace):
-    from edu3d.mesh import Layout
-
-    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp)
 
 
 # Which module's build_trainer(model, mesh, args) runs a layout; the first that applies wins.
@@ -95,47 +34,6 @@ STRATEGIES = (
     (lambda a: a.tp > 1, "edu3d.parallel.tp.parallelize"),
     (lambda a: True, "edu3d.parallel.dp"),
 )
-
-
-def check_args(args: argparse.Namespace):
-    """Every check that can fail, done before any process starts; returns (config, layout)."""
-    from edu3d.mesh import LayoutError
-
-    config = config_from_args(args)
-    layout = layout_from_args(args)
-    if args.pp > 1 and args.microbatches is None:
-        args.microbatches = args.pp
-    mb = (args.microbatches or 1) if args.pp > 1 else args.grad_accum
-    layout.validate(config=config, global_batch=args.global_batch, microbatches=mb)
-    if args.tp > 1:
-        from edu3d.parallel.tp import check_layout
-
-        check_layout(layout, config, args.sp)
-    if args.sp and args.tp == 1:
-        raise LayoutError("--sp splits the sequence across the tensor-parallel group; "
-                          "add --tp 2 (or more)")
-    if args.vpp > 1 and args.schedule != "interleaved":
-        raise LayoutError(f"--vpp {args.vpp} needs --schedule interleaved")
-    if args.schedule == "interleaved" and args.pp > 1 and args.microbatches % args.pp:
-        raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches "
-                          f"{args.microbatches} must be a multiple of --pp {args.pp}")
-    if args.pp > 1 and args.tp > 1:
-        raise LayoutError("--pp with --tp (3D) is not available yet: the pipeline trainer "
-                          "cuts whole layers; use --pp with --dp, or --tp with --dp")
-    if args.zero and (args.tp > 1 or args.pp > 1):
-        raise LayoutError(f"--zero {args.zero} runs with pure data parallelism; drop --tp/--pp")
-    if args.grad_accum > 1 and (args.tp > 1 or args.pp > 1):
-        raise LayoutError("--grad-accum is data parallelism's; pipelines accumulate over "
-                          "--microbatches")
-    if args.offload and not args.zero:
-        raise LayoutError("--offload moves ZeRO's sharded optimizer state; add --zero 1 (or 2, 3)")
-    if args.compress and (args.zero or args.dp == 1 or args.tp > 1 or args.pp > 1):
-        raise LayoutError("--compress applies to plain data parallelism: use it with --dp N "
-                          "and no --zero/--tp/--pp")
-    if args.zero and args.dp == 1:
-        raise LayoutError(f"--zero {args.zero} shards over the data-parallel group; "
-                          "add --dp 2 (or more)")
-    return config, layout
 
 
 def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace):
@@ -156,11 +54,6 @@ def worker(mesh, options: dict) -> list[dict]:
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     trainer = build_trainer(model, mesh, args)
     return loop(trainer, corpus, args, out=sys.stdout if mesh.rank == 0 else None)
-
-
-def config_from_args(args: argparse.Namespace):
-    return config_from(args.model, layers=args.layers, heads=args.heads, d_model=args.d_model,
-                       seq=args.seq, vocab=args.vocab, tie=args.tie)
 
 
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
