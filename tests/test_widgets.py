@@ -70,7 +70,7 @@ def test_timeline_lanes_traces_and_ghosts():
     assert list(f.text[:3]) == ["0", "1", "2"]  # micro-batch labels
     assert len(f.marker.color) == len(f.x) and len(set(f.marker.color)) == 2  # chunk tints
     assert "GPipe" in fig.layout.title.text and "bubble" in fig.layout.title.text
-    assert fig.layout.xaxis.title.text == "time (ms)"
+    assert fig.layout.xaxis.title.text == "time since the first event shown (ms)"
     assert "group dp (n=2), bytes 4.00 KiB" in fig.data[names.index("all_reduce")].hovertext[0]
 
 

@@ -125,24 +125,32 @@ def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str |
         return (f"{phase}: sent {per_rank:,.0f} B per rank so far; "
                 f"formula 2(N-1)/N·S = {formula:,.0f} B")
 
+    def step_label(s):
+        if s["phase"] == "start":
+            return "start"
+        return f"{'RS' if s['phase'] == 'reduce_scatter' else 'AG'}{s['step']}"
+
+    title = f"Ring all-reduce, {n} ranks"
+    # the figure opens on frame 0: its picture, its arrows, its label and the slider on it
     fig = go.Figure(data=[heat(states[0])],
                     frames=[go.Frame(data=[heat(s)], name=str(i),
                                      layout={"annotations": arrows(s), "title.text":
-                                             style.title_text(f"Ring all-reduce, {n} ranks",
-                                                              label(s))})
+                                             style.title_text(title, label(s))})
                             for i, s in enumerate(states)])
-    style.frame(fig, f"Ring all-reduce, {n} ranks", label(states[-1]), height=420, legend=False)
+    style.frame(fig, title, label(states[0]), height=440, legend=False)
     fig.update_layout(
-        sliders=[{"steps": [{"label": ("start" if s["phase"] == "start" else
-                                       f"{'RS' if s['phase'] == 'reduce_scatter' else 'AG'}{s['step']}"),
-                             "method": "animate",
+        margin={"b": 130}, annotations=arrows(states[0]),
+        sliders=[{"steps": [{"label": step_label(s), "method": "animate",
                              "args": [[str(i)], {"mode": "immediate",
                                                  "frame": {"duration": 0, "redraw": True}}]}
                             for i, s in enumerate(states)],
-                  "currentvalue": {"prefix": "step "}, "active": len(states) - 1}],
-        updatemenus=[{"type": "buttons", "x": 0, "y": -0.25, "xanchor": "left", "buttons": [
+                  "currentvalue": {"prefix": "step "}, "active": 0,
+                  "x": 0.12, "len": 0.88, "pad": {"t": 50}}],
+        updatemenus=[{"type": "buttons", "x": 0, "y": 0, "yanchor": "top", "xanchor": "left",
+                      "pad": {"t": 60}, "buttons": [
             {"label": "play", "method": "animate",
-             "args": [None, {"frame": {"duration": 700, "redraw": True}, "fromcurrent": False}]}]}])
+             "args": [None, {"frame": {"duration": 700, "redraw": True},
+                             "fromcurrent": False}]}]}])
     fig.update_yaxes(title_text="rank", autorange="reversed", dtick=1)
     fig.update_xaxes(title_text="chunk", dtick=1)
     return fig
@@ -163,7 +171,7 @@ def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_re
     style.frame(fig, f"Bytes sent per rank by a ring {op.replace('_', '-')} of S = "
                      f"{total_bytes:,} B", f"approaches {factor}·S as N grows: the ring's cost "
                      "hardly depends on how many ranks there are", x="ranks N",
-                y="bytes sent per rank")
+                y="bytes sent per rank (B)")
     fig.update_layout(barmode="overlay")
     return fig
 

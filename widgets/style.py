@@ -32,6 +32,8 @@ VERMILLION = "#D55E00"
 PURPLE = "#CC79A7"
 GREY = "#9E9E9E"
 BLACK = "#000000"
+SEND = "#997700"  # Paul Tol's medium-contrast dark yellow
+RECV = "#EECC66"  # ... and light yellow
 
 #: operation -> colour (compute ops in pipeline notation, then collectives).
 OP_COLORS = {
@@ -43,8 +45,10 @@ OP_COLORS = {
     "recompute": PURPLE,
     # communication: the yellow family, so every transfer reads as "talking"
     "all_reduce": YELLOW, "all_gather": SAND, "reduce_scatter": OLIVE,
-    "broadcast": "#E5D36B", "send": "#C9B84A", "recv": "#C9B84A",
-    "SEND_F": "#C9B84A", "RECV_F": "#C9B84A", "SEND_B": "#B8A63C", "RECV_B": "#B8A63C",
+    # send and receive differ in lightness (Paul Tol's dark and light yellow), so they stay
+    # apart under every colour-vision deficiency and in greyscale
+    "broadcast": "#E5D36B", "send": SEND, "recv": RECV,
+    "SEND_F": SEND, "RECV_F": RECV, "SEND_B": SEND, "RECV_B": RECV,
     "barrier": "#D8D3A0",
     "idle": GREY,
 }
@@ -120,20 +124,48 @@ def html_export_renderer() -> None:
         pio.renderers.default = "plotly_mimetype+notebook"
 
 
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``1 layer``, ``3 layers`` (``words`` for an irregular plural)."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
+def shows_in_legend(fig, trace) -> bool:
+    """Whether plotly puts ``trace`` in the figure's legend (heatmaps never; a lone trace only
+    when the layout asks for a legend)."""
+    if trace.type in ("heatmap", "contour", "surface", "mesh3d", "cone", "streamtube"):
+        return bool(trace.showlegend)
+    if fig.layout.showlegend is False or trace.showlegend is False:
+        return False
+    return fig.layout.showlegend is True or len(fig.data) > 1
+
+
+def label_legend(fig, legend: bool | None = None) -> None:
+    """Keep meaningless entries (plotly's ``trace 0``) out of the legend: a trace without a
+    name never shows there, and the legend is shown only when some named trace is in it."""
+    for trace in fig.data:
+        if not trace.name and trace.showlegend is not False:
+            trace.showlegend = False
+    named = [t for t in fig.data if t.name and t.showlegend is not False
+             and t.type not in ("heatmap", "contour", "surface")]
+    fig.update_layout(showlegend=bool(named) if legend is None else legend and bool(named))
+
+
 def frame(fig, title: str, takeaway: str | None = None, *, x: str | None = None,
-          y: str | None = None, height: int | None = None, legend: bool = True):
+          y: str | None = None, height: int | None = None, legend: bool | None = None):
     """Apply the shared chart frame to a plotly figure and return it.
 
     ``x`` and ``y`` are axis titles *with units* (``"time (ms)"``); ``takeaway`` is the one
-    line the learner should remember. Also makes sure the chart shows in exported HTML
-    (:func:`html_export_renderer`).
+    line the learner should remember. The legend lists named traces only
+    (:func:`label_legend`); ``legend=False`` hides it. Also makes sure the chart shows in
+    exported HTML (:func:`html_export_renderer`).
     """
     html_export_renderer()
     fig.update_layout(
         title={"text": title_text(title, takeaway), "x": 0.0, "xanchor": "left"},
-        font=FONT, template="plotly_white", showlegend=legend,
+        font=FONT, template="plotly_white",
         margin={"l": 70, "r": 20, "t": 90 if takeaway else 60, "b": 50},
     )
+    label_legend(fig, legend)
     if height is not None:
         fig.update_layout(height=height)
     if x is not None:

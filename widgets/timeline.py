@@ -5,8 +5,10 @@ After reading this file you should know how to read every timeline in the course
 * **lane = rank.** Each rank has a compute lane and, just under it, a thinner communication
   sub-lane (collectives and send/recv), so you see at a glance when a rank computes, when it
   talks, and when it does both at once (overlap).
-* **x = time in milliseconds** since the run's aligned origin (every rank passed a barrier and
-  called that instant zero, see :mod:`edu3d.trace`).
+* **x = time in milliseconds from the first event shown**: the trace's clock is aligned across
+  ranks (every rank passed a barrier and called that instant zero, see :mod:`edu3d.trace`),
+  and the chart shifts it so the shown step starts at 0 ms, not somewhere far along an axis
+  that starts with the run. Theory (simulated) events start at their own 0.
 * **colour = operation** (:mod:`edu3d.widgets.style`), **tint = model chunk**, **label =
   micro-batch**. Gaps in a compute lane between its first and last compute event are
   **idle** (hatched grey): in a pipeline that is the bubble.
@@ -147,6 +149,18 @@ def idle_gaps(events) -> list[dict]:
     return out
 
 
+def from_start(events) -> list[dict]:
+    """``events`` shifted so the first of them starts at 0 (measured and simulated events
+    each from their own first start: a simulation counts from 0, a run from its origin)."""
+    out = []
+    for sim in (False, True):
+        sel = [e for e in events if bool(e.get("sim")) == sim]
+        if sel:
+            origin = min(e["t0"] for e in sel)
+            out += [{**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin} for e in sel]
+    return out
+
+
 def _colors(events, chunks: int):
     base = style.op_color(events[0]["op"])
     if chunks <= 1:
@@ -159,12 +173,13 @@ def timeline_figure(events, *, title: str = "Timeline", takeaway: str | None = N
     """A plotly figure of ``events`` (a list of edu3d trace event dicts).
 
     ``ops`` restricts (and orders) the operations drawn; ``idle`` hatches compute-lane gaps.
+    The x axis starts where the first shown event starts (:func:`from_start`).
     Returns a plain ``go.Figure`` (works in JupyterLab and in exported HTML).
     """
     import plotly.graph_objects as go
 
-    evs = [e for e in events if e.get("lane") in DRAWN_LANES and "t1" in e
-           and (ops is None or e["op"] in ops)]
+    evs = from_start([e for e in events if e.get("lane") in DRAWN_LANES and "t1" in e
+                      and (ops is None or e["op"] in ops)])
     fig = go.Figure()
     if not evs:
         style.frame(fig, title, takeaway or "no compute or communication events recorded",
@@ -187,11 +202,12 @@ def timeline_figure(events, *, title: str = "Timeline", takeaway: str | None = N
                          legendgroup=op, color=_colors(sel, chunks), ghost=ghost)
 
     n_rows = len(where.tickvals)
-    style.frame(fig, title, takeaway, x="time (ms)",
+    style.frame(fig, title, takeaway, x="time since the first event shown (ms)",
                 height=height or max(260, 120 + 34 * n_rows))
     fig.update_layout(barmode="overlay", bargap=0, hoverlabel={"align": "left"},
                       uniformtext={"minsize": 8, "mode": "hide"})
     fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext, range=where.extent[::-1],
                      showgrid=False, zeroline=False)
-    fig.update_xaxes(rangemode="tozero", showgrid=True)
+    end = max(e["t1"] for e in evs) / 1e3
+    fig.update_xaxes(range=[0, end * 1.01 or 1.0], showgrid=True)
     return fig

@@ -109,7 +109,7 @@ def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per)
     ratios = ", ".join(f"stage {s}: {measured[s]['total'] / zero_bytes(psi, n, s, **bytes_per)['total']:.4f}"
                        for s in stages)
     style.frame(fig, f"Memory per rank, {n} ranks, Ψ = {psi:,} parameters (fp32 Adam)",
-                f"measured / formula = {ratios}", x="ZeRO stage", y="MB per rank")
+                f"measured / formula = {ratios}", x="ZeRO stage", y="memory per rank (MB)")
     fig.update_layout(barmode="stack")
     return fig
 
@@ -135,5 +135,6 @@ def resident_params_figure(events: list[dict], psi: int, n: int, step: int, rank
                    name="full model 4Ψ (what DP holds)")])
     style.frame(fig, f"ZeRO-3: parameters held by rank {rank} during step {step}",
                 "each unit is gathered before its forward and again before its backward, "
-                "and freed right after", x="time (ms)", y="MB")
+                "and freed right after", x="time since the step's first record (ms)",
+                y="parameters held (MB)")
     return fig

@@ -1,0 +1,314 @@
+"""Every chart keeps the visual grammar: a named legend, the shown step from 0 ms, a replay
+whose picture, label and slider agree, send and receive told apart.
+
+Every ``*_figure`` function in ``widgets/*.py`` is built here from synthetic data with the
+schema of the real runs (:data:`BUILDERS`); a new figure function without a builder fails
+:func:`test_every_figure_function_is_walked`, so the walk stays complete.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+
+import pytest
+import torch
+
+import edu3d.widgets as widgets_pkg
+from edu3d.mesh import Layout
+from edu3d.widgets import style
+
+
+# ---- synthetic inputs, one per figure function ---------------------------------------------
+def ring_events(n: int = 4, chunk_bytes: int = 4000, case: str = "demo") -> list[dict]:
+    """The sends of a ring all-reduce as :func:`edu3d.ring.ring_all_reduce` traces them."""
+    out = []
+    for phase in ("reduce_scatter", "all_gather"):
+        for step in range(n - 1):
+            for r in range(n):
+                chunk = (r - step) % n if phase == "reduce_scatter" else (r + 1 - step) % n
+                out.append({"rank": r, "lane": "comm", "op": "send", "peer": (r + 1) % n,
+                            "bytes": chunk_bytes, "algo": "ring_all_reduce", "phase": phase,
+                            "ring_step": step, "chunk": chunk, "case": case,
+                            "t0": 1.0, "t1": 2.0})
+    return out
+
+
+def gallery_results(n: int = 4) -> list[dict]:
+    ops = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    return [{op: {"before": [10 * r + i for i in range(4)],
+                  "after": None if op == "reduce" and r else [float(i) for i in range(4)]}
+             for op in ops} for r in range(n)]
+
+
+def comm_report() -> dict:
+    rows = []
+    for k, b in enumerate((1024, 16384, 262144)):
+        row = {"op": "all_reduce", "bytes": b, "reference": "gloo (dist.all_reduce)"}
+        for key in ("edu3d", "reference"):
+            row |= {f"{key}_s": 1e-4 * (k + 1), f"{key}_model_s": 1e-4 * (k + 1),
+                    f"{key}_alpha_s": 5e-5, f"{key}_beta_s_per_byte": 1e-9}
+        rows.append(row)
+    return {"world_size": 4, "results": rows}
+
+
+def dp_step_events(case: str = "bucketed", step: int = 3, t_start: float = 3.3e6) -> list[dict]:
+    """One DP step far along a run's clock (3.3 s in), as the chapter-02/03 runs record it."""
+    out = []
+    for r in range(2):
+        t = t_start
+        for op, dur in (("F", 2000.0), ("B", 4000.0)):
+            out.append({"rank": r, "lane": "compute", "op": op, "t0": t, "t1": t + dur,
+                        "step": step, "case": case})
+            t += dur
+        out.append({"rank": r, "lane": "comm", "op": "all_reduce", "group": "dp", "n": 2,
+                    "bytes": 4096, "t0": t - 1500, "t1": t + 300, "step": step, "case": case})
+        out.append({"rank": r, "lane": "comm", "op": "all_gather", "group": "dp", "n": 2,
+                    "bytes": 4096, "t0": t - 1000, "t1": t - 500, "step": step, "case": case})
+    return out
+
+
+def split_results(t: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, generator=g), torch.randn(4, 6, generator=g)
+    serial = x @ w
+    out = []
+    for r in range(t):
+        cols = w.chunk(t, 1)[r]
+        rows_x, rows_w = x.chunk(t, 1)[r], w.chunk(t, 0)[r]
+        out.append({"serial": serial,
+                    "column": {"x": x, "w": cols, "partial": x @ cols, "result": serial},
+                    "row": {"x": rows_x, "w": rows_w, "partial": rows_x @ rows_w,
+                            "result": serial}})
+    return out
+
+
+def zero_mem_events(step: int = 2) -> list[dict]:
+    return [{"rank": 0, "lane": "mem", "op": "mem", "t0": 5e6 + 100 * i, "t1": 5e6 + 100 * i,
+             "step": step, "case": "zero3", "mem": {"params": 1000 + 500 * (i % 2)}}
+            for i in range(8)]
+
+
+def _pipeline():
+    from edu3d.widgets.pipeline import synthetic_trace
+
+    return synthetic_trace("1f1b", 2, 4)
+
+
+BUILDERS = {
+    "collectives.gallery_figure": lambda m: m.gallery_figure(gallery_results(), "all_reduce"),
+    "collectives.ring_replay_figure": lambda m: m.ring_replay_figure(ring_events(), 4, 16000,
+                                                                     case="demo"),
+    "collectives.bytes_figure": lambda m: m.bytes_figure({2: 4000, 3: 5333, 4: 6000}, 8000),
+    "collectives.cost_model_figure": lambda m: m.cost_model_figure(comm_report()),
+    "mesh3d.mesh_figure": lambda m: m.mesh_figure(Layout(dp=2, tp=2, pp=2)),
+    "overlap.overlap_figure": lambda m: m.overlap_figure(dp_step_events(), "bucketed", 3),
+    "overlap.traffic_figure": lambda m: m.traffic_figure({"dp": 2.0, "zero3": 3.01},
+                                                         {"dp": 2, "zero3": 3}),
+    "overlap.compression_figure": lambda m: m.compression_figure(
+        {"none": {"losses": [5.0, 4.0, 3.0], "param_rel_diff": 0.0},
+         "fp16": {"losses": [5.0, 4.0, 3.1], "param_rel_diff": 1e-4}}),
+    "pipeline.compare_figure": lambda m: m.compare_figure(
+        [{"name": "1f1b", "pp": 2, "m": 4, "events": _pipeline()},
+         {"name": "gpipe", "pp": 2, "m": 4, "events": m.synthetic_trace("gpipe", 2, 4)}]),
+    "pipeline.pipeline_figure": lambda m: m.pipeline_figure(_pipeline(), "1f1b", 2, 4),
+    "tensor_split.split_figure": lambda m: m.split_figure(split_results(), "row"),
+    "timeline.timeline_figure": lambda m: m.timeline_figure(dp_step_events(), title="DP step"),
+    "zero.sharding_map_figure": lambda m: m.sharding_map_figure(
+        [("embed", 10, 12), ("block0", 20, 20)], 4, stage=2),
+    "zero.memory_bars_figure": lambda m: m.memory_bars_figure(
+        {s: {"params": 4e5, "grads": 4e5, "optimizer": 8e5, "total": 1.6e6} for s in range(4)},
+        100_000, 4),
+    "zero.resident_params_figure": lambda m: m.resident_params_figure(
+        zero_mem_events(), 1000, 4, 2, case="zero3"),
+}
+
+
+def figure_functions() -> list[str]:
+    names = []
+    for info in pkgutil.iter_modules(widgets_pkg.__path__):
+        mod = importlib.import_module(f"edu3d.widgets.{info.name}")
+        names += [f"{info.name}.{n}" for n, f in inspect.getmembers(mod, inspect.isfunction)
+                  if n.endswith("_figure") and f.__module__ == mod.__name__]
+    return sorted(names)
+
+
+def build(key: str):
+    module, _ = key.split(".")
+    return BUILDERS[key](importlib.import_module(f"edu3d.widgets.{module}"))
+
+
+# ---- the walk ---------------------------------------------------------------------------------
+def test_every_figure_function_is_walked():
+    assert figure_functions() == sorted(BUILDERS), (
+        "add a builder to BUILDERS for every *_figure function in widgets/")
+
+
+MEANINGLESS = re.compile(r"^\s*$|^trace \d+$")
+
+
+@pytest.mark.parametrize("key", sorted(BUILDERS))
+def test_every_legend_entry_has_a_meaning(key):
+    fig = build(key)
+    shown = [t for t in fig.data if style.shows_in_legend(fig, t)]
+    for t in shown:
+        assert t.name and not MEANINGLESS.match(t.name), f"{key}: unnamed legend entry {t}"
+    # a legend that says nothing is hidden: a lone unnamed trace never reads "trace 0"
+    for t in fig.data:
+        if not t.name:
+            assert not style.shows_in_legend(fig, t), f"{key}: unnamed {t.type} in the legend"
+    # duplicated entries (one per subplot) are folded into one legend group
+    names = [(t.name, t.legendgroup) for t in shown]
+    assert len(names) == len(set(names)), f"{key}: repeated legend entries {names}"
+
+
+@pytest.mark.parametrize("key", sorted(BUILDERS))
+def test_every_chart_has_a_title_and_axis_units(key):
+    fig = build(key)
+    assert fig.layout.title.text, key
+    for name in ("xaxis", "yaxis"):
+        axis = fig.layout[name]
+        title = axis.title.text if axis.title else None
+        if title and axis.visible is not False:
+            assert "(" in title or title in ("rank", "chunk", "stage", "step",
+                                             "configuration", "ZeRO stage", "ranks N",
+                                             "element index", "micro-batches m",
+                                             "version", "pipeline rank",
+                                             "tensor-parallel degree"), f"{key}: {title}"
+
+
+def test_a_lone_unnamed_trace_shows_no_legend():
+    import plotly.graph_objects as go
+
+    fig = style.frame(go.Figure(go.Bar(x=["a", "b"], y=[1, 2])), "t", "k", x="x", y="y (ms)")
+    assert fig.layout.showlegend is False and fig.data[0].showlegend is False
+    two = go.Figure([go.Bar(x=["a"], y=[1], name="measured"), go.Bar(x=["a"], y=[2])])
+    style.frame(two, "t")
+    assert [style.shows_in_legend(two, t) for t in two.data] == [True, False]
+
+
+def test_plural():
+    assert style.plural(1, "layer") == "1 layer"
+    assert style.plural(3, "layer") == "3 layers"
+    assert style.plural(0, "layer") == "0 layers"
+    assert style.plural(2, "micro-batch", "micro-batches") == "2 micro-batches"
+
+
+# ---- colour -----------------------------------------------------------------------------------
+def test_send_and_receive_are_told_apart():
+    assert style.op_color("send") != style.op_color("recv")
+    assert style.op_color("SEND_F") != style.op_color("RECV_F")
+    assert style.op_color("SEND_B") != style.op_color("RECV_B")
+    # and apart in lightness too (colour-blind and greyscale safe): > 25 % of the range
+    def lum(c):
+        r, g, b = style.hex_to_rgb(c)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+    assert abs(lum(style.op_color("send")) - lum(style.op_color("recv"))) > 0.25 * 255
+    fig = build("pipeline.pipeline_figure")
+    colors = {t.name: t.marker.color for t in fig.data if t.name in ("send", "recv")}
+    first = {k: (v[0] if not isinstance(v, str) else v) for k, v in colors.items()}
+    assert set(first) == {"send", "recv"} and first["send"] != first["recv"]
+
+
+PALETTE = {c.upper() for c in (*style.OP_COLORS.values(), *style.GROUP_COLORS,
+                               *style.EXTRA_COLORS, style.GREY, style.BLACK, style.SKY)}
+
+
+def _solid(color) -> list[str]:
+    if color is None or isinstance(color, (int, float)):
+        return []
+    if isinstance(color, str):
+        return [color]
+    return [c for c in color if isinstance(c, str)]
+
+
+@pytest.mark.parametrize("key", sorted(BUILDERS))
+def test_colours_come_from_the_palette(key):
+    """Every solid colour a bar or line uses is a palette colour (or its chunk tint)."""
+    tints = {style.tint(c, k, v).upper() for c in PALETTE if c.startswith("#")
+             for v in (2, 3, 4) for k in range(v)}
+    fig = build(key)
+    for t in fig.data:
+        used = []
+        if t.type in ("bar", "scatter"):
+            used += _solid(t.marker.color)
+            if t.type == "scatter":
+                used += _solid(t.line.color)
+        for c in used:
+            if c.startswith("rgba(0,0,0,0)"):
+                continue  # transparent (the idle hatch)
+            assert c.upper() in PALETTE | tints, f"{key}: {t.name} uses {c}"
+
+
+# ---- the ring replay: picture, label and slider agree ---------------------------------------
+def test_ring_replay_opens_on_its_first_frame():
+    from edu3d.widgets.collectives import ring_replay_figure
+
+    fig = ring_replay_figure(ring_events(), 4, 16000, case="demo")
+    first = fig.frames[0]
+    assert fig.data[0].z == first.data[0].z and fig.data[0].text == first.data[0].text
+    assert all(c == "1/4" for row in fig.data[0].text for c in row)  # the start: own data only
+    slider = fig.layout.sliders[0]
+    assert slider.active == 0
+    labels = [s.label for s in slider.steps]
+    assert labels == ["start", "RS0", "RS1", "RS2", "AG0", "AG1", "AG2"]
+    assert [list(s.args[0]) for s in slider.steps] == [[f.name] for f in fig.frames]
+    assert fig.layout.title.text == first.layout.title.text
+    assert "start" in fig.layout.title.text and "sent 0 B" in fig.layout.title.text
+    assert list(fig.layout.annotations) == list(first.layout.annotations) == []
+
+
+def test_ring_replay_frames_say_what_they_show():
+    from edu3d.widgets.collectives import ring_replay_figure
+
+    fig = ring_replay_figure(ring_events(), 4, 16000, case="demo")
+    for frame, step in zip(fig.frames[1:], fig.layout.sliders[0].steps[1:]):
+        phase = "reduce-scatter" if step.label.startswith("RS") else "all-gather"
+        assert f"{phase} step {step.label[2:]}" in frame.layout.title.text
+        assert len(frame.layout.annotations) == 4  # one arrow per rank
+    last = fig.frames[-1].data[0].text
+    assert all(c == "4/4" for row in last for c in row)  # every rank ends with the whole sum
+    assert "sent 24,000 B per rank" in fig.frames[-1].layout.title.text  # 2(N-1)/N · S
+
+
+# ---- timelines start where the shown step starts ---------------------------------------------
+def _x_start(fig) -> float:
+    return min(min(t.base) for t in fig.data if t.type == "bar" and len(t.base))
+
+
+@pytest.mark.parametrize("key", ["timeline.timeline_figure", "overlap.overlap_figure"])
+def test_timeline_starts_at_the_first_shown_event(key):
+    fig = build(key)  # the step sits 3.3 s into the run
+    assert _x_start(fig) == 0.0
+    end = max(max(b + w for b, w in zip(t.base, t.x)) for t in fig.data if t.type == "bar")
+    assert end < 10.0  # ms: the step fills the axis, not a sliver at 3300 ms
+    lo, hi = fig.layout.xaxis.range
+    assert lo == 0 and end <= hi < 1.1 * end
+
+
+def test_a_later_step_of_a_run_starts_at_zero_too():
+    from edu3d.widgets.timeline import timeline_figure
+
+    evs = [e for e in dp_step_events(t_start=9.9e6) if e["rank"] == 1]
+    evs.append({"rank": 0, "lane": "compute", "op": "F", "t0": 10e6, "t1": 10.002e6})
+    fig = timeline_figure(evs)
+    assert _x_start(fig) == 0.0 and fig.layout.xaxis.range[0] == 0
+
+
+def test_theory_and_measurement_each_start_at_zero():
+    from edu3d.widgets.timeline import timeline_figure
+
+    measured = [{"rank": 0, "lane": "compute", "op": "F", "t0": 5e6, "t1": 5e6 + 1000}]
+    theory = [{"rank": 0, "lane": "compute", "op": "F", "t0": 0.0, "t1": 900.0, "sim": True}]
+    fig = timeline_figure(measured + theory)
+    bases = {t.name: t.base[0] for t in fig.data if t.name in ("F", "F (theory)")}
+    assert bases == {"F": 0.0, "F (theory)": 0.0}
+
+
+def test_pipeline_and_zero_charts_start_at_zero():
+    fig = build("pipeline.pipeline_figure")
+    assert _x_start(fig) == pytest.approx(0.0, abs=1e-9)
+    fig = build("zero.resident_params_figure")
+    assert fig.data[0].x[0] == 0.0
