@@ -27,6 +27,7 @@ from edu3d.mesh import Layout, LayoutError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.PRESETS; a test checks
+MIN_VOCAB = 4  # edu3d.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
 
 
 # ---- argparse types: each says the valid range ---------------------------------------------
@@ -66,8 +67,7 @@ positive_int.__doc__ = "argparse type for counts (ranks, steps, micro-batches ..
 non_negative_int = _integer(0, "an integer >= 0")
 
 
-def _defaults(help_: str, default) -> str:
-    return f"{help_} (default: {default})"
+D = " (default: %(default)s)"  # argparse fills in each option's default in --help
 
 
 # ---- the options ---------------------------------------------------------------------------
@@ -75,70 +75,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every option of ``edu3d train`` to ``parser``; help texts show the defaults."""
     model = parser.add_argument_group("model (a preset; each override replaces one field)")
     model.add_argument("--model", default="tiny", choices=PRESET_NAMES,
-                       help=_defaults("preset", "tiny"))
+                       help="preset" + D)
     model.add_argument("--layers", type=positive_int, help="override the preset's n_layers")
     model.add_argument("--heads", type=positive_int, help="override n_heads")
     model.add_argument("--d-model", type=positive_int, help="override d_model")
     model.add_argument("--seq", type=positive_int, help="override seq_len")
-    model.add_argument("--vocab", type=_integer(2, "an integer >= 2 (a vocabulary of one "
-                                                   "token has nothing to predict)"),
-                       help="override vocab_size")
+    model.add_argument("--vocab", type=_integer(MIN_VOCAB, f"an integer >= {MIN_VOCAB} (the "
+                                                           "corpus gives each token "
+                                                           f"{MIN_VOCAB} successors)"),
+                       help="override vocab_size (at least 4)")
     model.add_argument("--tie", action="store_true", default=None,
                        help="tie lm_head to the token embedding (default: the preset's choice)")
     opt = parser.add_argument_group("training")
-    opt.add_argument("--steps", type=positive_int, default=60, help=_defaults("steps", 60))
+    opt.add_argument("--steps", type=positive_int, default=60, help="training steps" + D)
     opt.add_argument("--seed", type=non_negative_int, default=0,
-                     help=_defaults("seeds the weights and the data", 0))
+                     help="seeds the weights and the data" + D)
     opt.add_argument("--lr", type=_number(0, False, "3e-3"), default=3e-3,
-                     help=_defaults("peak learning rate", 3e-3))
+                     help="peak learning rate" + D)
     opt.add_argument("--global-batch", type=positive_int, default=8,
-                     help=_defaults("sequences per step, whatever the layout", 8))
+                     help="sequences per step, whatever the layout" + D)
     opt.add_argument("--warmup", type=non_negative_int, default=0,
-                     help=_defaults("steps of linear learning-rate warmup", 0))
+                     help="steps of linear learning-rate warmup" + D)
     opt.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                     help=_defaults("after warmup: constant, or cosine decay to 10%% of --lr "
-                                    "at the last step", "constant"))
+                     help="after warmup: constant, or cosine decay to 10%% of --lr "
+                                    "at the last step" + D)
     opt.add_argument("--weight-decay", type=_number(0, True, "0.1"), default=0.1,
-                     help=_defaults("AdamW weight decay on matrices", 0.1))
+                     help="AdamW weight decay on matrices" + D)
     opt.add_argument("--clip", type=_number(0, True, "1.0"), default=1.0,
-                     help=_defaults("max global gradient norm; 0 disables", 1.0))
+                     help="max global gradient norm; 0 disables" + D)
     opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                     help=_defaults("sgd is plain SGD, the honest check of gradient scale",
-                                    "adamw"))
+                     help="sgd is plain SGD, the honest check of gradient scale" + D)
     opt.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                     help=_defaults("bf16: autocast, fp32 master weights; fp16: plus dynamic "
-                                    "loss scaling", "fp32"))
+                     help="bf16: autocast, fp32 master weights; fp16: plus dynamic "
+                                    "loss scaling" + D)
     par = parser.add_argument_group("parallelism (ranks = dp * tp * pp, launched with torchrun)")
-    par.add_argument("--dp", type=positive_int, default=1, help=_defaults("data-parallel degree", 1))
+    par.add_argument("--dp", type=positive_int, default=1,
+                     help="data-parallel degree" + D)
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
-                     help=_defaults("ZeRO stage over the data-parallel group", 0))
+                     help="ZeRO stage over the data-parallel group" + D)
     par.add_argument("--microbatches", type=positive_int, default=None,
                      help="micro-batches per step, for every layout: without --pp this is "
                           "gradient accumulation (default: 1, or pp with --pp)")
     par.add_argument("--grad-accum", type=positive_int, default=None,
                      help="the same as --microbatches")
     par.add_argument("--dp-impl", choices=("naive", "flat", "overlap", "bucketed"),
-                     default="bucketed", help=_defaults("how gradients are averaged", "bucketed"))
+                     default="bucketed", help="how gradients are averaged" + D)
     par.add_argument("--bucket-mb", type=_number(0, False, "25"), default=25.0,
-                     help=_defaults("bucket size in MB for --dp-impl bucketed (PyTorch DDP's)", 25))
+                     help="bucket size in MB for --dp-impl bucketed (PyTorch DDP's)" + D)
     par.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
     par.add_argument("--offload", action="store_true",
                      help="ZeRO: keep the optimizer state (and its update) on the CPU")
     par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,
                      help="compress data-parallel gradients (lossy: losses drift from serial)")
-    par.add_argument("--tp", type=positive_int, default=1, help=_defaults("tensor-parallel degree", 1))
+    par.add_argument("--tp", type=positive_int, default=1,
+                     help="tensor-parallel degree" + D)
     par.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp)")
     par.add_argument("--tp-overlap", action="store_true",
                      help="overlap the input-gradient all-reduce with weight gradients")
-    par.add_argument("--pp", type=positive_int, default=1, help=_defaults("pipeline stages", 1))
+    par.add_argument("--pp", type=positive_int, default=1, help="pipeline stages" + D)
     par.add_argument("--vpp", type=positive_int, default=1,
-                     help=_defaults("model chunks per pipeline rank (interleaved)", 1))
+                     help="model chunks per pipeline rank (interleaved)" + D)
     par.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                     help=_defaults("pipeline schedule", "1f1b"))
+                     help="pipeline schedule" + D)
     par.add_argument("--partition", choices=("uniform", "balanced"), default="uniform",
-                     help=_defaults("how layers are cut into pipeline stages", "uniform"))
+                     help="how layers are cut into pipeline stages" + D)
     par.add_argument("--timeout", type=_number(0, False, "600"), default=600.0,
-                     help=_defaults("seconds before a parallel run is killed", 600))
+                     help="seconds before a parallel run is killed" + D)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
     return parser
@@ -279,7 +281,7 @@ def check_fit(config, layout: Layout, args: argparse.Namespace,
     ranks, per_rank = layout.world_size, sum(need.values())
     if ranks * per_rank > available:
         parts = ", ".join(f"{k} {_gb(v)}" for k, v in need.items())
-        fix = "a smaller model (--layers, --d-model, --vocab) or --global-batch"
+        fix = "a smaller model (--layers, --d-model, --vocab) or a smaller --global-batch"
         if layout.dp > 1 and args.zero < 3:
             fix += ", or --zero 3 to shard the model's state over the dp replicas"
         raise LayoutError(

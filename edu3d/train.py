@@ -22,28 +22,19 @@ import time
 import torch
 
 from edu3d.data import SyntheticCorpus
-from edu3d.model import GPT, num_params
-from edu3d.options import add_arguments, check_args, config_from_args  # noqa: F401 (re-exported)
+from edu3d.model import GPT
+from edu3d.optim import clip_coef, lr_at, make_optimizer, set_lr
+from edu3d.options import (add_arguments, check_args, check_fit,
+                           config_from_args, num_params_from_config, oversubscribed)
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 
 
-# Which module's build_trainer(model, mesh, args) runs a layout; the first that applies wins.
-STRATEGIES = (
-    (lambda a: a.pp > 1, "edu3d.parallel.pp.trainer"),
-    (lambda a: a.tp > 1, "edu3d.parallel.tp.parallelize"),
-    (lambda a: True, "edu3d.parallel.dp"),
-)
-
-
 def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace):
-    """The trainer for ``args``' layout: serial for one rank, else the strategy's own."""
-    if mesh is None or mesh.layout.world_size == 1 and not args.zero:
-        return SerialTrainer(model, args)
-    import importlib
+    """The one :class:`~edu3d.trainer.Trainer`, for every layout (``mesh`` None: one process)."""
+    from edu3d.trainer import Trainer
 
-    module = next(m for applies, m in STRATEGIES if applies(args))
-    return importlib.import_module(module).build_trainer(model, mesh, args)
+    return Trainer(model, mesh, args)
 
 
 def worker(mesh, options: dict) -> list[dict]:
@@ -56,39 +47,15 @@ def worker(mesh, options: dict) -> list[dict]:
     return loop(trainer, corpus, args, out=sys.stdout if mesh.rank == 0 else None)
 
 
-def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """AdamW (betas 0.9, 0.95) or plain SGD; weight decay on matrices only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-
-
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup from ``lr/warmup`` at step 1 to ``lr`` at step ``warmup``, then constant."""
-    if args.warmup > 0 and step < args.warmup:
-        return args.lr * step / args.warmup
-    return args.lr
-
-
 def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor | float,
                   step: int, args: argparse.Namespace) -> float:
-    """Clip by a *given* total gradient norm, set the learning rate, update; returns the lr.
-
-    The same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (scale ``max/(norm+1e-6)``,
-    capped at 1), so a parallel trainer that computes the global norm from its shards updates
-    exactly like the serial run.
-    """
-    if args.clip > 0:
-        coef = torch.clamp(args.clip / (torch.as_tensor(grad_norm) + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    """Clip by a *given* total gradient norm, set the learning rate, update; returns the lr."""
+    coef = clip_coef(grad_norm, args.clip)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
     lr = lr_at(step, args)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    set_lr(optimizer, lr)
     optimizer.step()
     return lr
 
@@ -104,17 +71,6 @@ def serial_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> 
         torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     clip_and_step(optimizer, params, grad_norm, step, args)
     return {"loss": loss.item(), "grad_norm": grad_norm.item()}
-
-
-class SerialTrainer:
-    """The reference: the whole model and the whole global batch on one process."""
-
-    def __init__(self, model: torch.nn.Module, args: argparse.Namespace):
-        self.model, self.args = model, args
-        self.optimizer = make_optimizer(model, args)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
-        return serial_step(self.model, self.optimizer, x, y, step, self.args)
 
 
 def train_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
@@ -154,9 +110,9 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
     return records
 
 
-def _describe(args, config, corpus, model) -> None:
-    print(f"{args.model} {config}: {num_params(model):,} parameters; loss at init ~ "
-          f"ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
+def _describe(args, config, corpus) -> None:
+    print(f"{args.model} {config}: {num_params_from_config(config):,} parameters; loss at "
+          f"init ~ ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
           f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
 
 
@@ -167,11 +123,14 @@ def run(args: argparse.Namespace, out=None) -> list[dict]:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # the course's runs are multi-process; one thread each
     config, layout = check_args(args)
-    model = GPT(config, seed=args.seed)
+    check_fit(config, layout, args)
+    warning = oversubscribed(layout)
+    if warning:
+        print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    _describe(args, config, corpus, model)
+    _describe(args, config, corpus)
     if layout.world_size == 1:
-        return loop(SerialTrainer(model, args), corpus, args, out)
+        return loop(build_trainer(GPT(config, seed=args.seed), None, args), corpus, args, out)
     return _run_parallel(args, layout, out)
 
 
@@ -194,18 +153,25 @@ def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
 
 
 def main_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Check the arguments (before any process starts), then train."""
-    from edu3d.launch import LaunchError
+    """Check the arguments and the memory they need (before any process starts), then
+    train. Exit codes: 2 bad options, 1 a rank failed, 124 timeout, 130 interrupted."""
+    from edu3d.launch import LaunchError, LaunchTimeout
 
     try:
-        check_args(args)
+        check_fit(*check_args(args), args)
     except ValueError as err:
         parser.error(str(err))
     try:
         run(args)
+    except LaunchTimeout as err:
+        print(f"edu3d train: --timeout {args.timeout:g} s: {err}", file=sys.stderr)
+        return 124
     except LaunchError as err:
         print(f"edu3d train: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("edu3d train: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
