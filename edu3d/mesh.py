@@ -126,7 +126,8 @@ class Layout:
         return tp + self.tp * (dp + self.dp * pp)
 
     def groups(self, dim: str) -> list[list[int]]:
-        """All groups along ``dim``: 'tp', 'dp', 'pp', 'mp' (tp x pp) or 'world'.
+        """All groups along ``dim``: 'tp', 'dp', 'pp', 'mp' (tp x pp), 'embed' (the first and
+        last pipeline stage, which share a tied embedding) or 'world'.
 
         Each group lists ranks in increasing order; groups are sorted by their first rank.
         """
@@ -135,6 +136,11 @@ class Layout:
         if dim == "mp":  # model parallel: same dp coordinate
             return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)]
                     for d in range(self.dp)]
+        if dim == "embed":  # first and last pipeline stage, same dp and tp coordinates
+            return [list(g) for g in sorted(
+                {tuple(sorted({self.rank(0, d, t), self.rank(self.pp - 1, d, t)}))
+                 for d in range(self.dp) for t in range(self.tp)})]
+
         if dim not in DIMS:
             raise LayoutError(f"unknown mesh dimension {dim!r}; use tp, dp, pp, mp or world")
         out = {}
@@ -196,6 +202,19 @@ class Mesh:
 
     def group(self, dim: str):
         return self.groups[dim]
+
+    def add_groups(self, dim: str) -> None:
+        """Create the process groups along ``dim`` (every rank must call, in the same order);
+        this rank's becomes ``mesh.group(dim)``, ``None`` where it is in none of them."""
+        import torch.distributed as dist
+
+        if dim in self.groups:
+            return
+        self.groups[dim] = None
+        for ranks in self.layout.groups(dim):
+            pg = dist.new_group(list(ranks), group_desc=dim)
+            if self.rank in ranks:
+                self.groups[dim] = pg
 
     def release(self) -> None:
         """Drop the process groups (before ``destroy_process_group``): a group object that

@@ -176,6 +176,13 @@ class GPT(nn.Module):
         """Residual stream ``[B, T, d]`` -> logits ``[B, T, vocab]``."""
         return self.lm_head(self.ln_f(x))
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the tokens whose target is not -100.
+
+        Tensor parallelism replaces this method on its model with the vocabulary-parallel
+        cross entropy (each rank then holds only some of the vocabulary's logits)."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns ``(logits, loss)``; ``loss`` is the mean cross-entropy over all tokens
         (targets equal to -100 are ignored), or ``None`` without targets."""
@@ -185,8 +192,7 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-        return logits, loss
+        return logits, self.loss(logits, targets)
 
 
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

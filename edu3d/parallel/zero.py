@@ -35,6 +35,7 @@ never averaged by the backend (``ReduceOp.AVG`` is broken on gloo).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -70,6 +71,7 @@ class FlatUnit:
         self.flat_grad: torch.Tensor | None = None
         self.shard_grad = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
         self.ready = 0
+        self.reduced = False  # stages 2-3: reduce-scattered in this step's last backward
         self.gathered = True
         self.pending = None  # an asynchronous all-gather in flight (prefetch)
 
@@ -88,47 +90,92 @@ class FlatUnit:
         return flat
 
 
-def model_units(model) -> list[tuple[str, list, list]]:
-    """``(name, modules in call order, parameters)`` per unit: embeddings, blocks, head.
+def _units_of(pieces: list[tuple[str, list]], tied=None) -> list[tuple[str, list, list]]:
+    """``(name, modules, params)`` per unit from ``(name, modules)`` in call order.
 
-    A model that is not edu3d's GPT is one unit.
+    A parameter belongs to the first unit whose modules hold it. A ``tied`` parameter (the
+    embedding shared with the LM head) is a unit of its own, whose modules are every module
+    that uses it: so the first and the last pipeline stage shard it identically, and their
+    shards of its gradient can simply be added up.
     """
-    if not all(hasattr(model, a) for a in ("tok_emb", "pos_emb", "blocks", "ln_f", "lm_head")):
-        return [("model", [model], [p for p in model.parameters() if p.requires_grad])]
-    units, seen = [], set()
-    for name, modules in [("embed", [model.tok_emb, model.pos_emb])] + [
-            (f"block{i}", [b]) for i, b in enumerate(model.blocks)] + [
-            ("head", [model.ln_f, model.lm_head])]:
-        params = [p for m in modules for p in m.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        units.append((name, modules, params))
+    units, seen = [], {id(tied)} if tied is not None else set()
+    if tied is not None:
+        users = [m for _, mods in pieces for m in mods
+                 if any(p is tied for p in m.parameters(recurse=False))]
+        units.append(("tied", users, [tied]))
+    for name, modules in pieces:
+        params = []
+        for p in (p for m in modules for p in m.parameters()):
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                params.append(p)
+        kept = [m for m in modules if any(any(p is q for q in params) for p in m.parameters())]
+        if params:
+            units.append((name, kept, params))
     return units
+
+
+def model_units(model, tied=None) -> list[tuple[str, list, list]]:
+    """``(name, modules in call order, parameters)`` per unit: embeddings, each block, head.
+
+    ``model`` is edu3d's GPT or one of its pipeline stages (``blocks`` a list or a dict keyed
+    by the serial layer number); any other module is one unit.
+    """
+    pieces = []
+    if hasattr(model, "tok_emb"):
+        pieces.append(("embed", [model.tok_emb, model.pos_emb]))
+    if hasattr(model, "blocks"):
+        items = model.blocks.items() if isinstance(model.blocks, torch.nn.ModuleDict) \
+            else enumerate(model.blocks)
+        pieces += [(f"block{i}", [b]) for i, b in items]
+    if hasattr(model, "lm_head"):
+        pieces.append(("head", [model.ln_f, model.lm_head]))
+    if not pieces:
+        return [("model", [model], [p for p in model.parameters() if p.requires_grad])]
+    return _units_of(pieces, tied)
 
 
 class Zero:
     """Shards a model's optimizer state (stage 1), gradients (2) and parameters (3) over
     ``group``. Drive it like :class:`~edu3d.parallel.dp.DataParallel`: ``zero_grad()``,
-    forward/backward per micro-batch, ``finish()``; then ``clip_(max_norm)`` and ``step(lr)``.
+    forward/backward per micro-batch (all but each unit's last backward inside
+    :meth:`no_sync`), ``finish()``; then ``scale_(coef)`` by the clipping coefficient of the
+    global norm and ``step(lr)``.
+
+    ``units`` (``(name, modules, params)``, see :func:`model_units`) defaults to the model's;
+    a pipeline rank passes the units of its own stages.
+
+    **With micro-batches** (gradient accumulation or a pipeline) gradients are not
+    reduce-scattered per micro-batch: inside :meth:`no_sync` they accumulate in full ``.grad``
+    tensors and are reduced once, in each unit's last backward (stages 2 and 3) or in
+    :meth:`finish` (stage 1). Stage 3 gathers a unit once for the forwards of a step and
+    frees it after the stage's last forward (:attr:`reshard_after_forward`), gathers it again
+    for the backwards and frees it after its reduce-scatter: traffic stays ``3Ψ`` per step
+    whatever the number of micro-batches. The price is memory: between a unit's first
+    forward and its last backward the full parameters of the rank's stages and their full
+    gradients stay resident, like ZeRO-1 plus the gathered weights (torchtitan does the same
+    with FSDP under pipelining; DeepSpeed refuses ZeRO-2/3 with pipelines).
     """
 
     def __init__(self, model, group, stage: int, args, prefetch: bool = False,
-                 offload: bool = False):
+                 offload: bool = False, units: list | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
-        if stage == 3 and getattr(getattr(model, "config", None), "tie_weights", False):
-            raise ValueError("ZeRO-3 here shards each unit separately and the tied lm_head "
-                             "would need the embedding unit inside the head; train with "
-                             "untied weights (drop --tie) or use stage 1 or 2")
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.offload = offload
+        self.sync = True
+        self.reshard_after_forward = True
         self.n = dist.get_world_size(group)
         self.index = dist.get_group_rank(group, dist.get_rank()) if group else dist.get_rank()
         src = dist.get_process_group_ranks(group)[0] if group else 0
         with torch.no_grad():
             for p in model.parameters():
                 comm.broadcast(p.data, src, group)
-        self.units = [FlatUnit(name, mods, ps, self.n, self.index)
-                      for name, mods, ps in model_units(model)]
+        if units is None:
+            tied = getattr(getattr(model, "lm_head", None), "weight", None)
+            units = model_units(model, tied if getattr(model, "tok_emb", None) is not None
+                                and tied is model.tok_emb.weight else None)
+        self.units = [FlatUnit(name, mods, ps, self.n, self.index) for name, mods, ps in units]
         self._unit_of = {p: u for u in self.units for p in u.params}
         if stage == 1:
             for u in self.units:
@@ -143,6 +190,24 @@ class Zero:
                 self._free(u)
             self._install_gather_hooks()
         self.optimizer = self._make_optimizer(args)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full gradients locally: no reduce-scatter (and no ZeRO-3 free)."""
+        saved, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = saved
+
+    @contextlib.contextmanager
+    def keep_gathered(self):
+        """ZeRO-3: leave units gathered after this forward (more micro-batches follow)."""
+        saved, self.reshard_after_forward = self.reshard_after_forward, False
+        try:
+            yield
+        finally:
+            self.reshard_after_forward = saved
 
     # ---- optimizer on shard views -----------------------------------------------------------
     def _make_optimizer(self, args):
@@ -209,7 +274,7 @@ class Zero:
                 self._prefetch(i + 1)
 
             def after_forward(module, inputs, output, u=u, i=i):
-                if module is u.modules[-1]:
+                if module is u.modules[-1] and self.reshard_after_forward:
                     self._free(u)
                 if isinstance(output, torch.Tensor) and output.requires_grad:
                     output.register_hook(lambda grad, u=u, i=i: self._before_backward(u, i))
@@ -240,11 +305,14 @@ class Zero:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         """Stages 2 and 3: once a unit's gradients are complete, keep only this rank's slice."""
+        if not self.sync:
+            return
         u = self._unit_of[p]
         u.ready += 1
         if u.ready < len(u.params):
             return
         u.ready = 0
+        u.reduced = True
         self._reduce_scatter(u, u.flatten_grads())
         for q in u.params:
             q.grad = None
@@ -254,24 +322,28 @@ class Zero:
     def finish(self) -> None:
         """After the last backward: every rank's shard holds the average gradient of its slice."""
         for u in self.units:
+            if self.stage > 1 and not u.reduced:
+                raise RuntimeError(
+                    f"ZeRO-{self.stage}: unit {u.name} was never reduce-scattered: was its "
+                    "last backward run inside no_sync(), or a parameter unused?")
+            u.reduced = False
             if self.stage == 1:
                 flat = u.flat_grad.clone()
                 u.shard_grad.zero_()
                 self._reduce_scatter(u, flat)
             u.shard_grad.div_(self.n)
 
-    def clip_(self, max_norm: float) -> torch.Tensor:
-        """Scale the sharded gradients like ``clip_grad_norm_`` would scale the full ones;
-        returns the total norm before clipping."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.units[0].shard_grad.device)
+    def grad_pieces(self):
+        """``(param, view)``: this rank's slices of the reduced gradient, parameter by
+        parameter (what the global norm and the cross-axis fixes work on)."""
         for u in self.units:
-            sq += u.shard_grad.double().pow(2).sum()
-        comm.all_reduce(sq, self.group)
-        total = sq.sqrt().to(self.units[0].shard_grad.dtype)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p, a, b, at in u.pieces():
+                yield p, u.shard_grad[at:at + b - a]
+
+    def scale_(self, coef: torch.Tensor) -> None:
+        """Multiply the sharded gradients by ``coef`` (clipping by the global norm)."""
         for u in self.units:
-            u.shard_grad.mul_(coef)
-        return total[0]
+            u.shard_grad.mul_(coef.to(u.shard_grad.dtype))
 
     def step(self, lr: float) -> None:
         """Update this rank's slices; stages 1-2 then all-gather the full parameters."""
@@ -291,17 +363,17 @@ class Zero:
                     comm.all_gather(u.flat_param, u.shard_param.clone(), self.group)
 
     # ---- inspection -------------------------------------------------------------------------
-    def full_state(self, what: str) -> dict:
-        """Unsharded parameters or gradients by name (for tests and charts; untraced)."""
-        names = {p: n for n, p in self.model.named_parameters()}
+    def full_tensors(self, what: str) -> dict:
+        """Unsharded parameters (``"param"``) or gradients (``"grad"``), keyed by parameter
+        object (for tests and charts; collective over the group, untraced)."""
         out = {}
         for u in self.units:
-            shard = u.shard_param if what == "params" else u.shard_grad
+            shard = u.shard_param if what == "param" else u.shard_grad
             parts = [torch.empty_like(shard) for _ in range(self.n)]
             dist.all_gather(parts, shard.contiguous(), group=self.group)
             flat = torch.cat(parts)
             for p, o in zip(u.params, u.offsets):
-                out[names[p]] = flat[o:o + p.numel()].view(p.shape).clone()
+                out[p] = flat[o:o + p.numel()].view(p.shape).clone()
         return out
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:

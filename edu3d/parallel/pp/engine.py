@@ -78,16 +78,33 @@ class PipelineEngine:
     lists the global ranks of the pipeline group in stage-rank order; ``group`` is that
     process group. ``microbatch_loss(loss, m)`` turns a micro-batch's mean loss into what is
     back-propagated (default ``loss / m``; ``lambda loss, m: loss`` is the classic bug).
+
+    ``action_context(action, last)``, when given, wraps every compute action in a context
+    manager; ``last`` says whether it is the stage's last forward (for ``F``) or the last
+    action that adds to the stage's weight gradients (``B`` or ``W``). That is how data
+    parallelism keeps quiet until a stage's gradients are complete (``no_sync``) and ZeRO-3
+    keeps a stage's parameters gathered across its micro-batches.
     """
 
     def __init__(self, stages: dict[int, PipelineStage], actions: list[Action], n_stages: int,
                  ranks: list[int], group, microbatches: int,
-                 microbatch_loss: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
+                 microbatch_loss: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                 action_context: Callable[[Action, bool], contextlib.AbstractContextManager]
+                 | None = None):
         self.stages, self.actions, self.n_stages = stages, actions, n_stages
         self.ranks, self.group, self.m = ranks, group, microbatches
         self.pp = len(ranks)
         self.microbatch_loss = microbatch_loss or scaled_loss
-        self.meter = _ActivationMeter([p for st in stages.values() for p in st.parameters()])
+        self.action_context = action_context
+        params = [p for st in stages.values() for p in st.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        # cut the first stage's graph after the embedding only where I/W split the backward
+        self.split_backward = any(a.kind in ("I", "W") for a in actions)
+        self.last = {}  # (kind, stage) -> index of the stage's last F and last B/W action
+        for i, a in enumerate(actions):
+            if a.kind in ("F", "B", "W"):
+                self.last[("F" if a.kind == "F" else "BW", a.stage)] = i
+        self.meter = _ActivationMeter(params)
         self.activation_bytes: dict[tuple, int] = {}  # (stage, micro-batch shape) -> bytes
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
@@ -120,7 +137,7 @@ class PipelineEngine:
                     "engine (trainer) when micro-batch shapes change")
             if sent is None:  # first message of the channel: tell the receiver the shape
                 self.sent_shapes[(direction, a.stage)] = (t.shape, t.dtype)
-                meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
                 meta[: 2 + t.dim()] = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape])
                 ops.append(dist.P2POp(dist.isend, meta, peer, self.group,
                                       self._tag(direction, a.stage, None)))
@@ -148,7 +165,7 @@ class PipelineEngine:
                 self._post_channel(channel)
                 continue
             direction, from_stage = channel
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
             work = dist.irecv(meta, self._peer(from_stage), self.group,
                               self._tag(direction, from_stage, None))
             self.meta_pending[channel] = (meta, work)
@@ -170,7 +187,7 @@ class PipelineEngine:
         direction, from_stage = channel
         ops = []
         for a in self.channels[channel]:
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buf, self._peer(from_stage), self.group,
                                   self._tag(direction, from_stage, a.mb)))
             self.posted[(a.kind, a.stage, a.mb)] = buf
@@ -201,11 +218,13 @@ class PipelineEngine:
         shape = (s, tuple(x_mb.shape))
         measure = shape not in self.activation_bytes
         with self.meter if measure else contextlib.nullcontext():
-            if stage.is_first:
+            emb = None
+            if stage.is_first and self.split_backward:
                 emb = stage.embed(x_mb)
                 x = emb.detach().requires_grad_()
+            elif stage.is_first:
+                x = stage.embed(x_mb)
             else:
-                emb = None
                 x = self.inputs.pop((s, i)).requires_grad_()
             out = stage(x)
             if stage.is_last:
@@ -225,7 +244,7 @@ class PipelineEngine:
         return None if self.stages[s].is_last else self.grads_in.pop((s, i))
 
     def _pass_grad_back(self, s: int, i: int, x: torch.Tensor, emb) -> None:
-        if emb is not None:  # first stage: the embedding's weights get x's gradient now
+        if self.stages[s].is_first:  # nothing before the first stage
             return
         if s - 1 in self.stages:
             self.grads_in[(s - 1, i)] = x.grad
@@ -258,6 +277,12 @@ class PipelineEngine:
             emb.backward(x.grad)
 
     # ---- the interpreter ----------------------------------------------------------------------
+    def _context(self, a: Action, index: int):
+        if self.action_context is None:
+            return contextlib.nullcontext()
+        key = ("F" if a.kind == "F" else "BW", a.stage)
+        return self.action_context(a, self.last.get(key) == index)
+
     def run(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Execute the action list on ``batch`` (this rank's m micro-batches); gradients
         accumulate in the stages' parameters. Returns the last stage's per-micro-batch
@@ -279,7 +304,7 @@ class PipelineEngine:
         run = {"F": self._forward, "B": self._backward, "I": self._backward_input,
                "W": self._backward_weight}
         sends: list[Action] = []
-        for a in self.actions:
+        for index, a in enumerate(self.actions):
             if a.kind.startswith("SEND"):
                 sends.append(a)
                 continue
@@ -290,7 +315,8 @@ class PipelineEngine:
             if a.kind.startswith("RECV"):
                 self._recv(a)
                 continue
-            with rec.span("compute", a.kind, mb=a.mb, stage=a.stage, chunk=a.stage // self.pp):
+            with rec.span("compute", a.kind, mb=a.mb, stage=a.stage, chunk=a.stage // self.pp), \
+                    self._context(a, index):
                 run[a.kind](a.stage, a.mb)
             held = sum(v[3] for v in self.saved.values())
             self.peak_in_flight = max(self.peak_in_flight, len(self.saved))

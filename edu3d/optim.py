@@ -1,0 +1,71 @@
+"""The optimizer rule, the learning-rate schedule and clipping by a *given* norm.
+
+After reading this file you should understand the three pieces of a step that every layout
+shares with the serial run, which is why a parallel run can reproduce it number for number:
+
+* **the rule**: AdamW (betas 0.9, 0.95) or plain SGD, with weight decay on matrices and
+  embeddings only, not on biases or LayerNorm gains, which only shift and scale (nanoGPT);
+* **the schedule**: linear warmup from ``lr/warmup`` at step 1 to ``lr`` at step ``warmup``,
+  then ``constant`` or ``cosine`` decay to ``lr/10`` at the last step;
+* **clipping**: ``torch.nn.utils.clip_grad_norm_`` computes the norm of the gradients *it
+  sees*; a rank that holds a shard sees a fraction of them. So the norm is computed
+  elsewhere, over the whole model (:mod:`edu3d.parallel.grads`), and here every rank scales
+  its own gradients by the same coefficient ``min(1, max_norm / (norm + 1e-6))``: the
+  arithmetic of ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MIN_LR_RATIO = 0.1  # cosine decays to a tenth of the peak (Chinchilla, LLaMA)
+
+
+def param_groups(params, weight_decay: float) -> list[dict]:
+    """Two groups: decayed (2-D and up) and not decayed (biases, LayerNorm gains)."""
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def make_optimizer(params, args) -> torch.optim.Optimizer | None:
+    """AdamW (betas 0.9, 0.95) or plain SGD over ``params`` (a module's, or any iterable);
+    ``None`` when there is nothing to optimize."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    groups = param_groups(params, args.weight_decay)
+    if not groups:
+        return None
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def lr_at(step: int, args) -> float:
+    """The learning rate of ``step`` (1-based): warmup, then constant or cosine."""
+    warmup = getattr(args, "warmup", 0) or 0
+    if warmup > 0 and step < warmup:
+        return args.lr * step / warmup
+    if getattr(args, "lr_schedule", "constant") != "cosine":
+        return args.lr
+    span = max(1, args.steps - warmup)
+    progress = min(1.0, max(0, step - warmup) / span)
+    low = args.lr * MIN_LR_RATIO
+    return low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def clip_coef(norm: torch.Tensor | float, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_``'s scale for a total norm ``norm``: at most 1; 1 when clipping is
+    off (``max_norm`` 0)."""
+    norm = torch.as_tensor(norm)
+    if max_norm <= 0:
+        return torch.ones_like(norm)
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,120 @@
+"""``GradSync``: every gradient fix across mesh axes, and the one global gradient norm.
+
+After reading this file you should understand what must happen to a rank's gradients after
+its last micro-batch, and before the optimizer, for a 3D-parallel step to equal the serial
+one (Megatron's ``finalize_model_grads``):
+
+1. **data parallelism**: every dp replica saw other rows, so gradients are summed over dp
+   and divided by dp: DP's all-reduce (launched bucket by bucket during the last backward
+   and awaited here) or ZeRO's reduce-scatter (each rank keeps its slice);
+2. **sequence parallelism**: LayerNorm gains/biases and the row layers' biases saw only this
+   rank's tokens, so their gradients are *partial*: summed over tp;
+3. **tied embeddings under pipelining**: the first stage's ``tok_emb.weight`` and the last
+   stage's ``lm_head.weight`` are copies of one matrix, each with half of its gradient:
+   summed between the two stages (the "embed" group).
+
+Each is a sum, so their order does not change the result; Megatron finishes the dp
+reduction first, like this code, and with ZeRO the tp and embed sums then run on the slices.
+
+**The global norm** (for clipping) is the norm of the serial model's gradient. Each rank
+adds the squares of the gradients it *owns*: its TP shards; a TP-replicated tensor on tp
+index 0 only (counted t times it would be the classic wrong norm); the tied matrix on the
+first stage only; under ZeRO its own slices. One all-reduce of that one number over the
+ranks that hold distinct pieces (the model-parallel group, the whole world under ZeRO) gives
+the total. ``clip_grad_norm_`` cannot do this: it only sees what one rank holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from edu3d import comm
+from edu3d.parallel.parallelize import Parallel
+
+
+class GradSync:
+    """The cross-axis gradient fixes and the global norm for one rank's :class:`Parallel`."""
+
+    def __init__(self, par: Parallel):
+        self.par, self.mesh = par, par.mesh
+        self.tp_index = self.mesh.index("tp")
+        self.params = [p for p in par.module.parameters() if p.requires_grad]
+
+    # ---- during backward ----------------------------------------------------------------------
+    def no_sync(self):
+        """Accumulate locally: no dp communication inside (every backward but the last)."""
+        wrapper = self.par.dp or self.par.zero
+        return wrapper.no_sync() if wrapper is not None else contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        if self.par.dp is not None:
+            self.par.dp.zero_grad()
+        else:
+            for p in self.params:
+                p.grad = None
+            if self.par.zero is not None:
+                self.par.zero.zero_grad()
+
+    # ---- after the last backward ------------------------------------------------------------
+    def _grads(self):
+        """``(serial name, parameter, gradient this rank holds)``: full tensors, or slices
+        of them under ZeRO."""
+        if self.par.zero is not None:
+            for p, g in self.par.zero.grad_pieces():
+                yield self.par.names[p], p, g
+        else:
+            for p in self.params:
+                if p.grad is not None:
+                    yield self.par.names[p], p, p.grad
+
+    def _sum_over(self, grads: list[torch.Tensor], group) -> None:
+        """Replace each of ``grads`` by its sum over ``group``: one flat all-reduce."""
+        if not grads or group is None or dist.get_world_size(group) == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+    def finish(self) -> None:
+        """Make every gradient this rank holds the serial model's (its slice of it)."""
+        if self.par.dp is not None:
+            self.par.dp.finish()
+        elif self.par.zero is not None:
+            self.par.zero.finish()
+        if self.par.partial:
+            self._sum_over([g for n, _, g in self._grads() if n in self.par.partial],
+                           self.mesh.group("tp"))
+        if self.par.tied is not None:
+            self._sum_over([g for _, p, g in self._grads() if p is self.par.tied],
+                           self.mesh.group("embed"))
+
+    def _owned(self, name: str, p) -> bool:
+        if self.par.specs.get(name) is None and self.tp_index != 0:
+            return False  # replicated over tp: counted on tp index 0 only
+        return not (p is self.par.tied and not self.par.is_first)  # tied copy: first stage
+
+    def norm(self) -> torch.Tensor:
+        """The serial model's total gradient norm (float32, the same on every rank)."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        for name, p, g in self._grads():
+            if self._owned(name, p):
+                sq += g.detach().double().pow(2).sum()
+        if self.par.zero is not None:  # slices of dp are distinct pieces too
+            comm.all_reduce(sq, None)
+        elif self.mesh.size("mp") > 1:  # dp replicas hold equal gradients: tp x pp suffices
+            comm.all_reduce(sq, self.mesh.group("mp"))
+        return sq.sqrt().float()[0]
+
+    def scale_(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient this rank holds by ``coef`` (clipping, unscaling)."""
+        if self.par.zero is not None:
+            self.par.zero.scale_(coef)
+            return
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
