@@ -21,9 +21,23 @@ not depend on how busy the machine is.
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from typing import Callable
+
+
+def progress(message: str) -> None:
+    """One line on stderr, from rank 0 only, so a benchmark that runs for half a minute shows
+    it is alive; stdout keeps only the report."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _progress_rep(i: int, reps: int, times: dict[str, list[float]]) -> None:
+    progress(f"repetition {i + 1}/{reps}: " +
+             ", ".join(f"{name} {ts[-1] * 1e3:.2f} ms" for name, ts in times.items()))
 
 
 def time_once(fn: Callable[[], object], group=None) -> float:
@@ -44,13 +58,15 @@ def time_once(fn: Callable[[], object], group=None) -> float:
 def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1,
                         group=None) -> dict[str, float]:
     """Median seconds of each function, repetitions interleaved across functions."""
+    progress(f"{' vs '.join(fns)}: {warmup} warm-up and {reps} timed repetitions")
     for _ in range(warmup):
         for fn in fns.values():
             time_once(fn, group)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
+    for i in range(reps):
         for name, fn in fns.items():
             times[name].append(time_once(fn, group))
+        _progress_rep(i, reps, times)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -79,9 +95,7 @@ def launch_overhead(nprocs: int = 8, reps: int = 7, **_) -> dict:
     """``edu3d run -n N`` of an empty script against a bare ``torchrun --standalone`` of the
     same script: what edu3d's launcher (rank wrapper, output prefixing, pid and error files,
     watchdog) adds to starting N ranks. Whole commands are timed, interleaved."""
-    import os
     import subprocess
-    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,11 +108,12 @@ def launch_overhead(nprocs: int = 8, reps: int = 7, **_) -> dict:
                          f"--nproc_per_node={nprocs}", script],
         }
         times: dict[str, list[float]] = {k: [] for k in commands}
-        for _ in range(reps):
+        for i in range(reps):
             for name, cmd in commands.items():
                 t0 = time.perf_counter()
                 subprocess.run(cmd, env=env, check=True, capture_output=True)
                 times[name].append(time.perf_counter() - t0)
+            _progress_rep(i, reps, times)
     med = {k: statistics.median(v) for k, v in times.items()}
     return report("launch", nprocs, [result(f"run -n {nprocs} empty script", med["edu3d"],
                                             "torch.distributed.run --standalone",

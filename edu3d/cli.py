@@ -27,18 +27,18 @@ import time
 from pathlib import Path
 
 from edu3d import __version__
+from edu3d.options import positive_int
 
 # torchrun options edu3d run forwards unchanged (multi-node and rendezvous)
 PASSTHROUGH = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
                "--rdzv-conf", "--master-addr", "--master-port", "--local-addr")
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts (ranks, steps, micro-batches ...)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what was wrong, where to look), not the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # ---- edu3d run ------------------------------------------------------------------------------
@@ -47,8 +47,10 @@ def _add_run(sub) -> None:
                        description="Run a script (or -m module) on N ranks through torchrun. "
                                    "Output is prefixed by rank; the first failing rank ends "
                                    "the run with its traceback and exit code 1.")
-    p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks on this node (default 2)")
-    p.add_argument("--timeout", type=float, default=None, help="kill the run after S seconds")
+    p.add_argument("-n", "--nprocs", type=positive_int, default=2,
+                   help="ranks on this node (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="kill the run after this many seconds (default: no limit)")
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module name")
     for opt in PASSTHROUGH:
         p.add_argument(opt, dest="tr_" + opt[2:].replace("-", "_"), default=None,
@@ -62,9 +64,6 @@ def _add_run(sub) -> None:
 def _run(args) -> int:
     from edu3d.launch import LaunchError, LaunchTimeout, launch
 
-    if args.nprocs < 1:
-        print(f"edu3d run: -n {args.nprocs}: need at least one rank", file=sys.stderr)
-        return 2
     torchrun_args = [f"{opt}={getattr(args, 'tr_' + opt[2:].replace('-', '_'))}"
                      for opt in PASSTHROUGH
                      if getattr(args, "tr_" + opt[2:].replace("-", "_")) is not None]
@@ -159,10 +158,13 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmark edu3d against PyTorch's own implementations",
                        description="Time edu3d and the PyTorch implementation side by side in "
                                    "one process tree; medians of interleaved repetitions.")
-    p.add_argument("name", choices=sorted(BENCHMARKS))
-    p.add_argument("-n", "--nprocs", type=int, default=None, help="ranks (default: per benchmark)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions (default: per benchmark)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="what to time")
+    p.add_argument("-n", "--nprocs", type=positive_int, default=None,
+                   help="ranks (default: per benchmark)")
+    p.add_argument("--reps", type=positive_int, default=None,
+                   help="repetitions (default: per benchmark)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (progress still goes to stderr)")
     p.set_defaults(func=_bench)
 
 
@@ -206,31 +208,63 @@ LAZY = {
 }
 
 
-def _course(args) -> int:
-    notebooks = Path(__file__).resolve().parent.parent / "notebooks"
-    if not notebooks.is_dir():
-        print(f"edu3d course: no notebooks/ folder next to the package ({notebooks}); "
-              "install edu3d from a checkout with `pip install -e .`", file=sys.stderr)
-        return 1
-    cmd = [sys.executable, "-m", "jupyterlab", f"--notebook-dir={notebooks}"]
+# ---- edu3d course ---------------------------------------------------------------------------
+COURSE_ROOT = Path(__file__).resolve().parent.parent  # holds notebooks/ and exercises/
+
+
+def _add_course(sub) -> None:
+    p = sub.add_parser("course", help="open the course in JupyterLab",
+                       description="Serve the course folder (chapters in notebooks/, exercises "
+                                   "in exercises/) with JupyterLab, opening on the chapters. "
+                                   "Options edu3d does not know are passed to JupyterLab "
+                                   "(e.g. --ServerApp.token=SECRET).")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    p.add_argument("--port", type=positive_int, default=None,
+                   help="port to serve on (default: JupyterLab's, 8888 or the next free one)")
+    p.add_argument("--ip", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only; "
+                        "0.0.0.0 exposes the server, and the code it runs, to the network)")
+    p.set_defaults(func=_course, jupyter_args=[])
+
+
+def course_command(args, root: Path = COURSE_ROOT, as_root: bool | None = None) -> list[str]:
+    """The JupyterLab command line ``edu3d course`` runs (it starts nothing itself)."""
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}",
+           "--LabApp.default_url=/lab/tree/notebooks", f"--ServerApp.ip={args.ip}"]
     if args.no_browser:
         cmd.append("--no-browser")
     if args.port:
         cmd.append(f"--port={args.port}")
+    if as_root is None:
+        as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if as_root:
+        cmd.append("--allow-root")  # JupyterLab refuses root without it
+    return cmd + list(args.jupyter_args)
+
+
+def _course(args) -> int:
+    if not (COURSE_ROOT / "notebooks").is_dir():
+        print(f"edu3d course: no notebooks/ folder in {COURSE_ROOT}; install edu3d from a "
+              "checkout with `pip install -e .`", file=sys.stderr)
+        return 1
+    cmd = course_command(args)
+    if "--allow-root" in cmd and "--allow-root" not in args.jupyter_args:
+        print("edu3d course: running as root, so JupyterLab gets --allow-root", file=sys.stderr)
     print("opening", " ".join(cmd), file=sys.stderr)
     os.execv(sys.executable, cmd)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser for ``command`` (all commands when None); others as placeholders."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="edu3d", description="edu3d: 3D-parallel LLM training you can see. Real "
                                   "torch.distributed runs, measured and drawn.")
     parser.add_argument("--version", action="version", version=f"edu3d {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_run(sub)
     d = sub.add_parser("doctor", help="check the installation and a 2-rank gloo run")
-    d.add_argument("--timeout", type=float, default=120.0)
+    d.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds allowed for the smoke run (default: %(default)s)")
     d.set_defaults(func=_doctor)
     for name, (help_, add) in LAZY.items():
         if command is None or command == name:
@@ -238,18 +272,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=help_, add_help=False)
     _add_bench(sub)
-    c = sub.add_parser("course", help="open the course notebooks in JupyterLab")
-    c.add_argument("--no-browser", action="store_true")
-    c.add_argument("--port", type=int, default=None)
-    c.set_defaults(func=_course)
+    _add_course(sub)
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``edu3d``'s arguments; ``edu3d course`` keeps the options it does not know for
+    JupyterLab in ``args.jupyter_args``."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in LAZY else "")
+    if command != "course":
+        return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    args.jupyter_args = unknown
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in LAZY else "").parse_args(argv)
-    return args.func(args) or 0
+    try:
+        args = parse_args(argv)
+        return args.func(args) or 0
+    except KeyboardInterrupt:  # e.g. while torch imports; the commands catch their own
+        command = next((a for a in argv if not a.startswith("-")), None)
+        print(f"{'edu3d ' + command if command else 'edu3d'}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

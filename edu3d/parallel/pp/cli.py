@@ -18,10 +18,24 @@ import argparse
 import json
 import sys
 
-from edu3d.cli import positive_int
+from edu3d.options import positive_int
 from edu3d.parallel.pp.check import ScheduleError, check
 from edu3d.parallel.pp.schedules import SCHEDULES, build, chunks, format_torch
 from edu3d.parallel.pp.simulate import Costs, bubble_formula, simulate
+
+# --help is plain text: the module docstring's markup (``...``, ::) stays out of it
+DESCRIPTION = "Print a pipeline schedule as PyTorch actions, a table or JSON."
+EPILOG = """examples:
+  edu3d schedule --name 1f1b --pp 4 --microbatches 8
+  edu3d schedule --name interleaved --pp 4 --vpp 2 --microbatches 8 --format table
+  edu3d schedule --name zb-h1 --pp 4 --microbatches 8 --format json
+
+torch: one line per rank, "rank R: 0F0 0SEND_F0 ..." (stage, action, micro-batch).
+table: compute actions on unit time slots ("." = idle), with the peak of in-flight
+       micro-batches and the bubble (simulated with F=1, B=2) next to the formula.
+json:  the same as data."""
+TEXTS = {"description": DESCRIPTION, "epilog": EPILOG,
+         "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,15 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", "-m", type=positive_int, required=True,
                         help="micro-batches per step")
     parser.add_argument("--vpp", type=positive_int, default=1,
-                        help="chunks per rank (interleaved only)")
-    parser.add_argument("--format", choices=("torch", "table", "json"), default="torch")
+                        help="chunks per rank, interleaved only (default: %(default)s)")
+    parser.add_argument("--format", choices=("torch", "table", "json"), default="torch",
+                        help="output (default: %(default)s)")
     return parser
+
 
 
 def add_subcommand(subparsers) -> argparse.ArgumentParser:
     """Register ``schedule`` on an ``argparse`` subparsers object (``edu3d``'s CLI)."""
-    p = subparsers.add_parser("schedule", help="print a pipeline schedule",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("schedule", help="print a pipeline schedule", **TEXTS)
     add_arguments(p)
     p.set_defaults(func=_run)
     return p
@@ -94,8 +109,7 @@ def _run(args) -> int:
 
 def schedule_main(argv: list[str] | None = None) -> int:
     """``edu3d schedule ...`` as a function (returns the exit code)."""
-    parser = add_arguments(argparse.ArgumentParser(prog="edu3d schedule",
-                                                    description=__doc__.split("\n\n")[0]))
+    parser = add_arguments(argparse.ArgumentParser(prog="edu3d schedule", **TEXTS))
     return _run(parser.parse_args(argv))
 
 
