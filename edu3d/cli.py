@@ -151,6 +151,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "zero": "edu3d.bench_dp:run_zero_benchmark",
     "pp": "edu3d.parallel.pp.bench:run_benchmark",
     "tp": "edu3d.parallel.tp.bench:run_benchmark",
+    "3d": "edu3d.bench_3d:run_benchmark",
 }
 
 
