@@ -47,9 +47,12 @@ class _Timed:
         self.work, self.ev, self.rec = work, ev, rec
 
     def wait(self):
+        if self.ev:
+            self.rec.waiting(self.ev)  # a hang here shows in the flight record
         self.work.wait()
         if self.ev:
-            self.ev["t1"] = self.rec.now()
+            self.rec.end(self.ev)
+            self.ev = {}  # written once, however often wait() is called
         return True
 
     def is_completed(self):
@@ -61,9 +64,8 @@ def _run(op: str, fn, buf: torch.Tensor, group, async_op: bool, peer: int | None
     fields = {"group": group_name(group), "n": dist.get_world_size(group),
               "bytes": _nbytes(buf), "peer": peer}
     if async_op:
-        t0 = rec.now()
-        work = fn(True)
-        return _Timed(work, rec.record("comm", op, t0, t0, **fields), rec)
+        ev = rec.begin("comm", op, **fields)
+        return _Timed(fn(True), ev, rec)
     with rec.span("comm", op, **fields):
         fn(False)
     return None

@@ -33,9 +33,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edu3d import runs
+from edu3d.runs import RunsError, new_run_dir  # noqa: F401 - new_run_dir is part of the API
 from edu3d.worker import PREFIX_FMT, _alive
 
 _PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
@@ -91,30 +94,116 @@ class RunResult:
         return [text for r, s, text in self.output if r == rank and s == stream]
 
 
-def new_run_dir(name: str = "run", create: bool = True) -> Path:
-    """A fresh folder under ``$EDU3D_RUNS`` (default ``./runs``) for one run's files."""
-    base = Path(os.environ.get("EDU3D_RUNS", "runs"))
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40]
-    path = (base / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}").resolve()
-    if create:
-        path.mkdir(parents=True)
-    return path
-
-
 def _loopback_ifname() -> str:
     names = [n for _, n in socket.if_nameindex()]
     return next((n for n in ("lo", "lo0") if n in names), names[0] if names else "lo")
 
 
+def _single_node(torchrun_args: Sequence[str]) -> bool:
+    return not any(a.startswith(_MULTINODE) for a in torchrun_args)
+
+
 def torchrun_command(nprocs: int, worker_args: Sequence[str],
                      torchrun_args: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line edu3d runs (single node on 127.0.0.1 unless told otherwise)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+    """The torchrun command line edu3d runs (single node on 127.0.0.1 unless told otherwise).
+
+    ``python -m edu3d.launch`` is torchrun's own agent (``torch.distributed.run.main``) with
+    the two additions of :func:`_agent_main`; it takes exactly torchrun's options."""
+    cmd = [sys.executable, "-m", "edu3d.launch", f"--nproc-per-node={nprocs}",
            "--max-restarts=0", "--monitor-interval=0.1"]
-    if not any(a.startswith(_MULTINODE) for a in torchrun_args):
+    if _single_node(torchrun_args):
         cmd += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
                 f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1"]
     return cmd + list(torchrun_args) + ["-m", "edu3d.worker", *worker_args]
+
+
+# ---- the agent: torchrun, bound to loopback, recording how each rank ended --------------------
+def _bind_stores_to_loopback() -> None:
+    """Make every TCPStore *server* this process hosts listen on 127.0.0.1 only.
+
+    torchrun's agent hosts two stores: the c10d rendezvous store and the store the ranks
+    meet in (``MASTER_ADDR:MASTER_PORT``). Whatever host name they are given, the C++ server
+    binds the wildcard address (``0.0.0.0``/``[::]``) and answers anyone who can reach the
+    machine, without authentication. ``TCPStore`` accepts an already bound socket
+    (``master_listen_fd``): we bind it to loopback ourselves and hand it over.
+    """
+    import torch.distributed as dist
+
+    class LoopbackTCPStore(dist.TCPStore):
+        def __init__(self, host_name, port, world_size=None, is_master=False,
+                     timeout=timedelta(seconds=300), wait_for_workers=True,
+                     multi_tenant=False, master_listen_fd=None, use_libuv=True):
+            if is_master and master_listen_fd is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+                sock.listen(4096)
+                port, master_listen_fd = sock.getsockname()[1], sock.detach()
+            super().__init__(host_name, port, world_size, is_master, timeout,
+                             wait_for_workers, multi_tenant, master_listen_fd, use_libuv)
+
+    dist.TCPStore = LoopbackTCPStore  # read at call time by torchrun's rendezvous modules
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    c10d_rendezvous_backend.TCPStore = LoopbackTCPStore
+
+
+def _record_exits(run_dir: Path) -> None:
+    """Write ``exits/rank{R}.json`` the moment a rank's process ends: exit code or signal and
+    the time. A thread per rank blocks in ``waitid(..., WNOWAIT)``, which sees the death
+    without reaping the child, so torchrun still collects it as usual. The agent is the
+    ranks' parent, the only process the kernel tells how a rank ended."""
+    seen: set = set()
+
+    def wait_for(rank: int, pid: int) -> None:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        died = time.time_ns()
+        how = ({"code": info.si_status} if info.si_code == os.CLD_EXITED
+               else {"signal": info.si_status})
+        _write_json(run_dir / "exits" / f"rank{rank}.json",
+                    {"rank": rank, "pid": pid, "time_ns": died, **how})
+
+    def scan() -> None:
+        while True:
+            for rank, pid in _pid_files(run_dir).items():
+                if (rank, pid) not in seen:
+                    seen.add((rank, pid))
+                    threading.Thread(target=wait_for, args=(rank, pid), daemon=True).start()
+            time.sleep(0.02)
+
+    threading.Thread(target=scan, name="edu3d-exits", daemon=True).start()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _agent_main(argv: Sequence[str]) -> None:
+    """torchrun's agent plus: stores on loopback (single node) and a record of how each
+    rank ended, with the time the agent began stopping the others (``exits/teardown``)."""
+    if os.environ.get("EDU3D_LOOPBACK") == "1":
+        _bind_stores_to_loopback()
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing import api
+
+    run_dir = Path(os.environ["EDU3D_RUN_DIR"])
+    _record_exits(run_dir)
+    close = api.PContext.close
+
+    def close_noting_teardown(self, *args, **kwargs):
+        teardown = run_dir / "exits" / "teardown"
+        if not teardown.exists():
+            _write_json(teardown, {"time_ns": time.time_ns()})
+        return close(self, *args, **kwargs)
+
+    api.PContext.close = close_noting_teardown
+    run.main(list(argv))
 
 
 def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir: Path):
@@ -170,16 +259,6 @@ def _print_line(rank: int | None, stream: str, text: str) -> None:
     out.flush()
 
 
-def _pids(run_dir: Path) -> list[int]:
-    pids = []
-    for f in (run_dir / "pids").glob("rank*.pid"):
-        try:
-            pids.append(int(f.read_text()))
-        except (OSError, ValueError):
-            pass
-    return pids
-
-
 def _running(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     if not _alive(pid):
@@ -192,13 +271,9 @@ def _running(pid: int) -> bool:
 
 
 def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> None:
-    """Kill every process of a run: the workers (each in its own session), then torchrun."""
-    workers = _pids(run_dir)
-    for pid in workers:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """Kill every process of a run: the workers (each in its own session, each checked to be
+    the run's before it is signalled: pids recycle), then torchrun."""
+    runs.signal_ranks(run_dir)
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops the workers it started
@@ -211,25 +286,36 @@ def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> Non
         except ProcessLookupError:
             pass
         proc.wait()
+    rid = runs.run_id(run_dir)
+
+    def ours_running():
+        return [p for p in runs.pid_files(run_dir).values()
+                if _running(p) and runs.belongs_to(p, rid)]
+
     deadline = time.monotonic() + grace_s
-    while any(_running(p) for p in _pids(run_dir)) and time.monotonic() < deadline:
+    while ours_running() and time.monotonic() < deadline:
         time.sleep(0.05)
-    for pid in _pids(run_dir):  # late starters killed after they wrote their pid
-        if _running(pid):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    if ours_running():  # late starters killed after they wrote their pid
+        runs.signal_ranks(run_dir)
 
 
-def _first_error(run_dir: Path) -> dict | None:
-    errors = []
-    for f in (run_dir / "errors").glob("rank*.json"):
-        try:
-            errors.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            pass
-    return min(errors, key=lambda e: e["time_ns"]) if errors else None
+def _first_failure(run_dir: Path, settle_s: float = 2.0) -> dict | None:
+    """The failure that caused the others, or None while every rank is fine.
+
+    A rank that dies without a Python error (``os._exit``, a segfault, ``kill -9``) makes its
+    partners fail with "Connection closed by peer" a moment later; those are consequences.
+    When only consequences are known, wait up to ``settle_s`` for the death that caused them
+    (the agent records it, see :func:`_record_exits`) before settling for the earliest."""
+    causes, consequences = runs.failures(run_dir)
+    if not causes and not consequences:
+        return None
+    first_seen, deadline = time.monotonic(), time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        if causes and time.monotonic() - first_seen >= min(0.3, settle_s):
+            break  # an earlier death recorded a little late still gets its chance
+        time.sleep(0.05)
+        causes, consequences = runs.failures(run_dir)
+    return (causes or consequences)[0]
 
 
 def _root_cause(output: list) -> tuple[int, str]:
@@ -273,21 +359,30 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     run_dir = Path(run_dir).resolve() if run_dir else new_run_dir(label, create=False)
     worker_argv, payload = _worker_args(target, module, args, kwargs, layout, init, run_dir)
     cmd = torchrun_command(nprocs, worker_argv, torchrun_args)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        runs.prepare(run_dir)  # also clears what an earlier run left in a reused folder
+    except RunsError as err:
+        raise LaunchError(str(err)) from None
+    if echo is True and not _in_kernel():
+        print(f"edu3d: run folder {run_dir}", file=sys.stderr, flush=True)
     if payload:
         (run_dir / "call-args.pkl").write_bytes(payload)
 
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("OMP_NUM_THREADS", "1")
+    rid = uuid.uuid4().hex  # in every process's environment: how kill_run knows its own
     child_env.update(EDU3D_RUN_DIR=str(run_dir), EDU3D_LAUNCHER_PID=str(os.getpid()),
-                     PYTHONUNBUFFERED="1")
-    if not any(a.startswith(_MULTINODE) for a in torchrun_args):
+                     EDU3D_RUN_ID=rid, PYTHONUNBUFFERED="1")
+    if _single_node(torchrun_args):
+        # gloo listens on the interface it is told (else the host name's address)
         child_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+        child_env["EDU3D_LOOPBACK"] = "1"
     # the launching directory's modules (a notebook's helpers) and the target function's
     # package import on every rank
     paths = [os.getcwd(), *_import_root(target), child_env.get("PYTHONPATH", "")]
     child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs}))
+    (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+                                                        "run_id": rid}))
 
     if progress is None:
         progress = _in_kernel() and os.environ.get("EDU3D_PROGRESS", "1") != "0"
@@ -365,22 +460,23 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll) 
             pass
         return closed
 
-    closed, failed, last_poll = 0, False, 0.0
-    errors_dir = run_dir / "errors"
+    closed, failure, last_poll = 0, None, 0.0
     try:
         while closed < 2 or proc.poll() is None:
             closed += drain(0.05)
             now = time.monotonic() - start
-            if errors_dir.exists() and any(errors_dir.glob("rank*.json")):
-                failed = True
+            failure = _first_failure(run_dir)
+            if failure is not None:
                 break
             if timeout is not None and now > timeout:
                 done = {p.name for p in (run_dir / "done").glob("rank*")}
                 pending = [r for r in range(nprocs) if f"rank{r}" not in done]
+                report = runs.flight_report(run_dir, nprocs)
                 kill_run(proc, run_dir)
                 raise LaunchTimeout(
                     f"run did not finish within {timeout:g} s; rank(s) {pending} were still "
-                    f"running and every process was killed (run folder: {run_dir})")
+                    f"running and every process was killed (run folder: {run_dir})\n"
+                    f"when it was stopped: {report}")
             if on_poll is not None and now - last_poll > 0.25:
                 last_poll = now
                 done_dir = run_dir / "done"
@@ -393,20 +489,27 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll) 
             kill_run(proc, run_dir)
     closed += drain(0.0)
 
-    if failed or proc.returncode != 0:
+    if failure is not None or proc.returncode != 0:
         for t in readers:
             t.join(timeout=1.0)
         drain(0.0)
-        err = _first_error(run_dir)
-        if err is not None:
-            raise RankError(err["rank"], f"{err['type']}: {err['message']}", err["traceback"],
-                            run_dir)
-        rank, reason = _root_cause(output)
-        tail = "\n".join(text for r, _, text in output if r == rank)[-4000:]
-        raise RankError(rank, reason, tail, run_dir)
+        failure = failure or _first_failure(run_dir, settle_s=0.0)
+        if failure is None:
+            rank, reason = _root_cause(output)
+            failure = {"rank": rank, "message": reason}
+        rank, message = failure["rank"], failure["message"]
+        tail = failure.get("traceback") or "\n".join(
+            text for r, _, text in output if r == rank)[-4000:]
+        if runs._TIMEOUT.search(message):
+            message += f"\nwhen the run was declared hung: {runs.flight_report(run_dir, nprocs)}"
+        raise RankError(rank, message, tail, run_dir)
 
     results = []
     for r in range(nprocs):
         f = run_dir / "results" / f"rank{r}.pkl"
         results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
     return RunResult(run_dir, nprocs, time.monotonic() - start, results, output)
+
+
+if __name__ == "__main__":
+    _agent_main(sys.argv[1:])

@@ -116,7 +116,8 @@ def init(layout: Layout | None = None, *, backend: str | None = None,
     trace_dir = trace_dir or os.environ.get("EDU3D_RUN_DIR")
     if trace_dir:
         rec = trace.Recorder(rank, trace.rank_file(trace_dir, rank),
-                             cuda=dist.get_backend() == "nccl")
+                             cuda=dist.get_backend() == "nccl",
+                             flight=trace.Flight(trace.flight_file(trace_dir, rank)))
         rec.align(dist.barrier)
         trace.set_current(rec)
     return mesh

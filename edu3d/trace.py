@@ -20,7 +20,8 @@ After reading this file you should understand the event schema that all of edu3d
 * Simulated (theory) timelines use the same schema with ``"sim": true``, so one renderer draws
   both. Fields that do not apply are left out.
 
-Each rank writes ``trace-rank{R}.jsonl`` into the run folder; :func:`load` merges them and
+Each rank appends to ``trace-rank{R}.jsonl`` in the run folder as events finish (and keeps
+``flight/rank{R}.json``, the operation it is in right now); :func:`load` merges them and
 :func:`to_chrome` exports Chrome trace JSON, which opens in https://ui.perfetto.dev.
 """
 
@@ -38,22 +39,56 @@ FIELDS = ("rank", "lane", "op", "group", "n", "peer", "bytes", "t0", "t1",
           "step", "mb", "stage", "chunk", "mem", "sim")
 
 
+class Flight:
+    """A flight recorder: this rank's current operation, in a small file others can read.
+
+    When a run hangs, the launcher reads every rank's file and reports what each one was
+    doing (``rank 0 waits in all_reduce(dp) at step 3``). The file is a fixed-size memory
+    map, so noting an operation costs a memory copy, not a system call."""
+
+    SIZE = 512
+
+    def __init__(self, path: str | os.PathLike):
+        import mmap
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb+") as f:
+            f.truncate(self.SIZE)
+            self._map = mmap.mmap(f.fileno(), self.SIZE)
+        self.state = None
+
+    def note(self, state: str, ev: dict) -> None:
+        """``state``: ``"in"`` (entered, not finished), ``"done"`` or ``"failed"``."""
+        self.state = state
+        keep = {k: ev[k] for k in ("op", "lane", "group", "step", "mb", "stage") if k in ev}
+        data = json.dumps({"state": state, **keep}).encode()[: self.SIZE]
+        self._map[:] = data.ljust(self.SIZE)
+
+
 class Recorder:
-    """Collects one rank's events and writes them as JSON lines.
+    """Collects one rank's events and writes them as JSON lines, each as soon as it ends.
 
     ``with rec.span("compute", "F", mb=3): ...`` times a block; ``rec.context(step=2)`` adds
-    fields to every event recorded inside it. On CUDA (``cuda=True``) spans are timed with CUDA
-    events and resolved when :meth:`flush` is called.
+    fields to every event recorded inside it. With a ``path`` every finished event is appended
+    to the file at once (a failed or killed run keeps its trace up to the failure, and memory
+    does not grow with steps); without one, events stay in :attr:`events`. On CUDA
+    (``cuda=True``) spans are timed with CUDA events and written when :meth:`flush` resolves
+    them. ``flight`` (a :class:`Flight`) is told which operation is open right now.
     """
 
     enabled = True
 
-    def __init__(self, rank: int = 0, path: str | os.PathLike | None = None, cuda: bool = False):
+    def __init__(self, rank: int = 0, path: str | os.PathLike | None = None, cuda: bool = False,
+                 flight: Flight | None = None):
         self.rank = rank
         self.path = Path(path) if path else None
         self.cuda = cuda
-        self.events: list[dict] = []
+        self.flight = flight
+        self.events: list[dict] = []  # kept in memory only when there is no path
         self._pending: list[tuple] = []  # (start_event, end_event, event dict) on CUDA
+        self._open: list[dict] = []  # spans entered and not yet left, innermost last
+        self._file = None
         self._ctx: dict = {}
         self._origin_ns = time.perf_counter_ns()
         self._cuda_origin = None
@@ -86,36 +121,55 @@ class Recorder:
         finally:
             self._ctx = saved
 
-    def record(self, lane: str, op: str, t0: float, t1: float, **fields) -> dict:
-        """Store an event whose times (microseconds since origin) are already known."""
+    def begin(self, lane: str, op: str, t0: float | None = None, **fields) -> dict:
+        """An event that has started; :meth:`end` finishes and writes it."""
         if lane not in LANES:
             raise ValueError(f"lane {lane!r} must be one of {LANES}")
-        ev = {"rank": self.rank, "lane": lane, "op": op, **self._ctx,
-              **{k: v for k, v in fields.items() if v is not None}, "t0": t0, "t1": t1}
-        self.events.append(ev)
+        t0 = self.now() if t0 is None else t0
+        return {"rank": self.rank, "lane": lane, "op": op, **self._ctx,
+                **{k: v for k, v in fields.items() if v is not None}, "t0": t0, "t1": t0}
+
+    def end(self, ev: dict, t1: float | None = None) -> dict:
+        ev["t1"] = self.now() if t1 is None else t1
+        self._emit(ev)
         return ev
+
+    def record(self, lane: str, op: str, t0: float, t1: float, **fields) -> dict:
+        """Store an event whose times (microseconds since origin) are already known."""
+        return self.end(self.begin(lane, op, t0, **fields), t1)
+
+    def waiting(self, ev: dict) -> None:
+        """Tell the flight recorder this rank now waits for ``ev`` (an asynchronous op)."""
+        if self.flight is not None:
+            self.flight.note("in", ev)
 
     @contextlib.contextmanager
     def span(self, lane: str, op: str, **fields) -> Iterator[dict]:
         """Time the enclosed block as one event; yields the event so callers can add fields."""
-        if self.cuda and self._cuda_origin is not None:
+        ev = self.begin(lane, op, **fields)
+        self._open.append(ev)
+        self.waiting(ev)  # entered, not finished: what a hang report shows
+        cuda = self.cuda and self._cuda_origin is not None
+        if cuda:
             import torch
 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            ev = self.record(lane, op, 0.0, 0.0, **fields)
-            try:
-                yield ev
-            finally:
-                end.record()
-                self._pending.append((start, end, ev))
-            return
-        t0 = self.now()
-        ev = self.record(lane, op, t0, t0, **fields)
         try:
             yield ev
+        except BaseException:
+            if self.flight is not None and self.flight.state != "failed":
+                self.flight.note("failed", ev)
+            raise
         finally:
-            ev["t1"] = self.now()
+            self._open.pop()
+            if cuda:
+                end.record()
+                self._pending.append((start, end, ev))
+            else:
+                self.end(ev)
+        if self.flight is not None:
+            self.flight.note(*(("in", self._open[-1]) if self._open else ("done", ev)))
 
     def mark_memory(self, op: str = "mem", **categories: int) -> dict:
         """Record an instantaneous memory reading (bytes per category) on the mem lane."""
@@ -123,6 +177,15 @@ class Recorder:
         return self.record("mem", op, t, t, mem=dict(categories))
 
     # ---- output -------------------------------------------------------------------------
+    def _emit(self, ev: dict) -> None:
+        if self.path is None:
+            self.events.append(ev)
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)  # one line, one write
+        self._file.write(json.dumps(ev) + "\n")
+
     def _resolve_cuda(self) -> None:
         if not self._pending:
             return
@@ -131,18 +194,14 @@ class Recorder:
         torch.cuda.synchronize()
         for start, end, ev in self._pending:
             ev["t0"] = self._cuda_origin.elapsed_time(start) * 1e3
-            ev["t1"] = self._cuda_origin.elapsed_time(end) * 1e3
+            self.end(ev, self._cuda_origin.elapsed_time(end) * 1e3)
         self._pending.clear()
 
     def flush(self) -> None:
-        """Append the recorded events to this rank's JSONL file and forget them."""
+        """Write what is still pending (CUDA-timed spans) and flush the file."""
         self._resolve_cuda()
-        if self.path is not None and self.events:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                for ev in self.events:
-                    f.write(json.dumps(ev) + "\n")
-            self.events = []
+        if self._file is not None:
+            self._file.flush()
 
 
 class NullRecorder(Recorder):
@@ -150,8 +209,21 @@ class NullRecorder(Recorder):
 
     enabled = False
 
+    def begin(self, lane, op, t0=None, **fields):
+        return {}
+
+    def end(self, ev, t1=None):
+        return ev
+
     def record(self, lane, op, t0, t1, **fields):
         return {}
+
+    def waiting(self, ev):
+        pass
+
+    @contextlib.contextmanager
+    def span(self, lane, op, **fields):
+        yield {}
 
     def flush(self):
         pass
@@ -184,6 +256,10 @@ def set_current(recorder: Recorder) -> None:
 # ---- reading, merging, exporting ------------------------------------------------------------
 def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / f"trace-rank{rank}.jsonl"
+
+
+def flight_file(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / "flight" / f"rank{rank}.json"
 
 
 def load(run_dir: str | os.PathLike) -> list[dict]:

@@ -3,13 +3,15 @@
 After reading this file you should understand what edu3d adds around your code on each rank,
 and why:
 
-* **a rank prefix** on every line it prints (``[rank 3] ...``), so the launcher can stream the
-  output of many ranks through one pipe and still say who said what;
+* **a rank prefix** on every line written to its stdout and stderr, by Python or anything
+  else (``[rank 3] ...``), so the launcher can stream the output of many ranks through one
+  pipe and still say who said what;
 * **an error file** ``errors/rank{R}.json`` written the moment your code raises, with the
   traceback and a timestamp. When one rank fails the others soon fail too (their partner is
   gone), so the launcher names the rank whose error came *first*;
 * **a pid file** ``pids/rank{R}.pid``, because torchrun starts each worker in a session of
-  its own, so killing torchrun's process group does not reach them;
+  its own, so killing torchrun's process group does not reach them (the launcher checks that
+  the pid still carries the run's ``EDU3D_RUN_ID`` before it signals it: pids recycle);
 * **a watchdog** thread that ends the rank if torchrun or the launcher disappears, so an
   interrupted notebook never leaves ranks behind.
 
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import json
 import os
 import pickle
+import re
 import runpy
+import select
 import sys
 import threading
 import time
@@ -35,35 +38,66 @@ from pathlib import Path
 PREFIX_FMT = "[rank {}] "
 
 
-class _Prefixed(io.TextIOBase):
-    """A text stream that writes ``prefix`` before every line (whole lines only)."""
+_EOL = re.compile(rb"([^\r\n]*)(\r\n|\n|\r)")
 
-    def __init__(self, stream, prefix: str):
-        self.stream, self.prefix, self.buf = stream, prefix, ""
 
-    def writable(self):
-        return True
+def _split_lines(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete lines of ``buf`` and the unfinished rest. ``\r`` ends a line too (a progress
+    bar redraws its line with it); a ``\r`` at the very end waits, it may start ``\r\n``."""
+    lines, pos = [], 0
+    for m in _EOL.finditer(buf):
+        if m.group(2) == b"\r" and m.end() == len(buf):
+            break
+        if m.group(1) or m.group(2) != b"\r":
+            lines.append(m.group(1))
+        pos = m.end()
+    return lines, buf[pos:]
 
-    def write(self, s: str) -> int:
-        self.buf += s
-        if "\n" in self.buf:
-            *lines, self.buf = self.buf.split("\n")
-            # one write per batch keeps lines whole when several ranks share the pipe
-            self.stream.write("".join(f"{self.prefix}{line}\n" for line in lines))
-            self.stream.flush()
-        return len(s)
 
-    def flush(self):
-        if self.buf:
-            self.stream.write(f"{self.prefix}{self.buf}\n")
-            self.buf = ""
-        self.stream.flush()
+def _prefix_fd(fd: int, prefix: bytes, idle_s: float = 0.2) -> threading.Thread:
+    """Send everything written to ``fd`` (by Python, C++ or a child process) through a pipe;
+    a thread writes it on to the original with ``prefix`` before each line.
 
-    def fileno(self):
-        return self.stream.fileno()
+    Working on the file descriptor, not on ``sys.stdout``, catches ``os.write(1, ...)`` and
+    C++ logs, and leaves ``sys.stdout`` the ordinary text stream a script expects
+    (``.buffer``, ``.encoding``, ``.reconfigure``). A partial line (``50%`` with no newline)
+    is shown after ``idle_s`` without more output."""
+    original = os.dup(fd)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, fd)
+    os.close(write_end)
 
-    def isatty(self):
-        return False
+    def pump():
+        rest = b""
+        while True:
+            ready, _, _ = select.select([read_end], [], [], idle_s if rest else None)
+            chunk = os.read(read_end, 65536) if ready else b""
+            lines, rest = _split_lines(rest + chunk)
+            if ready and not chunk or not ready and rest:  # end of output, or a quiet partial
+                lines, rest = lines + [rest.rstrip(b"\r")] if rest else lines, b""
+            if lines:  # one write per batch keeps lines whole when ranks share a pipe
+                os.write(original, b"".join(prefix + line + b"\n" for line in lines))
+            if ready and not chunk:
+                return
+
+    thread = threading.Thread(target=pump, name=f"edu3d-prefix-{fd}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _close_output(pumps: list[threading.Thread], timeout_s: float = 2.0) -> None:
+    """Flush Python's streams, close the pipes' write ends and let the pumps finish."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if pumps:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        for t in pumps:
+            t.join(timeout_s)
 
 
 def _alive(pid: int) -> bool:
@@ -152,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     _start_watchdog()
     if run_dir:
         _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+    pumps = []
     if os.environ.get("EDU3D_PREFIX", "1") != "0":
-        sys.stdout = _Prefixed(sys.stdout, PREFIX_FMT.format(rank))
-        sys.stderr = _Prefixed(sys.stderr, PREFIX_FMT.format(rank))
+        for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+            stream.flush()
+            pumps.append(_prefix_fd(fd, PREFIX_FMT.format(rank).encode()))
 
     error = None
     try:
@@ -183,14 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         if run_dir:
             _write(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
         sys.stderr.write(error["traceback"])
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _close_output(pumps)
         os._exit(1)  # skip finalization: a broken process group can hang on teardown
     trace.current().flush()
     if run_dir:
         _write(run_dir / "done" / f"rank{rank}", "")
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _close_output(pumps)
     # Everything is written. Leaving through os._exit skips interpreter finalization, where
     # process-group objects a script kept alive would be destroyed late and abort gloo.
     os._exit(0)
