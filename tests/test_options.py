@@ -1,0 +1,231 @@
+"""edu3d train's options and the checks made before any process starts (no process started,
+no model built)."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from edu3d.mesh import Layout, LayoutError
+from edu3d.options import (MIN_VOCAB, PRESET_NAMES, add_arguments, check_args, check_fit,
+                           memory_per_rank, num_params_from_config, oversubscribed,
+                           positive_int)
+
+GB = 10**9
+
+
+def _parse(*argv):
+    return add_arguments(argparse.ArgumentParser(prog="edu3d train")).parse_args(list(argv))
+
+
+def _check(*argv):
+    return check_args(_parse(*argv))
+
+
+def _parse_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        _parse(*argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_options_import_no_torch():
+    code = "import sys, edu3d.options; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_constants_agree_with_the_model_and_the_corpus():
+    from edu3d.data import SUCCESSORS
+    from edu3d.model import PRESETS
+
+    assert PRESET_NAMES == tuple(PRESETS)
+    assert MIN_VOCAB == SUCCESSORS
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "two", "1.5"])
+def test_positive_int_says_what_a_count_is(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a positive integer"):
+        positive_int(text)
+    assert positive_int("3") == 3
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "nan"], "argument --lr: nan: must be a finite number > 0 (e.g. 3e-3)"),
+    (["--lr", "inf"], "--lr: inf: must be a finite number > 0"),
+    (["--lr", "-1"], "--lr: -1: must be a finite number > 0"),
+    (["--lr", "0"], "--lr: 0: must be a finite number > 0"),
+    (["--lr", "fast"], "--lr: fast: must be a finite number > 0"),
+    (["--weight-decay", "nan"], "--weight-decay: nan: must be a finite number >= 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay: -0.1: must be a finite number >= 0"),
+    (["--clip", "-1"], "--clip: -1: must be a finite number >= 0"),
+    (["--clip", "inf"], "--clip: inf: must be a finite number >= 0"),
+    (["--bucket-mb", "0"], "--bucket-mb: 0: must be a finite number > 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb: -1: must be a finite number > 0"),
+    (["--timeout", "0"], "--timeout: 0: must be a finite number > 0"),
+    (["--timeout", "nan"], "--timeout: nan: must be a finite number > 0"),
+    (["--vocab", "1"], f"--vocab: 1: must be an integer >= {MIN_VOCAB}"),
+    (["--vocab", "3"], f"--vocab: 3: must be an integer >= {MIN_VOCAB}"),
+    (["--seed", "-1"], "--seed: -1: must be an integer >= 0"),
+    (["--warmup", "-5"], "--warmup: -5: must be an integer >= 0"),
+    (["--steps", "0"], "--steps: 0: must be a positive integer"),
+    (["--dp", "0"], "--dp: 0: must be a positive integer"),
+    (["--microbatches", "0"], "--microbatches: 0: must be a positive integer"),
+    (["--global-batch", "-8"], "--global-batch: -8: must be a positive integer"),
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--lr-schedule", "linear"], "invalid choice: 'linear'"),
+])
+def test_every_number_is_checked_with_its_range(capsys, argv, message):
+    assert message in _parse_error(capsys, *argv)
+
+
+def test_valid_edge_values_pass():
+    args = _parse("--clip", "0", "--weight-decay", "0", "--seed", "0", "--warmup", "0",
+                  "--vocab", str(MIN_VOCAB), "--lr", "1e-6", "--bucket-mb", "0.5")
+    assert (args.clip, args.weight_decay, args.vocab, args.bucket_mb) == (0, 0, MIN_VOCAB, 0.5)
+
+
+def test_defaults():
+    args = _parse()
+    assert (args.lr_schedule, args.precision, args.warmup, args.schedule) == \
+        ("constant", "fp32", 0, "1f1b")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], 1),
+    (["--pp", "2"], 2),
+    (["--pp", "2", "--microbatches", "4"], 4),
+    (["--grad-accum", "4"], 4),
+    (["--microbatches", "4", "--grad-accum", "4"], 4),
+    (["--tp", "2", "--grad-accum", "2"], 2),
+])
+def test_microbatches_for_every_layout(argv, expected):
+    args = _parse(*argv)
+    check_args(args)
+    assert args.microbatches == args.grad_accum == expected
+
+
+COMPOSE = [
+    ["--tp", "2", "--pp", "2"],
+    ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1"],
+    ["--dp", "2", "--zero", "2", "--pp", "2", "--schedule", "gpipe"],
+    ["--dp", "2", "--zero", "3", "--tp", "2"],
+    ["--dp", "2", "--zero", "3", "--tie", "--prefetch", "--offload"],
+    ["--tp", "2", "--sp", "--pp", "2", "--vpp", "2", "--schedule", "interleaved",
+     "--microbatches", "4"],
+    ["--tp", "2", "--tp-overlap", "--microbatches", "2"],
+    ["--dp", "2", "--compress", "int8", "--pp", "2"],
+    ["--pp", "2", "--tie", "--partition", "balanced"],
+    ["--tp", "2", "--pp", "3", "--layers", "5", "--microbatches", "4"],
+    ["--precision", "bf16", "--lr-schedule", "cosine", "--warmup", "10"],
+    ["--precision", "fp16", "--dp", "2", "--tp", "2", "--pp", "2"],
+]
+
+
+@pytest.mark.parametrize("argv", COMPOSE, ids=[" ".join(a) for a in COMPOSE])
+def test_every_axis_composes(argv):
+    config, layout = _check(*argv)
+    assert layout.world_size == layout.dp * layout.tp * layout.pp
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sp"], "--sp splits the sequence across the tensor-parallel group; add --tp 2"),
+    (["--tp", "2", "--sp", "--seq", "33"], "sequence parallelism splits seq_len=33 over tp=2"),
+    (["--tp", "3"], "tp=3 does not divide n_heads=4; choose 1, 2, 4"),
+    (["--tp-overlap"], "--tp-overlap overlaps tensor-parallel communication; add --tp 2"),
+    (["--pp", "2", "--vpp", "2"], "--vpp 2 needs --schedule interleaved"),
+    (["--vpp", "2", "--schedule", "interleaved"], "vpp=2 needs pipeline parallelism"),
+    (["--pp", "2", "--schedule", "interleaved", "--microbatches", "3", "--global-batch", "6"],
+     "--microbatches 3 must be a multiple of --pp 2"),
+    (["--pp", "8"], "choose pp*vpp <= 4"),
+    (["--dp", "3"], "use a global batch that is a multiple of 3"),
+    (["--dp", "2", "--microbatches", "3"], "multiple of 6"),
+    (["--zero", "1"], "--zero 1 shards over the data-parallel group; add --dp 2"),
+    (["--offload"], "--offload moves ZeRO's sharded optimizer state; add --zero 1"),
+    (["--dp", "2", "--zero", "1", "--prefetch"], "--prefetch gathers ZeRO-3's parameters "
+                                                  "early; add --zero 3"),
+    (["--compress", "fp16"], "use it with --dp 2 (or more) and without --zero"),
+    (["--dp", "2", "--zero", "1", "--compress", "fp16"], "without --zero"),
+    (["--grad-accum", "2", "--microbatches", "4"], "--grad-accum 2 and --microbatches 4 are "
+                                                   "the same option"),
+    (["--heads", "5"], "n_heads=5 does not divide d_model=64"),
+])
+def test_what_cannot_work_is_refused_with_what_would(argv, message):
+    with pytest.raises(ValueError) as err:
+        _check(*argv)
+    assert message in str(err.value)
+
+
+# ---- memory -----------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_num_params_from_config_counts_the_model(preset, tie):
+    from edu3d.model import GPT, config_from, num_params
+
+    config = config_from(preset, tie=tie)
+    assert num_params_from_config(config) == num_params(GPT(config))
+
+
+def test_gpt2_small_has_124m_parameters():
+    config, _ = _check("--model", "gpt2-small")
+    assert num_params_from_config(config) == 124_439_808  # GPT-2 small, tied, no lm_head bias
+
+
+def test_zero_stages_shard_what_the_paper_says():
+    def per_rank(*argv):
+        args = _parse("--model", "medium", "--dp", "4", *argv)
+        config, layout = check_args(args)
+        return memory_per_rank(config, layout, args)
+
+    z0, z1, z2, z3 = (per_rank("--zero", str(z)) for z in range(4))
+    assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 4, abs=1)
+    assert (z1["grads"], z1["params"]) == (z0["grads"], z0["params"])
+    assert z2["grads"] == pytest.approx(z0["grads"] / 4, abs=1) and z2["params"] == z0["params"]
+    assert z3["params"] == pytest.approx(z0["params"] / 4, abs=1)
+    fp32_adamw = z0["params"] + z0["grads"] + z0["optimizer"]
+    assert fp32_adamw == pytest.approx(16 * num_params_from_config(check_args(
+        _parse("--model", "medium"))[0]), rel=1e-6)  # 4 + 4 + 8 bytes per parameter
+    tp_pp = per_rank("--tp", "2", "--pp", "2", "--global-batch", "8")
+    assert tp_pp["params"] == pytest.approx(z0["params"] / 4, abs=1)
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    def act(schedule):
+        args = _parse("--pp", "2", "--microbatches", "8", "--schedule", schedule)
+        config, layout = check_args(args)
+        return memory_per_rank(config, layout, args)["activations"]
+
+    assert act("gpipe") > act("1f1b")
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_the_presets_fit_a_24gb_machine(preset):
+    args = _parse("--model", preset)
+    check_fit(*check_args(args), args, available=20 * GB)
+
+
+def test_a_78b_model_is_refused_with_the_numbers():
+    args = _parse("--model", "gpt2-small", "--layers", "96", "--d-model", "8192",
+                  "--heads", "64")
+    with pytest.raises(LayoutError) as err:
+        check_fit(*check_args(args), args, available=24 * GB)
+    msg = str(err.value)
+    assert "this run cannot fit: 77.74 B parameters" in msg
+    assert "but this machine has 24.0 GB available" in msg
+    assert "optimizer 621.9 GB" in msg and "\n" not in msg
+
+
+def test_many_ranks_of_a_fitting_model_are_refused_together():
+    args = _parse("--model", "medium", "--dp", "8")
+    config, layout = check_args(args)
+    per_rank = sum(memory_per_rank(config, layout, args).values())
+    check_fit(config, layout, args, available=8 * per_rank + 1)
+    with pytest.raises(LayoutError, match=r"x 8 rank\(s\).*or --zero 3"):
+        check_fit(config, layout, args, available=8 * per_rank - 1)
+
+
+def test_oversubscription_warns_in_one_line():
+    warning = oversubscribed(Layout(dp=64), cores=2)
+    assert warning.startswith("warning: 64 ranks on 2 CPU core(s)") and "\n" not in warning
+    assert oversubscribed(Layout(dp=8), cores=2) is None
