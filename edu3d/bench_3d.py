@@ -44,11 +44,19 @@ PyTorch's own APIs compose into the same layout (torchtitan's ``parallelize_llam
   median, ``ratio = edu3d_s / reference_s``.
 
 Rows: ``dp2-tp2-pp2 1f1b`` (plain DP) and ``dp2-tp2-pp2 1f1b zero1``.
+
+What limits the ratio on a laptop: 8 ranks share a few cores, so every rank's CPU time per
+step becomes wall time for all of them. The model is small, so most of that CPU time is
+per-operation overhead, not arithmetic: DTensor's sharding propagation on every op, FSDP2's
+hooks and functional collectives on PyTorch's side, plain tensors and direct gloo calls on
+edu3d's. On a GPU (or with ``torch.compile``, as torchtitan runs) that overhead shrinks and the
+two sides' communication, which is the same by construction, decides.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 import torch.distributed as dist
@@ -217,12 +225,17 @@ class TorchComposed:
         """Every full gradient by serial name, on every rank (``qkv`` back in serial order)."""
         from torch.distributed.tensor import DTensor
 
-        mine = {}
+        # FSDP's dp shard of a TP shard (_StridedShard) is gathered in two steps; DTensor logs
+        # a warning per tensor on every rank. This gather is untimed inspection: keep it quiet.
+        log = logging.getLogger("torch.distributed.tensor._redistribute")
+        level, mine = log.level, {}
+        log.setLevel(logging.ERROR)
         for name, q in self.module.named_parameters():
             g = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
             if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
                 g = _serial_qkv(g, self.tp)
             mine[name] = g.detach().clone()
+        log.setLevel(level)
         stages: list = [None] * self.dmesh["pp"].size()
         dist.all_gather_object(stages, mine, group=self.dmesh["pp"].get_group())
         return {k: v for part in stages for k, v in part.items()}
