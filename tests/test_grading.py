@@ -4,7 +4,9 @@
   ``PASS`` lines, and they are exactly the lines committed in the notebook (what nbval
   compares);
 * with the untouched stubs (``EDU3D_SOLUTIONS=0``) every check line is ``FAIL``: a learner
-  can never pass by leaving the exercise as it is.
+  can never pass by leaving the exercise as it is; and every failure says why in one hint
+  line (no traceback through the grader, no stray ``True``/``False`` value, no hint repeated
+  down the cell).
 
 Plus unit tests of :func:`edu3d.grading.load` and :func:`edu3d.grading.check`.
 """
@@ -28,10 +30,15 @@ def checked(nb) -> list:
     return [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(MARK)]
 
 
-def stdout_lines(cell) -> list[str]:
+def stdout_lines(cell, name: str = "stdout") -> list[str]:
     text = "".join(o.get("text", "") for o in cell.get("outputs", [])
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+                   if o.get("output_type") == "stream" and o.get("name") == name)
     return text.splitlines()
+
+
+def values_shown(cell) -> list:
+    """Outputs other than the printed lines (a stray ``True``, a display, an error)."""
+    return [o for o in cell.get("outputs", []) if o.get("output_type") != "stream"]
 
 
 def execute(path: Path, solutions: bool, monkeypatch, runs: Path) -> nbformat.NotebookNode:
@@ -60,6 +67,8 @@ def test_solutions_pass_every_check(path, monkeypatch, tmp_path):
         lines = stdout_lines(cell)
         assert lines, f"a checked cell printed nothing:\n{cell.source}"
         assert all(line.startswith("PASS ") for line in lines), "\n".join(lines)
+        assert not stdout_lines(cell, "stderr"), stdout_lines(cell, "stderr")
+        assert not values_shown(cell) and not values_shown(stored), cell.source
         assert lines == stdout_lines(stored), (
             f"{path.name}: committed outputs differ from the solution's; re-run it with "
             f"EDU3D_SOLUTIONS=1 and commit the checked cells' outputs")
@@ -73,6 +82,12 @@ def test_untouched_stubs_fail_every_check(path, monkeypatch, tmp_path):
         lines = stdout_lines(cell)
         assert len(lines) == len(stdout_lines(stored)), "\n".join(lines)
         assert all(line.startswith("FAIL ") for line in lines), "\n".join(lines)
+        hints = stdout_lines(cell, "stderr")
+        assert len(hints) == len(lines), "one hint per failure:\n" + "\n".join(hints)
+        assert all(h.startswith("  hint: ") and len(h) > 20 for h in hints), hints
+        assert not any("Traceback" in h or 'File "' in h for h in hints), hints
+        assert len(set(hints)) > 1 or len(hints) == 1 or hints[1] == "  hint: the same as above"
+        assert not values_shown(cell), values_shown(cell)
 
 
 # ---- grading.load / grading.check ------------------------------------------------------------
@@ -91,19 +106,81 @@ def test_load_picks_stubs_or_solutions(monkeypatch):
         grading.load("no_such_exercise")
 
 
-def test_check_prints_one_verdict_and_the_reason_on_stderr(capsys):
-    assert grading.check("returns None", lambda: None) is True
-    assert grading.check("returns False", lambda: False) is False
+def test_check_prints_one_verdict_and_one_hint(capsys):
+    assert bool(grading.check("returns None", lambda: None)) is True
+    assert bool(grading.check("returns False", lambda: False, hint="look at x")) is False
 
     def stub():
         raise NotImplementedError("hint: do it")
 
-    assert grading.check("stub", stub) is False
-    assert grading.check("broken", lambda: 1 / 0) is False
+    def wrong():
+        assert 1 == 2, "rank 0 sent 0 B, expected 5040"
+
+    assert not grading.check("stub", stub, hint="never shown: the stub's hint wins")
+    assert not grading.check("broken", lambda: 1 / 0)
+    assert not grading.check("wrong", wrong, hint="count the sends")
+    assert not grading.check("false, no hint", lambda: False)
     out, err = capsys.readouterr()
     assert out.splitlines() == ["PASS returns None", "FAIL returns False", "FAIL stub",
-                                "FAIL broken"]
-    assert "hint: do it" in err and "ZeroDivisionError" in err
+                                "FAIL broken", "FAIL wrong", "FAIL false, no hint"]
+    assert err.splitlines() == [
+        "  hint: look at x",
+        "  hint: not written yet: do it",
+        "  hint: ZeroDivisionError: division by zero",
+        "  hint: rank 0 sent 0 B, expected 5040. Look at: count the sends",
+        "  hint: the check found a wrong result"]
+
+
+def test_check_names_the_learners_line_not_the_graders(capsys):
+    ex = grading.load("ranks", solutions=False)
+    assert not grading.check("stub", lambda: ex.coords_of(0, 1, 1, 1))
+    _, err = capsys.readouterr()
+    assert err.startswith("  hint: not written yet (exercises/ranks.py, line ")
+    assert "in coords_of): tp_rank is the remainder" in err and "Traceback" not in err
+
+
+def test_a_failed_run_is_one_line():
+    from edu3d.launch import RankError
+
+    err = RankError(2, "NotImplementedError: hint: chunks = ...", "Traceback (most recent "
+                    "call last):\n  File \"x.py\", line 3, in f\nNotImplementedError: hint: "
+                    "chunks = ...")
+    assert grading._reason(err) == "not written yet: chunks = ..."
+    err = RankError(1, "RuntimeError: boom", "Traceback (most recent call last):\n  File "
+                    "\"/work/edu3d/ring.py\", line 9, in g\nRuntimeError: boom")
+    assert grading._reason(err) == "rank 1 failed: RuntimeError: boom"
+
+
+def test_the_same_hint_is_printed_once_per_cell(capsys, monkeypatch):
+    cells = iter([7, 7, 7, 8])
+    monkeypatch.setattr(grading, "_cell", lambda: next(cells))
+
+    def stub():
+        raise NotImplementedError("hint: write coords_of")
+
+    for _ in range(4):
+        grading.check("stub", stub)
+    _, err = capsys.readouterr()
+    assert err.splitlines() == ["  hint: not written yet: write coords_of",
+                                "  hint: the same as above", "  hint: the same as above",
+                                "  hint: not written yet: write coords_of"]
+
+
+def test_a_stub_is_found_without_running_it(monkeypatch):
+    monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
+    assert "not written yet (exercises/ring_allreduce.py)" in grading.unfinished(
+        "ring_allreduce", "ring_all_reduce")
+    assert grading.unfinished("ring_allreduce", "exchange") is None  # given, not a stub
+    assert "BucketedDDP" in grading.unfinished("bucketed_ddp", "BucketedDDP")
+    monkeypatch.setenv("EDU3D_SOLUTIONS", "1")
+    assert grading.unfinished("ring_allreduce", "ring_all_reduce") is None
+    assert grading.unfinished("bucketed_ddp", "BucketedDDP") is None
+
+
+def test_a_verdict_shows_no_value_in_a_notebook():
+    v = grading.check("quiet", lambda: None)
+    assert hasattr(v, "_ipython_display_") and v._ipython_display_() is None
+    assert repr(v) == "PASS quiet"
 
 
 def test_solution_matches_layout_everywhere():
