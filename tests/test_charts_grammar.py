@@ -312,3 +312,14 @@ def test_pipeline_and_zero_charts_start_at_zero():
     assert _x_start(fig) == pytest.approx(0.0, abs=1e-9)
     fig = build("zero.resident_params_figure")
     assert fig.data[0].x[0] == 0.0
+
+
+# ---- the notebooks cite what a learner can open ---------------------------------------------
+def test_notebooks_cite_no_file_the_repository_lacks():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for nb in sorted((root / "notebooks").glob("*.ipynb")) + sorted(
+            (root / "exercises").glob("*.ipynb")):
+        for name in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", nb.read_text()):
+            assert (root / name).exists(), f"{nb.name} cites {name}, which is not in the repository"
