@@ -50,6 +50,11 @@ _MULTINODE = ("--nnodes", "--node-rank", "--node_rank", "--rdzv", "--master-addr
 class LaunchError(RuntimeError):
     """A run that could not start or did not finish cleanly."""
 
+    def _render_traceback_(self) -> list[str]:
+        """In a notebook, the message (with the failing rank's own traceback) and not the
+        launcher's frames."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class RankError(LaunchError):
     """The first rank that failed, with its traceback."""
@@ -168,7 +173,7 @@ def _record_exits(run_dir: Path) -> None:
 
     def scan() -> None:
         while True:
-            for rank, pid in _pid_files(run_dir).items():
+            for rank, pid in runs.pid_files(run_dir).items():
                 if (rank, pid) not in seen:
                     seen.add((rank, pid))
                     threading.Thread(target=wait_for, args=(rank, pid), daemon=True).start()

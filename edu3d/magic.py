@@ -28,6 +28,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import HTML, display
 
 from edu3d.launch import LaunchError, launch, new_run_dir
+from edu3d.runs import RunsError
 
 
 class NotebookStatus:
@@ -56,6 +57,17 @@ class NotebookStatus:
         self.handle.update(self._html(message, "fail"))
 
 
+class Interrupted(KeyboardInterrupt):
+    """The kernel was interrupted during a run; every rank was killed. Shown as one line
+    (IPython renders ``_render_traceback_`` instead of a traceback)."""
+
+    def __init__(self, nprocs: int):
+        super().__init__(f"interrupted: all {nprocs} ranks were killed")
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
 @magics_class
 class TorchrunMagics(Magics):
     @magic_arguments()
@@ -68,11 +80,17 @@ class TorchrunMagics(Magics):
         args = parse_argstring(self.torchrun, line)
         if args.nprocs < 1:
             raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1")
-        run_dir = new_run_dir("cell")
+        try:
+            run_dir = new_run_dir("cell")
+        except RunsError as err:
+            raise LaunchError(str(err)) from None
         script = run_dir / "cell.py"
         script.write_text(cell)
-        self.shell.user_ns["_torchrun"] = launch(script, args.nprocs, timeout=args.timeout,
-                                                 run_dir=run_dir, progress=True)
+        try:
+            self.shell.user_ns["_torchrun"] = launch(script, args.nprocs, timeout=args.timeout,
+                                                     run_dir=run_dir, progress=True)
+        except KeyboardInterrupt:
+            raise Interrupted(args.nprocs) from None
 
 
 def register(ipython) -> None:

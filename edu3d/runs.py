@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -230,27 +231,20 @@ def size_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def main(argv: list[str]) -> int:
+def main(action: str, keep: int = 0) -> int:
     """``edu3d runs list`` / ``edu3d runs clean [--keep N]``."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="edu3d runs", description=f"Run folders under {base()}.")
-    sub = p.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="list run folders, oldest first, with their sizes")
-    c = sub.add_parser("clean", help="remove run folders, keeping the newest --keep")
-    c.add_argument("--keep", type=int, default=0, help="how many of the newest to keep (default 0)")
-    a = p.parse_args(argv)
-    if a.action == "list":
-        runs = list_runs()
-        for path in runs:
+    if action == "list":
+        found = list_runs()
+        for path in found:
             print(f"{size_bytes(path) / 1e6:8.1f} MB  {path}")
-        print(f"{len(runs)} run folder(s) under {base().resolve()}")
+        print(f"{len(found)} run folder(s) under {base().resolve()}")
         return 0
-    if a.keep < 0:
-        p.error(f"--keep {a.keep}: must be 0 or more")
-    removed = prune(a.keep) if a.keep else [*list_runs()]
-    if not a.keep:
-        for path in removed:
-            shutil.rmtree(path, ignore_errors=True)
-    print(f"removed {len(removed)} run folder(s) under {base().resolve()}")
+    if keep < 0:
+        print(f"edu3d runs clean: --keep {keep}: must be 0 or more", file=sys.stderr)
+        return 2
+    found = list_runs()
+    doomed = found[:max(len(found) - keep, 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    print(f"removed {len(doomed)} run folder(s) under {base().resolve()}, kept {len(found) - len(doomed)}")
     return 0

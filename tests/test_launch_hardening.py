@@ -1,0 +1,289 @@
+"""The launcher under a careless or hostile user: sockets, pids, blame, hangs, output, folders."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from edu3d import runs, trace
+from edu3d.launch import LaunchError, LaunchTimeout, RankError, _running, kill_run, launch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(tmp_path, body: str, name="script.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _assert_all_gone(run_dir: Path, wait_s: float = 10.0):
+    deadline = time.monotonic() + wait_s
+    pids = list(runs.pid_files(run_dir).values())
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _running(p)], "processes left running"
+
+
+# ---- security: no socket of a run outside loopback --------------------------------------------
+def _listening(pids) -> list[tuple[int, str]]:
+    """(pid, address) of every listening TCP socket owned by ``pids`` (from /proc)."""
+    inodes = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes[link[8:-1]] = pid
+        except OSError:
+            pass
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                out.append((inodes[cols[9]], cols[1]))
+    return out
+
+
+def _loopback(hex_addr: str) -> bool:
+    addr = hex_addr.split(":")[0]
+    if len(addr) == 8:  # IPv4, little-endian bytes: 127.x.x.x ends in 7F
+        return addr.endswith("7F")
+    return addr in ("00000000000000000000000001000000",  # ::1
+                    ) or (addr.startswith("0000000000000000FFFF0000") and addr.endswith("7F"))
+
+
+def list_run_sockets(mesh):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank and store is up
+    found = []
+    if mesh.rank == 0:
+        pids = [os.getppid(), *runs.pid_files(Path(os.environ["EDU3D_RUN_DIR"])).values()]
+        found = _listening(pids)
+    dist.barrier()
+    return found
+
+
+def test_run_listens_only_on_loopback():
+    res = launch(list_run_sockets, 4, echo=False, timeout=120)
+    sockets = res.results[0]
+    assert sockets, "found no listening socket at all: the check itself is broken"
+    outside = [s for s in sockets if not _loopback(s[1])]
+    assert not outside, f"listening outside loopback: {outside}"
+
+
+# ---- kill_run signals only the run's own processes --------------------------------------------
+def test_kill_run_spares_a_process_that_recycled_a_pid(tmp_path):
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        run_dir = tmp_path / "run"
+        (run_dir / "pids").mkdir(parents=True)
+        (run_dir / "command.json").write_text(json.dumps({"run_id": "deadbeef"}))
+        (run_dir / "pids" / "rank0.pid").write_text(str(stranger.pid))
+        agent = subprocess.Popen(["true"], start_new_session=True)
+        agent.wait()
+        kill_run(agent, run_dir, grace_s=0.5)
+        time.sleep(0.2)
+        assert stranger.poll() is None, "kill_run killed a process that is not the run's"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# ---- the first rank to die is the one named ---------------------------------------------------
+DEATHS = {
+    "exit": ("os._exit(3)", "exited with code 3"),
+    "segfault": ("import ctypes; ctypes.string_at(0)", "killed by signal SIGSEGV"),
+    "kill": ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal SIGKILL"),
+}
+
+
+def dying_script(tmp_path, how: str, victim: int) -> Path:
+    return _script(tmp_path, f"""
+        import os, signal, time
+        import torch, torch.distributed as dist
+        from edu3d import runtime
+        mesh = runtime.init()
+        dist.barrier()
+        if mesh.rank == {victim}:
+            time.sleep(0.3)
+            {DEATHS[how][0]}
+        dist.all_reduce(torch.ones(4))
+        time.sleep(60)
+    """)
+
+
+def _blamed(tmp_path, how: str, n: int, victim: int) -> RankError:
+    with pytest.raises(RankError) as info:
+        launch(dying_script(tmp_path, how, victim), n, echo=False, timeout=120,
+               env={"EDU3D_TIMEOUT": "60"})
+    return info.value
+
+
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", sorted(DEATHS))
+def test_first_rank_to_die_is_named_with_how_it_died(tmp_path, how, n):
+    victim = n - 2
+    err = _blamed(tmp_path, how, n, victim)
+    assert err.rank == victim, f"named rank {err.rank}, not {victim}: {str(err)[:300]}"
+    assert f"rank {victim} failed: {DEATHS[how][1]}" in str(err)
+    _assert_all_gone(err.run_dir)
+
+
+# ---- a hang says what every rank was doing ----------------------------------------------------
+def mismatched_collectives(mesh):
+    import torch
+
+    from edu3d import comm
+
+    t = torch.ones(4)
+    with trace.current().context(step=3):
+        comm.all_reduce(t)  # every rank: step 3 starts in step
+        if mesh.rank == 0:
+            comm.all_reduce(t)
+        else:
+            comm.broadcast(t, src=1)
+
+
+def test_hang_report_names_every_ranks_operation():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(mismatched_collectives, 2, echo=False, timeout=90, env={"EDU3D_TIMEOUT": "4"})
+    text = str(info.value)
+    assert "rank 0 " in text and "all_reduce(world) at step 3" in text, text
+    assert "rank 1 waits in broadcast(world) at step 3" in text or \
+        "rank 1 failed in broadcast(world) at step 3" in text, text
+    assert time.monotonic() - t0 < 60
+
+
+def test_launcher_timeout_reports_flight(tmp_path):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(mismatched_collectives, 2, echo=False, timeout=45, env={"EDU3D_TIMEOUT": "300"})
+    text = str(info.value)
+    assert "rank 0 waits in all_reduce(world) at step 3" in text, text
+    assert "rank 1 waits in broadcast(world) at step 3" in text, text
+
+
+# ---- output as under torchrun -----------------------------------------------------------------
+def test_fd_writes_progress_bars_and_a_real_stdout(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        os.write(1, b"straight to fd 1\\n")
+        os.write(2, b"straight to fd 2\\n")
+        sys.stdout.write("0%\\r50%\\r100%\\n")
+        sys.stdout.reconfigure(line_buffering=True)
+        print(sys.stdout.encoding, hasattr(sys.stdout.buffer, "write"))
+        sys.stdout.buffer.write(b"bytes\\n")
+        sys.stdout.write("no newline at the end")
+    """)
+    seen = []
+    launch(script, 2, echo=lambda *line: seen.append(line), timeout=120)
+    for r in range(2):
+        assert (r, "stdout", "straight to fd 1") in seen
+        assert (r, "stderr", "straight to fd 2") in seen
+        assert [(r, "stdout", p) for p in ("0%", "50%", "100%")] == \
+            [x for x in seen if x[0] == r and x[2].endswith("%")]
+        assert (r, "stdout", "utf-8 True") in seen
+        assert (r, "stdout", "bytes") in seen
+        assert (r, "stdout", "no newline at the end") in seen
+
+
+# ---- the trace is written as it happens -------------------------------------------------------
+def test_recorder_writes_each_event_at_once(tmp_path):
+    path = trace.rank_file(tmp_path, 0)
+    rec = trace.Recorder(0, path)
+    for i in range(1000):
+        with rec.span("compute", "F", mb=i):
+            pass
+    assert rec.events == []  # nothing held in memory
+    assert len(path.read_text().splitlines()) == 1000  # before any flush
+
+
+def test_killed_run_keeps_its_trace(tmp_path):
+    script = _script(tmp_path, """
+        import os, signal, torch
+        from edu3d import comm, runtime
+        mesh = runtime.init()
+        for step in range(3):
+            comm.all_reduce(torch.ones(4))
+        if mesh.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        import time; time.sleep(60)
+    """)
+    with pytest.raises(RankError) as info:
+        launch(script, 2, echo=False, timeout=120)
+    events = trace.load(info.value.run_dir)
+    assert sum(1 for e in events if e["rank"] == 1 and e["op"] == "all_reduce") == 3
+
+
+# ---- run folders ------------------------------------------------------------------------------
+def test_reused_run_folder_ignores_the_old_error(tmp_path):
+    run_dir = tmp_path / "reused"
+    (run_dir / "errors").mkdir(parents=True)
+    (run_dir / "errors" / "rank0.json").write_text(json.dumps(
+        {"rank": 0, "type": "RuntimeError", "message": "old failure", "traceback": "",
+         "time_ns": 1}))
+    script = _script(tmp_path, "import time; time.sleep(1)\nprint('fine')\n")
+    res = launch(script, 2, run_dir=run_dir, echo=False, timeout=120)
+    assert res.lines(0) == ["fine"]
+
+
+def test_only_the_newest_run_folders_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDU3D_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("EDU3D_KEEP_RUNS", "3")
+    made = []
+    for i in range(5):
+        d = runs.new_run_dir(f"r{i}")
+        (d / "command.json").write_text("{}")
+        os.utime(d / "command.json", (1000 + i, 1000 + i))
+        made.append(d)
+    assert sorted(runs.list_runs()) == sorted(made[2:])
+
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "edu3d.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def test_bad_runs_folder_is_one_clear_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    script = _script(tmp_path, "print('never')\n")
+    out = _cli("run", "-n", "2", str(script), env={"EDU3D_RUNS": str(blocker / "runs")})
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and str(blocker) in out.stderr
+    assert "EDU3D_RUNS" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_edu3d_run_prints_its_run_folder(tmp_path):
+    script = _script(tmp_path, "print('hi')\n")
+    out = _cli("run", "-n", "2", str(script), env={"EDU3D_RUNS": str(tmp_path / "runs")})
+    assert out.returncode == 0, out.stderr
+    folder = next((tmp_path / "runs").iterdir())
+    assert f"run folder {folder}" in out.stderr
+
+
+# ---- Ctrl-C: one line -------------------------------------------------------------------------
+def test_interrupted_cell_shows_one_line(monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from edu3d import magic
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(magic, "launch", interrupted)
+    shell = InteractiveShell.instance()
+    magic.register(shell)
+    err = magic.Interrupted(2)
+    assert err._render_traceback_() == ["interrupted: all 2 ranks were killed"]
+    result = shell.run_cell("%%torchrun -n 2\nprint(1)\n")
+    assert isinstance(result.error_in_exec, magic.Interrupted)
