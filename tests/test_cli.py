@@ -90,3 +90,136 @@ def test_every_benchmark_entry_point_exists():
     for name, target in BENCHMARKS.items():
         module, _, fn = target.partition(":")
         assert callable(getattr(importlib.import_module(module), fn)), name
+
+
+# ---- every input checked before any process starts (issue 9) ---------------------------------
+def _refused_before_launch(p):
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "launching" not in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--lr", "nan"], "--lr: nan: must be a finite number > 0"),
+    (["--lr", "-1"], "--lr: -1: must be a finite number > 0"),
+    (["--lr", "inf"], "--lr: inf: must be a finite number > 0"),
+    (["--vocab", "1"], "--vocab: 1: must be an integer >= 4"),
+    (["--weight-decay", "nan"], "--weight-decay: nan: must be a finite number >= 0"),
+    (["--bucket-mb", "0"], "--bucket-mb: 0: must be a finite number > 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb: -1: must be a finite number > 0"),
+    (["--timeout", "0"], "--timeout: 0: must be a finite number > 0"),
+])
+def test_train_refuses_a_bad_number_in_one_line_before_launching(bad, message):
+    p = _run(["train", "--dp", "2", "--steps", "3", *bad])
+    _refused_before_launch(p)
+    assert p.stderr.startswith("edu3d train: error: argument") and message in p.stderr
+
+
+def test_train_refuses_a_model_that_cannot_fit_before_launching():
+    p = _run(["train", "--model", "gpt2-small", "--layers", "96", "--d-model", "8192",
+              "--heads", "64", "--steps", "1"])
+    _refused_before_launch(p)
+    assert "this run cannot fit: 77.74 B parameters" in p.stderr
+
+
+def test_train_describes_the_model_without_building_it(monkeypatch):
+    import argparse
+
+    from edu3d import train
+
+    def no_model(*_, **__):
+        raise AssertionError("the launching process built a model")
+
+    monkeypatch.setattr(train, "GPT", no_model)
+    monkeypatch.setattr(train, "_run_parallel", lambda *_: [])
+    args = train.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--model", "medium", "--dp", "2"])
+    assert train.run(args) == []
+
+
+def _interrupt_after_first_record(argv):
+    import signal
+
+    p = subprocess.Popen(EDU3D + ["train", "--steps", "100000", "--json", *argv],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith('{"step": 1')
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("layout", [[], ["--dp", "2"]], ids=["serial", "dp2"])
+def test_train_ctrl_c_is_one_line_and_exit_130(layout):
+    code, err = _interrupt_after_first_record(layout)
+    assert code == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "edu3d train: interrupted"
+
+
+def test_train_timeout_exits_124_and_names_the_option():
+    p = _run(["train", "--dp", "2", "--steps", "100000", "--timeout", "5"])
+    assert p.returncode == 124, p.stderr
+    assert "edu3d train: --timeout 5 s: run did not finish within 5 s" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# ---- help, errors, course --------------------------------------------------------------------
+@pytest.mark.parametrize("args,shown", [
+    (["train", "--help"], ["peak learning rate (default: 0.003)", "(default: 1f1b)",
+                           "--lr-schedule", "--precision", "--grad-accum"]),
+    (["run", "--help"], ["(default: 2)"]),
+    (["doctor", "--help"], ["(default: 120.0)"]),
+    (["course", "--help"], ["(default: 127.0.0.1", "passed to JupyterLab"]),
+    (["schedule", "--help"], ["chunks per rank, interleaved only (default: 1)", "examples:"]),
+])
+def test_help_shows_defaults(args, shown):
+    p = _run(args)
+    assert p.returncode == 0
+    for text in shown:
+        assert text in " ".join(p.stdout.split()), text
+
+
+def test_schedule_help_is_plain_text():
+    out = _run(["schedule", "--help"]).stdout
+    assert "``" not in out and "::" not in out
+
+
+def test_argument_errors_are_one_line():
+    p = _run(["schedule", "--name", "1f1b", "--pp", "0", "--microbatches", "4"])
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        "edu3d schedule: error: argument --pp: 0: must be a positive integer (1, 2, 3 ...) "
+        "(see edu3d schedule --help)"]
+
+
+def test_every_course_option_has_help():
+    import argparse
+
+    from edu3d.cli import build_parser
+
+    sub = next(a for a in build_parser("")._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(action.help for action in sub.choices["course"]._actions)
+
+
+def test_course_serves_the_root_on_loopback_and_passes_jupyter_options_through():
+    from edu3d.cli import COURSE_ROOT, course_command, parse_args
+
+    args = parse_args(["course", "--no-browser", "--port", "9000", "--ServerApp.token=s3cret"])
+    cmd = course_command(args, as_root=False)
+    assert cmd[1:3] == ["-m", "jupyterlab"]
+    assert f"--ServerApp.root_dir={COURSE_ROOT}" in cmd
+    assert (COURSE_ROOT / "notebooks").is_dir() and (COURSE_ROOT / "exercises").is_dir()
+    assert "--LabApp.default_url=/lab/tree/notebooks" in cmd
+    assert "--ServerApp.ip=127.0.0.1" in cmd
+    assert {"--no-browser", "--port=9000", "--ServerApp.token=s3cret"} <= set(cmd)
+    assert "--allow-root" not in cmd
+    assert "--allow-root" in course_command(args, as_root=True)
+
+
+def test_bench_progress_goes_to_stderr_from_rank_0_only(monkeypatch, capsys):
+    from edu3d.bench import progress
+
+    monkeypatch.setenv("RANK", "1")
+    progress("repetition 1/5")
+    monkeypatch.setenv("RANK", "0")
+    progress("repetition 2/5")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "bench: repetition 2/5\n"
