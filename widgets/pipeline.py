@@ -129,9 +129,10 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
         heights.append(0.2 + 0.5 * run["pp"])
         if memory:
             titles.append("activations held (MiB)")
-            heights.append(0.15 + 0.1 * run["pp"])
+            heights.append(0.45)  # tall enough for three readable ticks
+    # room between panels for each panel's own title, so titles never sit on a chart
     fig = make_subplots(rows=len(heights), cols=1, shared_xaxes=True, subplot_titles=titles,
-                        row_heights=heights, vertical_spacing=0.06 if len(heights) > 2 else 0.1)
+                        row_heights=heights, vertical_spacing=min(0.1, 0.32 / len(heights)))
     row = 1
     for k, (evs, ghost, pp) in enumerate(rows):
         ranks = list(range(pp))
@@ -142,13 +143,15 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
         row += 1
         if memory:
             _memory_strip(fig, evs, row, ranks, show_legend=(k == 0))
-            fig.update_yaxes(title_text="MiB", rangemode="tozero", row=row, col=1)
+            fig.update_yaxes(title_text="MiB", rangemode="tozero", nticks=3, row=row, col=1)
             row += 1
     style.frame(fig, title, takeaway or "Bars: measured; translucent: the schedule simulated "
                 "with the measured costs; hatched: idle (the bubble).",
-                height=max(360, int(170 * sum(heights))) + 60)
-    fig.update_layout(barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"})
-    fig.update_xaxes(title_text="time (ms)", row=row - 1, col=1)
+                height=max(360, int(170 * sum(heights))) + 120)
+    fig.update_layout(barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"},
+                      margin={"t": 120})
+    fig.update_annotations(font_size=12)  # the panel titles, smaller than the chart's
+    fig.update_xaxes(title_text="time since the step's first compute (ms)", row=row - 1, col=1)
     fig.update_xaxes(rangemode="tozero")
     return fig
 
