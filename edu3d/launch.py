@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 
 from edu3d import runs
 from edu3d.runs import RunsError, new_run_dir  # noqa: F401 - new_run_dir is part of the API
+from edu3d.runtime import loopback_ifname
 from edu3d.worker import PREFIX_FMT, _alive
 
 _PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
@@ -97,11 +98,6 @@ class RunResult:
 
     def lines(self, rank: int = 0, stream: str = "stdout") -> list[str]:
         return [text for r, s, text in self.output if r == rank and s == stream]
-
-
-def _loopback_ifname() -> str:
-    names = [n for _, n in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), names[0] if names else "lo")
 
 
 def _single_node(torchrun_args: Sequence[str]) -> bool:
@@ -380,7 +376,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
                      EDU3D_RUN_ID=rid, PYTHONUNBUFFERED="1")
     if _single_node(torchrun_args):
         # gloo listens on the interface it is told (else the host name's address)
-        child_env.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+        child_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
         child_env["EDU3D_LOOPBACK"] = "1"
     # the launching directory's modules (a notebook's helpers) and the target function's
     # package import on every rank

@@ -72,10 +72,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_ifname() -> str:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), for gloo."""
+    names = [n for _, n in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), names[0] if names else "lo")
 
 
 def device():
@@ -98,9 +98,12 @@ def init(layout: Layout | None = None, *, backend: str | None = None,
     import torch
     import torch.distributed as dist
 
-    if "RANK" not in os.environ:  # not launched by torchrun: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # not launched by torchrun (or a world of one made by an earlier init): a world of one
+    alone = "RANK" not in os.environ or ("MASTER_ADDR" not in os.environ
+                                         and os.environ.get("WORLD_SIZE") == "1")
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
     set_threads(1)
     if seed is not None:
         seed_everything(seed)
@@ -108,7 +111,10 @@ def init(layout: Layout | None = None, *, backend: str | None = None,
         be = choose_backend(backend)
         if be == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(be, timeout=timedelta(seconds=timeout_seconds(timeout_s)))
+        # a world of one meets in an in-memory store: no TCP server, nothing on the network
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
+        dist.init_process_group(be, timeout=timedelta(seconds=timeout_seconds(timeout_s)),
+                                **store)
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = layout or Layout(dp=world)
     mesh = Mesh.build(layout, rank)

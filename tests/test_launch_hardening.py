@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edu3d import runs, trace
+from edu3d import trace
 from edu3d.launch import LaunchError, LaunchTimeout, RankError, _running, kill_run, launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,9 +23,13 @@ def _script(tmp_path, body: str, name="script.py") -> Path:
     return path
 
 
+def _pids(run_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in (run_dir / "pids").glob("rank*.pid")]
+
+
 def _assert_all_gone(run_dir: Path, wait_s: float = 10.0):
     deadline = time.monotonic() + wait_s
-    pids = list(runs.pid_files(run_dir).values())
+    pids = _pids(run_dir)
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _running(p)], "processes left running"
@@ -66,7 +70,7 @@ def list_run_sockets(mesh):
     dist.barrier()  # every rank and store is up
     found = []
     if mesh.rank == 0:
-        pids = [os.getppid(), *runs.pid_files(Path(os.environ["EDU3D_RUN_DIR"])).values()]
+        pids = [os.getppid(), *_pids(Path(os.environ["EDU3D_RUN_DIR"]))]
         found = _listening(pids)
     dist.barrier()
     return found
@@ -237,6 +241,8 @@ def test_reused_run_folder_ignores_the_old_error(tmp_path):
 
 
 def test_only_the_newest_run_folders_are_kept(tmp_path, monkeypatch):
+    from edu3d import runs
+
     monkeypatch.setenv("EDU3D_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("EDU3D_KEEP_RUNS", "3")
     made = []
@@ -287,3 +293,37 @@ def test_interrupted_cell_shows_one_line(monkeypatch):
     assert err._render_traceback_() == ["interrupted: all 2 ranks were killed"]
     result = shell.run_cell("%%torchrun -n 2\nprint(1)\n")
     assert isinstance(result.error_in_exec, magic.Interrupted)
+
+
+def test_runs_list_and_clean(tmp_path):
+    base = tmp_path / "runs"
+    for i in range(3):
+        (base / f"run{i}").mkdir(parents=True)
+        (base / f"run{i}" / "command.json").write_text("{}")
+        os.utime(base / f"run{i}" / "command.json", (1000 + i, 1000 + i))
+    env = {"EDU3D_RUNS": str(base)}
+    listed = _cli("runs", "list", env=env)
+    assert listed.returncode == 0 and "3 run folder(s)" in listed.stdout
+    assert _cli("runs", "clean", "--keep", "1", env=env).returncode == 0
+    assert [p.name for p in base.iterdir()] == ["run2"]
+
+
+def test_interrupted_edu3d_run_is_one_line_and_130(tmp_path):
+    script = _script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    runs_dir = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "edu3d.cli", "run", "-n", "2", str(script)],
+                            env={**os.environ, "EDU3D_RUNS": str(runs_dir)}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        dirs = list(runs_dir.glob("*")) if runs_dir.exists() else []
+        if dirs and len(_pids(dirs[0])) == 2:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if "interrupted" in line] == \
+        ["edu3d run: interrupted; every rank was killed"]
+    _assert_all_gone(dirs[0])
