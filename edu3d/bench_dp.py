@@ -29,7 +29,7 @@ FSDP2 = "torch.distributed.fsdp.fully_shard"
 
 
 def _setup(model: str, global_batch: int, **overrides):
-    from edu3d.parallel.dp import lesson_args
+    from edu3d.course import lesson_args
     from edu3d.train import config_from_args
 
     args = lesson_args(model=model, global_batch=global_batch, **overrides)
@@ -54,13 +54,13 @@ def _dp_step(dp, model, optimizer, x, y, clip: float):
     optimizer.step()
 
 
-def _zero_step(zero, model, x, y, args):
-    """edu3d's side of the ZeRO comparisons: the same work as :func:`_torch_step`."""
-    zero.zero_grad()
-    model(x, y)[1].backward()
-    zero.finish()
-    zero.clip_(args.clip)
-    zero.step(args.lr)
+def _zero_trainer(mesh, config, args, stage: int):
+    """edu3d's side of the ZeRO comparisons: ``edu3d train --dp N --zero S``'s own trainer,
+    whose step is the work of :func:`_torch_step` (global norm, clipping, AdamW)."""
+    from edu3d.trainer import Trainer
+
+    args.dp, args.zero = mesh.size("dp"), stage
+    return Trainer(GPT(config, seed=0), mesh, args)
 
 
 def dp_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 5,
@@ -90,7 +90,6 @@ def zero_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from edu3d.parallel.zero import Zero
 
     args, config, x, y = _setup(model, global_batch)
     n, i = mesh.size("dp"), mesh.index("dp")
@@ -98,20 +97,18 @@ def zero_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 
     rows = []
 
     # ZeRO-1 against ZeroRedundancyOptimizer (wrapping DDP, its intended use)
-    my_model = GPT(config, seed=0)
-    mine = Zero(my_model, mesh.dp, 1, args)
+    mine = _zero_trainer(mesh, config, args, 1)
     ddp = torch.nn.parallel.DistributedDataParallel(GPT(config, seed=0))
     zro = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                   lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     t = bench.interleaved_medians(
-        {"edu3d": lambda: _zero_step(mine, my_model, xs, ys, args),
+        {"edu3d": lambda: mine.step(x, y, 1),
          "ref": lambda: _torch_step(ddp, zro, xs, ys, args.clip)}, reps=reps)
     rows.append(bench.result(f"ZeRO-1 step ({model})", t["edu3d"], ZERO_OPT, t["ref"]))
-    del mine, my_model, ddp, zro
+    del mine, ddp, zro
 
     # ZeRO-3 against FSDP2
-    my_model = GPT(config, seed=0)
-    mine = Zero(my_model, mesh.dp, 3, args)
+    mine = _zero_trainer(mesh, config, args, 3)
     ref = GPT(config, seed=0)
     device_mesh = init_device_mesh("cpu", (n,))
     for block in ref.blocks:
@@ -120,7 +117,7 @@ def zero_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                 weight_decay=args.weight_decay)
     t = bench.interleaved_medians(
-        {"edu3d": lambda: _zero_step(mine, my_model, xs, ys, args),
+        {"edu3d": lambda: mine.step(x, y, 1),
          "ref": lambda: _torch_step(ref, ref_opt, xs, ys, args.clip)}, reps=reps)
     rows.append(bench.result(f"ZeRO-3 step ({model})", t["edu3d"], FSDP2, t["ref"],
                              goal=1.25))

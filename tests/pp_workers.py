@@ -8,7 +8,8 @@ import torch
 
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT, config_from
-from edu3d.parallel.pp.trainer import PipelineTrainer
+from edu3d.course import unscaled_loss
+from edu3d.trainer import Trainer
 from edu3d.train import make_optimizer, train_step
 
 
@@ -18,6 +19,12 @@ def _args(optimizer: str) -> Namespace:
     if optimizer == "sgd":
         return Namespace(lr=0.1, clip=1.0, weight_decay=0.1, optimizer="sgd", warmup=0)
     return Namespace(lr=1e-3, clip=1.0, weight_decay=0.1, optimizer="adamw", warmup=10)
+
+
+def _pipeline(args: Namespace, cfg: dict) -> Namespace:
+    """``args`` with the pipeline options of ``cfg``."""
+    return Namespace(**vars(args), schedule=cfg["schedule"], microbatches=cfg["m"],
+                     vpp=cfg.get("vpp", 1))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,7 +42,7 @@ def _comparable(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _errors(trainer, par, ref, what: str) -> float:
-    mine = {id(p) for p in trainer.params}
+    mine = {id(p) for p in trainer.par.module.parameters()}
     refs = dict(ref.named_parameters())
     worst = 0.0
     for name, p in par.named_parameters():
@@ -57,8 +64,8 @@ def parity(mesh, configs: list[dict], adam_steps: int = 10) -> list[dict]:
         row = dict(cfg)
         # 1) gradients, plain SGD (Adam would hide a wrong scale)
         par, ref = GPT(config, seed=0), GPT(config, seed=0)
-        tr = PipelineTrainer(par, mesh, cfg["schedule"], cfg["m"], _args("sgd"),
-                             vpp=cfg.get("vpp", 1), scale_loss=cfg.get("scale_loss", True))
+        tr = Trainer(par, mesh, _pipeline(_args("sgd"), cfg),
+                     microbatch_loss=None if cfg.get("scale_loss", True) else unscaled_loss)
         x, y = corpus.batch(1, batch)
         loss = tr.forward_backward(x, y)
         _, ref_loss = ref(x, y)
@@ -70,8 +77,7 @@ def parity(mesh, configs: list[dict], adam_steps: int = 10) -> list[dict]:
         if adam_steps:
             par, ref = GPT(config, seed=0), GPT(config, seed=0)
             args = _args("adamw")
-            tr = PipelineTrainer(par, mesh, cfg["schedule"], cfg["m"], args,
-                                 vpp=cfg.get("vpp", 1))
+            tr = Trainer(par, mesh, _pipeline(args, cfg))
             opt = make_optimizer(ref, args)
             for step in range(1, adam_steps + 1):
                 x, y = corpus.batch(step, batch)
@@ -87,10 +93,10 @@ def train_records(mesh, argv: list[str], steps: int) -> list[dict]:
     """``edu3d train``'s per-step records through :func:`build_trainer` (what the lead wires)."""
     import argparse
 
-    from edu3d.parallel.pp.trainer import build_trainer
-    from edu3d.train import add_arguments, config_from_args
+    from edu3d.train import add_arguments, build_trainer, check_args, config_from_args
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    check_args(args)
     config = config_from_args(args)
     trainer = build_trainer(GPT(config, seed=args.seed), mesh, args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)

@@ -81,7 +81,7 @@ def parity_worker(mesh, configs: list[dict]):
     {config name: {"sgd_grad", "sgd_param", "adamw_param", "loss"}: max relative errors}."""
     from edu3d import memory, trace
     from edu3d.model import num_params
-    from edu3d.parallel.dp import build_trainer
+    from edu3d.train import build_trainer
 
     ref = serial_reference()
     summary = {}
@@ -117,11 +117,7 @@ def parity_worker(mesh, configs: list[dict]):
 
 def full_state(trainer, what: str) -> dict:
     """Full (unsharded) parameters or gradients by name, whatever the trainer shards."""
-    if hasattr(trainer, "full_state"):
-        return trainer.full_state(what)
-    model = trainer.model
-    return {n: (p.grad if what == "grads" else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return trainer.gather("grad" if what == "grads" else "param")
 
 
 DP_CONFIGS = [{"name": f"{impl}/k{k}", "dp_impl": impl, "grad_accum": k}

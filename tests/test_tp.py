@@ -157,13 +157,15 @@ def check_cross_entropy(group) -> dict[str, float]:
 
 
 def parallelize_from_layout(mesh) -> float:
-    """``parallelize`` given a Layout (it builds the mesh) vs given the launch's mesh."""
-    from edu3d.parallel.tp import parallelize
+    """``apply_tp`` given a Layout (it builds the mesh) vs given the launch's mesh."""
+    from edu3d.parallel.tp import apply_tp
 
     cfg = GPTConfig(n_layers=1, n_heads=4, d_model=16, seq_len=8, vocab_size=30)
     idx = torch.arange(16).view(2, 8) % 30
-    a = parallelize(GPT(cfg), mesh)(idx, idx)[1]
-    b = parallelize(GPT(cfg), mesh.layout)(idx, idx)[1]
+    a_model, b_model = GPT(cfg), GPT(cfg)
+    apply_tp(a_model, mesh)
+    apply_tp(b_model, mesh.layout)
+    a, b = a_model(idx, idx)[1], b_model(idx, idx)[1]
     c = GPT(cfg)(idx, idx)[1]
     return max(abs(a.item() - c.item()), abs(b.item() - c.item())) / c.item()
 

@@ -24,8 +24,7 @@ from edu3d.data import SyntheticCorpus
 from edu3d.launch import launch
 from edu3d.mesh import Layout, Mesh
 from edu3d.model import GPT, GPTConfig
-from edu3d.parallel.tp import build_trainer
-from edu3d.train import add_arguments, clip_and_step, make_optimizer, train_step
+from edu3d.train import add_arguments, build_trainer, clip_and_step, make_optimizer, train_step
 
 TOL = 1e-5
 BATCH = 4
@@ -101,7 +100,7 @@ def parity_worker(mesh, configs) -> list[dict]:
         m, cfg = meshes[layout], _config(layout.tp, tie)
 
         serial, trainer, errs = _run(m, cfg, _args("sgd", sp, overlap), steps=1)
-        grads = trainer.model.gather("grad")
+        grads = trainer.gather("grad")
         row = {"layout": str(layout), "sp": sp, "tie": tie, "overlap": overlap,
                "sgd_loss": errs["loss"], "sgd_grad_norm": errs["grad_norm"],
                "grad": max(_rel(grads[n], p.grad) for n, p in serial.named_parameters()),
@@ -110,7 +109,7 @@ def parity_worker(mesh, configs) -> list[dict]:
                "serial_key_bias_grad": _key_bias_grad_ratio(
                    {n: p.grad for n, p in serial.named_parameters()})}
         serial, trainer, errs = _run(m, cfg, _args("adamw", sp, overlap), steps=10)
-        weights = trainer.model.gather("param")
+        weights = trainer.gather("param")
         worst = max((_rel(_without_key_bias(n, weights[n]), _without_key_bias(n, p)), n)
                     for n, p in serial.named_parameters())
         row.update(adam_loss=errs["loss"], adam_grad_norm=errs["grad_norm"],

@@ -117,8 +117,9 @@ def compression_error(mesh, hooks=("none",) + HOOKS, steps: int = 10, **common) 
     from edu3d import trace
     from edu3d.data import SyntheticCorpus
     from edu3d.model import GPT
-    from edu3d.parallel.dp import build_trainer, lesson_args
+    from edu3d.course import lesson_args
     from edu3d.train import config_from_args
+    from edu3d.trainer import Trainer
 
     out, ref_params = {}, None
     for name in hooks:
@@ -126,7 +127,7 @@ def compression_error(mesh, hooks=("none",) + HOOKS, steps: int = 10, **common) 
         config = config_from_args(args)
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
         model = GPT(config, seed=args.seed)
-        trainer = build_trainer(model, mesh, args)
+        trainer = Trainer(model, mesh, args)
         with trace.current().context(case=name):
             losses = [trainer.step(*corpus.batch(s, args.global_batch), s)["loss"]
                       for s in range(1, steps + 1)]

@@ -214,106 +214,7 @@ class DataParallel:
         t.div_(self.n)
 
 
-class DPTrainer:
-    """One training step of data parallelism, recorded exactly like :func:`edu3d.train.train_step`.
-
-    ``step(x, y, step)`` takes the *global* batch, keeps this rank's rows, splits them into
-    ``grad_accum`` micro-batches, averages gradients with :class:`DataParallel`, then clips
-    and steps exactly as the serial loop does.
-    """
-
-    def __init__(self, model, mesh, args, comm_hook=None):
-        from edu3d.train import make_optimizer
-
-        self.model, self.mesh, self.args = model, mesh, args
-        self.group = mesh.dp
-        self.index, self.n = mesh.index("dp"), mesh.size("dp")
-        self.k = getattr(args, "grad_accum", 1) or 1
-        if comm_hook is None and getattr(args, "compress", None):
-            from edu3d.parallel.compress import make_hook
-
-            comm_hook = make_hook(args.compress)
-        self.dp = DataParallel(model, self.group, getattr(args, "dp_impl", "bucketed"),
-                               getattr(args, "bucket_mb", 25.0),
-                               reverse_buckets=getattr(args, "reverse_buckets", True),
-                               comm_hook=comm_hook)
-        self.optimizer = make_optimizer(model, args)
-
-    def forward_backward(self, x, y):
-        """This rank's share of the global batch: forward and backward of every micro-batch;
-        returns the local mean loss (a tensor)."""
-        rec = trace.current()
-        xs, ys = shard_rows(x, self.index, self.n), shard_rows(y, self.index, self.n)
-        total = torch.zeros((), device=xs.device)
-        for i, (mx, my) in enumerate(microbatches(xs, ys, self.k)):
-            last = i == self.k - 1
-            with (contextlib.nullcontext() if last else self.dp.no_sync()), rec.context(mb=i):
-                with rec.span("compute", "F"):
-                    _, loss = self.model(mx, my)
-                with rec.span("compute", "B"):
-                    (loss / self.k).backward()
-            total += loss.detach()
-        return total / self.k
-
-    def step(self, x, y, step: int) -> dict:
-        from edu3d.train import lr_at
-
-        with trace.current().context(step=step):
-            self.dp.zero_grad()
-            loss = self.forward_backward(x, y)
-            self.dp.finish()
-            clip = self.args.clip if self.args.clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr_at(step, self.args)
-            self.optimizer.step()
-            return {"loss": global_mean(loss, self.group), "grad_norm": grad_norm.item()}
-
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds, by memory category (see :func:`edu3d.memory.measure`)."""
-        params = list(self.model.parameters())
-        grads = [b.buffer for b in self.dp.buckets] + [p.grad for p in params if p.grad is not None]
-        state = [t for s in self.optimizer.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]
-        return {"params": params, "grads": grads, "optimizer": state}
-
-
-def global_mean(local: torch.Tensor, group) -> float:
-    """The mean over the group of one scalar per rank (the global-batch mean loss)."""
-    t = local.detach().reshape(1).clone()
-    dist.all_reduce(t, group=group)  # bookkeeping, not training traffic: left out of the trace
-    return t.item() / dist.get_world_size(group)
-
-
-def build_trainer(model, mesh, args):
-    """The trainer ``edu3d train --dp N [--zero S] [--grad-accum K]`` uses on each rank.
-
-    ``args`` carries the serial loop's options plus ``zero`` (0-3), ``grad_accum``,
-    ``dp_impl`` and ``bucket_mb``; optionally ``prefetch`` and ``offload`` (ZeRO),
-    ``reverse_buckets`` and ``compress`` (DP). Returns an object with
-    ``.step(x, y, step) -> {"loss", "grad_norm"}`` taking the global batch.
-    """
-    stage = getattr(args, "zero", 0) or 0
-    if stage:
-        from edu3d.parallel.zero import ZeroTrainer
-
-        return ZeroTrainer(model, mesh, args, stage, getattr(args, "prefetch", False))
-    return DPTrainer(model, mesh, args)
-
-
 # ---- live runs for chapter 02 ------------------------------------------------------------------
-def lesson_args(**overrides):
-    """The serial loop's default options (tiny model) with ``overrides`` applied."""
-    import argparse
-
-    from edu3d.train import add_arguments
-
-    args = add_arguments(argparse.ArgumentParser()).parse_args([])
-    args.__dict__.update(dict(zero=0, grad_accum=1, dp_impl="bucketed", bucket_mb=25.0))
-    args.__dict__.update(overrides)
-    return args
-
-
 def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) -> dict:
     """Train the same model with each version (trainer options by name) for ``steps`` steps,
     traced as ``case=name``; rank 0 also trains the serial reference.
@@ -326,9 +227,11 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
     import time
 
     from edu3d import memory
+    from edu3d.course import lesson_args
     from edu3d.data import SyntheticCorpus
     from edu3d.model import GPT, num_params
     from edu3d.train import config_from_args, make_optimizer, train_step
+    from edu3d.trainer import Trainer
 
     out = {}
     base = lesson_args(**common)
@@ -341,19 +244,20 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
                                     base)["loss"] for s in range(1, steps + 1)]
     for name, options in versions.items():
         args = lesson_args(**{**common, **options})
-        trainer = build_trainer(GPT(config, seed=args.seed), mesh, args)
+        model = GPT(config, seed=args.seed)
+        trainer = Trainer(model, mesh, args)
         losses, times = [], []
         with trace.current().context(case=name):
             for s in range(1, steps + 1):
                 t0 = time.perf_counter()
                 losses.append(trainer.step(*corpus.batch(s, args.global_batch), s)["loss"])
                 times.append(time.perf_counter() - t0)
-        log = getattr(getattr(trainer, "dp", None), "launch_log", [])
+        log = getattr(trainer.par.dp, "launch_log", [])
         out[name] = {"losses": losses, "step_s": statistics.median(times),
-                     "launch_log": list(log), "psi": num_params(trainer.model),
+                     "launch_log": list(log), "psi": num_params(model),
                      "memory": memory.measure(trainer.tensors())}
-        if hasattr(trainer, "zero"):
-            out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.zero.units]
+        if trainer.par.zero is not None:
+            out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.par.zero.units]
     return out
 
 

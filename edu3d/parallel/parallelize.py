@@ -41,10 +41,12 @@ class Plan:
     tp_overlap: bool = False
     schedule: str = "1f1b"
     microbatches: int = 1
+    vpp: int = 1  # model chunks per pipeline rank (interleaved; > 1 even on one rank)
     partition: str = "uniform"
     zero: int = 0
     dp_impl: str = "bucketed"
     bucket_mb: float = 25.0
+    reverse_buckets: bool = True  # False: forward order, the mistake chapter 02 shows
     prefetch: bool = False
     offload: bool = False
     compress: str | None = None
@@ -52,7 +54,8 @@ class Plan:
     @classmethod
     def from_args(cls, args) -> "Plan":
         """The plan from ``edu3d train``'s options (missing ones take their defaults)."""
-        m = getattr(args, "microbatches", None) or getattr(args, "grad_accum", None) or 1
+        m = (getattr(args, "microbatches", None) or getattr(args, "grad_accum", None)
+             or getattr(args, "pp", 1))  # a pipeline's default: pp micro-batches
         names = {"sequence_parallel": "sp"}
         kw = {f: getattr(args, names.get(f, f)) for f in cls.__dataclass_fields__
               if hasattr(args, names.get(f, f)) and getattr(args, names.get(f, f)) is not None}
@@ -92,7 +95,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, compute=None):
     """This rank's stages and its action list. ``compute`` (per-rank lists of compute
     actions, e.g. a learner's schedule) replaces the named schedule's."""
     layout = mesh.layout
-    v = chunks(plan.schedule, layout.vpp)
+    v = chunks(plan.schedule, max(plan.vpp, layout.vpp))
     parts = partition(model.config, layout.pp, v, method=plan.partition)
     pp_rank = mesh.index("pp")
     stages = split_model(model, parts, layout.pp, pp_rank)
@@ -118,7 +121,8 @@ def apply_data_parallel(par: Parallel, args) -> None:
             from edu3d.parallel.compress import make_hook
 
             hook = make_hook(plan.compress)
-        par.dp = DataParallel(par.module, mesh.dp, plan.dp_impl, plan.bucket_mb, comm_hook=hook)
+        par.dp = DataParallel(par.module, mesh.dp, plan.dp_impl, plan.bucket_mb,
+                              reverse_buckets=plan.reverse_buckets, comm_hook=hook)
 
 
 def _tied_in(stage: PipelineStage, tied):

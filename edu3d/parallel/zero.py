@@ -390,44 +390,6 @@ class Zero:
         return {"params": params, "grads": grads, "optimizer": state}
 
 
-class ZeroTrainer:
-    """A training step with ZeRO, recorded exactly like :func:`edu3d.train.train_step`."""
-
-    def __init__(self, model, mesh, args, stage: int, prefetch: bool = False):
-        self.model, self.args = model, args
-        self.group, self.index, self.n = mesh.dp, mesh.index("dp"), mesh.size("dp")
-        self.k = getattr(args, "grad_accum", 1) or 1
-        self.zero = Zero(model, self.group, stage, args, prefetch=prefetch,
-                         offload=getattr(args, "offload", False))
-
-    def step(self, x, y, step: int) -> dict:
-        from edu3d.parallel.dp import global_mean
-        from edu3d.train import lr_at
-
-        rec = trace.current()
-        with rec.context(step=step):
-            self.zero.zero_grad()
-            xs, ys = shard_rows(x, self.index, self.n), shard_rows(y, self.index, self.n)
-            total = torch.zeros((), device=xs.device)
-            for i, (mx, my) in enumerate(microbatches(xs, ys, self.k)):
-                with rec.context(mb=i):
-                    with rec.span("compute", "F"):
-                        _, loss = self.model(mx, my)
-                    with rec.span("compute", "B"):
-                        (loss / self.k).backward()
-                total += loss.detach()
-            self.zero.finish()
-            grad_norm = self.zero.clip_(self.args.clip if self.args.clip > 0 else float("inf"))
-            self.zero.step(lr_at(step, self.args))
-            return {"loss": global_mean(total / self.k, self.group), "grad_norm": grad_norm.item()}
-
-    def full_state(self, what: str) -> dict:
-        return self.zero.full_state(what)
-
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.zero.tensors()
-
-
 # ---- grading exercise 03 -------------------------------------------------------------------------
 def grade_zero1_exercise(mesh, lr: float = 0.1) -> bool:
     """Run the learner's ``zero1_sgd_step`` (exercises/zero1.py) on this rank's rows of a

@@ -18,7 +18,8 @@ import torch.nn as nn
 from edu3d import bench
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT, config_from
-from edu3d.parallel.pp.trainer import PipelineTrainer
+from edu3d.course import lesson_args
+from edu3d.trainer import Trainer
 
 REFERENCE = "torch.distributed.pipelining.Schedule1F1B"
 
@@ -44,9 +45,10 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
     x, y = corpus.batch(1, m * rows)
     pp, rank = mesh.size("pp"), mesh.index("pp")
 
-    ours = PipelineTrainer(GPT(config, seed=0), mesh, "1f1b", m)
-    theirs_model = PipelineTrainer(GPT(config, seed=0), mesh, "1f1b", m)  # same cut, own weights
-    (stage,) = theirs_model.stages.values()
+    args = lesson_args(schedule="1f1b", microbatches=m)
+    ours = Trainer(GPT(config, seed=0), mesh, args)
+    theirs_model = Trainer(GPT(config, seed=0), mesh, args)  # same cut, own weights
+    (stage,) = theirs_model.par.stages.values()
     torch_stage = PipelineStage(_TorchStage(stage), rank, pp, torch.device("cpu"),
                                 group=mesh.pp)
     schedule = Schedule1F1B(torch_stage, m, loss_fn=stage.loss)
@@ -64,7 +66,8 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
                                       warmup=warmup, group=mesh.groups["world"])
     # the two computed the same thing: same weights, same batch -> same gradients
     err = max(float((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-12))
-              for a, b in zip(ours.params, theirs_model.params))
+              for a, b in zip(ours.par.module.parameters(),
+                              theirs_model.par.module.parameters()))
     err_t = torch.tensor([err], dtype=torch.float64)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
     if mesh.rank != 0:

@@ -129,6 +129,7 @@ class PipelineEngine:
             direction = a.kind[-1]  # F or B
             peer = self._peer(a.stage + (1 if direction == "F" else -1))
             t = (self.out_send if direction == "F" else self.grad_send).pop((a.stage, a.mb))
+            t = t.contiguous()  # a sequence-parallel shard is a strided view
             sent = self.sent_shapes.get((direction, a.stage))
             if sent is not None and sent != (t.shape, t.dtype):
                 raise ValueError(
@@ -272,7 +273,14 @@ class PipelineEngine:
         from torch.distributed.pipelining._backward import stage_backward_weight
 
         emb, x, groups, _ = self.saved.pop((s, i))
-        stage_backward_weight(iter(self.stages[s].body_parameters()), groups)
+        params = self.stages[s].body_parameters()
+        stage_backward_weight(iter(params), groups)
+        # torch sets these gradients outside autograd's accumulation, so the post-accumulate
+        # hooks that data parallelism and ZeRO listen to did not run: run them (last layer
+        # first, the order backward would have produced them)
+        for p in reversed(params):
+            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(p)
         if emb is not None:
             emb.backward(x.grad)
 

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from argparse import Namespace
 
 import torch
 
 from edu3d import trace
+from edu3d.course import lesson_args, unscaled_loss
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT, config_from
 from edu3d.parallel.pp.simulate import bubble_of
-from edu3d.parallel.pp.trainer import PipelineTrainer
+from edu3d.trainer import Trainer
+
+
+def _pipeline_args(schedule: str, m: int, vpp: int = 1, **overrides):
+    """``edu3d train``'s options for a pipeline run of ``schedule`` with ``m`` micro-batches."""
+    return lesson_args(schedule=schedule, microbatches=m, vpp=vpp, **overrides)
 
 
 def run_schedules(mesh, runs: list[dict], *, layers: int = 4, d_model: int = 128,
@@ -39,12 +44,12 @@ def run_schedules(mesh, runs: list[dict], *, layers: int = 4, d_model: int = 128
     rec = trace.current()
     config = config_from("tiny", layers=layers, heads=4, d_model=d_model, seq=seq, vocab=vocab)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=seed)
-    args = Namespace(lr=1e-3, clip=1.0, weight_decay=0.0, optimizer="sgd", warmup=0)
     out, step_id = [], 0
     for run in runs:
         model = GPT(config, seed=seed)
-        trainer = PipelineTrainer(model, mesh, run["name"], run["m"], args,
-                                  vpp=run.get("vpp", 1))
+        args = _pipeline_args(run["name"], run["m"], run.get("vpp", 1), lr=1e-3,
+                              weight_decay=0.0, optimizer="sgd")
+        trainer = Trainer(model, mesh, args)
         x, y = corpus.batch(1, run["m"] * rows * mesh.size("dp"))
         ids = []
         for _ in range(steps):
@@ -83,11 +88,11 @@ def schedule_parity(mesh, compute: list[list[str]], m: int, layers: int = 4) -> 
     worst relative gradient error against the serial GPT and its peak in-flight count."""
     config, corpus = _small_model(layers)
     model, ref = GPT(config, seed=0), GPT(config, seed=0)
-    trainer = PipelineTrainer(model, mesh, "1f1b", m, compute=compute)
+    trainer = Trainer(model, mesh, _pipeline_args("1f1b", m), compute=compute)
     x, y = corpus.batch(1, m * 2)
     trainer.forward_backward(x, y)
     ref(x, y)[1].backward()
-    mine = {id(p) for p in trainer.params}
+    mine = {id(p) for p in trainer.par.module.parameters()}
     refs = dict(ref.named_parameters())
     err = max(_rel(p.grad, refs[n].grad) for n, p in model.named_parameters() if id(p) in mine)
     return {"grad_err": err, "peak_in_flight": trainer.engine.peak_in_flight}
@@ -107,8 +112,8 @@ def gradients(m: int = 4, microbatch_loss=None, scale_loss: bool = True, layers:
     Runs in this process: one rank holding ``chunks`` stages, ``m`` micro-batches."""
     config, corpus = _small_model(layers)
     model, ref = GPT(config, seed=0), GPT(config, seed=0)
-    trainer = PipelineTrainer(model, local_mesh(), "interleaved", m, vpp=chunks,
-                              scale_loss=scale_loss, microbatch_loss=microbatch_loss)
+    trainer = Trainer(model, local_mesh(), _pipeline_args("interleaved", m, chunks),
+                      microbatch_loss=microbatch_loss or (None if scale_loss else unscaled_loss))
     x, y = corpus.batch(1, m * 2)
     trainer.forward_backward(x, y)
     ref(x, y)[1].backward()
@@ -124,10 +129,10 @@ def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_los
     from edu3d.train import make_optimizer, train_step
 
     config, corpus = _small_model(layers)
-    args = Namespace(lr=lr, clip=1.0, weight_decay=0.1, optimizer=optimizer, warmup=0)
+    args = _pipeline_args("interleaved", m, 2, lr=lr, optimizer=optimizer)
     model, ref = GPT(config, seed=0), GPT(config, seed=0)
-    trainer = PipelineTrainer(model, local_mesh(), "interleaved", m, args, vpp=2,
-                              scale_loss=scale_loss, microbatch_loss=microbatch_loss)
+    trainer = Trainer(model, local_mesh(), args,
+                      microbatch_loss=microbatch_loss or (None if scale_loss else unscaled_loss))
     opt = make_optimizer(ref, args)
     out = {"serial": [], "pipeline": []}
     for step in range(1, steps + 1):

@@ -64,9 +64,11 @@ def model_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
 
 
 def _tp_block(config: GPTConfig, mesh, sp: bool, seed: int):
-    from edu3d.parallel.tp.parallelize import parallelize
+    from edu3d.parallel.tp.apply import apply_tp
 
-    return parallelize(GPT(config, seed), mesh, sequence_parallel=sp).gpt.blocks[0]
+    model = GPT(config, seed)
+    apply_tp(model, mesh, sequence_parallel=sp)
+    return model.blocks[0]
 
 
 def block_input(config: GPTConfig, batch: int, mesh, sp: bool, seed: int = 0) -> torch.Tensor:

@@ -4,7 +4,7 @@ After reading this file you should understand what is compared, and why it is fa
 
 * both sides run the **same transformer blocks** (the serial GPT's, same weights) on the same
   input, forward and backward, on the same ranks, repetitions interleaved (:mod:`edu3d.bench`);
-* edu3d: :func:`edu3d.parallel.tp.parallelize`; PyTorch: ``parallelize_module`` with
+* edu3d: :func:`edu3d.parallel.tp.apply_tp`; PyTorch: ``parallelize_module`` with
   ``ColwiseParallel`` for ``qkv``/``fc`` and ``RowwiseParallel`` for the projections, and for
   ``--sp`` ``SequenceParallel`` on the LayerNorms with ``PrepareModuleInput`` gathering the
   sequence before attention and the MLP (torchtitan's plan);
@@ -81,10 +81,12 @@ def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
     ``overlap`` runs edu3d's column layers with the asynchronous input-gradient all-reduce."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from edu3d.parallel.tp.parallelize import parallelize
+    from edu3d.parallel.tp.apply import apply_tp
 
     t, r = mesh.size("tp"), mesh.index("tp")
-    ours = parallelize(GPT(config, 0), mesh, sequence_parallel=sp, overlap=overlap).gpt.blocks
+    model = GPT(config, 0)
+    apply_tp(model, mesh, sequence_parallel=sp, overlap=overlap)
+    ours = model.blocks
     theirs, dmesh = _dtensor_blocks(GPT(config, 0), t, sp)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, config.seq_len, config.d_model, generator=g)

@@ -104,18 +104,16 @@ def cross_entropy_demo(mesh, vocab: int = 11, tokens: int = 6, seed: int = 0) ->
 def train_demo(mesh, config: GPTConfig, steps: int = 8, batch: int = 4) -> dict:
     """Serial, TP and TP+SP training on the same batches: per-step loss and grad norm, and
     each run's time window in the trace (``"windows"``)."""
+    from edu3d.course import lesson_args
     from edu3d.data import SyntheticCorpus
-    from edu3d.parallel.tp.parallelize import build_trainer
-    from edu3d.train import SerialTrainer, add_arguments
+    from edu3d.trainer import Trainer
 
-    args = add_arguments(argparse.ArgumentParser()).parse_args(
-        ["--global-batch", str(batch), "--lr", "3e-3"])
+    args = lesson_args(global_batch=batch, lr=3e-3)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     out, rec = {"windows": {}}, trace.current()
     for name, sp in (("serial", None), ("tp", False), ("tp+sp", True)):
         args.sp, args.tp_overlap = bool(sp), False
-        trainer = (SerialTrainer(GPT(config, 0), args) if sp is None
-                   else build_trainer(GPT(config, 0), mesh, args))
+        trainer = Trainer(GPT(config, 0), None if sp is None else mesh, args)
         t0 = rec.now()
         out[name] = [trainer.step(*corpus.batch(s, batch), s) for s in range(1, steps + 1)]
         out["windows"][name] = (t0, rec.now())  # which trace events belong to this run
@@ -140,9 +138,11 @@ def memory_sweep(mesh, config: GPTConfig, batch: int = 2) -> list[dict]:
 
 def chapter_run(mesh, train_config: GPTConfig, layer_config: GPTConfig, steps: int = 8) -> dict:
     """Everything chapter 04 shows at one tp size, in one launch."""
-    from edu3d.parallel.tp.parallelize import parallelize
+    from edu3d.parallel.tp.apply import apply_tp
 
-    block = parallelize(GPT(layer_config, 0), mesh).gpt.blocks[0]
+    model = GPT(layer_config, 0)
+    apply_tp(model, mesh)
+    block = model.blocks[0]
     return {"split": split_demo(mesh), "operators": operator_table(mesh),
             "cross_entropy": cross_entropy_demo(mesh), "block": repr(block),
             "collectives": collectives(mesh, layer_config),

@@ -1,0 +1,64 @@
+"""Rank functions for the 3D parity tests (launched with edu3d.launch)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from edu3d.data import SyntheticCorpus
+from edu3d.model import GPT
+from edu3d.optim import make_optimizer
+from edu3d.options import add_arguments, check_args, config_from_args
+from edu3d.train import train_step
+from edu3d.trainer import Trainer
+
+
+def options(argv: list[str]) -> argparse.Namespace:
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    check_args(args)
+    return args
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def parity(mesh, argv: list[str], steps: int = 5) -> dict:
+    """The layout ``argv`` against the serial reference step: gradients (plain SGD, before
+    and after one step: the weights it produced), and the losses and norms of ``steps``
+    AdamW steps. Worst relative errors over every tensor, and the losses themselves."""
+    sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
+    config = config_from_args(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
+    x, y = corpus.batch(1, sgd.global_batch)
+
+    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer.forward_backward(x, y)
+    grads = trainer.gather("grad")
+    serial = GPT(config, seed=sgd.seed)
+    serial(x, y)[1].backward()
+    grad_err = max(_rel(grads[n], p.grad) for n, p in serial.named_parameters())
+
+    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer.step(x, y, 1)
+    params = trainer.gather("param")
+    serial = GPT(config, seed=sgd.seed)
+    train_step(serial, make_optimizer(serial, sgd), x, y, 1, sgd)
+    param_err = max(_rel(params[n], p) for n, p in serial.named_parameters())
+
+    adam = options(argv)
+    trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
+    serial = GPT(config, seed=adam.seed)
+    opt = make_optimizer(serial, adam)
+    ours, ref = [], []
+    for s in range(1, steps + 1):
+        xb, yb = corpus.batch(s, adam.global_batch)
+        ours.append(trainer.step(xb, yb, s))
+        ref.append(train_step(serial, opt, xb, yb, s, adam))
+    loss_err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ours, ref))
+    norm_err = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                   for a, b in zip(ours, ref))
+    return {"grad_err": grad_err, "param_err": param_err, "loss_err": loss_err,
+            "norm_err": norm_err, "losses": [r["loss"] for r in ours],
+            "serial_losses": [r["loss"] for r in ref]}
