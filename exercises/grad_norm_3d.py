@@ -1,0 +1,61 @@
+"""Exercise 06: the global gradient norm of a 3D-parallel model, and the tied embedding.
+
+Gradient clipping needs the norm of the *serial* model's gradient, but no rank holds it all.
+On a tp x pp mesh a rank holds:
+
+* **TP shards** (the column/row linears, the vocabulary-parallel embedding): distinct
+  pieces, each counted by the rank that holds it;
+* **TP-replicated tensors** (LayerNorm gains and biases, row layers' biases, ``pos_emb``):
+  the same whole tensor on every tp rank. Count it on every rank and the norm is too
+  large: the classic bug of ``buggy_global_grad_norm`` below. Count it on tp index 0 only;
+* **the tied embedding** under pipelining: the first stage's ``tok_emb.weight`` and the last
+  stage's ``lm_head.weight`` are copies of one matrix. Before the optimizer their gradients
+  must be *summed* between the two stages (each saw half the uses); in the norm the matrix
+  counts once, on the first stage.
+
+Each rank adds the squares of what it owns; one all-reduce (SUM) of that one number over
+the model-parallel group, a square root, and every rank has the same, correct norm.
+Run the checks in ``exercises/06_3d_parallelism.ipynb``.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def buggy_global_grad_norm(pieces: list, tp_index: int, group=None) -> torch.Tensor:
+    """The classic wrong norm (given, do not change it; find its bug): every rank adds the
+    squares of everything it holds, so a TP-replicated tensor (a LayerNorm, a bias) is
+    counted once per tp rank. ``pieces`` as in :func:`global_grad_norm`."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for name, grad, replicated, tied_copy in pieces:
+        if tied_copy:
+            continue
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return sq.sqrt().float()[0]
+
+
+def global_grad_norm(pieces: list, tp_index: int, group=None) -> torch.Tensor:
+    """The serial model's gradient norm (a float32 scalar tensor, the same on every rank).
+
+    ``pieces``: every gradient this rank holds, as ``(name, grad, replicated, tied_copy)``
+    tuples: the serial parameter's name; this rank's gradient (a TP shard or the whole
+    tensor); ``replicated``: every tp rank holds this same whole tensor; ``tied_copy``: this
+    is the last stage's copy of the tied embedding. ``tp_index``: this rank's tp coordinate.
+    ``group``: the ranks holding distinct pieces (tp x pp), to all-reduce over.
+    """
+    raise NotImplementedError(
+        "hint: fix buggy_global_grad_norm: sum grad.double().pow(2) of the pieces this rank "
+        "owns (skip a replicated piece unless tp_index == 0, and skip the tied copy); one "
+        "dist.all_reduce(sq, op=SUM, group=group); return its sqrt as a float32 scalar")
+
+
+@torch.no_grad()
+def sum_tied_embedding_grads(grad: torch.Tensor, group=None) -> None:
+    """``grad``: this stage's half of the tied embedding's gradient (the first stage's
+    ``tok_emb.weight`` or the last stage's ``lm_head.weight``, this rank's TP shard of it).
+    Replace it *in place* by the sum over ``group``, the 'embed' group of those two stages,
+    so both copies take the same optimizer step and stay equal."""
+    raise NotImplementedError(
+        "hint: one dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group); all_reduce "
+        "works in place, so there is nothing to return")

@@ -1,0 +1,38 @@
+"""Exercise 06 (solution): the global gradient norm of a 3D-parallel model, and the tied
+embedding's gradient across the first and last pipeline stage."""
+
+import torch
+import torch.distributed as dist
+
+
+def buggy_global_grad_norm(pieces: list, tp_index: int, group=None) -> torch.Tensor:
+    """The classic wrong norm: every rank adds the squares of everything it holds, so a
+    TP-replicated tensor (a LayerNorm, a bias) is counted once per tp rank."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for name, grad, replicated, tied_copy in pieces:
+        if tied_copy:
+            continue
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return sq.sqrt().float()[0]
+
+
+def global_grad_norm(pieces: list, tp_index: int, group=None) -> torch.Tensor:
+    """The serial model's gradient norm from the pieces this rank holds: each element of the
+    serial gradient counted exactly once over ``group``."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for name, grad, replicated, tied_copy in pieces:
+        if replicated and tp_index != 0:
+            continue  # the same whole tensor on every tp rank: tp index 0 counts it
+        if tied_copy:
+            continue  # the first stage's copy of the tied embedding counts it
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return sq.sqrt().float()[0]
+
+
+@torch.no_grad()
+def sum_tied_embedding_grads(grad: torch.Tensor, group=None) -> None:
+    """Replace ``grad`` (this stage's half of the tied embedding's gradient) in place by the
+    sum over the first and the last pipeline stage."""
+    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
