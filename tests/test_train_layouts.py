@@ -53,6 +53,8 @@ def test_cli_stdout_is_rank0_records_only():
     assert [json.loads(line)["step"] for line in p.stdout.splitlines()] == [1, 2, 3]
 
 
+# Every axis composes (tp with pp, zero with tp and pp, micro-batches with any layout); what
+# is left cannot work whatever the trainer does. tests/test_options.py checks each rule.
 @pytest.mark.parametrize("argv,message", [
     (["--tp", "3"], "tp=3 does not divide n_heads=4; choose 1, 2, 4"),
     (["--pp", "8"], "choose pp*vpp <= 4"),
@@ -60,12 +62,20 @@ def test_cli_stdout_is_rank0_records_only():
     (["--sp"], "add --tp 2"),
     (["--zero", "2"], "add --dp 2"),
     (["--pp", "2", "--vpp", "2"], "needs --schedule interleaved"),
+    (["--pp", "2", "--vpp", "2", "--schedule", "interleaved", "--microbatches", "3",
+      "--global-batch", "6"],
+     "must be a multiple of --pp 2"),
+    (["--dp", "2", "--zero", "1", "--prefetch"], "add --zero 3"),
+    (["--tp", "2", "--pp", "2", "--offload"], "add --zero 1"),
+    (["--dp", "2", "--zero", "1", "--compress", "int8"], "without --zero"),
+    (["--tp-overlap"], "add --tp 2"),
+    (["--grad-accum", "2", "--microbatches", "4"], "are the same option"),
 ])
 def test_bad_layouts_fail_before_any_process(argv, message):
     p = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", *argv],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and message in p.stderr
-    assert "launching" not in p.stderr
+    assert "launching" not in p.stderr and "Traceback" not in p.stderr
 
 
 def test_offload_and_compression_options_reach_the_ranks():
