@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 from edu3d import runs
 from edu3d.runs import RunsError, new_run_dir  # noqa: F401 - new_run_dir is part of the API
 from edu3d.runtime import loopback_ifname
-from edu3d.worker import PREFIX_FMT, _alive
+from edu3d.worker import PREFIX_FMT, _alive, _write
 
 _PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
 # torchrun options that mean "the user is setting up rendezvous themselves" (multi-node)
@@ -164,8 +164,8 @@ def _record_exits(run_dir: Path) -> None:
         died = time.time_ns()
         how = ({"code": info.si_status} if info.si_code == os.CLD_EXITED
                else {"signal": info.si_status})
-        _write_json(run_dir / "exits" / f"rank{rank}.json",
-                    {"rank": rank, "pid": pid, "time_ns": died, **how})
+        _write(run_dir / "exits" / f"rank{rank}.json",
+               json.dumps({"rank": rank, "pid": pid, "time_ns": died, **how}))
 
     def scan() -> None:
         while True:
@@ -176,13 +176,6 @@ def _record_exits(run_dir: Path) -> None:
             time.sleep(0.02)
 
     threading.Thread(target=scan, name="edu3d-exits", daemon=True).start()
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _agent_main(argv: Sequence[str]) -> None:
@@ -200,7 +193,7 @@ def _agent_main(argv: Sequence[str]) -> None:
     def close_noting_teardown(self, *args, **kwargs):
         teardown = run_dir / "exits" / "teardown"
         if not teardown.exists():
-            _write_json(teardown, {"time_ns": time.time_ns()})
+            _write(teardown, json.dumps({"time_ns": time.time_ns()}))
         return close(self, *args, **kwargs)
 
     api.PContext.close = close_noting_teardown
