@@ -140,8 +140,10 @@ def test_train_describes_the_model_without_building_it(monkeypatch):
 def _interrupt_after_first_record(argv):
     import signal
 
+    # SIGINT's default disposition: a test run in the background inherits it ignored
     p = subprocess.Popen(EDU3D + ["train", "--steps", "100000", "--json", *argv],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.readline().startswith('{"step": 1')
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
