@@ -193,3 +193,28 @@ def test_solution_matches_layout_everywhere():
             assert sol.coords_of(r, dp, tp, pp) == tuple(layout.coords(r))
             for dim in ("tp", "dp", "pp"):
                 assert sol.group_members(r, dim, dp, tp, pp) == layout.group_of(r, dim)
+
+
+# ---- exercise 06: the 3D grader catches the classic wrong norm ---------------------------------
+def test_grad_norm_3d_stubs_are_found_and_the_buggy_norm_is_given(monkeypatch):
+    monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
+    assert "not written yet (exercises/grad_norm_3d.py)" in grading.unfinished(
+        "grad_norm_3d", "global_grad_norm")
+    assert grading.unfinished("grad_norm_3d", "sum_tied_embedding_grads")
+    assert grading.unfinished("grad_norm_3d", "buggy_global_grad_norm") is None  # given
+    monkeypatch.setenv("EDU3D_SOLUTIONS", "1")
+    assert grading.unfinished("grad_norm_3d", "global_grad_norm") is None
+    assert grading.unfinished("grad_norm_3d", "sum_tied_embedding_grads") is None
+
+
+def test_grad_norm_3d_grader_rejects_the_replicated_layernorm_counted_tp_times(monkeypatch,
+                                                                               tmp_path):
+    from edu3d.course import grade_3d
+
+    monkeypatch.setenv("EDU3D_SOLUTIONS", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("EDU3D_RUNS", str(tmp_path))
+    r = grade_3d.run(use={"global_grad_norm": "buggy_global_grad_norm"})
+    assert r["tied"] is True and r["norm"] is False, r
+    assert r["buggy_norm"] > r["serial_norm"] * 1.01, r  # too large, not a rounding matter
+    assert abs(r["library_norm"] - r["serial_norm"]) <= 1e-4 * r["serial_norm"], r

@@ -53,9 +53,11 @@ def _safe(fn, *args):
         return None
 
 
-def grade(mesh, *, layers: int = 3, global_batch: int = 4) -> dict:
+def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = None) -> dict:
     """Grade ``grad_norm_3d`` on this rank of a tp2-pp2 launch; returns, the same on every
-    rank, ``{"tied": bool, "norm": bool, "serial_norm", "norm_value", "buggy_norm"}``."""
+    rank, ``{"tied": bool, "norm": bool, "serial_norm", "norm_value", "buggy_norm",
+    "library_norm"}``. ``use`` grades another function of the module under a graded name
+    (``{"global_grad_norm": "buggy_global_grad_norm"}``: the tests prove the bug is caught)."""
     from edu3d import grading
     from edu3d.course import lesson_args
     from edu3d.data import SyntheticCorpus
@@ -64,6 +66,9 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4) -> dict:
     from edu3d.trainer import Trainer
 
     mod = grading.load("grad_norm_3d")
+    use = use or {}
+    norm_fn = getattr(mod, use.get("global_grad_norm", "global_grad_norm"))
+    tied_fn = getattr(mod, use.get("sum_tied_embedding_grads", "sum_tied_embedding_grads"))
     # 3 layers over 2 stages (a cut that does not divide) and a vocabulary of 101, which tp=2
     # pads: the shards are uneven on purpose
     config = config_from("tiny", layers=layers, d_model=32, heads=4, vocab=101, seq=16,
@@ -90,7 +95,7 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4) -> dict:
     ok = tied is not None and tied.grad is not None
     if ok:
         raw = tied.grad.detach().clone()
-        _safe(mod.sum_tied_embedding_grads, tied.grad, mesh.group("embed"))
+        _safe(tied_fn, tied.grad, mesh.group("embed"))
         expect = _shard_of(want["tok_emb.weight"], par.specs.get("tok_emb.weight"), tp_index, tp)
         ok = (tied.grad.shape == expect.shape
               and torch.allclose(tied.grad, expect, rtol=1e-4, atol=1e-6)
@@ -103,7 +108,7 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4) -> dict:
                         p is par.tied and not par.is_first)
               for name, p, g in t.grads._grads()]
     group = mesh.group("mp")
-    norm = _safe(mod.global_grad_norm, pieces, tp_index, group)
+    norm = _safe(norm_fn, pieces, tp_index, group)
     ok = (isinstance(norm, torch.Tensor) and norm.numel() == 1
           and torch.allclose(norm.detach().double().reshape(()), serial_norm.double(),
                              rtol=1e-4))
@@ -115,11 +120,11 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4) -> dict:
             "library_norm": float(t.grads.norm())}
 
 
-def run(timeout: float = 180) -> dict:
+def run(timeout: float = 180, **kwargs) -> dict:
     """Launch :func:`grade` on 4 ranks (tp2-pp2) quietly; rank 0's verdicts."""
     from edu3d.launch import launch
     from edu3d.mesh import Layout
 
     res = launch(grade, 4, layout=Layout(tp=2, pp=2), echo=False, progress=False,
-                 timeout=timeout, name="grade_3d")
+                 timeout=timeout, name="grade_3d", kwargs=kwargs)
     return res.results[0]
