@@ -266,9 +266,16 @@ def _running(pid: int) -> bool:
 
 def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> None:
     """Kill every process of a run: the workers (each in its own session, each checked to be
-    the run's before it is signalled: pids recycle), then torchrun."""
+    the run's before it is signalled: pids recycle), then torchrun: at once when every rank
+    had started (its orderly shutdown takes seconds and has nothing left to stop), else
+    politely, so that it stops the ranks that had not yet written their pid file."""
+    try:
+        nprocs = json.loads((run_dir / "command.json").read_text())["nprocs"]
+    except (OSError, ValueError, KeyError):
+        nprocs = None
+    all_started = nprocs is not None and len(runs.pid_files(run_dir)) >= nprocs
     runs.signal_ranks(run_dir)
-    if proc.poll() is None:
+    if proc.poll() is None and not all_started:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops the workers it started
             proc.wait(timeout=grace_s)
