@@ -107,7 +107,7 @@ class Trainer:
             with rec.span("compute", "optimizer"):
                 scale = self.precision.scale
                 scaled_norm = self.grads.norm()
-                skip = self.precision.update(scaled_norm.item())
+                skip = self.precision.update(scaled_norm)
                 norm = scaled_norm / scale
                 if not skip:
                     self.grads.scale_(clip_coef(norm, self.args.clip) / scale)

@@ -31,10 +31,7 @@ LAYOUTS = {
     "dp2 zero3 pp2 m4 prefetch": "--dp 2 --zero 3 --pp 2 --microbatches 4 --prefetch",
     "dp2-tp2 sp zero2 tied m2": "--dp 2 --tp 2 --sp --zero 2 --tie --microbatches 2",
     "dp2-tp2-pp2 tied zero1 gpipe": "--dp 2 --tp 2 --pp 2 --tie --zero 1 --schedule gpipe",
-    "dp2-pp2 overlap m2": "--dp 2 --pp 2 --dp-impl overlap --microbatches 2",
-    "dp2-tp2 naive m2": "--dp 2 --tp 2 --dp-impl naive --microbatches 2",
-    "tp2-pp2 flat dp2 zero3 tied sp": "--dp 2 --tp 2 --pp 2 --zero 3 --tie --sp "
-                                      "--microbatches 2",
+    "dp2-tp2-pp2 zero3 tied sp": "--dp 2 --tp 2 --pp 2 --zero 3 --tie --sp --microbatches 2",
 }
 
 

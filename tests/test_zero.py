@@ -10,9 +10,9 @@ without gradient accumulation, on a model whose unit sizes are odd (padding on e
   16Ψ/N bytes in host memory;
 * bytes moved per step, summed from the trace (all-reduce 2S, all-gather and reduce-scatter
   S, the paper's count), equal ``2Ψ`` for stages 1-2 and ``3Ψ`` for stage 3 within 1%; and
-  ``2Ψ`` for plain DP. With K micro-batches, stages 2 and 3 reduce-scatter every micro-batch
-  (they keep no full gradient to accumulate into) and stage 3 gathers every micro-batch:
-  ``(K+1)Ψ`` and ``3KΨ``; DP and stage 1 still send ``2Ψ``.
+  ``2Ψ`` for plain DP. With K micro-batches the same: gradients accumulate locally and are
+  reduced once, after the last backward, and stage 3 gathers once for the forwards and once
+  for the backwards (the price is memory: full gradients during the step).
 
 At 8 ranks only the accumulating configurations run (2 and 4 cover K = 1), to keep CI short.
 """
@@ -36,8 +36,10 @@ def configs_for(world: int) -> list[dict]:
 
 
 def expected_traffic(stage: int, k: int) -> int:
-    """Elements per rank per step, in units of Ψ."""
-    return {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[stage]
+    """Elements per rank per step, in units of Ψ: the same with ``k`` accumulated
+    micro-batches as with one (gradients are reduced once, after the last backward; ZeRO-3
+    gathers once for the forwards and once for the backwards)."""
+    return {0: 2, 1: 2, 2: 2, 3: 3}[stage]
 PAPER_COUNT = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 

@@ -10,18 +10,20 @@ After reading this file you should understand the two 16-bit recipes (Micikevici
 * **fp16** has 5 exponent bits: small gradients underflow to zero. The loss is multiplied by
   a large *scale* before backward and the gradients divided by it afterwards. If any
   gradient overflowed (inf or nan), the step is skipped and the scale halved; after
-  ``growth_interval`` good steps it doubles. The overflow test is the **global** gradient
-  norm, which every rank computes from every rank's gradients: so all ranks see the same
-  inf, skip the same step, and keep the same scale. Deciding on local gradients alone, one
-  rank would skip while the others step, and the replicas would silently diverge.
+  ``growth_interval`` good steps it doubles. The overflow test is the global gradient norm,
+  and the verdict is agreed over the whole world (one all-reduce of a flag: the norm itself
+  is summed only over the ranks that hold distinct pieces, so a data-parallel replica would
+  not see another replica's inf). So all ranks skip the same step and keep the same scale;
+  deciding locally, one rank would skip while the others step, and the replicas would
+  silently diverge.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
+import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,12 +49,16 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.scale != 1.0 else loss
 
-    def update(self, scaled_norm: float) -> bool:
+    def update(self, scaled_norm: torch.Tensor) -> bool:
         """After backward: True when the step must be skipped (the global norm of the scaled
-        gradients is not finite). Adjusts the scale like ``torch.amp.GradScaler``."""
+        gradients is not finite on some rank). Adjusts the scale like
+        ``torch.amp.GradScaler``."""
         if self.mode != "fp16":
             return False
-        if not math.isfinite(scaled_norm):
+        found = torch.logical_not(torch.isfinite(scaled_norm)).float().reshape(1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found)  # bookkeeping: left out of the trace
+        if found.item() > 0:
             self.scale /= 2
             self.good_steps = 0
             self.skipped += 1

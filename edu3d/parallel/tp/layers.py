@@ -96,6 +96,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         kept, weight = ctx.saved_tensors
         group, n = ctx.group, ops.group_size(ctx.group)
         x = ops.all_gather(kept, group, dim=1) if ctx.sp else kept
+        # under autocast the forward multiplied in 16 bits: so does the backward (autograd
+        # casts each gradient back to its input's dtype, fp32 for the weights)
+        weight, x = weight.to(grad.dtype), x.to(grad.dtype)
         grad_x = grad @ weight
         handle = None
         if n > 1 and not ctx.sp:
