@@ -109,5 +109,5 @@ def test_controls_redraw_with_another_layout():
 def test_pipeline_view_renumbers_one_pipeline():
     view = threed.pipeline_view(run_events(), LAYOUT)
     assert {e["rank"] for e in view} == {0, 1}
-    fig = threed.simulated_figure(2, 4, "1f1b", measured=[e for e in view if e["step"] == 2])
+    fig = threed.simulated_pipeline(2, 4, "1f1b", measured=[e for e in view if e["step"] == 2])
     assert fig.data and all(t.name for t in fig.data)

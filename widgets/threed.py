@@ -12,7 +12,7 @@ After reading this file you should know how to read chapter 06's charts:
 * :class:`Controls` — sliders for dp, tp, pp, ZeRO stage, schedule and micro-batches redraw
   the *simulated* pipeline (:func:`edu3d.parallel.pp.simulate.simulate`) and the per-rank
   memory estimate at once; "run it" launches the real run and draws it over the simulation.
-  The figures come from plain functions (:func:`simulated_figure`, :func:`memory_estimate`),
+  The figures come from plain functions (:func:`simulated_pipeline`, :func:`memory_estimate`),
   so a notebook without a frontend shows the default static figures.
 """
 
@@ -149,7 +149,8 @@ def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
                     schedule: str = "1f1b", vpp: int = 1, global_batch: int = 8,
                     peak_in_flight: list[int] | None = None) -> dict[int, dict]:
     """Estimated bytes per rank (fp32 Adam: 4+4+8 per parameter): a rank holds its stages'
-    parameters, cut by tp except the replicated ones (:func:`replicated`), ZeRO dividing by dp as in :func:`edu3d.memory.zero_bytes`; activations
+    parameters, cut by tp except the replicated ones (:func:`replicated`), ZeRO dividing by
+    dp as in :func:`edu3d.memory.zero_bytes`; activations
     ``sbh(10 + 24/t + 5as/(ht))`` per layer (doubled: fp32) times the micro-batches the
     schedule keeps in flight."""
     from edu3d.memory import activation_bytes_per_layer, zero_bytes
@@ -184,7 +185,7 @@ def simulate_schedule(pp: int, m: int, schedule: str, vpp: int = 1):
     return simulate(build(schedule, pp, m, vpp), pp, Costs(**SIM_COSTS_US))
 
 
-def simulated_figure(pp: int, m: int, schedule: str, vpp: int = 1, measured=None, *,
+def simulated_pipeline(pp: int, m: int, schedule: str, vpp: int = 1, measured=None, *,
                      title: str | None = None):
     """The schedule simulated (F = 1 ms, B = 2 ms); with ``measured`` (pipeline events of one
     dp/tp coordinate, ranks renumbered 0..pp-1) the run is drawn over it instead."""
@@ -217,7 +218,7 @@ def simulated_figure(pp: int, m: int, schedule: str, vpp: int = 1, measured=None
 
 def pipeline_view(events: list[dict], layout, dp: int = 0, tp: int = 0) -> list[dict]:
     """The events of the pipeline through (dp, tp), ranks renumbered by stage: what
-    :func:`simulated_figure` draws over its simulation."""
+    :func:`simulated_pipeline` draws over its simulation."""
     out = []
     for e in events:
         c = layout.coords(e["rank"])
@@ -274,7 +275,7 @@ class Controls:
         bad = self.problem()
         self.message = bad or ""
         if bad is None:
-            self.pipeline_fig = simulated_figure(s["pp"], s["microbatches"], s["schedule"],
+            self.pipeline_fig = simulated_pipeline(s["pp"], s["microbatches"], s["schedule"],
                                                  self.vpp)
             est = memory_estimate(self.config, s["dp"], s["tp"], s["pp"], s["zero"],
                                   s["microbatches"], s["schedule"], self.vpp)
@@ -307,7 +308,7 @@ class Controls:
             layout=layout, timeout=timeout, echo=False)
         self.result = run
         events = run.events()
-        self.pipeline_fig = simulated_figure(s["pp"], s["microbatches"], s["schedule"],
+        self.pipeline_fig = simulated_pipeline(s["pp"], s["microbatches"], s["schedule"],
                                              self.vpp, pipeline_view(events, layout))
         self.memory_fig = memory_per_rank({r["rank"]: r["memory"] for r in run.results},
                                           self.estimate, title="Memory per rank, measured")
