@@ -54,3 +54,28 @@ def test_layout_equals_serial(name):
     assert res["loss_err"] < TOL
     assert res["norm_err"] < TOL
     assert res["losses"][-1] < res["losses"][0]  # it trains
+
+
+PAPER_COUNT = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def test_zero_traffic_under_pipelining_does_not_grow_with_microbatches():
+    """dp2 x pp2: from the trace, the dp traffic of one step is 2Ψ (ZeRO-1, ZeRO-2) and 3Ψ
+    (ZeRO-3) of the rank's stage parameters, for 2 and 4 micro-batches alike: gradients are
+    reduced once after the last backward, and ZeRO-3 gathers once for the forwards and once
+    for the backwards, not once per micro-batch."""
+    from tests.workers_3d import zero_traffic
+
+    configs = [(s, m) for s in (1, 2, 3) for m in (2, 4)]
+    run = launch(zero_traffic, 4, args=(configs,), layout=Layout(dp=2, pp=2), timeout=240,
+                 name="zero-traffic")
+    events = run.events()
+    for rank, rows in enumerate(run.results):
+        for row in rows:
+            case = f"zero{row['stage']}/m{row['m']}"
+            moved = sum(PAPER_COUNT.get(e["op"], 0) * e["bytes"] / 4 for e in events
+                        if e.get("case") == case and e["rank"] == rank and e["lane"] == "comm"
+                        and e.get("group") == "dp")
+            want = (3 if row["stage"] == 3 else 2) * row["psi"]
+            print(f"\nrank {rank} {case}: {moved / row['psi']:.4f} Ψ of the stage")
+            assert abs(moved / want - 1) < 0.01, (rank, case, moved / row["psi"])

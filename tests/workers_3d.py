@@ -62,3 +62,22 @@ def parity(mesh, argv: list[str], steps: int = 5) -> dict:
     return {"grad_err": grad_err, "param_err": param_err, "loss_err": loss_err,
             "norm_err": norm_err, "losses": [r["loss"] for r in ours],
             "serial_losses": [r["loss"] for r in ref]}
+
+
+def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
+    """One step of dp2 x pp2 with ZeRO ``stage`` and ``m`` micro-batches per config, traced as
+    ``case="zero{stage}/m{m}"``; returns each config's Ψ of this rank's stage."""
+    from edu3d import trace
+
+    out = []
+    for stage, m in configs:
+        args = options(["--dp", "2", "--pp", "2", "--zero", str(stage), "--microbatches",
+                        str(m)])
+        config = config_from_args(args)
+        x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, 8)
+        trainer = Trainer(GPT(config, seed=0), mesh, args)
+        with trace.current().context(case=f"zero{stage}/m{m}"):
+            trainer.step(x, y, 1)
+        out.append({"stage": stage, "m": m,
+                    "psi": sum(u.numel for u in trainer.par.zero.units)})
+    return out
