@@ -202,8 +202,12 @@ def timeline_figure(events, *, title: str = "Timeline", takeaway: str | None = N
                          legendgroup=op, color=_colors(sel, chunks), ghost=ghost)
 
     n_rows = len(where.tickvals)
-    style.frame(fig, title, takeaway, x="time since the first event shown (ms)",
-                height=height or max(260, 120 + 34 * n_rows))
+    height = height or max(260, 120 + 34 * n_rows)
+    style.frame(fig, title, takeaway, x="time since the first event shown (ms)", height=height)
+    entries = sum(1 for t in fig.data if t.showlegend is not False)
+    if entries * 24 > height - 140:  # a legend taller than the lanes: one row under the axis
+        fig.update_layout(legend={"orientation": "h", "x": 0, "y": -0.35, "yanchor": "top"},
+                          height=height + 40, margin={"b": 100})
     fig.update_layout(barmode="overlay", bargap=0, hoverlabel={"align": "left"},
                       uniformtext={"minsize": 8, "mode": "hide"})
     fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext, range=where.extent[::-1],
