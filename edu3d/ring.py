@@ -245,7 +245,8 @@ def collectives_gallery(mesh, numel: int = 4) -> dict:
             else:
                 after = torch.empty_like(x)
                 dist.all_to_all_single(after, x)
-        out[op] = {"before": x.tolist() if op != "all_gather" else [float(start[0])],
+        # the ring algorithms work in place on x: "before" is the untouched start
+        out[op] = {"before": start.tolist() if op != "all_gather" else [float(start[0])],
                    "after": None if after is None else after.tolist()}
     return out
 

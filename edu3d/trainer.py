@@ -57,7 +57,8 @@ class Trainer:
         self.par = parallelize(model, self.mesh, self.plan, args, compute)
         self.grads = GradSync(self.par)
         device = next(model.parameters()).device
-        self.precision = Precision(getattr(args, "precision", "fp32") or "fp32", device.type)
+        self.precision = Precision(getattr(args, "precision", "fp32") or "fp32", device.type,
+                                   world=self.mesh.layout.world_size > 1)
         self._microbatch_loss = microbatch_loss or scaled_loss
         self.engine = PipelineEngine(self.par.stages, self.par.actions, self.par.n_stages,
                                      self.mesh.ranks("pp"), self.mesh.groups.get("pp"),
@@ -95,7 +96,7 @@ class Trainer:
     def _global_loss(self, losses: list, device) -> torch.Tensor:
         mine = self.par.is_last and self.mesh.index("tp") == 0 and losses
         total = torch.stack(losses).sum().reshape(1) if mine else torch.zeros(1, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self.mesh.layout.world_size > 1:  # a serial trainer inside a launch stays alone
             dist.all_reduce(total)  # bookkeeping, not training traffic: left out of the trace
         return total[0] / (self.dp_size * self.plan.microbatches)
 
