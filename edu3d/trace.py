@@ -86,6 +86,7 @@ class Recorder:
         self.cuda = cuda
         self.flight = flight
         self.events: list[dict] = []  # kept in memory only when there is no path
+        self.comm_us: dict[str, float] = {}  # time in communication so far, by group
         self._pending: list[tuple] = []  # (start_event, end_event, event dict) on CUDA
         self._open: list[dict] = []  # spans entered and not yet left, innermost last
         self._file = None
@@ -131,6 +132,9 @@ class Recorder:
 
     def end(self, ev: dict, t1: float | None = None) -> dict:
         ev["t1"] = self.now() if t1 is None else t1
+        if ev["lane"] == "comm":
+            group = ev.get("group", "world")
+            self.comm_us[group] = self.comm_us.get(group, 0.0) + ev["t1"] - ev["t0"]
         self._emit(ev)
         return ev
 

@@ -90,23 +90,60 @@ def _emit(rec: dict, args: argparse.Namespace, out) -> None:
         return
     if args.json:
         print(json.dumps(rec), file=out, flush=True)
+        return
+    row = (f"{rec['step']:>5} {rec['loss']:>8.4f} {rec['grad_norm']:>10.4f} "
+           f"{rec['lr']:>9.2e} {rec['tokens_per_s']:>9.0f}")
+    if _is_terminal(out):  # a progress bar: one line, rewritten in place
+        done = rec["step"] / args.steps
+        bar = "#" * int(30 * done)
+        end = "\n" if rec["step"] == args.steps else ""
+        print(f"\r[{bar:<30}] {row}", end=end, file=out, flush=True)
     else:
-        print(f"{rec['step']:>5} {rec['loss']:>8.4f} {rec['grad_norm']:>10.4f} "
-              f"{rec['lr']:>9.2e} {rec['tokens_per_s']:>9.0f}", file=out, flush=True)
+        print(row, file=out, flush=True)
+
+
+def _is_terminal(out) -> bool:
+    return bool(getattr(out, "isatty", lambda: False)())
+
+
+def summary(records: list[dict], seconds: list[float]) -> str:
+    """The end of a run in words: throughput, the fullest rank's memory, and the share of
+    the step time rank 0 spent communicating on each axis (``seconds``: each step's)."""
+    rate = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
+    lines = [f"throughput: {rate:,.0f} tokens/s (median over {len(records)} steps)"]
+    mem = records[-1].get("mem_bytes")
+    if mem:
+        parts = ", ".join(f"{k} {mem[k] / 2**20:.2f}" for k in
+                          ("params", "grads", "optimizer", "activations"))
+        lines.append(f"memory of the fullest rank: {mem['total'] / 2**20:.2f} MiB ({parts})")
+    comm: dict[str, float] = {}
+    for r in records:
+        for group, s in r.get("comm_s", {}).items():
+            comm[group] = comm.get(group, 0.0) + s
+    if comm:
+        total = sum(seconds)
+        share = ", ".join(f"{g} {100 * s / total:.0f}%" for g, s in sorted(comm.items()))
+        lines.append(f"time in communication on rank 0, share of the step time: {share} "
+                     "(overlapped collectives count whole)")
+    return "\n".join(lines)
 
 
 def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -> list[dict]:
     """Feed global batch ``step`` to ``trainer.step`` for every step; record and print."""
-    if out is not None and not args.json:
+    if out is not None and not args.json and not _is_terminal(out):
         print(f"{'step':>5} {'loss':>8} {'grad norm':>10} {'lr':>9} {'tok/s':>9}", file=out)
-    records = []
+    records, seconds = [], []
     for step in range(1, args.steps + 1):
         x, y = corpus.batch(step, args.global_batch)
         t0 = time.perf_counter()
         result = trainer.step(x, y, step)
-        rec = _record(step, result, lr_at(step, args), x.numel(), time.perf_counter() - t0)
+        seconds.append(time.perf_counter() - t0)
+        rec = _record(step, result, lr_at(step, args), x.numel(), seconds[-1])
+        rec.update(trainer.stats())
         records.append(rec)
         _emit(rec, args, out)
+    if out is not None and not args.json:
+        print(summary(records, seconds), file=out, flush=True)
     return records
 
 

@@ -27,7 +27,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from edu3d import trace
+from edu3d import memory, trace
 from edu3d.data import microbatches, shard_rows
 from edu3d.mesh import Layout, Mesh
 from edu3d.optim import clip_coef, lr_at, make_optimizer, set_lr
@@ -65,6 +65,7 @@ class Trainer:
                                      self.plan.microbatches, self._scaled, self._context)
         self.optimizer = None if self.par.zero else make_optimizer(self.par.module, args)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
+        self._comm_seen: dict[str, float] = {}
 
     # ---- the schedule's hooks -----------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor, m: int) -> torch.Tensor:
@@ -126,6 +127,29 @@ class Trainer:
             self.optimizer.step()
 
     # ---- inspection -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """What ``edu3d train --json`` adds to each record; collective (every rank calls).
+
+        ``mem_bytes``: the bytes of the fullest rank (largest total) by category: parameters,
+        gradients and optimizer state measured from the tensors it holds, and the peak of the
+        activations its pipeline engine kept. ``comm_s``: this rank's seconds in communication
+        since the last call, by group (``tp``, ``pp``, ``dp``, ...), from the trace: each
+        collective from its start to its completion (an overlapped one counts whole)."""
+        held = memory.measure(self.tensors())
+        row = torch.tensor([held["params"], held["grads"], held["optimizer"],
+                            self.engine.peak_activation_bytes], dtype=torch.float64)
+        if self.mesh.layout.world_size > 1:  # bookkeeping: left out of the trace
+            rows = [torch.empty_like(row) for _ in range(self.mesh.layout.world_size)]
+            dist.all_gather(rows, row)
+            row = max(rows, key=lambda r: float(r.sum()))
+        mem = dict(zip(("params", "grads", "optimizer", "activations"), map(int, row.tolist())))
+        mem["total"] = sum(mem.values())
+        now = dict(trace.current().comm_us)
+        comm = {g: (t - self._comm_seen.get(g, 0.0)) / 1e6 for g, t in now.items()}
+        self._comm_seen = now
+        return {"mem_bytes": mem, "comm_s": {g: round(s, 6) for g, s in comm.items() if s}}
+
+
     def _owner_pp(self, name: str) -> int:
         """The pipeline rank holding serial parameter ``name`` (the first stage for the
         tied matrix)."""

@@ -60,7 +60,9 @@ def test_train_json_is_exactly_one_object_per_step():
     assert p.returncode == 0, p.stderr
     records = [json.loads(line) for line in p.stdout.splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"} for r in records)
+    assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mem_bytes",
+                          "comm_s"} for r in records)
+    assert records[0]["comm_s"] == {}  # one process: no communication
 
 
 def test_train_rejects_a_bad_model_before_starting():
