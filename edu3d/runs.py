@@ -187,7 +187,9 @@ def failures(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """``(causes, consequences)``, each sorted by time. A cause is a Python error that is not
     a lost connection, or a rank that ended without a Python error (``os._exit``, a signal):
     ``{"rank", "time_ns", "message", "traceback"?}``. Deaths from the agent's own teardown
-    (SIGTERM/SIGKILL after ``exits/teardown``) are not causes."""
+    (SIGTERM after ``exits/teardown``) are not causes. A death is recorded by a thread of the
+    agent and may be stamped a little after the agent noticed it (and began its teardown), so
+    a SIGKILL or a crash always counts, whatever its time."""
     errors = _read_all(run_dir / "errors")
     erred = {e["rank"] for e in errors}
     try:
@@ -202,9 +204,8 @@ def failures(run_dir: Path) -> tuple[list[dict], list[dict]]:
     for x in _read_all(run_dir / "exits"):
         if x["rank"] in erred or x.get("code") == 0:
             continue
-        if (teardown is not None and x["time_ns"] >= teardown
-                and x.get("signal") in (signal.SIGTERM, signal.SIGKILL)):
-            continue
+        if teardown is not None and x["time_ns"] >= teardown and x.get("signal") == signal.SIGTERM:
+            continue  # torchrun stops the others with SIGTERM (SIGKILL only 30 s later)
         causes.append({"rank": x["rank"], "time_ns": x["time_ns"], "message": how(x)})
     return (sorted(causes, key=lambda e: e["time_ns"]),
             sorted(consequences, key=lambda e: e["time_ns"]))
