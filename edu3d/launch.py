@@ -3,7 +3,8 @@
 After reading this file you should understand how one call turns into N cooperating processes
 and how edu3d keeps that safe:
 
-* ``launch(target, n)`` runs ``python -m torch.distributed.run`` in a new process session with
+* ``launch(target, n)`` runs torchrun's agent (``python -m edu3d.launch``, which is
+  ``torch.distributed.run`` with its stores bound to loopback) in a new process session with
   rendezvous on ``127.0.0.1`` and a free port (never a fixed 29500), ``OMP_NUM_THREADS=1``,
   and :mod:`edu3d.worker` wrapped around your code on every rank;
 * ``target`` is a script path, a module (``module=True``), or a function of an importable
@@ -12,8 +13,10 @@ and how edu3d keeps that safe:
 * output is streamed live with a rank prefix; return values, errors and traces are collected
   from the run folder;
 * the first failing rank ends the run: every process is killed and one :class:`RankError`
-  names that rank and carries its traceback. A timeout or an interrupt also kills every
-  process; nothing is left running.
+  names that rank and carries its traceback, or says how it died (exit code, signal) when it
+  left no Python error; a partner's "Connection closed by peer" is a consequence, never the
+  cause. A timeout or an interrupt also kills every process; nothing is left running, and a
+  hang is reported with what every rank was doing (its flight record).
 
 The launcher itself never imports torch, so ``edu3d run`` adds almost nothing to torchrun.
 """
