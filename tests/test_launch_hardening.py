@@ -132,7 +132,7 @@ def _blamed(tmp_path, how: str, n: int, victim: int) -> RankError:
     return info.value
 
 
-@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [4, 8])  # about 6 s each on an idle 2-core machine
 @pytest.mark.parametrize("how", sorted(DEATHS))
 def test_first_rank_to_die_is_named_with_how_it_died(tmp_path, how, n):
     victim = n - 2
