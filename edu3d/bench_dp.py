@@ -29,10 +29,10 @@ FSDP2 = "torch.distributed.fsdp.fully_shard"
 
 
 def _setup(model: str, global_batch: int, **overrides):
-    from edu3d.course import lesson_args
+    from edu3d.options import defaults
     from edu3d.train import config_from_args
 
-    args = lesson_args(model=model, global_batch=global_batch, **overrides)
+    args = defaults(model=model, global_batch=global_batch, **overrides)
     config = config_from_args(args)
     x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, global_batch)
     return args, config, x, y

@@ -146,6 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def defaults(**overrides) -> argparse.Namespace:
+    """``edu3d train``'s options at their defaults (tiny model), with ``overrides`` applied:
+    what a benchmark, a chapter or a test hands to :class:`~edu3d.trainer.Trainer`."""
+    args = add_arguments(argparse.ArgumentParser()).parse_args([])
+    args.__dict__.update(overrides)
+    return args
+
+
 def config_from_args(args: argparse.Namespace):
     """The model's :class:`~edu3d.model.GPTConfig`: the preset with the overrides."""
     from edu3d.model import config_from

@@ -28,6 +28,7 @@ from edu3d.options import (add_arguments, check_args, check_fit,
                            config_from_args, num_params_from_config, oversubscribed)
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
+TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Trainer.stats)
 
 
 def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace):

@@ -1,7 +1,7 @@
 """The bubble measured in a live run agrees with the formula.
 
 Two pipeline ranks run the real engine, schedule and messages on balanced stages of known
-cost (:class:`edu3d.parallel.pp.live.TimedStage`: forward 40 ms, backward 80 ms, spent waiting,
+cost (:class:`edu3d.course.pp.TimedStage`: forward 40 ms, backward 80 ms, spent waiting,
 so the two ranks neither slow each other down on a 2-core machine nor feel other processes).
 The bubble of a step is the idle share of the ranks' time between its first compute start and
 its last compute end; the median over the steps after the warm-up step must be within 5
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from edu3d.parallel.pp.live import measured_bubble, run_timed
+from edu3d.course.pp import measured_bubble, run_timed
 from edu3d.parallel.pp.simulate import bubble_formula
 
 RUNS = [dict(name="1f1b", m=8), dict(name="interleaved", m=8, vpp=2), dict(name="gpipe", m=8)]

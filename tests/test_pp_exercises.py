@@ -7,7 +7,7 @@ import pytest
 
 from edu3d import grading
 from edu3d.parallel.pp import Action, check, one_f_one_b, with_comms
-from edu3d.parallel.pp.live import gradients
+from edu3d.course.pp import gradients
 
 
 def test_solution_schedule_is_megatrons_1f1b():

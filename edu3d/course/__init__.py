@@ -16,11 +16,9 @@ import argparse
 
 def lesson_args(**overrides) -> argparse.Namespace:
     """``edu3d train``'s default options (tiny model) with ``overrides`` applied."""
-    from edu3d.options import add_arguments
+    from edu3d.options import defaults
 
-    args = add_arguments(argparse.ArgumentParser()).parse_args([])
-    args.__dict__.update(overrides)
-    return args
+    return defaults(**overrides)
 
 
 def unscaled_loss(loss, m: int):

@@ -108,34 +108,3 @@ def make_hook(name: str | None, topk_ratio: float = 0.01):
     if name == "topk":
         return TopK(topk_ratio)
     raise ValueError(f"compression {name!r} is not one of none, {', '.join(HOOKS)}")
-
-
-def compression_error(mesh, hooks=("none",) + HOOKS, steps: int = 10, **common) -> dict:
-    """Train with each hook (traced as ``case=name``) and compare with uncompressed training:
-    ``{name: {"losses", "max_loss_rel_diff", "param_rel_diff"}}`` (differences against
-    ``"none"``, which must come first)."""
-    from edu3d import trace
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT
-    from edu3d.course import lesson_args
-    from edu3d.train import config_from_args
-    from edu3d.trainer import Trainer
-
-    out, ref_params = {}, None
-    for name in hooks:
-        args = lesson_args(**{**common, "compress": name})
-        config = config_from_args(args)
-        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-        model = GPT(config, seed=args.seed)
-        trainer = Trainer(model, mesh, args)
-        with trace.current().context(case=name):
-            losses = [trainer.step(*corpus.batch(s, args.global_batch), s)["loss"]
-                      for s in range(1, steps + 1)]
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        if ref_params is None:
-            ref_params, ref_losses = flat, losses
-        out[name] = {"losses": losses,
-                     "max_loss_rel_diff": max(abs(a - b) / abs(b)
-                                              for a, b in zip(losses, ref_losses)),
-                     "param_rel_diff": float((flat - ref_params).norm() / ref_params.norm())}
-    return out

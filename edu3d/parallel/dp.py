@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from edu3d import comm, trace
-from edu3d.data import microbatches, shard_rows
 
 IMPLS = ("naive", "flat", "overlap", "bucketed")
 
@@ -212,94 +211,3 @@ class DataParallel:
         if handle is not None:
             handle.wait()
         t.div_(self.n)
-
-
-# ---- live runs for chapter 02 ------------------------------------------------------------------
-def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) -> dict:
-    """Train the same model with each version (trainer options by name) for ``steps`` steps,
-    traced as ``case=name``; rank 0 also trains the serial reference.
-
-    Returns ``{"serial": losses, name: {"losses", "step_s", "launch_log", "psi", "memory"
-    (measured bytes per category after the last step), "units" (ZeRO: name, numel, padded
-    size of each flat unit)}}``.
-    """
-    import statistics
-    import time
-
-    from edu3d import memory
-    from edu3d.course import lesson_args
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT, num_params
-    from edu3d.train import config_from_args, make_optimizer, train_step
-    from edu3d.trainer import Trainer
-
-    out = {}
-    base = lesson_args(**common)
-    config = config_from_args(base)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=base.seed)
-    if dist.get_rank() == 0:
-        model = GPT(config, seed=base.seed)
-        opt = make_optimizer(model, base)
-        out["serial"] = [train_step(model, opt, *corpus.batch(s, base.global_batch), s,
-                                    base)["loss"] for s in range(1, steps + 1)]
-    for name, options in versions.items():
-        args = lesson_args(**{**common, **options})
-        model = GPT(config, seed=args.seed)
-        trainer = Trainer(model, mesh, args)
-        losses, times = [], []
-        with trace.current().context(case=name):
-            for s in range(1, steps + 1):
-                t0 = time.perf_counter()
-                losses.append(trainer.step(*corpus.batch(s, args.global_batch), s)["loss"])
-                times.append(time.perf_counter() - t0)
-        log = getattr(trainer.par.dp, "launch_log", [])
-        out[name] = {"losses": losses, "step_s": statistics.median(times),
-                     "launch_log": list(log), "psi": num_params(model),
-                     "memory": memory.measure(trainer.tensors())}
-        if trainer.par.zero is not None:
-            out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.par.zero.units]
-    return out
-
-
-# ---- grading exercise 02 -------------------------------------------------------------------------
-def grade_ddp_exercise(mesh, bucket_mb: float = 0.02) -> dict:
-    """Run the learner's ``sync_gradients`` and ``BucketedDDP`` (exercises/bucketed_ddp.py)
-    against the serial gradient of the global batch; every verdict is a bool (an unfinished
-    or broken part is False, never an exception, so all ranks stay in step)."""
-    from edu3d import grading
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT, config_from
-
-    mod = grading.load("bucketed_ddp")
-    config = config_from("tiny", layers=2)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
-    x, y = corpus.batch(1, 8)
-    serial = GPT(config, seed=0)
-    serial(x, y)[1].backward()
-    want = [p.grad for p in serial.parameters()]
-    n, index = mesh.size("dp"), mesh.index("dp")
-    xs, ys = shard_rows(x, index, n), shard_rows(y, index, n)
-
-    def matches(model):
-        return all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7)
-                   for p, g in zip(model.parameters(), want))
-
-    out = {}
-    model = GPT(config, seed=0)
-    model(xs, ys)[1].backward()
-    try:
-        mod.sync_gradients(model, mesh.dp)
-        out["sync_gradients"] = matches(model)
-    except NotImplementedError:
-        out["sync_gradients"] = False
-    model = GPT(config, seed=0)
-    try:
-        ddp = mod.BucketedDDP(model, mesh.dp, bucket_mb)
-        model(xs, ys)[1].backward()
-        ddp.finish()
-        total = len(list(model.parameters()))
-        out["bucketed"] = matches(model)
-        out["overlap"] = bool(ddp.launched_at) and ddp.launched_at[0] < total
-    except NotImplementedError:
-        out["bucketed"] = out["overlap"] = False
-    return out

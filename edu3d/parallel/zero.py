@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from edu3d import comm, trace
-from edu3d.data import microbatches, shard_rows
 
 STAGES = (1, 2, 3)
 
@@ -388,31 +387,3 @@ class Zero:
             host = state + [u.host_param for u in self.units] + [u.host_grad for u in self.units]
             return {"params": params, "grads": grads, "optimizer": [], "host": host}
         return {"params": params, "grads": grads, "optimizer": state}
-
-
-# ---- grading exercise 03 -------------------------------------------------------------------------
-def grade_zero1_exercise(mesh, lr: float = 0.1) -> bool:
-    """Run the learner's ``zero1_sgd_step`` (exercises/zero1.py) on this rank's rows of a
-    global batch, traced as ``case=exercise``; True when the parameters equal one serial SGD
-    step on the whole batch (False, never an exception, when the code is unfinished)."""
-    from edu3d import grading
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT, config_from
-
-    mod = grading.load("zero1")
-    config = config_from("tiny", layers=1, d_model=35, heads=5, vocab=100)  # 23,345 = 3k + 2
-    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, 6)
-    serial = GPT(config, seed=0)
-    serial(x, y)[1].backward()
-    with torch.no_grad():
-        want = [p - lr * p.grad for p in serial.parameters()]
-    model = GPT(config, seed=0)
-    n, index = mesh.size("dp"), mesh.index("dp")
-    model(shard_rows(x, index, n), shard_rows(y, index, n))[1].backward()
-    try:
-        with trace.current().context(case="exercise"):
-            mod.zero1_sgd_step(list(model.parameters()), lr, mesh.dp)
-    except NotImplementedError:
-        return False
-    return all(torch.allclose(p, w, rtol=1e-5, atol=1e-7)
-               for p, w in zip(model.parameters(), want))

@@ -18,7 +18,7 @@ import torch.nn as nn
 from edu3d import bench
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT, config_from
-from edu3d.course import lesson_args
+from edu3d.options import defaults
 from edu3d.trainer import Trainer
 
 REFERENCE = "torch.distributed.pipelining.Schedule1F1B"
@@ -45,13 +45,14 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
     x, y = corpus.batch(1, m * rows)
     pp, rank = mesh.size("pp"), mesh.index("pp")
 
-    args = lesson_args(schedule="1f1b", microbatches=m)
+    args = defaults(schedule="1f1b", microbatches=m)
     ours = Trainer(GPT(config, seed=0), mesh, args)
-    theirs_model = Trainer(GPT(config, seed=0), mesh, args)  # same cut, own weights
+    gpt = GPT(config, seed=0)
+    theirs_model = Trainer(gpt, mesh, args)  # same cut, own weights
     (stage,) = theirs_model.par.stages.values()
     torch_stage = PipelineStage(_TorchStage(stage), rank, pp, torch.device("cpu"),
                                 group=mesh.pp)
-    schedule = Schedule1F1B(torch_stage, m, loss_fn=stage.loss)
+    schedule = Schedule1F1B(torch_stage, m, loss_fn=gpt.loss)
 
     def edu3d_step():
         ours.forward_backward(x, y)

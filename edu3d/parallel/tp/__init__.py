@@ -4,7 +4,7 @@ Read in this order: :mod:`~edu3d.parallel.tp.ops` (the conjugate communication o
 :mod:`~edu3d.parallel.tp.layers` (column, row, vocabulary-parallel layers and the loss),
 :mod:`~edu3d.parallel.tp.apply` (the model transformation),
 :mod:`~edu3d.parallel.tp.activations` (activation memory, measured against Korthikanti's
-formula), :mod:`~edu3d.parallel.tp.live` (the runs chapter 04 draws, and exercise 04's
+formula), :mod:`edu3d.course.tp` (the runs chapter 04 draws, and exercise 04's
 grader) and :mod:`~edu3d.parallel.tp.bench` (edu3d against PyTorch's DTensor TP).
 """
 

@@ -19,7 +19,6 @@ every rank and returns plain tensors and numbers; the charts only draw them:
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.nn as nn
