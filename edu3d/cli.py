@@ -146,12 +146,12 @@ def _doctor(args) -> int:
 # ---- edu3d bench ---------------------------------------------------------------------------
 BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
     "launch": "edu3d.bench:launch_overhead",
-    "comm": "edu3d.bench_comm:run_benchmark",
-    "dp": "edu3d.bench_dp:run_dp_benchmark",
-    "zero": "edu3d.bench_dp:run_zero_benchmark",
-    "pp": "edu3d.parallel.pp.bench:run_benchmark",
-    "tp": "edu3d.parallel.tp.bench:run_benchmark",
-    "3d": "edu3d.bench_3d:run_benchmark",
+    "comm": "edu3d.bench.comm:run_benchmark",
+    "dp": "edu3d.bench.dp:run_dp_benchmark",
+    "zero": "edu3d.bench.dp:run_zero_benchmark",
+    "pp": "edu3d.bench.pp:run_benchmark",
+    "tp": "edu3d.bench.tp:run_benchmark",
+    "3d": "edu3d.bench.threed:run_benchmark",
 }
 
 

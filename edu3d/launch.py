@@ -421,7 +421,7 @@ def _in_kernel() -> bool:
 
 
 def _notebook_status(nprocs: int):
-    from edu3d.magic import NotebookStatus
+    from edu3d.status import NotebookStatus
 
     return NotebookStatus(nprocs)
 

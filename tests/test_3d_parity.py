@@ -8,11 +8,13 @@ AdamW steps, each against the serial reference step (:func:`edu3d.train.train_st
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from tests.workers_3d import parity
+from tests.workers_3d import parity_many
 
 TOL = 1e-5
 
@@ -41,12 +43,20 @@ def _layout(argv: list[str]) -> Layout:
     return Layout(**get)
 
 
+@functools.lru_cache(maxsize=None)
+def _results(layout: Layout) -> dict[str, dict]:
+    """Every option set of ``layout``, run in one launch (a launch costs seconds of start-up;
+    the layouts sharing a mesh share it)."""
+    names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()) == layout]
+    run = launch(parity_many, layout.world_size, args=([LAYOUTS[n].split() for n in names],),
+                 layout=layout, timeout=300, name="parity3d")
+    return dict(zip(names, run.results[0]))
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_serial(name):
-    argv = LAYOUTS[name].split()
-    layout = _layout(argv)
-    res = launch(parity, layout.world_size, args=(argv,), layout=layout, timeout=240,
-                 name="parity3d").results[0]
+    layout = _layout(LAYOUTS[name].split())
+    res = _results(layout)[name]
     print(f"\n{name} (ws {layout.world_size}): grad {res['grad_err']:.1e} "
           f"param {res['param_err']:.1e} loss {res['loss_err']:.1e} norm {res['norm_err']:.1e}")
     assert res["grad_err"] < TOL

@@ -170,7 +170,7 @@ def test_hang_report_names_every_ranks_operation():
 
 def test_launcher_timeout_reports_flight(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
-        launch(mismatched_collectives, 2, echo=False, timeout=45, env={"EDU3D_TIMEOUT": "300"})
+        launch(mismatched_collectives, 2, echo=False, timeout=20, env={"EDU3D_TIMEOUT": "300"})
     text = str(info.value)
     assert "rank 0 waits in all_reduce(world) at step 3" in text, text
     assert "rank 1 waits in broadcast(world) at step 3" in text, text

@@ -2,63 +2,52 @@
 overflow on one rank skips the same step on every rank.
 
 Tolerances, measured on dp2-tp2-pp2 over 5 AdamW steps (tiny model): bf16 losses differ from
-the fp32 serial ones by up to ~1e-4 relative, fp16 by ~2e-5. bf16 keeps 8 significant bits
-(unit roundoff 2^-9 = 2e-3), fp16 11 (2^-12 = 2.4e-4); the loss is an average over 8 x 32
+the fp32 serial ones by about 1e-4 relative, fp16 by about 1e-5. bf16 keeps 8 significant
+bits (unit roundoff 2^-9 = 2e-3), fp16 11 (2^-12 = 2.4e-4); the loss is an average over 8 x 32
 tokens, so its error stays well under one unit roundoff. The tests allow one unit roundoff:
-bf16 2e-3, fp16 2.4e-4 — a wrong scale, a missed unscale or a lost all-reduce would be off by
-orders of magnitude more.
+a wrong scale, a missed unscale or a lost all-reduce would be off by orders of magnitude more.
+One launch runs all three checks (8 ranks start in seconds; they share them).
 """
 
 from __future__ import annotations
 
-import argparse
-import io
+import functools
 import math
 
 import pytest
 import torch
 
+from edu3d.course import lesson_args
+from edu3d.data import SyntheticCorpus
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from edu3d.options import add_arguments
-from edu3d.train import run
+from edu3d.model import GPT
+from edu3d.optim import make_optimizer
+from edu3d.options import config_from_args
+from edu3d.train import train_step
+from edu3d.trainer import Trainer
 
-ARGV = ["--steps", "5", "--json", "--global-batch", "8"]
-LAYOUT = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"]
+LAYOUT = dict(dp=2, tp=2, pp=2, microbatches=2)
 TOL = {"bf16": 2.0**-9, "fp16": 2.0**-12}
+STEPS = 5
 
 
-def _losses(*argv):
-    args = add_arguments(argparse.ArgumentParser()).parse_args([*ARGV, *argv])
-    return [r["loss"] for r in run(args, out=io.StringIO())]
+def _losses(trainer, args) -> list[float]:
+    corpus = SyntheticCorpus(args_vocab(args), config_from_args(args).seq_len, seed=0)
+    return [trainer.step(*corpus.batch(s, args.global_batch), s)["loss"]
+            for s in range(1, STEPS + 1)]
 
 
-@pytest.fixture(scope="module")
-def serial():
-    return _losses()
+def args_vocab(args) -> int:
+    return config_from_args(args).vocab_size
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_16_bit_3d_tracks_fp32_serial(serial, precision):
-    got = _losses(*LAYOUT, "--precision", precision)
-    worst = max(abs(a - b) / b for a, b in zip(got, serial))
-    print(f"\n{precision} dp2-tp2-pp2: worst loss rel diff {worst:.1e}")
-    assert worst < TOL[precision]
-    assert got[-1] < got[0]
-
-
-def overflow_worker(mesh, bad_rank: int, bad_step: int) -> dict:
+def overflow_run(mesh, bad_rank: int, bad_step: int) -> list[dict]:
     """fp16 training where ``bad_rank`` finds an inf in one of its own gradients at
     ``bad_step`` (after the cross-axis fixes, before the norm): every rank must skip it."""
-    from edu3d.course import lesson_args
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT
-    from edu3d.trainer import Trainer
-
-    args = lesson_args(dp=2, tp=2, pp=2, microbatches=2, precision="fp16")
-    model = GPT(args_config(args), seed=0)
-    trainer = Trainer(model, mesh, args)
-    corpus = SyntheticCorpus(model.config.vocab_size, model.config.seq_len, seed=0)
+    args = lesson_args(**LAYOUT, precision="fp16")
+    trainer = Trainer(GPT(config_from_args(args), seed=0), mesh, args)
+    corpus = SyntheticCorpus(args_vocab(args), config_from_args(args).seq_len, seed=0)
     finish, current = trainer.grads.finish, {"step": 0}
 
     def finish_with_overflow():
@@ -76,20 +65,46 @@ def overflow_worker(mesh, bad_rank: int, bad_step: int) -> dict:
         rec = trainer.step(*corpus.batch(s, args.global_batch), s)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.par.module.parameters()))
         records.append({"skipped": rec["skipped"], "scale": rec["loss_scale"],
-                        "unchanged": unchanged})
-    return {"records": records, "scale_after": trainer.precision.scale}
+                        "unchanged": unchanged, "scale_after": trainer.precision.scale})
+    return records
 
 
-def args_config(args):
-    from edu3d.options import config_from_args
+def precision_worker(mesh, bad_rank: int, bad_step: int) -> dict:
+    out = {}
+    for precision in TOL:
+        args = lesson_args(**LAYOUT, precision=precision)
+        out[precision] = _losses(Trainer(GPT(config_from_args(args), seed=0), mesh, args), args)
+    out["overflow"] = overflow_run(mesh, bad_rank, bad_step)
+    return out
 
-    return config_from_args(args)
+
+@functools.lru_cache(maxsize=None)
+def _run() -> list[dict]:
+    return launch(precision_worker, 8, args=(5, 2), layout=Layout(dp=2, tp=2, pp=2),
+                  timeout=300, name="precision").results
+
+
+def _serial() -> list[float]:
+    args = lesson_args(**LAYOUT)
+    model = GPT(config_from_args(args), seed=0)
+    opt = make_optimizer(model, args)
+    corpus = SyntheticCorpus(args_vocab(args), config_from_args(args).seq_len, seed=0)
+    return [train_step(model, opt, *corpus.batch(s, args.global_batch), s, args)["loss"]
+            for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.parametrize("precision", list(TOL))
+def test_16_bit_3d_tracks_fp32_serial(precision):
+    got, serial = _run()[0][precision], _serial()
+    worst = max(abs(a - b) / b for a, b in zip(got, serial))
+    print(f"\n{precision} dp2-tp2-pp2: worst loss rel diff {worst:.1e}")
+    assert worst < TOL[precision]
+    assert got[-1] < got[0]
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
-    res = launch(overflow_worker, 8, args=(5, 2), layout=Layout(dp=2, tp=2, pp=2),
-                 timeout=240, name="fp16-overflow").results
-    for r in res:
-        assert [rec["skipped"] for rec in r["records"]] == [False, True, False, False]
-        assert [rec["unchanged"] for rec in r["records"]] == [False, True, False, False]
-        assert r["scale_after"] == res[0]["records"][0]["scale"] / 2
+    for per_rank in _run():
+        records = per_rank["overflow"]
+        assert [r["skipped"] for r in records] == [False, True, False, False]
+        assert [r["unchanged"] for r in records] == [False, True, False, False]
+        assert records[1]["scale_after"] == records[0]["scale"] / 2

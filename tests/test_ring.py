@@ -137,7 +137,7 @@ def test_replay_of_a_ring_trace_ends_with_every_rank_holding_every_sum():
 
 
 def test_alpha_beta_fit_recovers_a_known_model():
-    from edu3d.bench_comm import fit_alpha_beta
+    from edu3d.bench.comm import fit_alpha_beta
 
     n, alpha, beta = 4, 50e-6, 1e-9
     sizes = [2**k for k in range(10, 27, 2)]

@@ -266,7 +266,7 @@ def test_layouts_the_model_cannot_take_fail_with_the_valid_choices():
 
 
 def test_bench_tp_reports_both_modes_and_agrees_with_dtensor():
-    from edu3d.parallel.tp.bench import run_benchmark
+    from edu3d.bench.tp import run_benchmark
 
     rep = run_benchmark(2, reps=1)  # a shape check, not a timing: benchmarks are commands
     assert rep["benchmark"] == "tp" and rep["world_size"] == 2

@@ -86,18 +86,18 @@ def test_offload_and_compression_options_reach_the_ranks():
     assert compressed[-1][0] == pytest.approx(offload[-1][0], rel=1e-2)  # then close, not equal
 
 
-def test_3d_json_records_carry_memory_and_communication_per_axis():
-    """``edu3d train --json`` on dp2-tp2-pp2 ZeRO-1: every record has the fullest rank's
-    bytes by category (parameters, gradients and optimizer state of a quarter of the model,
-    the optimizer state also halved by ZeRO-1) and rank 0's time in each axis's collectives;
-    without --json a summary ends the run."""
+def test_3d_records_carry_memory_and_communication_per_axis():
+    """``edu3d train`` on dp2-tp2-pp2 ZeRO-1: every record has the fullest rank's bytes by
+    category (parameters, gradients and optimizer state of a quarter of the model, the
+    optimizer state also halved by ZeRO-1) and rank 0's time in each axis's collectives (what
+    --json prints); the table ends with a summary."""
     from edu3d.model import GPT, PRESETS
 
-    p = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", *STEPS, "--dp", "2",
-                        "--tp", "2", "--pp", "2", "--zero", "1"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    records = [json.loads(line) for line in p.stdout.splitlines()]
+    args = add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--steps", "3", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "2",
+         "--zero", "1"])
+    out = io.StringIO()
+    records = run(args, out=out)
     psi = sum(q.numel() for q in GPT(PRESETS["tiny"]).parameters())
     for r in records:
         mem = r["mem_bytes"]
@@ -107,8 +107,6 @@ def test_3d_json_records_carry_memory_and_communication_per_axis():
         assert 0.9 < mem["params"] / (4 * psi / 4) < 1.3  # the biggest of the 4 model pieces
         assert 0.9 < mem["optimizer"] / mem["params"] < 1.1  # 8 bytes / dp 2 = 4 bytes
         assert {"tp", "pp", "dp"} <= set(r["comm_s"]) and all(s > 0 for s in r["comm_s"].values())
-    text = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", "--steps", "2",
-                           "--dp", "2", "--tp", "2"], capture_output=True, text=True,
-                          timeout=300).stdout
+    text = out.getvalue()
     assert "throughput:" in text and "memory of the fullest rank" in text
     assert "time in communication on rank 0" in text

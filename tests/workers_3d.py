@@ -81,3 +81,8 @@ def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
         out.append({"stage": stage, "m": m,
                     "psi": sum(u.numel for u in trainer.par.zero.units)})
     return out
+
+
+def parity_many(mesh, argvs: list[list[str]], steps: int = 5) -> list[dict]:
+    """:func:`parity` for several option sets of the same layout, in one launch."""
+    return [parity(mesh, argv, steps) for argv in argvs]

@@ -178,7 +178,7 @@ def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_re
 
 def cost_model_figure(rep: dict):
     """All-reduce time against message size (log-log) for edu3d's ring and the library, with
-    the fitted alpha-beta line of each (a report of :mod:`edu3d.bench_comm`)."""
+    the fitted alpha-beta line of each (a report of :mod:`edu3d.bench.comm`)."""
     import plotly.graph_objects as go
 
     rows = [r for r in rep["results"] if r.get("op") == "all_reduce"]

@@ -17,6 +17,11 @@ After reading this file you should understand how edu3d measures speed honestly:
 
 Benchmarks are commands (``edu3d bench NAME``), never timed tests: a test's pass or fail must
 not depend on how busy the machine is.
+
+This module is the one harness; each benchmark is a module beside it: :mod:`.comm`
+(collectives and the alpha-beta fit), :mod:`.dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.tp` (DTensor
+tensor parallelism), :mod:`.pp` (``Schedule1F1B``), :mod:`.threed` (the composed dp x tp x pp
+stack) and :func:`launch_overhead` here (``edu3d run`` against a bare torchrun).
 """
 
 from __future__ import annotations

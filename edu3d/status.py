@@ -1,0 +1,37 @@
+"""The status line a launch shows under a notebook cell while its ranks run.
+
+Its own module because both :mod:`edu3d.launch` (every launch from a kernel) and
+:mod:`edu3d.magic` (the ``%%torchrun`` cell) show it, and neither may import the other.
+"""
+
+from __future__ import annotations
+
+import html
+
+from IPython.display import HTML, display
+
+
+class NotebookStatus:
+    """One status line under a notebook cell, updated in place while ranks run."""
+
+    COLOURS = {"run": "#0072B2", "ok": "#009E73", "fail": "#D55E00", "wait": "#555555"}
+
+    def __init__(self, nprocs: int):
+        self.n = nprocs
+        self.handle = display(self._html(f"starting {nprocs} ranks ...", "wait"),
+                              display_id=True)
+
+    def _html(self, text: str, kind: str) -> HTML:
+        return HTML(f'<div style="font-family:monospace;color:{self.COLOURS[kind]}">'
+                    f"{html.escape(text)}</div>")
+
+    def running(self, elapsed: float, done: int) -> None:
+        self.handle.update(self._html(f"running on {self.n} ranks: {elapsed:.1f} s, "
+                                      f"{done}/{self.n} finished", "run"))
+
+    def finished(self, elapsed: float, run_dir) -> None:
+        self.handle.update(self._html(f"{self.n} ranks finished in {elapsed:.1f} s "
+                                      f"(run folder {run_dir.name})", "ok"))
+
+    def failed(self, message: str) -> None:
+        self.handle.update(self._html(message, "fail"))
