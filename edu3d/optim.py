@@ -36,7 +36,13 @@ def make_optimizer(params, args) -> torch.optim.Optimizer | None:
     ``None`` when there is nothing to optimize."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    groups = param_groups(params, args.weight_decay)
+    return optimizer_for(param_groups(params, args.weight_decay), args)
+
+
+def optimizer_for(groups: list[dict], args) -> torch.optim.Optimizer | None:
+    """The rule of ``args`` (AdamW or SGD) over ready-made parameter groups (ZeRO's shard
+    pieces, whose decay follows the full tensor's shape); ``None`` for no groups."""
+    groups = [g for g in groups if g["params"]]
     if not groups:
         return None
     if args.optimizer == "sgd":

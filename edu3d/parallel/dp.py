@@ -43,6 +43,17 @@ from edu3d import comm, trace
 IMPLS = ("naive", "flat", "overlap", "bucketed")
 
 
+@contextlib.contextmanager
+def switched(obj, name: str, value):
+    """``obj.name = value`` inside the block, the old value restored after (even on error)."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
 @dataclass
 class Bucket:
     """Parameters whose gradients travel together, and the flat buffer they live in."""
@@ -152,14 +163,9 @@ class DataParallel:
             for p in self.params:
                 p.grad = None
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; no communication inside this block."""
-        saved, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = saved
+        return switched(self, "sync", False)
 
     def _all_reduce(self, t: torch.Tensor, async_op: bool):
         if self.comm_hook is not None:

@@ -35,13 +35,14 @@ never averaged by the backend (``ReduceOp.AVG`` is broken on gloo).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 
 from edu3d import comm, trace
+from edu3d.optim import optimizer_for
+from edu3d.parallel.dp import switched
 
 STAGES = (1, 2, 3)
 
@@ -190,23 +191,13 @@ class Zero:
             self._install_gather_hooks()
         self.optimizer = self._make_optimizer(args)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate full gradients locally: no reduce-scatter (and no ZeRO-3 free)."""
-        saved, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = saved
+        return switched(self, "sync", False)
 
-    @contextlib.contextmanager
     def keep_gathered(self):
         """ZeRO-3: leave units gathered after this forward (more micro-batches follow)."""
-        saved, self.reshard_after_forward = self.reshard_after_forward, False
-        try:
-            yield
-        finally:
-            self.reshard_after_forward = saved
+        return switched(self, "reshard_after_forward", False)
 
     # ---- optimizer on shard views -----------------------------------------------------------
     def _make_optimizer(self, args):
@@ -223,14 +214,8 @@ class Zero:
                 piece.grad = grad[s:s + b - a]
                 (decay if p.dim() >= 2 else no_decay).append(piece)
         self.pieces = decay + no_decay
-        groups = [{"params": decay, "weight_decay": args.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        if not groups:
-            return None
-        if args.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=args.lr)
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        return optimizer_for([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], args)
 
     # ---- stage 3: gather before use, free after ---------------------------------------------
     def _free(self, u: FlatUnit) -> None:
