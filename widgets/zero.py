@@ -125,6 +125,9 @@ def resident_params_figure(events: list[dict], psi: int, n: int, step: int, rank
     t0 = mem[0]["t0"] if mem else 0.0
     xs = [(e["t0"] - t0) / 1e3 for e in mem]
     ys = [e["mem"]["params"] / 1e6 for e in mem]
+    if xs:  # hold the last level a little, so the final free is not hidden by the axis edge
+        xs.append(xs[-1] * 1.04 + 0.1)
+        ys.append(ys[-1])
     fig = go.Figure([
         go.Scatter(x=xs, y=ys, mode="lines", line={"shape": "hv", "color": style.BLUE},
                    name="resident parameters (measured)"),
