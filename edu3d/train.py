@@ -140,6 +140,7 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
         result = trainer.step(x, y, step)
         seconds.append(time.perf_counter() - t0)
         rec = _record(step, result, lr_at(step, args), x.numel(), seconds[-1])
+        rec.update({k: result[k] for k in ("skipped", "loss_scale") if k in result})  # fp16
         rec.update(trainer.stats())
         records.append(rec)
         _emit(rec, args, out)
