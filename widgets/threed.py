@@ -205,8 +205,10 @@ def simulated_pipeline(pp: int, m: int, schedule: str, vpp: int = 1, measured=No
     where = _add_schedule(fig, evs, [], 1, list(range(pp)), show_legend=True)
     style.frame(fig, title or f"Simulated {schedule}: pp={pp}, m={m}"
                 + (f", v={vpp}" if vpp > 1 else ""),
-                f"bubble simulated {sim.bubble:.1%}, formula "
-                f"{bubble_formula(schedule, pp, m, vpp):.1%}; hatched = idle",
+                f"bubble simulated {sim.bubble:.1%}, " + (
+                    f"1F1B's formula {bubble_formula('1f1b', pp, m):.1%} (ZB-H1 has no "
+                    "closed form: about a third of it)" if schedule == "zb-h1" else
+                    f"formula {bubble_formula(schedule, pp, m, vpp):.1%}") + "; hatched = idle",
                 x="time (ms, a forward = 1 ms, a backward = 2 ms)",
                 height=max(240, 140 + 40 * len(where.tickvals)))
     fig.update_layout(barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"})
