@@ -1,10 +1,15 @@
-"""The training loop behind ``edu3d train``: the serial reference run.
+"""The training loop behind ``edu3d train``, and the serial reference step.
 
 After reading this file you should understand one training step end to end: fetch global
 batch ``step`` (the same tokens whatever the layout), forward and backward, measure the
 gradient norm and clip it, set the learning rate, update. Each step is recorded as
-``{"step", "loss", "grad_norm", "lr", "tokens_per_s"}``; a parallel layout must reproduce
+``{"step", "loss", "grad_norm", "lr", "tokens_per_s"}`` (plus the run's memory and
+communication, :meth:`~edu3d.trainer.Trainer.stats`); a parallel layout must reproduce
 these records step by step, which is how the course proves it is the same computation.
+
+:func:`loop` drives the one :class:`~edu3d.trainer.Trainer`, whatever the layout;
+:func:`serial_step` is written independently of it, on purpose: it is the reference the
+tests compare every layout with.
 
 Weight decay follows nanoGPT: it applies to matrices (and embeddings), not to biases or
 LayerNorm gains, which only shift and scale.
@@ -23,7 +28,9 @@ import torch
 
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT
-from edu3d.optim import clip_coef, lr_at, make_optimizer, set_lr
+from edu3d.optim import make_optimizer  # noqa: F401 (re-exported for the chapters and tests)
+from edu3d.optim import clip_coef, lr_at, set_lr
+from edu3d.trainer import Trainer
 from edu3d.options import (add_arguments, check_args, check_fit,
                            config_from_args, num_params_from_config, oversubscribed)
 
@@ -31,10 +38,8 @@ RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Trainer.stats)
 
 
-def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace):
+def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace) -> Trainer:
     """The one :class:`~edu3d.trainer.Trainer`, for every layout (``mesh`` None: one process)."""
-    from edu3d.trainer import Trainer
-
     return Trainer(model, mesh, args)
 
 
