@@ -126,10 +126,9 @@ def apply_data_parallel(par: Parallel, args) -> None:
 
 
 def _tied_in(stage: PipelineStage, tied):
-    """The tied embedding matrix if ``stage`` uses it (as tok_emb, lm_head or both)."""
+    """The embedding tied across stages if ``stage`` holds a copy (as tok_emb or lm_head);
+    a stage that uses it twice (pp = 1) is found by :func:`model_units` itself."""
     held = [getattr(getattr(stage, m, None), "weight", None) for m in ("tok_emb", "lm_head")]
-    if held[0] is not None and held[0] is held[1]:  # one stage uses it twice (pp = 1)
-        return held[0]
     return tied if tied is not None and any(t is tied for t in held) else None
 
 

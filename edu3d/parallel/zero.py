@@ -119,8 +119,12 @@ def model_units(model, tied=None) -> list[tuple[str, list, list]]:
     """``(name, modules in call order, parameters)`` per unit: embeddings, each block, head.
 
     ``model`` is edu3d's GPT or one of its pipeline stages (``blocks`` a list or a dict keyed
-    by the serial layer number); any other module is one unit.
+    by the serial layer number); any other module is one unit. An embedding that ``model``
+    itself ties to its LM head is found here; ``tied`` names one tied across pipeline stages.
     """
+    tok, head = (getattr(getattr(model, m, None), "weight", None) for m in ("tok_emb", "lm_head"))
+    if tied is None and tok is not None and tok is head:
+        tied = tok
     pieces = []
     if hasattr(model, "tok_emb"):
         pieces.append(("embed", [model.tok_emb, model.pos_emb]))
@@ -171,10 +175,7 @@ class Zero:
         with torch.no_grad():
             for p in model.parameters():
                 comm.broadcast(p.data, src, group)
-        if units is None:
-            tied = getattr(getattr(model, "lm_head", None), "weight", None)
-            units = model_units(model, tied if getattr(model, "tok_emb", None) is not None
-                                and tied is model.tok_emb.weight else None)
+        units = model_units(model) if units is None else units
         self.units = [FlatUnit(name, mods, ps, self.n, self.index) for name, mods, ps in units]
         self._unit_of = {p: u for u in self.units for p in u.params}
         if stage == 1:
@@ -213,7 +214,6 @@ class Zero:
                 piece = torch.nn.Parameter(param[s:s + b - a], requires_grad=False)
                 piece.grad = grad[s:s + b - a]
                 (decay if p.dim() >= 2 else no_decay).append(piece)
-        self.pieces = decay + no_decay
         return optimizer_for([{"params": decay, "weight_decay": args.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], args)
 
