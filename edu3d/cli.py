@@ -8,6 +8,9 @@
     edu3d train --steps 60 --json       train the reference GPT (one JSON object per step)
     edu3d train --dp 2 --tp 2 ...       ... on a parallel layout
     edu3d schedule --name 1f1b --pp 4 --microbatches 8   a pipeline schedule as data
+    edu3d plan --model llama2-70b --gpus 64 --gpu-mem 80   will it fit, and which layout
+    edu3d ckpt export DIR OUT           one consolidated file from a sharded checkpoint
+    edu3d generate --ckpt DIR --prompt "1 2 3"   tokens from a trained checkpoint
     edu3d bench pp --json               edu3d vs PyTorch, side by side
     edu3d course                        open the course in JupyterLab
 
@@ -200,9 +203,25 @@ def _add_schedule(sub) -> None:
     add_subcommand(sub)
 
 
+def _module_subcommand(module: str):
+    """A builder that lets ``module`` add its own subcommand (``add_subcommand(sub)``)."""
+    def add(sub) -> None:
+        import importlib
+
+        importlib.import_module(module).add_subcommand(sub)
+
+    return add
+
+
 # Subcommands whose options need torch are built only when invoked, so `edu3d run` stays
 # as fast as a bare torchrun: name -> (help, builder).
 LAZY = {
+    "plan": ("will it fit? per-rank memory of a layout, and the best layout for a cluster",
+             _module_subcommand("edu3d.planner")),
+    "ckpt": ("inspect or export a sharded checkpoint (one consolidated file)",
+             _module_subcommand("edu3d.checkpoint")),
+    "generate": ("generate text from a checkpoint, serially or under tensor parallelism",
+                 _module_subcommand("edu3d.generate")),
     "train": ("train the reference GPT, serially or on a parallel layout", _add_train),
     "schedule": ("print a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1) as data",
                  _add_schedule),

@@ -341,7 +341,8 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
            run_dir: str | os.PathLike | None = None, env: dict | None = None,
            echo: bool | Callable[[int | None, str, str], None] = True,
            on_poll: Callable[[float, int], None] | None = None, progress: bool | None = None,
-           torchrun_args: Sequence[str] = (), name: str | None = None) -> RunResult:
+           torchrun_args: Sequence[str] = (), name: str | None = None,
+           heartbeat: float | None = None) -> RunResult:
     """Run ``target`` on ``nprocs`` ranks and wait for it.
 
     ``echo``: ``True`` prints each line with its rank prefix, ``False`` prints nothing, a

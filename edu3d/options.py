@@ -26,6 +26,8 @@ import os
 from edu3d.mesh import Layout, LayoutError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+FAULT_KINDS = ("exit", "kill", "hang")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.PRESETS; a test checks
 MIN_VOCAB = 4  # edu3d.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
 
@@ -65,6 +67,27 @@ def _number(minimum: float, inclusive: bool, example: str):
 positive_int = _integer(1, "a positive integer (1, 2, 3 ...)")
 positive_int.__doc__ = "argparse type for counts (ranks, steps, micro-batches ...)."
 non_negative_int = _integer(0, "an integer >= 0")
+
+
+def fault_spec(text: str) -> dict:
+    """argparse type for ``--inject-fault rank=R,step=S[,kind=exit|kill|hang]``."""
+    usage = "rank=R,step=S[,kind=exit|kill|hang] (e.g. rank=1,step=3,kind=kill)"
+    spec: dict = {"kind": "exit"}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("rank", "step", "kind"):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
+        if key == "kind":
+            if value not in FAULT_KINDS:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
+            spec["kind"] = value
+        else:
+            spec[key] = (_integer(1, "a step >= 1") if key == "step" else non_negative_int)(value)
+    if "rank" not in spec or "step" not in spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
+    return spec
 
 
 D = " (default: %(default)s)"  # argparse fills in each option's default in --help
@@ -139,8 +162,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="pipeline schedule" + D)
     par.add_argument("--partition", choices=("uniform", "balanced"), default="uniform",
                      help="how layers are cut into pipeline stages" + D)
+    par.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                     help="activation recomputation: full recomputes each block in backward "
+                          "(keeping its input), selective only the attention core" + D)
     par.add_argument("--timeout", type=_number(0, False, "600"), default=600.0,
                      help="seconds before a parallel run is killed" + D)
+    ck = parser.add_argument_group("checkpoints and failures")
+    ck.add_argument("--ckpt-dir", default=None,
+                    help="folder of sharded checkpoints (one sub-folder per saved step)")
+    ck.add_argument("--save-every", type=positive_int, default=None,
+                    help="save every K steps (default with --ckpt-dir: at the last step only)")
+    ck.add_argument("--resume", action="store_true",
+                    help="continue from the newest complete checkpoint in --ckpt-dir, whatever "
+                         "layout wrote it")
+    ck.add_argument("--async-save", action="store_true",
+                    help="snapshot the state and write it in the background while training "
+                         "continues (at most one save in flight)")
+    ck.add_argument("--max-restarts", type=non_negative_int, default=0,
+                    help="when a rank dies or hangs, restart every rank from the last complete "
+                         "checkpoint, up to N times" + D)
+    ck.add_argument("--inject-fault", type=fault_spec, default=None,
+                    metavar="rank=R,step=S[,kind=exit|kill|hang]",
+                    help="make rank R die (exit, kill) or hang at step S, once (for tests and "
+                         "the course)")
+    ck.add_argument("--heartbeat", type=_number(0, False, "20"), default=None,
+                    help="seconds without progress after which a rank counts as hung and is "
+                         "handled like a dead one (default: half the collective timeout)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
     return parser
@@ -207,6 +254,19 @@ def check_args(args: argparse.Namespace):
                           "(or 2, 3)")
     if args.prefetch and args.zero != 3:
         raise LayoutError("--prefetch gathers ZeRO-3's parameters early; add --zero 3")
+    opt = lambda name: getattr(args, name, None)  # noqa: E731 (older Namespaces lack them)
+    needs_dir = [f for f in ("--resume", "--save-every", "--async-save", "--max-restarts")
+                 if opt(f[2:].replace("-", "_"))]
+    if needs_dir and not opt("ckpt_dir"):
+        raise LayoutError(f"{needs_dir[0]} works on checkpoints; add --ckpt-dir DIR")
+    fault = opt("inject_fault")
+    if fault is not None:
+        if fault["rank"] >= layout.world_size:
+            raise LayoutError(f"--inject-fault rank={fault['rank']}: this layout has ranks "
+                              f"0..{layout.world_size - 1}")
+        if fault["step"] > args.steps:
+            raise LayoutError(f"--inject-fault step={fault['step']}: the run has only "
+                              f"{args.steps} steps")
     if args.compress and (args.zero or args.dp == 1):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")

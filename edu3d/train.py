@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from edu3d import faults
 from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT
 from edu3d.optim import make_optimizer  # noqa: F401 (re-exported for the chapters and tests)
@@ -135,11 +136,24 @@ def summary(records: list[dict], seconds: list[float]) -> str:
 
 
 def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -> list[dict]:
-    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print."""
+    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print.
+
+    With ``--ckpt-dir`` the state is saved as ``--save-every`` says (:mod:`edu3d.checkpoint`),
+    and ``--resume`` starts after the newest complete checkpoint with the records it kept, so
+    the list returned is the whole run's either way."""
     if out is not None and not args.json and not _is_terminal(out):
         print(f"{'step':>5} {'loss':>8} {'grad norm':>10} {'lr':>9} {'tok/s':>9}", file=out)
     records, seconds = [], []
-    for step in range(1, args.steps + 1):
+    ckpt = None
+    if getattr(args, "ckpt_dir", None):
+        from edu3d.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(trainer, args)
+        if args.resume:
+            records = ckpt.resume()  # the records of the steps the checkpoint holds
+    rank, attempt = trainer.mesh.rank, getattr(args, "attempt", 0)
+    for step in range(len(records) + 1, args.steps + 1):
+        faults.maybe_inject(getattr(args, "inject_fault", None), rank, step, attempt)
         x, y = corpus.batch(step, args.global_batch)
         t0 = time.perf_counter()
         result = trainer.step(x, y, step)
@@ -148,7 +162,11 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
         rec.update({k: result[k] for k in ("skipped", "loss_scale") if k in result})  # fp16
         rec.update(trainer.stats())
         records.append(rec)
+        if ckpt is not None:
+            ckpt.after_step(step, records)  # saves when due; may add the time it blocked
         _emit(rec, args, out)
+    if ckpt is not None:
+        ckpt.close()  # waits for an asynchronous save still in flight
     if out is not None and not args.json:
         print(summary(records, seconds), file=out, flush=True)
     return records
@@ -180,8 +198,12 @@ def run(args: argparse.Namespace, out=None) -> list[dict]:
 
 def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
     """Launch ``layout.world_size`` ranks; rank 0's stdout (the records) goes to ``out``
-    untouched, everything else to stderr with its rank prefix."""
-    from edu3d.launch import launch
+    untouched, everything else to stderr with its rank prefix.
+
+    With ``--max-restarts N``, a rank that dies or hangs stops every rank and the run starts
+    again from the newest complete checkpoint, up to N times (torchrun's elastic agent does
+    the same with ``--max-restarts``); the records returned are then the whole run's."""
+    from edu3d.launch import LaunchError, LaunchTimeout, launch
 
     def echo(rank, stream, line):
         if rank == 0 and stream == "stdout":
@@ -191,9 +213,28 @@ def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
 
     print(f"launching {layout.world_size} ranks ({layout})", file=sys.stderr, flush=True)
     options = {k: v for k, v in vars(args).items() if not callable(v)}  # argparse's func
-    res = launch(worker, layout.world_size, args=(options,), layout=layout, echo=echo,
-                 timeout=args.timeout, name="train")
-    return res.results[0]
+    restarts = getattr(args, "max_restarts", 0) or 0
+    for attempt in range(restarts + 1):
+        options["attempt"] = attempt
+        try:
+            res = launch(worker, layout.world_size, args=(options,), layout=layout, echo=echo,
+                         timeout=args.timeout, name="train",
+                         heartbeat=getattr(args, "heartbeat", None))
+            return res.results[0]
+        except LaunchTimeout:
+            raise  # the whole run's time is spent: nothing to restart into
+        except LaunchError as err:
+            if attempt == restarts:
+                raise
+            from edu3d.checkpoint import latest_step
+
+            step = latest_step(args.ckpt_dir)
+            where = f"the checkpoint of step {step}" if step else "the start (no checkpoint yet)"
+            print(f"edu3d train: {str(err).splitlines()[0]}; restart {attempt + 1} of "
+                  f"{restarts}: every rank starts again from {where}", file=sys.stderr,
+                  flush=True)
+            options["resume"] = True
+    raise AssertionError("unreachable")
 
 
 def main_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
