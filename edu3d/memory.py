@@ -15,13 +15,24 @@ paper's (Rajbhandari et al. 2019) with Ψ parameters, N data-parallel ranks and 
 element as parameters; with 2-byte weights and gradients and K = 12 it is DESIGN.md's
 ``16Ψ``, ``4Ψ + KΨ/N``, ``2Ψ + (2+K)Ψ/N`` and ``(4+K)Ψ/N``. Any difference between the two
 comes from padding: each flat buffer is rounded up to a multiple of N.
+
+Activations have two estimators. :func:`activation_bytes_per_layer` is Korthikanti et al.'s
+(2022) count for a 16-bit GPT layer with dropout, generalized to a SwiGLU MLP and grouped
+KV heads (their defaults give the paper's ``sbh(34 + 5as/h)`` exactly); the planner uses it
+for real models. :func:`course_activation_bytes_per_layer` is the same term list for *this
+course's* layer in fp32 (no dropout, fused attention): it equals what autograd saves, byte
+for byte, so the planner can be checked against edu3d's own runs.
+
+This module imports torch only inside the measuring functions: the planner (``edu3d plan``)
+uses the formulas without it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CATEGORIES = ("params", "grads", "optimizer")
 
@@ -71,24 +82,62 @@ def zero_bytes(psi: int, n: int, stage: int, param_bytes: int = 4, grad_bytes: i
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                               recompute: str | None = None) -> float:
+                               recompute: str | None = None, d_ff: int | None = None,
+                               kv_heads: int | None = None, mlp: str = "gelu") -> float:
     """Activation bytes of one transformer layer in 16-bit (Korthikanti et al. 2022).
 
     ``sbh(34 + 5as/h)``; with TP ``sbh(10 + 24/t + 5as/(ht))``; with TP+SP
     ``sbh/t (34 + 5as/h)``; ``recompute="selective"`` drops the ``5as/h`` term,
-    ``"full"`` keeps only the layer input ``2sbh``.
+    ``"full"`` keeps only the layer input ``2sbh`` (``/t`` with SP).
+
+    The paper's 34 is: LayerNorm inputs 4, attention 11 (QKV input 2, Q and K 4, V 2, the
+    projection's input 2, its dropout mask 1) and MLP 19 (input 2, GELU input 8, GELU output
+    8, dropout mask 1). Of these, 10 stay whole on every TP rank (LayerNorm, QKV and MLP
+    inputs, the two dropout masks) and 24 are split. A SwiGLU MLP with ``d_ff = f`` keeps
+    ``8sbf`` split (gate and up outputs, SiLU output, their product) instead of GELU's
+    ``4sbf`` (``16sbh`` at ``f = 4h``); grouped KV heads shrink K and V by ``kv_heads/a``.
     """
     if recompute == "full":
-        return 2 * s * b * h
-    attn = 0 if recompute == "selective" else 5 * a * s / h
-    if sp:
-        return s * b * h / t * (34 + attn)
-    return s * b * h * (10 + 24 / t + attn / t)
+        return 2 * s * b * h / (t if sp else 1)
+    f = 4 * h if d_ff is None else d_ff
+    kv = a if kv_heads is None else kv_heads
+    whole = 10 * s * b * h
+    attn_split = s * b * h * (2 + 2 + 4 * kv / a)  # Q, the projection's input, K and V
+    mlp_split = s * b * f * (8 if mlp == "swiglu" else 4)
+    core = 0 if recompute == "selective" else 5 * a * s * s * b  # scores, softmax, mask
+    split = attn_split + mlp_split + core
+    return (whole + split) / t if sp else whole + split / t
+
+
+def course_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
+                                      sp: bool = False, recompute: str | None = None,
+                                      value_bytes: int = 4) -> int:
+    """What autograd saves for one layer of this course's GPT (fp32, no dropout, fused
+    attention), in bytes: Korthikanti's term list, value for value.
+
+    Per layer, in ``sbh`` values: LayerNorm inputs 2, QKV input 1, Q K V 3, attention output
+    1, MLP input 1, GELU input 4, MLP projection input 4 (16; the paper's 34 bytes less two
+    dropout masks, halved from bytes to values); plus ``4sb`` LayerNorm statistics (mean and
+    1/std twice) and ``asb`` log-sum-exps of the fused attention, which keeps no ``s x s``
+    matrix. Under TP the LayerNorm inputs and statistics and the QKV and MLP inputs (``4sbh +
+    4sb``) stay whole unless SP splits them too. ``recompute="full"`` keeps the block's input
+    (``sbh``, ``/t`` under SP); ``"selective"`` drops the attention core's own saves (its
+    output and log-sum-exps: the Q, K, V it recomputes from stay).
+    """
+    if recompute == "full":
+        return int(s * b * h * value_bytes / (t if sp else 1))
+    whole = 4 * s * b * h + 4 * s * b
+    core = s * b * h + a * s * b  # the attention core's output and log-sum-exps
+    split = 12 * s * b * h + a * s * b - (core if recompute == "selective" else 0)
+    values = (whole + split) / t if sp else whole + split / t
+    return int(round(values * value_bytes))
 
 
 def measure_activations(forward: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes of the distinct storages ``forward()`` saves for backward (parameters, and
     whatever is in ``exclude``, left out): the activation memory held at the end of forward."""
+    import torch
+
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     saved: dict[int, int] = {}
 
