@@ -94,8 +94,18 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         # [B, T, heads * hd] -> [B, heads, T, hd]: the heads attend independently.
         q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, ``softmax(QK^T / sqrt(hd) + causal mask) V`` per head, on
+        ``[B, heads, T, hd]`` tensors: the only part of the layer whose work grows with
+        ``T^2``. It is a method of its own so that selective recomputation
+        (:mod:`edu3d.parallel.recompute`) can recompute exactly this in backward.
+
+        PyTorch's fused kernel never materialises the ``T x T`` scores: it keeps q, k, v,
+        its output and one log-sum-exp per head and token for backward."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

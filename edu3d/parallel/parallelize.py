@@ -6,7 +6,10 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
 1. **tensor parallelism** is applied to the whole plain model: its linear layers and
    embedding become their parallel versions (serial parameter names kept), its loss the
    vocabulary-parallel one (:func:`~edu3d.parallel.tp.apply_tp`);
-2. (activation recomputation would wrap the blocks here, before they are cut);
+2. **activation recomputation** wraps the blocks (``full``) or their attention cores
+   (``selective``), after TP so that it wraps the parallel block (a recomputed block repeats
+   its TP forward communication) and before the cut, which keeps the wrapped blocks
+   (:func:`~edu3d.parallel.recompute.apply_recompute`);
 3. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
    (:func:`~edu3d.parallel.pp.partition.partition`, :func:`~edu3d.parallel.pp.stage.split_model`);
    the schedule's action list for this rank is built alongside;
@@ -29,6 +32,7 @@ from edu3d.parallel.dp import DataParallel
 from edu3d.parallel.pp.partition import partition
 from edu3d.parallel.pp.schedules import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
+from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
 from edu3d.parallel.zero import Zero, model_units
 
@@ -50,6 +54,7 @@ class Plan:
     prefetch: bool = False
     offload: bool = False
     compress: str | None = None
+    recompute: str = "none"  # "selective" | "full": activation recomputation
 
     @classmethod
     def from_args(cls, args) -> "Plan":
@@ -142,6 +147,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, args=None, compute=Non
                          overlap=plan.tp_overlap)
     else:
         specs = {n: None for n in shapes}
+    apply_recompute(model, plan.recompute)
     names = {p: n for n, p in model.named_parameters()}
     stages, parts, actions = apply_pipeline(model, mesh, plan, compute)
     n_stages = len(parts)
