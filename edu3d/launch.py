@@ -16,7 +16,10 @@ and how edu3d keeps that safe:
   names that rank and carries its traceback, or says how it died (exit code, signal) when it
   left no Python error; a partner's "Connection closed by peer" is a consequence, never the
   cause. A timeout or an interrupt also kills every process; nothing is left running, and a
-  hang is reported with what every rank was doing (its flight record).
+  hang is reported with what every rank was doing (its flight record);
+* a rank that stops making progress while the others wait for it is named within the
+  ``heartbeat`` (default: half the collective timeout, :mod:`edu3d.heartbeat`), with its
+  Python stack, and handled like a death: :class:`RankHung`.
 
 The launcher itself never imports torch, so ``edu3d run`` adds almost nothing to torchrun.
 """
@@ -40,6 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edu3d import heartbeat as hb
 from edu3d import runs
 from edu3d.runs import RunsError, new_run_dir  # noqa: F401 - new_run_dir is part of the API
 from edu3d.runtime import loopback_ifname
@@ -69,6 +73,16 @@ class RankError(LaunchError):
         if traceback:
             text += f"\n---- traceback of rank {rank} ----\n{traceback.rstrip()}"
         super().__init__(text)
+
+
+class RankHung(RankError):
+    """A rank that made no progress for the heartbeat while the others waited for it (or
+    every rank waiting in a collective: a deadlock); ``ranks`` lists every stalled one."""
+
+    def __init__(self, rank: int, message: str, traceback: str = "", run_dir: Path | None = None,
+                 ranks: Sequence[int] = ()):
+        super().__init__(rank, message, traceback, run_dir)
+        self.ranks = list(ranks) or [rank]
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
@@ -336,6 +350,29 @@ def _root_cause(output: list) -> tuple[int, str]:
     return rank, reason
 
 
+def _stack_of(run_dir: Path, rank: int, wait_s: float = 1.5) -> str:
+    """Ask a (hung) rank for its Python stack (``SIGUSR1``, see :mod:`edu3d.worker`) and
+    return its main thread's, most recent call first ("" if it cannot answer)."""
+    pid, path = runs.pid_files(run_dir).get(rank), run_dir / "stacks" / f"rank{rank}.txt"
+    if pid is None or not runs.belongs_to(pid, runs.run_id(run_dir)):
+        return ""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except (ProcessLookupError, PermissionError):
+        return ""
+    deadline, size = time.monotonic() + wait_s, -1
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = path.stat().st_size if path.exists() else 0
+        if now and now == size:
+            break
+        size = now
+    text = path.read_text(errors="replace") if path.exists() else ""
+    blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip()) if b]
+    main = [b for b in blocks if "in _bootstrap" not in b]  # not a daemon thread
+    return (main or blocks or [""])[0]
+
+
 def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None = None,
            module: bool = False, layout=None, init: bool = True, timeout: float | None = None,
            run_dir: str | os.PathLike | None = None, env: dict | None = None,
@@ -349,8 +386,11 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     callable receives ``(rank, stream, line)`` (rank ``None`` for torchrun's own lines).
     ``on_poll(elapsed_s, ranks_done)`` is called a few times a second (progress displays).
     ``progress`` shows a live status line under the cell (default: in a Jupyter kernel,
-    unless ``EDU3D_PROGRESS=0``). ``timeout`` (seconds) bounds the whole run. Raises :class:`RankError`,
-    :class:`LaunchTimeout` or :class:`LaunchError`; ``KeyboardInterrupt`` kills the run.
+    unless ``EDU3D_PROGRESS=0``). ``timeout`` (seconds) bounds the whole run. ``heartbeat``
+    (seconds, default half the collective timeout ``EDU3D_TIMEOUT``; 0 turns it off): a rank
+    without progress that long while the others wait for it ends the run with
+    :class:`RankHung`. Raises :class:`RankError`, :class:`LaunchTimeout` or
+    :class:`LaunchError`; ``KeyboardInterrupt`` kills the run.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}")
@@ -360,6 +400,16 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
         layout.validate(world_size=nprocs * nnodes)
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be positive seconds, not {timeout!r}")
+    collective_s = float({**os.environ, **(env or {})}.get("EDU3D_TIMEOUT") or 60.0)
+    if heartbeat is None:
+        heartbeat = hb.default_seconds({"EDU3D_TIMEOUT": collective_s})
+    if not isinstance(heartbeat, (int, float)) or heartbeat < 0:
+        raise LaunchError(f"heartbeat must be seconds >= 0 (0: off), not {heartbeat!r}")
+    if heartbeat >= collective_s:
+        raise LaunchError(
+            f"heartbeat {heartbeat:g} s must be shorter than the collective timeout "
+            f"{collective_s:g} s (EDU3D_TIMEOUT): otherwise a rank waiting for the hung one "
+            "times out first and is blamed instead")
     label = name or (getattr(target, "__name__", None) or Path(os.fspath(target)).stem)
     run_dir = Path(run_dir).resolve() if run_dir else new_run_dir(label, create=False)
     worker_argv, payload = _worker_args(target, module, args, kwargs, layout, init, run_dir)
@@ -399,7 +449,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
             if on_poll is not None:
                 on_poll(elapsed, done)
     try:
-        result = _launch(cmd, child_env, run_dir, nprocs, timeout, echo, poll)
+        result = _launch(cmd, child_env, run_dir, nprocs, timeout, echo, poll, heartbeat)
     except KeyboardInterrupt:
         if status is not None:
             status.failed(f"interrupted: all {nprocs} ranks were killed")
@@ -427,8 +477,10 @@ def _notebook_status(nprocs: int):
     return NotebookStatus(nprocs)
 
 
-def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll) -> RunResult:
-    """Start torchrun, stream its output, watch for errors and the timeout, collect results."""
+def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
+            heartbeat: float = 0.0) -> RunResult:
+    """Start torchrun, stream its output, watch for errors, hangs and the timeout, collect
+    results."""
     emit = _print_line if echo is True else (echo or (lambda *a: None))
     lines: queue.Queue = queue.Queue()
     output: list = []
@@ -465,7 +517,8 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll) 
             pass
         return closed
 
-    closed, failure, last_poll = 0, None, 0.0
+    closed, failure, last_poll, last_beat = 0, None, 0.0, 0.0
+    watch = hb.Watch(run_dir, nprocs, heartbeat) if heartbeat else None
     try:
         while closed < 2 or proc.poll() is None:
             closed += drain(0.05)
@@ -473,6 +526,16 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll) 
             failure = _first_failure(run_dir)
             if failure is not None:
                 break
+            if watch is not None and now - last_beat >= 0.25:
+                last_beat = now
+                hung = watch.check()
+                if hung is not None:
+                    stack = _stack_of(run_dir, hung["rank"])
+                    kill_run(proc, run_dir)
+                    raise RankHung(hung["rank"], hung["message"] + "; every process was killed",
+                                   stack and f"Python stack of rank {hung['rank']} when it was "
+                                   f"declared hung (most recent call first):\n{stack}",
+                                   run_dir, hung["ranks"])
             if timeout is not None and now > timeout:
                 done = {p.name for p in (run_dir / "done").glob("rank*")}
                 pending = [r for r in range(nprocs) if f"rank{r}" not in done]

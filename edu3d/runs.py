@@ -28,7 +28,7 @@ from pathlib import Path
 
 DEFAULT_KEEP = 50
 # per-run state: stale copies from an earlier run in the same folder would mislead the launcher
-STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results")
+STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results", "stacks")
 
 
 class RunsError(RuntimeError):
@@ -211,21 +211,30 @@ def failures(run_dir: Path) -> tuple[list[dict], list[dict]]:
             sorted(consequences, key=lambda e: e["time_ns"]))
 
 
+def describe(rec: dict | None) -> str:
+    """``waits in all_reduce(dp) at step 3``: one rank's flight record in words."""
+    if rec is None:
+        return "recorded no operation"
+    what = rec["op"] + (f"({rec['group']})" if rec.get("group") else "")
+    verb = {"in": "waits in" if rec.get("lane", "comm") == "comm" else "is in",
+            "failed": "failed in"}.get(rec["state"], "last finished")
+    where = "".join(f" {k} {rec[k]}" for k in ("step", "mb") if k in rec)
+    return f"{verb} {what}{' at' + where if where else ''}"
+
+
+def read_flight(run_dir: Path, rank: int) -> tuple[bytes, dict | None]:
+    """The raw bytes of a rank's flight record and the record (None before its first note)."""
+    try:
+        raw = (run_dir / "flight" / f"rank{rank}.json").read_bytes().strip(b" \0")
+        return raw, json.loads(raw) if raw else None
+    except (OSError, ValueError):
+        return b"", None
+
+
 def flight_report(run_dir: Path, nprocs: int) -> str:
     """What every rank was doing, from its flight record (:class:`edu3d.trace.Flight`):
     ``rank 0 waits in all_reduce(dp) at step 3; rank 1 waits in broadcast(tp) at step 3``."""
-    parts = []
-    for r in range(nprocs):
-        try:
-            rec = json.loads((run_dir / "flight" / f"rank{r}.json").read_bytes().strip(b" \0"))
-        except (OSError, ValueError):
-            parts.append(f"rank {r} recorded no operation")
-            continue
-        what = rec["op"] + (f"({rec['group']})" if rec.get("group") else "")
-        verb = {"in": "waits in", "failed": "failed in"}.get(rec["state"], "last finished")
-        where = "".join(f" {k} {rec[k]}" for k in ("step", "mb") if k in rec)
-        parts.append(f"rank {r} {verb} {what}{' at' + where if where else ''}")
-    return "; ".join(parts)
+    return "; ".join(f"rank {r} {describe(read_flight(run_dir, r)[1])}" for r in range(nprocs))
 
 
 def size_bytes(path: Path) -> int:

@@ -59,9 +59,11 @@ class Flight:
         self.state = None
 
     def note(self, state: str, ev: dict) -> None:
-        """``state``: ``"in"`` (entered, not finished), ``"done"`` or ``"failed"``."""
+        """``state``: ``"in"`` (entered, not finished), ``"done"`` or ``"failed"``; ``t`` is
+        the wall-clock time of the note (the launcher's heartbeat watches it change)."""
         self.state = state
         keep = {k: ev[k] for k in ("op", "lane", "group", "step", "mb", "stage") if k in ev}
+        keep["t"] = round(time.time(), 3)
         data = json.dumps({"state": state, **keep}).encode()[: self.SIZE]
         self._map[:] = data.ljust(self.SIZE)
 
@@ -89,6 +91,7 @@ class Recorder:
         self.comm_us: dict[str, float] = {}  # time in communication so far, by group
         self._pending: list[tuple] = []  # (start_event, end_event, event dict) on CUDA
         self._open: list[dict] = []  # spans entered and not yet left, innermost last
+        self._waiting: dict | None = None  # the asynchronous op the flight record shows
         self._file = None
         self._ctx: dict = {}
         self._origin_ns = time.perf_counter_ns()
@@ -132,6 +135,10 @@ class Recorder:
 
     def end(self, ev: dict, t1: float | None = None) -> dict:
         ev["t1"] = self.now() if t1 is None else t1
+        if ev is self._waiting:  # the awaited op is over: the flight record says so
+            self._waiting = None
+            if self.flight is not None and self.flight.state != "failed":
+                self.flight.note(*(("in", self._open[-1]) if self._open else ("done", ev)))
         if ev["lane"] == "comm":
             group = ev.get("group", "world")
             self.comm_us[group] = self.comm_us.get(group, 0.0) + ev["t1"] - ev["t0"]
@@ -143,7 +150,9 @@ class Recorder:
         return self.end(self.begin(lane, op, t0, **fields), t1)
 
     def waiting(self, ev: dict) -> None:
-        """Tell the flight recorder this rank now waits for ``ev`` (an asynchronous op)."""
+        """Tell the flight recorder this rank now waits for ``ev`` (an asynchronous op);
+        :meth:`end` tells it the wait is over."""
+        self._waiting = ev
         if self.flight is not None:
             self.flight.note("in", ev)
 
@@ -152,7 +161,8 @@ class Recorder:
         """Time the enclosed block as one event; yields the event so callers can add fields."""
         ev = self.begin(lane, op, **fields)
         self._open.append(ev)
-        self.waiting(ev)  # entered, not finished: what a hang report shows
+        if self.flight is not None:
+            self.flight.note("in", ev)  # entered, not finished: what a hang report shows
         cuda = self.cuda and self._cuda_origin is not None
         if cuda:
             import torch

@@ -13,7 +13,10 @@ and why:
   its own, so killing torchrun's process group does not reach them (the launcher checks that
   the pid still carries the run's ``EDU3D_RUN_ID`` before it signals it: pids recycle);
 * **a watchdog** thread that ends the rank if torchrun or the launcher disappears, so an
-  interrupted notebook never leaves ranks behind.
+  interrupted notebook never leaves ranks behind;
+* **a stack on request**: ``SIGUSR1`` makes the rank write every thread's Python stack to
+  ``stacks/rank{R}.txt`` (:mod:`faulthandler`, from inside the signal handler, so it works
+  even while the rank is blocked in C++). The launcher asks a rank it declares hung.
 
 This module imports no torch unless it calls a function for you (``--call``), so launching
 an empty script costs the same as a bare torchrun.
@@ -123,6 +126,20 @@ def _start_watchdog(interval: float = 0.2) -> None:
     threading.Thread(target=watch, name="edu3d-watchdog", daemon=True).start()
 
 
+_STACKS = []  # the open file faulthandler writes to (kept open for the process's life)
+
+
+def _stack_on_signal(run_dir: Path, rank: int) -> None:
+    """``SIGUSR1`` dumps every thread's Python stack to ``stacks/rank{R}.txt``."""
+    import faulthandler
+    import signal
+
+    path = run_dir / "stacks" / f"rank{rank}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _STACKS.append(open(path, "w"))
+    faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
+
+
 def _write(path: Path, data: str | bytes) -> None:
     """Write atomically (temporary file, then rename): a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
     _start_watchdog()
     if run_dir:
+        _stack_on_signal(run_dir, rank)
         _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
     pumps = []
     if os.environ.get("EDU3D_PREFIX", "1") != "0":
