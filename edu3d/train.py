@@ -146,7 +146,7 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
     records, seconds = [], []
     ckpt = None
     if getattr(args, "ckpt_dir", None):
-        from edu3d.checkpoint import Checkpointer
+        from edu3d.checkpointer import Checkpointer
 
         ckpt = Checkpointer(trainer, args)
         if args.resume:
@@ -189,6 +189,13 @@ def run(args: argparse.Namespace, out=None) -> list[dict]:
     warning = oversubscribed(layout)
     if warning:
         print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
+    if getattr(args, "resume", False):  # a bad checkpoint fails here, before any process
+        from edu3d.checkpoint import check_resume
+
+        step = check_resume(args, config)
+        print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
+              f"edu3d train: no complete checkpoint in {args.ckpt_dir}: starting at step 1",
+              file=sys.stderr, flush=True)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     _describe(args, config, corpus)
     if layout.world_size == 1:

@@ -27,10 +27,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from edu3d import memory, trace
+from edu3d import memory, reshard, trace
 from edu3d.data import microbatches, shard_rows
 from edu3d.mesh import Layout, Mesh
-from edu3d.optim import clip_coef, lr_at, make_optimizer, set_lr
+from edu3d.optim import adam_state, clip_coef, lr_at, make_optimizer, set_lr
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.parallelize import Plan, parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
@@ -149,6 +149,63 @@ class Trainer:
         self._comm_seen = now
         return {"mem_bytes": mem, "comm_s": {g: round(s, 6) for g, s in comm.items() if s}}
 
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_slots(self) -> list[tuple[dict, torch.Tensor, bool]]:
+        """Every piece of training state this rank holds, as ``(placement, view, owned)``:
+        the placement in the full serial tensor (:mod:`edu3d.reshard`), a 1-D view of the
+        numbers here (write into it to load), and whether this rank is the piece's one writer.
+        Parameters and AdamW's moments; ZeRO: the shard's pieces. One owner per number: a
+        TP-replicated tensor is written by tp index 0, a dp replica by dp index 0, the tied
+        embedding's copy on the last stage by the first stage only."""
+        par, mesh = self.par, self.mesh
+        tp_i, tp_n, pp_i = mesh.index("tp"), mesh.size("tp"), mesh.index("pp")
+        slots = []
+
+        def add(p, kind, view, window, owned):
+            name = par.names[p]
+            owned = owned and (par.specs.get(name) is not None or tp_i == 0) \
+                and self._owner_pp(name) == pp_i
+            start = window[0] if window else 0
+            for place, s, e in reshard.pieces(name, kind, par.shapes[name], par.specs.get(name),
+                                              tp_i, tp_n, window):
+                slots.append((place, view[s - start:e - start], owned))
+
+        if par.zero is None:
+            adam = isinstance(self.optimizer, torch.optim.AdamW)
+            for p in par.module.parameters():
+                add(p, "param", p.data.view(-1), None, self.dp_index == 0)
+                if adam:
+                    state = adam_state(self.optimizer, p)
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        add(p, kind, state[kind].view(-1), None, self.dp_index == 0)
+            return slots
+        for p, a, b, views in par.zero.state_pieces():
+            for kind, view, owned in views:
+                add(p, kind, view, (a, b), owned)
+        if par.zero.stage < 3:  # the full parameters every rank keeps: loaded, never written
+            for p in par.module.parameters():
+                add(p, "param", p.data.view(-1), None, False)
+        return slots
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        opt = self.par.zero.optimizer if self.par.zero is not None else self.optimizer
+        return [] if opt is None else [opt]
+
+    @property
+    def optimizer_step(self) -> int:
+        """How many updates the optimizer's state has seen (AdamW's bias correction)."""
+        for opt in self._optimizers():
+            for state in opt.state.values():
+                if "step" in state:
+                    return int(state["step"])
+        return 0
+
+    @optimizer_step.setter
+    def optimizer_step(self, n: int) -> None:
+        for opt in self._optimizers():
+            for state in opt.state.values():
+                if "step" in state:
+                    state["step"].fill_(float(n))
 
     def _owner_pp(self, name: str) -> int:
         """The pipeline rank holding serial parameter ``name`` (the first stage for the

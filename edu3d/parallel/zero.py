@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from edu3d import comm, trace
-from edu3d.optim import optimizer_for
+from edu3d.optim import adam_state, optimizer_for
 from edu3d.parallel.dp import switched
 
 STAGES = (1, 2, 3)
@@ -210,9 +210,11 @@ class Zero:
             u.host_grad = torch.zeros(u.shard_numel) if self.offload else None
             param = u.host_param if self.offload else u.shard_param
             grad = u.host_grad if self.offload else u.shard_grad
+            u.opt_params = []  # the optimizer's parameter for each of u.pieces(), in order
             for p, a, b, s in u.pieces():
                 piece = torch.nn.Parameter(param[s:s + b - a], requires_grad=False)
                 piece.grad = grad[s:s + b - a]
+                u.opt_params.append(piece)
                 (decay if p.dim() >= 2 else no_decay).append(piece)
         return optimizer_for([{"params": decay, "weight_decay": args.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], args)
@@ -345,6 +347,25 @@ class Zero:
             for i, u in enumerate(self.units):
                 with trace.current().context(chunk=i):
                     comm.all_gather(u.flat_param, u.shard_param.clone(), self.group)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_pieces(self):
+        """What a checkpoint of this rank's shard holds, piece by piece: ``(param, start, end,
+        views)``, the elements ``[start, end)`` of ``param`` (flattened) that the shard holds
+        and ``views``, a list of ``(kind, tensor, owned)``: the shard's parameters
+        (``"param"``; under offload also the host master copy, loaded but not written twice)
+        and the optimizer's state for them (AdamW's ``"exp_avg"``, ``"exp_avg_sq"``, created
+        as zeros when the optimizer has not stepped yet, so a checkpoint can be loaded)."""
+        adam = isinstance(self.optimizer, torch.optim.AdamW)
+        for u in self.units:
+            for (p, a, b, at), piece in zip(u.pieces(), u.opt_params):
+                views = [("param", u.shard_param[at:at + b - a], True)]
+                if self.offload:
+                    views.append(("param", u.host_param[at:at + b - a], False))
+                if adam:
+                    state = adam_state(self.optimizer, piece)
+                    views += [(kind, state[kind], True) for kind in ("exp_avg", "exp_avg_sq")]
+                yield p, a, b, views
 
     # ---- inspection -------------------------------------------------------------------------
     def full_tensors(self, what: str) -> dict:
