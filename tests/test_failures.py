@@ -1,0 +1,135 @@
+"""Failures and recovery: a hang is named within the heartbeat, a dead or hung rank is
+restarted from the last complete checkpoint with the very same records, and a process killed
+in the middle of writing a checkpoint never leaves a folder that loads as complete."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from edu3d import checkpoint, runs, train
+from edu3d.launch import RankHung, launch
+from edu3d.options import defaults
+from tests import workers_failures
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = ("step", "loss", "grad_norm", "lr")
+
+
+def _survivors(runs_root: Path) -> list[int]:
+    """Pids of every process (rank, torchrun agent) of any run under ``runs_root``."""
+    ids = {runs.run_id(d) for d in runs.list_runs(runs_root)} - {None}
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if any(runs.belongs_to(int(pid), rid) for rid in ids):
+            alive.append(int(pid))
+    return alive
+
+
+def _assert_nothing_left(runs_root: Path, wait_s: float = 5.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while _survivors(runs_root) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _survivors(runs_root), "a process of the run survived"
+
+
+def _same(records, reference):
+    return [{k: r[k] for k in KEYS} for r in records] == \
+        [{k: r[k] for k in KEYS} for r in reference]
+
+
+# ---- the heartbeat -----------------------------------------------------------------------------
+def test_a_long_step_is_no_hang_and_a_hang_is_named_within_the_heartbeat(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDU3D_RUNS", str(tmp_path))
+    beat, hung_at = 1.5, {}
+
+    def echo(rank, stream, line):
+        if line.startswith("hanging at"):
+            hung_at["t"] = float(line.split()[-1])
+
+    # rank 1 computes for 2.5 heartbeats at step 2 (others wait): a long step, not a hang;
+    # at step 4 it stops for good
+    with pytest.raises(RankHung) as info:
+        launch(workers_failures.slow_then_hang, 3, args=(1, 2, 2.5 * beat, 4), heartbeat=beat,
+               echo=echo, timeout=120, env={"EDU3D_TIMEOUT": "60"})
+    detected = time.time() - hung_at["t"]
+    err = info.value
+    text = str(err)
+    assert err.rank == 1 and err.ranks == [1], text
+    assert "rank 1 failed: hung: no progress for" in text and "outside any collective" in text
+    assert "rank 0 waits in all_reduce(world) at step 4" in text, text
+    assert "rank 2 waits in all_reduce(world) at step 4" in text, text
+    assert "in slow_then_hang" in err.traceback, err.traceback  # its own Python stack
+    # named after the heartbeat, well before the 60 s collective timeout (busy machine: slack)
+    assert beat <= detected < beat + 6, detected
+    print(f"hang detected {detected:.2f} s after it began (heartbeat {beat} s)")
+    _assert_nothing_left(tmp_path)
+
+
+def test_heartbeat_must_be_shorter_than_the_collective_timeout():
+    from edu3d.launch import LaunchError
+
+    with pytest.raises(LaunchError, match="shorter than the collective timeout 10 s"):
+        launch(workers_failures.slow_then_hang, 2, heartbeat=10, env={"EDU3D_TIMEOUT": "10"})
+
+
+# ---- restarts: exit, kill, hang ----------------------------------------------------------------
+def _train_args(tmp_path, **kw):
+    base = dict(dp=2, zero=1, layers=2, steps=4, json=True, timeout=180.0)
+    return defaults(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train.run(_train_args(tmp_path_factory.mktemp("ref")), out=io.StringIO())
+
+
+@pytest.mark.parametrize("kind", ["exit", "kill", "hang"])
+def test_max_restarts_recovers_with_the_same_records(tmp_path, monkeypatch, capfd, kind,
+                                                     uninterrupted):
+    monkeypatch.setenv("EDU3D_RUNS", str(tmp_path / "runs"))
+    ckpt = tmp_path / "ckpt"
+    args = _train_args(tmp_path, ckpt_dir=str(ckpt), save_every=2, max_restarts=1,
+                       inject_fault={"rank": 1, "step": 3, "kind": kind}, heartbeat=2.0)
+    records = train.run(args, out=io.StringIO())
+    err = capfd.readouterr().err
+    assert "restart 1 of 1: every rank starts again from the checkpoint of step 2" in err, err
+    said = {"exit": "InjectedFault", "kill": "killed by signal SIGKILL",
+            "hang": "hung: no progress for"}[kind]
+    assert f"rank 1 failed: {said}" in err, err
+    assert checkpoint.steps(ckpt) == [2, 4]
+    assert _same(records, uninterrupted), (records, uninterrupted)
+    _assert_nothing_left(tmp_path / "runs")
+
+
+# ---- a kill in the middle of writing a checkpoint ----------------------------------------------
+@pytest.fixture(scope="module")
+def serial_reference(tmp_path_factory):
+    return train.run(defaults(layers=2, steps=3, json=True), out=io.StringIO())
+
+
+@pytest.mark.parametrize("point", workers_failures.POINTS)
+def test_a_save_killed_midway_is_never_loaded(tmp_path, point, serial_reference):
+    ckpt = tmp_path / "ckpt"
+    opts = ["--layers", "2", "--steps", "3", "--json", "--ckpt-dir", str(ckpt), "--save-every", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.workers_failures", point, "2", "--",
+                           *opts], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # it died of SIGKILL, mid-save
+    folder = checkpoint.step_dir(ckpt, 2)
+    assert folder.is_dir() and not (folder / checkpoint.MANIFEST).exists(), \
+        sorted(p.name for p in folder.iterdir())
+    assert checkpoint.latest_step(ckpt) == 1  # the half-written step 2 is no checkpoint
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint of step 2"):
+        checkpoint.read_manifest(ckpt, 2)
+    # the run resumes from step 1 and ends as if nothing had happened
+    args = defaults(layers=2, steps=3, json=True, ckpt_dir=str(ckpt), save_every=1, resume=True)
+    records = train.run(args, out=io.StringIO())
+    assert _same(records, serial_reference)
+    assert checkpoint.steps(ckpt) == [1, 2, 3]
+    assert json.loads((folder / checkpoint.MANIFEST).read_text())["step"] == 2
