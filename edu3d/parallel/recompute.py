@@ -107,3 +107,44 @@ def recompute_mode(model: nn.Module) -> str:
     if hasattr(blocks[0].attn.core, "recomputed"):
         return "selective"
     return "none"
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           mode: str = "none", value_bytes: int = 4) -> int:
+    """Exactly what one layer of edu3d's GPT saves for backward, in bytes (fp32 by default).
+
+    Korthikanti's term list for this model (no dropout, fused attention), in values:
+
+    ============================  ==========  ===========================================
+    saved for backward            values      under TP / SP
+    ============================  ==========  ===========================================
+    LayerNorm inputs (2)          ``2sbh``    whole on every TP rank; ``/t`` with SP
+    LayerNorm mean, 1/std (2x2)   ``4sb``     whole; ``/t`` with SP
+    QKV input, MLP input          ``2sbh``    whole; ``/t`` with SP (the column layer
+                                              keeps only its tokens and re-gathers them)
+    Q, K, V                       ``3sbh``    ``/t`` (heads)
+    attention output              ``sbh``     ``/t``; the same storage as the output
+                                              projection's input
+    log-sum-exp per head, token   ``asb``     ``/t``; the fused kernel's only trace of
+                                              the ``s x s`` softmax
+    GELU input, GELU output       ``8sbh``    ``/t`` (the GELU output is the MLP
+                                              projection's input)
+    ============================  ==========  ===========================================
+
+    ``none``: all of it, ``16sbh + 4sb + asb``. ``selective`` recomputes the attention core
+    from Q, K, V, which stay saved (they are its inputs), and its output stays too (the
+    output projection saves it): only the ``asb`` log-sum-exps go. ``full`` keeps the
+    block's input, ``sbh`` (``/t`` with SP). Korthikanti's 16-bit counts
+    (:func:`edu3d.memory.activation_bytes_per_layer`) have ``34sbh``, ``2sbh`` of it dropout
+    masks, and ``5as^2b`` for the unfused scores, softmax and its dropout that selective
+    recomputation removes: here a fused kernel never stored them.
+    """
+    if mode not in MODES:
+        raise ValueError(f"recompute={mode!r} is not one of {', '.join(MODES)}")
+    if mode == "full":
+        values = s * b * h / (t if sp else 1)
+    else:
+        whole = 4 * s * b * h + 4 * s * b
+        split = 12 * s * b * h + (a * s * b if mode == "none" else 0)
+        values = (whole + split) / t if sp else whole + split / t
+    return int(round(values * value_bytes))

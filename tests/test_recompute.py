@@ -1,0 +1,135 @@
+"""Activation recomputation changes memory and time, never the numbers.
+
+Serially and in launched layouts (tp2 with and without SP, pp2 1F1B / interleaved / ZB-H1,
+dp2 ZeRO-3, dp2-tp2-pp2 with ZeRO-1 and ZeRO-3): the gradients of one plain-SGD step and the
+losses and norms of 2 AdamW steps with ``--recompute selective`` and ``full`` equal the same
+layout without recomputation. They come out bitwise equal (the recomputed forward is the
+same deterministic arithmetic); the tests allow 1e-6 relative. And the bytes one layer keeps
+equal :func:`edu3d.parallel.recompute.layer_activation_bytes` exactly, at tp 1, 2, 4 with and
+without SP, the trainer's measured activations included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edu3d.course.memory import measure_layer
+from edu3d.launch import launch
+from edu3d.memory import activation_bytes_per_layer
+from edu3d.mesh import Layout
+from edu3d.model import GPT, config_from
+from edu3d.parallel.recompute import apply_recompute, layer_activation_bytes, recompute_mode
+from tests.workers_recompute import compare, compare_many, serial_adamw, zero3_and_sweep
+
+TOL = 1e-6
+
+
+def _check(name: str, res: dict, serial_tol: float | None = 1e-5) -> None:
+    for mode in ("selective", "full"):
+        r = res[mode]
+        print(f"\n{name} {mode}: grad {r['grad_err']:.1e} (bitwise {r['grad_exact']}) "
+              f"loss {r['loss_err']:.1e} norm {r['norm_err']:.1e}")
+        assert r["grad_err"] <= TOL and r["loss_err"] <= TOL and r["norm_err"] <= TOL, name
+    if serial_tol is not None:  # and the layout itself equals the serial model
+        assert res["serial_grad_err"] < serial_tol, name
+    assert res["losses"][-1] < res["losses"][0]  # it trains
+    act = res["activations"]
+    assert act["full"] < act["selective"] < act["none"], (name, act)
+
+
+def test_apply_recompute_keeps_parameters_and_refuses_twice():
+    model = GPT(config_from("tiny", layers=2))
+    names = [n for n, _ in model.named_parameters()]
+    assert recompute_mode(model) == "none"
+    apply_recompute(model, "full")
+    assert recompute_mode(model) == "full"
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="already recomputes"):
+        apply_recompute(model, "selective")
+    with pytest.raises(ValueError, match="none, selective, full"):
+        apply_recompute(GPT(config_from("tiny", layers=2)), "partial")
+    with torch.no_grad():  # no graph: the plain forward runs (generation)
+        assert model(torch.zeros(1, 4, dtype=torch.long))[0].shape == (1, 4, 256)
+
+
+@pytest.mark.parametrize("argv", [[], ["--microbatches", "2", "--precision", "bf16"]],
+                         ids=["fp32", "bf16 m2"])
+def test_serial_trainer_equal_with_recompute(argv):
+    """One process: SGD gradients and 2 AdamW steps; bf16 autocast (the recomputed forward
+    runs under the forward's autocast) and accumulation over 2 micro-batches. The trainer's
+    measured activations differ from none's by exactly the formula's bytes per layer."""
+    res = compare(None, argv)
+    _check("serial " + " ".join(argv), res, None if argv else 1e-5)
+    if not argv:  # fp32: exact bytes (4 layers, batch 8, one micro-batch in flight)
+        c = config_from("tiny")
+        per = {m: layer_activation_bytes(c.seq_len, 8, c.d_model, c.n_heads, mode=m)
+               for m in ("none", "selective", "full")}
+        act = res["activations"]
+        for mode in ("selective", "full"):
+            assert act["none"] - act[mode] == c.n_layers * (per["none"] - per[mode])
+
+
+def test_serial_model_adamw_equal():
+    """The serial reference model itself, recomputing, takes the same AdamW steps."""
+    ref = serial_adamw([], "none")
+    for mode in ("selective", "full"):
+        ours = serial_adamw([], mode)
+        assert [r["loss"] for r in ours] == [r["loss"] for r in ref]
+        assert [r["grad_norm"] for r in ours] == [r["grad_norm"] for r in ref]
+
+
+def test_layer_bytes_serial_and_paper_ratio():
+    """tp 1: measured == formula for every mode and two shapes; fp32 and no dropout against
+    the paper's 16-bit count: full recomputation keeps exactly 2x Korthikanti's bytes."""
+    for c, b in ((config_from("tiny"), 2), (config_from("tiny", seq=16, heads=8), 3)):
+        s, h, a = c.seq_len, c.d_model, c.n_heads
+        for mode in ("none", "selective", "full"):
+            assert measure_layer(c, b, mode=mode) == layer_activation_bytes(s, b, h, a,
+                                                                            mode=mode)
+        assert layer_activation_bytes(s, b, h, a, mode="full") == \
+            2 * activation_bytes_per_layer(s, b, h, a, recompute="full")
+
+
+LAYOUTS_8 = {
+    "dp2-tp2-pp2 1f1b": "--dp 2 --tp 2 --pp 2 --microbatches 2",
+    "dp2-tp2 sp-pp2 interleaved zero3": "--dp 2 --tp 2 --sp --pp 2 --vpp 2 --schedule "
+                                        "interleaved --microbatches 2 --zero 3",
+    "dp2-tp2-pp2 zb-h1 zero1": "--dp 2 --tp 2 --pp 2 --schedule zb-h1 --microbatches 2 "
+                               "--zero 1",
+}
+LAYOUTS_4 = {
+    # the second micro-batch's forward is the last: it frees the units, and the backward's
+    # recomputation runs on the parameters gathered again by ZeRO-3's gradient hooks
+    "dp2 zero3 tp2 sp m2 prefetch": "--dp 2 --tp 2 --sp --zero 3 --microbatches 2 --prefetch",
+}
+
+
+def test_launched_layouts_equal_with_recompute():
+    """One launch at world size 8: TP with and without SP, 1F1B, interleaved and ZB-H1
+    (its split I/W backward recomputes the blocks once per pass), ZeRO-1 and ZeRO-3 under
+    pipelining, all in dp2-tp2-pp2. Every rank's result is checked."""
+    argvs = [v.split() for v in LAYOUTS_8.values()]
+    run = launch(compare_many, 8, args=(argvs,), layout=Layout(dp=2, tp=2, pp=2),
+                 timeout=300, name="recompute3d")
+    for rank, results in enumerate(run.results):
+        for name, res in zip(LAYOUTS_8, results):
+            _check(f"{name} rank {rank}", res)
+
+
+def test_zero3_and_layer_bytes_at_tp_1_2_4():
+    """One launch at world size 4: dp2 ZeRO-3 (gathered again for the recomputed forward in
+    backward; with SP, micro-batches and prefetch too), then one layer's saved bytes at tp =
+    1, 2, 4 with and without SP for each mode, on every rank: equal to the formula, byte for
+    byte."""
+    argvs = [v.split() for v in LAYOUTS_4.values()]
+    run = launch(zero3_and_sweep, 4, args=(argvs, config_from("tiny")),
+                 layout=Layout(dp=2, tp=2), timeout=300, name="recompute_zero3")
+    for rank, res in enumerate(run.results):
+        for name, r in zip(LAYOUTS_4, res["parity"]):
+            _check(f"{name} rank {rank}", r)
+        rows = res["sweep"]
+        assert {(r["tp"], r["sp"]) for r in rows} == {(1, False), (2, False), (2, True),
+                                                      (4, False), (4, True)}
+        for r in rows:
+            assert r["measured"] == r["formula"], (rank, r)

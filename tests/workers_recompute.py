@@ -1,0 +1,90 @@
+"""Rank functions for the recomputation tests (launched with edu3d.launch, or called with
+``mesh=None`` for one process)."""
+
+from __future__ import annotations
+
+import torch
+
+from edu3d.data import SyntheticCorpus
+from edu3d.model import GPT
+from edu3d.optim import make_optimizer
+from edu3d.options import config_from_args
+from edu3d.train import train_step
+from edu3d.trainer import Trainer
+from tests.workers_3d import options
+
+MODES = ("none", "selective", "full")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def compare(mesh, argv: list[str], steps: int = 2) -> dict:
+    """The layout ``argv`` with each recompute mode against the same layout without it:
+    gradients of one plain-SGD step (worst relative error over every tensor, and whether
+    they are bitwise equal), and the losses and norms of ``steps`` AdamW steps; plus the
+    serial reference's gradients, for the whole chain. Also the activation bytes the
+    trainer reports (its pipeline engine's peak, this rank) per mode."""
+    sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
+    config = config_from_args(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
+    x, y = corpus.batch(1, sgd.global_batch)
+    serial = GPT(config, seed=sgd.seed)
+    serial(x, y)[1].backward()
+
+    grads, runs, act = {}, {}, {}
+    for mode in MODES:
+        sgd.recompute = mode
+        trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+        trainer.forward_backward(x, y)
+        grads[mode] = trainer.gather("grad")
+        act[mode] = trainer.engine.peak_activation_bytes
+        adam = options(argv)
+        adam.recompute = mode
+        trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
+        runs[mode] = [trainer.step(*corpus.batch(s, adam.global_batch), s)
+                      for s in range(1, steps + 1)]
+    out = {"activations": act,
+           "serial_grad_err": max(_rel(grads["none"][n], p.grad)
+                                  for n, p in serial.named_parameters())}
+    ref = grads["none"]
+    for mode in MODES[1:]:
+        out[mode] = {
+            "grad_err": max(_rel(grads[mode][n], ref[n]) for n in ref),
+            "grad_exact": all(torch.equal(grads[mode][n], ref[n]) for n in ref),
+            "loss_err": max(abs(a["loss"] - b["loss"]) / abs(b["loss"])
+                            for a, b in zip(runs[mode], runs["none"])),
+            "norm_err": max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                            for a, b in zip(runs[mode], runs["none"])),
+        }
+    out["losses"] = [r["loss"] for r in runs["full"]]
+    return out
+
+
+def compare_many(mesh, argvs: list[list[str]], steps: int = 2) -> list[dict]:
+    """:func:`compare` for several option sets on the same mesh, in one launch."""
+    return [compare(mesh, argv, steps) for argv in argvs]
+
+
+def serial_adamw(argv: list[str], mode: str, steps: int = 3) -> list[dict]:
+    """``steps`` AdamW steps of the serial reference model with ``mode`` applied directly
+    (no Trainer), for the serial test."""
+    from edu3d.parallel.recompute import apply_recompute
+
+    args = options(argv)
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    model = apply_recompute(GPT(config, seed=args.seed), mode)
+    opt = make_optimizer(model, args)
+    return [train_step(model, opt, *corpus.batch(s, args.global_batch), s, args)
+            for s in range(1, steps + 1)]
+
+
+def zero3_and_sweep(mesh, argvs: list[list[str]], config) -> dict:
+    """:func:`compare_many` on ``mesh``, then one layer's saved bytes at every tp size up to
+    the world (:func:`edu3d.course.memory.recompute_sweep`, untimed)."""
+    from edu3d.course.memory import recompute_sweep
+
+    return {"parity": compare_many(mesh, argvs),
+            "sweep": recompute_sweep(mesh, config, batch=2, time_repeats=0)}
