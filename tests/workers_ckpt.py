@@ -1,0 +1,88 @@
+"""Rank functions for the checkpoint tests (launched with edu3d.launch)."""
+
+from __future__ import annotations
+
+import argparse
+
+from edu3d.checkpoint import full_state
+from edu3d.checkpointer import Checkpointer
+from edu3d.data import SyntheticCorpus
+from edu3d.mesh import Layout, Mesh
+from edu3d.model import GPT
+from edu3d.optim import lr_at
+from edu3d.options import add_arguments, check_args, config_from_args
+from edu3d.train import loop
+from edu3d.trainer import Trainer
+
+
+def options(argv: list[str]) -> argparse.Namespace:
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    check_args(args)
+    return args
+
+
+def _trainer(args, serial: bool = False) -> Trainer:
+    config = config_from_args(args)
+    if serial:
+        return Trainer(GPT(config, seed=args.seed), None, args)
+    mesh = Mesh.build(Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp))
+    return Trainer(GPT(config, seed=args.seed), mesh, args)
+
+
+def _numbers(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records]
+
+
+def save_and_resume(mesh, cases: list[tuple[list[str], str]], steps: int = 4,
+                    save_at: int = 2) -> list[dict]:
+    """For each ``(argv, ckpt_dir)``: train ``steps`` steps with ``edu3d train``'s loop,
+    saving asynchronously every ``save_at`` steps (the uninterrupted run); then a fresh
+    trainer of the same layout resumes from step ``save_at`` and trains to ``steps``."""
+    out = []
+    for argv, ckpt_dir in cases:
+        args = options([*argv, "--steps", str(steps), "--ckpt-dir", ckpt_dir,
+                        "--save-every", str(save_at), "--async-save"])
+        config = config_from_args(args)
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+        full = loop(_trainer(args), corpus, args)
+        trainer = _trainer(args)
+        kept = Checkpointer(trainer, args).resume(step=save_at)
+        resumed = list(kept)
+        for s in range(save_at + 1, steps + 1):
+            x, y = corpus.batch(s, args.global_batch)
+            resumed.append({"step": s, **trainer.step(x, y, s), "lr": lr_at(s, args)})
+        out.append({"argv": argv, "full": _numbers(full), "resumed": _numbers(resumed),
+                    "blocked": [r.get("ckpt_blocked_s") for r in full]})
+    return out
+
+
+def reshard_into(mesh, ckpt_dir: str, step: int, targets: list[list[str]]) -> list[dict]:
+    """Load the checkpoint of ``step`` into each target layout (one process: on rank 0) and train one more step: its loss, and how far the loaded parameters are from
+    the checkpoint's full tensors (gathered back from the new layout's shards)."""
+    _, want = full_state(ckpt_dir, step)
+    out = []
+    for argv in targets:
+        args = options([*argv, "--steps", str(step + 1), "--ckpt-dir", ckpt_dir])
+        serial = args.dp * args.tp * args.pp == 1
+        if serial and mesh.rank != 0:
+            continue
+        config = config_from_args(args)
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+        trainer = _trainer(args, serial)
+        kept = Checkpointer(trainer, args).resume(step=step)
+        params = trainer.gather("param")
+        err = max(float((params[n] - t).abs().max()) for n, t in want.items())
+        x, y = corpus.batch(step + 1, args.global_batch)
+        rec = trainer.step(x, y, step + 1)
+        out.append({"argv": argv, "kept": len(kept), "param_err": err, **rec})
+    return out
+
+
+def generate_tp(mesh, ckpt_dir: str, prompt: list[int], new: int) -> dict:
+    """Greedy and sampled tokens under this launch's tensor parallelism."""
+    from edu3d.generate import generate, load_model
+
+    model = load_model(ckpt_dir, mesh)
+    return {"greedy": generate(model, prompt, new, temperature=0.0, mesh=mesh),
+            "sampled": generate(model, prompt, new, temperature=0.8, seed=3, mesh=mesh)}
+
