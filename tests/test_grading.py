@@ -218,3 +218,34 @@ def test_grad_norm_3d_grader_rejects_the_replicated_layernorm_counted_tp_times(m
     assert r["tied"] is True and r["norm"] is False, r
     assert r["buggy_norm"] > r["serial_norm"] * 1.01, r  # too large, not a rounding matter
     assert abs(r["library_norm"] - r["serial_norm"]) <= 1e-4 * r["serial_norm"], r
+
+
+# ---- exercise 08: the resharding grader catches a piece written as if it began its box --------
+def test_reshard_grader_catches_a_zero_piece_written_at_the_box_start(monkeypatch):
+    import torch
+
+    from edu3d.course import grade_reshard as g
+
+    monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
+    assert "not written yet (exercises/reshard.py)" in grading.unfinished("reshard",
+                                                                          "full_tensor")
+    assert grading.unfinished("reshard", "piece_for")
+    sol = grading.load("reshard", solutions=True)
+
+    class Buggy:  # ignores "flat": every piece written from the first element of its box
+        piece_for = staticmethod(sol.piece_for)
+
+        @staticmethod
+        def full_tensor(pieces):
+            full = torch.zeros(pieces[0][0]["shape"])
+            for place, data in pieces:
+                block = full[tuple(slice(a, b) for a, b in place["box"])]
+                flat = block.reshape(-1).clone()
+                flat[: data.numel()] = data
+                block.copy_(flat.view(block.shape))
+            return full
+
+    assert g.rebuilds(Buggy, g.QKV, tp=2)  # whole TP boxes: the bug does not show
+    with pytest.raises(AssertionError, match="differ from the serial tensor"):
+        g.rebuilds(Buggy, g.PROJ, tp=2, dp=2, zero=True)  # ZeRO runs start mid-box: it does
+    assert g.rebuilds(sol, g.PROJ, tp=2, dp=2, zero=True)

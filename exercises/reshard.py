@@ -1,0 +1,40 @@
+"""Exercise 08: read one parameter's full tensor from the shards of another layout.
+
+A sharded checkpoint (:mod:`edu3d.checkpoint`) stores, for every tensor of the serial model,
+the *pieces* the ranks of the writing layout owned. A piece is ``(placement, data)``:
+
+* ``placement = {"name", "kind", "shape", "box", "flat"}``: ``shape`` is the full tensor's,
+  ``box`` a range ``[start, stop)`` per dimension (a TP shard: a block of rows or of
+  columns; the fused ``qkv`` weight gives *three* boxes per rank), and ``flat = [lo, hi]``
+  says the piece holds elements ``lo .. hi-1`` of that box, read row-major. A plain TP shard
+  holds its whole box (``lo = 0``, ``hi`` = the box's size); a ZeRO shard is a run of
+  elements of the flattened shard, so it may start and end in the middle of a row;
+* ``data``: a 1-D tensor of ``hi - lo`` numbers.
+
+Loading into *another* layout is then the same two steps for every pair of layouts: put
+every saved piece where its placement says (the full tensor), and cut out what the new rank
+needs (a placement of the new layout). Run the checks in ``exercises/08_checkpoints.ipynb``.
+"""
+
+import torch
+
+
+def full_tensor(pieces: list) -> torch.Tensor:
+    """The full tensor from the saved ``(placement, data)`` pieces of one tensor (all with
+    the same ``name``, ``kind`` and ``shape``), in the dtype of the data.
+
+    Raise ``ValueError`` when the pieces leave an element of the tensor uncovered (a
+    missing shard): a checkpoint that loads zeros silently is worse than one that fails."""
+    raise NotImplementedError(
+        "hint: start from torch.zeros(shape) and a boolean mask of the same shape; for each "
+        "piece take the box (full[slice(a, b) per dim]), flatten it, write data into elements "
+        "lo:hi of the flattened box (and True into the mask), and copy it back into the box; "
+        "raise ValueError if the mask is not all True")
+
+
+def piece_for(full: torch.Tensor, placement: dict) -> torch.Tensor:
+    """The 1-D data a rank of the new layout loads for ``placement``: elements ``lo .. hi-1``
+    of the ``box`` of ``full``, read row-major (a copy)."""
+    raise NotImplementedError(
+        "hint: full[tuple(slice(a, b) for a, b in placement['box'])], reshape(-1), then "
+        "[lo:hi] with lo, hi = placement['flat']; .clone() it")
