@@ -27,7 +27,30 @@ def measured(mesh, argv: list[str]) -> dict:
     mine = memory.measure(trainer.tensors())
     mine["activations"] = trainer.engine.peak_activation_bytes
     mine.pop("total")
-    return {"coord": tuple(mesh.coord), "bytes": mine, "mem_bytes": trainer.stats()["mem_bytes"]}
+    out = {"coord": tuple(mesh.coord), "bytes": mine, "mem_bytes": trainer.stats()["mem_bytes"]}
+    if args.zero == 3:
+        out["engine_activations"] = mine["activations"]
+        mine["activations"] = _activations_without_gathered_weights(trainer, x, y)
+    return out
+
+
+def _activations_without_gathered_weights(trainer, x, y) -> int:
+    """The engine's activation peak for one more step, its meter told which storages are
+    parameters *now*. Under ZeRO-3 a unit's weights are gathered into a new allocation
+    before each use, so the meter's list of parameter storages, taken when the engine was
+    built, misses them and the weights a linear layer saves are counted as activations."""
+    engine, meter = trainer.engine, trainer.engine.meter
+    params = [p for stage in engine.stages.values() for p in stage.parameters()]
+    count = meter.pack
+
+    def pack(t):
+        meter.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        return count(t)
+
+    meter.pack = pack
+    engine.activation_bytes, engine.peak_activation_bytes = {}, 0
+    trainer.forward_backward(x, y)
+    return engine.peak_activation_bytes
 
 
 def measured_many(mesh, argvs: list[list[str]]) -> list[dict]:
