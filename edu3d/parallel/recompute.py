@@ -52,16 +52,20 @@ from torch.utils.checkpoint import checkpoint
 MODES = ("none", "selective", "full")
 
 
+def _run_checkpointed(fn: Callable, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
 def checkpointed(fn: Callable) -> Callable:
     """``fn`` run under non-reentrant activation checkpointing when autograd records (a
-    ``no_grad`` call, e.g. generation, just runs ``fn``)."""
+    ``no_grad`` call, e.g. generation, just runs ``fn``).
 
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return fn(*args, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
+    A ``functools.partial`` rather than a closure: ``copy.deepcopy`` of a model copies the
+    partial's bound method with the module, so a copied block recomputes *its own* forward,
+    not the original's."""
+    run = functools.partial(_run_checkpointed, fn)
     run.recomputed = fn  # what it wraps (for inspection, and to refuse wrapping twice)
     return run
 
