@@ -33,7 +33,7 @@ The cost model (:func:`step_time`), stated so it can be argued with:
              spans nodes.
 
 Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
-practice). A layout fits when its fullest rank's peak (:func:`edu3d.planner.estimate`) is
+practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan_memory.estimate`) is
 at most ``usable`` of the GPU's memory (the rest: CUDA context, allocator fragmentation).
 """
 
@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from edu3d.planner import ModelSpec, Setup, estimate, units
+from edu3d.plan_memory import Setup, estimate, units
+from edu3d.shapes import ModelSpec
 
 GB = 1e9
 
@@ -170,7 +171,8 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                    f"activations {_gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(st.pp - 1) / (st.microbatches + st.pp - 1):.1%} with "
                    f"m={st.microbatches} micro-batches of {st.micro_batch}")
-    out.append(f"dp={st.dp}: the remaining GPUs replicate the model; gradients are reduced "
+    whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
+    out.append(f"dp={st.dp}: {whom} a replica of the model; gradients are reduced "
                f"once per step ({tm['dp']:.2f} s)" if st.dp > 1 else
                "dp=1: every GPU is needed to hold one copy of the model")
     if st.dp > 1:

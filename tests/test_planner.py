@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from edu3d import memory, planner
+from edu3d import memory, plan_memory, planner, shapes
 from edu3d.launch import launch
 from edu3d.parallel.pp.schedules import build, chunks
 from edu3d.parallel.pp.simulate import simulate
@@ -34,8 +34,8 @@ CASES = {**LAYOUTS, **EXTRA}
 
 
 def test_real_models_have_their_published_parameter_counts():
-    for name, published in planner.PUBLISHED_PARAMS.items():
-        count = planner.spec_from(name).num_params()
+    for name, published in shapes.PUBLISHED_PARAMS.items():
+        count = shapes.spec_from(name).num_params()
         assert abs(count / published - 1) < 0.01, (name, count, published)
 
 
@@ -43,9 +43,9 @@ def test_course_models_count_like_the_model():
     from edu3d.model import config_from
     from edu3d.options import num_params_from_config
 
-    for name in planner.COURSE_PRESETS:
+    for name in shapes.COURSE_PRESETS:
         for tie in (False, True):
-            spec = planner.spec_from(name, tied=tie)
+            spec = shapes.spec_from(name, tied=tie)
             assert spec.num_params() == num_params_from_config(config_from(name, tie=tie))
 
 
@@ -57,11 +57,11 @@ def test_zero_paper_worked_example():
 
 
 def test_planner_state_is_the_zero_formula_for_a_real_model():
-    spec = planner.spec_from("llama2-7b")
+    spec = shapes.spec_from("llama2-7b")
     psi = spec.num_params()
     for zero in range(4):
-        st = planner.Setup(dp=8, zero=zero, precision="bf16", microbatches=1)
-        got = planner.state_per_rank(spec, st, 0, at="rest")
+        st = plan_memory.Setup(dp=8, zero=zero, precision="bf16", microbatches=1)
+        got = plan_memory.state_per_rank(spec, st, 0, at="rest")
         want = memory.zero_bytes(psi, 8, zero, 2, 2, 12)
         for cat in ("params", "grads", "optimizer"):
             assert abs(got[cat] - want[cat]) <= 8 * 8 * 100, (zero, cat)  # padding, step counters
@@ -104,15 +104,16 @@ def test_in_flight_replays_few_microbatches_but_equals_the_full_replay():
             for m in (pp, 3 * pp, 5 * pp):
                 v = chunks(name, 2)
                 full = simulate(build(name, pp, m, v), pp).peak_in_flight
-                assert list(planner.in_flight(name, pp, m, 2)) == full, (name, pp, m)
+                assert list(plan_memory.in_flight(name, pp, m, 2)) == full, (name, pp, m)
 
 
 def test_pipeline_stages_differ_as_the_schedules_say():
-    spec = planner.spec_from("llama2-7b")
+    spec = shapes.spec_from("llama2-7b")
     common = dict(pp=4, tp=2, sp=True, microbatches=16, precision="bf16")
-    one = planner.estimate(spec, planner.Setup(schedule="1f1b", **common))
-    gpipe = planner.estimate(spec, planner.Setup(schedule="gpipe", **common))
-    layer = planner.stage_activation_bytes(spec, planner.Setup(schedule="1f1b", **common))[1]
+    one = plan_memory.estimate(spec, plan_memory.Setup(schedule="1f1b", **common))
+    gpipe = plan_memory.estimate(spec, plan_memory.Setup(schedule="gpipe", **common))
+    layer = plan_memory.stage_activation_bytes(
+        spec, plan_memory.Setup(schedule="1f1b", **common))[1]
     acts = [row["activations"] for row in one["per_stage"]]
     assert acts[1] == 3 * layer and acts[2] == 2 * layer  # 1F1B: rank r holds p - r
     assert gpipe["per_stage"][1]["activations"] == 16 * layer  # GPipe: all m
@@ -164,12 +165,12 @@ def _measured(world: int) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_planner_equals_measurement(world):
     for name, ranks in _measured(world).items():
-        spec, st = planner.from_train_args(options(CASES[name].split()))
-        acts = planner.activations_per_rank(spec, st)
+        spec, st = plan_memory.from_train_args(options(CASES[name].split()))
+        acts = plan_memory.activations_per_rank(spec, st)
         ratios = {}
         for res in ranks:
             pp, dp, _ = res["coord"]
-            want = planner.state_per_rank(spec, st, pp, dp, at="rest")
+            want = plan_memory.state_per_rank(spec, st, pp, dp, at="rest")
             for cat in ("params", "grads", "optimizer"):
                 assert res["bytes"][cat] == want[cat], (name, res["coord"], cat)
             ratio = acts[pp] / res["bytes"]["activations"]
