@@ -1,0 +1,237 @@
+"""Sharded checkpoints: the placement arithmetic, resume bit for bit, resharding across
+layouts, never half-written, clear errors, async save, export to torch and DCP, generate."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from edu3d import checkpoint, checkpointer, reshard
+from edu3d.checkpoint import CheckpointError, check_resume, full_state, latest_step
+from edu3d.launch import launch
+from edu3d.mesh import Layout
+from edu3d.options import check_args, config_from_args, defaults
+from edu3d.parallel.tp.layers import padded_size, shard
+from edu3d.train import run
+
+TINY = dict(model="tiny", layers=2, tie=True, vocab=250, json=True)
+M = "--layers 2 --tie --vocab 250".split()  # launched; vocab 250 is padded under tp 4
+
+
+def _args(**kw):
+    args = defaults(**{**TINY, **kw})
+    check_args(args)
+    return args
+
+
+def _train(**kw) -> list[dict]:
+    return run(_args(**kw), out=io.StringIO())
+
+
+def _numbers(records):
+    return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records]
+
+
+# ---- placement arithmetic ----------------------------------------------------------------------
+@pytest.mark.parametrize("shape,spec", [((24, 8), (0, 3, None)),  # fused qkv: 3 row ranges
+                                        ((8, 12), (1, 1, None)),  # row parallel: columns
+                                        ((10, 4), (0, 1, 10)),  # vocabulary padded 10 -> 12
+                                        ((12,), (0, 3, None)),  # qkv bias
+                                        ((6, 4), None)])  # replicated
+def test_pieces_of_every_tp_rank_and_zero_cut_assemble_the_full_tensor(shape, spec):
+    """Cut a tensor as TP would (edu3d.parallel.tp.layers.shard), cut each shard's flat view
+    at odd places as ZeRO would, place every piece, and assemble: the very same tensor; a
+    piece fewer and assembly names the tensor as not covered."""
+    full, t = torch.randn(shape), 4 if spec != (1, 1, None) else 2
+    saved = []
+    for r in range(t if spec else 1):  # a replicated tensor: written by tp index 0 only
+        if spec is None:
+            local = full
+        else:
+            dim, parts, true = spec
+            local = shard(full, dim, r, t, parts, pad_to=padded_size(true, t) if true else None)
+        flat, n = local.reshape(-1), local.numel()
+        for a, b in ((0, n // 3), (n // 3, n - 1), (n - 1, n)):  # a ZeRO-like cut
+            for place, s, e in reshard.pieces("w", "param", shape, spec, r, t, (a, b)):
+                assert place["flat"][1] - place["flat"][0] == e - s
+                saved.append((place, flat[s:e].clone()))
+    assert torch.equal(reshard.assemble("w", saved), full)
+    with pytest.raises(ValueError, match="do not cover"):
+        reshard.assemble("w", saved[1:])
+
+
+# ---- one process: the edu3d train path, errors, async, export --------------------------------
+def test_serial_resume_equals_the_uninterrupted_run(tmp_path):
+    """edu3d train --ckpt-dir then --resume: the records of the resumed run equal the
+    uninterrupted run's bit for bit; the folder holds exactly the documented files."""
+    full = _train(steps=4)
+    _train(steps=2, ckpt_dir=str(tmp_path))
+    resumed = _train(steps=4, ckpt_dir=str(tmp_path), resume=True, save_every=3)
+    assert _numbers(resumed) == _numbers(full)
+    assert checkpoint.steps(tmp_path) == [2, 3, 4]
+    names = sorted(p.name for p in (tmp_path / "step-000002").iterdir())
+    assert names == ["manifest.json", "rank-00000.json", "rank-00000.pt"]
+
+
+def test_a_folder_without_manifest_is_never_loaded(tmp_path):
+    _train(steps=2, ckpt_dir=str(tmp_path))
+    half = tmp_path / "step-000003"  # what a save killed before its manifest leaves
+    half.mkdir()
+    (half / "rank-00000.pt").write_bytes((tmp_path / "step-000002" / "rank-00000.pt")
+                                         .read_bytes())
+    assert latest_step(tmp_path) == 2
+    args = _args(steps=4, ckpt_dir=str(tmp_path), resume=True)
+    assert check_resume(args, config_from_args(args)) == 2
+
+
+def test_corrupted_missing_and_foreign_checkpoints_fail_before_any_process(tmp_path):
+    _train(steps=2, ckpt_dir=str(tmp_path))
+    shard_file = tmp_path / "step-000002" / "rank-00000.pt"
+    good = shard_file.read_bytes()
+    shard_file.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    parallel = dict(steps=4, ckpt_dir=str(tmp_path), resume=True, dp=2, timeout=5)
+    with pytest.raises(CheckpointError, match="rank-00000.pt is corrupted"):
+        _train(**parallel)  # raised by the launcher process: no rank was started
+    shard_file.unlink()
+    with pytest.raises(CheckpointError, match="rank-00000.pt is missing"):
+        _train(**parallel)
+    shard_file.write_bytes(good)
+    with pytest.raises(CheckpointError, match="model n_layers: checkpoint 2, this run 3"):
+        _train(**{**parallel, "layers": 3})
+    with pytest.raises(CheckpointError, match="--seed: checkpoint 0, this run 1"):
+        _train(**{**parallel, "seed": 1})
+
+
+def test_async_save_blocks_for_the_snapshot_only_one_save_in_flight(tmp_path, monkeypatch):
+    """Writes slowed to 0.3 s per file: a synchronous save blocks its step for all of them,
+    an asynchronous one only for its snapshot, unless the previous save is still in flight
+    (never two at once). Both write the same tensors."""
+    active, most = [0], [0]
+    lock = threading.Lock()
+    real = checkpoint.write_atomic
+
+    def slow(path, data):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.3)
+        real(path, data)
+        with lock:
+            active[0] -= 1
+
+    monkeypatch.setattr(checkpointer, "write_atomic", slow)
+    sync = _train(steps=3, ckpt_dir=str(tmp_path / "sync"), save_every=2)
+    background = _train(steps=3, ckpt_dir=str(tmp_path / "async"), save_every=2, async_save=True)
+    assert _numbers(sync) == _numbers(background)
+    assert sync[1]["ckpt_blocked_s"] >= 0.9  # three files: shard, receipt, manifest
+    assert background[1]["ckpt_blocked_s"] < 0.3  # the snapshot alone
+    assert background[2]["ckpt_blocked_s"] > 0.3  # waited for step 2's save to finish
+    assert most[0] == 1
+    for step in (2, 3):
+        a, b = full_state(tmp_path / "sync", step)[1], full_state(tmp_path / "async", step)[1]
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_export_loads_with_plain_torch_load_and_through_dcp(tmp_path, capsys):
+    """edu3d ckpt export: one file that torch.load (weights only) and the serial GPT read,
+    and a DCP folder that torch.distributed.checkpoint.load reads into the serial model."""
+    import torch.distributed.checkpoint as dcp
+
+    from edu3d.cli import main
+    from edu3d.model import GPT, GPTConfig
+
+    _train(steps=2, ckpt_dir=str(tmp_path / "ck"))
+    want = full_state(tmp_path / "ck")[1]
+    assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "one.pt")]) == 0
+    saved = torch.load(tmp_path / "one.pt", weights_only=True)
+    model = GPT(GPTConfig(**saved["config"]), seed=7)
+    model.load_state_dict(saved["model"])
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "dcp"),
+                 "--format", "dcp"]) == 0
+    model = GPT(GPTConfig(**saved["config"]), seed=7)
+    sd = model.state_dict()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": sd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model.load_state_dict(sd)
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    assert main(["ckpt", "show", str(tmp_path / "ck")]) == 0
+    shown = capsys.readouterr().out
+    assert "complete checkpoints at steps 2" in shown and "rank-00000.pt" in shown
+
+
+# ---- launched: resume bit for bit, resharding, generate under TP -----------------------------
+@pytest.fixture(scope="module")
+def dp2_tp2_pp2(tmp_path_factory):
+    """dp2-tp2-pp2 with ZeRO-1, 3 steps saved asynchronously at step 2, and a fresh trainer
+    resumed from it (one launch of 8 ranks)."""
+    from tests.workers_ckpt import save_and_resume
+
+    folder = str(tmp_path_factory.mktemp("dp2tp2pp2"))
+    argv = M + "--dp 2 --tp 2 --pp 2 --zero 1 --microbatches 2".split()
+    res = launch(save_and_resume, 8, args=([(argv, folder)], 3, 2),
+                 layout=Layout(dp=2, tp=2, pp=2), timeout=300, name="ckpt-3d", echo=False)
+    return folder, res.results[0][0]
+
+
+def test_resume_bit_exact_dp2_tp2_pp2_zero1(dp2_tp2_pp2):
+    _, res = dp2_tp2_pp2
+    assert res["resumed"] == res["full"]  # (step, loss, grad_norm, lr), bit for bit
+
+
+def test_checkpoint_of_dp2_tp2_pp2_loads_into_other_layouts(dp2_tp2_pp2):
+    """Into tp4 (a padded vocabulary), tp2-pp2, dp2-pp2 with ZeRO-3 and one process: every
+    parameter exactly the checkpoint's, and the next step's loss the uninterrupted run's."""
+    from tests.workers_ckpt import reshard_into
+
+    folder, src = dp2_tp2_pp2
+    targets = [M + ["--tp", "4"], M + "--tp 2 --pp 2".split(),
+               M + "--dp 2 --pp 2 --zero 3".split(), M]
+    rows = launch(reshard_into, 4, args=(folder, 2, targets), layout=Layout(dp=4), timeout=300,
+                  name="ckpt-reshard", echo=False).results[0]
+    assert len(rows) == len(targets)
+    for row in rows:
+        diff = abs(row["loss"] - src["full"][2][1])
+        print(f"\ndp2-tp2-pp2 -> {' '.join(row['argv'][len(M):]) or 'one process'}: "
+              f"params {row['param_err']:.1e}, next loss differs by {diff:.1e}")
+        assert row["kept"] == 2 and row["param_err"] == 0.0
+        assert diff <= 1e-6
+
+
+def test_resume_bit_exact_dp2_zero3_and_pp2_interleaved(tmp_path):
+    from tests.workers_ckpt import save_and_resume
+
+    cases = [(M + "--dp 2 --zero 3".split(), str(tmp_path / "zero3")),
+             ("--layers 4 --tie --vocab 250 --pp 2 --schedule interleaved --vpp 2 "
+              "--microbatches 2".split(),
+              str(tmp_path / "interleaved"))]
+    results = launch(save_and_resume, 2, args=(cases, 3, 2), layout=Layout(dp=2), timeout=300,
+                     name="ckpt-resume", echo=False).results[0]
+    for res in results:
+        assert res["resumed"] == res["full"], res["argv"]
+
+
+def test_generate_greedy_same_tokens_serial_and_tp2(tmp_path, capsys):
+    """edu3d generate serially (the CLI) and under tp 2 (launched): the same greedy tokens,
+    and with the same seed the same samples."""
+    from edu3d.cli import main
+    from tests.workers_ckpt import generate_tp
+
+    _train(steps=10, ckpt_dir=str(tmp_path))
+    serial = {}
+    for temp in ("0", "0.8"):
+        assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "3 17 42", "--seed", "3",
+                     "--max-new-tokens", "12", "--temperature", temp, "--json"]) == 0
+        serial[temp] = json.loads(capsys.readouterr().out)["tokens"]
+    tp = launch(generate_tp, 2, args=(str(tmp_path), [3, 17, 42], 12), layout=Layout(tp=2),
+                timeout=120, name="ckpt-generate", echo=False).results[0]
+    assert len(serial["0"]) == 12 and serial["0"] != serial["0.8"]
+    assert tp["greedy"] == serial["0"]  # identical
+    assert tp["sampled"] == serial["0.8"]  # same seed, logits equal up to rounding
+    assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "3 999"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
