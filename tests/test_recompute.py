@@ -11,6 +11,8 @@ without SP, the trainer's measured activations included.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def _check(name: str, res: dict, serial_tol: float | None = 1e-5) -> None:
     assert act["full"] < act["selective"] < act["none"], (name, act)
 
 
-def test_apply_recompute_keeps_parameters_and_refuses_twice():
+def test_apply_recompute_keeps_parameters_refuses_twice_and_copies():
     model = GPT(config_from("tiny", layers=2))
     names = [n for n, _ in model.named_parameters()]
     assert recompute_mode(model) == "none"
@@ -51,6 +53,9 @@ def test_apply_recompute_keeps_parameters_and_refuses_twice():
         apply_recompute(GPT(config_from("tiny", layers=2)), "partial")
     with torch.no_grad():  # no graph: the plain forward runs (generation)
         assert model(torch.zeros(1, 4, dtype=torch.long))[0].shape == (1, 4, 256)
+    twin = copy.deepcopy(model)  # a copy recomputes its own blocks, not the original's
+    assert recompute_mode(twin) == "full"
+    assert twin.blocks[0].forward.args[0].__self__ is twin.blocks[0]
 
 
 @pytest.mark.parametrize("argv", [[], ["--microbatches", "2", "--precision", "bf16"]],
@@ -117,11 +122,11 @@ def test_launched_layouts_equal_with_recompute():
             _check(f"{name} rank {rank}", res)
 
 
-def test_zero3_and_layer_bytes_at_tp_1_2_4():
+def test_zero3_layer_bytes_at_tp_1_2_4_and_repeated_tp_comm():
     """One launch at world size 4: dp2 ZeRO-3 (gathered again for the recomputed forward in
-    backward; with SP, micro-batches and prefetch too), then one layer's saved bytes at tp =
-    1, 2, 4 with and without SP for each mode, on every rank: equal to the formula, byte for
-    byte."""
+    backward; with SP, micro-batches and prefetch too); one layer's saved bytes at tp = 1, 2,
+    4 with and without SP for each mode, on every rank: equal to the formula, byte for byte;
+    and the TP collectives a recomputed layer repeats in backward."""
     argvs = [v.split() for v in LAYOUTS_4.values()]
     run = launch(zero3_and_sweep, 4, args=(argvs, config_from("tiny")),
                  layout=Layout(dp=2, tp=2), timeout=300, name="recompute_zero3")
@@ -133,3 +138,12 @@ def test_zero3_and_layer_bytes_at_tp_1_2_4():
                                                       (4, False), (4, True)}
         for r in rows:
             assert r["measured"] == r["formula"], (rank, r)
+        comm = res["comm"]
+        for axis, last in (("tp", "all_reduce"), ("sp", "reduce_scatter")):
+            none, full = comm[f"{axis} none"], comm[f"{axis} full"]
+            assert comm[f"{axis} selective"] == none  # the attention core talks to no one
+            # full: backward repeats the forward's collectives, all but the block's last
+            # (torch stops recomputing after the last tensor that has to be saved again)
+            repeated = dict(none["forward"], **{last: none["forward"][last] - 1})
+            assert full["backward"] == {op: none["backward"].get(op, 0) + n
+                                        for op, n in repeated.items()}, (rank, axis, comm)

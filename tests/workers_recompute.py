@@ -83,8 +83,35 @@ def serial_adamw(argv: list[str], mode: str, steps: int = 3) -> list[dict]:
 
 def zero3_and_sweep(mesh, argvs: list[list[str]], config) -> dict:
     """:func:`compare_many` on ``mesh``, then one layer's saved bytes at every tp size up to
-    the world (:func:`edu3d.course.memory.recompute_sweep`, untimed)."""
+    the world (:func:`edu3d.course.memory.recompute_sweep`, untimed), and the tp
+    collectives of one layer per mode (:func:`tp_comm_counts`)."""
     from edu3d.course.memory import recompute_sweep
 
     return {"parity": compare_many(mesh, argvs),
-            "sweep": recompute_sweep(mesh, config, batch=2, time_repeats=0)}
+            "sweep": recompute_sweep(mesh, config, batch=2, time_repeats=0),
+            "comm": tp_comm_counts(mesh, config)}
+
+
+def tp_comm_counts(mesh, config, batch: int = 2) -> dict:
+    """The tp collectives of one layer's forward and backward (from the trace), for SP off
+    and on and each recompute mode: a recomputed block repeats its forward's collectives in
+    backward (as far as the last tensor it has to re-save)."""
+    from collections import Counter
+
+    from edu3d import trace
+    from edu3d.course.memory import _input, _model
+    from edu3d.parallel.tp import ops
+
+    out = {}
+    for sp in (False, True):
+        for mode in MODES:
+            block = _model(config, mesh.tp, sp, mode).blocks[0]
+            x = _input(config, batch, mesh.size("tp"), ops.group_rank(mesh.tp), sp)
+            with trace.use(trace.Recorder(mesh.rank)) as rec:
+                y = block(x)
+                fwd = Counter(e["op"] for e in rec.events if e["lane"] == "comm")
+                rec.events.clear()
+                y.backward(torch.ones_like(y))
+                bwd = Counter(e["op"] for e in rec.events if e["lane"] == "comm")
+            out[f"{'sp' if sp else 'tp'} {mode}"] = {"forward": dict(fwd), "backward": dict(bwd)}
+    return out
