@@ -222,8 +222,6 @@ def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
 def activations_per_rank(spec: ModelSpec, st: Setup) -> list[float]:
     """Peak activation bytes of each pipeline rank over the step's schedule."""
     per_stage = stage_activation_bytes(spec, st)
-    if st.pp == 1:  # gradient accumulation: one micro-batch at a time
-        return [sum(per_stage)]
     v = chunks(st.schedule, st.vpp)
     if v == 1:
         return [n * a for n, a in zip(in_flight(st.schedule, st.pp, st.microbatches), per_stage)]

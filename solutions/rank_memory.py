@@ -1,0 +1,57 @@
+"""Exercise 07: the bytes one rank holds, from the layout alone (reference solution).
+
+A rank of a ``dp x tp x pp`` layout of edu3d's GPT, trained in fp32 with AdamW, holds:
+
+* **the parameters of its pipeline stage.** ``L`` layers are cut uniformly: ``L // pp`` per
+  stage, the first ``L % pp`` stages one more. The first stage also holds the embeddings
+  (token ``V x h``, position ``s x h``), the last the final LayerNorm (``2h``) and the LM
+  head (``V x h``). A tied head *is* the token embedding: one matrix when one stage holds
+  both ends (``pp = 1``), a copy on the last stage otherwise.
+  Tensor parallelism splits a layer's matrices (qkv ``3h x h``, attention projection
+  ``h x h``, MLP ``4h x h`` and ``h x 4h``) and the column layers' biases (qkv ``3h``, MLP
+  ``4h``) ``t`` ways; the two LayerNorms (``2h`` each) and the row layers' biases (``h``
+  each) stay whole on every tp rank. The vocabulary is split in ``ceil(V / t)`` rows (padded),
+  the position table stays whole;
+* **its state**: 4 bytes per weight, 4 per gradient, 8 of Adam moments per weight. ZeRO-1
+  divides the optimizer state by ``dp``, ZeRO-2 also the gradients, ZeRO-3 also the weights
+  (the ZeRO paper's ``16Ψ``, ``8Ψ + 8Ψ/N``, ``4Ψ + 12Ψ/N``, ``16Ψ/N`` in fp32);
+* **its activations**: a micro-batch's saved tensors live from its forward to its
+  backward, so a rank holds the micro-batches in flight: GPipe runs every forward first
+  (all ``m``), 1F1B starts backwards as soon as the last stage can (pipeline rank ``r``
+  holds at most ``pp - r``, and never more than ``m``).
+"""
+
+import math
+
+
+def rank_params(n_layers: int, d_model: int, vocab: int, seq: int, tp: int, pp: int,
+                pp_rank: int, tied: bool = False) -> int:
+    """Parameters (elements) held by one tp rank of pipeline rank ``pp_rank``."""
+    h, t = d_model, tp
+    q, rem = divmod(n_layers, pp)
+    layers = q + (1 if pp_rank < rem else 0)
+    split = (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h) // t
+    whole = 2 * h + 2 * h + h + h  # two LayerNorms, two row biases
+    out = layers * (split + whole)
+    table = math.ceil(vocab / t) * h
+    if pp_rank == 0:
+        out += table + seq * h
+    if pp_rank == pp - 1:
+        out += 2 * h + (0 if tied and pp == 1 else table)
+    return out
+
+
+def state_bytes(n_params: int, dp: int, zero: int) -> dict:
+    """Bytes of ``{"params", "grads", "optimizer"}`` on one rank holding ``n_params``
+    (fp32 AdamW), ZeRO stage ``zero`` over ``dp`` ranks."""
+    return {"params": 4 * n_params / (dp if zero >= 3 else 1),
+            "grads": 4 * n_params / (dp if zero >= 2 else 1),
+            "optimizer": 8 * n_params / (dp if zero >= 1 else 1)}
+
+
+def in_flight(schedule: str, pp: int, m: int, pp_rank: int) -> int:
+    """The most micro-batches pipeline rank ``pp_rank`` keeps activations for at once
+    (``schedule`` is ``"gpipe"`` or ``"1f1b"``; ``pp = 1`` is gradient accumulation)."""
+    if schedule == "gpipe":
+        return m
+    return min(m, pp - pp_rank)
