@@ -249,3 +249,32 @@ def test_reshard_grader_catches_a_zero_piece_written_at_the_box_start(monkeypatc
     with pytest.raises(AssertionError, match="differ from the serial tensor"):
         g.rebuilds(Buggy, g.PROJ, tp=2, dp=2, zero=True)  # ZeRO runs start mid-box: it does
     assert g.rebuilds(sol, g.PROJ, tp=2, dp=2, zero=True)
+
+
+# ---- exercise 07: the memory grader catches the classic mistakes --------------------------------
+def test_rank_memory_grader_catches_the_classic_mistakes():
+    """Dividing LayerNorms by tp too, leaving ZeRO-2's gradients whole, and 1F1B keeping pp
+    micro-batches on every rank each fail their check, with a message naming the case."""
+    from types import SimpleNamespace
+
+    from edu3d.course import memory_plan
+
+    sol = grading.load("rank_memory", solutions=True)
+    for check in (memory_plan.check_counts, memory_plan.check_state,
+                  memory_plan.check_in_flight):
+        check(sol)
+
+    def all_split(L, h, V, s, tp, pp, r, tied=False):
+        return sol.rank_params(L, h, V, s, 1, pp, r, tied) // tp
+
+    def grads_whole(n, dp, zero):
+        return {**sol.state_bytes(n, dp, zero), "grads": 4 * n / (dp if zero >= 3 else 1)}
+
+    wrong = SimpleNamespace(rank_params=all_split, state_bytes=grads_whole,
+                            in_flight=lambda s, pp, m, r: m if s == "gpipe" else min(m, pp))
+    with pytest.raises(AssertionError, match=r"tp=2, pp=1, tied=False: pp rank 0 holds"):
+        memory_plan.check_counts(wrong)
+    with pytest.raises(AssertionError, match=r"dp=2 ZeRO-2: grads should be about"):
+        memory_plan.check_state(wrong)
+    with pytest.raises(AssertionError, match=r"1f1b, pp=2, m=2: pp rank 1 keeps 1"):
+        memory_plan.check_in_flight(wrong)
