@@ -41,7 +41,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from edu3d import reshard
+from edu3d import reshard, trace
 from edu3d.checkpoint import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, differences,
                               latest_step, load_pieces, read_file, read_manifest, step_dir,
                               write_atomic)
@@ -66,6 +66,8 @@ class Checkpointer:
         self.token = token[0]
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.written: tuple | None = None  # (step, t0, t1) of the last write, trace clock
+        self.history: list[dict] = []  # per save: "step", "blocked" and "write" (t0, t1) in µs
 
     # ---- saving ---------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -79,7 +81,20 @@ class Checkpointer:
             records[-1]["ckpt_blocked_s"] = time.perf_counter() - t0
 
     def save(self, step: int, records: list[dict]) -> None:
-        """Save the state after ``step`` (collective: every rank calls)."""
+        """Save the state after ``step`` (collective: every rank calls). On the trace's
+        compute lane: ``ckpt_blocked`` (what the training thread waited: the previous save,
+        the snapshot, and the writes unless ``--async-save``) and ``ckpt_write`` (the
+        writes, ``background: true`` when a thread did them); also kept in ``history``."""
+        rec = trace.current()
+        t0 = rec.now()
+        self._save(step, records)
+        t1 = rec.now()
+        rec.record("compute", "ckpt_blocked", t0, t1, step=step)
+        self.history.append({"step": step, "blocked": (t0, t1)})
+        if not self.background:
+            self._trace_write()
+
+    def _save(self, step: int, records: list[dict]) -> None:
         self.wait()
         folder = step_dir(self.root, step)
         folder.mkdir(parents=True, exist_ok=True)
@@ -88,6 +103,7 @@ class Checkpointer:
         if self.world > 1:
             dist.barrier()
         job = self.snapshot(step, records)
+        self.written = None
         if self.background:
             self.thread = threading.Thread(target=self._write_logged, args=(job,),
                                            name=f"ckpt-step-{step}", daemon=True)
@@ -129,6 +145,19 @@ class Checkpointer:
 
     def write(self, job: dict) -> None:
         """Write this rank's file and receipt; rank 0 then writes the manifest."""
+        t0 = trace.current().now()
+        self._write(job)
+        self.written = (job["step"], t0, trace.current().now())
+
+    def _trace_write(self) -> None:
+        if self.written is not None:  # emitted from the training thread, never the writer's
+            step, t0, t1 = self.written
+            trace.current().record("compute", "ckpt_write", t0, t1, step=step,
+                                   background=self.background)
+            self.history[-1]["write"] = (t0, t1)
+            self.written = None
+
+    def _write(self, job: dict) -> None:
         folder = step_dir(self.root, job["step"])
         name = f"rank-{self.rank:05d}"
         buf = io.BytesIO()
@@ -178,6 +207,7 @@ class Checkpointer:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+            self._trace_write()
         if self.error is not None:
             err, self.error = self.error, None
             raise err
