@@ -204,16 +204,24 @@ def test_checkpoint_of_dp2_tp2_pp2_loads_into_other_layouts(dp2_tp2_pp2):
 
 
 def test_resume_bit_exact_dp2_zero3_and_pp2_interleaved(tmp_path):
-    from tests.workers_ckpt import save_and_resume
+    """Both bit for bit; and the ZeRO-3 checkpoint (flat shards cutting through rows) loads
+    into tp2 and one process."""
+    from tests.workers_ckpt import resume_then_reshard
 
     cases = [(M + "--dp 2 --zero 3".split(), str(tmp_path / "zero3")),
              ("--layers 4 --tie --vocab 250 --pp 2 --schedule interleaved --vpp 2 "
-              "--microbatches 2".split(),
-              str(tmp_path / "interleaved"))]
-    results = launch(save_and_resume, 2, args=(cases, 3, 2), layout=Layout(dp=2), timeout=300,
-                     name="ckpt-resume", echo=False).results[0]
-    for res in results:
+              "--microbatches 2".split(), str(tmp_path / "interleaved"))]
+    out = launch(resume_then_reshard, 2, args=(cases, 3, 2, [M + ["--tp", "2"], M]),
+                 layout=Layout(dp=2), timeout=300, name="ckpt-resume", echo=False).results[0]
+    for res in out["resume"]:
         assert res["resumed"] == res["full"], res["argv"]
+    zero3 = out["resume"][0]["full"]
+    assert len(out["reshard"]) == 2
+    for row in out["reshard"]:
+        diff = abs(row["loss"] - zero3[2][1])
+        print(f"\ndp2 ZeRO-3 -> {' '.join(row['argv'][len(M):]) or 'one process'}: "
+              f"params {row['param_err']:.1e}, next loss differs by {diff:.1e}")
+        assert row["param_err"] == 0.0 and diff <= 1e-6
 
 
 def test_generate_greedy_same_tokens_serial_and_tp2(tmp_path, capsys):

@@ -78,6 +78,13 @@ def reshard_into(mesh, ckpt_dir: str, step: int, targets: list[list[str]]) -> li
     return out
 
 
+def resume_then_reshard(mesh, cases, steps: int, save_at: int, into: list[list[str]]) -> dict:
+    """:func:`save_and_resume` for ``cases``, then the first case's checkpoint of step
+    ``save_at`` loaded into the ``into`` layouts (:func:`reshard_into`), in one launch."""
+    return {"resume": save_and_resume(mesh, cases, steps, save_at),
+            "reshard": reshard_into(mesh, cases[0][1], save_at, into)}
+
+
 def generate_tp(mesh, ckpt_dir: str, prompt: list[int], new: int) -> dict:
     """Greedy and sampled tokens under this launch's tensor parallelism."""
     from edu3d.generate import generate, load_model
