@@ -1,17 +1,19 @@
 """Activation recomputation changes memory and time, never the numbers.
 
-Serially and in launched layouts (tp2 with and without SP, pp2 1F1B / interleaved / ZB-H1,
-dp2 ZeRO-3, dp2-tp2-pp2 with ZeRO-1 and ZeRO-3): the gradients of one plain-SGD step and the
-losses and norms of 2 AdamW steps with ``--recompute selective`` and ``full`` equal the same
-layout without recomputation. They come out bitwise equal (the recomputed forward is the
-same deterministic arithmetic); the tests allow 1e-6 relative. And the bytes one layer keeps
-equal :func:`edu3d.parallel.recompute.layer_activation_bytes` exactly, at tp 1, 2, 4 with and
+Serially, and in one launch of 8 ranks (dp2-tp2-pp2: TP with and without SP, 1F1B,
+interleaved and ZB-H1, ZeRO-1 and ZeRO-3; then dp4-tp2 ZeRO-3 on the same ranks): the
+gradients of one plain-SGD step and the losses and norms of 2 AdamW steps with
+``--recompute selective`` and ``full`` equal the same layout without recomputation. They
+come out bitwise equal (the recomputed forward is the same deterministic arithmetic); the
+tests allow 1e-6 relative. And the bytes one layer keeps equal
+:func:`edu3d.parallel.recompute.layer_activation_bytes` exactly, at tp 1, 2, 4 with and
 without SP, the trainer's measured activations included.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from edu3d.memory import activation_bytes_per_layer
 from edu3d.mesh import Layout
 from edu3d.model import GPT, config_from
 from edu3d.parallel.recompute import apply_recompute, layer_activation_bytes, recompute_mode
-from tests.workers_recompute import compare, compare_many, serial_adamw, zero3_and_sweep
+from tests.workers_recompute import all_checks, compare, serial_adamw
 
 TOL = 1e-6
 
@@ -96,43 +98,46 @@ def test_layer_bytes_serial_and_paper_ratio():
             2 * activation_bytes_per_layer(s, b, h, a, recompute="full")
 
 
-LAYOUTS_8 = {
-    "dp2-tp2-pp2 1f1b": "--dp 2 --tp 2 --pp 2 --microbatches 2",
+LAYOUTS_3D = {  # on the dp2-tp2-pp2 mesh of 8 ranks
+    "dp2-tp2-pp2 1f1b": "--dp 2 --tp 2 --pp 2 --microbatches 2 --layers 2",
     "dp2-tp2 sp-pp2 interleaved zero3": "--dp 2 --tp 2 --sp --pp 2 --vpp 2 --schedule "
                                         "interleaved --microbatches 2 --zero 3",
     "dp2-tp2-pp2 zb-h1 zero1": "--dp 2 --tp 2 --pp 2 --schedule zb-h1 --microbatches 2 "
-                               "--zero 1",
+                               "--zero 1 --layers 2",
 }
-LAYOUTS_4 = {
+LAYOUTS_DP4 = {  # on a dp4-tp2 mesh of the same ranks
     # the second micro-batch's forward is the last: it frees the units, and the backward's
     # recomputation runs on the parameters gathered again by ZeRO-3's gradient hooks
-    "dp2 zero3 tp2 sp m2 prefetch": "--dp 2 --tp 2 --sp --zero 3 --microbatches 2 --prefetch",
+    "dp4-tp2 sp zero3 m2 prefetch": "--dp 4 --tp 2 --sp --zero 3 --microbatches 2 --prefetch",
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _launched() -> list[dict]:
+    """Every launched check in one launch of 8 ranks (start-up is the expensive part)."""
+    run = launch(all_checks, 8, args=([v.split() for v in LAYOUTS_3D.values()],
+                                      [v.split() for v in LAYOUTS_DP4.values()],
+                                      config_from("tiny")),
+                 layout=Layout(dp=2, tp=2, pp=2), timeout=300, name="recompute")
+    return run.results
 
 
 def test_launched_layouts_equal_with_recompute():
-    """One launch at world size 8: TP with and without SP, 1F1B, interleaved and ZB-H1
-    (its split I/W backward recomputes the blocks once per pass), ZeRO-1 and ZeRO-3 under
-    pipelining, all in dp2-tp2-pp2. Every rank's result is checked."""
-    argvs = [v.split() for v in LAYOUTS_8.values()]
-    run = launch(compare_many, 8, args=(argvs,), layout=Layout(dp=2, tp=2, pp=2),
-                 timeout=300, name="recompute3d")
-    for rank, results in enumerate(run.results):
-        for name, res in zip(LAYOUTS_8, results):
-            _check(f"{name} rank {rank}", res)
-
-
-def test_zero3_layer_bytes_at_tp_1_2_4_and_repeated_tp_comm():
-    """One launch at world size 4: dp2 ZeRO-3 (gathered again for the recomputed forward in
-    backward; with SP, micro-batches and prefetch too); one layer's saved bytes at tp = 1, 2,
-    4 with and without SP for each mode, on every rank: equal to the formula, byte for byte;
-    and the TP collectives a recomputed layer repeats in backward."""
-    argvs = [v.split() for v in LAYOUTS_4.values()]
-    run = launch(zero3_and_sweep, 4, args=(argvs, config_from("tiny")),
-                 layout=Layout(dp=2, tp=2), timeout=300, name="recompute_zero3")
-    for rank, res in enumerate(run.results):
-        for name, r in zip(LAYOUTS_4, res["parity"]):
+    """dp2-tp2-pp2: TP with and without SP, 1F1B, interleaved and ZB-H1 (its split I/W
+    backward recomputes the blocks in each pass), ZeRO-1 and ZeRO-3 under pipelining; and
+    dp4-tp2 ZeRO-3 with SP, micro-batches and prefetch. Every rank's result is checked."""
+    for rank, res in enumerate(_launched()):
+        for name, r in zip(LAYOUTS_3D, res["3d"]):
             _check(f"{name} rank {rank}", r)
+        for name, r in zip(LAYOUTS_DP4, res["dp4"]):
+            _check(f"{name} rank {rank}", r)
+
+
+def test_layer_bytes_at_tp_1_2_4_and_repeated_tp_comm():
+    """One layer's saved bytes at tp = 1, 2, 4 with and without SP for each mode, on every
+    rank: equal to the formula, byte for byte; and the TP collectives a recomputed layer
+    repeats in backward, from the trace."""
+    for rank, res in enumerate(_launched()):
         rows = res["sweep"]
         assert {(r["tp"], r["sp"]) for r in rows} == {(1, False), (2, False), (2, True),
                                                       (4, False), (4, True)}

@@ -81,15 +81,18 @@ def serial_adamw(argv: list[str], mode: str, steps: int = 3) -> list[dict]:
             for s in range(1, steps + 1)]
 
 
-def zero3_and_sweep(mesh, argvs: list[list[str]], config) -> dict:
-    """:func:`compare_many` on ``mesh``, then one layer's saved bytes at every tp size up to
-    the world (:func:`edu3d.course.memory.recompute_sweep`, untimed), and the tp
-    collectives of one layer per mode (:func:`tp_comm_counts`)."""
+def all_checks(mesh, argvs: list[list[str]], dp4_argvs: list[list[str]], config) -> dict:
+    """Everything the launched recompute test checks, in one launch of 8 ranks:
+    :func:`compare_many` on the dp2-tp2-pp2 ``mesh``, then on a dp4-tp2 mesh of the same
+    ranks; one layer's saved bytes at tp = 1, 2, 4 (:func:`edu3d.course.memory.recompute_sweep`,
+    untimed); and the tp collectives of one layer per mode (:func:`tp_comm_counts`)."""
     from edu3d.course.memory import recompute_sweep
+    from edu3d.mesh import Layout, Mesh
 
-    return {"parity": compare_many(mesh, argvs),
-            "sweep": recompute_sweep(mesh, config, batch=2, time_repeats=0),
-            "comm": tp_comm_counts(mesh, config)}
+    flat = Mesh.build(Layout(dp=4, tp=2))
+    return {"3d": compare_many(mesh, argvs), "dp4": compare_many(flat, dp4_argvs),
+            "sweep": recompute_sweep(flat, config, batch=2, time_repeats=0, max_tp=4),
+            "comm": tp_comm_counts(flat, config)}
 
 
 def tp_comm_counts(mesh, config, batch: int = 2) -> dict:
