@@ -9,7 +9,8 @@ After reading this file you should understand:
 * **full** recomputation (``--recompute full``) keeps only each block's *input*: the block's
   forward runs without saving anything, and backward runs it a second time, saving as usual,
   just before it needs those tensors. Memory per layer drops to the input (``2sbh`` in
-  16-bit); the price is one more forward of every block, about a third more compute;
+  16-bit, ``/t`` under sequence parallelism); the price is one more forward of every block,
+  up to a third more compute (a backward costs about two forwards);
 * **selective** recomputation (``--recompute selective``) recomputes only the *attention
   core* (``softmax(QK^T)V``, :meth:`edu3d.model.CausalSelfAttention.core`), the part whose
   saved tensors grow with ``s^2`` (the ``5as/h`` term: scores, softmax, its dropout) while
@@ -37,7 +38,8 @@ After reading this file you should understand:
   through the attention core).
 
 Recomputation changes memory and time, never the numbers: the recomputed forward is the same
-deterministic arithmetic, so losses and gradients equal the run without it (tests/test_recompute.py).
+deterministic arithmetic, so losses and gradients equal the run without it, bitwise on a CPU
+(``tests/test_recompute.py``). What it costs: ``edu3d bench recompute``.
 """
 
 from __future__ import annotations
