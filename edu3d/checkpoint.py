@@ -175,9 +175,26 @@ def check_resume(args, config) -> int:
     return step
 
 
-def load_pieces(folder: Path, manifest: dict, wanted: list[dict]) -> dict:
-    """The saved pieces that overlap the ``wanted`` placements, by ``(name, kind)``: only the
-    files holding one are read."""
+def check_ckpt_dir(args, config) -> int:
+    """``edu3d train``'s checks of ``--ckpt-dir`` before any process starts; returns the step
+    the run starts after. With ``--resume``: the newest checkpoint's, checked
+    (:func:`check_resume`). Without: the folder must hold no checkpoint, or a restart after a
+    failure would resume from a step of some earlier run."""
+    if not getattr(args, "ckpt_dir", None):
+        return 0
+    if getattr(args, "resume", False):
+        return check_resume(args, config)
+    done = steps(args.ckpt_dir)
+    if done:
+        raise CheckpointError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints (steps "
+                              f"{', '.join(map(str, done))}): add --resume to continue from "
+                              "the newest, or choose an empty folder")
+    return 0
+
+
+def files_needed(folder: Path, manifest: dict, wanted: list[dict]) -> list[str]:
+    """The files of a checkpoint holding a piece that overlaps one of the ``wanted``
+    placements (:func:`edu3d.reshard.overlaps`): the only ones a loading rank reads."""
     index: dict = {}
     for fname, info in manifest["files"].items():
         for place in info["pieces"]:
@@ -189,8 +206,14 @@ def load_pieces(folder: Path, manifest: dict, wanted: list[dict]) -> dict:
             raise CheckpointError(f"{folder / MANIFEST}: no file holds {want['name']} "
                                   f"({want['kind']})")
         files.update(f for f, place in saved if reshard.overlaps(place, want))
+    return sorted(files)
+
+
+def load_pieces(folder: Path, manifest: dict, wanted: list[dict]) -> dict:
+    """The saved pieces that overlap the ``wanted`` placements, by ``(name, kind)``: only the
+    files holding one are read."""
     out: dict = {}
-    for fname in sorted(files):
+    for fname in files_needed(folder, manifest, wanted):
         content = read_file(folder, fname, manifest["files"][fname])
         for place, data in zip(content["pieces"], content["data"]):
             out.setdefault((place["name"], place["kind"]), []).append((place, data))

@@ -189,13 +189,14 @@ def run(args: argparse.Namespace, out=None) -> list[dict]:
     warning = oversubscribed(layout)
     if warning:
         print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
-    if getattr(args, "resume", False):  # a bad checkpoint fails here, before any process
-        from edu3d.checkpoint import check_resume
+    if getattr(args, "ckpt_dir", None):  # a bad checkpoint fails here, before any process
+        from edu3d.checkpoint import check_ckpt_dir
 
-        step = check_resume(args, config)
-        print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
-              f"edu3d train: no complete checkpoint in {args.ckpt_dir}: starting at step 1",
-              file=sys.stderr, flush=True)
+        step = check_ckpt_dir(args, config)
+        if args.resume:
+            print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
+                  f"edu3d train: no complete checkpoint in {args.ckpt_dir}: starting at step 1",
+                  file=sys.stderr, flush=True)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     _describe(args, config, corpus)
     if layout.world_size == 1:

@@ -105,6 +105,8 @@ def test_corrupted_missing_and_foreign_checkpoints_fail_before_any_process(tmp_p
         _train(**{**parallel, "layers": 3})
     with pytest.raises(CheckpointError, match="--seed: checkpoint 0, this run 1"):
         _train(**{**parallel, "seed": 1})
+    with pytest.raises(CheckpointError, match="already holds checkpoints .steps 2.: add --resume"):
+        _train(**{**parallel, "resume": False})  # a restart would resume someone else's step
 
 
 def test_async_save_blocks_for_the_snapshot_only_one_save_in_flight(tmp_path, monkeypatch):
@@ -192,9 +194,17 @@ def test_checkpoint_of_dp2_tp2_pp2_loads_into_other_layouts(dp2_tp2_pp2):
     folder, src = dp2_tp2_pp2
     targets = [M + ["--tp", "4"], M + "--tp 2 --pp 2".split(),
                M + "--dp 2 --pp 2 --zero 3".split(), M]
-    rows = launch(reshard_into, 4, args=(folder, 2, targets), layout=Layout(dp=4), timeout=300,
-                  name="ckpt-reshard", echo=False).results[0]
+    ranks = launch(reshard_into, 4, args=(folder, 2, targets), layout=Layout(dp=4),
+                   timeout=300, name="ckpt-reshard", echo=False).results
+    rows = ranks[0]
     assert len(rows) == len(targets)
+    # tp2-pp2's rank 0 (tp 0, first stage) reads only the files of the writer's ranks with
+    # tp 0 on the first stage: 0 and 2 (dp 0 and dp 1 each wrote half of the ZeRO-1 state)
+    assert rows[1]["files"] == ["rank-00000.pt", "rank-00002.pt"]
+    # its rank 3 (tp 1, last stage): its shards (5, 7), the replicated LayerNorms and biases
+    # that tp 0 wrote (4, 6), the tied head's shard that the first stage wrote (1, 3)
+    assert ranks[3][1]["files"] == [f"rank-0000{r}.pt" for r in (1, 3, 4, 5, 6, 7)]
+    assert len(rows[3]["files"]) == 8  # one process reads every file
     for row in rows:
         diff = abs(row["loss"] - src["full"][2][1])
         print(f"\ndp2-tp2-pp2 -> {' '.join(row['argv'][len(M):]) or 'one process'}: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from edu3d.checkpoint import full_state
+from edu3d.checkpoint import files_needed, full_state, read_manifest, step_dir
 from edu3d.checkpointer import Checkpointer
 from edu3d.data import SyntheticCorpus
 from edu3d.mesh import Layout, Mesh
@@ -58,7 +58,8 @@ def save_and_resume(mesh, cases: list[tuple[list[str], str]], steps: int = 4,
 
 def reshard_into(mesh, ckpt_dir: str, step: int, targets: list[list[str]]) -> list[dict]:
     """Load the checkpoint of ``step`` into each target layout (one process: on rank 0) and train one more step: its loss, and how far the loaded parameters are from
-    the checkpoint's full tensors (gathered back from the new layout's shards)."""
+    the checkpoint's full tensors (gathered back from the new layout's shards), and the
+    files this rank read."""
     _, want = full_state(ckpt_dir, step)
     out = []
     for argv in targets:
@@ -69,12 +70,15 @@ def reshard_into(mesh, ckpt_dir: str, step: int, targets: list[list[str]]) -> li
         config = config_from_args(args)
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
         trainer = _trainer(args, serial)
+        folder = step_dir(ckpt_dir, step)
+        files = files_needed(folder, read_manifest(ckpt_dir, step),
+                             [place for place, _, _ in trainer.checkpoint_slots()])
         kept = Checkpointer(trainer, args).resume(step=step)
         params = trainer.gather("param")
         err = max(float((params[n] - t).abs().max()) for n, t in want.items())
         x, y = corpus.batch(step + 1, args.global_batch)
         rec = trainer.step(x, y, step + 1)
-        out.append({"argv": argv, "kept": len(kept), "param_err": err, **rec})
+        out.append({"argv": argv, "kept": len(kept), "param_err": err, "files": files, **rec})
     return out
 
 
