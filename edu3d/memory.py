@@ -121,14 +121,15 @@ def course_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1
     1/std twice) and ``asb`` log-sum-exps of the fused attention, which keeps no ``s x s``
     matrix. Under TP the LayerNorm inputs and statistics and the QKV and MLP inputs (``4sbh +
     4sb``) stay whole unless SP splits them too. ``recompute="full"`` keeps the block's input
-    (``sbh``, ``/t`` under SP); ``"selective"`` drops the attention core's own saves (its
-    output and log-sum-exps: the Q, K, V it recomputes from stay).
+    (``sbh``, ``/t`` under SP); ``"selective"`` recomputes the attention core from Q, K, V,
+    which stay saved (they are its inputs), as does its output (the output projection's
+    input): only the ``asb`` log-sum-exps go. (The same count as
+    :func:`edu3d.parallel.recompute.layer_activation_bytes`, without torch.)
     """
     if recompute == "full":
         return int(s * b * h * value_bytes / (t if sp else 1))
     whole = 4 * s * b * h + 4 * s * b
-    core = s * b * h + a * s * b  # the attention core's output and log-sum-exps
-    split = 12 * s * b * h + a * s * b - (core if recompute == "selective" else 0)
+    split = 12 * s * b * h + (0 if recompute == "selective" else a * s * b)
     values = (whole + split) / t if sp else whole + split / t
     return int(round(values * value_bytes))
 
