@@ -152,3 +152,18 @@ def test_layer_bytes_at_tp_1_2_4_and_repeated_tp_comm():
             repeated = dict(none["forward"], **{last: none["forward"][last] - 1})
             assert full["backward"] == {op: none["backward"].get(op, 0) + n
                                         for op, n in repeated.items()}, (rank, axis, comm)
+
+
+def test_bench_recompute_agrees_with_torch_checkpointing():
+    """``edu3d bench recompute`` (one repetition at tp 2, inside the launch above): its rows
+    exist, and each row's bytes per layer are the formula's. The benchmark itself raises
+    unless both sides' gradients are bitwise equal (torch's ``checkpoint_wrapper`` and
+    selective checkpointing against edu3d's recomputation)."""
+    rep = _launched()[0]["bench"]
+    c = config_from("tiny")
+    assert rep["benchmark"] == "recompute" and rep["world_size"] == 8
+    for row, mode in zip(rep["results"], ("none", "selective", "full")):
+        assert row["name"] == f"{c.n_layers} blocks {mode}"
+        assert row["edu3d_s"] > 0 and row["reference_s"] > 0
+        assert row["saved_bytes_per_layer"] == layer_activation_bytes(
+            c.seq_len, 2, c.d_model, c.n_heads, t=2, mode=mode)

@@ -85,14 +85,19 @@ def all_checks(mesh, argvs: list[list[str]], dp4_argvs: list[list[str]], config)
     """Everything the launched recompute test checks, in one launch of 8 ranks:
     :func:`compare_many` on the dp2-tp2-pp2 ``mesh``, then on a dp4-tp2 mesh of the same
     ranks; one layer's saved bytes at tp = 1, 2, 4 (:func:`edu3d.course.memory.recompute_sweep`,
-    untimed); and the tp collectives of one layer per mode (:func:`tp_comm_counts`)."""
+    untimed); the tp collectives of one layer per mode (:func:`tp_comm_counts`); and ``edu3d
+    bench recompute`` at tp 2, one repetition (it refuses to time unless edu3d's gradients
+    equal PyTorch's checkpoint wrappers')."""
     from edu3d.course.memory import recompute_sweep
     from edu3d.mesh import Layout, Mesh
+
+    from edu3d.bench.recompute import recompute_benchmark
 
     flat = Mesh.build(Layout(dp=4, tp=2))
     return {"3d": compare_many(mesh, argvs), "dp4": compare_many(flat, dp4_argvs),
             "sweep": recompute_sweep(flat, config, batch=2, time_repeats=0, max_tp=4),
-            "comm": tp_comm_counts(flat, config)}
+            "comm": tp_comm_counts(flat, config),
+            "bench": recompute_benchmark(flat, reps=1, batch=2, config=config)}
 
 
 def tp_comm_counts(mesh, config, batch: int = 2) -> dict:
