@@ -90,12 +90,13 @@ def time_modes(config: GPTConfig, batch: int, tp_group=None, sp: bool = False,
 def recompute_sweep(mesh, config: GPTConfig, batch: int = 2, time_repeats: int = 5,
                     max_tp: int | None = None) -> list[dict]:
     """Every (tp, sp, mode) row on this rank: measured bytes, the two formulas, step time.
-    tp runs over 1, 2, 4, ... up to the launched world or ``max_tp`` (``mesh`` of any
-    layout; sub-meshes are built, collectively, for the other tp sizes)."""
+    tp runs over 1, 2, 4, ... up to the launched world or ``max_tp``, while it divides the
+    heads and the sequence (``mesh`` of any layout; sub-meshes are built, collectively, for
+    the other tp sizes)."""
     n = 1 if mesh is None else mesh.layout.world_size
     rows, t = [], 1
     s, h, a = config.seq_len, config.d_model, config.n_heads
-    while t <= min(n, max_tp or n):
+    while t <= min(n, max_tp or n) and a % t == 0 and s % t == 0:
         if t == 1:
             group = None
         elif t == mesh.size("tp"):
