@@ -118,12 +118,11 @@ class Watch:
         return None
 
     def _verdict(self, ranks: list[int], active: list[int], idle_s: float, why: str) -> dict:
-        r = ranks[0]
-        others = "; ".join(f"rank {o} {describe(self.rec.get(o))}"
-                           for o in range(self.nprocs) if o != r and o in active)
+        """The error's text: who, for how long, and what every rank still running was doing
+        (from its flight record), in rank order."""
+        doing = "; ".join(f"rank {o} {describe(self.rec.get(o))}" for o in active)
         message = (f"hung: no progress for {idle_s:.1f} s (heartbeat {self.seconds:g} s) {why}; "
-                   f"it {describe(self.rec.get(r))}"
-                   + (f", while {others}" if others else ""))
+                   f"{doing}")
         if len(ranks) > 1:
-            message += f" (ranks {ranks} all stalled outside a collective; rank {r} first)"
-        return {"rank": r, "ranks": ranks, "message": message}
+            message += f" (ranks {ranks} all stalled outside a collective; rank {ranks[0]} first)"
+        return {"rank": ranks[0], "ranks": ranks, "message": message}

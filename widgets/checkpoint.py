@@ -1,0 +1,300 @@
+"""Pictures of checkpoints and failures: who writes which numbers, what a reshard reads, a save
+beside the training steps, a run recovering.
+
+After reading this file you should understand how chapter 08's charts are drawn from what
+runs left behind:
+
+* :func:`owners` turns a checkpoint's manifest (every rank's piece placements,
+  :mod:`edu3d.reshard`) into a map of the full tensor saying which rank wrote each number;
+  :func:`piece_map` draws it, :func:`reshard_map` draws a source and a target layout side by
+  side, and :func:`reads` counts, for each rank of the target, how many numbers it takes
+  from each rank of the source (the files it must open);
+* :func:`save_timeline` puts a checkpoint's snapshot and its (background) write under each
+  rank's training steps, from the run's trace events;
+* :func:`recovery_curve` draws the recovered run's loss over the uninterrupted run's ghost,
+  with the failure and the steps redone from the checkpoint marked;
+* :func:`controls` lets a learner pick the layout, the tensor and its kind (parameter or an
+  AdamW moment), and redraws at once from the manifests it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edu3d import reshard
+from edu3d.widgets import style
+
+
+def layout_name(manifest: dict) -> str:
+    lay = manifest["layout"]
+    parts = [f"{k}{lay[k]}" for k in ("dp", "tp", "pp") if lay.get(k, 1) > 1] or ["serial"]
+    return "-".join(parts) + (f" ZeRO-{lay['zero']}" if lay.get("zero") else "")
+
+
+def tensors(manifest: dict, kind: str = "param") -> list[str]:
+    """The tensor names a manifest holds pieces of, in the model's order of first appearance."""
+    names: dict = {}
+    for info in manifest["files"].values():
+        for p in info["pieces"]:
+            if p["kind"] == kind:
+                names.setdefault(p["name"], None)
+    return list(names)
+
+
+def owners(manifest: dict, name: str, kind: str = "param") -> torch.Tensor:
+    """A tensor of the full shape holding, for each number, the rank whose file holds it
+    (-1: no file does, a hole)."""
+    grid = None
+    for info in manifest["files"].values():
+        for place in info["pieces"]:
+            if place["name"] != name or place["kind"] != kind:
+                continue
+            if grid is None:
+                grid = torch.full(place["shape"], -1, dtype=torch.int32)
+            lo, hi = place["flat"]
+            reshard.write(grid, place, torch.full((hi - lo,), info["rank"], dtype=torch.int32))
+    if grid is None:
+        raise KeyError(f"the checkpoint holds no {kind} piece of {name}")
+    return grid
+
+
+def _as_2d(grid: torch.Tensor) -> torch.Tensor:
+    return grid.reshape(1, -1) if grid.dim() == 1 else grid.reshape(grid.shape[0], -1)
+
+
+def _heatmap(grid: torch.Tensor, ranks: list[int], name: str):
+    import plotly.graph_objects as go
+
+    grid2 = _as_2d(grid)
+    n = max(ranks) + 1 if ranks else 1
+    scale = []
+    for r in range(n):  # a discrete colour per rank: flat steps of the scale
+        c = style.group_color(r)
+        scale += [[r / n, c], [(r + 1) / n, c]]
+    return go.Heatmap(z=grid2.tolist(), zmin=0, zmax=n, colorscale=scale, showscale=False,
+                      name=name, hovertemplate="row %{y}, column %{x}: rank %{z}<extra></extra>")
+
+
+def _legend(fig, counts: dict[int, int], total: int, **where) -> None:
+    import plotly.graph_objects as go
+
+    for r, k in sorted(counts.items()):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
+                                 marker={"symbol": "square", "size": 12,
+                                         "color": style.group_color(r)},
+                                 name=f"rank {r}: {k:,} of {total:,}", showlegend=True),
+                      **where)
+
+
+def _counts(grid: torch.Tensor) -> dict[int, int]:
+    values, counts = torch.unique(grid, return_counts=True)
+    return {int(v): int(c) for v, c in zip(values, counts) if v >= 0}
+
+
+def piece_map(manifest: dict, name: str, kind: str = "param", *, title: str | None = None):
+    """The full tensor ``name`` coloured by the rank that wrote each number."""
+    import plotly.graph_objects as go
+
+    grid = owners(manifest, name, kind)
+    counts = _counts(grid)
+    holes = int((grid < 0).sum())
+    fig = go.Figure(_heatmap(grid, list(counts), name))
+    _legend(fig, counts, grid.numel())
+    shape = "x".join(map(str, grid.shape))
+    takeaway = ("every number written once, by one rank" if not holes else
+                f"{holes} numbers in no file: a shard is missing")
+    fig.update_layout(
+        title=style.title_text(title or f"{name} ({kind}, {shape}) in a {layout_name(manifest)} "
+                               f"checkpoint, step {manifest['step']}", takeaway),
+        xaxis_title="column (element index)", yaxis_title="row (element index)",
+        yaxis_autorange="reversed", font=style.FONT, height=360,
+        margin={"t": 80, "l": 70, "r": 20, "b": 50})
+    return fig
+
+
+def reads(source: dict, target: dict, name: str, kind: str = "param") -> dict[int, dict[int, int]]:
+    """``{target rank: {source rank: numbers}}``: what each rank of the target layout reads
+    from each source rank's file to fill the pieces it writes in ``target``."""
+    src = owners(source, name, kind)
+    out: dict[int, dict[int, int]] = {}
+    for info in target["files"].values():
+        for place in info["pieces"]:
+            if place["name"] != name or place["kind"] != kind:
+                continue
+            wanted = reshard.read(src, place)
+            row = out.setdefault(info["rank"], {})
+            for r, k in _counts(wanted).items():
+                row[r] = row.get(r, 0) + k
+    return dict(sorted(out.items()))
+
+
+def reshard_map(source: dict, target: dict, name: str, kind: str = "param"):
+    """``name`` as the source layout wrote it (left) and as the target layout holds it
+    (right); the takeaway lists which source files each target rank opens."""
+    from plotly.subplots import make_subplots
+
+    src, dst = owners(source, name, kind), owners(target, name, kind)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=(f"saved by {layout_name(source)}",
+                                        f"loaded by {layout_name(target)}"))
+    fig.add_trace(_heatmap(src, list(_counts(src)), "source"), row=1, col=1)
+    fig.add_trace(_heatmap(dst, list(_counts(dst)), "target"), row=1, col=2)
+    _legend(fig, {r: k for r, k in _counts(src).items()} | _counts(dst), src.numel(),
+            row=1, col=1)
+    plan = reads(source, target, name, kind)
+    said = "; ".join(f"rank {t} <- " + ", ".join(f"{s}" for s in row)
+                     for t, row in plan.items())
+    fig.update_layout(
+        title=style.title_text(f"Resharding {name} ({kind}): {layout_name(source)} into "
+                               f"{layout_name(target)}", f"files each target rank opens: {said}"),
+        font=style.FONT, height=380, margin={"t": 110, "l": 70, "r": 20, "b": 50})
+    for col in (1, 2):
+        fig.update_xaxes(title_text="column (element index)", row=1, col=col)
+        fig.update_yaxes(title_text="row (element index)", autorange="reversed", row=1, col=col)
+    return fig
+
+
+def save_timeline(events: list[dict], *, title: str | None = None):
+    """Each rank's training steps (one bar per step, from its first to its last event) and,
+    on a lane beneath, the checkpoint's ``ckpt snapshot`` (the step waits for it) and
+    ``ckpt write`` (in the background under ``--async-save``)."""
+    import plotly.graph_objects as go
+
+    real = [e for e in events if not e.get("sim")]
+    t_zero = min(e["t0"] for e in real)
+    steps: dict = {}
+    for e in real:
+        if "step" in e and not e["op"].startswith("ckpt"):
+            key = (e["rank"], e["step"])
+            a, b = steps.get(key, (e["t0"], e["t1"]))
+            steps[key] = (min(a, e["t0"]), max(b, e["t1"]))
+    ranks = sorted({r for r, _ in steps})
+    fig = go.Figure()
+    rows = {}
+    for i, r in enumerate(ranks):
+        rows[(r, "train")], rows[(r, "ckpt")] = f"rank {r} training", f"rank {r} checkpoint"
+    colors = {"step": style.BLUE, "ckpt snapshot": style.VERMILLION, "ckpt write": style.SKY}
+    bars = {k: ([], [], [], []) for k in colors}
+    for (r, s), (a, b) in sorted(steps.items()):
+        xs, base, ys, text = bars["step"]
+        xs.append((b - a) / 1e3), base.append((a - t_zero) / 1e3), ys.append(rows[(r, "train")])
+        text.append(f"step {s}")
+    for e in real:
+        if e["op"] in ("ckpt snapshot", "ckpt write") and e["rank"] in ranks:
+            xs, base, ys, text = bars[e["op"]]
+            xs.append((e["t1"] - e["t0"]) / 1e3), base.append((e["t0"] - t_zero) / 1e3)
+            ys.append(rows[(e["rank"], "ckpt")]), text.append(f"step {e.get('step', '')}")
+    for op, (xs, base, ys, text) in bars.items():
+        if xs:
+            fig.add_trace(go.Bar(x=xs, base=base, y=ys, orientation="h", name=op, text=text,
+                                 textposition="inside", marker_color=colors[op],
+                                 hovertemplate="%{text}: %{base:.1f} ms + %{x:.1f} ms"))
+    order = [rows[(r, k)] for r in ranks for k in ("train", "ckpt")]
+    fig.update_layout(
+        barmode="overlay", font=style.FONT, height=120 + 45 * len(order),
+        title=style.title_text(title or "Checkpoint saves beside the training steps",
+                               "the step waits only for the snapshot; the write overlaps the "
+                               "next steps"),
+        xaxis_title="time since the run's aligned start (ms)",
+        yaxis={"categoryorder": "array", "categoryarray": order[::-1]},
+        margin={"t": 80, "l": 140, "r": 20, "b": 50})
+    return fig
+
+
+def recovery_curve(clean: list[dict], recovered: list[dict], fault_step: int,
+                   resumed_at: int, *, what: str = "rank 1 killed"):
+    """The recovered run's loss (markers) over the uninterrupted run's (ghost line)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[r["step"] for r in clean], y=[r["loss"] for r in clean],
+                             mode="lines", name="uninterrupted run",
+                             line={"color": style.GREY, "width": 10},
+                             opacity=style.GHOST_OPACITY))
+    fig.add_trace(go.Scatter(x=[r["step"] for r in recovered], y=[r["loss"] for r in recovered],
+                             mode="markers", name="recovered run",
+                             marker={"color": style.BLUE, "size": 9}))
+    fig.add_vrect(x0=resumed_at + 0.5, x1=fault_step + 0.5, fillcolor=style.ORANGE,
+                  opacity=0.15, line_width=0,
+                  annotation_text=f"{what} at step {fault_step}; steps {resumed_at + 1}-"
+                                  f"{fault_step} redone from the checkpoint of step {resumed_at}",
+                  annotation_position="top left")
+    same = [r["loss"] for r in recovered] == [r["loss"] for r in clean]
+    fig.update_layout(
+        title=style.title_text("A rank dies, the run restarts from its last checkpoint",
+                               "the recovered losses lie on the uninterrupted run's, "
+                               + ("bit for bit" if same else "but NOT bit for bit")),
+        xaxis_title="step", yaxis_title="loss (nats)", font=style.FONT, height=360,
+        margin={"t": 80, "l": 70, "r": 20, "b": 50})
+    return fig
+
+
+class Controls:
+    """Pick the saved layout, the layout to load into, the tensor and its kind; the piece map
+    and the reshard map redraw from the manifests at once. ``fault_demo`` (a callable
+    returning :func:`recovery_curve`'s figure) backs a button."""
+
+    def __init__(self, manifests: dict[str, dict], fault_demo=None):
+        self.manifests = manifests
+        labels = list(manifests)
+        self.state = {"source": labels[0], "target": labels[-1], "kind": "param",
+                      "name": tensors(manifests[labels[0]])[0]}
+        self.fault_demo, self.fault_fig = fault_demo, None
+        self._box = self._out = None
+        self.redraw()
+
+    def redraw(self, **change) -> None:
+        self.state.update(change)
+        s = self.state
+        src, dst = self.manifests[s["source"]], self.manifests[s["target"]]
+        names = [n for n in tensors(src, s["kind"]) if n in tensors(dst, s["kind"])]
+        if s["name"] not in names:
+            s["name"] = names[0]
+        self.piece_fig = piece_map(src, s["name"], s["kind"])
+        self.reshard_fig = reshard_map(src, dst, s["name"], s["kind"])
+        self._show()
+
+    def run_fault_demo(self) -> None:
+        if self.fault_demo is not None:
+            self.fault_fig = self.fault_demo()
+            self._show()
+
+    @property
+    def widget(self):
+        if self._box is None:
+            import ipywidgets as w
+
+            s, labels = self.state, list(self.manifests)
+            knobs = {
+                "source": w.Dropdown(options=labels, value=s["source"], description="saved by"),
+                "target": w.Dropdown(options=labels, value=s["target"], description="load into"),
+                "kind": w.Dropdown(options=["param", "exp_avg", "exp_avg_sq"], value=s["kind"],
+                                   description="kind"),
+                "name": w.Dropdown(options=tensors(self.manifests[s["source"]]),
+                                   value=s["name"], description="tensor"),
+            }
+            for key, knob in knobs.items():
+                knob.observe(lambda ch, key=key: self.redraw(**{key: ch["new"]}), "value")
+            button = w.Button(description="kill a rank, recover", button_style="warning")
+            button.on_click(lambda _: self.run_fault_demo())
+            self._out = w.Output()
+            self._box = w.VBox([w.HBox(list(knobs.values())[:2] + [button]),
+                                w.HBox(list(knobs.values())[2:]), self._out])
+            self._show()
+        return self._box
+
+    def _show(self) -> None:
+        if self._out is None:
+            return
+        from IPython.display import display
+
+        self._out.clear_output(wait=True)
+        with self._out:
+            display(self.piece_fig, self.reshard_fig, *([self.fault_fig] if self.fault_fig
+                                                         else []))
+
+
+def controls(manifests: dict[str, dict], fault_demo=None) -> Controls:
+    """The chapter's controls; display ``controls(...).widget`` in JupyterLab, or show the
+    static ``piece_fig`` / ``reshard_fig`` without a frontend."""
+    return Controls(manifests, fault_demo)
