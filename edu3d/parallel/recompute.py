@@ -33,9 +33,10 @@ After reading this file you should understand:
   backward starts, so the recomputed forward finds them gathered. Zero-bubble's split
   backward runs several autograd passes over a block: ``I`` recomputes it once, and ``W``
   (torch's ``stage_backward_weight``, one pass per group of weights) once per group: six
-  more forwards of a full-recomputed block here. The gradients are still exact; only the
-  time grows. Selective recomputation costs ``W`` nothing (no weight's gradient passes
-  through the attention core).
+  more forwards of a full-recomputed block here (a pp2 step of the small model took 2.9x
+  ZB-H1's time without recomputation, where 1F1B took 1.3x its own). The gradients are
+  still exact; only the time grows. Selective recomputation costs ``W`` nothing (no
+  weight's gradient passes through the attention core).
 
 Recomputation changes memory and time, never the numbers: the recomputed forward is the same
 deterministic arithmetic, so losses and gradients equal the run without it, bitwise on a CPU
