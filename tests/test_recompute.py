@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 
 import pytest
 import torch
 
 from edu3d.course.memory import measure_layer
 from edu3d.launch import launch
-from edu3d.memory import activation_bytes_per_layer
+from edu3d.memory import activation_bytes_per_layer, course_activation_bytes_per_layer
 from edu3d.mesh import Layout
 from edu3d.model import GPT, config_from
 from edu3d.parallel.recompute import apply_recompute, layer_activation_bytes, recompute_mode
@@ -88,7 +89,8 @@ def test_serial_model_adamw_equal():
 
 def test_layer_bytes_serial_and_paper_ratio():
     """tp 1: measured == formula for every mode and two shapes; fp32 and no dropout against
-    the paper's 16-bit count: full recomputation keeps exactly 2x Korthikanti's bytes."""
+    the paper's 16-bit count: full recomputation keeps exactly 2x Korthikanti's bytes. The
+    planner's torch-free count (:mod:`edu3d.memory`) is the same formula."""
     for c, b in ((config_from("tiny"), 2), (config_from("tiny", seq=16, heads=8), 3)):
         s, h, a = c.seq_len, c.d_model, c.n_heads
         for mode in ("none", "selective", "full"):
@@ -96,6 +98,11 @@ def test_layer_bytes_serial_and_paper_ratio():
                                                                             mode=mode)
         assert layer_activation_bytes(s, b, h, a, mode="full") == \
             2 * activation_bytes_per_layer(s, b, h, a, recompute="full")
+    # the planner's torch-free copy of the count agrees everywhere
+    for t, sp, mode in itertools.product((1, 2, 4), (False, True), ("none", "selective", "full")):
+        assert course_activation_bytes_per_layer(32, 3, 64, 4, t, sp, None if mode == "none"
+                                                 else mode) == \
+            layer_activation_bytes(32, 3, 64, 4, t, sp, mode), (t, sp, mode)
 
 
 LAYOUTS_3D = {  # on the dp2-tp2-pp2 mesh of 8 ranks
