@@ -134,6 +134,26 @@ def course_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1
     return int(round(values * value_bytes))
 
 
+def autocast_activation_bytes_per_layer(s: int, b: int, h: int, a: int,
+                                        recompute: str | None = None) -> int:
+    """What one layer of this course's GPT saves under ``torch.autocast`` (bf16 or fp16,
+    fp32 weights: edu3d's ``--precision``), without TP, in bytes.
+
+    The residual stream stays fp32, so the two LayerNorm inputs (``2sbh``) and their
+    statistics (``4sb``) are 4-byte; each linear layer saves the 16-bit copy of its input
+    it multiplied (QKV and MLP inputs, ``2sbh``) and of its weight (``12h^2`` per layer:
+    autocast casts each weight once per forward and backward needs it); Q, K, V, the
+    attention output and GELU's input and output are 16-bit (``12sbh``); the log-sum-exps
+    fp32 (``asb``). ``"full"`` keeps the fp32 block input (``4sbh``), ``"selective"`` drops
+    the log-sum-exps. Checked on CUDA against the engine's meter (tests/test_planner.py).
+    """
+    if recompute == "full":
+        return 4 * s * b * h
+    fp32 = 2 * s * b * h + 4 * s * b + (0 if recompute == "selective" else a * s * b)
+    half = 2 * s * b * h + 12 * s * b * h + 12 * h * h
+    return 4 * fp32 + 2 * half
+
+
 def measure_activations(forward: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
     """Bytes of the distinct storages ``forward()`` saves for backward (parameters, and
     whatever is in ``exclude``, left out): the activation memory held at the end of forward."""

@@ -95,12 +95,19 @@ def validate(spec: ModelSpec, st: Setup) -> None:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
 
 
-def state_bytes(precision: str, optimizer: str = "adamw") -> tuple[int, int, int]:
-    """Bytes per parameter of (weights, gradients, optimizer state)."""
+def state_bytes(precision: str, optimizer: str = "adamw",
+                autocast: bool = False) -> tuple[int, int, int]:
+    """Bytes per parameter of (weights, gradients, optimizer state). ``autocast``: edu3d's
+    own recipe (``torch.autocast`` over fp32 weights, gradients and moments: 4 + 4 + 8)."""
     moments = 8 if optimizer == "adamw" else 0
-    if precision == "fp32":
+    if precision == "fp32" or autocast:
         return 4, 4, moments
     return 2, 2, 4 + moments  # fp32 master copy + moments: the ZeRO paper's K = 12
+
+
+def _autocast(spec: ModelSpec, st: Setup) -> bool:
+    """A course model in 16 bits runs edu3d's autocast recipe, not Megatron's."""
+    return spec.course and st.precision != "fp32"
 
 
 # ---- parameters per rank -------------------------------------------------------------------------
@@ -147,7 +154,7 @@ def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step)."""
-    pb, gb, ob = state_bytes(st.precision, st.optimizer)
+    pb, gb, ob = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
     step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
     us = units(spec, st, pp_rank)
     full = sum(k for _, u in us for k, _ in u)
@@ -190,6 +197,15 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
         else:
             first = ids + 8 * s
             last = 4 * s * b * h + 8 * s * b + 4 * s * b * h + 4 * s * b * spec.vocab_size + ids
+    elif _autocast(spec, st) and t == 1:
+        layer = memory.autocast_activation_bytes_per_layer(s, b, h, a, rec)
+        ids = 8 * st.global_batch * s
+        first = ids + 8 * s
+        # fp32 final LayerNorm input, the head's 16-bit input and weight copies, its 16-bit
+        # logits and the fp32 log-softmax the loss keeps (on CUDA; the CPU keeps no 16-bit
+        # logits, 2sbV bytes less)
+        last = (4 * s * b * h + 8 * s * b + 2 * s * b * h + 2 * spec.vocab_size * h
+                + 6 * s * b * spec.vocab_size + ids)
     else:
         layer = memory.activation_bytes_per_layer(
             s, b, h, a, t, sp, rec, d_ff=spec.ff, kv_heads=spec.kv_heads, mlp=spec.mlp)
@@ -235,16 +251,25 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     edu3d posts all of a step's receives at its start (one buffer per micro-batch, chunk and
     direction: see :class:`~edu3d.parallel.pp.engine.PipelineEngine`); Megatron keeps about
     two per direction, which is what the planner assumes for real models."""
-    act = 2 if st.precision != "fp32" else 4
+    act = 4 if st.precision == "fp32" or _autocast(spec, st) else 2  # the residual stream
     msg = act * st.micro_batch * spec.seq_len * spec.d_model / (st.tp if st.sp else 1)
     directions = (pp_rank > 0) + (pp_rank < st.pp - 1) if st.pp > 1 else 0
     v = chunks(st.schedule, st.vpp)
     buffers = st.microbatches * v if spec.course else 2
     out = directions * buffers * msg
     if st.zero >= 2:
-        _, gb, _ = state_bytes(st.precision, st.optimizer)
+        _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
         out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank))
     return out
+
+
+def activation_model(spec: ModelSpec, st: Setup) -> str:
+    """Which count the estimate's activations use."""
+    if spec.course and st.precision == "fp32":
+        return "edu3d's GPT in fp32 (exact)"
+    if _autocast(spec, st) and st.tp == 1:
+        return "edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)"
+    return "Korthikanti et al. 2022, 16-bit"
 
 
 # ---- the estimate --------------------------------------------------------------------------------
@@ -266,9 +291,7 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
-               num_params=spec.num_params(), activation_model=(
-                   "edu3d fp32 (exact)" if spec.course and st.precision == "fp32"
-                   else "Korthikanti et al. 2022, 16-bit"))
+               num_params=spec.num_params(), activation_model=activation_model(spec, st))
     return out
 
 

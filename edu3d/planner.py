@@ -118,7 +118,7 @@ def setup_from_args(args) -> tuple[ModelSpec, Setup]:
 
 
 def describe(spec: ModelSpec, st: Setup) -> str:
-    pb, gb, ob = state_bytes(st.precision, st.optimizer)
+    pb, gb, ob = state_bytes(st.precision, st.optimizer, spec.course)
     return (f"dp={st.dp} tp={st.tp} pp={st.pp}" + (f" vpp={st.vpp}" if st.vpp > 1 else "")
             + f" ZeRO-{st.zero}, {st.microbatches} micro-batch(es) of {st.micro_batch} x "
             f"{spec.seq_len} tokens, {st.schedule}, recompute {st.recompute}, {st.precision} "
