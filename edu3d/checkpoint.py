@@ -102,8 +102,9 @@ def read_manifest(root, step: int | None = None) -> dict:
     step = latest_step(root) if step is None else step
     path = step_dir(root, step) / MANIFEST
     if not step or not path.is_file():
-        raise CheckpointError(f"no complete checkpoint {'of step ' + str(step) if step else ''}"
-                              f" in {root} (a complete one has {MANIFEST})")
+        which = f"of step {step} " if step else ""
+        raise CheckpointError(f"no complete checkpoint {which}in {root} (a complete one has "
+                              f"{MANIFEST})")
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -113,9 +114,8 @@ def read_manifest(root, step: int | None = None) -> dict:
     return manifest
 
 
-def read_file(folder: Path, name: str, info: dict) -> dict:
-    """One rank's file, its sha256 checked against the manifest, loaded weights-only."""
-    path = folder / name
+def _checked_bytes(path: Path, info: dict) -> bytes:
+    """The bytes of ``path`` if its sha256 is the one the manifest lists."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing (the manifest lists it)")
     data = path.read_bytes()
@@ -124,7 +124,12 @@ def read_file(folder: Path, name: str, info: dict) -> dict:
         raise CheckpointError(f"{path} is corrupted: its sha256 is {digest[:12]}..., the "
                               f"manifest says {info['sha256'][:12]}... ({len(data)} bytes, "
                               f"expected {info['bytes']})")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    return data
+
+
+def read_file(folder: Path, name: str, info: dict) -> dict:
+    """One rank's file, its sha256 checked against the manifest, loaded weights-only."""
+    return torch.load(io.BytesIO(_checked_bytes(folder / name, info)), weights_only=True)
 
 
 def verify(root, step: int | None = None) -> dict:
@@ -132,13 +137,7 @@ def verify(root, step: int | None = None) -> dict:
     manifest = read_manifest(root, step)
     folder = step_dir(root, manifest["step"])
     for name, info in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing (the manifest lists it)")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != info["sha256"]:
-            raise CheckpointError(f"{path} is corrupted: its sha256 is {digest[:12]}..., the "
-                                  f"manifest says {info['sha256'][:12]}...")
+        _checked_bytes(folder / name, info)
     return manifest
 
 

@@ -235,17 +235,18 @@ class Checkpointer:
         folder = step_dir(self.root, manifest["step"])
         slots = self.trainer.checkpoint_slots()
         saved = load_pieces(folder, manifest, [place for place, _, _ in slots])
-        full: dict = {}
+        by_key: dict = {}
+        for place, view, _ in slots:
+            by_key.setdefault((place["name"], place["kind"]), []).append((place, view))
         with torch.no_grad():
-            for place, view, _ in slots:
-                key = (place["name"], place["kind"])
-                if key not in full:
-                    full[key] = reshard.place_all(saved[key])
-                values, seen = full[key]
-                if not reshard.read(seen, place).all():
-                    raise CheckpointError(f"{folder}: no saved piece covers {key[0]} ({key[1]}) "
-                                          f"box {place['box']}: a shard is missing")
-                view.copy_(reshard.read(values, place))
+            for key, mine in by_key.items():  # one full tensor at a time
+                values, seen = reshard.place_all(saved[key])
+                for place, view in mine:
+                    if not reshard.read(seen, place).all():
+                        raise CheckpointError(f"{folder}: no saved piece covers {key[0]} "
+                                              f"({key[1]}) box {place['box']}: a shard is "
+                                              "missing")
+                    view.copy_(reshard.read(values, place))
         self.trainer.optimizer_step = manifest["optimizer_step"]
         prec, saved_prec = self.trainer.precision, manifest["precision"]
         if prec.mode == saved_prec["mode"]:

@@ -96,8 +96,11 @@ def _slices(box) -> tuple:
 def write(full: torch.Tensor, place: dict, data: torch.Tensor) -> None:
     """Put a piece's ``data`` where ``place`` says in ``full``."""
     block = full[_slices(place["box"])]
-    flat = block.reshape(-1).clone()  # a box of a larger tensor is not contiguous in general
     lo, hi = place["flat"]
+    if (lo, hi) == (0, block.numel()):  # the whole box: a block copy
+        block.copy_(data.reshape(block.shape))
+        return
+    flat = block.reshape(-1).clone()  # a box of a larger tensor is not contiguous in general
     flat[lo:hi] = data.reshape(-1).to(flat.dtype)
     block.copy_(flat.view(block.shape))
 
