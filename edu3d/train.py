@@ -167,8 +167,8 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
         _emit(rec, args, out)
     if ckpt is not None:
         ckpt.close()  # waits for an asynchronous save still in flight
-    if out is not None and not args.json:
-        print(summary(records, seconds), file=out, flush=True)
+    if out is not None and not args.json and seconds:  # the steps this process ran
+        print(summary(records[-len(seconds):], seconds), file=out, flush=True)
     return records
 
 
