@@ -181,11 +181,13 @@ def dp2_tp2_pp2(tmp_path_factory):
     return folder, res.results[0][0]
 
 
+@pytest.mark.slow
 def test_resume_bit_exact_dp2_tp2_pp2_zero1(dp2_tp2_pp2):
     _, res = dp2_tp2_pp2
     assert res["resumed"] == res["full"]  # (step, loss, grad_norm, lr), bit for bit
 
 
+@pytest.mark.slow
 def test_checkpoint_of_dp2_tp2_pp2_loads_into_other_layouts(dp2_tp2_pp2):
     """Into tp4 (a padded vocabulary), tp2-pp2, dp2-pp2 with ZeRO-3 and one process: every
     parameter exactly the checkpoint's, and the next step's loss the uninterrupted run's."""
