@@ -169,6 +169,12 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
         ckpt.close()  # waits for an asynchronous save still in flight
     if out is not None and not args.json and seconds:  # the steps this process ran
         print(summary(records[-len(seconds):], seconds), file=out, flush=True)
+        if ckpt is not None and ckpt.history:
+            blocked = sum(r.get("ckpt_blocked_s", 0.0) for r in records[-len(seconds):])
+            print(f"checkpoints: steps {', '.join(str(h['step']) for h in ckpt.history)} in "
+                  f"{args.ckpt_dir}; training waited {blocked:.2f} s for them"
+                  + (" (written in the background)" if ckpt.background else ""),
+                  file=out, flush=True)
     return records
 
 
