@@ -68,8 +68,8 @@ def describe(ckpt_dir, step: int | None = None) -> str:
     """What ``edu3d ckpt show`` prints."""
     root = Path(ckpt_dir)
     done = steps(root)
-    partial = sorted(d.name for d in root.glob("step-*") if d.is_dir()
-                     and int(d.name[5:]) not in done) if root.is_dir() else []
+    partial = sorted(d.name for d in root.glob("step-*") if d.is_dir() and
+                     d.name[5:].isdigit() and int(d.name[5:]) not in done)
     lines = [f"{root}: complete checkpoints at steps {', '.join(map(str, done)) or 'none'}"]
     if partial:
         lines.append(f"not checkpoints (no manifest, never loaded): {', '.join(partial)}")
