@@ -220,10 +220,12 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
 
 
 def _replayed(schedule: str, pp: int, m: int) -> int:
-    """How many micro-batches to replay: past ``2p`` (a multiple of ``p``) nothing changes
-    in the steady state of 1F1B, interleaved or ZB-H1 (a test checks it), and the replay
-    grows with ``m``; GPipe holds every micro-batch, so its peak is ``m`` itself."""
-    return m if schedule == "gpipe" else min(m, 2 * pp)
+    """How many micro-batches to replay: the steady state of 1F1B and ZB-H1 is reached by
+    ``p`` micro-batches, interleaved's by ``2p`` (a test checks both against the full
+    replay), and a replay grows with ``m``; GPipe holds every micro-batch, so its peak is ``m``."""
+    if schedule == "gpipe":
+        return m
+    return min(m, 2 * pp if schedule == "interleaved" else pp)
 
 
 @lru_cache(maxsize=512)
