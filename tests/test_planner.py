@@ -215,3 +215,28 @@ def test_planner_equals_measurement_under_autocast_on_cuda():
         print(f"\n{recompute}: activations planner/measured {ratio:.5f}; total planner/"
               f"max_memory_allocated {est['total_bytes'] / torch.cuda.max_memory_allocated():.3f}")
         del trainer
+
+
+def test_widget_draws_stages_verdict_and_measured_beside_the_estimate():
+    from edu3d.widgets.memory_plan import controls, stage_bars, zero_stages
+
+    ctl = controls(dict(model="llama2-7b", dp=1, pp=1, precision="bf16", microbatches=8,
+                        micro_batch=1, gpu_mem_gb=80))
+    title = ctl.figure.layout.title.text
+    assert "does NOT fit in 80 GB" in title and ctl.valid
+    assert ctl.figure.layout.yaxis.title.text == "memory (GB)"
+    ctl.redraw(tp=3)
+    assert not ctl.valid and "tp=3 must divide n_heads=32" in ctl.message
+    ctl.redraw(model="tiny", tp=2, dp=2, pp=2, zero=1, precision="fp32", microbatches=2,
+               micro_batch=2, gpu_mem_gb=0.01)
+    assert ctl.valid and "fits in 0.01 GB" in ctl.figure.layout.title.text
+    assert ctl.argv() == ["--model", "tiny", "--dp", "2", "--tp", "2", "--pp", "2", "--zero",
+                          "1", "--microbatches", "2", "--global-batch", "8", "--schedule",
+                          "1f1b", "--recompute", "none"]
+    rows = {r["pp_rank"]: r for r in ctl.estimate["per_stage"]}
+    both = stage_bars(ctl.estimate, rows)
+    groups = {t.offsetgroup for t in both.data}
+    assert groups == {"estimate", "measured"}
+    assert all(t.marker.opacity < 1 for t in both.data if t.offsetgroup == "estimate")
+    zs = zero_stages(7.5e9, 64)
+    assert [round(sum(t.y[i] for t in zs.data), 1) for i in range(4)] == [120.0, 31.4, 16.6, 1.9]
