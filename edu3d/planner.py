@@ -34,7 +34,7 @@ def add_arguments(parser):
 
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", choices=PRESETS, help="a preset: the course's or a real model")
-    what.add_argument("--params", type=_number(1e6, True, "7e9"),
+    what.add_argument("--params", type=_number(1e8, True, "7e9"),
                       help="a GPT-3-shaped model of about this many parameters")
     m = parser.add_argument_group("model overrides")
     for flag, kw in (("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-model", "d_model"),

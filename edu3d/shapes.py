@@ -122,10 +122,14 @@ def spec_from(preset: str, **overrides) -> ModelSpec:
 
 
 def spec_for_params(n: float, seq: int = 2048, vocab: int = 50257) -> ModelSpec:
-    """A GPT-3-shaped model of about ``n`` parameters: ``12·L·h²`` with ``h = 128·L``
-    (GPT-3's width per layer), ``h`` a multiple of 128, heads of 128 dimensions."""
-    if n < 1e6:
-        raise ValueError(f"--params {n:g}: give at least 1e6 parameters (e.g. 7e9)")
-    h = max(128, round((n * 128 / 12) ** (1 / 3) / 128) * 128)
+    """A GPT-3-shaped model of about ``n`` parameters: ``12·L·h²`` with ``h ≈ 128·L``
+    (GPT-3's width per layer), heads of 128 dimensions, ``h`` rounded so that the heads
+    split 8 ways (a multiple of 1024; of 128 below that), the layers then fitted to ``n``."""
+    if n < 1e8:
+        raise ValueError(f"--params {n:g}: give at least 1e8 parameters (e.g. 7e9); below "
+                         "that the vocabulary's tables dominate: use --model with overrides")
+    ideal = (n * 128 / 12) ** (1 / 3)
+    step = 1024 if ideal >= 1024 else 128
+    h = max(128, round(ideal / step) * step)
     layers = max(1, round((n - 2 * vocab * h) / (12 * h * h)))
     return ModelSpec(f"{n / 1e9:.3g}B", layers, h, h // 128, seq, vocab, global_batch=1024)

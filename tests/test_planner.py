@@ -240,3 +240,10 @@ def test_widget_draws_stages_verdict_and_measured_beside_the_estimate():
     assert all(t.marker.opacity < 1 for t in both.data if t.offsetgroup == "estimate")
     zs = zero_stages(7.5e9, 64)
     assert [round(sum(t.y[i] for t in zs.data), 1) for i in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_params_gives_a_gpt3_shaped_model_that_splits_eight_ways():
+    for n in (1.3e9, 7e9, 70e9, 175e9):
+        spec = shapes.spec_for_params(n)
+        assert abs(spec.num_params() / n - 1) < 0.02 and spec.n_heads % 8 == 0, n
+    assert shapes.spec_for_params(175e9).n_layers == 96  # GPT-3's own shape
