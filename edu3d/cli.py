@@ -155,6 +155,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "pp": "edu3d.bench.pp:run_benchmark",
     "tp": "edu3d.bench.tp:run_benchmark",
     "3d": "edu3d.bench.threed:run_benchmark",
+    "recompute": "edu3d.bench.recompute:run_benchmark",
 }
 
 

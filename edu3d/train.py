@@ -257,7 +257,12 @@ def main_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from edu3d.launch import LaunchError, LaunchTimeout
 
     try:
-        check_fit(*check_args(args), args)
+        config, layout = check_args(args)
+        check_fit(config, layout, args)
+        if getattr(args, "ckpt_dir", None):
+            from edu3d.checkpoint import check_ckpt_dir
+
+            check_ckpt_dir(args, config)  # a foreign, corrupted or used folder: before launch
     except ValueError as err:
         parser.error(str(err))
     try:

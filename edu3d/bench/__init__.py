@@ -21,7 +21,10 @@ not depend on how busy the machine is.
 This module is the one harness; each benchmark is a module beside it: :mod:`.comm`
 (collectives and the alpha-beta fit), :mod:`.dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.tp` (DTensor
 tensor parallelism), :mod:`.pp` (``Schedule1F1B``), :mod:`.threed` (the composed dp x tp x pp
-stack) and :func:`launch_overhead` here (``edu3d run`` against a bare torchrun).
+stack), :mod:`.recompute` (activation recomputation against ``checkpoint_wrapper``) and
+:func:`launch_overhead` here (``edu3d run`` against a bare torchrun). :mod:`.gpu` is the one
+that needs CUDA: the memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and
+MFU on one device (``python -m edu3d.bench.gpu``).
 """
 
 from __future__ import annotations
