@@ -232,11 +232,3 @@ def full_state(root, step: int | None = None) -> tuple[dict, dict[str, torch.Ten
         return manifest, {n: reshard.assemble(n, saved[(n, "param")]) for n in names}
     except ValueError as err:
         raise CheckpointError(f"{folder}: {err}") from None
-
-
-def add_subcommand(sub) -> None:
-    """``edu3d ckpt show|export`` (built lazily by :mod:`edu3d.cli`)."""
-    from edu3d.ckpt_tools import add_subcommand as add
-
-    add(sub)
-

@@ -220,7 +220,7 @@ LAZY = {
     "plan": ("will it fit? per-rank memory of a layout, and the best layout for a cluster",
              _module_subcommand("edu3d.planner")),
     "ckpt": ("inspect or export a sharded checkpoint (one consolidated file)",
-             _module_subcommand("edu3d.checkpoint")),
+             _module_subcommand("edu3d.ckpt_tools")),
     "generate": ("generate text from a checkpoint, serially or under tensor parallelism",
                  _module_subcommand("edu3d.generate")),
     "train": ("train the reference GPT, serially or on a parallel layout", _add_train),

@@ -40,7 +40,7 @@ from edu3d.parallel.pp.schedules import build, chunks
 from edu3d.parallel.pp.simulate import simulate
 from edu3d.shapes import ModelSpec, spec_from
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -265,6 +265,18 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     return out
 
 
+def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
+    """The loss's backward on the last pipeline rank: for a moment it holds the gradient of
+    the logits, in their dtype (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit), beside
+    everything the forward kept. With a large vocabulary this is the step's peak: on an H100,
+    GPT-2-small in bf16, ``torch.cuda.max_memory_allocated`` rose exactly ``2sbV`` bytes above
+    what was held when the loss's backward ran (``python -m edu3d.bench.gpu``)."""
+    if pp_rank != st.pp - 1:
+        return 0.0
+    logit = 4 if st.precision == "fp32" else 2
+    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp))
+
+
 def activation_model(spec: ModelSpec, st: Setup) -> str:
     """Which count the estimate's activations use."""
     if spec.course and st.precision == "fp32":
@@ -287,7 +299,8 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
         worst = max((state_per_rank(spec, st, r, i, at) for i in indices),
                     key=lambda d: sum(d.values()))
         row = {"pp_rank": r, **worst, "activations": acts[r],
-               "comm": comm_per_rank(spec, st, r) if at == "peak" else 0.0}
+               "comm": comm_per_rank(spec, st, r) if at == "peak" else 0.0,
+               "transient": transient_per_rank(spec, st, r) if at == "peak" else 0.0}
         row["total"] = sum(row[c] for c in CATEGORIES)
         per_stage.append(row)
     top = max(per_stage, key=lambda row: row["total"])

@@ -20,9 +20,10 @@ from __future__ import annotations
 from edu3d.widgets import style
 
 COLORS = {"params": style.BLUE, "grads": style.ORANGE, "optimizer": style.GREEN,
-          "activations": style.PURPLE, "comm": style.SAND}
+          "activations": style.PURPLE, "comm": style.SAND, "transient": style.GREY}
 NAMES = {"params": "weights", "grads": "gradients", "optimizer": "optimizer state",
-         "activations": "activations", "comm": "comm buffers"}
+         "activations": "activations", "comm": "comm buffers",
+         "transient": "loss-backward peak"}
 DEFAULT = dict(model="tiny", seq=None, micro_batch=2, microbatches=2, dp=2, tp=1, pp=2,
                zero=1, recompute="none", precision="fp32", schedule="1f1b", sp=False,
                gpu_mem_gb=0.01)

@@ -58,28 +58,12 @@ def measure(mesh, argv: list[str]) -> dict:
     x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(
         1, args.global_batch)
     trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
-    _fresh_parameter_addresses(trainer.engine.meter)
     trainer.step(x, y, 1)
     held = memory.measure(trainer.tensors())
     held = {c: held[c] for c in STATE}
     held["activations"] = trainer.engine.peak_activation_bytes
     coord = tuple(mesh.coord) if mesh is not None else (0, 0, 0)
     return {"coord": coord, "bytes": held, "mem_bytes": trainer.stats()["mem_bytes"]}
-
-
-def _fresh_parameter_addresses(meter) -> None:
-    """Make the engine's activation meter look up the parameters' storage addresses at every
-    saved tensor. ZeRO-3 frees a unit after use and gathers it again, possibly elsewhere;
-    an address remembered from an earlier gather may meanwhile hold an activation, which
-    would then be taken for a parameter and not counted (seen: 4.5% of a dp4-tp2 ZeRO-3
-    rank's activations)."""
-    count = meter.pack
-
-    def pack(t):
-        meter.param_ptrs = meter._param_ptrs()
-        return count(t)
-
-    meter.pack = pack
 
 
 def measure_many(mesh, argvs: list[list[str]]) -> list[dict]:

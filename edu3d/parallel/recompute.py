@@ -52,6 +52,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from edu3d import memory
+
 MODES = ("none", "selective", "full")
 
 
@@ -148,10 +150,5 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     """
     if mode not in MODES:
         raise ValueError(f"recompute={mode!r} is not one of {', '.join(MODES)}")
-    if mode == "full":
-        values = s * b * h / (t if sp else 1)
-    else:
-        whole = 4 * s * b * h + 4 * s * b
-        split = 12 * s * b * h + (a * s * b if mode == "none" else 0)
-        values = (whole + split) / t if sp else whole + split / t
-    return int(round(values * value_bytes))
+    return memory.course_activation_bytes_per_layer(
+        s, b, h, a, t, sp, None if mode == "none" else mode, value_bytes)

@@ -50,8 +50,8 @@ class _ActivationMeter:
     """Counts the bytes autograd saves for backward (parameters excluded).
 
     Parameters are recognised by their storage's address *now*: ZeRO-3 frees a unit's
-    storage after use and gathers it again, possibly elsewhere, so the addresses are looked
-    up again whenever a saved tensor's is unknown. A recomputed (checkpointed) block saves
+    storage after use and gathers it again, possibly at an address an activation held
+    meanwhile, so the addresses are looked up at every save. A recomputed (checkpointed) block saves
     only its input here; what its recomputation saves in backward is not held in between."""
 
     def __init__(self, params):
@@ -65,8 +65,7 @@ class _ActivationMeter:
 
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.param_ptrs and ptr not in self._seen:
-            self.param_ptrs = self._param_ptrs()
+        self.param_ptrs = self._param_ptrs()
         if ptr not in self.param_ptrs and ptr not in self._seen:
             self._seen.add(ptr)
             self.bytes += t.untyped_storage().nbytes()
