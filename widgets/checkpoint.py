@@ -71,7 +71,7 @@ def _heatmap(grid: torch.Tensor, ranks: list[int], name: str):
     for r in range(n):  # a discrete colour per rank: flat steps of the scale
         c = style.group_color(r)
         scale += [[r / n, c], [(r + 1) / n, c]]
-    return go.Heatmap(z=grid2.tolist(), zmin=0, zmax=n, colorscale=scale, showscale=False,
+    return go.Heatmap(z=grid2.numpy().astype("int16"), zmin=0, zmax=n, colorscale=scale, showscale=False,
                       name=name, hovertemplate="row %{y}, column %{x}: rank %{z}<extra></extra>")
 
 

@@ -58,7 +58,7 @@ class _Lines(io.TextIOBase):
 
 
 def recovery(kind: str = "kill", rank: int = 1, step: int = 3, save_every: int = 2,
-             heartbeat: float = 3.0, **layout) -> dict:
+             heartbeat: float = 3.0, clean: list[dict] | None = None, **layout) -> dict:
     """The same run twice: uninterrupted, then with ``rank`` failing (``kind``: exit, kill,
     hang) at ``step`` under ``--max-restarts 1``. Returns both runs' records, whether they
     are equal bit for bit, and what the failure cost:
@@ -68,14 +68,19 @@ def recovery(kind: str = "kill", rank: int = 1, step: int = 3, save_every: int =
       after the restart, minus one ordinary step: detection, killing every rank, the new
       launch, loading the checkpoint and redoing the steps since it (measured inside the
       recovered run alone, so a busy machine distorts it less than ``lost_s``);
-    * ``detect_s``: from the failure to the launcher's verdict."""
+    * ``detect_s``: from the failure to the launcher's verdict.
+
+    ``clean``: the records of an uninterrupted run of the same layout and options, if one was
+    already made (it is then not run again, and ``clean_s``/``lost_s`` are None)."""
     from edu3d import train
 
     layout = {"steps": 4, **layout}
-    t0 = time.perf_counter()
-    with redirect_stderr(io.StringIO()):
-        clean = train.run(_args(**layout), out=io.StringIO())
-    clean_s = time.perf_counter() - t0
+    clean_s = None
+    if clean is None:
+        t0 = time.perf_counter()
+        with redirect_stderr(io.StringIO()):
+            clean = train.run(_args(**layout), out=io.StringIO())
+        clean_s = time.perf_counter() - t0
     log, out = _Lines(), _Lines()
     with tempfile.TemporaryDirectory() as ckpt:
         args = _args(**layout, ckpt_dir=ckpt, save_every=save_every, max_restarts=1,
@@ -98,7 +103,8 @@ def recovery(kind: str = "kill", rank: int = 1, step: int = 3, save_every: int =
             == [{k: r[k] for k in KEYS} for r in clean])
     line = restarts[0][1] if restarts else ""
     return {"clean": clean, "recovered": recovered, "clean_s": clean_s,
-            "recovered_s": recovered_s, "lost_s": recovered_s - clean_s, "gap_s": gap,
+            "recovered_s": recovered_s, "gap_s": gap,
+            "lost_s": recovered_s - clean_s if clean_s is not None else None,
             "detect_s": restarts[0][0] - min(injected) if restarts and injected else None,
             "same": same, "restart": line, "resumed_at": _resumed_at([line])}
 
