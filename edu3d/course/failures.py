@@ -116,10 +116,11 @@ def _deaths(rank: int, since: float) -> list[float]:
     found = []
     for folder in runs.list_runs():
         try:
-            died = json.loads((folder / "exits" / f"rank{rank}.json").read_text())["time_ns"]
+            exit_ = json.loads((folder / "exits" / f"rank{rank}.json").read_text())
+            died = exit_["time_ns"]
         except (OSError, ValueError, KeyError):
             continue
-        if died / 1e9 >= since:
+        if exit_.get("code") != 0 and died / 1e9 >= since:  # a death, not a clean end
             found.append(died / 1e9)
     return sorted(found)
 
