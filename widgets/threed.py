@@ -146,34 +146,29 @@ def stage_params(config, pp: int, vpp: int = 1, tp: int = 1) -> list[float]:
 
 
 def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
-                    schedule: str = "1f1b", vpp: int = 1, global_batch: int = 8,
-                    peak_in_flight: list[int] | None = None) -> dict[int, dict]:
-    """Estimated bytes per rank (fp32 Adam: 4+4+8 per parameter): a rank holds its stages'
-    parameters, cut by tp except the replicated ones (:func:`replicated`), ZeRO dividing by
-    dp as in :func:`edu3d.memory.zero_bytes`; activations
-    ``sbh(10 + 24/t + 5as/(ht))`` per layer (doubled: fp32) times the micro-batches the
-    schedule keeps in flight."""
-    from edu3d.memory import activation_bytes_per_layer, zero_bytes
+                    schedule: str = "1f1b", vpp: int = 1,
+                    global_batch: int = 8) -> dict[int, dict]:
+    """Estimated bytes per rank after a step: the planner's count
+    (:mod:`edu3d.plan_memory`, fp32 AdamW), exact for this GPT. A rank holds its stages'
+    parameters, cut by tp except the replicated ones, with ZeRO sharding each unit's flat
+    buffer (padded to a multiple of dp) over the dp ranks; its activations are what each
+    layer of its stages saves per micro-batch, times the micro-batches the schedule keeps in
+    flight (replayed)."""
+    from edu3d import plan_memory
     from edu3d.mesh import Layout
-    from edu3d.parallel.pp.partition import partition
+    from edu3d.shapes import ModelSpec
 
     layout = Layout(dp=dp, tp=tp, pp=pp, vpp=vpp)
-    per_stage = stage_params(config, pp, vpp, tp)
-    layers = [b - a for a, b in partition(config, pp, vpp)]
-    b = max(global_batch // dp // m, 1)
-    act_layer = 2 * activation_bytes_per_layer(config.seq_len, b, config.d_model,
-                                               config.n_heads, t=tp)
-    if peak_in_flight is None:
-        peak_in_flight = simulate_schedule(pp, m, schedule, vpp).peak_in_flight
+    spec = ModelSpec("course", config.n_layers, config.d_model, config.n_heads,
+                     config.seq_len, config.vocab_size, tied=config.tie_weights, course=True)
+    st = plan_memory.Setup(dp=dp, tp=tp, pp=pp, vpp=vpp, zero=zero, microbatches=m,
+                           micro_batch=max(global_batch // (dp * m), 1), schedule=schedule)
+    acts = plan_memory.activations_per_rank(spec, st)
     out = {}
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        stages = [c.pp + k * pp for k in range(vpp)]
-        psi = sum(per_stage[s] for s in stages)
-        est = zero_bytes(int(psi), dp, zero)
-        held = sum(layers[s] for s in stages) / vpp
-        est["activations"] = act_layer * held * peak_in_flight[c.pp]
-        est.pop("total")
+        est = plan_memory.state_per_rank(spec, st, c.pp, c.dp, at="rest")
+        est["activations"] = acts[c.pp]
         out[rank] = est
     return out
 
