@@ -10,7 +10,9 @@ making progress, and whom it blames:
 * a rank **stalls** when it made no progress for ``seconds`` (the heartbeat). Watching starts
   with the run's first note, so importing torch and building the model never count;
 * the run **hangs** when a rank stalls outside any collective while every other rank that is
-  still running waits inside one (they wait for it: it is the one to blame), or when every
+  still running waits inside one (they wait for it: it is the one to blame; when several
+  stall outside a collective, e.g. one blocked in a pipeline receive that notes nothing, the
+  one at the earliest step, then with the oldest note, is named first), or when every
   rank waits inside a collective and none finished one for ``seconds`` (a deadlock; when the
   ranks wait in different operations, a mismatched collective).
 
@@ -100,7 +102,11 @@ class Watch:
             return max(max(times), self.started)
 
         stalled = [r for r in active if now - last_progress(r) > self.seconds]
-        culprits = sorted((r for r in stalled if r not in waiting), key=last_progress)
+        def behind(r: int) -> tuple:  # the furthest behind first: the others wait for it
+            rec = self.rec.get(r) or {}
+            return (rec.get("step", -1), self.noted.get(r, self.started))
+
+        culprits = sorted((r for r in stalled if r not in waiting), key=behind)
         if culprits and all(r in waiting for r in active if r not in culprits):
             return self._verdict(culprits, active, now - last_progress(culprits[0]),
                                  "outside any collective")
