@@ -156,8 +156,9 @@ def reshard_map(source: dict, target: dict, name: str, kind: str = "param"):
 
 def save_timeline(events: list[dict], *, title: str | None = None):
     """Each rank's training steps (one bar per step, from its first to its last event) and,
-    on a lane beneath, the checkpoint's ``ckpt snapshot`` (the step waits for it) and
-    ``ckpt write`` (in the background under ``--async-save``)."""
+    on a lane beneath, the checkpointer's ``ckpt_blocked`` (what the step waited: the
+    snapshot, and the writes unless ``--async-save``) and ``ckpt_write`` (in the background
+    under ``--async-save``), as :class:`edu3d.checkpointer.Checkpointer` traces them."""
     import plotly.graph_objects as go
 
     real = [e for e in events if not e.get("sim")]
@@ -173,14 +174,14 @@ def save_timeline(events: list[dict], *, title: str | None = None):
     rows = {}
     for i, r in enumerate(ranks):
         rows[(r, "train")], rows[(r, "ckpt")] = f"rank {r} training", f"rank {r} checkpoint"
-    colors = {"step": style.BLUE, "ckpt snapshot": style.VERMILLION, "ckpt write": style.SKY}
+    colors = {"step": style.BLUE, "ckpt_blocked": style.VERMILLION, "ckpt_write": style.SKY}
     bars = {k: ([], [], [], []) for k in colors}
     for (r, s), (a, b) in sorted(steps.items()):
         xs, base, ys, text = bars["step"]
         xs.append((b - a) / 1e3), base.append((a - t_zero) / 1e3), ys.append(rows[(r, "train")])
         text.append(f"step {s}")
     for e in real:
-        if e["op"] in ("ckpt snapshot", "ckpt write") and e["rank"] in ranks:
+        if e["op"] in ("ckpt_blocked", "ckpt_write") and e["rank"] in ranks:
             xs, base, ys, text = bars[e["op"]]
             xs.append((e["t1"] - e["t0"]) / 1e3), base.append((e["t0"] - t_zero) / 1e3)
             ys.append(rows[(e["rank"], "ckpt")]), text.append(f"step {e.get('step', '')}")

@@ -131,37 +131,11 @@ def _resumed_at(restarts: list[str]) -> int:
     return int(line.split(marker)[1].split()[0]) if marker in line else 0
 
 
-def saving_worker(mesh, options: dict) -> list[dict]:
-    """:func:`edu3d.train.worker`, with the checkpoint's snapshot and write timed into the
-    trace as ``ckpt snapshot`` and ``ckpt write`` (``step`` = the saved step), so the chapter
-    can draw them beside the training steps."""
-    from edu3d import checkpointer, trace, train
-
-    cls = checkpointer.Checkpointer
-    snapshot, write = cls.snapshot, cls.write
-
-    def timed(fn, op):
-        def wrapper(self, first, *rest):
-            rec = trace.current()
-            step = first["step"] if isinstance(first, dict) else first
-            t0 = rec.now()
-            try:
-                return fn(self, first, *rest)
-            finally:  # record() touches no flight record: safe from the writer thread
-                rec.record("compute", op, t0, rec.now(), step=step)
-        return wrapper
-
-    cls.snapshot, cls.write = timed(snapshot, "ckpt snapshot"), timed(write, "ckpt write")
-    try:
-        return train.worker(mesh, options)
-    finally:
-        cls.snapshot, cls.write = snapshot, write
-
-
 def async_save_run(ckpt_dir: str | Path, **layout) -> dict:
     """A short run saving every step with ``--async-save`` (default) in ``layout``; returns
-    its records, trace events and newest manifest."""
-    from edu3d import checkpoint
+    its records, trace events (the checkpointer's own ``ckpt_blocked`` and ``ckpt_write``
+    beside the steps) and newest manifest."""
+    from edu3d import checkpoint, train
     from edu3d.launch import launch
     from edu3d.options import check_args
 
@@ -169,7 +143,7 @@ def async_save_run(ckpt_dir: str | Path, **layout) -> dict:
                     "ckpt_dir": str(ckpt_dir)})
     _, mesh_layout = check_args(args)
     options = {k: v for k, v in vars(args).items() if not callable(v)}
-    run = launch(saving_worker, mesh_layout.world_size, args=(options,), layout=mesh_layout,
+    run = launch(train.worker, mesh_layout.world_size, args=(options,), layout=mesh_layout,
                  echo=False, timeout=args.timeout, name="async-save")
     return {"records": run.results[0], "events": run.events(),
             "manifest": checkpoint.read_manifest(ckpt_dir)}

@@ -210,15 +210,16 @@ class PipelineEngine:
         rec = trace.current()
         direction = a.kind[-1]
         from_stage = a.stage + (-1 if direction == "F" else 1)
-        t0 = rec.now()
+        ev = rec.begin("comm", "recv", group="pp", n=self.pp, peer=self._peer(from_stage),
+                       mb=a.mb, stage=a.stage, chunk=a.stage // self.pp)
+        rec.waiting(ev)  # the flight record says this rank waits for a peer (the heartbeat)
         if (a.kind, a.stage, a.mb) not in self.posted:
             self._progress(block_on=(direction, from_stage))
         buf = self.posted.pop((a.kind, a.stage, a.mb))
         self.recv_work.pop(id(buf)).wait()
         (self.inputs if direction == "F" else self.grads_in)[(a.stage, a.mb)] = buf
-        rec.record("comm", "recv", t0, rec.now(), group="pp", n=self.pp,
-                   peer=self._peer(from_stage), bytes=buf.numel() * buf.element_size(),
-                   mb=a.mb, stage=a.stage, chunk=a.stage // self.pp)
+        ev["bytes"] = buf.numel() * buf.element_size()
+        rec.end(ev)
 
     # ---- compute ----------------------------------------------------------------------------
     def _forward(self, s: int, i: int) -> None:
