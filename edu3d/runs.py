@@ -99,8 +99,13 @@ def list_runs(root: Path | None = None) -> list[Path]:
     root = root or base()
     if not root.is_dir():
         return []
-    runs = [p for p in root.iterdir() if p.is_dir() and (p / "command.json").exists()]
-    return sorted(runs, key=lambda p: ((p / "command.json").stat().st_mtime, p.name))
+    found = []
+    for p in root.iterdir():
+        try:  # another process may prune a folder between listing and reading it
+            found.append(((p / "command.json").stat().st_mtime, p.name, p))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return [p for _, _, p in sorted(found)]
 
 
 def prune(keep: int, root: Path | None = None, protect: Path | None = None) -> list[Path]:
