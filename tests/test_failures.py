@@ -89,7 +89,9 @@ def uninterrupted(tmp_path_factory):
     return train.run(_train_args(tmp_path_factory.mktemp("ref")), out=io.StringIO())
 
 
-@pytest.mark.parametrize("kind", ["exit", "kill", "hang"])
+# kind=exit takes the same restart path as kill (a RankError); the launcher's report of a
+# Python error is tests/test_launch.py's. A death without a Python error, and a hang, here.
+@pytest.mark.parametrize("kind", ["kill", "hang"])
 def test_max_restarts_recovers_with_the_same_records(tmp_path, monkeypatch, capfd, kind,
                                                      uninterrupted):
     monkeypatch.setenv("EDU3D_RUNS", str(tmp_path / "runs"))

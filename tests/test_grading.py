@@ -60,18 +60,19 @@ def test_there_are_exercise_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_solutions_pass_every_check(path, monkeypatch, tmp_path):
-    ran = execute(path, True, monkeypatch, tmp_path)
+def test_solutions_pass_every_check(path):
+    """The committed outputs of every checked cell are the solutions passing: PASS lines,
+    nothing on stderr, no displayed value. Running the solutions is nbval's: the README's
+    command runs ``exercises/`` with ``EDU3D_SOLUTIONS=1`` and compares each checked cell's
+    outputs with these (a FAIL line, a hint on stderr or a value would differ), so the
+    notebooks are not executed a second time here."""
     committed = checked(nbformat.read(path, as_version=4))
-    for cell, stored in zip(checked(ran), committed, strict=True):
+    for cell in committed:
         lines = stdout_lines(cell)
-        assert lines, f"a checked cell printed nothing:\n{cell.source}"
+        assert lines, f"{path.name}: a checked cell has no committed output:\n{cell.source}"
         assert all(line.startswith("PASS ") for line in lines), "\n".join(lines)
         assert not stdout_lines(cell, "stderr"), stdout_lines(cell, "stderr")
-        assert not values_shown(cell) and not values_shown(stored), cell.source
-        assert lines == stdout_lines(stored), (
-            f"{path.name}: committed outputs differ from the solution's; re-run it with "
-            f"EDU3D_SOLUTIONS=1 and commit the checked cells' outputs")
+        assert not values_shown(cell), cell.source
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
