@@ -285,14 +285,8 @@ class Controls:
         return self._box
 
     def _show(self) -> None:
-        if self._out is None:
-            return
-        from IPython.display import display
-
-        self._out.clear_output(wait=True)
-        with self._out:
-            display(self.piece_fig, self.reshard_fig, *([self.fault_fig] if self.fault_fig
-                                                         else []))
+        style.show_in(self._out, "", self.piece_fig, self.reshard_fig,
+                      *([self.fault_fig] if self.fault_fig else []))
 
 
 def controls(manifests: dict[str, dict], fault_demo=None) -> Controls:

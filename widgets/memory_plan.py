@@ -253,16 +253,7 @@ class Controls:
         return self._box
 
     def _show(self) -> None:
-        if self._out is None:
-            return
-        from IPython.display import display
-
-        self._out.clear_output(wait=True)
-        with self._out:
-            if self.message:
-                print(self.message)
-            if self.valid:
-                display(self.figure)
+        style.show_in(self._out, self.message, *([self.figure] if self.valid else []))
 
 
 def controls(default: dict | None = None) -> Controls:

@@ -124,6 +124,22 @@ def html_export_renderer() -> None:
         pio.renderers.default = "plotly_mimetype+notebook"
 
 
+def show_in(out, message: str = "", *figures) -> None:
+    """Redraw a control panel's output area: the message (a refused layout, a run's
+    result), then the figures. ``out`` None (no frontend: nbval, exported HTML) draws
+    nothing; the chapter shows the default figures itself."""
+    if out is None:
+        return
+    from IPython.display import display
+
+    out.clear_output(wait=True)
+    with out:
+        if message:
+            print(message)
+        if figures:
+            display(*figures)
+
+
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``1 layer``, ``3 layers`` (``words`` for an irregular plural)."""
     return f"{n} {word if n == 1 else (words or word + 's')}"

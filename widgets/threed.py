@@ -348,15 +348,7 @@ class Controls:
         return self._box
 
     def _show(self) -> None:
-        if self._out is None:
-            return
-        from IPython.display import display
-
-        self._out.clear_output(wait=True)
-        with self._out:
-            if self.message:
-                print(self.message)
-            display(self.pipeline_fig, self.memory_fig)
+        style.show_in(self._out, self.message, self.pipeline_fig, self.memory_fig)
 
 
 def controls(default: dict | None = None) -> Controls:
