@@ -78,9 +78,14 @@ class ModelSpec:
 def _course(name: str, tie: bool | None = None) -> ModelSpec:
     from edu3d.model import PRESETS
 
-    c = PRESETS[name]
-    return ModelSpec(name, c.n_layers, c.d_model, c.n_heads, c.seq_len, c.vocab_size,
-                     tied=c.tie_weights if tie is None else tie, course=True)
+    spec = spec_from_config(PRESETS[name], name)
+    return spec if tie is None else dataclasses.replace(spec, tied=tie)
+
+
+def spec_from_config(config, name: str = "course") -> ModelSpec:
+    """The shape of one of this course's :class:`~edu3d.model.GPTConfig` (any overrides)."""
+    return ModelSpec(name, config.n_layers, config.d_model, config.n_heads, config.seq_len,
+                     config.vocab_size, tied=config.tie_weights, course=True)
 
 
 def _gpt2(name, layers, d, heads):

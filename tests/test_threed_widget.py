@@ -91,10 +91,9 @@ def test_memory_estimate_matches_the_measured_parameter_bytes():
     assert counters > 0 and counters % 4 == 0 and counters / 4 <= 60
     # the planner's count, which tests/test_planner.py holds to every layout's measurement
     from edu3d import plan_memory
-    from edu3d.shapes import ModelSpec
+    from edu3d.shapes import spec_from_config
 
-    spec = ModelSpec("course", config.n_layers, config.d_model, config.n_heads,
-                     config.seq_len, config.vocab_size, tied=config.tie_weights, course=True)
+    spec = spec_from_config(config)
     st = plan_memory.Setup(dp=2, tp=2, pp=2, zero=1, microbatches=4, micro_batch=1)
     assert est[4]["activations"] == plan_memory.activations_per_rank(spec, st)[1]
     z3 = threed.memory_estimate(config, dp=2, tp=2, pp=2, zero=3, m=4)

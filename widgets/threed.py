@@ -156,11 +156,10 @@ def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
     flight (replayed)."""
     from edu3d import plan_memory
     from edu3d.mesh import Layout
-    from edu3d.shapes import ModelSpec
+    from edu3d.shapes import spec_from_config
 
     layout = Layout(dp=dp, tp=tp, pp=pp, vpp=vpp)
-    spec = ModelSpec("course", config.n_layers, config.d_model, config.n_heads,
-                     config.seq_len, config.vocab_size, tied=config.tie_weights, course=True)
+    spec = spec_from_config(config)
     st = plan_memory.Setup(dp=dp, tp=tp, pp=pp, vpp=vpp, zero=zero, microbatches=m,
                            micro_batch=max(global_batch // (dp * m), 1), schedule=schedule)
     acts = plan_memory.activations_per_rank(spec, st)
