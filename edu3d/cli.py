@@ -12,6 +12,7 @@
     edu3d ckpt export DIR OUT           one consolidated file from a sharded checkpoint
     edu3d generate --ckpt DIR --prompt "1 2 3"   tokens from a trained checkpoint
     edu3d bench pp --json               edu3d vs PyTorch, side by side
+    edu3d grade [EXERCISE ...] --json   grade the exercises, a score table
     edu3d course                        open the course in JupyterLab
 
 ``edu3d run`` passes torchrun's multi-node options through (``--nnodes``, ``--node-rank``,
@@ -223,6 +224,8 @@ LAZY = {
              _module_subcommand("edu3d.ckpt_tools")),
     "generate": ("generate text from a checkpoint, serially or under tensor parallelism",
                  _module_subcommand("edu3d.generate")),
+    "grade": ("grade the exercises (yours, the solutions, or a learner's folder)",
+              _module_subcommand("edu3d.course.grade")),
     "train": ("train the reference GPT, serially or on a parallel layout", _add_train),
     "schedule": ("print a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1) as data",
                  _add_schedule),

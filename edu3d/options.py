@@ -165,6 +165,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--recompute", choices=RECOMPUTE, default="none",
                      help="activation recomputation: full recomputes each block in backward "
                           "(keeping its input), selective only the attention core" + D)
+    par.add_argument("--impl", choices=("edu3d", "torch"), default="edu3d",
+                     help="edu3d: edu3d's own mechanics; torch: the same layout on PyTorch's "
+                          "own APIs (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor TP, "
+                          "torch.distributed.pipelining)" + D)
     par.add_argument("--timeout", type=_number(0, False, "600"), default=600.0,
                      help="seconds before a parallel run is killed" + D)
     ck = parser.add_argument_group("checkpoints and failures")
@@ -267,6 +271,12 @@ def check_args(args: argparse.Namespace):
         if fault["step"] > args.steps:
             raise LayoutError(f"--inject-fault step={fault['step']}: the run has only "
                               f"{args.steps} steps")
+    if opt("impl") == "torch":  # flags PyTorch's own APIs have no counterpart for
+        from edu3d.production.torch_check import unsupported
+
+        problem = unsupported(args)
+        if problem:
+            raise LayoutError(problem)
     if args.compress and (args.zero or args.dp == 1):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")

@@ -40,7 +40,13 @@ TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Traine
 
 
 def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace) -> Trainer:
-    """The one :class:`~edu3d.trainer.Trainer`, for every layout (``mesh`` None: one process)."""
+    """The one :class:`~edu3d.trainer.Trainer`, for every layout (``mesh`` None: one process);
+    with ``--impl torch`` the same layout on PyTorch's own APIs
+    (:class:`edu3d.production.torch_impl.TorchTrainer`, the same interface)."""
+    if getattr(args, "impl", "edu3d") == "torch":
+        from edu3d.production.torch_impl import TorchTrainer
+
+        return TorchTrainer(model, mesh, args)
     return Trainer(model, mesh, args)
 
 
