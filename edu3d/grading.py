@@ -7,6 +7,12 @@ After reading this file you should understand how an exercise notebook is graded
   environment variable ``EDU3D_SOLUTIONS=1`` is set (the instructor's and CI's setting). The
   variable travels to every rank a check launches, so multi-process checks grade the same
   code.
+* ``EDU3D_SUBMISSION=DIR`` (what ``edu3d grade --submission DIR`` sets) grades one learner's
+  folder instead of ``exercises/``: :func:`load` imports ``DIR/<name>.py``, and a module
+  the folder lacks is the untouched stub from ``exercises/`` (so its checks fail, with the
+  stub's hint). Only exercise module names are looked up there, and the module is compiled
+  from its source without writing a ``__pycache__`` into the learner's folder.
+  ``EDU3D_SOLUTIONS=1`` wins over it.
 * :func:`check` runs one test and prints exactly one line, ``PASS <title>`` or
   ``FAIL <title>`` — nothing else, no timings or addresses. The notebook stores the ``PASS``
   lines, and nbval (``--nbval-lax``, cells marked ``# NBVAL_CHECK_OUTPUT``) compares them:
@@ -38,18 +44,49 @@ def using_solutions() -> bool:
     return os.environ.get("EDU3D_SOLUTIONS", "0").lower() in ("1", "true", "yes")
 
 
-def load(name: str, solutions: bool | None = None) -> ModuleType:
-    """Import ``exercises/<name>.py`` (or ``solutions/<name>.py``) fresh from the checkout."""
+def submission() -> Path | None:
+    """The learner's folder being graded (``EDU3D_SUBMISSION``), or None."""
+    folder = os.environ.get("EDU3D_SUBMISSION")
+    return Path(folder).resolve() if folder else None
+
+
+def source(name: str, solutions: bool | None = None) -> Path:
+    """The file :func:`load` imports for exercise module ``name``: ``solutions/<name>.py``
+    with solutions, else ``<submission>/<name>.py`` when a submission holds it, else the
+    learner's ``exercises/<name>.py``."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise ValueError(f"{name!r} is not an exercise module name (e.g. 'ranks', 'zero1')")
     use = using_solutions() if solutions is None else solutions
-    folder = "solutions" if use else "exercises"
-    path = ROOT / folder / f"{name}.py"
+    if not use and submission() is not None and (submission() / f"{name}.py").is_file():
+        return submission() / f"{name}.py"
+    return ROOT / ("solutions" if use else "exercises") / f"{name}.py"
+
+
+def _label(path: Path) -> str:
+    """``exercises/ranks.py``, ``solutions/ranks.py`` or ``<submission folder>/ranks.py``."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def _graded_file(path: Path) -> bool:
+    folder = path.parent
+    return folder.name in ("exercises", "solutions") or (
+        submission() is not None and folder.resolve() == submission())
+
+
+def load(name: str, solutions: bool | None = None) -> ModuleType:
+    """Import the exercise module ``name`` fresh (from the file :func:`source` names)."""
+    path = source(name, solutions)
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; is edu3d installed from a checkout "
                                 f"(pip install -e .) and is {name!r} an exercise?")
-    spec = importlib.util.spec_from_file_location(f"{folder}.{name}", path)
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    if submission() is not None and path.parent.resolve() == submission():
+        # compiled here, not by the import system: nothing is written into the learner's folder
+        exec(compile(path.read_text(), str(path), "exec"), module.__dict__)  # noqa: S102
+    else:
+        spec.loader.exec_module(module)
     return module
 
 
@@ -60,7 +97,7 @@ def unfinished(name: str, *functions: str) -> str | None:
     Read from the source, without importing or running it: a multi-process check can say
     "not written yet" at once instead of launching ranks that all stop at the stub.
     """
-    path = ROOT / ("solutions" if using_solutions() else "exercises") / f"{name}.py"
+    path = source(name)
     tree = ast.parse(path.read_text())
     for node in tree.body:
         if getattr(node, "name", None) not in functions:
@@ -70,7 +107,7 @@ def unfinished(name: str, *functions: str) -> str | None:
                     sub.exc.func, "id", None) == "NotImplementedError":
                 args = sub.exc.args
                 text = args[0].value if args and isinstance(args[0], ast.Constant) else ""
-                return f"{node.name} is not written yet ({path.parent.name}/{path.name}): " \
+                return f"{node.name} is not written yet ({_label(path)}): " \
                        f"{_strip_hint(str(text))}"
     return None
 
@@ -101,8 +138,8 @@ def _where(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     for fr in reversed(frames):
         path = Path(fr.filename)
-        if path.parent.name in ("exercises", "solutions"):
-            return f" ({path.parent.name}/{path.name}, line {fr.lineno}, in {fr.name})"
+        if _graded_file(path):
+            return f" ({_label(path)}, line {fr.lineno}, in {fr.name})"
     return ""
 
 

@@ -5,19 +5,23 @@
   compares);
 * with the untouched stubs (``EDU3D_SOLUTIONS=0``) every check line is ``FAIL``: a learner
   can never pass by leaving the exercise as it is; and every failure says why in one hint
-  line (no traceback through the grader, no stray ``True``/``False`` value, no hint repeated
-  down the cell).
+  line (no traceback through the grader, no stray ``True``/``False`` value). That run is
+  ``edu3d grade --json`` itself, once for all the notebooks (each in a fresh kernel), so the
+  command a learner and an instructor use is the one proven here.
 
 Plus unit tests of :func:`edu3d.grading.load` and :func:`edu3d.grading.check`.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from edu3d import grading
 
@@ -41,16 +45,20 @@ def values_shown(cell) -> list:
     return [o for o in cell.get("outputs", []) if o.get("output_type") != "stream"]
 
 
-def execute(path: Path, solutions: bool, monkeypatch, runs: Path) -> nbformat.NotebookNode:
-    """Run a notebook top to bottom in a fresh kernel that sees EDU3D_SOLUTIONS (the kernel
-    inherits this process's environment; runs it launches go to ``runs``)."""
-    nb = nbformat.read(path, as_version=4)
-    monkeypatch.setenv("EDU3D_SOLUTIONS", "1" if solutions else "0")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("EDU3D_RUNS", str(runs))
-    NotebookClient(nb, timeout=240, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    return nb
+def edu3d_grade(*args: str, env: dict | None = None, timeout: float = 900):
+    """``edu3d grade ARGS`` as a learner types it; (exit code, stdout, stderr)."""
+    run = subprocess.run([sys.executable, "-m", "edu3d.cli", "grade", *args],
+                         capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return run.returncode, run.stdout, run.stderr
+
+
+@pytest.fixture(scope="module")
+def stubs_graded(tmp_path_factory):
+    """``edu3d grade --json`` on the untouched stubs: every notebook once, in its own kernel."""
+    env = {"EDU3D_SOLUTIONS": "0", "EDU3D_RUNS": str(tmp_path_factory.mktemp("runs"))}
+    code, out, err = edu3d_grade("--json", env=env)
+    return code, json.loads(out), err
 
 
 def test_there_are_exercise_notebooks():
@@ -75,20 +83,31 @@ def test_solutions_pass_every_check(path):
         assert not values_shown(cell), cell.source
 
 
+def test_edu3d_grade_fails_the_untouched_stubs_with_exit_code_1(stubs_graded):
+    code, report, err = stubs_graded
+    assert code == 1, err
+    assert report["graded"] == "exercises" and report["passed"] == 0 < report["total"]
+    assert list(report["exercises"]) == [p.stem for p in NOTEBOOKS]
+    progress = [ln for ln in err.splitlines() if ln.startswith("[")]
+    assert len(progress) == len(NOTEBOOKS) and all(" 0/" in ln for ln in progress), err
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_untouched_stubs_fail_every_check(path, monkeypatch, tmp_path):
-    ran = execute(path, False, monkeypatch, tmp_path)
+def test_untouched_stubs_fail_every_check(path, stubs_graded):
+    """Every check the solutions pass (the committed PASS lines) fails on the stubs, each
+    failure with its own one-line hint printed under it by the notebook, and no checked
+    cell shows anything but verdicts."""
+    graded = stubs_graded[1]["exercises"][path.stem]
     committed = checked(nbformat.read(path, as_version=4))
-    for cell, stored in zip(checked(ran), committed, strict=True):
-        lines = stdout_lines(cell)
-        assert len(lines) == len(stdout_lines(stored)), "\n".join(lines)
-        assert all(line.startswith("FAIL ") for line in lines), "\n".join(lines)
-        hints = stdout_lines(cell, "stderr")
-        assert len(hints) == len(lines), "one hint per failure:\n" + "\n".join(hints)
-        assert all(h.startswith("  hint: ") and len(h) > 20 for h in hints), hints
-        assert not any("Traceback" in h or 'File "' in h for h in hints), hints
-        assert len(set(hints)) > 1 or len(hints) == 1 or hints[1] == "  hint: the same as above"
-        assert not values_shown(cell), values_shown(cell)
+    assert graded["total"] == sum(len(stdout_lines(c)) for c in committed) > 0
+    assert graded["passed"] == 0 and len(graded["failures"]) == graded["total"], graded
+    for cell in graded["cells"]:
+        assert cell["error"] is None, cell  # the notebook ran; its checks said FAIL
+        assert cell["hints"] == cell["checks"], f"one hint per failure: {cell}"
+        assert cell["shown"] == 0, f"a checked cell displayed a value: {cell}"
+    hints = [f["hint"] for f in graded["failures"]]
+    assert all(len(h) > 20 for h in hints), hints
+    assert not any("Traceback" in h or 'File "' in h for h in hints), hints
 
 
 # ---- grading.load / grading.check ------------------------------------------------------------
