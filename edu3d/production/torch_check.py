@@ -1,11 +1,69 @@
 """Which ``edu3d train`` options ``--impl torch`` can honour (torch-free: checked before any
-process starts)."""
+process starts).
+
+``--impl torch`` runs the same layout on PyTorch's own parallel APIs
+(:mod:`edu3d.production.torch_impl`). Some of edu3d's options are edu3d's own teaching
+mechanics (four gradient averagers, compression hooks, a hand-scheduled ZeRO-3 prefetch,
+overlapped TP matmuls) or machinery PyTorch's APIs leave to the training script
+(checkpoints, fault injection); for each, :func:`unsupported` names the flag and says what
+to do instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 
+def _opt(args: argparse.Namespace, name: str, default=None):
+    return getattr(args, name, default)
+
+
 def unsupported(args: argparse.Namespace) -> str | None:
     """Why ``args`` cannot run on PyTorch's own APIs (the flag named), or None."""
+    why = "--impl torch runs the layout on PyTorch's own APIs, which have "
+    if _opt(args, "dp_impl", "bucketed") != "bucketed":
+        return (f"--dp-impl {args.dp_impl}: {why}one data-parallel averager, DDP's bucketed "
+                "all-reduce; drop --dp-impl (or use --impl edu3d to compare the four)")
+    if _opt(args, "compress"):
+        return (f"--compress {args.compress}: {why}no built-in gradient compression in this "
+                "bridge (DDP comm hooks are a separate API); drop --compress or use --impl edu3d")
+    if _opt(args, "prefetch"):
+        return (f"--prefetch: {why}FSDP2, which prefetches the next unit by itself; drop "
+                "--prefetch")
+    if _opt(args, "tp_overlap"):
+        return (f"--tp-overlap: {why}no overlapped tensor-parallel matmul on CPU (async TP "
+                "needs CUDA symmetric memory); drop --tp-overlap or use --impl edu3d")
+    if _opt(args, "offload"):
+        return (f"--offload: {why}FSDP2's CPUOffloadPolicy, which moves parameters and "
+                "gradients too, not only the optimizer state; drop --offload or use --impl edu3d")
+    if _opt(args, "partition", "uniform") != "uniform":
+        return (f"--partition {args.partition}: the PyTorch pipeline is cut at edu3d's "
+                "uniform layer boundaries only; drop --partition or use --impl edu3d")
+    if _opt(args, "recompute", "none") == "selective":
+        return ("--recompute selective: edu3d recomputes only the attention core, a method, "
+                "not a module PyTorch's checkpoint_wrapper can wrap; use --recompute full "
+                "(checkpoint_wrapper around each block) or --impl edu3d")
+    if _opt(args, "precision", "fp32") != "fp32":
+        return (f"--precision {args.precision}: this bridge trains in fp32 only (edu3d's "
+                "autocast and loss scaler are not mapped onto FSDP2's MixedPrecisionPolicy "
+                "here); drop --precision or use --impl edu3d")
+    for flag in ("ckpt_dir", "resume", "save_every", "async_save", "max_restarts",
+                 "inject_fault"):
+        if _opt(args, flag):
+            name = "--" + flag.replace("_", "-")
+            return (f"{name}: edu3d's checkpoints and fault injection work on edu3d's "
+                    "trainer, not on PyTorch's (that would be torch.distributed.checkpoint); "
+                    f"drop {name} or use --impl edu3d")
+    pp, tp = _opt(args, "pp", 1) or 1, _opt(args, "tp", 1) or 1
+    tie = _opt(args, "tie")
+    if tie is None:
+        tie = _opt(args, "model") == "gpt2-small"  # the preset that ties (edu3d.model.PRESETS)
+    if tie and pp > 1:
+        return ("--tie with --pp > 1: torch.distributed.pipelining gives each stage its own "
+                "module, with no embedding group to keep a tied matrix on two stages equal; "
+                "drop --tie or use --impl edu3d")
+    if _opt(args, "zero", 0) == 1 and tp > 1:
+        return ("--zero 1 with --tp > 1: ZeroRedundancyOptimizer shards plain tensors over "
+                "DDP and cannot take tensor-parallel DTensors; use --zero 2 or 3 (FSDP2 over "
+                "the dp axis of the same mesh) or --impl edu3d")
     return None

@@ -1,0 +1,182 @@
+"""``python -m edu3d.production.compare``: each layout on edu3d's mechanics and on PyTorch's
+own APIs (``--impl torch``), side by side.
+
+For every layout: the same model, seed and batches through edu3d's
+:class:`~edu3d.trainer.Trainer`, through :class:`~edu3d.production.torch_impl.TorchTrainer`
+and through the serial reference step (:func:`edu3d.train.train_step`):
+
+* **gradients**, with plain SGD (Adam would hide a wrong ``1/dp`` or ``1/m``): the gradient
+  norm of steps 1 and 2 and the loss of step 2 (which the first update produced);
+* **5 AdamW steps**: the worst relative difference of the loss, torch against edu3d and
+  against serial;
+* **speed**: the median step time of steps 2-5, torch over edu3d (step 1 builds the
+  pipeline's buffers and the communicators).
+
+Layouts of one world size share one launch: inside the ranks each layout builds its own
+meshes and its own fresh model. ``--json`` prints one object per layout instead of a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+LAYOUTS = {
+    "dp2": "--dp 2",
+    "dp2 ZeRO-1": "--dp 2 --zero 1",
+    "dp2 ZeRO-2": "--dp 2 --zero 2",
+    "dp2 ZeRO-3": "--dp 2 --zero 3",
+    "tp2": "--tp 2",
+    "tp2 SP": "--tp 2 --sp",
+    "pp2 1F1B": "--pp 2 --schedule 1f1b --microbatches 4",
+    "pp2 interleaved": "--pp 2 --schedule interleaved --vpp 2 --microbatches 4",
+    "pp2 gpipe": "--pp 2 --schedule gpipe --microbatches 4",
+    "dp2-tp2-pp2": "--dp 2 --tp 2 --pp 2 --microbatches 4",
+    "dp4-tp2": "--dp 4 --tp 2 --zero 3",
+}
+
+
+def options(argv: list[str]) -> argparse.Namespace:
+    from edu3d.options import add_arguments, check_args
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    check_args(args)
+    return args
+
+
+def world_size(argv: list[str]) -> int:
+    get = {k: int(argv[argv.index(f"--{k}") + 1]) if f"--{k}" in argv else 1
+           for k in ("dp", "tp", "pp")}
+    return get["dp"] * get["tp"] * get["pp"]
+
+
+def _run(trainer, corpus, args, steps: int) -> tuple[list[dict], list[float]]:
+    recs, secs = [], []
+    for s in range(1, steps + 1):
+        x, y = corpus.batch(s, args.global_batch)
+        t0 = time.perf_counter()
+        recs.append(trainer.step(x, y, s))
+        secs.append(time.perf_counter() - t0)
+    return recs, secs
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
+    """One layout (every rank calls): torch vs serial with SGD and AdamW, and (``edu3d_too``)
+    torch vs edu3d with AdamW, with step times."""
+    import torch
+
+    from edu3d.data import SyntheticCorpus
+    from edu3d.mesh import Layout, Mesh
+    from edu3d.model import GPT
+    from edu3d.optim import make_optimizer
+    from edu3d.options import config_from_args
+    from edu3d.production.torch_impl import TorchTrainer
+    from edu3d.train import train_step
+    from edu3d.trainer import Trainer
+
+    adam = options([*argv, "--impl", "torch"])
+    sgd = options([*argv, "--impl", "torch", "--optimizer", "sgd", "--lr", "0.1"])
+    layout = Layout(dp=adam.dp, tp=adam.tp, pp=adam.pp, vpp=adam.vpp)
+    mesh = Mesh.build(layout)
+    config = config_from_args(adam)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=adam.seed)
+
+    def serial(args, n):
+        model = GPT(config, seed=args.seed)
+        opt = make_optimizer(model, args)
+        return [train_step(model, opt, *corpus.batch(s, args.global_batch), s, args)
+                for s in range(1, n + 1)]
+
+    out = {"argv": argv, "world_size": layout.world_size}
+    ref = serial(sgd, 2)
+    ours, _ = _run(TorchTrainer(GPT(config, seed=sgd.seed), mesh, sgd), corpus, sgd, 2)
+    out["sgd_norm_err"] = max(_rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(ours, ref))
+    out["sgd_loss2_err"] = _rel(ours[1]["loss"], ref[1]["loss"])
+    ref = serial(adam, steps)
+    torch_recs, torch_s = _run(TorchTrainer(GPT(config, seed=adam.seed), mesh, adam), corpus,
+                               adam, steps)
+    out["losses_torch"] = [r["loss"] for r in torch_recs]
+    out["losses_serial"] = [r["loss"] for r in ref]
+    out["adam_loss_err_serial"] = max(_rel(a["loss"], b["loss"]) for a, b in zip(torch_recs, ref))
+    out["adam_norm_err_serial"] = max(_rel(a["grad_norm"], b["grad_norm"])
+                                      for a, b in zip(torch_recs, ref))
+    if edu3d_too:
+        edu = options(argv)
+        edu_recs, edu_s = _run(Trainer(GPT(config, seed=edu.seed), mesh, edu), corpus, edu, steps)
+        out["losses_edu3d"] = [r["loss"] for r in edu_recs]
+        out["adam_loss_err_edu3d"] = max(_rel(a["loss"], b["loss"])
+                                         for a, b in zip(torch_recs, edu_recs))
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        out["step_s_torch"] = med(torch_s[1:])
+        out["step_s_edu3d"] = med(edu_s[1:])
+        # the slowest rank's time is the step's: take the max over ranks
+        t = torch.tensor([out["step_s_torch"], out["step_s_edu3d"]], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        out["step_s_torch"], out["step_s_edu3d"] = t.tolist()
+        out["time_ratio"] = out["step_s_torch"] / out["step_s_edu3d"]
+    mesh.release()
+    return out
+
+
+def parity_many(mesh, argvs: list[list[str]], steps: int = 5, edu3d_too: bool = True) -> list:
+    """:func:`parity` for several layouts of one world size, in one launch."""
+    return [parity(argv, steps, edu3d_too) for argv in argvs]
+
+
+def measure(names: list[str], steps: int = 5, edu3d_too: bool = True,
+            timeout: float = 600) -> dict[str, dict]:
+    """Run the named layouts (one launch per world size); results by name."""
+    from edu3d.launch import launch
+
+    by_ws: dict[int, list[str]] = {}
+    for n in names:
+        by_ws.setdefault(world_size(LAYOUTS[n].split()), []).append(n)
+    out = {}
+    for ws, group in sorted(by_ws.items()):
+        run = launch(parity_many, ws, args=([LAYOUTS[n].split() for n in group], steps,
+                                            edu3d_too), timeout=timeout, name="torchimpl")
+        out.update(zip(group, run.results[0]))
+    return out
+
+
+def table(results: dict[str, dict]) -> str:
+    rows = [f"{'layout':<16} {'loss edu3d':>10} {'loss torch':>10} {'worst rel':>9} "
+            f"{'vs serial':>9} {'sgd norm':>8} {'edu3d s':>8} {'torch s':>8} {'torch/edu3d':>11}"]
+    for name, r in results.items():
+        rows.append(f"{name:<16} {r['losses_edu3d'][-1]:>10.5f} {r['losses_torch'][-1]:>10.5f} "
+                    f"{r['adam_loss_err_edu3d']:>9.1e} {r['adam_loss_err_serial']:>9.1e} "
+                    f"{r['sgd_norm_err']:>8.1e} {r['step_s_edu3d']:>8.4f} "
+                    f"{r['step_s_torch']:>8.4f} {r['time_ratio']:>11.2f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m edu3d.production.compare",
+        description="Each layout on edu3d's mechanics and on PyTorch's own APIs: the loss "
+                    "after 5 AdamW steps (worst relative difference over the steps) and the "
+                    "median step time of steps 2-5 (slowest rank).")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS),
+                        default=[n for n in LAYOUTS if n != "dp4-tp2"], metavar="NAME",
+                        help="layouts to run (default: all of world size 2 and 4): "
+                             + ", ".join(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=5, help="AdamW steps (default: 5)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per layout")
+    args = parser.parse_args(argv)
+    results = measure(args.layouts, args.steps)
+    if args.json:
+        for name, r in results.items():
+            print(json.dumps({"layout": name, **r}))
+    else:
+        print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
