@@ -281,6 +281,7 @@ class Controls:
             self._out = w.Output()
             self._box = w.VBox([w.HBox(list(knobs.values())[:2] + [button]),
                                 w.HBox(list(knobs.values())[2:]), self._out])
+            self._box.add_class("edu3d-controls")  # what the browser test turns
             self._show()
         return self._box
 

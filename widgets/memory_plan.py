@@ -249,6 +249,7 @@ class Controls:
             items = list(knobs.values())
             self._box = w.VBox([w.HBox(items[:4]), w.HBox(items[4:8]),
                                 w.HBox(items[8:] + [button]), self._out])
+            self._box.add_class("edu3d-controls")  # what the browser test turns
             self._show()
         return self._box
 
