@@ -25,9 +25,11 @@ CAT_COLORS = {"params": style.BLUE, "grads": style.ORANGE, "optimizer": style.VE
 FIRST_SHARDED_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
 
 
-def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 1):
+def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 1,
+                        menu: bool = True):
     """``units``: ``(name, numel, padded)`` per flat unit, in order (see
-    :class:`edu3d.parallel.zero.FlatUnit`)."""
+    :class:`edu3d.parallel.zero.FlatUnit`). ``menu``: the figure's own dropdown through the
+    stages (off in a control panel, whose stage knob redraws the figure)."""
     import plotly.graph_objects as go
 
     starts, pos = [], 0
@@ -69,7 +71,7 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
         return held[st]
 
     fig = go.Figure(traces(stage))
-    buttons = [{"label": f"stage {st}", "method": "update",
+    buttons = [] if not menu else [{"label": f"stage {st}", "method": "update",
                 "args": [{"base": [bars(st)[c][1] for c in CATS],
                           "x": [bars(st)[c][2] for c in CATS],
                           "y": [bars(st)[c][0] for c in CATS]},
@@ -79,8 +81,10 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
     style.frame(fig, f"ZeRO-{stage} sharding map, {n} ranks", takeaway(stage),
                 x="position in the flat parameter vector (elements)",
                 height=140 + 24 * len(rows))
-    fig.update_layout(barmode="overlay", updatemenus=[{"buttons": buttons, "active": stage,
-                                                       "x": 1.0, "xanchor": "right", "y": 1.18}])
+    fig.update_layout(barmode="overlay")
+    if menu:
+        fig.update_layout(updatemenus=[{"buttons": buttons, "active": stage, "x": 1.0,
+                                        "xanchor": "right", "y": 1.18}])
     fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
     for (name, _, _), s0 in zip(units, starts):
         fig.add_vline(x=s0, line={"color": style.GREY, "width": 1, "dash": "dot"})

@@ -1,0 +1,128 @@
+"""Chapters 03-05's control panels without a browser: knobs redraw the predictions at once,
+invalid settings say why, and one real tensor-parallel run lands on its prediction."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+
+from edu3d.course import controls_parallel as cp  # noqa: E402
+from edu3d.memory import zero_bytes  # noqa: E402
+from edu3d.parallel.pp.simulate import bubble_formula  # noqa: E402
+from edu3d.widgets import controls_parallel as panels  # noqa: E402
+
+
+def _title(fig) -> str:
+    return fig.layout.title.text
+
+
+def _first_dropdown(ctl):
+    import ipywidgets as w
+
+    box = ctl.widget
+    assert "edu3d-controls" in box._dom_classes
+    first = next(iter(ctl._knobs.values()))
+    assert isinstance(first, w.Dropdown)
+    assert box is ctl.widget  # built once
+    return first
+
+
+def test_zero_panel_predicts_every_stage_and_redraws_at_once():
+    ctl = panels.zero_controls(stage=1, n=4)
+    pred = ctl.prediction
+    psi = pred["psi"]
+    assert psi == sum(numel for _, numel, _ in pred["units"])
+    for stage in range(4):
+        assert pred["formula"][stage]["total"] == zero_bytes(psi, 4, stage)["total"]
+        # the planner's exact count: padding and Adam's step counters, well within 1 %
+        assert pred["estimate"][stage]["total"] == pytest.approx(
+            pred["formula"][stage]["total"], rel=0.01)
+    assert pred["traffic"] == {0: 8 * psi, 1: 8 * psi, 2: 8 * psi, 3: 12 * psi}
+    assert "4Ψ + 4Ψ + 8Ψ/N" in _title(ctl.memory_fig)
+    assert not ctl.sharding_fig.layout.updatemenus  # the panel's dropdown drives it
+    rows = {y for t in ctl.sharding_fig.data for y in t.y}
+    assert len(rows) == 4 * 3
+
+    first = _first_dropdown(ctl)
+    before = (_title(ctl.sharding_fig), _title(ctl.memory_fig), _title(ctl.traffic_fig))
+    first.value = 3  # what a learner does in JupyterLab
+    assert ctl.state["stage"] == 3
+    assert "ZeRO-3 sharding map" in _title(ctl.sharding_fig)
+    assert "(4+4+8)Ψ/N" in _title(ctl.memory_fig) and "3Ψ" in _title(ctl.traffic_fig)
+    assert before != (_title(ctl.sharding_fig), _title(ctl.memory_fig),
+                      _title(ctl.traffic_fig))
+    ctl.redraw(n=8)
+    assert len({y for t in ctl.sharding_fig.data for y in t.y}) == 8 * 3
+    assert all(padded % 8 == 0 for _, _, padded in ctl.prediction["units"])
+    assert ctl.prediction["formula"][3]["total"] == pytest.approx(16 * psi / 8)
+
+
+def test_tp_panel_predictions_and_redraw():
+    ctl = panels.tp_controls(tp=2, kind="column", sp=False)
+    for kind in ("column", "row"):
+        part = ctl.split[0][kind]
+        assert (part["result"] - ctl.split[0]["serial"]).abs().max() < 1e-5
+    assert ctl.split[1]["column"]["w"].shape == (8, 4)  # d_out / t output features
+    assert ctl.split[1]["row"]["x"].shape == (4, 4)  # d_in / t input features
+    assert ctl.collectives["forward"] == {"all_reduce": {
+        "count": 2, "bytes": 2 * 2 * 64 * 128 * 4, "ring_bytes": 2 * 2 * 64 * 128 * 4}}
+    names = [t.name for t in ctl.comm_fig.data]
+    assert names == ["all-reduce (predicted)"]
+
+    first = _first_dropdown(ctl)
+    first.value = 4
+    assert ctl.state["tp"] == 4 and len(ctl.split) == 4
+    assert "on 4 ranks" in _title(ctl.split_fig)
+    assert "tp=4 ◀" in ctl.memory_fig.data[0].x[2]
+    ctl.redraw(sp=True, kind="row")
+    names = {t.name for t in ctl.comm_fig.data}
+    assert names == {"all-gather (predicted)", "reduce-scatter (predicted)"}
+    assert "Row split" in _title(ctl.split_fig) and "+ SP" in _title(ctl.comm_fig)
+    # SP: same bytes as TP forward, two more all-gathers backward
+    tp_only = cp.tp_collectives_prediction(ctl.config, 2, 4, False)
+    both = ctl.collectives
+    fwd = sum(v["ring_bytes"] for v in both["forward"].values())
+    assert fwd == sum(v["ring_bytes"] for v in tp_only["forward"].values())
+    mem = cp.tp_activation_prediction(ctl.config, 2, 4, True)["model_formula"]
+    assert f"{mem / 1024:.1f} KiB" in _title(ctl.memory_fig)
+
+
+def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
+    ctl = panels.pipeline_controls(schedule="1f1b", pp=4, m=8)
+    assert ctl.message == "" and len(ctl.figures) == 2
+    assert f"formula {bubble_formula('1f1b', 4, 8):.1%}" in _title(ctl.gantt_fig)
+    curve = cp.pp_bubble_curve("1f1b", 4, 1, range(1, 9))
+    assert curve["simulated"] == pytest.approx(curve["formula"])
+
+    first = _first_dropdown(ctl)
+    title = _title(ctl.gantt_fig)
+    first.value = "interleaved"  # brings its own chunk count: vpp 1 -> 2
+    assert ctl.state["vpp"] == 2 and ctl._knobs["vpp"].value == 2
+    assert ctl.message == "" and _title(ctl.gantt_fig) != title
+    assert "v=2" in _title(ctl.gantt_fig)
+    ctl.redraw(m=6)
+    assert ctl.figures == () and "multiple of pp = 4" in ctl.message
+    ctl.redraw(m=8, schedule="gpipe", vpp=2)
+    assert ctl.figures == () and "needs the interleaved schedule" in ctl.message
+    assert cp.pp_problem("interleaved", 2, 4, 1) and cp.pp_run_problem("1f1b", 16, 16, 1)
+    assert ctl.run() is None and "cannot run" in ctl.message  # nothing launched
+    ctl.redraw(schedule="zb-h1", vpp=1, m=4)
+    assert ctl.message == "" and "ZB-H1" in _title(ctl.gantt_fig)
+    assert "m = 4" in _title(ctl.bubble_fig)
+
+
+def test_tp_run_lands_on_the_prediction():
+    """One real launch (2 ranks, TP+SP): shards, collectives and activation bytes measured on
+    the ranks equal what the panel predicted in-process."""
+    ctl = panels.tp_controls(tp=2, kind="row", sp=True)
+    got = ctl.run(timeout=120)
+    assert got is not None, ctl.message
+    assert cp.split_difference(got["split"], ctl.split, "row") < 1e-6
+    assert cp.split_difference(got["split"], ctl.split, "column") < 1e-6
+    assert got["collectives"] == ctl.collectives
+    assert got["memory"]["measured"] == got["memory"]["model_formula"]
+    assert "measured" in _title(ctl.split_fig)
+    assert any("measured" in t.name for t in ctl.comm_fig.data)
+    assert any("measured" in t.name for t in ctl.memory_fig.data)
