@@ -166,11 +166,12 @@ def _bind_stores_to_loopback() -> None:
     c10d_rendezvous_backend.TCPStore = LoopbackTCPStore
 
 
-def _record_exits(run_dir: Path) -> None:
+def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None) -> None:
     """Write ``exits/rank{R}.json`` the moment a rank's process ends: exit code or signal and
     the time. A thread per rank blocks in ``waitid(..., WNOWAIT)``, which sees the death
     without reaping the child, so torchrun still collects it as usual. The agent is the
-    ranks' parent, the only process the kernel tells how a rank ended."""
+    ranks' parent, the only process the kernel tells how a rank ended. ``also()``: a second
+    run folder to write it to (a warm pool's current job, :mod:`edu3d.pool`)."""
     seen: set = set()
 
     def wait_for(rank: int, pid: int) -> None:
@@ -181,8 +182,9 @@ def _record_exits(run_dir: Path) -> None:
         died = time.time_ns()
         how = ({"code": info.si_status} if info.si_code == os.CLD_EXITED
                else {"signal": info.si_status})
-        _write(run_dir / "exits" / f"rank{rank}.json",
-               json.dumps({"rank": rank, "pid": pid, "time_ns": died, **how}))
+        text = json.dumps({"rank": rank, "pid": pid, "time_ns": died, **how})
+        for folder in dict.fromkeys(d for d in (run_dir, also()) if d is not None):
+            _write(folder / "exits" / f"rank{rank}.json", text)
 
     def scan() -> None:
         while True:
@@ -195,25 +197,49 @@ def _record_exits(run_dir: Path) -> None:
     threading.Thread(target=scan, name="edu3d-exits", daemon=True).start()
 
 
+def _pool_job_dir(pool_dir: Path) -> Path | None:
+    """The run folder of the job a warm pool is running now (None between jobs)."""
+    try:
+        text = (pool_dir / "current").read_text().strip()
+    except OSError:
+        return None
+    return Path(text) if text else None
+
+
 def _agent_main(argv: Sequence[str]) -> None:
     """torchrun's agent plus: stores on loopback (single node) and a record of how each
-    rank ended, with the time the agent began stopping the others (``exits/teardown``)."""
+    rank ended, with the time the agent began stopping the others (``exits/teardown``).
+    An agent serving a warm pool (``EDU3D_POOL_ID``) also writes both to the current job's
+    run folder, and leaves when the launcher (the notebook's kernel) disappears."""
     if os.environ.get("EDU3D_LOOPBACK") == "1":
         _bind_stores_to_loopback()
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing import api
 
     run_dir = Path(os.environ["EDU3D_RUN_DIR"])
-    _record_exits(run_dir)
+    pooled = bool(os.environ.get("EDU3D_POOL_ID"))
+    job = (lambda: _pool_job_dir(run_dir)) if pooled else (lambda: None)
+    _record_exits(run_dir, job)
     close = api.PContext.close
 
     def close_noting_teardown(self, *args, **kwargs):
-        teardown = run_dir / "exits" / "teardown"
-        if not teardown.exists():
-            _write(teardown, json.dumps({"time_ns": time.time_ns()}))
+        stamp = json.dumps({"time_ns": time.time_ns()})
+        for folder in dict.fromkeys(d for d in (run_dir, job()) if d is not None):
+            if not (folder / "exits" / "teardown").exists():
+                _write(folder / "exits" / "teardown", stamp)
         return close(self, *args, **kwargs)
 
     api.PContext.close = close_noting_teardown
+    if pooled:
+        launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0"))
+
+        def watch() -> None:  # the ranks' own watchdogs end them once the agent is gone
+            while True:
+                time.sleep(0.2)
+                if launcher and not _alive(launcher):
+                    os._exit(3)
+
+        threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()
     run.main(list(argv))
 
 
@@ -379,7 +405,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
            echo: bool | Callable[[int | None, str, str], None] = True,
            on_poll: Callable[[float, int], None] | None = None, progress: bool | None = None,
            torchrun_args: Sequence[str] = (), name: str | None = None,
-           heartbeat: float | None = None) -> RunResult:
+           heartbeat: float | None = None, pool: bool | None = None) -> RunResult:
     """Run ``target`` on ``nprocs`` ranks and wait for it.
 
     ``echo``: ``True`` prints each line with its rank prefix, ``False`` prints nothing, a
@@ -391,6 +417,10 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     without progress that long while the others wait for it ends the run with
     :class:`RankHung`. Raises :class:`RankError`, :class:`LaunchTimeout` or
     :class:`LaunchError`; ``KeyboardInterrupt`` kills the run.
+
+    ``pool``: run on a warm pool of ranks that already imported torch (:mod:`edu3d.pool`;
+    default: inside a Jupyter kernel, unless ``EDU3D_POOL=0``); ``False`` always starts
+    torchrun afresh. Runs with ``torchrun_args`` never use the pool.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}")
@@ -436,12 +466,20 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     # package import on every rank
     paths = [os.getcwd(), *_import_root(target), child_env.get("PYTHONPATH", "")]
     child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
-                                                        "run_id": rid}))
+    warm = None
+    if not torchrun_args:
+        from edu3d import pool as pools
+
+        warm = pools.acquire(nprocs, child_env, pool)
+    if warm is None:
+        (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+                                                            "run_id": rid}))
 
     if progress is None:
         progress = _in_kernel() and os.environ.get("EDU3D_PROGRESS", "1") != "0"
-    status = _notebook_status(nprocs) if progress else None
+    status = None
+    if progress:
+        status = _notebook_status(nprocs, warm is not None and warm.jobs == 0)
     poll = on_poll
     if status is not None:
         def poll(elapsed: float, done: int) -> None:
@@ -449,7 +487,11 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
             if on_poll is not None:
                 on_poll(elapsed, done)
     try:
-        result = _launch(cmd, child_env, run_dir, nprocs, timeout, echo, poll, heartbeat)
+        if warm is not None:
+            result = pools.run_job(warm, worker_argv, child_env, run_dir, timeout, echo, poll,
+                                   heartbeat)
+        else:
+            result = _launch(cmd, child_env, run_dir, nprocs, timeout, echo, poll, heartbeat)
     except KeyboardInterrupt:
         if status is not None:
             status.failed(f"interrupted: all {nprocs} ranks were killed")
@@ -471,10 +513,10 @@ def _in_kernel() -> bool:
     return getattr(get_ipython(), "kernel", None) is not None
 
 
-def _notebook_status(nprocs: int):
+def _notebook_status(nprocs: int, new_pool: bool = False):
     from edu3d.status import NotebookStatus
 
-    return NotebookStatus(nprocs)
+    return NotebookStatus(nprocs, new_pool)
 
 
 def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
@@ -530,21 +572,9 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
                 last_beat = now
                 hung = watch.check()
                 if hung is not None:
-                    stack = _stack_of(run_dir, hung["rank"])
-                    kill_run(proc, run_dir)
-                    raise RankHung(hung["rank"], hung["message"] + "; every process was killed",
-                                   stack and f"Python stack of rank {hung['rank']} when it was "
-                                   f"declared hung (most recent call first):\n{stack}",
-                                   run_dir, hung["ranks"])
+                    raise _hung_error(run_dir, hung, lambda: kill_run(proc, run_dir))
             if timeout is not None and now > timeout:
-                done = {p.name for p in (run_dir / "done").glob("rank*")}
-                pending = [r for r in range(nprocs) if f"rank{r}" not in done]
-                report = runs.flight_report(run_dir, nprocs)
-                kill_run(proc, run_dir)
-                raise LaunchTimeout(
-                    f"run did not finish within {timeout:g} s; rank(s) {pending} were still "
-                    f"running and every process was killed (run folder: {run_dir})\n"
-                    f"when it was stopped: {report}")
+                raise _timeout_error(run_dir, nprocs, timeout, lambda: kill_run(proc, run_dir))
             if on_poll is not None and now - last_poll > 0.25:
                 last_poll = now
                 done_dir = run_dir / "done"
@@ -561,22 +591,54 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
         for t in readers:
             t.join(timeout=1.0)
         drain(0.0)
-        failure = failure or _first_failure(run_dir, settle_s=0.0)
-        if failure is None:
-            rank, reason = _root_cause(output)
-            failure = {"rank": rank, "message": reason}
-        rank, message = failure["rank"], failure["message"]
-        tail = failure.get("traceback") or "\n".join(
-            text for r, _, text in output if r == rank)[-4000:]
-        if runs._TIMEOUT.search(message):
-            message += f"\nwhen the run was declared hung: {runs.flight_report(run_dir, nprocs)}"
-        raise RankError(rank, message, tail, run_dir)
+        raise _rank_error(run_dir, nprocs, failure, output)
+    return RunResult(run_dir, nprocs, time.monotonic() - start, _results(run_dir, nprocs), output)
 
+
+# ---- the errors a run ends with (shared by the cold path and the warm pool, edu3d.pool) ------
+def _hung_error(run_dir: Path, hung: dict, kill: Callable[[], None]) -> RankHung:
+    """Ask the hung rank for its stack, kill every process, and say who hung."""
+    stack = _stack_of(run_dir, hung["rank"])
+    kill()
+    return RankHung(hung["rank"], hung["message"] + "; every process was killed",
+                    stack and f"Python stack of rank {hung['rank']} when it was "
+                    f"declared hung (most recent call first):\n{stack}",
+                    run_dir, hung["ranks"])
+
+
+def _timeout_error(run_dir: Path, nprocs: int, timeout: float,
+                   kill: Callable[[], None]) -> LaunchTimeout:
+    done = {p.name for p in (run_dir / "done").glob("rank*")}
+    pending = [r for r in range(nprocs) if f"rank{r}" not in done]
+    report = runs.flight_report(run_dir, nprocs)
+    kill()
+    return LaunchTimeout(
+        f"run did not finish within {timeout:g} s; rank(s) {pending} were still "
+        f"running and every process was killed (run folder: {run_dir})\n"
+        f"when it was stopped: {report}")
+
+
+def _rank_error(run_dir: Path, nprocs: int, failure: dict | None, output: list) -> RankError:
+    """The error of the first failing rank (from its error file, its recorded exit, or
+    torchrun's report), with its traceback or its last lines."""
+    failure = failure or _first_failure(run_dir, settle_s=0.0)
+    if failure is None:
+        rank, reason = _root_cause(output)
+        failure = {"rank": rank, "message": reason}
+    rank, message = failure["rank"], failure["message"]
+    tail = failure.get("traceback") or "\n".join(
+        text for r, _, text in output if r == rank)[-4000:]
+    if runs._TIMEOUT.search(message):
+        message += f"\nwhen the run was declared hung: {runs.flight_report(run_dir, nprocs)}"
+    return RankError(rank, message, tail, run_dir)
+
+
+def _results(run_dir: Path, nprocs: int) -> list:
     results = []
     for r in range(nprocs):
         f = run_dir / "results" / f"rank{r}.pkl"
         results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
-    return RunResult(run_dir, nprocs, time.monotonic() - start, results, output)
+    return results
 
 
 if __name__ == "__main__":

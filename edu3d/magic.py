@@ -9,8 +9,10 @@ After ``%load_ext edu3d``::
 
 The cell is written to ``cell.py`` in a fresh run folder and launched with
 :func:`edu3d.launch.launch` (a cell's code cannot be sent to other processes any other way:
-spawn cannot pickle functions defined in a notebook). Each rank is a new Python process, so
-the cell must import what it uses; variables of the notebook are not visible in it.
+spawn cannot pickle functions defined in a notebook). Each rank is another Python process, so
+the cell must import what it uses; variables of the notebook are not visible in it. After the
+first cell the ranks are warm (:mod:`edu3d.pool`: torch already imported, a fresh process group
+per cell), so a cell starts in well under a second; ``--cold`` starts fresh processes.
 
 While it runs, a status line shows the elapsed time and how many ranks have finished; output
 is printed with a ``[rank R]`` prefix. The finished :class:`~edu3d.launch.RunResult` is
@@ -45,6 +47,8 @@ class TorchrunMagics(Magics):
     @argument("-n", "--nprocs", type=int, default=2, help="number of ranks (default 2)")
     @argument("--timeout", type=float, default=120.0,
               help="seconds before every rank is killed (default 120)")
+    @argument("--cold", action="store_true",
+              help="start fresh ranks instead of the kernel's warm pool (edu3d.pool)")
     @cell_magic
     def torchrun(self, line: str, cell: str):
         """Run the cell on ``-n`` ranks through torchrun."""
@@ -59,7 +63,8 @@ class TorchrunMagics(Magics):
         script.write_text(cell)
         try:
             self.shell.user_ns["_torchrun"] = launch(script, args.nprocs, timeout=args.timeout,
-                                                     run_dir=run_dir, progress=True)
+                                                     run_dir=run_dir, progress=True,
+                                                     pool=False if args.cold else None)
         except KeyboardInterrupt:
             raise Interrupted(args.nprocs) from None
 

@@ -16,10 +16,11 @@ class NotebookStatus:
 
     COLOURS = {"run": "#0072B2", "ok": "#009E73", "fail": "#D55E00", "wait": "#555555"}
 
-    def __init__(self, nprocs: int):
+    def __init__(self, nprocs: int, new_pool: bool = False):
         self.n = nprocs
-        self.handle = display(self._html(f"starting {nprocs} ranks ...", "wait"),
-                              display_id=True)
+        text = (f"starting {nprocs} warm ranks (kept for the next runs, see edu3d.pool) ..."
+                if new_pool else f"starting {nprocs} ranks ...")
+        self.handle = display(self._html(text, "wait"), display_id=True)
 
     def _html(self, text: str, kind: str) -> HTML:
         return HTML(f'<div style="font-family:monospace;color:{self.COLOURS[kind]}">'

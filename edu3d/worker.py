@@ -19,7 +19,9 @@ and why:
   even while the rank is blocked in C++). The launcher asks a rank it declares hung.
 
 This module imports no torch unless it calls a function for you (``--call``), so launching
-an empty script costs the same as a bare torchrun.
+an empty script costs the same as a bare torchrun. ``--pool FOLDER`` makes the rank a warm
+one that runs job after job (:func:`edu3d.pool.serve`), each through the same code a cold rank
+runs (:func:`_run_target`).
 """
 
 from __future__ import annotations
@@ -185,32 +187,23 @@ def _call(spec: str, layout_json: str | None, args_file: str | None, init: bool)
         runtime.shutdown(mesh)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m edu3d.worker")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--script")
     target.add_argument("--module")
     target.add_argument("--call", help="module:function, called as function(mesh, *args, **kw)")
+    target.add_argument("--pool", help="serve jobs from this pool folder (edu3d.pool)")
     p.add_argument("--layout", help="JSON of Layout fields for --call")
     p.add_argument("--args-file", help="pickled (args, kwargs) for --call")
     p.add_argument("--no-init", action="store_true", help="--call without runtime.init")
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
-    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    return p
 
-    rank = int(os.environ.get("RANK", "0"))
-    run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
-    _start_watchdog()
-    if run_dir:
-        _stack_on_signal(run_dir, rank)
-        _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
-    pumps = []
-    if os.environ.get("EDU3D_PREFIX", "1") != "0":
-        for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
-            stream.flush()
-            pumps.append(_prefix_fd(fd, PREFIX_FMT.format(rank).encode()))
 
-    error = None
+def _run_target(a, rest: list[str], rank: int, run_dir: Path | None) -> dict | None:
+    """Run the script, module or function of the parsed arguments ``a``; the error (a dict
+    for ``errors/rank{R}.json``) or None. A function's return value goes to ``results/``."""
     try:
         if a.script:
             sys.argv = [a.script, *rest]
@@ -225,20 +218,50 @@ def main(argv: list[str] | None = None) -> None:
                 _write(run_dir / "results" / f"rank{rank}.pkl", pickle.dumps(result))
     except SystemExit as e:
         if e.code not in (None, 0):
-            error = {"type": "SystemExit", "message": f"exited with code {e.code}",
-                     "traceback": f"SystemExit: {e.code}\n"}
+            return {"type": "SystemExit", "message": f"exited with code {e.code}",
+                    "traceback": f"SystemExit: {e.code}\n"}
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then exit
-        error = {"type": type(e).__name__, "message": str(e), "traceback": _user_traceback(e)}
+        return {"type": type(e).__name__, "message": str(e), "traceback": _user_traceback(e)}
+    return None
+
+
+def _fail(error: dict, rank: int, run_dir: Path | None, pumps: list) -> None:
+    """Write the error file and the traceback, then leave at once."""
+    error.update(rank=rank, time_ns=time.time_ns(), pid=os.getpid())
+    if run_dir:
+        _write(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
+    sys.stderr.write(error["traceback"])
+    _close_output(pumps)
+    os._exit(1)  # skip finalization: a broken process group can hang on teardown
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
+    _start_watchdog()
+    if run_dir:
+        _stack_on_signal(run_dir, rank)
+        _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+    pumps = []
+    if os.environ.get("EDU3D_PREFIX", "1") != "0":
+        for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+            stream.flush()
+            pumps.append(_prefix_fd(fd, PREFIX_FMT.format(rank).encode()))
+
+    if a.pool:
+        from edu3d.pool import serve
+
+        serve(Path(a.pool), rank, pumps)  # never returns
+
+    error = _run_target(a, rest, rank, run_dir)
 
     from edu3d import trace
 
     if error is not None:
-        error.update(rank=rank, time_ns=time.time_ns(), pid=os.getpid())
-        if run_dir:
-            _write(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
-        sys.stderr.write(error["traceback"])
-        _close_output(pumps)
-        os._exit(1)  # skip finalization: a broken process group can hang on teardown
+        _fail(error, rank, run_dir, pumps)
     trace.current().flush()
     if run_dir:
         _write(run_dir / "done" / f"rank{rank}", "")

@@ -1,0 +1,475 @@
+"""Warm ranks: a pool of rank processes kept alive in a notebook's kernel, so a cell runs in
+about a second instead of five.
+
+After reading this file you should understand where the time of a launch goes and how edu3d
+saves most of it without changing what a run sees:
+
+* **what it is.** Starting N ranks costs seconds, nearly all of it each rank importing torch.
+  A pool is one ordinary edu3d launch (the same torchrun agent, loopback stores, own process
+  session, ``OMP_NUM_THREADS=1``, rank prefixes, pid files, watchdogs) whose ranks
+  (``python -m edu3d.worker --pool FOLDER``) import torch, ``torch.distributed`` and
+  :mod:`edu3d.runtime`, then wait for jobs. A job is what a launch would have run: a script,
+  a module or a function call, its run folder and its environment. Each job gets a **fresh
+  process group** (``init_process_group`` meets in ``job{N}/`` of the agent's store) and its
+  **own run folder**: errors, results, done markers, pids, stacks, flight records and trace
+  land exactly where a cold run puts them, so :class:`~edu3d.launch.RunResult`,
+  ``run.events()``, hang reports and heartbeats work unchanged. After the job every rank
+  flushes its output and ends it with a marker line, so no line leaks into the next job.
+* **when it is used.** By :func:`edu3d.launch.launch` (so by ``%%torchrun``, every course
+  helper that launches, and ``edu3d train`` called from a notebook) inside a Jupyter kernel,
+  when the run needs no ``torchrun_args`` and changes no variable read only when a process
+  starts (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME``, ``TORCH_*``, ... see
+  :data:`START_ONLY`): those runs start torchrun afresh, exactly as before. At most one pool
+  per world size and :data:`MAX_POOLS` pools live at once (the least recently used is shut
+  down), so idle memory stays bounded.
+* **how to turn it off.** ``launch(..., pool=False)``, ``%%torchrun --cold``,
+  ``EDU3D_POOL=0`` in the environment, or :func:`disable` (which also shuts the pools down).
+  ``EDU3D_POOL=1`` or ``pool=True`` turns it on outside a kernel (scripts, tests).
+* **failures never poison the next run.** A failing rank, a timeout, a hang or an interrupt
+  during a job raises exactly what a cold run raises (:class:`~edu3d.launch.RankError`
+  naming the rank, :class:`~edu3d.launch.LaunchTimeout`, :class:`~edu3d.launch.RankHung`,
+  ``KeyboardInterrupt``), and the whole pool is killed; the next launch starts a fresh one.
+* **it dies with the kernel.** A clean exit shuts the pools down (``atexit``); if the kernel
+  is killed, the agent and every rank notice that ``EDU3D_LAUNCHER_PID`` is gone and exit.
+
+What is **reset for every job**: the process group (new store prefix, destroyed after the
+job), the environment (``os.environ`` is the job's, restored after), the working folder,
+``sys.argv`` and ``sys.path``, the trace recorder (back to none), torch's global random
+generator (reseeded to the value a fresh process starts with) and Python's ``random``
+(reseeded from the OS), torch's default dtype, grad mode, deterministic-algorithms flag and
+thread count, and every module the job imported from outside the installed packages and
+edu3d (a notebook's own files, ``cell.py``: re-imported fresh, so edits are seen).
+
+What **persists between jobs** (that is the point): imported installed packages (torch,
+numpy, ...) and edu3d's own modules, with whatever module-level state they keep (e.g.
+``functools.lru_cache`` tables of pure functions), the process itself (its pid, threads a
+job started and did not stop, memory a job leaked into a global of an installed module),
+and the agent's store (each job's keys live under its own prefix).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from edu3d import runs
+
+MAX_POOLS = 2
+SENTINEL = "\x1eedu3d-job-end"  # the last line of every job on each stream of every rank
+# variables a process reads only when it starts (or torch when it is imported): a job that
+# needs another value than the pool started with runs cold
+START_ONLY = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GLOO_SOCKET_IFNAME", "PYTHONHASHSEED",
+              "PYTHONUNBUFFERED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "LD_PRELOAD",
+              "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "EDU3D_PREFIX", "EDU3D_LOOPBACK")
+START_ONLY_PREFIXES = ("TORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "CUDA_")
+# set per job by the launcher; never a reason to start afresh
+PER_JOB = ("EDU3D_RUN_DIR", "EDU3D_RUN_ID", "EDU3D_POOL_ID", "PYTHONPATH")
+TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh process
+
+_PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
+
+
+# ================================ the launcher's side =========================================
+class Pool:
+    """``nprocs`` warm ranks under one torchrun agent, started with ``env``."""
+
+    def __init__(self, nprocs: int, env: dict):
+        from edu3d.launch import torchrun_command
+
+        self.nprocs = nprocs
+        self.id = uuid.uuid4().hex
+        self.dir = Path(tempfile.mkdtemp(prefix="edu3d-pool-"))
+        self.env = {**env, "EDU3D_RUN_DIR": str(self.dir), "EDU3D_RUN_ID": self.id,
+                    "EDU3D_POOL_ID": self.id}
+        self.jobs = 0  # jobs submitted so far
+        self.broken = False
+        (self.dir / "env.json").write_text(json.dumps(self.env))
+        cmd = torchrun_command(nprocs, ["--pool", str(self.dir)])
+        (self.dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+                                                           "run_id": self.id}))
+        self.lines: queue.Queue = queue.Queue()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=self.env, start_new_session=True, text=True,
+                                     errors="replace", bufsize=1)
+        self.readers = [threading.Thread(target=self._pump, args=(s, tag), daemon=True,
+                                         name=f"edu3d-pool-{tag}")
+                        for s, tag in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
+        for t in self.readers:
+            t.start()
+
+    def _pump(self, stream, tag: str) -> None:
+        for raw in stream:
+            self.lines.put((tag, raw.rstrip("\n")))
+        self.lines.put((tag, None))
+
+    def compatible(self, env: dict) -> bool:
+        """True if a job with environment ``env`` can run here: every variable read only at
+        process start has the value the pool started with."""
+        keys = set(env) | set(self.env)
+        return all(env.get(k) == self.env.get(k) for k in keys
+                   if k not in PER_JOB and (k in START_ONLY or k.startswith(START_ONLY_PREFIXES)))
+
+    def alive(self) -> bool:
+        """The agent runs and no rank that started has ended."""
+        if self.broken or self.proc.poll() is not None:
+            return False
+        from edu3d.launch import _running
+
+        return all(_running(p) for p in runs.pid_files(self.dir).values())
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *runs.pid_files(self.dir).values()]
+
+    def kill(self) -> None:
+        """Kill the agent and every rank (each checked to carry this pool's id); forget the
+        pool's folder."""
+        from edu3d.launch import kill_run
+
+        self.broken = True
+        if self.proc.returncode is None:
+            kill_run(self.proc, self.dir, grace_s=2.0)
+        for s in (self.proc.stdout, self.proc.stderr):
+            try:
+                s.close()
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_pools: "collections.OrderedDict[int, Pool]" = collections.OrderedDict()
+_lock = threading.Lock()
+_disabled = False
+
+
+def wanted(pool: bool | None) -> bool:
+    """Whether a launch uses a pool: ``pool`` if given, else ``EDU3D_POOL`` (0/1), else
+    :func:`disable` turns it off, else only inside a Jupyter kernel."""
+    if pool is not None:
+        return bool(pool)
+    setting = os.environ.get("EDU3D_POOL", "").strip()
+    if setting:
+        return setting not in ("0", "false", "no", "off")
+    if _disabled:
+        return False
+    from edu3d.launch import _in_kernel
+
+    return _in_kernel()
+
+
+def acquire(nprocs: int, env: dict, pool: bool | None = None) -> Pool | None:
+    """The warm pool of ``nprocs`` ranks for a launch with ``env`` (started if needed), or
+    None when the launch must start torchrun afresh."""
+    if not wanted(pool):
+        return None
+    with _lock:
+        found = _pools.get(nprocs)
+        if found is not None and not found.alive():
+            _pools.pop(nprocs).kill()
+            found = None
+        if found is not None:
+            if not found.compatible(env):
+                return None
+            _pools.move_to_end(nprocs)
+            return found
+        while len(_pools) >= MAX_POOLS:
+            _pools.popitem(last=False)[1].kill()
+        _pools[nprocs] = Pool(nprocs, env)
+        return _pools[nprocs]
+
+
+def pools() -> list[Pool]:
+    """The live pools, least recently used first."""
+    return list(_pools.values())
+
+
+def shutdown(nprocs: int | None = None) -> None:
+    """Kill the pool of ``nprocs`` ranks (every pool if None)."""
+    with _lock:
+        for n in [n for n in _pools if nprocs is None or n == nprocs]:
+            _pools.pop(n).kill()
+
+
+def _forget(p: Pool) -> None:
+    with _lock:
+        if _pools.get(p.nprocs) is p:
+            del _pools[p.nprocs]
+    p.kill()
+
+
+def disable() -> None:
+    """No more warm pools in this process (until :func:`enable`); shut down those alive."""
+    global _disabled
+    _disabled = True
+    shutdown()
+
+
+def enable() -> None:
+    global _disabled
+    _disabled = False
+
+
+atexit.register(shutdown)
+
+
+def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
+            echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0):
+    """Run one job on pool ``p`` and wait for it, exactly as :func:`edu3d.launch._launch`
+    waits for a cold run: same output, same result, same errors. Any failure kills the pool."""
+    from edu3d import heartbeat as hb
+    from edu3d.launch import (RunResult, _first_failure, _hung_error, _print_line, _rank_error,
+                              _results, _timeout_error)
+    from edu3d.worker import _write
+
+    nprocs, n = p.nprocs, p.jobs
+    p.jobs += 1
+    emit = _print_line if echo is True else (echo or (lambda *a: None))
+    output: list = []
+    ended: set = set()  # (rank, stream) whose job-end marker arrived
+    marker = f"{SENTINEL} {n}"
+    closed = 0
+
+    def drain(block_s: float) -> int:
+        shut = 0
+        try:
+            item = p.lines.get(timeout=block_s)
+            while True:
+                tag, text = item
+                if text is None:
+                    shut += 1
+                else:
+                    m = _PREFIX_RE.match(text)
+                    rank, body = (int(m.group(1)), m.group(2)) if m else (None, text)
+                    if rank is not None and body.endswith(marker):
+                        ended.add((rank, tag))
+                        body = body[:-len(marker)]
+                    if body or not (rank is not None and (rank, tag) in ended):
+                        output.append((rank, tag, body))
+                        if rank is not None:
+                            emit(rank, tag, body)
+                item = p.lines.get_nowait()
+        except queue.Empty:
+            pass
+        return shut
+
+    while True:  # anything the pool said between jobs (torchrun's start-up chatter)
+        try:
+            tag, text = p.lines.get_nowait()
+        except queue.Empty:
+            break
+        if text is None:
+            closed += 1
+        else:
+            output.append((None, tag, text))
+    (run_dir / "command.json").write_text(json.dumps({
+        "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": n}))
+    env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
+    _write(p.dir / "current", str(run_dir))
+    _write(p.dir / "jobs" / f"{n}.json", json.dumps({
+        "n": n, "argv": worker_argv, "run_dir": str(run_dir), "env": env, "cwd": os.getcwd()}))
+
+    start = time.monotonic()
+    failure, last_poll, last_beat, all_done_at = None, 0.0, 0.0, None
+    watch = hb.Watch(run_dir, nprocs, heartbeat) if heartbeat else None
+    kill = lambda: _forget(p)  # noqa: E731
+    try:
+        while True:
+            closed += drain(0.03)
+            now = time.monotonic() - start
+            failure = _first_failure(run_dir)
+            if failure is not None or closed >= 2 or p.proc.poll() is not None:
+                break
+            done_dir = run_dir / "done"
+            done = len(list(done_dir.glob("rank*"))) if done_dir.exists() else 0
+            if done == nprocs:
+                if len(ended) == 2 * nprocs:
+                    break
+                all_done_at = all_done_at or time.monotonic()
+                if time.monotonic() - all_done_at > 3.0:  # a marker went missing: the job
+                    p.broken = True  # is done, but its output may not be; start afresh
+                    break
+            if watch is not None and now - last_beat >= 0.25:
+                last_beat = now
+                hung = watch.check()
+                if hung is not None:
+                    raise _hung_error(run_dir, hung, kill)
+            if timeout is not None and now > timeout:
+                raise _timeout_error(run_dir, nprocs, timeout, kill)
+            if on_poll is not None and now - last_poll > 0.25:
+                last_poll = now
+                on_poll(now, done)
+    except BaseException:
+        kill()
+        raise
+    finally:
+        try:
+            (p.dir / "current").write_text("")
+        except OSError:
+            pass
+
+    if failure is not None or closed >= 2 or p.proc.poll() is not None:
+        if failure is None:  # the agent ended: let the exit records and its report arrive
+            p.proc.wait(timeout=5) if p.proc.poll() is None else None
+        kill()
+        for t in p.readers:
+            t.join(timeout=1.0)
+        drain(0.0)
+        raise _rank_error(run_dir, nprocs, failure, output)
+    if p.broken:
+        _forget(p)
+    return RunResult(run_dir, nprocs, time.monotonic() - start, _results(run_dir, nprocs), output)
+
+
+# ================================ the ranks' side =============================================
+def _wait_for_job(pool_dir: Path, n: int) -> dict:
+    """Poll for job ``n`` (a few ms apart right after a job, slower when idle)."""
+    path, delay = pool_dir / "jobs" / f"{n}.json", 0.002
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(delay)
+            delay = min(delay * 1.05, 0.05)
+
+
+def _installed(module) -> bool:
+    """True for a module of the standard library or an installed package (or edu3d): kept
+    between jobs. A notebook's own modules are not, so an edited file is re-imported."""
+    name = getattr(module, "__name__", "") or ""
+    if name == "edu3d" or name.startswith("edu3d."):
+        return True
+    file = getattr(module, "__file__", None)
+    if not file:
+        return True  # built in, or a namespace package
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return any(os.path.abspath(file).startswith(os.path.abspath(r) + os.sep) for r in roots)
+
+
+def serve(pool_dir: Path, rank: int, pumps: list) -> None:
+    """A pool rank: import torch once, then run job after job, each on a fresh process group
+    and in its own run folder, until killed (never returns)."""
+    import random
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from edu3d import runtime, trace, worker
+
+    launcher_env = json.loads((pool_dir / "env.json").read_text())
+    own_env = dict(os.environ)
+    torchrun_keys = {k for k, v in own_env.items() if launcher_env.get(k) != v}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=60))
+    prefix = {"job": None}
+    original_init = distributed_c10d.init_process_group
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
+                           rank=-1, store_=None, **kwargs):
+        """``init_process_group`` of a job: with no store of its own it meets in the job's
+        prefix of the agent's store (a fresh group; ``env://`` would reuse an old one)."""
+        store_ = kwargs.pop("store", store_)
+        if store_ is None and init_method in (None, "env://") and prefix["job"]:
+            store_ = dist.PrefixStore(prefix["job"], store)
+            init_method = None
+            world_size = int(os.environ["WORLD_SIZE"]) if world_size == -1 else world_size
+            rank = int(os.environ["RANK"]) if rank == -1 else rank
+        return original_init(backend, init_method, timeout, world_size, rank, store_, **kwargs)
+
+    dist.init_process_group = distributed_c10d.init_process_group = init_process_group
+    threads = torch.get_num_threads()
+    worker._write(pool_dir / "ready" / f"rank{rank}", "")
+
+    n = 0
+    while True:
+        job = _wait_for_job(pool_dir, n)
+        run_dir = Path(job["run_dir"])
+        env = {k: v for k, v in job["env"].items() if k not in torchrun_keys}
+        env.update({k: own_env[k] for k in torchrun_keys})
+        saved = (dict(os.environ), os.getcwd(), list(sys.argv), list(sys.path),
+                 set(sys.modules))
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(job["cwd"])
+        extra = [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q and q not in sys.path]
+        sys.path[:0] = extra
+        prefix["job"] = f"edu3d-job{n}/"
+        store.set_timeout(timedelta(seconds=runtime.timeout_seconds()))
+        torch.manual_seed(TORCH_DEFAULT_SEED)
+        random.seed()
+        old_stacks = list(worker._STACKS)
+        worker._stack_on_signal(run_dir, rank)  # SIGUSR1 now writes into the job's folder
+        for f in old_stacks:
+            f.close()
+            worker._STACKS.remove(f)
+        worker._write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+
+        a = worker._parser().parse_args(job["argv"])
+        rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+        error = worker._run_target(a, rest, rank, run_dir)
+        if error is None:
+            try:
+                trace.current().flush()
+                trace.set_current(trace.NullRecorder())
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except BaseException as e:  # noqa: BLE001 - a group that cannot close is a failure
+                error = {"type": type(e).__name__, "message": f"after the job: {e}",
+                         "traceback": worker._user_traceback(e)}
+        if error is not None:
+            worker._fail(error, rank, run_dir, pumps)  # the launcher kills the pool
+        worker._write(run_dir / "done" / f"rank{rank}", "")
+
+        # back to the pool's own state for the next job
+        prefix["job"] = None
+        os.environ.clear()
+        os.environ.update(saved[0])
+        os.chdir(saved[1])
+        sys.argv[:], sys.path[:] = saved[2], saved[3]
+        for name in set(sys.modules) - saved[4]:
+            if not _installed(sys.modules[name]):
+                del sys.modules[name]
+        if torch.get_default_dtype() != torch.float32:
+            torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        if torch.are_deterministic_algorithms_enabled():  # the call imports much of torch
+            torch.use_deterministic_algorithms(False)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd in (1, 2):
+            os.write(fd, f"{SENTINEL} {n}\n".encode())
+        n += 1
+
+
+def _pool_pids(pool_id: str) -> list[int]:
+    """Every process whose environment carries ``EDU3D_POOL_ID=pool_id`` (for tests and
+    for checking that nothing was left behind)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"EDU3D_POOL_ID={pool_id}".encode() in env:
+                found.append(int(entry.name))
+    return found
+
+
+__all__ = ["Pool", "acquire", "disable", "enable", "pools", "run_job", "shutdown", "wanted",
+           "MAX_POOLS", "START_ONLY"]
