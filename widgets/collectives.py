@@ -97,8 +97,10 @@ def ring_states(events: list[dict], n: int, case: str | None = None) -> list[dic
     return states
 
 
-def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str | None = None):
-    """Animate a ring all-reduce of a ``total_bytes`` buffer over ``n`` ranks from its trace."""
+def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str | None = None,
+                       title: str | None = None):
+    """Animate a ring all-reduce of a ``total_bytes`` buffer over ``n`` ranks from its trace
+    (or from the simulated sends of :func:`edu3d.course.controls_basics.ring_sends`)."""
     import plotly.graph_objects as go
 
     states = ring_states(events, n, case)
@@ -130,7 +132,7 @@ def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str |
             return "start"
         return f"{'RS' if s['phase'] == 'reduce_scatter' else 'AG'}{s['step']}"
 
-    title = f"Ring all-reduce, {n} ranks"
+    title = title or f"Ring all-reduce, {n} ranks"
     # the figure opens on frame 0: its picture, its arrows, its label and the slider on it
     fig = go.Figure(data=[heat(states[0])],
                     frames=[go.Frame(data=[heat(s)], name=str(i),
@@ -200,6 +202,102 @@ def cost_model_figure(rep: dict):
                 "t = 2(N-1)·α + 2(N-1)/N·S·β: flat (latency α) for small messages, "
                 "linear (bandwidth 1/β) for large ones", x="message size S (bytes)",
                 y="time (ms)")
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    return fig
+
+
+def _fmt_size(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:,.0f} {unit}" if unit == "B" else f"{b:,.4g} {unit}"
+        b /= 1024
+
+
+def ring_steps_figure(predicted: list[dict], n: int, total_bytes: int,
+                      measured: list[dict] | None = None, *, alpha: float, beta: float):
+    """The ring's ``2(N-1)`` steps: bytes all ranks sent in each (top) and each step's time
+    (bottom), the alpha-beta prediction as ghost bars
+    (:func:`edu3d.course.controls_basics.ring_step_costs`), a run's measurement
+    (:func:`~edu3d.course.controls_basics.measured_ring_steps`) as black markers over it."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    steps = [r["step"] for r in predicted]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08)
+    fig.add_trace(go.Bar(x=steps, y=[r["bytes"] / 1024 for r in predicted],
+                         name="predicted (ring plan, α-β)", marker_color=style.YELLOW,
+                         opacity=0.55, legendgroup="p",
+                         hovertemplate="%{x}: %{y:,.1f} KiB predicted<extra></extra>"),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=steps, y=[r["s"] * 1e3 for r in predicted], marker_color=style.YELLOW,
+                         opacity=0.55, legendgroup="p", showlegend=False,
+                         hovertemplate="%{x}: %{y:.3f} ms predicted<extra></extra>"),
+                  row=2, col=1)
+    total = sum(r["s"] for r in predicted)
+    latency = 2 * (n - 1) * alpha
+    takeaway = (f"predicted t = 2(N-1)α + 2(N-1)/N·S·β = {latency * 1e3:.2f} + "
+                f"{(total - latency) * 1e3:.2f} = {total * 1e3:.2f} ms; in every step each "
+                f"rank sends S/N = {_fmt_size(total_bytes / n)} (top: all ranks together), so {'latency α' if latency > total / 2 else 'bandwidth β'} "
+                "dominates here")
+    if measured:
+        fig.add_trace(go.Scatter(x=[r["step"] for r in measured],
+                                 y=[r["bytes"] / 1024 for r in measured], mode="markers",
+                                 name="measured (trace, median of runs)", legendgroup="m",
+                                 marker={"color": style.BLACK, "size": 11, "symbol": "x"},
+                                 hovertemplate="%{x}: %{y:,.1f} KiB sent<extra></extra>"),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=[r["step"] for r in measured],
+                                 y=[r["s"] * 1e3 for r in measured], mode="markers",
+                                 legendgroup="m", showlegend=False,
+                                 marker={"color": style.BLACK, "size": 11, "symbol": "x"},
+                                 hovertemplate="%{x}: %{y:.3f} ms measured<extra></extra>"),
+                      row=2, col=1)
+        got, want = (sum(r["bytes"] for r in rows) for rows in (measured, predicted))
+        takeaway = (f"measured {sum(r['s'] for r in measured) * 1e3:.2f} ms, predicted "
+                    f"{total * 1e3:.2f} ms; bytes sent {got:,} "
+                    + ("= the plan's, exactly" if got == want else f"(the plan says {want:,})"))
+    style.frame(fig, f"Ring all-reduce of S = {_fmt_size(total_bytes)} on N = {n} ranks, "
+                "step by step", takeaway, height=520)
+    fig.update_layout(barmode="overlay", legend={"orientation": "h", "x": 0, "y": -0.18,
+                                                 "yanchor": "top"}, margin={"b": 110})
+    fig.update_yaxes(title_text="sent (KiB)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="time (ms)", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="ring step (RS = reduce-scatter, AG = all-gather)", row=2, col=1)
+    return fig
+
+
+def alpha_beta_figure(n: int, total_bytes: int, *, alpha: float, beta: float,
+                      measured_s: float | None = None, ns=(2, 4, 8)):
+    """The alpha-beta prediction against message size (log-log) for a few N, the chosen
+    (N, S) marked, and a run's measured time beside it."""
+    import plotly.graph_objects as go
+
+    from edu3d.course.controls_basics import ring_all_reduce_s
+
+    sizes = [2 ** k for k in range(8, 29)]
+    fig = go.Figure()
+    for i, k in enumerate(sorted({*ns, n})):
+        fig.add_trace(go.Scatter(
+            x=sizes, y=[ring_all_reduce_s(s, k, alpha, beta) * 1e3 for s in sizes],
+            mode="lines", name=f"N = {k}", line={"color": style.group_color(i),
+                                                 "width": 4 if k == n else 1.5},
+            hovertemplate=f"N={k}, " + "S=%{x:,} B: %{y:.3f} ms<extra></extra>"))
+    t = ring_all_reduce_s(total_bytes, n, alpha, beta)
+    fig.add_trace(go.Scatter(x=[total_bytes], y=[t * 1e3], mode="markers",
+                             name="this choice (predicted)",
+                             marker={"color": style.YELLOW, "size": 16, "symbol": "circle",
+                                     "line": {"color": style.BLACK, "width": 1}}))
+    if measured_s is not None:
+        fig.add_trace(go.Scatter(x=[total_bytes], y=[measured_s * 1e3], mode="markers",
+                                 name="measured", marker={"color": style.BLACK, "size": 12,
+                                                          "symbol": "x"}))
+    knee = alpha * n / beta  # where latency 2(N-1)α equals bandwidth 2(N-1)/N·S·β
+    style.frame(fig, f"Alpha-beta prediction: α = {alpha * 1e6:,.0f} µs, "
+                     f"1/β = {1 / beta / 1e9:.2f} GB/s",
+                f"below S ≈ {_fmt_size(knee)} (N = {n}) latency dominates and more ranks cost "
+                "more steps; above it the time grows with S and hardly with N",
+                x="message size S (bytes)", y="all-reduce time (ms)", height=400)
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
     return fig

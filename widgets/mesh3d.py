@@ -13,7 +13,9 @@ After reading this file you should be able to look at a layout ``Layout(dp, tp, 
 The cube is drawn from a *report*: what each rank of a live run said about itself (its
 coordinates, and the members of each of its groups as proven by an all-gather over that
 group, see :func:`edu3d.demos.mesh_report`). Without a report it draws what the layout
-predicts; the title says which.
+predicts; the title says which. With a report, the prediction is drawn as grey rings
+around where each rank should sit, and the title counts how many groups agree
+(:func:`agreement`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ def predicted_report(layout: Layout) -> list[dict]:
 def groups_from(report: list[dict], dim: str) -> list[list[int]]:
     """The distinct groups along ``dim`` that the ranks reported, sorted by first member."""
     return sorted({tuple(r["groups"][dim]) for r in report}, key=lambda g: (g[0], g))
+
+
+def agreement(layout: Layout, report: list[dict]) -> tuple[int, int]:
+    """(predicted groups whose every member reported exactly that group, groups predicted),
+    over every dimension: equal numbers mean the live groups are exactly the formula's."""
+    said = {r["rank"]: r["groups"] for r in report}
+    same = total = 0
+    for d in DIMS:
+        for members in groups_from(predicted_report(layout), d):
+            total += 1
+            same += all(list(said.get(m, {}).get(d, [])) == list(members) for m in members)
+    return same, total
 
 
 def _edges(members: list[int], pos: dict) -> tuple[list, list, list]:
@@ -90,6 +104,21 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
     fig = go.Figure()
     owner, line_colors = [], []  # per group trace: its dimension and colour
     rank_colors = {}  # dim -> colour of each rank's group along dim (for the rank markers)
+    size = max(8, 20 - 2 * max(layout.shape))
+    if live:  # the prediction as grey rings around where each rank should sit
+        predicted = {p["rank"]: p for p in predicted_report(layout)}
+        for d in DIMS:
+            fig.add_trace(go.Scatter3d(
+                x=[c.tp for c in map(layout.coords, predicted)],
+                y=[c.dp for c in map(layout.coords, predicted)],
+                z=[c.pp for c in map(layout.coords, predicted)], mode="markers",
+                name="predicted (grey rings)",
+                marker={"symbol": "circle-open", "size": size + 14,
+                        "color": style.rgba(style.GREY, 0.8), "line": {"width": 4}},
+                hovertext=[f"predicted: rank {r} in {d.upper()} group {p['groups'][d]}"
+                           for r, p in predicted.items()], hoverinfo="text", visible=d == dim))
+            owner.append(d)
+            line_colors.append(style.rgba(style.GREY, 0.8))
     for d in DIMS:
         rank_colors[d] = [None] * len(report)
         for i, members in enumerate(groups_from(report, d)):
@@ -110,12 +139,18 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
         x=[pos[r["rank"]][0] for r in report], y=[pos[r["rank"]][1] for r in report],
         z=[pos[r["rank"]][2] for r in report], mode="markers",
         text=[str(r["rank"]) for r in report], name="ranks", showlegend=False,
-        marker={"size": max(8, 20 - 2 * max(layout.shape)), "color": rank_colors[dim],
+        marker={"size": size, "color": rank_colors[dim],
                 "line": {"color": "#333333", "width": 2}},
         hovertext=hover, hoverinfo="text"))
     owner.append(None)
 
-    source = "reported by the ranks of a live run" if live else "predicted from the layout"
+    if live:
+        same, total = agreement(layout, report)
+        source = (f"reported by the live ranks, {same} of {total} as predicted (grey rings)"
+                  if same == total else f"reported by the live ranks: only {same} of {total} "
+                  "as predicted (grey rings)")
+    else:
+        source = "predicted from the layout"
     head = title or f"{layout.world_size} ranks as {layout}: groups {source}"
 
     def view(d):

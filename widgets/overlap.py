@@ -31,6 +31,41 @@ def overlap_figure(events: list[dict], case: str, step: int, takeaway: str | Non
                            ops=["F", "B", "all_reduce"])
 
 
+def bucket_timeline_figure(sim: dict, measured: list[dict] | None = None, *, bucket_mb: float,
+                           reverse: bool):
+    """One DP step with gradient buckets: the simulation
+    (:func:`edu3d.course.controls_basics.simulate_dp_step`), solid alone and a ghost under a
+    run's step (:func:`~edu3d.course.controls_basics.step_events`). A simulated all-reduce
+    is the bucket's time on the link; a measured one runs from its launch to the moment the
+    step waited for it. Tint = bucket (later buckets lighter)."""
+    def exposed(evs):
+        b_end = max(e["t1"] for e in evs if e["op"] == "B")
+        end = max(e["t1"] for e in evs)
+        return b_end / 1e3, (end - b_end) / 1e3
+
+    nb = len(sim["buckets"])
+    during = launched_during_backward(sim["launch_log"], sim["grads"])
+    order = "reverse (overlap on)" if reverse else "forward (overlap off)"
+    takeaway = (f"{nb} bucket(s), {during} launched during backward; simulated: backward ends "
+                f"at {sim['backward_end_s'] * 1e3:.1f} ms, then {sim['exposed_s'] * 1e3:.1f} ms "
+                "of communication nobody hid")
+    # alone, the simulation is the picture (solid); under a measurement it is the ghost
+    events = list(sim["events"]) if measured else [{k: v for k, v in e.items() if k != "sim"}
+                                                   for e in sim["events"]]
+    if measured:
+        b_end, tail = exposed(measured)
+        takeaway += (f"<br>measured: backward ends at {b_end:.1f} ms, then {tail:.1f} ms (ghost ="
+                     " simulation with the run's compute times; a measured bar ends when the "
+                     "step waited for it)")
+        events += measured
+    fig = timeline_figure(events, title=f"Buckets of {bucket_mb:g} MB in {order} order, "
+                          + ("measured over the simulation" if measured else "simulated"),
+                          takeaway=takeaway, idle=False, ops=["F", "B", "all_reduce"])
+    if measured:
+        fig.update_layout(margin={"t": 110})
+    return fig
+
+
 def launched_during_backward(launch_log: list, total_grads: int) -> int:
     """How many buckets were launched before the last gradient of backward was ready."""
     return sum(1 for _, seen in launch_log if seen < total_grads)
