@@ -1,0 +1,390 @@
+"""The course in a real browser: JupyterLab on 127.0.0.1 driven by headless Chromium.
+
+For every chapter and exercise notebook this test opens it in JupyterLab (a copy of the
+course in a temporary folder, so nothing is written into the repository), runs all cells from
+the Run menu (the first cell is markdown: nothing is clicked into a code editor), waits for
+the kernel, then checks what a learner would see:
+
+* no error output, no "Error displaying widget", no JavaScript console error or page error;
+* every Plotly chart rendered with at least one trace and a title;
+* every ipywidgets view rendered; in a chapter with a control panel (``.edu3d-controls``) the
+  first dropdown is turned and a chart in that panel must change (title or data);
+* a screenshot of the *whole* notebook (JupyterLab scrolls inside the page, so the notebook's
+  own scroller is walked and the viewports stitched) in ``$EDU3D_SCREENSHOTS`` (default
+  ``<pytest tmp>/screenshots``), plus one after the control was turned.
+
+Chromium is the distribution's package (``/usr/bin/chromium``, or ``$EDU3D_CHROMIUM``),
+driven by Python Playwright with ``executable_path``: nothing is downloaded at run time.
+Where Chromium or Playwright is missing the test skips and says so loudly; ``.ci/run``
+installs both, and sets ``EDU3D_REQUIRE_BROWSER=1`` so that CI fails instead of skipping.
+
+Run one notebook by hand: ``python tests/test_browser.py notebooks/06_3d_parallelism.ipynb``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted(
+    (ROOT / "exercises").glob("*.ipynb"))
+CHROMIUM = os.environ.get("EDU3D_CHROMIUM", "/usr/bin/chromium")
+TOKEN = "edu3d-browser-test"
+# the flags a sandboxed, offline machine needs (no background connections to Google's hosts)
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+# JupyterLab settings for the test's server: every cell rendered (no virtual scrolling, so
+# every chart exists in the page), no autosave, no news or update checks (no network)
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false", "checkForUpdates": False},
+}
+CELL_TIMEOUT_S = float(os.environ.get("EDU3D_BROWSER_TIMEOUT", "240"))  # one notebook
+
+
+def _missing() -> str | None:
+    """Why the browser test cannot run here (None if it can)."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Python Playwright is not installed (pip install playwright)"
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        return (f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; or set "
+                "EDU3D_CHROMIUM)")
+    return None
+
+
+def _skip_or_fail(reason: str) -> None:
+    message = f"BROWSER TEST NOT RUN: {reason}"
+    if os.environ.get("EDU3D_REQUIRE_BROWSER") == "1":
+        pytest.fail(message + " (EDU3D_REQUIRE_BROWSER=1)")
+    sys.stderr.write(f"\n{'!' * 78}\n{message}\n{'!' * 78}\n")
+    warnings.warn(message)
+    pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def course_copy(dest: Path) -> Path:
+    """The course as a learner has it (chapters, exercises, solutions, recorded data), in
+    ``dest``: runs write their folders there, never into the repository."""
+    ignore = shutil.ignore_patterns("runs", ".ipynb_checkpoints", "__pycache__")
+    for name in ("notebooks", "exercises", "solutions"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    return dest
+
+
+class Lab:
+    """A JupyterLab server on 127.0.0.1 with a token, serving ``root``."""
+
+    def __init__(self, root: Path, workdir: Path):
+        self.root, self.port = root, _free_port()
+        settings = workdir / "lab-settings"
+        for name, value in LAB_SETTINGS.items():
+            path = settings / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(value))
+        env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings),
+               "JUPYTER_CONFIG_DIR": str(workdir / "jupyter-config"),
+               "JUPYTER_RUNTIME_DIR": str(workdir / "jupyter-runtime"),
+               "EDU3D_SOLUTIONS": os.environ.get("EDU3D_SOLUTIONS", "1"),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                   p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+        self.log = open(workdir / "jupyterlab.log", "w")
+        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+               f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+               f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root}",
+               "--LabApp.news_url=", "--ServerApp.open_browser=False"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-root")
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/status?token={TOKEN}",
+                                            timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("JupyterLab did not start; see "
+                                   f"{workdir / 'jupyterlab.log'}")
+            time.sleep(0.3)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def notebook_url(self, rel: str, workspace: str) -> str:
+        # a fresh workspace per notebook: exactly one document open, nothing restored
+        return f"{self.url}/lab/workspaces/{workspace}/tree/{rel}?reset&token={TOKEN}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(5)
+        self.log.close()
+
+
+# ---- what the page shows -------------------------------------------------------------------
+RUNNING_JS = """() => {
+  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
+  const busy = prompts.filter(p => p.textContent.includes('*')).length;
+  const unrun = prompts.filter(p => /\\[\\s*\\]/.test(p.textContent)).length;
+  const status = document.querySelector('.jp-Notebook-ExecutionIndicator');
+  return {cells: prompts.length, busy, unrun,
+          idle: !status || status.getAttribute('data-status') !== 'busy'};
+}"""
+
+REPORT_JS = """() => {
+  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  const out = {plots: [], errors: [], widgetErrors: 0, widgets: 0, controls: 0};
+  if (!nb) return out;
+  for (const el of nb.querySelectorAll('.js-plotly-plot')) {
+    const title = (el.layout && el.layout.title && (el.layout.title.text || el.layout.title))
+                  || '';
+    const full = el._fullData || [];  // plotly.js's decoded traces (data may be base64)
+    const traces = full.length;
+    const size = (a) => (a && a.length) || 0;
+    const points = full.reduce((n, t) => n + (t.visible === false ? 0 :
+        (t._length || size(t.x) || size(t.y) || size(t.z) || size(t.values) ||
+         (t.type === 'table' ? 1 : 0))), 0);
+    out.plots.push({title: String(title).slice(0, 80), traces, points,
+                    height: el.getBoundingClientRect().height});
+  }
+  for (const el of nb.querySelectorAll(
+      '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')) {
+    if (/Traceback|Error/.test(el.textContent) && el.closest('.jp-OutputArea-child')
+        .querySelector('.jp-OutputPrompt')) out.errors.push(el.textContent.slice(0, 400));
+  }
+  for (const el of nb.querySelectorAll('.jp-RenderedText[data-mime-type="application/vnd.jupyter.error"], .jp-OutputArea-output.jp-mod-error'))
+    out.errors.push(el.textContent.slice(0, 400));
+  out.widgetErrors = [...nb.querySelectorAll('.jp-OutputArea-output')]
+    .filter(el => el.textContent.includes('Error displaying widget')).length;
+  out.widgets = nb.querySelectorAll('.jupyter-widgets').length;
+  out.controls = nb.querySelectorAll('.edu3d-controls').length;
+  return out;
+}"""
+
+PANEL_FIGURES_JS = """(box) => [...box.querySelectorAll('.js-plotly-plot')].map(el =>
+  JSON.stringify([(el.layout && el.layout.title && el.layout.title.text) || '',
+                  (el.data || []).map(t => [t.name, t.x, t.y, t.z, t.base])]))"""
+
+
+def run_all(page, lab: Lab, rel: str, workspace: str) -> float:
+    page.goto(lab.notebook_url(rel, workspace), wait_until="domcontentloaded")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
+    # wait until the kernel has started (the toolbar's status says idle)
+    page.wait_for_function(
+        "() => { const s = document.querySelector('.jp-NotebookPanel .jp-Notebook-ExecutionIndicator');"
+        " return s && s.getAttribute('data-status') === 'idle'; }", timeout=90_000)
+    # the status bar says "Idle" once the kernel is connected (the toolbar can say idle
+    # before that, and a command sent then is lost)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]"
+        ".some(e => /\\|\\s*Idle/.test(e.textContent))", timeout=90_000)
+    before = page.evaluate(RUNNING_JS)
+    start = time.monotonic()
+    for attempt in range(3):
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
+                     has_text="Run All Cells").first.click()
+        started = time.monotonic() + 15
+        while time.monotonic() < started:
+            state = page.evaluate(RUNNING_JS)
+            if state["busy"] or state["unrun"] < before["unrun"]:
+                break
+            time.sleep(0.25)
+        else:
+            page.keyboard.press("Escape")
+            continue
+        break
+    else:
+        raise AssertionError(f"{rel}: Run All Cells did not start (3 tries)")
+    deadline = start + CELL_TIMEOUT_S
+    while True:
+        state = page.evaluate(RUNNING_JS)
+        if state["cells"] and state["busy"] == 0 and state["unrun"] == 0 and state["idle"]:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{rel}: cells still running after {CELL_TIMEOUT_S:g} s: "
+                                 f"{state}")
+        time.sleep(0.5)
+    page.wait_for_timeout(1500)  # the last outputs (plotly.js draws after the message)
+    return time.monotonic() - start
+
+
+def screenshot_whole(page, path: Path) -> None:
+    """The whole notebook, not one viewport: walk the notebook's own scroller (JupyterLab
+    scrolls inside the page) and stitch the views, top to bottom."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    scroller = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer")
+    if scroller.count() == 0:
+        page.screenshot(path=str(path))
+        return
+    box = scroller.first.bounding_box()
+    total = page.evaluate("(el) => el.scrollHeight", scroller.first.element_handle())
+    view = int(box["height"])
+    tiles, top = [], 0
+    tmp = path.with_suffix(".tile.png")
+    while True:
+        page.evaluate("([el, y]) => { el.scrollTop = y; }", [scroller.first.element_handle(), top])
+        page.wait_for_timeout(150)
+        actual = page.evaluate("(el) => el.scrollTop", scroller.first.element_handle())
+        page.screenshot(path=str(tmp), clip=box)
+        tile = mpimg.imread(str(tmp))
+        skip = top - actual  # the last view stops early: drop the rows already captured
+        tiles.append(tile[int(round(skip)) if skip > 0 else 0:])
+        top = actual + view
+        if top >= total or len(tiles) > 60:
+            break
+    tmp.unlink(missing_ok=True)
+    mpimg.imsave(str(path), np.concatenate(tiles, axis=0))
+    page.evaluate("(el) => { el.scrollTop = 0; }", scroller.first.element_handle())
+
+
+def turn_first_control(page) -> dict:
+    """Choose another option in the first dropdown of the first control panel; return the
+    panel's figures before and after."""
+    box = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .edu3d-controls").first
+    box.scroll_into_view_if_needed()
+    before = page.evaluate(PANEL_FIGURES_JS, box.element_handle())
+    select = box.locator("select").first
+    options = select.locator("option").all_text_contents()
+    current = select.evaluate("(s) => s.options[s.selectedIndex].text")
+    choice = next(o for o in options if o != current)
+    select.select_option(label=choice)
+    deadline = time.monotonic() + 60
+    after = before
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(500)
+        after = page.evaluate(PANEL_FIGURES_JS, box.element_handle())
+        if after and after != before:
+            break
+    return {"option": choice, "before": before, "after": after}
+
+
+def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> dict:
+    rel = nb.relative_to(ROOT).as_posix()
+    console.clear()
+    seconds = run_all(page, lab, rel, "w" + nb.stem.replace("_", ""))
+    report = page.evaluate(REPORT_JS)
+    name = f"{nb.parent.name}-{nb.stem}"
+    screenshot_whole(page, out_dir / f"{name}.png")
+    problems = []
+    if report["errors"]:
+        problems.append(f"error outputs: {report['errors']}")
+    if report["widgetErrors"]:
+        problems.append(f"{report['widgetErrors']} 'Error displaying widget'")
+    empty = [p for p in report["plots"] if not p["traces"] or not p["points"] or
+             not p["title"] or p["height"] < 50]
+    if empty:
+        problems.append(f"empty or untitled charts: {empty}")
+    turned = None
+    if report["controls"]:
+        turned = turn_first_control(page)
+        if not turned["after"] or turned["after"] == turned["before"]:
+            problems.append(f"turning the first control ({turned['option']!r}) changed no "
+                            "chart in its panel")
+        screenshot_whole(page, out_dir / f"{name}-turned.png")
+    errors = [c for c in console if c["type"] in ("error", "pageerror")]
+    if errors:
+        problems.append(f"console errors: {errors[:5]}")
+    return {"notebook": rel, "seconds": round(seconds, 1), "plots": len(report["plots"]),
+            "widgets": report["widgets"], "controls": report["controls"],
+            "turned": turned and turned["option"], "problems": problems}
+
+
+def browse(notebooks: list[Path], workdir: Path, out_dir: Path) -> list[dict]:
+    from playwright.sync_api import sync_playwright
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = course_copy(workdir / "course")
+    lab = Lab(root, workdir)
+    results = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                context = browser.new_context(viewport={"width": 1400, "height": 1000})
+                page = context.new_page()
+                console: list = []
+                page.on("console", lambda m: console.append(
+                    {"type": m.type, "text": m.text[:300]}))
+                page.on("pageerror", lambda e: console.append(
+                    {"type": "pageerror", "text": str(e)[:300]}))
+                for nb in notebooks:
+                    results.append(check_notebook(page, lab, nb, out_dir, console))
+                    print(json.dumps(results[-1]), flush=True)
+                    shutdown_kernels(lab)
+            finally:
+                browser.close()
+    finally:
+        lab.close()
+    (out_dir / "report.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def shutdown_kernels(lab: Lab) -> None:
+    """One kernel at a time on a 2-core machine: stop the finished notebook's kernel."""
+    req = urllib.request.Request(f"{lab.url}/api/kernels?token={TOKEN}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        kernels = json.load(r)
+    for k in kernels:
+        urllib.request.urlopen(urllib.request.Request(
+            f"{lab.url}/api/kernels/{k['id']}?token={TOKEN}", method="DELETE"), timeout=30)
+
+
+def test_every_notebook_renders_in_chromium(tmp_path):
+    reason = _missing()
+    if reason:
+        _skip_or_fail(reason)
+    out_dir = Path(os.environ.get("EDU3D_SCREENSHOTS") or tmp_path / "screenshots")
+    results = browse(NOTEBOOKS, tmp_path, out_dir)
+    print(f"screenshots in {out_dir}")
+    for r in results:
+        print(f"{r['seconds']:6.1f} s  {r['notebook']}: {r['plots']} charts, "
+              f"{r['widgets']} widget views, control turned: {r['turned']}")
+    bad = [r for r in results if r["problems"]]
+    assert not bad, "\n".join(f"{r['notebook']}: {p}" for r in bad for p in r["problems"])
+    chapters = [r for r in results if r["notebook"].startswith("notebooks/")]
+    assert all(r["plots"] for r in chapters), "a chapter drew no chart"
+    without = [r["notebook"] for r in chapters if not r["controls"]]
+    assert not without, f"chapters without a control panel: {without}"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    chosen = [ROOT / a for a in sys.argv[1:]] or NOTEBOOKS
+    work = Path(tempfile.mkdtemp(prefix="edu3d-browser-"))
+    found = browse(chosen, work, Path(os.environ.get("EDU3D_SCREENSHOTS") or work / "shots"))
+    print(f"screenshots in {work}")
+    sys.exit(1 if any(r["problems"] for r in found) else 0)
