@@ -29,7 +29,7 @@ def unsupported(args: argparse.Namespace) -> str | None:
                 "bridge (DDP comm hooks are a separate API); drop --compress or use --impl edu3d")
     if _opt(args, "prefetch"):
         return (f"--prefetch: {why}FSDP2, which prefetches the next unit by itself; drop "
-                "--prefetch")
+                "--prefetch (or use --impl edu3d to see edu3d's prefetch)")
     if _opt(args, "tp_overlap"):
         return (f"--tp-overlap: {why}no overlapped tensor-parallel matmul on CPU (async TP "
                 "needs CUDA symmetric memory); drop --tp-overlap or use --impl edu3d")
