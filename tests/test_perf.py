@@ -1,0 +1,235 @@
+"""Chapter 10's measures, cost model, pictures and control panel (edu3d.course.perf,
+edu3d.widgets.perf): formulas and figures on made-up events, and one real 2-rank run (a
+profiled step, a layout timed, overlap cases) side by side with a real hang."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+from edu3d.course import perf
+from edu3d.widgets import perf as wp
+
+
+# ---- interval arithmetic and the step budget ----------------------------------------------------
+def test_union_minus_length():
+    assert perf.union([(5, 7), (0, 2), (1, 3)]) == [(0, 3), (5, 7)]
+    assert perf.length([(0, 2), (1, 3), (10, 11)]) == 4
+    assert perf.minus([(0, 10)], [(2, 3), (5, 6)]) == [(0, 2), (3, 5), (6, 10)]
+    assert perf.minus([(0, 4)], [(0, 10)]) == []
+    assert perf.minus([(0, 4), (6, 8)], [(3, 7)]) == [(0, 3), (7, 8)]
+
+
+def _ev(rank, lane, op, t0, t1, step=1, **kw):
+    return {"rank": rank, "lane": lane, "op": op, "t0": t0, "t1": t1, "step": step, **kw}
+
+
+def test_breakdown_cuts_compute_exposed_idle():
+    # one rank, times in us: F 0-2000, B 2000-6000, an all-reduce 5000-8000 (1 ms under
+    # B, 2 ms exposed), optimizer 9000-10000; idle 8000-9000
+    evs = [_ev(0, "compute", "F", 0, 2000), _ev(0, "compute", "B", 2000, 6000),
+           _ev(0, "comm", "all_reduce", 5000, 8000), _ev(0, "compute", "optimizer", 9000, 10000)]
+    b = perf.breakdown(evs)["steps"][1]
+    assert b["step_ms"] == pytest.approx(10.0)
+    assert b["comm_ms"] == pytest.approx(3.0)
+    assert b["exposed_ms"] == pytest.approx(2.0)
+    assert b["compute_ms"] == pytest.approx(7.0)
+    assert b["idle_ms"] == pytest.approx(1.0)
+
+
+def test_breakdown_median_skips_the_warmup_step_and_filters_cases():
+    evs = [_ev(0, "compute", "F", 0, 9000, step=1, case="a"),
+           _ev(0, "compute", "F", 0, 1000, step=2, case="a"),
+           _ev(0, "compute", "F", 0, 3000, step=3, case="a"),
+           _ev(0, "compute", "F", 0, 50000, step=2, case="b")]
+    med = perf.breakdown(evs, "a")["median"]
+    assert med["step_ms"] == pytest.approx(2.0)
+
+
+# ---- the profiler's events on the course's lanes ------------------------------------------------
+def _fe(name, t0, t1, parent=None):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=t0, end=t1),
+                           cpu_parent=parent)
+
+
+def test_profiler_events_get_phases_by_position():
+    events = [_fe("edu3d:step_start", 100, 101), _fe("aten::linear", 110, 150),
+              _fe("aten::mm", 120, 140, parent="x"),  # not top level: left out
+              _fe("autograd::engine::evaluate_function: MmBackward0", 200, 260),
+              _fe("aten::add_", 270, 275),  # between backward functions: backward
+              _fe("autograd::engine::evaluate_function: AddBackward0", 280, 300),
+              _fe("gloo:all_reduce", 290, 400), _fe("aten::mul_", 410, 420),
+              _fe("Optimizer.step#AdamW.step", 430, 500)]
+    out = perf.profiler_events(events, rank=3)
+    assert [(e["op"], e["lane"]) for e in out] == [
+        ("F", "compute"), ("B", "compute"), ("B", "compute"), ("B", "compute"),
+        ("all_reduce", "comm"), ("optimizer", "compute"), ("optimizer", "compute")]
+    assert out[0]["t0"] == 10 and out[0]["rank"] == 3  # since the step's marker
+
+
+def test_collective_names():
+    assert perf.collective_of("c10d::allreduce_") == "all_reduce"
+    assert perf.collective_of("gloo:all_gather") == "all_gather"
+    assert perf.collective_of("c10d::_reduce_scatter_base_") == "reduce_scatter"
+
+
+# ---- the cost model -----------------------------------------------------------------------------
+COSTS = {"serial_ms": 20.0, "alpha_us": 100.0, "gb_per_s": 1.0}
+
+
+def test_predict_adds_up_and_respects_the_cores():
+    for name in perf.LAYOUTS:
+        p = perf.predict(name, costs=COSTS, cores=2)
+        assert p["step"] == pytest.approx(p["compute"] + p["exposed"] + p["bubble"])
+        assert p["exposed"] <= p["comm"] + 1e-9
+    assert perf.predict("dp1", costs=COSTS, cores=2)["step"] == pytest.approx(20.0)
+    dp2, dp4 = (perf.predict(n, costs=COSTS, cores=2) for n in ("dp2", "dp4"))
+    assert dp4["compute"] == dp2["compute"] == pytest.approx(10.0)  # 4 ranks share 2 cores
+    assert dp4["comm"] > dp2["comm"]
+    assert perf.predict("dp4", costs=COSTS, cores=4)["compute"] == pytest.approx(5.0)
+
+
+def test_predict_overlap_and_bubble():
+    on, off = (perf.predict("dp2", mode, costs=COSTS, cores=2) for mode in ("on", "off"))
+    assert on["comm"] > off["comm"]  # small buckets: more messages, each paying alpha
+    assert on["exposed"] < off["exposed"] == pytest.approx(off["comm"])
+    m2, m8 = (perf.predict("pp2", microbatches=m, costs=COSTS, cores=2) for m in (2, 8))
+    assert m2["bubble"] == pytest.approx(m2["compute"] / 2)  # (p-1)/m of the compute
+    assert m8["bubble"] == pytest.approx(m8["compute"] / 8)
+    assert perf.predict("tp2", costs=COSTS, cores=2)["exposed"] > 0
+
+
+def test_calibrate_fits_alpha_beta_and_the_serial_step():
+    alpha, beta = 50e-6, 1e-9  # 50 us, 1 GB/s
+    evs = []
+    for i, size in enumerate((1000, 100_000, 1_000_000)):
+        t = 2 * alpha + size * beta  # ring of 2: 2(n-1)·alpha + 2(n-1)/n·S·beta
+        evs.append({"rank": 0, "lane": "comm", "op": "all_reduce", "n": 2, "bytes": size,
+                    "case": "tp2", "t0": 0.0, "t1": t * 1e6, "step": 1})
+    costs = perf.calibrate(evs, [{"name": "dp1", "median_s": 0.012}])
+    assert costs["serial_ms"] == pytest.approx(12.0)
+    assert costs["alpha_us"] == pytest.approx(50.0, rel=1e-3)
+    assert costs["gb_per_s"] == pytest.approx(1.0, rel=1e-3)
+
+
+def test_stack_lines_leave_the_launchers_frames_out():
+    v = {"traceback": "Python stack:\n  File \"/x/edu3d/worker.py\", line 1 in _call\n"
+                      "  File \"/x/edu3d/course/perf.py\", line 9 in skipped_collective\n"
+                      "  File \"<frozen runpy>\", line 88 in _run_code\n"}
+    assert perf.stack_lines(v) == [
+        "Python stack:", "  File \"/x/edu3d/course/perf.py\", line 9 in skipped_collective"]
+
+
+# ---- the pictures -------------------------------------------------------------------------------
+def test_figures_have_titles_units_and_data():
+    table = [{"name": "aten::mm", "calls": 3, "self_ms": 2.0, "total_ms": 2.0},
+             {"name": "c10d::allreduce_", "calls": 1, "self_ms": 1.0, "total_ms": 1.0},
+             {"name": "edu3d:step_start", "calls": 1, "self_ms": 9.0, "total_ms": 9.0}]
+    fig = wp.op_table_figure(table)
+    names = [y for t in fig.data for y in t.y]
+    assert "edu3d:step_start" not in names and set(names) == {"aten::mm", "c10d::allreduce_"}
+    assert "aten::mm" in fig.layout.title.text and "ms" in fig.layout.xaxis.title.text
+
+    evs = [_ev(0, "compute", "F", 0, 10), _ev(1, "compute", "B", 5, 20),
+           _ev(1, "comm", "all_reduce", 8, 30)]
+    fig = wp.profile_timeline(evs)
+    assert {t.name for t in fig.data} == {"F", "B", "all_reduce"}
+
+    rows = [{"name": "dp1", "world_size": 1, "median_s": 0.01, "tokens_per_s": 25600},
+            {"name": "dp4", "world_size": 4, "median_s": 0.05, "tokens_per_s": 5120}]
+    fig = wp.scaling_figure(rows, cores=2)
+    assert any("more than the cores" in t.name for t in fig.data)
+    assert "dp1 is fastest" in fig.layout.title.text
+
+    budget = {"off": {"compute": 5, "exposed": 3, "idle": 1, "comm": 3},
+              "on": {"compute": 5, "exposed": 1, "idle": 1, "comm": 3}}
+    fig = wp.budget_figure(budget, title="t", takeaway="k", ghosts=("off",))
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [list(t.x) for t in bars] == [[5, 5], [3, 1], [1, 1]]
+    assert list(bars[0].marker.opacity) == [pytest.approx(0.3), 1.0]
+    assert "2.0 hidden" in fig.data[-1].text[1]
+
+    rep = {"benchmark": "dp", "world_size": 2, "results": [
+        {"name": "step", "edu3d_s": 0.02, "reference": "DDP", "reference_s": 0.01,
+         "ratio": 2.0}]}
+    fig = wp.bench_figure(rep)
+    assert fig.data[0].text[0] == "ratio 2.00" and "ms" in fig.layout.yaxis.title.text
+
+
+def test_controls_redraw_at_once_and_build_the_widget():
+    ctl = wp.controls(COSTS, {"dp2": 30.0})
+    title, step = ctl.budget_fig.layout.title.text, ctl.predicted["step"]
+    ctl.redraw(layout="pp2")
+    assert "pp2" in ctl.budget_fig.layout.title.text and ctl.budget_fig.layout.title.text != title
+    assert ctl.predicted["step"] != step and ctl.predicted["bubble"] > 0
+    bubble4 = ctl.predicted["bubble"]
+    ctl.redraw(microbatches=8)
+    assert ctl.predicted["bubble"] == pytest.approx(bubble4 / 2)
+    ctl.redraw(layout="dp2", microbatches=0, overlap="off")
+    assert ctl.predicted["exposed"] == pytest.approx(ctl.predicted["comm"])
+    assert "dp2 highlighted" in ctl.layouts_fig.layout.title.text
+    assert any(t.name == "measured step" for t in ctl.layouts_fig.data)
+
+    import ipywidgets as w
+
+    box = ctl.widget
+    assert "edu3d-controls" in box._dom_classes
+    first = box.children[0].children[0]
+    assert isinstance(first, w.Dropdown)
+    first.value = "tp2"
+    assert ctl.state["layout"] == "tp2" and "tp2" in ctl.budget_fig.layout.title.text
+
+
+# ---- real runs: a profiled and timed 2-rank launch beside a hang -------------------------------
+def small_session(mesh) -> dict:
+    """A profiled dp2 step, dp1 and dp2 timed, overlap off (launched by the test)."""
+    return {"profile": perf.profile_step(mesh, {"dp": 2}, warmup=1),
+            "rows": perf.measure_layouts(mesh, ["dp1", "dp2"], steps=2,
+                                         cases={"overlap off": {"dp": 2, **perf.OVERLAP["off"]}})}
+
+
+@pytest.fixture(scope="module")
+def live():
+    from edu3d.launch import launch
+    from edu3d.mesh import Layout
+
+    with ThreadPoolExecutor(2) as pool:
+        run = pool.submit(launch, small_session, 2, layout=Layout(dp=2), echo=False,
+                          timeout=240, progress=False)
+        hung = pool.submit(perf.hang, "skipped collective")
+        return run.result(), hung.result()
+
+
+def test_live_profile_and_timings(live):
+    import json
+    import os
+
+    run, _ = live
+    prof = [r["profile"] for r in run.results]
+    for r, p in enumerate(prof):
+        assert p["rank"] == r and os.path.exists(p["path"])
+        assert "traceEvents" in json.loads(open(p["path"]).read())
+        ops = {e["op"] for e in p["events"]}
+        assert {"F", "B", "optimizer"} <= ops and any(e["lane"] == "comm" for e in p["events"])
+        assert any(row["name"] == "aten::mm" for row in p["table"])
+    rows = {r["name"]: r for r in run.results[0]["rows"]}
+    assert set(rows) == {"dp1", "dp2", "overlap off"}
+    assert rows["dp1"]["world_size"] == 1 and rows["dp2"]["world_size"] == 2
+    assert all(len(r["step_s"]) == 2 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert run.results[1]["rows"] == []
+    events = run.events()
+    for case in ("dp1", "dp2", "overlap off"):
+        med = perf.breakdown(events, case)["median"]
+        assert med["compute_ms"] > 0 and med["step_ms"] >= med["compute_ms"]
+    assert perf.breakdown(events, "dp1")["median"]["comm_ms"] == 0
+    assert perf.breakdown(events, "overlap off")["median"]["exposed_ms"] > 0
+
+
+def test_live_skipped_collective_names_the_rank_and_its_stack(live):
+    _, v = live
+    assert v["error"] == "RankHung" and v["rank"] == 1
+    assert "outside any collective" in v["message"]
+    assert "rank 0 waits in all_reduce" in v["message"]
+    assert any("wait_for_next_batch" in line for line in perf.stack_lines(v, keep=10))
