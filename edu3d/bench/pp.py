@@ -1,11 +1,11 @@
 """``edu3d bench pp``: edu3d's 1F1B engine timed against PyTorch's ``Schedule1F1B``.
 
 After reading this file you should know what the comparison holds equal: the same ranks and
-process group, the same stages (the very same modules: edu3d's :class:`PipelineStage` objects
-are handed to ``torch.distributed.pipelining.PipelineStage``), the same micro-batches and the
-same loss (mean cross-entropy, gradients scaled by 1/m in both). One repetition is one
-forward-backward step of the whole pipeline; repetitions alternate between the two and the
-median of each is reported (:mod:`edu3d.bench`), as ``ratio = edu3d / torch``; the goal is
+process group, the same stages (``edu3d train --impl torch``'s construction: the same layers
+cut at the same boundaries, handed to ``torch.distributed.pipelining.PipelineStage``), the
+same micro-batches and the same loss (mean cross-entropy, gradients scaled by 1/m in both).
+One repetition is one forward-backward step of the whole pipeline; repetitions alternate
+between the two and the median of each is reported (:mod:`edu3d.bench`), as ``ratio = edu3d / torch``; the goal is
 1.05 or less.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from edu3d import bench
 from edu3d.data import SyntheticCorpus
@@ -24,51 +23,34 @@ from edu3d.trainer import Trainer
 REFERENCE = "torch.distributed.pipelining.Schedule1F1B"
 
 
-class _TorchStage(nn.Module):
-    """An edu3d stage with the first stage's embedding folded in (torch feeds token ids)."""
-
-    def __init__(self, stage):
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x):
-        return self.stage(self.stage.embed(x) if self.stage.is_first else x)
-
-
 def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
            rows: int = 2, reps: int = 7, warmup: int = 2) -> dict | None:
-    """On every rank: time both pipelines; rank 0 returns the report."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    """On every rank: time both pipelines; rank 0 returns the report. PyTorch's side is
+    ``edu3d train --pp N --impl torch``'s own construction
+    (:class:`~edu3d.production.torch_impl.TorchTrainer`): the same cut into stages, its
+    modules run by ``PipelineStage`` and ``Schedule1F1B``."""
+    from edu3d.production.torch_impl import TorchTrainer
 
     config = config_from("tiny", layers=layers, heads=4, d_model=d_model, seq=seq, vocab=64)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     x, y = corpus.batch(1, m * rows)
-    pp, rank = mesh.size("pp"), mesh.index("pp")
+    pp = mesh.size("pp")
 
-    args = defaults(schedule="1f1b", microbatches=m)
+    args = defaults(schedule="1f1b", microbatches=m, pp=pp)
     ours = Trainer(GPT(config, seed=0), mesh, args)
-    gpt = GPT(config, seed=0)
-    theirs_model = Trainer(gpt, mesh, args)  # same cut, own weights
-    (stage,) = theirs_model.par.stages.values()
-    torch_stage = PipelineStage(_TorchStage(stage), rank, pp, torch.device("cpu"),
-                                group=mesh.pp)
-    schedule = Schedule1F1B(torch_stage, m, loss_fn=gpt.loss)
+    theirs = TorchTrainer(GPT(config, seed=0), mesh, defaults(**{**vars(args), "impl": "torch"}))
 
     def edu3d_step():
         ours.forward_backward(x, y)
 
     def torch_step():
-        for p in stage.parameters():
-            p.grad = None
-        kwargs = {"target": y} if stage.is_last else {}
-        schedule.step(x, **kwargs) if rank == 0 else schedule.step(**kwargs)
+        theirs.forward_backward(x, y)
 
     times = bench.interleaved_medians({"edu3d": edu3d_step, "torch": torch_step}, reps=reps,
                                       warmup=warmup, group=mesh.groups["world"])
     # the two computed the same thing: same weights, same batch -> same gradients
     err = max(float((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-12))
-              for a, b in zip(ours.par.module.parameters(),
-                              theirs_model.par.module.parameters()))
+              for a, b in zip(ours.par.module.parameters(), theirs.params))
     err_t = torch.tensor([err], dtype=torch.float64)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
     if mesh.rank != 0:
