@@ -234,9 +234,9 @@ def _agent_main(argv: Sequence[str]) -> None:
         launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0"))
 
         def watch() -> None:  # the ranks' own watchdogs end them once the agent is gone
-            while True:
+            while True:  # a SIGKILLed kernel stays a zombie until its parent reaps it
                 time.sleep(0.2)
-                if launcher and not _alive(launcher):
+                if launcher and not _running(launcher):
                     os._exit(3)
 
         threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()

@@ -1,0 +1,251 @@
+"""Warm rank pools (edu3d.pool): a warm job gives what a cold run gives, in its own run folder;
+every failure raises the cold path's error and kills the whole pool; the pool dies with the
+kernel (shutdown, restart, SIGKILL)."""
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from edu3d import pool
+from edu3d.launch import LaunchTimeout, RankError, _running, launch
+from tests import workers
+
+REPO = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import os, sys
+from edu3d import runtime
+mesh = runtime.init()
+r = mesh.rank
+print("out from", r)
+print("err from", r, file=sys.stderr)
+sys.stdout.write("partial " + str(r))  # no newline: still one whole line, before the marker
+runtime.shutdown(mesh)
+"""
+
+
+def _script(tmp_path, body: str, name: str = "script.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _wait_gone(pids, wait_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _running(p)]
+
+
+def _pool_of(res) -> str | None:
+    return json.loads((res.run_dir / "command.json").read_text()).get("pool")
+
+
+@pytest.fixture(autouse=True)
+def _no_pools_left():
+    yield
+    pool.shutdown()
+
+
+def test_policy_without_processes(monkeypatch):
+    monkeypatch.delenv("EDU3D_POOL", raising=False)
+    assert pool.wanted(None) is False  # no Jupyter kernel here
+    assert pool.wanted(True) and not pool.wanted(False)
+    monkeypatch.setenv("EDU3D_POOL", "1")
+    assert pool.wanted(None)
+    pool.disable()
+    assert pool.wanted(None)  # the variable, set on purpose, wins
+    monkeypatch.setenv("EDU3D_POOL", "0")
+    assert not pool.wanted(None) and pool.wanted(True)
+    pool.enable()
+    fake = pool.Pool.__new__(pool.Pool)
+    fake.env = {"OMP_NUM_THREADS": "1", "EDU3D_RUN_DIR": "/a", "EDU3D_TIMEOUT": "60"}
+    assert fake.compatible({"OMP_NUM_THREADS": "1", "EDU3D_RUN_DIR": "/b", "EDU3D_TIMEOUT": "5"})
+    assert not fake.compatible({"OMP_NUM_THREADS": "2"})
+    assert not fake.compatible({"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "INFO"})
+
+
+def test_warm_job_equals_cold_run_in_its_own_run_folder(tmp_path):
+    script = _script(tmp_path, SCRIPT)
+    cold = launch(workers.rank_info, 4, kwargs={"numel": 7}, timeout=120, echo=False, pool=False)
+    assert _pool_of(cold) is None
+    seen = []
+    out1 = launch(script, 4, timeout=120, echo=lambda *line: seen.append(line), pool=True)
+    warm = launch(workers.rank_info, 4, kwargs={"numel": 7}, timeout=60, echo=False, pool=True)
+    out2 = launch(script, 4, timeout=60, echo=False, pool=True)
+    assert _pool_of(out1) == _pool_of(warm) == _pool_of(out2) is not None  # one warm pool
+    assert len({cold.run_dir, out1.run_dir, warm.run_dir, out2.run_dir}) == 4
+
+    assert warm.results == cold.results
+    key = lambda e: (e["rank"], e["op"], e.get("group"), e.get("n"), e.get("bytes"))  # noqa: E731
+    assert sorted(map(key, warm.events())) == sorted(map(key, cold.events()))
+    for res in (warm, out1, out2):
+        d = res.run_dir
+        assert sorted(p.name for p in (d / "done").iterdir()) == [f"rank{r}" for r in range(4)]
+        assert len(list((d / "pids").glob("rank*.pid"))) == 4
+        assert not (d / "errors").exists()
+    assert len(list((warm.run_dir / "results").glob("rank*.pkl"))) == 4
+
+    for res in (out1, out2):  # each job's output, whole, prefixed, and only its own
+        for r in range(4):
+            assert res.lines(r) == [f"out from {r}", f"partial {r}"]
+            assert res.lines(r, "stderr") == [f"err from {r}"]
+    assert (2, "stdout", "out from 2") in seen and (1, "stderr", "err from 1") in seen
+    assert not any("edu3d-job-end" in text for _, _, text in out1.output + out2.output)
+
+
+def test_failures_name_the_rank_and_never_poison_the_next_job(tmp_path):
+    ok = launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)
+    first = _pool_of(ok)
+    pids = pool.pools()[0].pids()
+    with pytest.raises(RankError, match="rank 1 failed: ValueError: deliberate failure") as info:
+        launch(workers.raise_on, 2, args=(1,), timeout=60, echo=False, pool=True)
+    assert info.value.rank == 1 and "raise ValueError" in info.value.traceback
+    assert not _wait_gone(pids) and not pool.pools()  # the whole pool, agent included
+
+    again = launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)  # a fresh pool
+    assert again.results == ok.results and _pool_of(again) not in (None, first)
+
+    killer = _script(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    pids = pool.pools()[0].pids()
+    with pytest.raises(RankError) as info:
+        launch(killer, 2, timeout=60, echo=False, pool=True)
+    assert info.value.rank == 1 and "killed by signal SIGKILL" in str(info.value)
+    assert not _wait_gone(pids)
+
+
+def test_timeout_and_interrupt_kill_every_pool_process():
+    launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)
+    pids = pool.pools()[0].pids()
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"within 2 s; rank\(s\) \[0, 1\]"):
+        launch(workers.sleep_forever, 2, timeout=2, echo=False, pool=True)
+    assert time.monotonic() - t0 < 15
+    assert not _wait_gone(pids) and not pool.pools()
+
+    def interrupt(elapsed, done):  # what Ctrl-C (a kernel interrupt) does mid-run
+        if elapsed > 0.5:
+            raise KeyboardInterrupt
+
+    launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)
+    pids = pool.pools()[0].pids()
+    with pytest.raises(KeyboardInterrupt):
+        launch(workers.sleep_forever, 2, timeout=60, echo=False, pool=True, on_poll=interrupt)
+    assert not _wait_gone(pids) and not pool.pools()
+
+
+# ---- a real Jupyter kernel ---------------------------------------------------------------
+def _marked(mark: str) -> list[int]:
+    """Pool processes (agent and ranks) started from the test's kernel: their environment
+    carries both the test's marker and an EDU3D_POOL_ID."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"EDU3D_TEST_MARK={mark}".encode() in env and any(
+                v.startswith(b"EDU3D_POOL_ID=") for v in env):
+            found.append(int(entry.name))
+    return found
+
+
+def _none_left(mark: str, wait_s: float) -> list[int]:
+    deadline = time.monotonic() + wait_s
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in _marked(mark) if _running(p)]
+
+
+LAUNCH = ("import json\nfrom edu3d.launch import launch\nfrom tests import workers\n"
+          "r = launch(workers.rank_info, 2, echo=False, progress=False, timeout=120)\n"
+          "print(json.dumps([r.results[1]['sum'], "
+          "json.loads((r.run_dir / 'command.json').read_text()).get('pool')]))\n")
+
+
+def _run(kc, code: str, timeout: float = 150) -> list:
+    out = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append("ERROR " + "\n".join(msg["content"]["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    assert reply["content"]["status"] == "ok", "".join(out)
+    return json.loads("".join(out).strip().splitlines()[-1])
+
+
+def test_pool_dies_with_the_kernel(tmp_path):
+    jupyter_client = pytest.importorskip("jupyter_client")
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "EDU3D_TEST_MARK": mark, "EDU3D_RUNS": str(tmp_path / "runs"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    env.pop("EDU3D_POOL", None)  # the default inside a kernel: on
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel(env=env, cwd=str(tmp_path))
+    kc = None
+    try:
+        def client():
+            c = km.client()
+            c.start_channels()
+            c.wait_for_ready(timeout=60)
+            return c
+
+        kc = client()
+        first, second = _run(kc, LAUNCH), _run(kc, LAUNCH)
+        assert first[0] == second[0] == 3.0
+        assert first[1] is not None and first[1] == second[1]  # the second ran warm
+        assert len(_marked(mark)) == 3  # the agent and two ranks
+
+        kc.stop_channels()
+        km.restart_kernel(now=False)  # a clean exit: the kernel's atexit shuts the pool down
+        assert not _none_left(mark, 15)
+        kc = client()
+        _run(kc, LAUNCH)
+        assert _marked(mark)
+
+        kc.stop_channels()
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)  # no chance to clean up
+        assert not _none_left(mark, 10), "the pool outlived a SIGKILLed kernel"
+        km.restart_kernel(now=True)
+        kc = client()
+        _run(kc, LAUNCH)
+        assert _marked(mark)
+        kc.stop_channels()
+        kc = None
+        km.shutdown_kernel(now=False)
+        assert not _none_left(mark, 15)
+    finally:
+        if kc is not None:
+            kc.stop_channels()
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+        for pid in _marked(mark):  # never leave anything behind, even on failure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
