@@ -118,9 +118,8 @@ def zero_memory_figure(pred: dict, measured: dict | None = None):
     fig = go.Figure()
     for c in CAT_COLORS:
         fig.add_bar(x=x, y=[pred["formula"][s][c] / MB for s in range(4)],
-                    name=f"{c} (formula)", marker_color=style.rgba(CAT_COLORS[c],
-                                                                   style.GHOST_OPACITY),
-                    offsetgroup="formula", legendgroup=c,
+                    name=f"{c} (formula)", marker_color=CAT_COLORS[c],
+                    opacity=style.GHOST_OPACITY, offsetgroup="formula", legendgroup=c,
                     hovertemplate=f"{c}, formula: " + "%{y:.3f} MB<extra>%{x}</extra>")
         fig.add_bar(x=x, y=[pred["estimate"][s][c] / MB for s in range(4)],
                     name=f"{c} (planner)", marker_color=CAT_COLORS[c], offsetgroup="planner",
@@ -155,7 +154,7 @@ def zero_traffic_figure(pred: dict, measured: dict | None = None):
     x = [f"<b>stage {s} ◀</b>" if s == chosen else f"stage {s}" for s in range(4)]
     fig = go.Figure(go.Bar(
         x=x, y=[pred["traffic"][s] / MB for s in range(4)], name="formula",
-        marker_color=style.rgba(style.OLIVE, 0.35), offsetgroup="formula",
+        marker_color=style.OLIVE, opacity=0.35, offsetgroup="formula",
         text=[f"{cp.ZERO_TRAFFIC_PSI[s]}Ψ" for s in range(4)], textposition="outside",
         customdata=[cp.ZERO_COLLECTIVES[s] for s in range(4)],
         hovertemplate="%{customdata}: %{y:.3f} MB<extra>%{x}</extra>"))
@@ -266,8 +265,8 @@ def tp_collectives_figure(pred: dict, t: int, sp: bool, measured: dict | None = 
                                    for p in phases],
                 name=f"{OP_NAMES.get(op, op)} ({source})", offsetgroup=source,
                 legendgroup=op,
-                marker={"color": style.rgba(color, style.GHOST_OPACITY) if source ==
-                        "predicted" else color, "line": {"color": style.GREY, "width": 1}},
+                marker={"color": color, "line": {"color": style.GREY, "width": 1}},
+                opacity=style.GHOST_OPACITY if source == "predicted" else 1.0,
                 text=[f"{n} x" if n else "" for n in counts], textposition="inside",
                 hovertemplate=f"{op}, {source}: " + "%{text} %{y:.1f} KiB sent<extra>%{x}"
                               "</extra>")
@@ -280,7 +279,7 @@ def tp_collectives_figure(pred: dict, t: int, sp: bool, measured: dict | None = 
         got = sum(v["ring_bytes"] for p in phases for v in measured[p].values())
         line += f", measured {got / KiB:.0f} KiB"
     style.frame(fig, f"Collectives of one layer, tp = {t}{' + SP' if sp else ''} "
-                "(label: how many)", line, x="phase",
+                "(label: how many)", line, x="phase of one layer (forward / backward)",
                 y="bytes one rank sends on a ring (KiB)", height=380)
     fig.update_layout(barmode="stack", legend={"font": {"size": 11}})
     return fig
@@ -299,8 +298,7 @@ def tp_memory_figure(config, batch: int, t: int, sp: bool, measured: dict | None
         preds = [cp.tp_activation_prediction(config, batch, k, on) for k in tps]
         fig.add_bar(x=x, y=[p["model_formula"] / KiB for p in preds], offsetgroup=name,
                     name=f"{name}, formula (this model, fp32)",
-                    marker={"color": style.rgba(color, 0.35 if on == sp else 0.15),
-                            "line": {"color": color, "width": 2 if on == sp else 0}})
+                    marker_color=color, opacity=0.4 if on == sp else 0.15)
         fig.add_scatter(x=x, y=[p["korthikanti_16bit"] / KiB for p in preds], mode="markers",
                         name=f"{name}, Korthikanti 16-bit", marker={
                             "symbol": "diamond-open", "size": 10, "color": color})
@@ -316,7 +314,8 @@ def tp_memory_figure(config, batch: int, t: int, sp: bool, measured: dict | None
         line += f"; measured {measured['measured'] / KiB:.1f} KiB"
     style.frame(fig, f"Activation memory of one layer per rank (s={config.seq_len}, "
                 f"b={batch}, h={config.d_model}, a={config.n_heads})", line,
-                x="tensor-parallel degree (◀ = chosen)", y="KiB per rank", height=400)
+                x="tensor-parallel degree (◀ = chosen)", y="activations per rank (KiB)",
+                height=400)
     fig.update_layout(barmode="group", legend={"font": {"size": 11}})
     return fig
 

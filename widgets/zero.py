@@ -86,10 +86,14 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
         fig.update_layout(updatemenus=[{"buttons": buttons, "active": stage, "x": 1.0,
                                         "xanchor": "right", "y": 1.18}])
     fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
-    for (name, _, _), s0 in zip(units, starts):
-        fig.add_vline(x=s0, line={"color": style.GREY, "width": 1, "dash": "dot"})
-        fig.add_annotation(x=s0, y=1.0, yref="paper", text=name, showarrow=False,
-                           xanchor="left", font={"size": 10})
+    # one layout update for all unit boundaries (add_vline per unit is slow in plotly)
+    fig.update_layout(
+        shapes=[{"type": "line", "x0": s0, "x1": s0, "xref": "x", "y0": 0, "y1": 1,
+                 "yref": "paper", "line": {"color": style.GREY, "width": 1, "dash": "dot"}}
+                for s0 in starts],
+        annotations=[{"x": s0, "y": 1.0, "yref": "paper", "text": name, "showarrow": False,
+                      "xanchor": "left", "font": {"size": 10}}
+                     for (name, _, _), s0 in zip(units, starts)])
     return fig
 
 
