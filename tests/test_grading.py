@@ -83,6 +83,12 @@ def test_solutions_pass_every_check(path):
         assert not values_shown(cell), cell.source
 
 
+# the first test to ask for ``stubs_graded`` waits for all the notebooks (about 30 s on an
+# idle machine): give it the time nine tests of one notebook each had together
+GRADE_ALL = pytest.mark.timeout(900)
+
+
+@GRADE_ALL
 def test_edu3d_grade_fails_the_untouched_stubs_with_exit_code_1(stubs_graded):
     code, report, err = stubs_graded
     assert code == 1, err
@@ -92,6 +98,7 @@ def test_edu3d_grade_fails_the_untouched_stubs_with_exit_code_1(stubs_graded):
     assert len(progress) == len(NOTEBOOKS) and all(" 0/" in ln for ln in progress), err
 
 
+@GRADE_ALL
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_untouched_stubs_fail_every_check(path, stubs_graded):
     """Every check the solutions pass (the committed PASS lines) fails on the stubs, each

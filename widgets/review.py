@@ -106,9 +106,9 @@ def _label(st) -> str:
 
 
 def _search(model: str, gpus: int):
-    from edu3d.plan_search import Cluster, search
+    from edu3d.course.review import plan
 
-    return search(_spec(model), Cluster(gpus))
+    return plan(model, gpus)
 
 
 def tp_figure(model: str = "llama2-7b", gpus: int = 16):

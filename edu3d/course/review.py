@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from edu3d import grading
@@ -124,6 +125,7 @@ def tp_all_reduces() -> int:
     return round(step_time(spec, st, cl)["tp"] / (one * spec.n_layers * m))
 
 
+@lru_cache(maxsize=1024)
 def bubble(schedule: str, pp: int, m: int, vpp: int = 1) -> float:
     """The simulated bubble fraction (F = 1, B = 2, I = W = 1, free messages)."""
     from edu3d.parallel.pp import build, simulate
@@ -156,11 +158,18 @@ def fits_one_gpu(name: str = "llama2-7b", gpu_gb: float = 80) -> bool:
     return est["total_bytes"] <= 0.9 * gpu_gb * GB
 
 
-def planned_layout(name: str = "llama2-13b", gpus: int = 16) -> dict[str, int]:
-    """The planner's fastest layout that fits (``edu3d plan --model NAME --gpus G``)."""
+@lru_cache(maxsize=16)
+def plan(name: str, gpus: int) -> tuple[dict, ...]:
+    """The planner's ranking for ``name`` on ``gpus`` H100s of 80 GB (fitting first, fastest
+    first): :func:`edu3d.plan_search.search`, kept for the panel's redraws."""
     from edu3d.plan_search import Cluster, search
 
-    st = search(_llama(name), Cluster(gpus))[0]["setup"]
+    return tuple(search(_llama(name), Cluster(gpus)))
+
+
+def planned_layout(name: str = "llama2-13b", gpus: int = 16) -> dict[str, int]:
+    """The planner's fastest layout that fits (``edu3d plan --model NAME --gpus G``)."""
+    st = plan(name, gpus)[0]["setup"]
     return {"dp": st.dp, "tp": st.tp, "pp": st.pp}
 
 

@@ -1,0 +1,125 @@
+"""Chapter 11's review: every question is graded by edu3d's own numbers, both ways.
+
+* the answers the notebook ships (its answer cells, executed here without a kernel) pass
+  every check, and the committed outputs are exactly those PASS lines;
+* each question's classic wrong answer fails with one hint naming the chapter, never the
+  right value, and an unanswered ``...`` says so;
+* the truths agree with the course's formulas where one exists (ring 2(N-1)/N, ZeRO's
+  paper figures, (p-1)/(v·m+p-1));
+* the quiz panel: its first knob is a Dropdown of the questions, changing it redraws the
+  figure and sets the knobs to that question's case, and every question has a picture.
+No process is launched (``measure it`` is the notebook's, not the suite's).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from edu3d.course import review
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "11_review.ipynb"
+MARK = "# NBVAL_CHECK_OUTPUT"
+
+
+def shipped_answers() -> dict[str, object]:
+    """The notebook's answer cells executed in one namespace: ``{question key: answer}``."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    ns: dict = {}
+    keys = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if cell.source.startswith(MARK):
+            key, var = cell.source.split("review.check(")[1].rstrip(")").split(", ")
+            keys[key.strip("'\"")] = var
+        elif re.search(r"^q\d+ = ", cell.source, re.M):
+            exec(cell.source, ns)  # noqa: S102 - the course's own answer cells
+    return {k: ns[v] for k, v in keys.items()}
+
+
+def test_the_bank_covers_every_topic_with_sixteen_questions():
+    assert len(review.QUESTIONS) >= 12
+    assert {q.topic for q in review.QUESTIONS} == {"DP", "ZeRO", "TP/SP", "PP", "memory",
+                                                   "layout"}
+    for n, q in enumerate(review.QUESTIONS, 1):
+        assert q.title.startswith(f"Q{n} ") and (ROOT / "notebooks" / q.chapter).exists(), q
+
+
+def test_the_shipped_answers_pass_and_the_committed_outputs_say_so(capsys):
+    answers = shipped_answers()
+    assert set(answers) == set(review.BANK)
+    for key, answer in answers.items():
+        assert review.check(key, answer), key
+    out, err = capsys.readouterr()
+    assert not err and all(line.startswith("PASS ") for line in out.splitlines())
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    committed = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells
+                 if c.cell_type == "code" and c.source.startswith(MARK)]
+    assert committed == [f"PASS {q.title}\n" for q in review.QUESTIONS]
+
+
+@pytest.mark.parametrize("q", review.QUESTIONS, ids=lambda q: q.key)
+def test_the_classic_wrong_answer_fails_with_a_hint_not_the_answer(q, capsys):
+    assert q.wrong is not None
+    assert not review.check(q.key, q.wrong)
+    out, err = capsys.readouterr()
+    assert out == f"FAIL {q.title}\n"
+    assert err.startswith("  hint: ") and f"notebooks/{q.chapter}" in err
+    truth = q.truth()
+    if isinstance(truth, float):
+        assert f"{truth:.3g}" not in err.split("Look at:")[0]
+
+
+def test_an_unanswered_question_says_so(capsys):
+    assert not review.check("bubble_1f1b", ...)
+    assert "not answered yet" in capsys.readouterr().err
+
+
+def test_the_truths_are_the_course_formulas():
+    from edu3d.parallel.pp import bubble_formula
+
+    assert review.ring_gb_sent(8, 1.0) == pytest.approx(2 * 7 / 8)
+    assert review.zero_gb() == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # the ZeRO paper's figure 1
+    assert review.zero_sharded() == {1: {"optimizer"}, 2: {"optimizer", "grads"},
+                                     3: {"optimizer", "grads", "params"}}
+    assert review.zero3_traffic_ratio() == pytest.approx(1.5)
+    for name, p, m, v in (("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved", 4, 8, 2)):
+        assert review.bubble(name, p, m, v) == pytest.approx(bubble_formula(name, p, m, v))
+    assert review.bubble("zb-h1", 4, 8) < review.bubble("1f1b", 4, 8) / 2
+    assert review.micro_batches_for(0.1, 8) == 63 and bubble_formula("1f1b", 8, 62) > 0.1
+    layer = review.gpt3_layer_mb()
+    assert layer["none"] / layer["tp+sp"] == pytest.approx(8)
+    assert math.isclose(review.tp_all_reduces(), 4)
+
+
+def test_the_quiz_panel_redraws_each_question_at_once():
+    import ipywidgets as w
+
+    from edu3d.widgets import review as pictures
+
+    ctl = pictures.controls()
+    box = ctl.widget
+    assert "edu3d-controls" in box._dom_classes
+    first = box.children[0].children[0]
+    assert isinstance(first, w.Dropdown) and first.value == "bubble_1f1b"
+    titles = {}
+    for q in review.QUESTIONS:
+        first.value = q.key  # as a learner picks it
+        assert ctl.state["picture"] == q.picture["picture"] and not ctl.problem()
+        assert all(ctl._knobs[k].value == v for k, v in q.picture.items() if k in ctl._knobs)
+        titles[q.key] = ctl.figure.layout.title.text
+    assert titles["bubble_1f1b"] != titles["bubble_interleaved"] != titles["zero_gb"]
+    ctl._knobs["m"].value = 6  # interleaved at p=4 refuses m=6, and says why
+    first.value = "bubble_interleaved"
+    ctl._knobs["m"].value = 6
+    assert "multiple of pp" in ctl.message
+    ctl._knobs["m"].value = 12
+    assert ctl.figure.layout.title.text.startswith("<b>interleaved, p = 4")
+    ctl._knobs["pp"].value = 2
+    assert ctl.figure.layout.title.text.startswith("<b>interleaved, p = 2")
