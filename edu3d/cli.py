@@ -149,7 +149,7 @@ def _doctor(args) -> int:
 
 # ---- edu3d bench ---------------------------------------------------------------------------
 BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
-    "launch": "edu3d.bench:launch_overhead",
+    "launch": "edu3d.bench.launch:run_benchmark",
     "comm": "edu3d.bench.comm:run_benchmark",
     "dp": "edu3d.bench.dp:run_dp_benchmark",
     "zero": "edu3d.bench.dp:run_zero_benchmark",

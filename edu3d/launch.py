@@ -22,6 +22,9 @@ and how edu3d keeps that safe:
   Python stack, and handled like a death: :class:`RankHung`.
 
 The launcher itself never imports torch, so ``edu3d run`` adds almost nothing to torchrun.
+In a notebook's kernel the ranks are kept warm between launches (:mod:`edu3d.pool`): the same
+run folder, output, results and errors, without importing torch again; ``pool=False`` (or
+``EDU3D_POOL=0``) starts fresh processes every time.
 """
 
 from __future__ import annotations
@@ -478,8 +481,13 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if progress is None:
         progress = _in_kernel() and os.environ.get("EDU3D_PROGRESS", "1") != "0"
     status = None
-    if progress:
-        status = _notebook_status(nprocs, warm is not None and warm.jobs == 0)
+    try:
+        if progress:
+            status = _notebook_status(nprocs, warm is not None and warm.jobs == 0)
+    except BaseException:
+        if warm is not None:
+            warm.busy = False  # acquired, never used: free for the next launch
+        raise
     poll = on_poll
     if status is not None:
         def poll(elapsed: float, done: int) -> None:

@@ -21,7 +21,8 @@ saves most of it without changing what a run sees:
   starts (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME``, ``TORCH_*``, ... see
   :data:`START_ONLY`): those runs start torchrun afresh, exactly as before. At most one pool
   per world size and :data:`MAX_POOLS` pools live at once (the least recently used is shut
-  down), so idle memory stays bounded.
+  down), so idle memory stays bounded. A launch while the pool is busy (another thread's
+  job) runs cold.
 * **how to turn it off.** ``launch(..., pool=False)``, ``%%torchrun --cold``,
   ``EDU3D_POOL=0`` in the environment, or :func:`disable` (which also shuts the pools down).
   ``EDU3D_POOL=1`` or ``pool=True`` turns it on outside a kernel (scripts, tests).
@@ -34,17 +35,19 @@ saves most of it without changing what a run sees:
 
 What is **reset for every job**: the process group (new store prefix, destroyed after the
 job), the environment (``os.environ`` is the job's, restored after), the working folder,
-``sys.argv`` and ``sys.path``, the trace recorder (back to none), torch's global random
-generator (reseeded to the value a fresh process starts with) and Python's ``random``
-(reseeded from the OS), torch's default dtype, grad mode, deterministic-algorithms flag and
-thread count, and every module the job imported from outside the installed packages and
-edu3d (a notebook's own files, ``cell.py``: re-imported fresh, so edits are seen).
+``sys.argv`` and ``sys.path``, the trace recorder (back to none), torch's global generator
+and Python's ``random`` (reseeded at random, as in a fresh process; code that needs
+reproducible numbers seeds them, as ``runtime.init`` does), torch's default dtype, grad
+mode, deterministic-algorithms flag and thread count, and every module the job imported from
+outside the installed packages and edu3d (a notebook's own files, ``cell.py``: re-imported
+fresh, so edits are seen).
 
 What **persists between jobs** (that is the point): imported installed packages (torch,
 numpy, ...) and edu3d's own modules, with whatever module-level state they keep (e.g.
-``functools.lru_cache`` tables of pure functions), the process itself (its pid, threads a
-job started and did not stop, memory a job leaked into a global of an installed module),
-and the agent's store (each job's keys live under its own prefix).
+``functools.lru_cache`` tables of pure functions), the process itself (its pid, signal
+handlers a job installed, threads a job started and did not stop, whose later output lands
+in the next job; memory a job left in a global of an installed module), and the agent's
+store (each job's keys live under its own prefix).
 """
 
 from __future__ import annotations
@@ -77,7 +80,6 @@ START_ONLY = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GLOO_SOCKET_IFNAME", "PYTHO
 START_ONLY_PREFIXES = ("TORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "CUDA_")
 # set per job by the launcher; never a reason to start afresh
 PER_JOB = ("EDU3D_RUN_DIR", "EDU3D_RUN_ID", "EDU3D_POOL_ID", "PYTHONPATH")
-TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a fresh process
 
 _PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
 
@@ -96,6 +98,7 @@ class Pool:
                     "EDU3D_POOL_ID": self.id}
         self.jobs = 0  # jobs submitted so far
         self.broken = False
+        self.busy = False  # a job is running (another launch meanwhile runs cold)
         (self.dir / "env.json").write_text(json.dumps(self.env))
         cmd = torchrun_command(nprocs, ["--pool", str(self.dir)])
         (self.dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
@@ -180,13 +183,15 @@ def acquire(nprocs: int, env: dict, pool: bool | None = None) -> Pool | None:
             _pools.pop(nprocs).kill()
             found = None
         if found is not None:
-            if not found.compatible(env):
+            if found.busy or not found.compatible(env):
                 return None
             _pools.move_to_end(nprocs)
+            found.busy = True
             return found
         while len(_pools) >= MAX_POOLS:
             _pools.popitem(last=False)[1].kill()
         _pools[nprocs] = Pool(nprocs, env)
+        _pools[nprocs].busy = True
         return _pools[nprocs]
 
 
@@ -226,8 +231,17 @@ atexit.register(shutdown)
 
 def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
             echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0):
-    """Run one job on pool ``p`` and wait for it, exactly as :func:`edu3d.launch._launch`
-    waits for a cold run: same output, same result, same errors. Any failure kills the pool."""
+    """Run one job on pool ``p`` (from :func:`acquire`) and wait for it, exactly as
+    :func:`edu3d.launch._launch` waits for a cold run: same output, same result, same errors.
+    Any failure kills the pool."""
+    try:
+        return _run_job(p, worker_argv, env, run_dir, timeout, echo, on_poll, heartbeat)
+    finally:
+        p.busy = False
+
+
+def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
+             echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0):
     from edu3d import heartbeat as hb
     from edu3d.launch import (RunResult, _first_failure, _hung_error, _print_line, _rank_error,
                               _results, _timeout_error)
@@ -408,7 +422,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
         sys.path[:0] = extra
         prefix["job"] = f"edu3d-job{n}/"
         store.set_timeout(timedelta(seconds=runtime.timeout_seconds()))
-        torch.manual_seed(TORCH_DEFAULT_SEED)
+        torch.seed()  # a fresh process's generators start from a random seed too
         random.seed()
         old_stacks = list(worker._STACKS)
         worker._stack_on_signal(run_dir, rank)  # SIGUSR1 now writes into the job's folder

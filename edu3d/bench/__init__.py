@@ -22,7 +22,8 @@ This module is the one harness; each benchmark is a module beside it: :mod:`.com
 (collectives and the alpha-beta fit), :mod:`.dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.tp` (DTensor
 tensor parallelism), :mod:`.pp` (``Schedule1F1B``), :mod:`.threed` (the composed dp x tp x pp
 stack), :mod:`.recompute` (activation recomputation against ``checkpoint_wrapper``) and
-:func:`launch_overhead` here (``edu3d run`` against a bare torchrun). :mod:`.gpu` is the one
+:mod:`.launch` (``edu3d run`` against a bare torchrun, and a warm pool's cell against a cold
+one). :mod:`.gpu` is the one
 that needs CUDA: the memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and
 MFU on one device (``python -m edu3d.bench.gpu``).
 """
@@ -99,30 +100,4 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def launch_overhead(nprocs: int = 8, reps: int = 7, **_) -> dict:
-    """``edu3d run -n N`` of an empty script against a bare ``torchrun --standalone`` of the
-    same script: what edu3d's launcher (rank wrapper, output prefixing, pid and error files,
-    watchdog) adds to starting N ranks. Whole commands are timed, interleaved."""
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "empty.py")
-        open(script, "w").close()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "EDU3D_RUNS": os.path.join(tmp, "runs")}
-        commands = {
-            "edu3d": [sys.executable, "-m", "edu3d.cli", "run", "-n", str(nprocs), script],
-            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         f"--nproc_per_node={nprocs}", script],
-        }
-        times: dict[str, list[float]] = {k: [] for k in commands}
-        for i in range(reps):
-            for name, cmd in commands.items():
-                t0 = time.perf_counter()
-                subprocess.run(cmd, env=env, check=True, capture_output=True)
-                times[name].append(time.perf_counter() - t0)
-            _progress_rep(i, reps, times)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return report("launch", nprocs, [result(f"run -n {nprocs} empty script", med["edu3d"],
-                                            "torch.distributed.run --standalone",
-                                            med["torchrun"])])
+from edu3d.bench.launch import launch_overhead  # noqa: E402,F401 - moved; kept importable here
