@@ -90,7 +90,7 @@ def activations_figure(model: str = "gpt3-175b"):
     return style.frame(fig, f"{model}: one layer's activations (s = {s}, b = 1, 16-bit)",
                        "TP alone leaves 10sbh whole on every rank; SP splits them too; "
                        "selective recomputation drops the 5as/h attention term.",
-                       x="tensor-parallel degree t", y="MB per layer and sequence")
+                       x="tensor-parallel degree", y="activations per layer and sequence (MB)")
 
 
 def _parts_bars(fig, rows, labels) -> None:
@@ -184,7 +184,7 @@ def in_flight_figure(schedule: str = "1f1b", pp: int = 4, m: int = 8):
     return style.frame(fig, f"Micro-batches kept alive per pipeline rank: p = {pp}, m = {m}",
                        "GPipe keeps all m; 1F1B at most p on the first rank, one less per "
                        "rank down the pipe.", x="pipeline rank",
-                       y="micro-batches in flight at the peak")
+                       y="activations held at the peak (micro-batches)")
 
 
 def layout_figure(model: str = "llama2-13b", gpus: int = 16, top: int = 8):
@@ -210,12 +210,12 @@ def zero_measured_figure(rows: list[dict]):
     x = [f"ZeRO-{r['zero']}" for r in rows]
     fig = go.Figure()
     fig.add_bar(x=x, y=[r["estimate"] / 1024 for r in rows], name="estimate",
-                marker_color=style.rgba(style.GREEN, style.GHOST_OPACITY))
+                marker={"color": style.GREEN, "opacity": style.GHOST_OPACITY})
     fig.add_bar(x=x, y=[r["measured"] / 1024 for r in rows], name="measured",
                 marker_color=style.GREEN)
     return style.frame(fig, f"edu3d's tiny GPT over dp = {rows[0]['dp']}: rank 0's state, "
                             "measured", "weights + gradients + Adam state shrink stage by "
-                       "stage, as the formula says.", x="ZeRO stage", y="KiB on rank 0")
+                       "stage, as the formula says.", x="ZeRO stage", y="state on rank 0 (KiB)")
 
 
 def picture(state: dict):
