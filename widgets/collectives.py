@@ -123,7 +123,8 @@ def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str |
 
     def label(s):
         per_rank = s["sent"] / n
-        phase = "start" if s["phase"] == "start" else f"{s['phase'].replace('_', '-')} step {s['step']}"
+        phase = ("start" if s["phase"] == "start"
+                 else f"{s['phase'].replace('_', '-')} step {s['step']}")
         return (f"{phase}: sent {per_rank:,.0f} B per rank so far; "
                 f"formula 2(N-1)/N·S = {formula:,.0f} B")
 
@@ -238,8 +239,8 @@ def ring_steps_figure(predicted: list[dict], n: int, total_bytes: int,
     latency = 2 * (n - 1) * alpha
     takeaway = (f"predicted t = 2(N-1)α + 2(N-1)/N·S·β = {latency * 1e3:.2f} + "
                 f"{(total - latency) * 1e3:.2f} = {total * 1e3:.2f} ms; in every step each "
-                f"rank sends S/N = {_fmt_size(total_bytes / n)} (top: all ranks together), so {'latency α' if latency > total / 2 else 'bandwidth β'} "
-                "dominates here")
+                f"rank sends S/N = {_fmt_size(total_bytes / n)} (top: all ranks together), so "
+                f"{'latency α' if latency > total / 2 else 'bandwidth β'} dominates here")
     if measured:
         fig.add_trace(go.Scatter(x=[r["step"] for r in measured],
                                  y=[r["bytes"] / 1024 for r in measured], mode="markers",

@@ -323,9 +323,13 @@ class BucketControls(Panel):
             "bucket_mb": w.Dropdown(options=[(f"{mb:g} MB", mb) for mb in
                                              sorted({*BUCKET_MB, s["bucket_mb"]})],
                                     value=s["bucket_mb"], description="bucket size"),
-            "overlap": w.ToggleButtons(options=[("overlap on (reverse order)", True),
-                                                ("overlap off (forward order)", False)],
-                                       value=s["overlap"]),
+            "overlap": w.ToggleButtons(options=[("overlap: reverse order", True),
+                                                ("no overlap: forward order", False)],
+                                       value=s["overlap"], style={"button_width": "190px"},
+                                       tooltips=["buckets from the last layer back: the "
+                                                 "first leaves during backward",
+                                                 "buckets from the embedding on: all wait for "
+                                                 "the end of backward"]),
         }
 
 

@@ -173,7 +173,8 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
            # rank numbers as scene annotations: drawn over the 3D scene, never hidden by it
            "annotations": [{"x": p[0], "y": p[1], "z": p[2], "text": f"<b>{rank}</b>",
                             "showarrow": False, "font": {"color": "white", "size": 13}}
-                           for rank, p in pos.items()], "camera": {"eye": {"x": 2.0, "y": -1.0, "z": 0.6}}},
+                           for rank, p in pos.items()],
+           "camera": {"eye": {"x": 2.0, "y": -1.0, "z": 0.6}}},
         updatemenus=[{"type": "dropdown", "buttons": [view(d) for d in DIMS],
                       "active": DIMS.index(dim), "x": 0.0, "xanchor": "left",
                       "y": 1.0, "yanchor": "top"}],

@@ -97,7 +97,7 @@ def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: 
                marker_color=style.OLIVE, width=0.4,
                text=[f"{measured[n]:.3f}{unit}" for n in names], textposition="inside")])
     style.frame(fig, "Bytes moved per rank per step", "measured from the trace, in units of "
-                f"Ψ = parameters × 4 bytes; padding explains the last digits",
+                "Ψ = parameters × 4 bytes; padding explains the last digits",
                 x="configuration", y=f"traffic ({unit})")
     fig.update_layout(barmode="overlay")
     return fig

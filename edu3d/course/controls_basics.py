@@ -148,8 +148,9 @@ class StepCosts:
 
 def backward_sizes(config) -> list[tuple[str, int]]:
     """``(name, numel)`` of every parameter, in registration order (what the buckets cut)."""
-    from edu3d.model import GPT
     import torch
+
+    from edu3d.model import GPT
 
     with torch.device("meta"):
         model = GPT(config)
