@@ -1,16 +1,18 @@
 """``edu3d train --impl torch``: the same layouts on PyTorch's own APIs equal the serial run.
 
 For each layout, :func:`edu3d.production.compare.parity` runs
-:class:`~edu3d.production.torch_impl.TorchTrainer` against the serial reference step: with
-plain SGD the gradient norms of steps 1 and 2 and the loss of step 2 (a wrong ``1/dp`` or
-``1/m`` shows there), then the losses and norms of 5 AdamW steps. edu3d's own layouts equal
-the serial run to 1e-5 (tests/test_3d_parity.py), so equality with serial is equality with
-edu3d. One launch per world size runs all its layouts, each with its own meshes and model.
+:class:`~edu3d.production.torch_impl.TorchTrainer` against the serial reference step: every
+gradient of step 1 gathered by serial name, then with plain SGD the gradient norms of steps 1
+and 2 and the loss of step 2 (a wrong ``1/dp`` or ``1/m`` shows there), then the losses and
+norms of 5 AdamW steps. edu3d's own layouts equal the serial run to 1e-5
+(tests/test_3d_parity.py), so equality with serial is equality with edu3d. One launch per
+world size runs all its layouts, each with its own meshes and model.
 
 Tolerance, from measurement (pytest -s prints it): the worst relative error over these
-layouts was 4.2e-6 (AdamW's gradient norm, tp2 with tied embeddings); the arithmetic is the
-same but not bitwise (DDP's bucketed all-reduce, DTensor's reductions and the TP matmuls sum
-in other orders than one process does), and AdamW amplifies rounding in tiny gradients.
+layouts was 4.2e-6 (AdamW's gradient norm, tp2 with tied embeddings; gradients 6e-7). The
+arithmetic is the same but not bitwise (DDP's bucketed all-reduce, DTensor's reductions and
+the TP matmuls sum in other orders than one process does), and AdamW amplifies rounding in
+tiny gradients.
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ def _results(ws: int) -> dict[str, dict]:
     return dict(zip(names, run.results[0]))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if world_size(a.split()) == 8 else n
+    for n, a in LAYOUTS.items()])
 def test_torch_layout_equals_serial(name):
     res = _results(world_size(LAYOUTS[name].split()))[name]
-    errs = {k: res[k] for k in ("sgd_norm_err", "sgd_loss2_err", "adam_loss_err_serial",
-                                "adam_norm_err_serial")}
+    errs = {k: res[k] for k in ("grad_err", "sgd_norm_err", "sgd_loss2_err",
+                                "adam_loss_err_serial", "adam_norm_err_serial")}
     print(f"\n{name}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     assert max(errs.values()) < TOL, errs
     assert res["losses_torch"][-1] < res["losses_torch"][0]  # it trains

@@ -48,7 +48,7 @@ from edu3d.optim import lr_at, optimizer_for, param_groups, set_lr
 from edu3d.parallel.pp.partition import partition
 from edu3d.parallel.pp.schedules import chunks
 from edu3d.production import torch_pp
-from edu3d.production.torch_tp import apply_tp
+from edu3d.production.torch_tp import apply_tp, serial_qkv
 
 
 def _data_parallel(modules: dict, mesh, zero: int, layout: Layout) -> None:
@@ -58,7 +58,7 @@ def _data_parallel(modules: dict, mesh, zero: int, layout: Layout) -> None:
         if zero >= 2:
             from torch.distributed.fsdp import fully_shard
 
-            for block in module.blocks:  # one FSDP unit per block, one for the rest
+            for block in module.blocks.values():  # one FSDP unit per block, one for the rest
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
         elif layout.tp > 1:  # DDP cannot take DTensors: FSDP2's replicate can (torchtitan)
@@ -205,6 +205,29 @@ class TorchTrainer:
         set_lr(self.optimizer, lr_at(step, self.args))
         self.optimizer.step()
         return {"loss": loss.item(), "grad_norm": norm.item()}
+
+    @torch.no_grad()
+    def gather(self, what: str = "grad") -> dict[str, torch.Tensor]:
+        """Full serial tensors by serial name, ``"param"`` or ``"grad"``, on every rank (as
+        :meth:`edu3d.trainer.Trainer.gather`). Collective and untraced: for tests and
+        benchmarks, not for training."""
+        log = logging.getLogger("torch.distributed.tensor._redistribute")
+        log.setLevel(logging.ERROR)  # FSDP-over-TP shards gather in two steps; it warns
+        mine = {}
+        for module in self.modules.values():
+            for name, p in module.named_parameters():
+                name = name.replace("_checkpoint_wrapped_module.", "")
+                name = name[len("module."):] if name.startswith("module.") else name
+                t = p if what == "param" else p.grad
+                t = torch.zeros_like(_local(p)) if t is None else _local(t)
+                if self.layout.tp > 1 and name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+                    t = serial_qkv(t, self.layout.tp)
+                mine[name] = t.detach().clone()
+        if self.layout.pp == 1:
+            return mine
+        stages: list = [None] * self.layout.pp
+        dist.all_gather_object(stages, mine, group=self.dmesh["pp"].get_group())
+        return {k: v for part in stages for k, v in part.items()}
 
     def stats(self) -> dict:
         """Nothing: edu3d's memory and communication counters are edu3d's trainer's."""

@@ -42,14 +42,15 @@ class Stage(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         if is_first:
             self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        self.blocks = nn.ModuleList(model.blocks[i] for i in range(first, end))
+        # keyed by serial layer number: parameter names stay the serial model's
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first, end)})
         if is_last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:  # GPT.embed, on this module's own tables
             x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.is_last else x
 

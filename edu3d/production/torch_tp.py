@@ -41,6 +41,12 @@ def heads_contiguous(qkv: nn.Linear, tp: int) -> None:
         qkv.bias.copy_(qkv.bias[order])
 
 
+def serial_qkv(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """The inverse of :func:`heads_contiguous` on a full ``qkv`` tensor (rows first)."""
+    parts = [chunk.chunk(3) for chunk in t.chunk(tp)]
+    return torch.cat([torch.cat([parts[r][j] for r in range(tp)]) for j in range(3)])
+
+
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
     """Turn ``model`` (the serial GPT, in place) into its DTensor tensor-parallel form over
     the 1-D ``tp_mesh``. ``model.tok_emb`` / ``lm_head`` stay tied if they were."""
