@@ -5,8 +5,8 @@ process group, the same stages (``edu3d train --impl torch``'s construction: the
 cut at the same boundaries, handed to ``torch.distributed.pipelining.PipelineStage``), the
 same micro-batches and the same loss (mean cross-entropy, gradients scaled by 1/m in both).
 One repetition is one forward-backward step of the whole pipeline; repetitions alternate
-between the two and the median of each is reported (:mod:`edu3d.bench`), as ``ratio = edu3d / torch``; the goal is
-1.05 or less.
+between the two and the median of each is reported (:mod:`edu3d.bench`), as
+``ratio = edu3d / torch``; the goal is 1.05 or less.
 """
 
 from __future__ import annotations

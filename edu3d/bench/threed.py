@@ -9,7 +9,8 @@ PyTorch's own APIs compose into the same layout (torchtitan's ``parallelize_llam
   (:class:`edu3d.data.SyntheticCorpus`), cut it into the same 4 micro-batches per data-parallel
   rank, and run in the same 8 processes (rank order tp-dp-pp on both:
   ``init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``);
-* **PyTorch's side, applied in torchtitan's order**:
+* **PyTorch's side, applied in torchtitan's order** (``edu3d train --impl torch``'s own
+  construction, :class:`~edu3d.production.torch_impl.TorchTrainer`):
 
   1. **TP** (DTensor ``parallelize_module``): ``ColwiseParallel`` on each block's ``qkv`` and
      ``fc``, ``RowwiseParallel`` on the two projections; the token embedding is cut by
@@ -56,17 +57,12 @@ two sides' communication, which is the same by construction, decides.
 from __future__ import annotations
 
 import argparse
-import logging
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from edu3d.bench import interleaved_medians, report, result
-from edu3d.data import SyntheticCorpus, shard_rows
+from edu3d.data import SyntheticCorpus
 from edu3d.model import GPT, config_from
-from edu3d.parallel.pp.partition import uniform
 
 LAYOUT = {"dp": 2, "tp": 2, "pp": 2}
 MICROBATCHES = 4
@@ -77,176 +73,19 @@ REFERENCE = ("torch: DTensor parallelize_module + loss_parallel, pipelining Sche
              "{dp}")
 
 
-# ---- PyTorch's composed stack ----------------------------------------------------------------
-class _Stage(nn.Module):
-    """The layers ``[first, end)`` of a GPT, with the embedding on the first stage and the
-    final LayerNorm and head on the last. Blocks are keyed by their serial index, so parameter
-    names are the serial model's (``blocks.2.attn.qkv.weight``)."""
+# ---- PyTorch's composed stack: edu3d train --impl torch's own construction -----------------
+def torch_trainer(gpt: GPT, mesh, zero: int, model: dict = MODEL,
+                  global_batch: int = GLOBAL_BATCH, microbatches: int = MICROBATCHES):
+    """PyTorch's dp x tp x pp trainer (:class:`~edu3d.production.torch_impl.TorchTrainer`,
+    what ``edu3d train --impl torch`` runs) for the benchmarked layout. Its ZeRO-1 row is
+    ``fully_shard(reshard_after_forward=False)`` (``--zero 2``'s construction): under a
+    pipeline that is ZeRO-1's traffic, and ``ZeroRedundancyOptimizer`` cannot take TP's
+    DTensors."""
+    from edu3d.production.torch_impl import TorchTrainer
 
-    def __init__(self, gpt: GPT, first: int, end: int, is_first: bool, is_last: bool):
-        super().__init__()
-        self.is_first, self.is_last = is_first, is_last
-        if is_first:
-            self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in range(first, end)})
-        if is_last:
-            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.is_last else x
-
-
-def _head_major(w: torch.Tensor, t: int) -> torch.Tensor:
-    """``[q | k | v]`` rows -> ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``: a contiguous 1/t slice
-    holds whole heads of q, k and v (what DTensor's contiguous ``Shard(0)`` hands a rank)."""
-    q, k, v = (part.chunk(t, 0) for part in w.chunk(3, 0))
-    return torch.cat([torch.cat([q[r], k[r], v[r]]) for r in range(t)])
-
-
-def _serial_qkv(w: torch.Tensor, t: int) -> torch.Tensor:
-    """The inverse of :func:`_head_major`."""
-    parts = [c.chunk(3, 0) for c in w.chunk(t, 0)]
-    return torch.cat([torch.cat([p[i] for p in parts]) for i in range(3)])
-
-
-def _apply_tp(stage: _Stage, tp_mesh) -> None:
-    """Megatron's cuts with DTensor: column-parallel in, row-parallel out, vocabulary-parallel
-    embedding and head (logits stay sharded for ``loss_parallel``)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    t = tp_mesh.size()
-    plan = {}
-    if stage.is_first:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if stage.is_last:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    for key, block in stage.blocks.items():
-        with torch.no_grad():
-            for p in (block.attn.qkv.weight, block.attn.qkv.bias):
-                p.copy_(_head_major(p, t))
-        block.attn.n_heads //= t  # each rank's local qkv output holds n_heads / t heads
-        plan.update({f"blocks.{key}.attn.qkv": ColwiseParallel(),
-                     f"blocks.{key}.attn.proj": RowwiseParallel(),
-                     f"blocks.{key}.mlp.fc": ColwiseParallel(),
-                     f"blocks.{key}.mlp.proj": RowwiseParallel()})
-    parallelize_module(stage, tp_mesh, plan)
-
-
-def _apply_dp(stage: _Stage, dp_mesh, zero: int) -> None:
-    """torchtitan's last step: FSDP2's replicate (plain DP) or fully_shard (ZeRO) over dp."""
-    if zero:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in stage.blocks.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
-    else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(stage, mesh=dp_mesh)
-
-
-def _loss(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-class TorchComposed:
-    """PyTorch's dp x tp x pp step on the global batch, built from the full serial GPT."""
-
-    def __init__(self, gpt: GPT, dmesh, microbatches: int, zero: int, args):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        pp, p = dmesh["pp"].size(), dmesh["pp"].get_local_rank()
-        self.dmesh, self.tp, self.args = dmesh, dmesh["tp"].size(), args
-        first, end = uniform(gpt.config.n_layers, pp)[p]
-        self.module = _Stage(gpt, first, end, p == 0, p == pp - 1)
-        _apply_tp(self.module, dmesh["tp"])
-        _apply_dp(self.module, dmesh["dp"], zero)
-        self.stage = PipelineStage(self.module, p, pp, torch.device("cpu"),
-                                   group=dmesh["pp"].get_group())
-        self.schedule = Schedule1F1B(self.stage, microbatches, loss_fn=_loss)
-        params = [q for q in self.module.parameters() if q.requires_grad]
-        groups = [{"params": [q for q in params if q.dim() >= 2],
-                   "weight_decay": args.weight_decay},
-                  {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-        self.groups = self._params_by_mesh()
-
-    def _rows(self, t: torch.Tensor) -> torch.Tensor:
-        return shard_rows(t, self.dmesh["dp"].get_local_rank(), self.dmesh["dp"].size())
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Gradients of the mean loss over the global batch (this rank's rows)."""
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        self.optimizer.zero_grad(set_to_none=True)
-        inputs = (self._rows(x),) if self.stage.is_first else ()
-        target = self._rows(y) if self.stage.is_last else None
-        with loss_parallel():  # the backward of the vocabulary-parallel loss needs it too
-            self.schedule.step(*inputs, target=target, return_outputs=False)
-
-    def _params_by_mesh(self) -> list[list[nn.Parameter]]:
-        """Parameters grouped by their DTensor mesh ((dp, tp) for TP-cut ones, dp for the
-        replicated rest): DTensor's foreach kernels refuse a list that mixes meshes."""
-        from torch.distributed.tensor import DTensor
-
-        groups: dict = {}
-        for q in self.module.parameters():
-            groups.setdefault(q.device_mesh if isinstance(q, DTensor) else None, []).append(q)
-        return list(groups.values())
-
-    def grad_norm(self) -> torch.Tensor:
-        """torchtitan's global norm: one norm per mesh (a DTensor's norm counts each shard
-        once), squared and summed, then summed over the pipeline stages by hand
-        (``clip_grad_norm_`` alone reduces over nothing)."""
-        from torch.distributed.tensor import DTensor
-
-        total = torch.zeros(())
-        for params in self.groups:
-            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
-            total = total + (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-        dist.all_reduce(total, group=self.dmesh["pp"].get_group())
-        return total.sqrt()
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.forward_backward(x, y)
-        norm = self.grad_norm()
-        for params in self.groups:
-            torch.nn.utils.clip_grads_with_norm_(params, self.args.clip, norm)
-        self.optimizer.step()
-
-    def gather_grads(self) -> dict[str, torch.Tensor]:
-        """Every full gradient by serial name, on every rank (``qkv`` back in serial order)."""
-        from torch.distributed.tensor import DTensor
-
-        # FSDP's dp shard of a TP shard (_StridedShard) is gathered in two steps; DTensor logs
-        # a warning per tensor on every rank. This gather is untimed inspection: keep it quiet.
-        log = logging.getLogger("torch.distributed.tensor._redistribute")
-        level, mine = log.level, {}
-        log.setLevel(logging.ERROR)
-        for name, q in self.module.named_parameters():
-            g = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
-            if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-                g = _serial_qkv(g, self.tp)
-            mine[name] = g.detach().clone()
-        log.setLevel(level)
-        stages: list = [None] * self.dmesh["pp"].size()
-        dist.all_gather_object(stages, mine, group=self.dmesh["pp"].get_group())
-        return {k: v for part in stages for k, v in part.items()}
-
-
-def device_mesh(mesh):
-    """PyTorch's 3D mesh, in edu3d's rank order (tp fastest, then dp, then pp)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    layout = mesh.layout
-    return init_device_mesh("cpu", layout.shape, mesh_dim_names=("pp", "dp", "tp"))
+    args = train_args(2 if zero else 0, model, global_batch, microbatches)
+    args.impl = "torch"
+    return TorchTrainer(gpt, mesh, args)
 
 
 def max_rel_diff(ours: dict, theirs: dict) -> float:
@@ -295,21 +134,19 @@ def torch_matches_serial(mesh, zero: int = 0, model: dict = MODEL,
     config = config_from("tiny", layers=model["layers"], heads=model["heads"],
                          d_model=model["d_model"], seq=model["seq"], vocab=model["vocab"])
     x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, global_batch)
-    theirs = TorchComposed(GPT(config, seed=0), device_mesh(mesh), microbatches, zero,
-                           train_args(zero, model, global_batch, microbatches))
+    theirs = torch_trainer(GPT(config, seed=0), mesh, zero, model, global_batch, microbatches)
     theirs.forward_backward(x, y)
     norm = float(theirs.grad_norm())
     serial = GPT(config, seed=0)
     serial(x, y)[1].backward()
     grads = {k: p.grad for k, p in serial.named_parameters()}
     serial_norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
-    return {"grad": max_rel_diff(theirs.gather_grads(), grads),
+    return {"grad": max_rel_diff(theirs.gather("grad"), grads),
             "grad_norm": abs(norm - serial_norm) / serial_norm}
 
 
 def worker(mesh, reps: int = 3, warmup: int = 1) -> dict | None:
     """On every rank: per row, build both sides, compare gradients, time; rank 0 reports."""
-    dmesh = device_mesh(mesh)
     rows = []
     for zero in (0, 1):
         args = train_args(zero)
@@ -317,17 +154,17 @@ def worker(mesh, reps: int = 3, warmup: int = 1) -> dict | None:
                              d_model=MODEL["d_model"], seq=MODEL["seq"], vocab=MODEL["vocab"])
         x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, GLOBAL_BATCH)
         ours = edu3d_trainer(GPT(config, seed=0), mesh, args)
-        theirs = TorchComposed(GPT(config, seed=0), dmesh, MICROBATCHES, zero, args)
+        theirs = torch_trainer(GPT(config, seed=0), mesh, zero)
 
         ours.forward_backward(x, y)
         theirs.forward_backward(x, y)
-        diff = max_rel_diff(ours.gather("grad"), theirs.gather_grads())
+        diff = max_rel_diff(ours.gather("grad"), theirs.gather("grad"))
         if diff > MAX_GRAD_REL_DIFF:
             raise RuntimeError(f"edu3d and PyTorch gradients differ by {diff:.2e} (relative) "
                                f"with zero={zero}; not timing")
-        counter = iter(range(1, 1 << 30))
-        times = interleaved_medians({"edu3d": lambda: ours.step(x, y, next(counter)),
-                                     "torch": lambda: theirs.step(x, y)},
+        mine, its = iter(range(1, 1 << 30)), iter(range(1, 1 << 30))
+        times = interleaved_medians({"edu3d": lambda: ours.step(x, y, next(mine)),
+                                     "torch": lambda: theirs.step(x, y, next(its))},
                                     reps=reps, warmup=warmup, group=mesh.groups["world"])
         dp = "fully_shard(reshard_after_forward=False)" if zero else "replicate (FSDP2)"
         rows.append(result(f"dp2-tp2-pp2 1f1b{' zero1' if zero else ''}", times["edu3d"],

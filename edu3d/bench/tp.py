@@ -4,7 +4,8 @@ After reading this file you should understand what is compared, and why it is fa
 
 * both sides run the **same transformer blocks** (the serial GPT's, same weights) on the same
   input, forward and backward, on the same ranks, repetitions interleaved (:mod:`edu3d.bench`);
-* edu3d: :func:`edu3d.parallel.tp.apply_tp`; PyTorch: ``parallelize_module`` with
+* edu3d: :func:`edu3d.parallel.tp.apply_tp`; PyTorch: ``edu3d train --impl torch``'s plan
+  (:func:`edu3d.production.torch_tp.apply_tp`), ``parallelize_module`` with
   ``ColwiseParallel`` for ``qkv``/``fc`` and ``RowwiseParallel`` for the projections, and for
   ``--sp`` ``SequenceParallel`` on the LayerNorms with ``PrepareModuleInput`` gathering the
   sequence before attention and the MLP (torchtitan's plan);
@@ -23,7 +24,6 @@ and the blocks are where tensor parallelism's traffic is.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
@@ -34,38 +34,15 @@ from edu3d.model import GPT, GPTConfig
 CONFIG = GPTConfig(n_layers=2, n_heads=8, d_model=128, seq_len=64, vocab_size=128)
 
 
-def _head_major_qkv(block, t: int) -> None:
-    """Reorder the fused qkv rows so a contiguous 1/t slice holds whole heads of q, k, v."""
-    with torch.no_grad():
-        for p in (block.attn.qkv.weight, block.attn.qkv.bias):
-            q, k, v = (part.chunk(t, 0) for part in p.data.chunk(3, 0))
-            p.data.copy_(torch.cat([torch.cat([q[r], k[r], v[r]]) for r in range(t)]))
-
-
 def _dtensor_blocks(gpt: GPT, t: int, sp: bool):
+    """PyTorch's side: ``edu3d train --tp t --impl torch``'s own plan
+    (:func:`edu3d.production.torch_tp.apply_tp`) applied to the whole GPT; its blocks."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+
+    from edu3d.production.torch_tp import apply_tp as apply_dtensor_tp
 
     mesh = init_device_mesh("cpu", (t,), mesh_dim_names=("tp",))
-    for block in gpt.blocks:
-        _head_major_qkv(block, t)
-        block.attn.n_heads //= t
-        plan = {"attn.qkv": ColwiseParallel(), "mlp.fc": ColwiseParallel(),
-                "attn.proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-                "mlp.proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
-        if sp:
-            gather = PrepareModuleInput(input_layouts=(Shard(1),),
-                                        desired_input_layouts=(Replicate(),))
-            plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-                         "attn": gather, "mlp": copy.deepcopy(gather),
-                         "attn.proj": RowwiseParallel(output_layouts=Shard(1),
-                                                      use_local_output=False),
-                         "mlp.proj": RowwiseParallel(output_layouts=Shard(1),
-                                                     use_local_output=False)})
-        parallelize_module(block, mesh, plan)
+    apply_dtensor_tp(gpt, mesh, sequence_parallel=sp)
     return gpt.blocks, mesh
 
 
@@ -79,7 +56,7 @@ def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
                  config: GPTConfig = CONFIG, overlap: bool = False) -> dict | None:
     """Launch target: time forward + backward of the blocks both ways; rank 0 reports.
     ``overlap`` runs edu3d's column layers with the asynchronous input-gradient all-reduce."""
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     from edu3d.parallel.tp.apply import apply_tp
 
@@ -87,11 +64,11 @@ def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
     model = GPT(config, 0)
     apply_tp(model, mesh, sequence_parallel=sp, overlap=overlap)
     ours = model.blocks
-    theirs, dmesh = _dtensor_blocks(GPT(config, 0), t, sp)
+    theirs, _ = _dtensor_blocks(GPT(config, 0), t, sp)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, config.seq_len, config.d_model, generator=g)
     x_ours = x.chunk(t, 1)[r].contiguous() if sp else x
-    x_theirs = distribute_tensor(x, dmesh, [Shard(1)]) if sp else x
+    x_theirs = x_ours  # under SP both plans take this rank's tokens as a plain tensor
 
     def local(y):
         return y.to_local() if isinstance(y, DTensor) else y
