@@ -39,6 +39,14 @@ def test_breakdown_cuts_compute_exposed_idle():
     assert b["idle_ms"] == pytest.approx(1.0)
 
 
+def test_breakdown_counts_a_pipeline_receive_as_waiting():
+    evs = [_ev(1, "comm", "recv", 0, 4000), _ev(1, "compute", "F", 4000, 5000),
+           _ev(1, "comm", "send", 5000, 5500)]
+    b = perf.breakdown(evs)["steps"][1]
+    assert b["comm_ms"] == pytest.approx(0.5) and b["exposed_ms"] == pytest.approx(0.5)
+    assert b["idle_ms"] == pytest.approx(4.0)
+
+
 def test_breakdown_median_skips_the_warmup_step_and_filters_cases():
     evs = [_ev(0, "compute", "F", 0, 9000, step=1, case="a"),
            _ev(0, "compute", "F", 0, 1000, step=2, case="a"),

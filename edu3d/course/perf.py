@@ -34,6 +34,8 @@ LAYOUTS = {"dp1": (1, 1, 1), "dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2
 #: or small buckets launched as their gradients are ready (edu3d's DDP)
 OVERLAP = {"off": {"dp_impl": "flat"}, "on": {"dp_impl": "bucketed", "bucket_mb": 0.1}}
 COMPUTE_OPS = ("F", "B", "I", "W")
+#: a pipeline receive mostly waits for the previous stage to compute: the bubble, not the wire
+WAITS = ("recv", "RECV_F", "RECV_B")
 
 
 def layout_options(name: str, overlap: str = "on", microbatches: int | None = None) -> dict:
@@ -79,9 +81,9 @@ def minus(spans, cut) -> list[tuple[float, float]]:
 
 def breakdown(events: list[dict], case: str | None = None) -> dict:
     """Per step, averaged over ranks: ``step_ms`` (first to last event of the step),
-    ``compute_ms`` (F, B, I, W, optimizer), ``comm_ms`` (every collective, whole),
-    ``exposed_ms`` (communication no F/B/I/W runs under) and ``idle_ms`` (the rest: bubble
-    and waiting). Returns ``{"steps": {step: {...}}, "median": {...}}`` (median over steps
+    ``compute_ms`` (F, B, I, W, optimizer), ``comm_ms`` (every collective and send, whole),
+    ``exposed_ms`` (communication no F/B/I/W runs under) and ``idle_ms`` (the rest: the
+    bubble, and waiting, a pipeline receive's included). Returns ``{"steps": {step: {...}}, "median": {...}}`` (median over steps
     after the first, which warms up)."""
     sel = [e for e in events if (case is None or e.get("case") == case) and not e.get("sim")
            and e.get("lane") in ("compute", "comm") and e.get("step") is not None]
@@ -90,7 +92,8 @@ def breakdown(events: list[dict], case: str | None = None) -> dict:
         evs = [e for e in sel if e["step"] == step and e["rank"] == rank]
         window = (min(e["t0"] for e in evs), max(e["t1"] for e in evs))
         fb = [(e["t0"], e["t1"]) for e in evs if e["lane"] == "compute" and e["op"] in COMPUTE_OPS]
-        comm = [(e["t0"], e["t1"]) for e in evs if e["lane"] == "comm"]
+        comm = [(e["t0"], e["t1"]) for e in evs
+                if e["lane"] == "comm" and e["op"] not in WAITS]
         exposed = minus(comm, fb)
         compute = minus([(e["t0"], e["t1"]) for e in evs if e["lane"] == "compute"], exposed)
         row = {"step_ms": (window[1] - window[0]) / 1e3, "compute_ms": length(compute) / 1e3,
@@ -447,8 +450,8 @@ def hang(kind: str, timeout_s: float = 6.0, heartbeat: float = 2.0) -> dict:
 
 
 def hangs(kinds=tuple(HANGS), **kw) -> dict[str, dict]:
-    """Every hang of ``kinds`` at once (each its own launch, in parallel threads: waiting
-    for a heartbeat costs no CPU)."""
+    """Every hang of ``kinds`` at once, each its own launch in its own thread: waiting for a
+    heartbeat costs no CPU (a warm pool serves one of them, the others start cold)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(kinds)) as pool:
@@ -458,7 +461,8 @@ def hangs(kinds=tuple(HANGS), **kw) -> dict[str, dict]:
 
 def stack_lines(verdict: dict, keep: int = 6) -> list[str]:
     """The first lines of the named rank's stack or traceback, the launcher's own frames
-    (worker, runpy) left out."""
+    (worker, warm pool, runpy) left out."""
+    launcher = ("edu3d/worker.py", "edu3d/pool.py", "<frozen runpy>")
     lines = [ln for ln in verdict["traceback"].splitlines()
-             if ln.strip() and "edu3d/worker.py" not in ln and "<frozen runpy>" not in ln]
+             if ln.strip() and not any(f in ln for f in launcher)]
     return lines[:keep]
