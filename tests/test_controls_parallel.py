@@ -90,10 +90,10 @@ def test_tp_panel_predictions_and_redraw():
 
 
 def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
-    ctl = panels.pipeline_controls(schedule="1f1b", pp=4, m=8)
+    ctl = panels.pipeline_controls(schedule="1f1b", pp=2, m=4)
     assert ctl.message == "" and len(ctl.figures) == 2
-    assert f"formula {bubble_formula('1f1b', 4, 8):.1%}" in _title(ctl.gantt_fig)
-    curve = cp.pp_bubble_curve("1f1b", 4, 1, range(1, 9))
+    assert f"formula {bubble_formula('1f1b', 2, 4):.1%}" in _title(ctl.gantt_fig)
+    curve = cp.pp_bubble_curve("1f1b", 4, 1, tuple(range(1, 9)))
     assert curve["simulated"] == pytest.approx(curve["formula"])
 
     first = _first_dropdown(ctl)
@@ -102,11 +102,12 @@ def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
     assert ctl.state["vpp"] == 2 and ctl._knobs["vpp"].value == 2
     assert ctl.message == "" and _title(ctl.gantt_fig) != title
     assert "v=2" in _title(ctl.gantt_fig)
-    ctl.redraw(m=6)
-    assert ctl.figures == () and "multiple of pp = 4" in ctl.message
-    ctl.redraw(m=8, schedule="gpipe", vpp=2)
+    ctl.redraw(m=3)
+    assert ctl.figures == () and "multiple of pp = 2" in ctl.message
+    ctl.redraw(m=4, schedule="gpipe", vpp=2)
     assert ctl.figures == () and "needs the interleaved schedule" in ctl.message
     assert cp.pp_problem("interleaved", 2, 4, 1) and cp.pp_run_problem("1f1b", 16, 16, 1)
+    assert "cannot be built" in cp.pp_problem("zb-h1", 4, 9, 1)  # the generator's own limit
     assert ctl.run() is None and "cannot run" in ctl.message  # nothing launched
     ctl.redraw(schedule="zb-h1", vpp=1, m=4)
     assert ctl.message == "" and "ZB-H1" in _title(ctl.gantt_fig)

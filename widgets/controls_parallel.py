@@ -405,7 +405,7 @@ def bubble_figure(schedule: str, pp: int, m: int, vpp: int, measured: float | No
     import plotly.graph_objects as go
     from edu3d.parallel.pp.simulate import bubble_formula
 
-    curve = cp.pp_bubble_curve(schedule, pp, vpp, ms)
+    curve = cp.pp_bubble_curve(schedule, pp, vpp, tuple(ms))
     label = ("(p-1)/(v·m+p-1)" if schedule == "interleaved" else "(p-1)/(m+p-1)"
              + (", 1F1B's" if schedule == "zb-h1" else ""))
     fig = go.Figure([
@@ -473,16 +473,16 @@ class PipelineControls(_Panel):
     def run(self, timeout: float = 300):
         """Run the chosen schedule for ``steps`` steps on pp ranks; draw the last step over
         the simulation (with the measured costs) and its bubble on the curve."""
-        from edu3d.course.pp import measured_bubble, run_schedules
-        from edu3d.mesh import Layout
-        from edu3d.widgets.pipeline import pipeline_figure
-
         s = self.state
         bad = cp.pp_run_problem(s["schedule"], s["pp"], s["m"], s["vpp"])
         if bad:
             self.message = f"cannot run this pipeline: {bad}"
             self._show()
             return None
+        from edu3d.course.pp import measured_bubble, run_schedules
+        from edu3d.mesh import Layout
+        from edu3d.widgets.pipeline import pipeline_figure
+
         self.message = (f"running {s['schedule']} on {s['pp']} pipeline ranks, "
                         f"{s['m']} micro-batches, {self.steps} steps ...")
         self._show()

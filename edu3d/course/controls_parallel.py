@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from functools import lru_cache
 
 # ---- ZeRO --------------------------------------------------------------------------------------
 #: traffic per step in units of Ψ parameters (the ZeRO paper's count, section 7)
@@ -268,14 +269,15 @@ def pp_run_kwargs(schedule: str, pp: int, m: int, vpp: int, steps: int = 2) -> d
     return {"layers": max(4, pp * vpp), "d_model": 128, "seq": 64, "rows": 2, "steps": steps}
 
 
-def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms) -> dict:
+@lru_cache(maxsize=256)
+def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms: tuple) -> dict:
     """Bubble fraction for each m in ``ms``: the formula and the simulation (F = 1, B = 2,
     I = W = 1, no message latency); settings that cannot run are left out."""
     from edu3d.parallel.pp.schedules import build
     from edu3d.parallel.pp.simulate import Costs, bubble_formula, simulate
 
     out = {"m": [], "formula": [], "simulated": []}
-    for m in ms:
+    for m in ms:  # a tuple, so the curve is computed once per setting
         if pp_problem(schedule, pp, m, vpp):
             continue
         sim = simulate(build(schedule, pp, m, vpp), pp, Costs(F=1, B=2, I=1, W=1))
