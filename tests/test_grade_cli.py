@@ -153,6 +153,7 @@ def _out(name, text):
 
 
 def test_a_cell_that_stops_fails_its_remaining_checks_with_the_reason():
+    """... and a verdict line out of order (a learner's own print) counts for nothing."""
     mark = grade.MARK + "\n"
     committed = nbformat.v4.new_notebook(cells=[
         _cell("setup"),
@@ -160,7 +161,7 @@ def test_a_cell_that_stops_fails_its_remaining_checks_with_the_reason():
         _cell(mark + "b", _out("stdout", "PASS four\n"))])
     ran = nbformat.v4.new_notebook(cells=[
         _cell("setup"),
-        _cell(mark + "a", _out("stdout", "PASS one\n"), _out("stdout", "FAIL two\n"),
+        _cell(mark + "a", _out("stdout", "PASS one\nPASS three\n"), _out("stdout", "FAIL two\n"),
               _out("stderr", "  hint: look at x\n"),
               {"output_type": "error", "ename": "KeyError", "evalue": "'k'\nmore",
                "traceback": []}),

@@ -12,8 +12,9 @@ After reading this file you should know how a score is made:
   exercise modules the notebooks import, and nothing is written into it;
 * the checks are the ``PASS``/``FAIL`` lines :func:`edu3d.grading.check` prints in the
   ``# NBVAL_CHECK_OUTPUT`` cells, each ``FAIL`` with the hint printed under it. The committed
-  notebook (outputs of the solutions) says how many checks each cell holds, so a cell that
-  stops on an error counts its missing checks as failed, with the error's one-line reason.
+  notebook (outputs of the solutions) names each cell's checks in order, so a line that is
+  not the cell's next check is ignored, and a cell that stops on an error counts its missing
+  checks as failed, with the error's one-line reason.
 
 ``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--json]`` prints a score table
 (or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
@@ -138,7 +139,9 @@ def score_cell(cell, titles: list[str], earlier_error: str | None) -> dict:
         kind = out.get("output_type")
         if kind == "stream":
             for line in out.get("text", "").splitlines():
-                if out.get("name") == "stdout" and line.startswith(("PASS ", "FAIL ")):
+                if out.get("name") == "stdout" and line.startswith(("PASS ", "FAIL ")) \
+                        and len(verdicts) < len(titles) and line[5:] == titles[len(verdicts)]:
+                    # the next check of the cell (a stray line that is not one is ignored)
                     verdicts.append([line.startswith("PASS "), line[5:], None])
                 elif out.get("name") == "stderr" and line.startswith(HINT):
                     hint = line[len(HINT):]
