@@ -238,9 +238,10 @@ def ring_steps_figure(predicted: list[dict], n: int, total_bytes: int,
     total = sum(r["s"] for r in predicted)
     latency = 2 * (n - 1) * alpha
     takeaway = (f"predicted t = 2(N-1)α + 2(N-1)/N·S·β = {latency * 1e3:.2f} + "
-                f"{(total - latency) * 1e3:.2f} = {total * 1e3:.2f} ms; in every step each "
-                f"rank sends S/N = {_fmt_size(total_bytes / n)} (top: all ranks together), so "
-                f"{'latency α' if latency > total / 2 else 'bandwidth β'} dominates here")
+                f"{(total - latency) * 1e3:.2f} = {total * 1e3:.2f} ms: "
+                f"{'latency α' if latency > total / 2 else 'bandwidth β'} dominates"
+                f"<br>each step, every rank sends S/N = {_fmt_size(total_bytes / n)} "
+                "(top: all ranks together) and pays one α")
     if measured:
         fig.add_trace(go.Scatter(x=[r["step"] for r in measured],
                                  y=[r["bytes"] / 1024 for r in measured], mode="markers",
@@ -256,12 +257,13 @@ def ring_steps_figure(predicted: list[dict], n: int, total_bytes: int,
                       row=2, col=1)
         got, want = (sum(r["bytes"] for r in rows) for rows in (measured, predicted))
         takeaway = (f"measured {sum(r['s'] for r in measured) * 1e3:.2f} ms, predicted "
-                    f"{total * 1e3:.2f} ms; bytes sent {got:,} "
-                    + ("= the plan's, exactly" if got == want else f"(the plan says {want:,})"))
+                    f"{total * 1e3:.2f} ms (x = median of the runs, bars = α-β)<br>bytes sent "
+                    f"{got:,} " + ("= the plan's, exactly" if got == want
+                                   else f"(the plan says {want:,})"))
     style.frame(fig, f"Ring all-reduce of S = {_fmt_size(total_bytes)} on N = {n} ranks, "
-                "step by step", takeaway, height=520)
+                "step by step", takeaway, height=540)
     fig.update_layout(barmode="overlay", legend={"orientation": "h", "x": 0, "y": -0.18,
-                                                 "yanchor": "top"}, margin={"b": 110})
+                                                 "yanchor": "top"}, margin={"t": 110, "b": 110})
     fig.update_yaxes(title_text="sent (KiB)", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="time (ms)", rangemode="tozero", row=2, col=1)
     fig.update_xaxes(title_text="ring step (RS = reduce-scatter, AG = all-gather)", row=2, col=1)
