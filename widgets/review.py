@@ -146,7 +146,7 @@ def bubble_figure(schedule: str = "1f1b", pp: int = 4, m: int = 8, measured: flo
     from edu3d.course.review import bubble
     from edu3d.parallel.pp import bubble_formula
 
-    ms = [k for k in range(1, 33) if schedulable(schedule, pp, k)]
+    ms = [k for k in range(1, max(32, m) + 1) if schedulable(schedule, pp, k)]
     fig = go.Figure()
     ref = "1f1b" if schedule == "zb-h1" else schedule
     fig.add_scatter(x=ms, y=[bubble_formula(ref, pp, k, 2) for k in ms], mode="lines",
@@ -261,6 +261,7 @@ class Controls:
         self.measured = None
         self._box = self._out = None
         self._knobs: dict = {}
+        self._syncing = False
         self.redraw()
 
     def problem(self) -> str | None:
@@ -318,6 +319,7 @@ class Controls:
         events = [e for e in pipeline_view(run.events(), layout) if e.get("step") == 2]
         self.measured = bubble_of(events)
         self.state.update(pp=pp, m=m)
+        self._sync_knobs()
         self.figure = bubble_figure(s["schedule"], pp, m, self.measured)
         self.message = (f"measured on {pp} CPU ranks: bubble {self.measured:.1%} (message "
                         "latency and Python overhead add to the theory)")
@@ -353,11 +355,18 @@ class Controls:
 
     # ---- ipywidgets (only when asked for) ------------------------------------------------------
     def _sync_knobs(self) -> None:
-        for key, knob in self._knobs.items():
-            if knob.value != self.state[key]:
-                knob.unobserve_all("value")
-                knob.value = self.state[key]
-                knob.observe(lambda ch, key=key: self.redraw(**{key: ch["new"]}), "value")
+        """Show the state on the knobs (a question sets several) without redrawing per knob."""
+        self._syncing = True
+        try:
+            for key, knob in self._knobs.items():
+                if knob.value != self.state[key]:
+                    knob.value = self.state[key]
+        finally:
+            self._syncing = False
+
+    def _turned(self, key: str, value) -> None:
+        if not self._syncing:
+            self.redraw(**{key: value})
 
     @property
     def widget(self):
@@ -372,7 +381,7 @@ class Controls:
                 "schedule": w.Dropdown(options=list(SCHEDULES), value=s["schedule"],
                                        description="schedule"),
                 "pp": w.IntSlider(min=2, max=8, value=s["pp"], description="stages p"),
-                "m": w.IntSlider(min=1, max=32, value=s["m"], description="micro-batches"),
+                "m": w.IntSlider(min=1, max=64, value=s["m"], description="micro-batches"),
                 "n": w.Dropdown(options=sorted({1, 2, 4, 8, 16, 32, 64, s["n"]}),
                                 value=s["n"], description="ranks N"),
                 "model": w.Dropdown(options=sorted({*MODELS, s["model"]}), value=s["model"],
@@ -381,7 +390,7 @@ class Controls:
                                    value=s["gpus"], description="GPUs"),
             }
             for key, knob in self._knobs.items():
-                knob.observe(lambda ch, key=key: self.redraw(**{key: ch["new"]}), "value")
+                knob.observe(lambda ch, key=key: self._turned(key, ch["new"]), "value")
             button = w.Button(description="measure it", button_style="primary")
             button.on_click(lambda _: self.measure())
             self._out = w.Output()

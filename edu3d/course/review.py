@@ -301,7 +301,7 @@ QUESTIONS: tuple[Question, ...] = (
         "solve (p-1)/(m+p-1) <= 0.1 for m: m >= 9(p-1); more micro-batches also mean a "
         "larger global batch or smaller micro-batches",
         "05_pipeline_parallel.ipynb", {"picture": "bubble", "schedule": "1f1b", "pp": 8,
-                                       "m": 32},
+                                       "m": 63},
         tol=0.0, wrong=8),
     Question(
         "fits", "layout", "Q15 LLaMA-2 7B on one 80 GB GPU",
