@@ -83,8 +83,9 @@ def breakdown(events: list[dict], case: str | None = None) -> dict:
     """Per step, averaged over ranks: ``step_ms`` (first to last event of the step),
     ``compute_ms`` (F, B, I, W, optimizer), ``comm_ms`` (every collective and send, whole),
     ``exposed_ms`` (communication no F/B/I/W runs under) and ``idle_ms`` (the rest: the
-    bubble, and waiting, a pipeline receive's included). Returns ``{"steps": {step: {...}}, "median": {...}}`` (median over steps
-    after the first, which warms up)."""
+    bubble, and waiting, a pipeline receive's included). Returns
+    ``{"steps": {step: {...}}, "median": {...}}`` (median over the steps after the first,
+    which warms up)."""
     sel = [e for e in events if (case is None or e.get("case") == case) and not e.get("sim")
            and e.get("lane") in ("compute", "comm") and e.get("step") is not None]
     per: dict[int, list[dict]] = {}
@@ -284,6 +285,8 @@ def session_four(mesh, steps: int = 3) -> dict:
 
 
 # ---- the cost model the controls draw -----------------------------------------------------------
+#: the model's constants until :func:`calibrate` fits them to a run: a serial tiny-GPT step
+#: on one laptop core, gloo's latency and bandwidth on loopback, in round numbers
 DEFAULT_COSTS = {"serial_ms": 25.0, "alpha_us": 100.0, "gb_per_s": 1.0}
 
 
@@ -296,15 +299,16 @@ def predict(name: str, overlap: str = "on", microbatches: int | None = None,
       machine's ``cores``: ``serial_ms / min(world, cores)``;
     * communication per axis from :func:`edu3d.course.threed.axis_formulas`' bytes, each
       message paying the ring's latency ``2(n-1)·alpha`` and its bytes at ``gb_per_s``;
-      TP and PP are on the critical path; DP hides under backward (2/3 of the compute,
-      after the first micro-batch's) when overlap is on, else it all waits for the end;
+      TP and PP are on the critical path; with overlap on, every DP bucket but the last
+      hides under backward (at most 2/3 of the compute), else it all waits for the end;
     * bubble ``(p-1)/m`` of the compute (1F1B, DESIGN.md's ``(p-1)/(m+p-1)`` of the step).
     """
+    from edu3d import plan_memory
     from edu3d.course import lesson_args
     from edu3d.course.threed import axis_formulas
     from edu3d.mesh import Layout
     from edu3d.options import config_from_args
-    from edu3d.widgets.threed import stage_params
+    from edu3d.shapes import spec_from_config
 
     c = {**DEFAULT_COSTS, **(costs or {})}
     cores = cores or os.cpu_count() or 1
@@ -314,7 +318,9 @@ def predict(name: str, overlap: str = "on", microbatches: int | None = None,
     world = layout.world_size
     config = config_from_args(lesson_args())
     compute = c["serial_ms"] / min(world, cores)
-    psi = stage_params(config, pp, 1, tp)
+    spec, setup = spec_from_config(config), plan_memory.Setup(dp=dp, tp=tp, pp=pp)
+    psi = [sum(n for _, tensors in plan_memory.units(spec, setup, r) for n, _ in tensors)
+           for r in range(pp)]  # parameters one rank of each stage holds (the planner's count)
     worst: dict | None = None
     for stage in range(pp):
         bytes_ = axis_formulas(config, layout, m, stage=stage, rank_params=int(psi[stage]))
