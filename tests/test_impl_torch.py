@@ -78,6 +78,7 @@ def test_torch_layout_equals_serial(name):
     ("--pp 2 --tie", "--tie"),
     ("--model gpt2-small --pp 2", "--tie"),
     ("--dp 2 --tp 2 --zero 1", "--zero 1"),
+    ("--dp 2 --pp 2 --zero 1", "--zero 1"),
 ])
 def test_unsupported_flag_is_named(argv, flag):
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv.split())

@@ -62,8 +62,10 @@ def unsupported(args: argparse.Namespace) -> str | None:
         return ("--tie with --pp > 1: torch.distributed.pipelining gives each stage its own "
                 "module, with no embedding group to keep a tied matrix on two stages equal; "
                 "drop --tie or use --impl edu3d")
-    if _opt(args, "zero", 0) == 1 and tp > 1:
-        return ("--zero 1 with --tp > 1: ZeroRedundancyOptimizer shards plain tensors over "
-                "DDP and cannot take tensor-parallel DTensors; use --zero 2 or 3 (FSDP2 over "
-                "the dp axis of the same mesh) or --impl edu3d")
+    if _opt(args, "zero", 0) == 1 and (tp > 1 or pp > 1):
+        flag = "--tp" if tp > 1 else "--pp"
+        return (f"--zero 1 with {flag} > 1: ZeroRedundancyOptimizer works beside DDP on plain "
+                "tensors, and beside TP or PP data parallelism is FSDP2's replicate, whose "
+                "parameters are DTensors; use --zero 2 or 3 (FSDP2 over the dp axis of the "
+                "same mesh) or --impl edu3d")
     return None

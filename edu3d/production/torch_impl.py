@@ -14,9 +14,9 @@ edu3d                            PyTorch
                                  ``loss_parallel`` cross entropy
 ``--recompute full``             ``checkpoint_wrapper`` around each block
 pipeline cut and schedules       ``torch.distributed.pipelining`` (:mod:`.torch_pp`)
-``DataParallel`` (bucketed)      ``DistributedDataParallel`` (dp only, or with pp);
-                                 ``replicate`` (FSDP2's replicate) when tp > 1
-ZeRO-1                           ``ZeroRedundancyOptimizer`` over DDP
+``DataParallel`` (bucketed)      ``DistributedDataParallel`` (dp alone); ``replicate``
+                                 (FSDP2's replicate) beside tp or pp
+ZeRO-1                           ``ZeroRedundancyOptimizer`` over DDP (dp alone)
 ZeRO-2 / ZeRO-3                  FSDP2 ``fully_shard`` per block and per stage,
                                  ``reshard_after_forward=False`` / ``True``
 ``GradSync.norm`` + clip         the norm of DTensor gradients (``full_tensor``), summed
@@ -61,7 +61,11 @@ def _data_parallel(modules: dict, mesh, zero: int, layout: Layout) -> None:
             for block in module.blocks.values():  # one FSDP unit per block, one for the rest
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
-        elif layout.tp > 1:  # DDP cannot take DTensors: FSDP2's replicate can (torchtitan)
+        elif layout.tp > 1 or layout.pp > 1:
+            # DDP cannot take DTensors, and under torch.distributed.pipelining's micro-batches
+            # (torch 2.13) its reducer fails its bucket rebuild, or with static_graph=True
+            # averages wrong gradients (measured: 34% off the serial norm). FSDP2's
+            # replicate does both right: what torchtitan uses beside TP and PP
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(module, mesh=dp_mesh)
