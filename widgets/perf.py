@@ -87,7 +87,7 @@ def profile_timeline(events: list[dict]):
         evs, ops=ops, idle=False,
         title=f"torch.profiler's events of one step, {len(ranks)} ranks",
         takeaway="each bar is a top-level operator (a matmul, a backward function, AdamW's "
-                 "step); yellow marks where a collective was launched")
+                 "step); yellow: the collectives, on gloo's own thread")
 
 
 def budget_figure(rows: dict[str, dict], *, title: str, takeaway: str,
@@ -207,7 +207,7 @@ class Controls:
     ``costs`` calibrates the model (:func:`edu3d.course.perf.calibrate`); ``measured`` maps a
     layout name to its measured step (ms) from the chapter's sweep."""
 
-    KNOB_LAYOUTS = ("dp2", "dp1", "tp2", "pp2", "dp4", "dp2-tp2", "dp2-pp2", "tp2-pp2")
+    KNOB_LAYOUTS = ("dp1", "dp2", "tp2", "pp2", "dp4", "dp2-tp2", "dp2-pp2", "tp2-pp2")
 
     def __init__(self, costs: dict | None = None, measured: dict | None = None,
                  default: dict | None = None):
