@@ -128,7 +128,7 @@ def zero_memory_figure(pred: dict, measured: dict | None = None):
     f = pred["formula"][chosen]["total"]
     e = pred["estimate"][chosen]["total"]
     line = (f"ZeRO-{chosen}: {cp.zero_formula_text(chosen)} = {f / MB:.3f} MB; planner "
-            f"{e / MB:.3f} MB (padding, Adam's step counters)")
+            f"{e / MB:.3f} MB (padding, step counters)")
     if measured:
         got = measured["memory"][0]
         xm = [x[measured["stage"]]]
@@ -137,8 +137,11 @@ def zero_memory_figure(pred: dict, measured: dict | None = None):
                         marker={"color": CAT_COLORS[c], "pattern": {"shape": "x"}},
                         offsetgroup="measured", legendgroup=c,
                         hovertemplate=f"{c}, measured: " + "%{y:.3f} MB<extra>%{x}</extra>")
+        totals = [m["total"] for m in measured["memory"].values()]
         line += (f"; measured {got['total'] / MB:.3f} MB "
-                 f"(x {got['total'] / pred['formula'][measured['stage']]['total']:.4f} formula)")
+                 f"(x {got['total'] / pred['formula'][measured['stage']]['total']:.4f} formula)"
+                 + (f", the {len(totals)} ranks within {max(totals) - min(totals):,} bytes"
+                    if len(totals) > 1 else ""))
     style.frame(fig, f"Memory per rank, N = {n} ranks, Ψ = {psi:,} parameters (fp32 Adam)",
                 line, x="ZeRO stage (◀ = chosen)", y="memory per rank (MB)", height=430)
     fig.update_layout(barmode="stack", legend={"font": {"size": 11}})
@@ -405,13 +408,18 @@ def bubble_figure(schedule: str, pp: int, m: int, vpp: int, measured: float | No
     import plotly.graph_objects as go
     from edu3d.parallel.pp.simulate import bubble_formula
 
-    curve = cp.pp_bubble_curve(schedule, pp, vpp, tuple(ms))
+    from edu3d.widgets.threed import SIM_COSTS_US
+
+    # the Gantt's costs (a message 0.05 ms, a forward 1 ms), so both print the same bubble
+    p2p = SIM_COSTS_US["p2p"] / SIM_COSTS_US["F"]
+    curve = cp.pp_bubble_curve(schedule, pp, vpp, tuple(ms), p2p)
     label = ("(p-1)/(v·m+p-1)" if schedule == "interleaved" else "(p-1)/(m+p-1)"
              + (", 1F1B's" if schedule == "zb-h1" else ""))
     fig = go.Figure([
         go.Scatter(x=curve["m"], y=curve["formula"], mode="lines", name=f"formula {label}",
                    line={"dash": "dash", "color": style.GREY}),
-        go.Scatter(x=curve["m"], y=curve["simulated"], mode="markers", name="simulated",
+        go.Scatter(x=curve["m"], y=curve["simulated"], mode="markers",
+                   name="simulated (+ 0.05 ms per message)",
                    marker={"color": style.BLUE, "size": 8})])
     sim = dict(zip(curve["m"], curve["simulated"]))
     if m in sim:

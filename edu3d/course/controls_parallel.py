@@ -270,9 +270,10 @@ def pp_run_kwargs(schedule: str, pp: int, m: int, vpp: int, steps: int = 2) -> d
 
 
 @lru_cache(maxsize=256)
-def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms: tuple) -> dict:
+def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms: tuple, p2p: float = 0.0) -> dict:
     """Bubble fraction for each m in ``ms``: the formula and the simulation (F = 1, B = 2,
-    I = W = 1, no message latency); settings that cannot run are left out."""
+    I = W = 1, ``p2p`` per message in the same unit); settings that cannot run are left
+    out."""
     from edu3d.parallel.pp.schedules import build
     from edu3d.parallel.pp.simulate import Costs, bubble_formula, simulate
 
@@ -280,7 +281,7 @@ def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms: tuple) -> dict:
     for m in ms:  # a tuple, so the curve is computed once per setting
         if pp_problem(schedule, pp, m, vpp):
             continue
-        sim = simulate(build(schedule, pp, m, vpp), pp, Costs(F=1, B=2, I=1, W=1))
+        sim = simulate(build(schedule, pp, m, vpp), pp, Costs(F=1, B=2, I=1, W=1, p2p=p2p))
         out["m"].append(m)
         out["formula"].append(bubble_formula(schedule, pp, m, vpp))
         out["simulated"].append(sim.bubble)
