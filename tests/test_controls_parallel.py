@@ -127,3 +127,34 @@ def test_tp_run_lands_on_the_prediction():
     assert "measured" in _title(ctl.split_fig)
     assert any("measured" in t.name for t in ctl.comm_fig.data)
     assert any("measured" in t.name for t in ctl.memory_fig.data)
+
+
+def test_zero_measurement_is_read_from_the_run_and_drawn_over_the_prediction():
+    """What "run it" reads from a compare_versions run (a run-shaped stand-in here: the real
+    launch of this path is chapter 03's; this file's one launch is the TP run above)."""
+    ctl = panels.zero_controls(stage=2, n=2)
+    pred = ctl.prediction
+    psi = pred["psi"]
+    est = pred["estimate"][2]
+
+    class Run:
+        results = [{"serial": [5.0, 4.0], "zero2": {
+            "losses": [5.0, 4.0 * (1 + 1e-7)], "psi": psi, "memory": {**est},
+            "units": pred["units"]}}, {"zero2": {"memory": {**est, "total": est["total"] - 8}}}]
+
+        @staticmethod
+        def events():  # step 2 of rank 0: reduce-scatter of the grads, all-gather of params
+            return [{"rank": 0, "lane": "comm", "op": op, "case": "zero2", "step": 2,
+                     "bytes": 4 * psi, "t0": 0.0, "t1": 1.0}
+                    for op in ("reduce_scatter", "all_gather")] + [
+                {"rank": 1, "lane": "comm", "op": "all_gather", "case": "zero2", "step": 2,
+                 "bytes": 4 * psi, "t0": 0.0, "t1": 1.0}]
+
+    got = cp.zero_measured(Run, 2, steps=2)
+    assert got["traffic"] == pred["traffic"][2]  # 2Ψ in the paper's count
+    assert got["loss_rel_err"] < 1e-5 and set(got["memory"]) == {0, 1}
+    fig = panels.zero_memory_figure(pred, got)
+    assert "the 2 ranks within 8 bytes" in _title(fig)
+    assert [t.name for t in fig.data if "measured" in t.name] == [
+        f"{c} (measured, rank 0)" for c in ("params", "grads", "optimizer")]
+    assert "measured 2.000Ψ" in _title(panels.zero_traffic_figure(pred, got))
