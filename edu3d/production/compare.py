@@ -10,8 +10,10 @@ and through the serial reference step (:func:`edu3d.train.train_step`):
   steps 1 and 2 and the loss of step 2 (which the first update produced);
 * **5 AdamW steps**: the worst relative difference of the loss, torch against edu3d and
   against serial;
-* **speed**: the median step time of steps 2-5, torch over edu3d (step 1 builds the
-  pipeline's buffers and the communicators).
+* **speed**: the median step time of steps 2-5 (the slowest rank's), torch over edu3d;
+  step 1 builds the pipeline's buffers and the communicators. The two trainers alternate
+  step by step, each step started together on every rank, so a busy machine slows both
+  alike.
 
 Layouts of one world size share one launch: inside the ranks each layout builds its own
 meshes and its own fresh model. ``--json`` prints one object per layout instead of a table.
@@ -60,13 +62,26 @@ def world_size(argv: list[str]) -> int:
     return get["dp"] * get["tp"] * get["pp"]
 
 
-def _run(trainer, corpus, args, steps: int) -> tuple[list[dict], list[float]]:
-    recs, secs = [], []
+def _run(trainers: list, corpus, args, steps: int) -> tuple[list, list]:
+    """``steps`` steps of each trainer, alternating step by step (a busy machine slows both
+    alike), each started together on every rank; per trainer its records and its step
+    times, the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    recs, secs = [[] for _ in trainers], [[] for _ in trainers]
     for s in range(1, steps + 1):
         x, y = corpus.batch(s, args.global_batch)
-        t0 = time.perf_counter()
-        recs.append(trainer.step(x, y, s))
-        secs.append(time.perf_counter() - t0)
+        for k, trainer in enumerate(trainers):
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            recs[k].append(trainer.step(x, y, s))
+            secs[k].append(time.perf_counter() - t0)
+    if dist.is_initialized():
+        t = torch.tensor(secs, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        secs = t.tolist()
     return recs, secs
 
 
@@ -77,8 +92,6 @@ def _rel(a: float, b: float) -> float:
 def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     """One layout (every rank calls): torch vs serial with SGD and AdamW, and (``edu3d_too``)
     torch vs edu3d with AdamW, with step times."""
-    import torch
-
     from edu3d.data import SyntheticCorpus
     from edu3d.mesh import Layout, Mesh
     from edu3d.model import GPT
@@ -119,30 +132,26 @@ def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     out["grad_err"] = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-12))
                           for n, g in _SERIAL[key].items())
     ref = serial(sgd, 2)
-    ours, _ = _run(trainer, corpus, sgd, 2)
+    ((ours,), _) = _run([trainer], corpus, sgd, 2)
     out["sgd_norm_err"] = max(_rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(ours, ref))
     out["sgd_loss2_err"] = _rel(ours[1]["loss"], ref[1]["loss"])
     ref = serial(adam, steps)
-    torch_recs, torch_s = _run(TorchTrainer(GPT(config, seed=adam.seed), mesh, adam), corpus,
-                               adam, steps)
+    trainers = [TorchTrainer(GPT(config, seed=adam.seed), mesh, adam)]
+    if edu3d_too:  # edu3d train's own trainer, the same options but --impl edu3d
+        trainers.append(Trainer(GPT(config, seed=adam.seed), mesh, options(argv)))
+    recs, secs = _run(trainers, corpus, adam, steps)
+    torch_recs = recs[0]
     out["losses_torch"] = [r["loss"] for r in torch_recs]
     out["losses_serial"] = [r["loss"] for r in ref]
     out["adam_loss_err_serial"] = max(_rel(a["loss"], b["loss"]) for a, b in zip(torch_recs, ref))
     out["adam_norm_err_serial"] = max(_rel(a["grad_norm"], b["grad_norm"])
                                       for a, b in zip(torch_recs, ref))
     if edu3d_too:
-        edu = options(argv)
-        edu_recs, edu_s = _run(Trainer(GPT(config, seed=edu.seed), mesh, edu), corpus, edu, steps)
-        out["losses_edu3d"] = [r["loss"] for r in edu_recs]
+        out["losses_edu3d"] = [r["loss"] for r in recs[1]]
         out["adam_loss_err_edu3d"] = max(_rel(a["loss"], b["loss"])
-                                         for a, b in zip(torch_recs, edu_recs))
+                                         for a, b in zip(torch_recs, recs[1]))
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        out["step_s_torch"] = med(torch_s[1:])
-        out["step_s_edu3d"] = med(edu_s[1:])
-        # the slowest rank's time is the step's: take the max over ranks
-        t = torch.tensor([out["step_s_torch"], out["step_s_edu3d"]], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        out["step_s_torch"], out["step_s_edu3d"] = t.tolist()
+        out["step_s_torch"], out["step_s_edu3d"] = med(secs[0][1:]), med(secs[1][1:])
         out["time_ratio"] = out["step_s_torch"] / out["step_s_edu3d"]
     mesh.release()
     return out
