@@ -335,7 +335,10 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
 
     if failure is not None or closed >= 2 or p.proc.poll() is not None:
         if failure is None:  # the agent ended: let the exit records and its report arrive
-            p.proc.wait(timeout=5) if p.proc.poll() is None else None
+            try:
+                p.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         kill()
         for t in p.readers:
             t.join(timeout=1.0)

@@ -47,6 +47,14 @@ def _wait_gone(pids, wait_s: float = 10.0) -> list[int]:
     return [p for p in pids if _running(p)]
 
 
+def _no_process_of(pool_id: str, wait_s: float = 10.0) -> bool:
+    """True once no process carries ``EDU3D_POOL_ID=pool_id`` (the agent and every rank)."""
+    deadline = time.monotonic() + wait_s
+    while pool._pool_pids(pool_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not pool._pool_pids(pool_id)
+
+
 def _pool_of(res) -> str | None:
     return json.loads((res.run_dir / "command.json").read_text()).get("pool")
 
@@ -112,6 +120,7 @@ def test_failures_name_the_rank_and_never_poison_the_next_job(tmp_path):
         launch(workers.raise_on, 2, args=(1,), timeout=60, echo=False, pool=True)
     assert info.value.rank == 1 and "raise ValueError" in info.value.traceback
     assert not _wait_gone(pids) and not pool.pools()  # the whole pool, agent included
+    assert _no_process_of(first)
 
     again = launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)  # a fresh pool
     assert again.results == ok.results and _pool_of(again) not in (None, first)
@@ -126,7 +135,7 @@ def test_failures_name_the_rank_and_never_poison_the_next_job(tmp_path):
     with pytest.raises(RankError) as info:
         launch(killer, 2, timeout=60, echo=False, pool=True)
     assert info.value.rank == 1 and "killed by signal SIGKILL" in str(info.value)
-    assert not _wait_gone(pids)
+    assert not _wait_gone(pids) and _no_process_of(_pool_of(again))
 
 
 def test_timeout_and_interrupt_kill_every_pool_process():
