@@ -69,7 +69,7 @@ def op_table_figure(table: list[dict], top: int = 12, rank: int = 0):
     style.frame(fig, f"Where rank {rank}'s profiled step spent its CPU time",
                 f"top {len(rows)} operators by self time; {lead['name']} alone is "
                 f"{lead['self_ms'] / max(total, 1e-9):.0%} of {total:.1f} ms",
-                x="self CPU time (ms)", y="operator", height=140 + 28 * max(len(rows), 3))
+                x="self CPU time (ms)", height=140 + 28 * max(len(rows), 3))
     fig.update_yaxes(categoryorder="array", categoryarray=[r["name"] for r in rows])
     fig.update_layout(barmode="stack")
     return fig
@@ -142,7 +142,7 @@ def scaling_figure(rows: list[dict], cores: int):
     style.frame(fig, f"Throughput per layout on this machine ({style.plural(cores, 'core')})",
                 f"{best['name']} is fastest here: on {style.plural(cores, 'core')} more ranks "
                 "only share the cores, and every collective adds latency",
-                x="layout (the tiny GPT, global batch 8)", y="tokens per second")
+                x="layout (the tiny GPT, global batch 8)", y="throughput (tokens/s)")
     fig.update_xaxes(categoryorder="array", categoryarray=names)
     top = max(r["tokens_per_s"] for r in rows)
     fig.update_yaxes(range=[0, top * 1.2])
@@ -166,7 +166,7 @@ def bench_figure(report: dict):
     style.frame(fig, f"edu3d bench {report['benchmark']} on {report['world_size']} ranks",
                 "medians of interleaved repetitions; ratio = edu3d / reference"
                 + (f" (goal ≤ {goal:g})" if goal else ""),
-                x="benchmark", y="time per step (ms)", height=380)
+                y="time per step (ms)", height=380)
     fig.update_layout(barmode="group")
     top = max([r["edu3d_s"] for r in res] + [r["reference_s"] for r in res] + [0]) * 1e3
     fig.update_yaxes(range=[0, top * 1.25 or 1])
@@ -194,7 +194,7 @@ def prediction_figure(preds: dict[str, dict], chosen: str, measured: dict | None
     style.frame(fig, f"Predicted step time per layout; {chosen} highlighted",
                 f"{chosen}: {p['step']:.1f} ms = compute {p['compute']:.1f} + exposed comm "
                 f"{p['exposed']:.1f} + bubble {p['idle']:.1f}",
-                x="layout", y="time per step (ms)", height=380)
+                y="time per step (ms)", height=380)
     fig.update_layout(barmode="stack")
     return fig
 
