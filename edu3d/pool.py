@@ -406,7 +406,12 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
             rank = int(os.environ["RANK"]) if rank == -1 else rank
         return original_init(backend, init_method, timeout, world_size, rank, store_, **kwargs)
 
-    dist.init_process_group = distributed_c10d.init_process_group = init_process_group
+    import torch.distributed.device_mesh  # noqa: F401 - imports it by name: patched below too
+
+    for name, module in list(sys.modules.items()):  # wherever torch bound it by name
+        if name.startswith("torch.distributed") and \
+                getattr(module, "init_process_group", None) is original_init:
+            module.init_process_group = init_process_group
     threads = torch.get_num_threads()
     worker._write(pool_dir / "ready" / f"rank{rank}", "")
 
