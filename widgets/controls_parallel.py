@@ -154,11 +154,12 @@ def zero_traffic_figure(pred: dict, measured: dict | None = None):
     import plotly.graph_objects as go
 
     chosen, psi = pred["stage"], pred["psi"]
-    x = [f"<b>stage {s} ◀</b>" if s == chosen else f"stage {s}" for s in range(4)]
+    # the formula's value in the tick label: a ghost bar's own text would fade with it
+    x = [f"<b>stage {s} ◀</b><br>{cp.ZERO_TRAFFIC_PSI[s]}Ψ" if s == chosen
+         else f"stage {s}<br>{cp.ZERO_TRAFFIC_PSI[s]}Ψ" for s in range(4)]
     fig = go.Figure(go.Bar(
         x=x, y=[pred["traffic"][s] / MB for s in range(4)], name="formula",
-        marker_color=style.OLIVE, opacity=0.35, offsetgroup="formula",
-        text=[f"{cp.ZERO_TRAFFIC_PSI[s]}Ψ" for s in range(4)], textposition="outside",
+        marker_color=style.OLIVE, opacity=style.GHOST_OPACITY + 0.05, offsetgroup="formula",
         customdata=[cp.ZERO_COLLECTIVES[s] for s in range(4)],
         hovertemplate="%{customdata}: %{y:.3f} MB<extra>%{x}</extra>"))
     line = f"ZeRO-{chosen}: {cp.ZERO_COLLECTIVES[chosen]} = {cp.ZERO_TRAFFIC_PSI[chosen]}Ψ"
@@ -254,6 +255,9 @@ def tp_collectives_figure(pred: dict, t: int, sp: bool, measured: dict | None = 
 
     fig = go.Figure()
     phases = ("forward", "backward")
+    # the predicted counts in the tick labels (a ghost bar's own text would fade with it)
+    x = [f"{p}<br>" + " + ".join(f"{v['count']} {OP_NAMES.get(op, op)}"
+                                 for op, v in pred[p].items()) for p in phases]
     ops = list(dict.fromkeys(op for p in phases for op in pred[p]))
     if measured:
         ops += [op for p in phases for op in measured[p] if op not in ops]
@@ -264,15 +268,15 @@ def tp_collectives_figure(pred: dict, t: int, sp: bool, measured: dict | None = 
             color = style.op_color(op)
             counts = [data[p].get(op, {}).get("count", 0) for p in phases]
             fig.add_bar(
-                x=list(phases), y=[data[p].get(op, {}).get("ring_bytes", 0) / KiB
-                                   for p in phases],
+                x=x, y=[data[p].get(op, {}).get("ring_bytes", 0) / KiB for p in phases],
                 name=f"{OP_NAMES.get(op, op)} ({source})", offsetgroup=source,
-                legendgroup=op,
-                marker={"color": color, "line": {"color": style.GREY, "width": 1}},
+                legendgroup=op, marker={"color": color, "line": {"color": style.GREY,
+                                                                 "width": 1}},
                 opacity=style.GHOST_OPACITY if source == "predicted" else 1.0,
-                text=[f"{n} x" if n else "" for n in counts], textposition="inside",
-                hovertemplate=f"{op}, {source}: " + "%{text} %{y:.1f} KiB sent<extra>%{x}"
-                              "</extra>")
+                text=[f"{n} x" if n and source == "measured" else "" for n in counts],
+                textposition="inside", customdata=counts,
+                hovertemplate=f"{op}, {source}: " + "%{customdata} x, %{y:.1f} KiB sent"
+                              "<extra></extra>")
     total = sum(v["ring_bytes"] for p in phases for v in pred[p].values())
     line = (("SP: all-gather + reduce-scatter pairs instead of all-reduces, and 2 more "
              "all-gathers in backward" if sp else "TP: g's all-reduce after each row layer "
@@ -282,7 +286,7 @@ def tp_collectives_figure(pred: dict, t: int, sp: bool, measured: dict | None = 
         got = sum(v["ring_bytes"] for p in phases for v in measured[p].values())
         line += f", measured {got / KiB:.0f} KiB"
     style.frame(fig, f"Collectives of one layer, tp = {t}{' + SP' if sp else ''} "
-                "(label: how many)", line, x="phase of one layer (forward / backward)",
+                "(under each phase: the predicted count)", line, x="phase of one layer (forward / backward)",
                 y="bytes one rank sends on a ring (KiB)", height=380)
     fig.update_layout(barmode="stack", legend={"font": {"size": 11}})
     return fig
