@@ -473,7 +473,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if not torchrun_args:
         from edu3d import pool as pools
 
-        warm = pools.acquire(nprocs, child_env, pool)
+        warm = pools.acquire(nprocs, child_env, pool, env)
     if warm is None:
         (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
                                                             "run_id": rid}))

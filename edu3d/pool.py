@@ -122,8 +122,7 @@ class Pool:
         """True if a job with environment ``env`` can run here: every variable read only at
         process start has the value the pool started with."""
         keys = set(env) | set(self.env)
-        return all(env.get(k) == self.env.get(k) for k in keys
-                   if k not in PER_JOB and (k in START_ONLY or k.startswith(START_ONLY_PREFIXES)))
+        return all(env.get(k) == self.env.get(k) for k in keys if _start_only(k))
 
     def alive(self) -> bool:
         """The agent runs and no rank that started has ended."""
@@ -172,10 +171,18 @@ def wanted(pool: bool | None) -> bool:
     return _in_kernel()
 
 
-def acquire(nprocs: int, env: dict, pool: bool | None = None) -> Pool | None:
+def _start_only(key: str) -> bool:
+    return key not in PER_JOB and (key in START_ONLY or key.startswith(START_ONLY_PREFIXES))
+
+
+def acquire(nprocs: int, env: dict, pool: bool | None = None,
+            overrides: dict | None = None) -> Pool | None:
     """The warm pool of ``nprocs`` ranks for a launch with ``env`` (started if needed), or
-    None when the launch must start torchrun afresh."""
+    None when the launch must start torchrun afresh: pools are off, the pool is busy, or the
+    launch's own ``overrides`` (``launch(env=...)``) set a variable read only at start."""
     if not wanted(pool):
+        return None
+    if any(_start_only(k) and v != os.environ.get(k) for k, v in (overrides or {}).items()):
         return None
     with _lock:
         found = _pools.get(nprocs)

@@ -81,6 +81,9 @@ def test_policy_without_processes(monkeypatch):
     assert fake.compatible({"OMP_NUM_THREADS": "1", "EDU3D_RUN_DIR": "/b", "EDU3D_TIMEOUT": "5"})
     assert not fake.compatible({"OMP_NUM_THREADS": "2"})
     assert not fake.compatible({"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "INFO"})
+    # a launch that sets a start-only variable itself runs cold (and starts no pool)
+    assert pool.acquire(2, {}, True, overrides={"GLOO_SOCKET_IFNAME": "eth9"}) is None
+    assert not pool.pools()
 
 
 def test_warm_job_equals_cold_run_in_its_own_run_folder(tmp_path):
