@@ -91,6 +91,19 @@ def zero_mem_events(step: int = 2) -> list[dict]:
             for i in range(8)]
 
 
+def _ring_costs():
+    from edu3d.course.controls_basics import ring_step_costs
+
+    return ring_step_costs(4, 4000, alpha=1e-4, beta=1e-9)
+
+
+def _bucket_sim():
+    from edu3d.course.controls_basics import simulate_dp_step
+
+    params = [("tok_emb.weight", 4096), ("blocks.0.w", 8192), ("lm_head.weight", 4096)]
+    return simulate_dp_step(params, 0.02, True, 2)
+
+
 def _pipeline():
     from edu3d.widgets.pipeline import synthetic_trace
 
@@ -123,7 +136,73 @@ BUILDERS = {
         100_000, 4),
     "zero.resident_params_figure": lambda m: m.resident_params_figure(
         zero_mem_events(), 1000, 4, 2, case="zero3"),
+    "collectives.ring_steps_figure": lambda m: m.ring_steps_figure(
+        _ring_costs(), 4, 16000, [{**r, "s": 2 * r["s"]} for r in _ring_costs()],
+        alpha=1e-4, beta=1e-9),
+    "collectives.alpha_beta_figure": lambda m: m.alpha_beta_figure(
+        4, 1 << 20, alpha=1e-4, beta=1e-9, measured_s=2e-3),
+    "overlap.bucket_timeline_figure": lambda m: m.bucket_timeline_figure(
+        _bucket_sim(), _bucket_sim()["events"], bucket_mb=0.1, reverse=True),
+    "review.ring_figure": lambda m: m.ring_figure(8),
+    "review.zero_figure": lambda m: m.zero_figure("llama2-7b", 64),
+    "review.activations_figure": lambda m: m.activations_figure("gpt3-175b"),
+    "review.tp_figure": lambda m: m.tp_figure("llama2-7b", 16),
+    "review.bubble_figure": lambda m: m.bubble_figure("1f1b", 4, 8, measured=0.3),
+    "review.in_flight_figure": lambda m: m.in_flight_figure("zb-h1", 4, 8),
+    "review.layout_figure": lambda m: m.layout_figure("llama2-13b", 16),
+    "review.zero_measured_figure": lambda m: m.zero_measured_figure(
+        [{"zero": z, "dp": 4, "measured": 1000 * (4 - z), "estimate": 1000 * (4 - z)}
+         for z in range(4)]),
+    "perf.op_table_figure": lambda m: m.op_table_figure(
+        [{"name": "aten::mm", "calls": 35, "self_ms": 3.0, "total_ms": 3.1},
+         {"name": "c10d::allreduce_", "calls": 8, "self_ms": 2.0, "total_ms": 2.0},
+         {"name": "Optimizer.step#AdamW.step", "calls": 1, "self_ms": 4.0, "total_ms": 5.0},
+         {"name": "aten::gelu_backward", "calls": 4, "self_ms": 0.5, "total_ms": 0.5}]),
+    "perf.budget_figure": lambda m: m.budget_figure(
+        {"overlap off (predicted)": {"compute": 20, "exposed": 8, "idle": 0, "comm": 8},
+         "overlap off": {"compute": 22, "exposed": 9, "idle": 2, "comm": 9}},
+        ghosts=("overlap off (predicted)",), title="dp2 step", takeaway="k"),
+    "perf.scaling_figure": lambda m: m.scaling_figure(
+        [{"name": "dp1", "world_size": 1, "median_s": 0.012, "tokens_per_s": 21000},
+         {"name": "dp2", "world_size": 2, "median_s": 0.02, "tokens_per_s": 12800},
+         {"name": "dp4", "world_size": 4, "median_s": 0.1, "tokens_per_s": 2560}], 2),
+    "perf.bench_figure": lambda m: m.bench_figure(
+        {"benchmark": "dp", "world_size": 2, "results": [
+            {"name": "bucketed DDP step (tiny)", "edu3d_s": 0.022, "reference_s": 0.02,
+             "reference": "torch.nn.parallel.DistributedDataParallel", "ratio": 1.1,
+             "goal": 1.05}]}),
+    "perf.prediction_figure": lambda m: m.prediction_figure(
+        {"dp2": {"compute": 10.0, "exposed": 3.0, "idle": 0.0, "step": 13.0},
+         "pp2": {"compute": 10.0, "exposed": 1.0, "idle": 2.5, "step": 13.5}},
+        "pp2", {"dp2": 30.0}),
 }
+
+
+def _zero_panel(stage: int = 2):
+    from edu3d.course import controls_parallel as cp
+
+    pred = cp.zero_prediction(cp.course_config(), 4, stage)
+    return pred, {"stage": stage, "memory": {0: pred["estimate"][stage]},
+                  "traffic": pred["traffic"][stage] * 1.0001}
+
+
+def _tp_panel():
+    from edu3d.course import controls_parallel as cp
+
+    config = cp.tp_layer_config()
+    return config, cp.tp_collectives_prediction(config, 2, 2, True)
+
+
+BUILDERS.update({
+    "controls_parallel.zero_sharding_figure": lambda m: m.zero_sharding_figure(_zero_panel()[0]),
+    "controls_parallel.zero_memory_figure": lambda m: m.zero_memory_figure(*_zero_panel()),
+    "controls_parallel.zero_traffic_figure": lambda m: m.zero_traffic_figure(*_zero_panel()),
+    "controls_parallel.tp_collectives_figure": lambda m: m.tp_collectives_figure(
+        _tp_panel()[1], 2, True, _tp_panel()[1]),
+    "controls_parallel.tp_memory_figure": lambda m: m.tp_memory_figure(
+        _tp_panel()[0], 2, 2, True, {"measured": 527360}),
+    "controls_parallel.bubble_figure": lambda m: m.bubble_figure("interleaved", 2, 4, 2, 0.15),
+})
 
 
 def figure_functions() -> list[str]:

@@ -157,7 +157,8 @@ def test_mesh_cube_draws_what_the_ranks_reported():
     fig = mesh_figure(layout, report, dim="dp")
     names = [t.name for t in fig.data if t.visible and t.name.startswith("DP")]
     assert "DP group 0: [0, 1]" in names and "DP group 1: [0, 3]" in names
-    assert "live run" in fig.layout.title.text
+    assert "live ranks" in fig.layout.title.text
+    assert "only 9 of 10 as predicted" in fig.layout.title.text  # the wrong partner is counted
     with pytest.raises(ValueError, match="report has 4 ranks"):
         mesh_figure(Layout(dp=8), report)
     with pytest.raises(ValueError, match="dim"):
