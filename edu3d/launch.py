@@ -240,6 +240,10 @@ def _agent_main(argv: Sequence[str]) -> None:
             while True:  # a SIGKILLed kernel stays a zombie until its parent reaps it
                 time.sleep(0.2)
                 if launcher and not _running(launcher):
+                    if run_dir.name.startswith("edu3d-pool-"):  # nobody else will remove it
+                        import shutil
+
+                        shutil.rmtree(run_dir, ignore_errors=True)
                     os._exit(3)
 
         threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()

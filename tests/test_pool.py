@@ -179,6 +179,19 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
+def _pool_dirs(mark: str) -> set[Path]:
+    """The pool folders of the test kernel's pools (the agent's EDU3D_RUN_DIR)."""
+    dirs = set()
+    for pid in _marked(mark):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        dirs |= {Path(v.split(b"=", 1)[1].decode()) for v in env
+                 if v.startswith(b"EDU3D_RUN_DIR=") and b"edu3d-pool-" in v}
+    return dirs
+
+
 def _none_left(mark: str, wait_s: float) -> list[int]:
     deadline = time.monotonic() + wait_s
     while _marked(mark) and time.monotonic() < deadline:
@@ -230,23 +243,29 @@ def test_pool_dies_with_the_kernel(tmp_path):
         assert len(_marked(mark)) == 3  # the agent and two ranks
 
         kc.stop_channels()
+        dirs = _pool_dirs(mark)
         km.restart_kernel(now=False)  # a clean exit: the kernel's atexit shuts the pool down
         assert not _none_left(mark, 15)
+        assert dirs and not any(d.exists() for d in dirs)
         kc = client()
         _run(kc, LAUNCH)
         assert _marked(mark)
 
         kc.stop_channels()
+        dirs = _pool_dirs(mark)
         os.kill(km.provisioner.process.pid, signal.SIGKILL)  # no chance to clean up
         assert not _none_left(mark, 10), "the pool outlived a SIGKILLed kernel"
+        assert dirs and not any(d.exists() for d in dirs)  # the agent removed its folder
         km.restart_kernel(now=True)
         kc = client()
         _run(kc, LAUNCH)
         assert _marked(mark)
         kc.stop_channels()
         kc = None
+        dirs = _pool_dirs(mark)
         km.shutdown_kernel(now=False)
         assert not _none_left(mark, 15)
+        assert dirs and not any(d.exists() for d in dirs)
     finally:
         if kc is not None:
             kc.stop_channels()
