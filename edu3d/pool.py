@@ -47,7 +47,9 @@ numpy, ...) and edu3d's own modules, with whatever module-level state they keep 
 ``functools.lru_cache`` tables of pure functions), the process itself (its pid, signal
 handlers a job installed, threads a job started and did not stop, whose later output lands
 in the next job; memory a job left in a global of an installed module), and the agent's
-store (each job's keys live under its own prefix).
+store (each job's keys live under its own prefix). So after editing edu3d's own source (or
+an installed package) in a live kernel, call :func:`shutdown`: the next launch starts fresh
+ranks that import the new code.
 """
 
 from __future__ import annotations
