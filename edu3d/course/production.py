@@ -283,3 +283,21 @@ def offload(mesh, steps: int = 4) -> dict:
             # per step: the gradient shard to the host, the updated parameter shard back
             "moved_bytes": 2 * shard if off else 0}
     return out
+
+
+def chapter_runs(mesh, names: list[str], steps: int = 4) -> dict:
+    """Everything chapter 09 measures on 2 ranks, in one launch: each strategy on edu3d and
+    torch (:func:`side_by_side`) and edu3d's ZeRO-1 with and without offload."""
+    return {"strategies": side_by_side(mesh, names, steps), "offload": offload(mesh, steps)}
+
+
+def measure_chapter(steps: int = 4, timeout: float = 300) -> dict:
+    """:func:`chapter_runs` on 2 ranks: ``{"strategies": {name: row}, "offload": {...}}``."""
+    from edu3d.launch import launch
+    from edu3d.mesh import Layout
+
+    names = list(STRATEGIES)
+    run = launch(chapter_runs, 2, args=(names, steps), layout=Layout(dp=2), timeout=timeout,
+                 name="production", echo=False)
+    out = run.results[0]
+    return {"strategies": {r["name"]: r for r in out["strategies"]}, "offload": out["offload"]}
