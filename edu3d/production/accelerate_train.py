@@ -188,9 +188,17 @@ def loopback_only():
                 os.environ[k] = v
 
 
-def notebook_launch(steps: int = 5, num_processes: int = 2, overrides: dict | None = None) -> dict:
+def notebook_launch(steps: int = 5, num_processes: int = 2, overrides: dict | None = None,
+                    timeout: float = 180) -> dict:
     """``accelerate.notebook_launcher(train_to_file, num_processes=...)`` from this process
-    (a notebook's kernel), on 127.0.0.1 and a free port; returns rank 0's summary."""
+    (a notebook's kernel), on 127.0.0.1 and a free port; returns rank 0's summary.
+
+    The ranks are forked from the kernel; a fork can inherit a lock another thread of the
+    kernel held at that moment and hang. After ``timeout`` seconds the ranks this call
+    started are killed (by pid) and :class:`TimeoutError` says so, instead of a hung cell."""
+    import threading
+
+    import psutil
     import torch
     from accelerate import notebook_launcher
 
@@ -199,11 +207,32 @@ def notebook_launch(steps: int = 5, num_processes: int = 2, overrides: dict | No
     # the ranks are forked from this process: import what each would otherwise import on its
     # own (AdamW's constructor pulls in torch._dynamo, seconds per rank on a busy CPU)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    expired = threading.Event()
+
+    def kill_ranks() -> None:
+        expired.set()
+        for child in me.children():
+            if child.pid not in before:
+                child.kill()
+
+    timer = threading.Timer(timeout, kill_ranks)
+    timer.daemon = True
     with tempfile.TemporaryDirectory(prefix="edu3d-accelerate-") as tmp, loopback_only():
         path = str(Path(tmp) / "result.json")
-        notebook_launcher(train_to_file, args=(steps, overrides, path),
-                          num_processes=num_processes, use_port=str(free_port()),
-                          master_addr="127.0.0.1")
+        timer.start()
+        try:
+            notebook_launcher(train_to_file, args=(steps, overrides, path),
+                              num_processes=num_processes, use_port=str(free_port()),
+                              master_addr="127.0.0.1")
+        except Exception as exc:
+            if expired.is_set():
+                raise TimeoutError(f"notebook_launcher's ranks made no progress in {timeout:g} s "
+                                   "and were killed; run the cell again") from exc
+            raise
+        finally:
+            timer.cancel()
         return json.loads(Path(path).read_text())
 
 
