@@ -110,3 +110,28 @@ def test_static_figures_build():
                "host_bytes": h, "moved_bytes": m}
            for k, o, h, m in (("device", 8, 0, 0), ("offload", 0, 16, 8))}
     assert "identical" in W.offload_figure(off).layout.title.text
+
+
+def test_deepspeed_config_maps_edu3d_options_and_its_recorded_run_matches(runs):
+    from edu3d.options import defaults
+    from edu3d.production import deepspeed_map as D
+
+    args = defaults(dp=2, microbatches=2, bucket_mb=25.0)
+    cfg = D.ds_config(args, stage=3, offload=True)
+    assert cfg["train_batch_size"] == args.global_batch
+    assert cfg["train_micro_batch_size_per_gpu"] * 2 * cfg["gradient_accumulation_steps"] == 8
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 25 * 2**20 // 4  # elements
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert cfg["gradient_clipping"] == args.clip
+    assert "offload_optimizer" not in D.ds_config(args, stage=1)["zero_optimization"]
+    fields = {f[0].split(" ")[0] for f in D.FIELDS}
+    assert {"train_batch_size", "gradient_clipping", "zero_optimization.stage"} <= fields
+    # the committed DeepSpeed run (2 CPU ranks) against this session's edu3d dp2
+    _, edu = runs
+    record = D.measured()
+    assert [r["spec"] for r in record] == list(D.SPECS)
+    for r in record:
+        for mine, theirs in zip(edu, r["losses"]):
+            assert theirs == pytest.approx(mine["loss"], rel=LOSS_RTOL)
+    stage3 = next(r for r in record if r["spec"] == "3")
+    assert stage3["param_bytes"] * 2 == record[0]["param_bytes"]  # ZeRO-3 halves them at dp=2
