@@ -14,7 +14,7 @@ After reading this file you should know how to read chapter 09's charts:
   forward, in backward and at the optimizer step (formula, this model's units);
 * :func:`offload_figure` — edu3d's ``--offload`` run: where the optimizer state lives, the
   bytes that cross to the host and back each step, and the step time;
-* :func:`mapping_figure` — one strategy's edu3d code, PyTorch API and knobs as a table;
+* :func:`mapping_table` — one strategy's edu3d code, PyTorch API and knobs as a table;
 * :class:`Controls` — strategy dropdown redraws the mapping and the comparison at once;
   "run it" measures that strategy live on both implementations.
 """
@@ -57,7 +57,7 @@ def need_figure(device_gb: float = 80.0):
                 f"From {first} on (red), one GPU cannot hold it alone; the label is the GPUs "
                 "its bytes fill: they must be sharded (ZeRO/FSDP, TP, PP)." if first else
                 "Every model fits one GPU.",
-                x="model", y="memory (GB, log scale)", height=420)
+                y="memory (GB, log scale)", height=420)
     fig.update_yaxes(type="log", range=[0, math.log10(max(total)) + 0.5])
     return fig
 
@@ -112,7 +112,7 @@ def comparison_figure(results: dict, highlight: str | None = None, psi: int | No
     if psi:
         ghost = [traffic_formula(n, psi, 2) for n in names]
         fig.add_bar(x=names, y=[g / KIB if g else None for g in ghost], name="formula", offsetgroup="formula",
-                    marker_color=style.rgba(style.YELLOW, style.GHOST_OPACITY),
+                    marker_color=style.YELLOW, opacity=style.GHOST_OPACITY,
                     marker_line={"color": style.OLIVE, "width": 1}, row=1, col=3)
     fig.add_bar(x=names, y=[results[n]["edu3d_wire_bytes"] / KIB if n in results else 0
                             for n in names], name="measured (edu3d)", marker_color=style.OLIVE, offsetgroup="measured",
@@ -285,7 +285,7 @@ def offload_figure(result: dict):
 
 
 # ---- the mapping table --------------------------------------------------------------------------
-def mapping_figure(name: str):
+def mapping_table(name: str):
     """One strategy's edu3d code, PyTorch API and the other libraries' knobs."""
     import plotly.graph_objects as go
 
@@ -325,7 +325,7 @@ class Controls:
     def redraw(self, **changes) -> None:
         self.state.update(changes)
         s = self.state["strategy"]
-        self.mapping_fig = mapping_figure(s)
+        self.mapping_fig = mapping_table(s)
         self.comparison_fig = comparison_figure(self.results, highlight=s, psi=self.psi)
         self.loss_fig = loss_figure(self.results[s]) if s in self.results else None
         self._show()
