@@ -126,10 +126,12 @@ def comparison_figure(results: dict, highlight: str | None = None, psi: int | No
     worst = max((results[n]["worst_rel"] for n in names if n in results), default=None)
     style.frame(fig, f"edu3d beside PyTorch's APIs, per strategy"
                 + (f" — {highlight}" if highlight else ""),
-                "Same losses" + (f" (worst relative difference {worst:.1e})" if worst is not None
-                                 else "") + "; ZeRO shards what it says (edu3d left, torch "
-                "right); ZeRO-3 pays 3Ψ on the wire, TP pays per layer, PP only activations.",
-                height=440)
+                "Same losses" + (f" (worst relative difference {worst:.0e})" if worst is not None
+                                 else "") + "; held bytes as ZeRO's formulas say (edu3d "
+                "left, torch right);<br>ZeRO-3 moves 3Ψ per step, DP to ZeRO-2 2Ψ, PP only "
+                "activations.",
+                height=480)
+    fig.update_layout(legend={"orientation": "h", "y": -0.3, "x": 0})
     fig.update_xaxes(tickangle=-30)
     return fig
 
