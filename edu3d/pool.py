@@ -156,6 +156,7 @@ class Pool:
 _pools: "collections.OrderedDict[int, Pool]" = collections.OrderedDict()
 _lock = threading.Lock()
 _disabled = False
+_default: bool | None = None  # set_default: True everywhere, False nowhere, None in kernels
 
 
 def wanted(pool: bool | None) -> bool:
@@ -168,6 +169,8 @@ def wanted(pool: bool | None) -> bool:
         return setting not in ("0", "false", "no", "off")
     if _disabled:
         return False
+    if _default is not None:
+        return _default
     from edu3d.launch import _in_kernel
 
     return _in_kernel()
@@ -233,6 +236,15 @@ def disable() -> None:
 def enable() -> None:
     global _disabled
     _disabled = False
+
+
+def set_default(on: bool | None) -> None:
+    """Where launches without ``pool=`` use pools in this process: ``True`` everywhere (a
+    test suite, a script that launches many small runs), ``False`` nowhere (the pools alive
+    stay up, unused), ``None`` only inside a Jupyter kernel (the default).
+    ``EDU3D_POOL`` and :func:`disable` still win."""
+    global _default
+    _default = on
 
 
 atexit.register(shutdown)

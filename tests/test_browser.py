@@ -322,38 +322,60 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
             "turned": turned and turned["option"], "problems": problems}
 
 
-def browse(notebooks: list[Path], workdir: Path, out_dir: Path) -> list[dict]:
-    from playwright.sync_api import sync_playwright
+class Session:
+    """One JupyterLab server and one headless Chromium page for many notebooks."""
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    root = course_copy(workdir / "course")
-    lab = Lab(root, workdir)
-    results = []
+    def __init__(self, workdir: Path, out_dir: Path):
+        from playwright.sync_api import sync_playwright
+
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.lab = Lab(course_copy(workdir / "course"), workdir)
+        self.results: list[dict] = []
+        self.console: list = []
+        try:
+            self._pw = sync_playwright().start()
+            self.browser = self._pw.chromium.launch(executable_path=CHROMIUM,
+                                                    args=CHROMIUM_ARGS)
+        except Exception:
+            self.lab.close()
+            raise
+        self.page = self.browser.new_context(
+            viewport={"width": 1400, "height": 1000}).new_page()
+        self.page.on("console", lambda m: self.console.append(
+            {"type": m.type, "text": m.text[:300]}))
+        self.page.on("pageerror", lambda e: self.console.append(
+            {"type": "pageerror", "text": str(e)[:300]}))
+
+    def check(self, nb: Path) -> dict:
+        try:
+            result = check_notebook(self.page, self.lab, nb, self.out_dir, self.console)
+        finally:
+            shutdown_kernels(self.lab)  # one kernel at a time on a 2-core machine
+        self.results.append(result)
+        (self.out_dir / "report.json").write_text(json.dumps(self.results, indent=1))
+        print(json.dumps(result), flush=True)
+        return result
+
+    def close(self) -> None:
+        try:
+            self.browser.close()
+            self._pw.stop()
+        finally:
+            self.lab.close()
+
+
+def browse(notebooks: list[Path], workdir: Path, out_dir: Path) -> list[dict]:
+    session = Session(workdir, out_dir)
     try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                context = browser.new_context(viewport={"width": 1400, "height": 1000})
-                page = context.new_page()
-                console: list = []
-                page.on("console", lambda m: console.append(
-                    {"type": m.type, "text": m.text[:300]}))
-                page.on("pageerror", lambda e: console.append(
-                    {"type": "pageerror", "text": str(e)[:300]}))
-                for nb in notebooks:
-                    results.append(check_notebook(page, lab, nb, out_dir, console))
-                    print(json.dumps(results[-1]), flush=True)
-                    shutdown_kernels(lab)
-            finally:
-                browser.close()
+        for nb in notebooks:
+            session.check(nb)
     finally:
-        lab.close()
-    (out_dir / "report.json").write_text(json.dumps(results, indent=1))
-    return results
+        session.close()
+    return session.results
 
 
 def shutdown_kernels(lab: Lab) -> None:
-    """One kernel at a time on a 2-core machine: stop the finished notebook's kernel."""
     req = urllib.request.Request(f"{lab.url}/api/kernels?token={TOKEN}")
     with urllib.request.urlopen(req, timeout=10) as r:
         kernels = json.load(r)
@@ -362,22 +384,31 @@ def shutdown_kernels(lab: Lab) -> None:
             f"{lab.url}/api/kernels/{k['id']}?token={TOKEN}", method="DELETE"), timeout=30)
 
 
-def test_every_notebook_renders_in_chromium(tmp_path):
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
     reason = _missing()
     if reason:
         _skip_or_fail(reason)
-    out_dir = Path(os.environ.get("EDU3D_SCREENSHOTS") or tmp_path / "screenshots")
-    results = browse(NOTEBOOKS, tmp_path, out_dir)
-    print(f"screenshots in {out_dir}")
-    for r in results:
+    work = tmp_path_factory.mktemp("browser")
+    out_dir = Path(os.environ.get("EDU3D_SCREENSHOTS") or work / "screenshots")
+    s = Session(work, out_dir)
+    yield s
+    s.close()
+    print(f"\nscreenshots in {out_dir}; seconds per notebook (all cells, in the browser):")
+    for r in s.results:
         print(f"{r['seconds']:6.1f} s  {r['notebook']}: {r['plots']} charts, "
               f"{r['widgets']} widget views, control turned: {r['turned']}")
-    bad = [r for r in results if r["problems"]]
-    assert not bad, "\n".join(f"{r['notebook']}: {p}" for r in bad for p in r["problems"])
-    chapters = [r for r in results if r["notebook"].startswith("notebooks/")]
-    assert all(r["plots"] for r in chapters), "a chapter drew no chart"
-    without = [r["notebook"] for r in chapters if not r["controls"]]
-    assert not without, f"chapters without a control panel: {without}"
+    print(f"{sum(r['seconds'] for r in s.results):6.1f} s  in total")
+
+
+@pytest.mark.timeout(CELL_TIMEOUT_S + 120)
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_notebook_renders_in_chromium(session, nb):
+    r = session.check(nb)
+    assert not r["problems"], "\n".join(r["problems"])
+    if nb.parent.name == "notebooks":
+        assert r["plots"], f"{r['notebook']} drew no chart"
+        assert r["controls"], f"{r['notebook']} has no control panel (.edu3d-controls)"
 
 
 if __name__ == "__main__":

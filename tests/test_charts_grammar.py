@@ -205,6 +205,34 @@ BUILDERS.update({
 })
 
 
+def _prod_row(name):
+    mem = {"params": 4000, "grads": 4000, "optimizer": 8000}
+    return {"name": name, "edu3d_losses": [5.5, 5.4], "torch_losses": [5.5, 5.4],
+            "edu3d_step_s": 0.01, "torch_step_s": 0.02, "edu3d_mem": mem, "torch_mem": mem,
+            "edu3d_wire_bytes": 4000.0, "worst_rel": 1e-7}
+
+
+_PROD_ACC = {"wrapped": {"model_before": "GPT", "model": "DistributedDataParallel",
+             "optimizer_before": "AdamW", "optimizer": "AcceleratedOptimizer",
+             "inner_optimizer": "AdamW", "distributed_type": "DistributedType.MULTI_CPU",
+             "backend": "gloo", "world_size": 2, "bucket_cap_mb": 25.0},
+             "collectives": [{"step": s, "op": "all_reduce", "bucket": 0, "bytes": 4000,
+                              "params": 10} for s in (1, 2, 3)]}
+_PROD_OFF = {k: {"losses": [1.0], "step_s": 0.01,
+                 "mem": {"params": 4, "grads": 4, "optimizer": o},
+                 "host_bytes": h, "moved_bytes": mv}
+             for k, o, h, mv in (("device", 8, 0, 0), ("offload", 0, 16, 8))}
+BUILDERS.update({
+    "production.need_figure": lambda m: m.need_figure(),
+    "production.comparison_figure": lambda m: m.comparison_figure(
+        {"DP": _prod_row("DP"), "ZeRO-3": _prod_row("ZeRO-3")}, highlight="ZeRO-3", psi=1000),
+    "production.loss_figure": lambda m: m.loss_figure(_prod_row("DP")),
+    "production.accelerate_figure": lambda m: m.accelerate_figure(_PROD_ACC),
+    "production.fsdp_figure": lambda m: m.fsdp_figure(1000, 100, highlight="FULL_SHARD"),
+    "production.offload_figure": lambda m: m.offload_figure(_PROD_OFF),
+})
+
+
 def figure_functions() -> list[str]:
     names = []
     for info in pkgutil.iter_modules(widgets_pkg.__path__):

@@ -56,7 +56,7 @@ def test_demos_on_live_ranks(layout):
     assert {"fill", "all_gather", "all_reduce", "barrier"} <= {t.name for t in fig.data}
 
     cube = mesh_figure(layout, reports)
-    assert "live run" in cube.layout.title.text
+    assert "live ranks" in cube.layout.title.text
     if n == 8:  # DESIGN.md's example, as the ranks reported it
         assert demos.groups_table(reports).splitlines()[:3] == [
             "TP groups [0,1][2,3][4,5][6,7]", "DP groups [0,2][1,3][4,6][5,7]",
