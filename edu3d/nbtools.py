@@ -51,6 +51,40 @@ def problems(nb) -> list[str]:
     return out
 
 
+def _shown(cell) -> list:
+    """What nbval compares of a cell's outputs: stdout as one text, each result's or
+    display's ``text/plain``, and errors (stderr, a progress line, is not compared)."""
+    stdout, shown = "", []
+    for o in cell.get("outputs", []):
+        kind = o.get("output_type")
+        if kind == "stream" and o.get("name") == "stdout":
+            stdout += o.get("text", "")
+        elif kind in ("execute_result", "display_data"):
+            shown.append(("shows", o.get("data", {}).get("text/plain", "")))
+        elif kind == "error":
+            shown.append(("error", f"{o.get('ename')}: {o.get('evalue')}"))
+    return ([("prints", stdout)] if stdout else []) + shown
+
+
+def differences(committed, executed) -> list[str]:
+    """The checked cells of ``committed`` whose outputs ``executed`` (the same notebook,
+    run again) does not reproduce: what ``pytest --nbval-lax`` would report."""
+    if len(committed.cells) != len(executed.cells):
+        return [f"{len(executed.cells)} cells, the committed notebook has "
+                f"{len(committed.cells)}"]
+    out = []
+    for i, (old, new) in enumerate(zip(committed.cells, executed.cells)):
+        if is_checked(old) and _shown(old) != _shown(new):
+            out.append(f"cell {i}: expected {_shown(old)!r}\n  got {_shown(new)!r}")
+    return out
+
+
+def errors(nb) -> list[str]:
+    """Every error output of an executed notebook, one line each."""
+    return [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(nb.cells)
+            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
 def refresh(path: Path, timeout: int = 600) -> None:
     """Execute with the reference solutions, keep checked outputs, strip the rest."""
     import nbformat

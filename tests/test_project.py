@@ -65,3 +65,30 @@ def test_every_subpackage_is_declared_for_regular_installs():
     on_disk = {".".join(p.parent.relative_to(ROOT).parts)
                for p in (ROOT / "edu3d").rglob("__init__.py")} | {"edu3d.widgets"}
     assert on_disk == declared
+
+
+def test_checked_outputs_are_compared_like_nbval():
+    """The browser test compares the chapters' checked cells with edu3d.nbtools.differences
+    (the chapters are executed there, once): a changed printed line is reported, an
+    unchecked cell's output and stderr are not."""
+    import nbformat
+
+    from edu3d import nbtools
+
+    def notebook(printed: str, other: str, stderr: str = ""):
+        nb = nbformat.v4.new_notebook()
+        checked = nbformat.v4.new_code_cell(f"{nbtools.MARK}\nprint(...)", execution_count=1)
+        checked.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed)]
+        if stderr:
+            checked.outputs.append(nbformat.v4.new_output("stream", name="stderr",
+                                                          text=stderr))
+        free = nbformat.v4.new_code_cell("print(...)")
+        free.outputs = [nbformat.v4.new_output("stream", name="stdout", text=other)]
+        nb.cells = [nbformat.v4.new_markdown_cell("# t"), checked, free]
+        return nb
+
+    committed = notebook("PASS a\n", "")
+    assert nbtools.differences(committed, notebook("PASS a\n", "12 ms", "progress")) == []
+    found = nbtools.differences(committed, notebook("FAIL a\n", ""))
+    assert len(found) == 1 and found[0].startswith("cell 1:") and "FAIL a" in found[0]
+    assert nbtools.differences(committed, nbformat.v4.new_notebook())
