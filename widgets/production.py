@@ -130,8 +130,9 @@ def comparison_figure(results: dict, highlight: str | None = None, psi: int | No
                                  else "") + "; held bytes as ZeRO's formulas say (edu3d "
                 "left, torch right);<br>ZeRO-3 moves 3Ψ per step, DP to ZeRO-2 2Ψ, PP only "
                 "activations.",
-                height=480)
-    fig.update_layout(legend={"orientation": "h", "y": -0.3, "x": 0})
+                height=500)
+    # three title lines, then the subplot titles above the plots: room for both
+    fig.update_layout(legend={"orientation": "h", "y": -0.3, "x": 0}, margin={"t": 150})
     fig.update_xaxes(tickangle=-30)
     return fig
 

@@ -176,10 +176,12 @@ def frame(fig, title: str, takeaway: str | None = None, *, x: str | None = None,
     exported HTML (:func:`html_export_renderer`).
     """
     html_export_renderer()
+    text = title_text(title, takeaway)
+    lines = text.count("<br>") + 1  # a takeaway on two lines must not run into the plot
     fig.update_layout(
-        title={"text": title_text(title, takeaway), "x": 0.0, "xanchor": "left"},
+        title={"text": text, "x": 0.0, "xanchor": "left"},
         font=FONT, template="plotly_white",
-        margin={"l": 70, "r": 20, "t": 90 if takeaway else 60, "b": 50},
+        margin={"l": 70, "r": 20, "t": 60 if lines == 1 else 90 + 20 * (lines - 2), "b": 50},
     )
     label_legend(fig, legend)
     if height is not None:
