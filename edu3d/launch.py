@@ -190,12 +190,16 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None)
             _write(folder / "exits" / f"rank{rank}.json", text)
 
     def scan() -> None:
+        last_new = time.monotonic()
         while True:
             for rank, pid in runs.pid_files(run_dir).items():
                 if (rank, pid) not in seen:
                     seen.add((rank, pid))
+                    last_new = time.monotonic()
                     threading.Thread(target=wait_for, args=(rank, pid), daemon=True).start()
-            time.sleep(0.02)
+            # ranks write their pid files as they start; once none has come for a while
+            # (a long run, an idle warm pool) look rarely: each death is seen by its waitid
+            time.sleep(0.02 if time.monotonic() - last_new < 5.0 else 0.5)
 
     threading.Thread(target=scan, name="edu3d-exits", daemon=True).start()
 

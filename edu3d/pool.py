@@ -372,14 +372,16 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
 
 # ================================ the ranks' side =============================================
 def _wait_for_job(pool_dir: Path, n: int) -> dict:
-    """Poll for job ``n`` (a few ms apart right after a job, slower when idle)."""
+    """Poll for job ``n``: a few ms apart right after a job (a notebook's next cell often
+    comes at once), backing off to a quarter second when idle, so a kernel's idle pools
+    cost next to no CPU on a 2-core laptop (a job then waits at most that long to start)."""
     path, delay = pool_dir / "jobs" / f"{n}.json", 0.002
     while True:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             time.sleep(delay)
-            delay = min(delay * 1.05, 0.05)
+            delay = min(delay * 1.05, 0.25)
 
 
 def _installed(module) -> bool:
