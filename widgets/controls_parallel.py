@@ -89,15 +89,7 @@ class _Panel:
             self.redraw(**{key: value})
 
     def _sync_knobs(self) -> None:
-        """Set the knobs to ``state`` (after :meth:`redraw` adjusted a dependent one)
-        without redrawing once per knob."""
-        self._syncing = True
-        try:
-            for key, knob in self._knobs.items():
-                if knob.value != self.state[key]:
-                    knob.value = self.state[key]
-        finally:
-            self._syncing = False
+        style.sync_knobs(self)
 
     def _show(self) -> None:
         style.show_in(self._out, self.message, *self.figures)

@@ -355,14 +355,7 @@ class Controls:
 
     # ---- ipywidgets (only when asked for) ------------------------------------------------------
     def _sync_knobs(self) -> None:
-        """Show the state on the knobs (a question sets several) without redrawing per knob."""
-        self._syncing = True
-        try:
-            for key, knob in self._knobs.items():
-                if knob.value != self.state[key]:
-                    knob.value = self.state[key]
-        finally:
-            self._syncing = False
+        style.sync_knobs(self)
 
     def _turned(self, key: str, value) -> None:
         if not self._syncing:

@@ -140,6 +140,19 @@ def show_in(out, message: str = "", *figures) -> None:
             display(*figures)
 
 
+def sync_knobs(panel) -> None:
+    """Show ``panel.state`` on ``panel._knobs`` (after a redraw adjusted a dependent knob, or
+    a choice set several) without one redraw per knob: the panel's observers skip while
+    ``panel._syncing`` is set."""
+    panel._syncing = True
+    try:
+        for key, knob in panel._knobs.items():
+            if knob.value != panel.state[key]:
+                knob.value = panel.state[key]
+    finally:
+        panel._syncing = False
+
+
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``1 layer``, ``3 layers`` (``words`` for an irregular plural)."""
     return f"{n} {word if n == 1 else (words or word + 's')}"
