@@ -23,13 +23,15 @@ builds the ipywidgets box lazily, so a notebook without a frontend shows the sta
 
 from __future__ import annotations
 
+import abc
+
 from edu3d.course import controls_basics as cb
 from edu3d.widgets import style
 
 MAX_RUN_RANKS = 8  # what 2 CPU cores can launch in a few seconds
 
 
-class Panel:
+class Panel(abc.ABC):
     """What the three panels share: a state dict, figures redrawn from it, a run button, and
     the ipywidgets box built on first use (first knob a dropdown, per the course's panels)."""
 
@@ -46,6 +48,7 @@ class Panel:
     def figures(self) -> list:
         return [getattr(self, name) for name in self.FIGURES]
 
+    @abc.abstractmethod
     def knobs(self, w) -> dict:
         """``{state key: ipywidget}`` in display order."""
         raise NotImplementedError

@@ -22,6 +22,8 @@ chapter shows the default figures (``ctl.figures``).
 
 from __future__ import annotations
 
+import abc
+
 from edu3d.course import controls_parallel as cp
 from edu3d.widgets import style
 
@@ -31,7 +33,7 @@ OP_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather",
 KiB, MB = 1024, 1e6
 
 
-class _Panel:
+class _Panel(abc.ABC):
     """The shared machinery: knobs -> :meth:`redraw`, a button -> :meth:`run`, one Output."""
 
     title = ""
@@ -45,12 +47,15 @@ class _Panel:
         self._knobs: dict = {}
         self._syncing = False
 
+    @abc.abstractmethod
     def knobs(self, w) -> dict:  # name -> ipywidget
         raise NotImplementedError
 
+    @abc.abstractmethod
     def redraw(self, **changes) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def run(self, timeout: float = 300):
         raise NotImplementedError
 
