@@ -85,17 +85,59 @@ def errors(nb) -> list[str]:
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
 
+POLL_SLICE_S = 0.5
+
+
+def notebook_client(nb, **kwargs):
+    """An ``nbclient.NotebookClient`` for ``nb`` that does not stall after widget cells.
+
+    nbclient waits for a kernel's reply with one long ``poll`` on the zmq socket, and that
+    wait sometimes misses a message that has already arrived (nbclient issue #312, open: seen
+    here after a cell that displays an ipywidget, when the next cell's reply only came back
+    when the whole cell ``timeout`` had run out). Here every wait on the shell and IOPub
+    channels is cut into slices of :data:`POLL_SLICE_S`; each new ``poll`` looks at the
+    socket first, so a reply that is there is taken at once. Timeouts mean what they meant.
+    """
+    import time
+    from queue import Empty
+
+    from nbclient import NotebookClient
+
+    def sliced(channel) -> None:
+        wait = channel.get_msg
+
+        async def get_msg(timeout: float | None = None):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+                try:
+                    return await wait(timeout=max(0.0, min(POLL_SLICE_S, left)))
+                except Empty:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+
+        channel.get_msg = get_msg
+
+    class Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            sliced(self.kc.shell_channel)
+            sliced(self.kc.iopub_channel)
+            return kc
+
+    return Client(nb, **kwargs)
+
+
 def refresh(path: Path, timeout: int = 600) -> None:
     """Execute with the reference solutions, keep checked outputs, strip the rest."""
     import nbformat
-    from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     saved = os.environ.get("EDU3D_SOLUTIONS")
     os.environ["EDU3D_SOLUTIONS"] = "1"  # the kernel inherits it
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        notebook_client(nb, timeout=timeout, kernel_name="python3",
+                        resources={"metadata": {"path": str(path.parent)}}).execute()
     finally:
         if saved is None:
             os.environ.pop("EDU3D_SOLUTIONS")

@@ -8,8 +8,8 @@ from edu3d import pool
 # exits, sockets, timeouts) or manage pools on their own. Every other test launches its
 # ranks through warm pools (edu3d.pool), the path every notebook cell takes: the same
 # results and errors, without importing torch again in every rank of every launch.
-COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_cli", "test_browser",
-        "test_failures"}
+COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_cli", "test_failures",
+        "test_browser", "test_browser_exercises"}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -28,3 +28,45 @@ def _warm_ranks(request):
     pool.set_default(request.module.__name__.rpartition(".")[2] not in COLD)
     yield
     pool.set_default(None)
+
+
+# The slowest files first (seconds on a 2-core machine under the other worker's load, from
+# `--durations=0`): pytest-xdist's `--dist loadfile` hands out whole files in collection
+# order, one more to a worker as it runs dry, so running the longest first is what keeps
+# both workers busy to the end instead of one of them finishing a long file alone. Files not
+# named keep their order after these.
+SLOWEST_FIRST = (
+    "tests/test_browser.py",            # every chapter in Chromium
+    "tests/test_browser_exercises.py",  # every exercise in Chromium
+    "tests/test_launch_hardening.py",   # 135
+    "tests/test_train_layouts.py",      # 100
+    "tests/test_failures.py",           # 97
+    "tests/test_launch.py",             # 94
+    "tests/test_pp_parity.py",          # 93
+    "tests/test_cli.py",                # 87
+    "tests/test_pool.py",               # 76
+    "tests/test_zero.py",               # 57
+    "tests/test_3d_parity.py",          # 49
+    "tests/test_grading.py",            # 47
+    "tests/test_impl_torch.py",         # 40
+    "tests/test_dp.py",                 # 39
+    "tests/test_recompute.py",          # 33
+    "tests/test_checkpoint.py",         # 31
+    "tests/test_tp_parity.py",          # 30
+)
+
+
+def pytest_configure(config):
+    # xdist would otherwise reorder files by their number of tests, not their duration
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+
+    def key(item):
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: tests keep their order inside a file

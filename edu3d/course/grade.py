@@ -206,13 +206,14 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float) -> str | None:
     """Run ``nb`` in place in a fresh kernel started in ``cwd``; None, or why the run stopped
     early (a dead kernel). Cells that raise are recorded and the next ones still run. The
     kernel's own console output (not the cells') goes to ``cwd/kernel.log``."""
-    from nbclient import NotebookClient
+    from edu3d.nbtools import notebook_client
 
     for cell in nb.cells:  # no committed output may stand in for one the run did not produce
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            interrupt_on_timeout=True, resources={"metadata": {"path": str(cwd)}})
+    client = notebook_client(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                             interrupt_on_timeout=True,
+                             resources={"metadata": {"path": str(cwd)}})
     log = cwd / "kernel.log"
     try:
         with open(log, "w") as console:
