@@ -464,19 +464,9 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if payload:
         (run_dir / "call-args.pkl").write_bytes(payload)
 
-    child_env = {**os.environ, **(env or {})}
-    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env = child_environment(env, torchrun_args, _import_root(target))
     rid = uuid.uuid4().hex  # in every process's environment: how kill_run knows its own
-    child_env.update(EDU3D_RUN_DIR=str(run_dir), EDU3D_LAUNCHER_PID=str(os.getpid()),
-                     EDU3D_RUN_ID=rid, PYTHONUNBUFFERED="1")
-    if _single_node(torchrun_args):
-        # gloo listens on the interface it is told (else the host name's address)
-        child_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
-        child_env["EDU3D_LOOPBACK"] = "1"
-    # the launching directory's modules (a notebook's helpers) and the target function's
-    # package import on every rank
-    paths = [os.getcwd(), *_import_root(target), child_env.get("PYTHONPATH", "")]
-    child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    child_env.update(EDU3D_RUN_DIR=str(run_dir), EDU3D_RUN_ID=rid)
     warm = None
     if not torchrun_args:
         from edu3d import pool as pools
@@ -505,7 +495,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     try:
         if warm is not None:
             result = pools.run_job(warm, worker_argv, child_env, run_dir, timeout, echo, poll,
-                                   heartbeat)
+                                   heartbeat, nprocs)
         else:
             result = _launch(cmd, child_env, run_dir, nprocs, timeout, echo, poll, heartbeat)
     except KeyboardInterrupt:
@@ -519,6 +509,24 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if status is not None:
         status.finished(result.elapsed_s, run_dir)
     return result
+
+
+def child_environment(env: dict | None = None, torchrun_args: Sequence[str] = (),
+                      roots: Sequence[str] = ()) -> dict:
+    """The environment a launch's ranks start with, before the run's own folder and id:
+    this process's, ``env`` on top, one thread per rank unless said otherwise, loopback
+    stores and gloo on the loopback interface for a single node, and the launching folder
+    (a notebook's helpers) and ``roots`` (the target function's package) importable."""
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.update(EDU3D_LAUNCHER_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+    if _single_node(torchrun_args):
+        # gloo listens on the interface it is told (else the host name's address)
+        child_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
+        child_env["EDU3D_LOOPBACK"] = "1"
+    paths = [os.getcwd(), *roots, child_env.get("PYTHONPATH", "")]
+    child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return child_env
 
 
 def _in_kernel() -> bool:

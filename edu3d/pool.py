@@ -21,8 +21,11 @@ saves most of it without changing what a run sees:
   starts (``OMP_NUM_THREADS``, ``GLOO_SOCKET_IFNAME``, ``TORCH_*``, ... see
   :data:`START_ONLY`): those runs start torchrun afresh, exactly as before. At most one pool
   per world size and :data:`MAX_POOLS` pools live at once (the least recently used is shut
-  down), so idle memory stays bounded. A launch while the pool is busy (another thread's
-  job) runs cold.
+  down), so idle memory stays bounded. A launch of fewer ranks runs on a larger warm pool
+  if one is idle (its other ranks sit the job out: the job sees exactly the environment a
+  torchrun of its own size gives), and :func:`prewarm` starts a pool in the background
+  before the first launch needs it (a chapter's first cell starts the largest it will use).
+  A launch while the pool is busy (another thread's job) runs cold.
 * **how to turn it off.** ``launch(..., pool=False)``, ``%%torchrun --cold``,
   ``EDU3D_POOL=0`` in the environment, or :func:`disable` (which also shuts the pools down).
   ``EDU3D_POOL=1`` or ``pool=True`` turns it on outside a kernel (scripts, tests).
@@ -84,6 +87,7 @@ START_ONLY_PREFIXES = ("TORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "CUDA_")
 PER_JOB = ("EDU3D_RUN_DIR", "EDU3D_RUN_ID", "EDU3D_POOL_ID", "PYTHONPATH")
 
 _PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
+_END_RE = re.compile(re.escape(SENTINEL) + r" (\d+)$")
 
 
 # ================================ the launcher's side =========================================
@@ -190,21 +194,52 @@ def acquire(nprocs: int, env: dict, pool: bool | None = None,
     if any(_start_only(k) and v != os.environ.get(k) for k, v in (overrides or {}).items()):
         return None
     with _lock:
+        for size in [n for n, p in _pools.items() if not p.alive()]:
+            _pools.pop(size).kill()
         found = _pools.get(nprocs)
-        if found is not None and not found.alive():
-            _pools.pop(nprocs).kill()
-            found = None
+        if found is None:  # a larger warm pool runs a smaller job: its other ranks sit out
+            larger = [p for n, p in _pools.items()
+                      if n > nprocs and not p.busy and p.compatible(env)]
+            found = min(larger, key=lambda p: p.nprocs, default=None)
         if found is not None:
             if found.busy or not found.compatible(env):
                 return None
-            _pools.move_to_end(nprocs)
+            _pools.move_to_end(found.nprocs)
             found.busy = True
             return found
-        while len(_pools) >= MAX_POOLS:
-            _pools.popitem(last=False)[1].kill()
-        _pools[nprocs] = Pool(nprocs, env)
-        _pools[nprocs].busy = True
-        return _pools[nprocs]
+        return _start(nprocs, env, busy=True)
+
+
+def _start(nprocs: int, env: dict, busy: bool) -> Pool:
+    """A new pool of ``nprocs`` ranks (the least recently used one goes if there are
+    :data:`MAX_POOLS`); called with ``_lock`` held."""
+    while len(_pools) >= MAX_POOLS:
+        _pools.popitem(last=False)[1].kill()
+    _pools[nprocs] = Pool(nprocs, env)
+    _pools[nprocs].busy = busy
+    return _pools[nprocs]
+
+
+def prewarm(nprocs: int, env: dict | None = None, pool: bool | None = None) -> bool:
+    """Start a pool of ``nprocs`` ranks now, in the background, so that the launches that
+    follow (of ``nprocs`` ranks or fewer) find their ranks with torch already imported: a
+    notebook calls it in its first cell, and the ranks import torch while the learner reads
+    (or while the next cells import plotly). Returns at once; False if pools are off here or
+    a pool that can run such jobs is already warm. ``env``: the environment the launches
+    will have (default: this process's, as :func:`edu3d.launch.launch` builds it)."""
+    if not wanted(pool):
+        return False
+    if env is None:
+        from edu3d.launch import child_environment
+
+        env = child_environment()
+    with _lock:
+        for size in [n for n, p in _pools.items() if not p.alive()]:
+            _pools.pop(size).kill()
+        if any(n >= nprocs and p.compatible(env) for n, p in _pools.items()):
+            return False
+        _start(nprocs, env, busy=False)
+        return True
 
 
 def pools() -> list[Pool]:
@@ -251,29 +286,34 @@ atexit.register(shutdown)
 
 
 def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
-            echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0):
-    """Run one job on pool ``p`` (from :func:`acquire`) and wait for it, exactly as
-    :func:`edu3d.launch._launch` waits for a cold run: same output, same result, same errors.
-    Any failure kills the pool."""
+            echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0,
+            nprocs: int | None = None):
+    """Run one job of ``nprocs`` ranks (default: all of them) on pool ``p`` (from
+    :func:`acquire`) and wait for it, exactly as :func:`edu3d.launch._launch` waits for a
+    cold run: same output, same result, same errors. Ranks ``nprocs`` and up sit the job
+    out. Any failure kills the pool."""
     try:
-        return _run_job(p, worker_argv, env, run_dir, timeout, echo, on_poll, heartbeat)
+        return _run_job(p, worker_argv, env, run_dir, timeout, echo, on_poll, heartbeat,
+                        nprocs or p.nprocs)
     finally:
         p.busy = False
 
 
 def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
-             echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0):
+             echo, on_poll: Callable[[float, int], None] | None, heartbeat: float,
+             nprocs: int):
     from edu3d import heartbeat as hb
     from edu3d.launch import (RunResult, _first_failure, _hung_error, _print_line, _rank_error,
                               _results, _timeout_error)
     from edu3d.worker import _write
 
-    nprocs, n = p.nprocs, p.jobs
+    if not 0 < nprocs <= p.nprocs:
+        raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
+    n = p.jobs
     p.jobs += 1
     emit = _print_line if echo is True else (echo or (lambda *a: None))
     output: list = []
-    ended: set = set()  # (rank, stream) whose job-end marker arrived
-    marker = f"{SENTINEL} {n}"
+    ended: set = set()  # (rank, stream) of the job's ranks whose job-end marker arrived
     closed = 0
 
     def drain(block_s: float) -> int:
@@ -287,10 +327,12 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
                 else:
                     m = _PREFIX_RE.match(text)
                     rank, body = (int(m.group(1)), m.group(2)) if m else (None, text)
-                    if rank is not None and body.endswith(marker):
-                        ended.add((rank, tag))
-                        body = body[:-len(marker)]
-                    if body or not (rank is not None and (rank, tag) in ended):
+                    end = _END_RE.search(body) if rank is not None else None
+                    if end is not None:  # this job's end, or the late end of one that a
+                        body = body[:end.start()]  # rank still starting up sat out
+                        if int(end.group(1)) == n and rank < nprocs:
+                            ended.add((rank, tag))
+                    if body or not (end is not None or (rank, tag) in ended):
                         output.append((rank, tag, body))
                         if rank is not None:
                             emit(rank, tag, body)
@@ -309,11 +351,13 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
         else:
             output.append((None, tag, text))
     (run_dir / "command.json").write_text(json.dumps({
-        "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": n}))
+        "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": n,
+        "pool_ranks": p.nprocs}))
     env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
     _write(p.dir / "current", str(run_dir))
     _write(p.dir / "jobs" / f"{n}.json", json.dumps({
-        "n": n, "argv": worker_argv, "run_dir": str(run_dir), "env": env, "cwd": os.getcwd()}))
+        "n": n, "argv": worker_argv, "run_dir": str(run_dir), "env": env, "cwd": os.getcwd(),
+        "nprocs": nprocs}))
 
     start = time.monotonic()
     failure, last_poll, last_beat, all_done_at = None, 0.0, 0.0, None
@@ -411,6 +455,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
 
     launcher_env = json.loads((pool_dir / "env.json").read_text())
     own_env = dict(os.environ)
+    size = int(own_env["WORLD_SIZE"])  # the pool's ranks; a job may use fewer
     torchrun_keys = {k for k, v in own_env.items() if launcher_env.get(k) != v}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timedelta(seconds=60))
@@ -441,9 +486,18 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
     n = 0
     while True:
         job = _wait_for_job(pool_dir, n)
+        world = int(job.get("nprocs", size))
+        if rank >= world:  # a smaller job: this rank sits it out, and says it is done
+            for fd in (1, 2):
+                os.write(fd, f"{SENTINEL} {n}\n".encode())
+            n += 1
+            continue
         run_dir = Path(job["run_dir"])
         env = {k: v for k, v in job["env"].items() if k not in torchrun_keys}
         env.update({k: own_env[k] for k in torchrun_keys})
+        if world != size:  # what torchrun would have set for a run of `world` ranks
+            env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       ROLE_WORLD_SIZE=str(world))
         saved = (dict(os.environ), os.getcwd(), list(sys.argv), list(sys.path),
                  set(sys.modules))
         os.environ.clear()
@@ -516,5 +570,5 @@ def _pool_pids(pool_id: str) -> list[int]:
     return found
 
 
-__all__ = ["Pool", "acquire", "disable", "enable", "pools", "run_job", "shutdown", "wanted",
-           "MAX_POOLS", "START_ONLY"]
+__all__ = ["Pool", "acquire", "disable", "enable", "pools", "prewarm", "run_job", "shutdown",
+           "wanted", "MAX_POOLS", "START_ONLY"]

@@ -141,6 +141,42 @@ def test_failures_name_the_rank_and_never_poison_the_next_job(tmp_path):
     assert not _wait_gone(pids) and _no_process_of(_pool_of(again))
 
 
+def test_a_smaller_job_runs_on_a_larger_warm_pool(tmp_path):
+    """prewarm starts a pool in the background; jobs of that many ranks or fewer run on it
+    (the ranks above sit out) and give what a cold run of their size gives; a failure in a
+    smaller job still names its rank and kills the whole pool."""
+    assert pool.prewarm(4, pool=True) is True
+    assert pool.prewarm(2, pool=True) is False  # the 4-rank pool can run a 2-rank job
+    assert [p.nprocs for p in pool.pools()] == [4]
+    # at once, while ranks 2 and 3 may still be importing torch: they sit it out late
+    two = launch(workers.rank_info, 2, kwargs={"numel": 5}, timeout=120, echo=False, pool=True)
+    cold = launch(workers.rank_info, 2, kwargs={"numel": 5}, timeout=120, echo=False,
+                  pool=False)
+    three = launch(workers.rank_info, 3, timeout=60, echo=False, pool=True)
+    four = launch(workers.rank_info, 4, timeout=60, echo=False, pool=True)
+    assert _pool_of(two) == _pool_of(three) == _pool_of(four) is not None
+    assert [p.nprocs for p in pool.pools()] == [4]  # no other pool was started
+    assert two.results == cold.results and [r["world"] for r in two.results] == [2, 2]
+    assert [r["sum"] for r in three.results] == [6.0] * 3
+    assert [r["sum"] for r in four.results] == [10.0] * 4
+    for res, n in ((two, 2), (three, 3), (four, 4)):  # only the job's ranks left a trace
+        assert sorted(p.name for p in (res.run_dir / "done").iterdir()) == \
+            [f"rank{r}" for r in range(n)]
+        assert len(list((res.run_dir / "pids").glob("rank*.pid"))) == n
+        assert {e["rank"] for e in res.events()} == set(range(n))
+    script = _script(tmp_path, SCRIPT)
+    out = launch(script, 3, timeout=60, echo=False, pool=True)
+    for r in range(3):
+        assert out.lines(r) == [f"out from {r}", f"partial {r}"]
+    assert out.lines(3) == [] and not any("edu3d-job-end" in t for _, _, t in out.output)
+
+    pids = pool.pools()[0].pids()
+    with pytest.raises(RankError, match="rank 1 failed: ValueError: deliberate failure"):
+        launch(workers.raise_on, 2, args=(1,), timeout=60, echo=False, pool=True)
+    assert not _wait_gone(pids) and not pool.pools()
+    assert _no_process_of(_pool_of(two))
+
+
 def test_timeout_and_interrupt_kill_every_pool_process():
     launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)
     pids = pool.pools()[0].pids()
