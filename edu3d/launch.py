@@ -354,13 +354,15 @@ def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> Non
         runs.signal_ranks(run_dir)
 
 
-def _first_failure(run_dir: Path, settle_s: float = 2.0) -> dict | None:
+def _first_failure(run_dir: Path, settle_s: float = 5.0) -> dict | None:
     """The failure that caused the others, or None while every rank is fine.
 
     A rank that dies without a Python error (``os._exit``, a segfault, ``kill -9``) makes its
     partners fail with "Connection closed by peer" a moment later; those are consequences.
     When only consequences are known, wait up to ``settle_s`` for the death that caused them
-    (the agent records it, see :func:`_record_exits`) before settling for the earliest."""
+    (the agent records it, see :func:`_record_exits`) before settling for the earliest. (2 s
+    was not enough on a 2-core machine at load 20: the agent's thread wrote the death of the
+    rank that called ``os._exit`` after its partner's lost connection had waited 2 s.)"""
     causes, consequences = runs.failures(run_dir)
     if not causes and not consequences:
         return None

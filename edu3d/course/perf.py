@@ -443,7 +443,7 @@ def hang(kind: str, timeout_s: float = 6.0, heartbeat: float = 2.0) -> dict:
     t0 = time.perf_counter()
     try:
         launch(HANGS[kind], 2, env={"EDU3D_TIMEOUT": str(timeout_s)}, heartbeat=heartbeat,
-               echo=False, timeout=60, progress=False, name="hang")
+               echo=False, timeout=60, progress=False, name="hang", pool=False)
     except RankError as err:
         return {"kind": kind, "error": type(err).__name__, "rank": err.rank,
                 "message": str(err).splitlines()[0], "traceback": err.traceback,
@@ -457,7 +457,8 @@ def hang(kind: str, timeout_s: float = 6.0, heartbeat: float = 2.0) -> dict:
 
 def hangs(kinds=tuple(HANGS), **kw) -> dict[str, dict]:
     """Every hang of ``kinds`` at once, each its own launch in its own thread: waiting for a
-    heartbeat costs no CPU (a warm pool serves one of them, the others start cold)."""
+    heartbeat costs no CPU. Each starts its ranks cold (a run that fails kills the warm pool
+    it ran on, and the chapter's pool is kept for the runs after these)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(kinds)) as pool:
