@@ -194,8 +194,7 @@ def acquire(nprocs: int, env: dict, pool: bool | None = None,
     if any(_start_only(k) and v != os.environ.get(k) for k, v in (overrides or {}).items()):
         return None
     with _lock:
-        for size in [n for n, p in _pools.items() if not p.alive()]:
-            _pools.pop(size).kill()
+        _drop_dead()
         found = _pools.get(nprocs)
         if found is None:  # a larger warm pool runs a smaller job: its other ranks sit out
             larger = [p for n, p in _pools.items()
@@ -208,6 +207,13 @@ def acquire(nprocs: int, env: dict, pool: bool | None = None,
             found.busy = True
             return found
         return _start(nprocs, env, busy=True)
+
+
+def _drop_dead() -> None:
+    """Forget (and kill what is left of) every pool whose agent or a rank has ended; called
+    with ``_lock`` held."""
+    for size in [n for n, p in _pools.items() if not p.alive()]:
+        _pools.pop(size).kill()
 
 
 def _start(nprocs: int, env: dict, busy: bool) -> Pool:
@@ -234,8 +240,7 @@ def prewarm(nprocs: int, env: dict | None = None, pool: bool | None = None) -> b
 
         env = child_environment()
     with _lock:
-        for size in [n for n, p in _pools.items() if not p.alive()]:
-            _pools.pop(size).kill()
+        _drop_dead()
         if any(n >= nprocs and p.compatible(env) for n, p in _pools.items()):
             return False
         _start(nprocs, env, busy=False)

@@ -72,11 +72,18 @@ def _missing() -> str | None:
     return None
 
 
-def _skip_or_fail(reason: str) -> None:
+def _not_run(reason: str, instead: str = "") -> str:
+    """Say loudly that the browser checks cannot run (a failure under
+    ``EDU3D_REQUIRE_BROWSER=1``); return the message."""
     message = f"BROWSER TEST NOT RUN: {reason}"
     if os.environ.get("EDU3D_REQUIRE_BROWSER") == "1":
         pytest.fail(message + " (EDU3D_REQUIRE_BROWSER=1)")
-    sys.stderr.write(f"\n{'!' * 78}\n{message}\n{'!' * 78}\n")
+    sys.stderr.write(f"\n{'!' * 78}\n{message}\n{instead}{'!' * 78}\n")
+    return message
+
+
+def _skip_or_fail(reason: str) -> None:
+    message = _not_run(reason)
     warnings.warn(message)
     pytest.skip(message)
 
@@ -547,10 +554,7 @@ def session_fixture(tmp_path_factory, label: str):
     Playwright is missing (said loudly; a failure when ``EDU3D_REQUIRE_BROWSER=1``)."""
     reason = _missing()
     if reason:
-        if os.environ.get("EDU3D_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"BROWSER TEST NOT RUN: {reason} (EDU3D_REQUIRE_BROWSER=1)")
-        sys.stderr.write(f"\n{'!' * 78}\nBROWSER TEST NOT RUN: {reason}\nthe notebooks are "
-                         f"executed with nbclient instead\n{'!' * 78}\n")
+        _not_run(reason, "the notebooks are executed with nbclient instead\n")
         yield None
         return
     work = tmp_path_factory.mktemp(f"browser-{label}")

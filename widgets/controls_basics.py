@@ -51,7 +51,6 @@ class Panel(abc.ABC):
     @abc.abstractmethod
     def knobs(self, w) -> dict:
         """``{state key: ipywidget}`` in display order."""
-        raise NotImplementedError
 
     @property
     def widget(self):

@@ -48,16 +48,16 @@ class _Panel(abc.ABC):
         self._syncing = False
 
     @abc.abstractmethod
-    def knobs(self, w) -> dict:  # name -> ipywidget
-        raise NotImplementedError
+    def knobs(self, w) -> dict:
+        """``{state key: ipywidget}`` in display order."""
 
     @abc.abstractmethod
     def redraw(self, **changes) -> None:
-        raise NotImplementedError
+        """Apply ``changes`` to the state and redraw the figures at once (no launch)."""
 
     @abc.abstractmethod
     def run(self, timeout: float = 300):
-        raise NotImplementedError
+        """Launch the real ranks for the current state and draw the measurement."""
 
     def _launch(self, target, nprocs: int, **kw):
         """Launch ``target``; a failed run becomes the panel's message (None returned)."""
