@@ -41,9 +41,10 @@ job), the environment (``os.environ`` is the job's, restored after), the working
 ``sys.argv`` and ``sys.path``, the trace recorder (back to none), torch's global generator
 and Python's ``random`` (reseeded at random, as in a fresh process; code that needs
 reproducible numbers seeds them, as ``runtime.init`` does), torch's default dtype, grad
-mode, deterministic-algorithms flag and thread count, and every module the job imported from
-outside the installed packages and edu3d (a notebook's own files, ``cell.py``: re-imported
-fresh, so edits are seen).
+mode, deterministic-algorithms flag and thread count, DTensor's sharding caches (they are
+keyed by meshes, and a new job's mesh equals the last one's), and every module the job
+imported from outside the installed packages and edu3d (a notebook's own files,
+``cell.py``: re-imported fresh, so edits are seen).
 
 What **persists between jobs** (that is the point): imported installed packages (torch,
 numpy, ...) and edu3d's own modules, with whatever module-level state they keep (e.g.
@@ -446,6 +447,33 @@ def _installed(module) -> bool:
     return any(os.path.abspath(file).startswith(os.path.abspath(r) + os.sep) for r in roots)
 
 
+def _forget_meshes() -> None:
+    """Clear what torch caches by ``DeviceMesh`` once a job's process groups are destroyed.
+
+    DTensor caches its sharding decisions (in Python and in its C++ dispatch fast path) keyed
+    by the meshes involved, and two meshes of the same shape and dim names compare equal. A
+    later job's DTensor op could then get back a spec holding the *previous* job's mesh, whose
+    groups are gone: "Could not resolve the process group registered under the name 48" (or
+    worse, silently the wrong group when the names happen to line up)."""
+    if "torch.distributed.tensor._api" not in sys.modules:
+        return  # no job has used DTensor in this process
+    import torch
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor._api import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding,
+                   type(propagator)._propagate_tensor_meta_cached,
+                   _redistribute._gen_transform_infos,
+                   _collective_utils.MeshTopoInfo.build_from_mesh):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+
+
 def serve(pool_dir: Path, rank: int, pumps: list) -> None:
     """A pool rank: import torch once, then run job after job, each on a fresh process group
     and in its own run folder, until killed (never returns)."""
@@ -553,6 +581,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
             torch.use_deterministic_algorithms(False)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        _forget_meshes()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         for fd in (1, 2):

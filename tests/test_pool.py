@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from edu3d import pool
 from edu3d.launch import LaunchTimeout, RankError, _running, launch
@@ -113,6 +114,19 @@ def test_warm_job_equals_cold_run_in_its_own_run_folder(tmp_path):
             assert res.lines(r, "stderr") == [f"err from {r}"]
     assert (2, "stdout", "out from 2") in seen and (1, "stderr", "err from 1") in seen
     assert not any("edu3d-job-end" in text for _, _, text in out1.output + out2.output)
+
+
+def test_a_job_never_gets_the_previous_jobs_device_mesh():
+    """DTensor caches its sharding decisions by DeviceMesh, and meshes of one shape compare
+    equal: without the pool clearing those caches between jobs, a job's DTensor reduction
+    was handed the previous job's mesh, whose destroyed groups' names now belong to other
+    groups of the new job: it hung (or failed with "Could not resolve the process group")."""
+    want = float(torch.cat([torch.arange(8.0), torch.ones(4)]).norm())
+    runs = [launch(workers.dtensor_norm, 4, kwargs={"extra_groups": k}, timeout=60,
+                   echo=False, pool=True) for k in (0, 3, 1)]
+    assert len({_pool_of(r) for r in runs}) == 1  # one warm pool ran all three
+    for run in runs:
+        assert run.results == [pytest.approx(want)] * 4
 
 
 def test_failures_name_the_rank_and_never_poison_the_next_job(tmp_path):

@@ -2,32 +2,35 @@
 
 Two pipeline ranks run the real engine, schedule and messages on balanced stages of known
 cost (:class:`edu3d.course.pp.TimedStage`: forward 40 ms, backward 80 ms, spent waiting,
-so the two ranks neither slow each other down on a 2-core machine nor feel other processes).
+so the two ranks do not slow each other down on a 2-core machine).
 The bubble of a step is the idle share of the ranks' time between its first compute start and
-its last compute end; the median over the steps after the warm-up step must be within 5
-percentage points of (p-1)/(m+p-1) for 1F1B and GPipe and (p-1)/(v·m+p-1) for interleaved
-1F1B. What is left between them is message latency and the engine's Python between actions,
-which the formula assumes to be zero. (With the real GPT on this shared 2-core machine the
-ranks also slow each other down; chapter 05 shows both.)
+its last compute end; the smallest over the four steps after the warm-up step must be
+within 5 percentage points of (p-1)/(m+p-1) for 1F1B and GPipe and (p-1)/(v·m+p-1) for
+interleaved 1F1B. What is left between them is message latency and the engine's Python
+between actions, which the formula assumes to be zero. The least-disturbed step is the one
+compared because another process's load only ever adds idle time: a rank woken late leaves
+its partner waiting (CI, with the other test worker busy, once measured a median of 0.176
+for 1F1B where the formula says 0.111). (With the real GPT on this shared 2-core machine
+the ranks also slow each other down; chapter 05 shows both.)
 """
 
 from __future__ import annotations
 
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from edu3d.course.pp import measured_bubble, run_timed
+from edu3d.course.pp import measured_bubbles, run_timed
 from edu3d.parallel.pp.simulate import bubble_formula
 
 RUNS = [dict(name="1f1b", m=8), dict(name="interleaved", m=8, vpp=2), dict(name="gpipe", m=8)]
 
 
 def test_measured_bubble_matches_formula():
-    res = launch(run_timed, 2, args=(RUNS,), kwargs=dict(steps=3, f_ms=40, b_ms=80),
+    res = launch(run_timed, 2, args=(RUNS,), kwargs=dict(steps=5, f_ms=40, b_ms=80),
                  layout=Layout(pp=2), timeout=240, echo=False)
     events = res.events()
     report = []
     for run in res.results[0]:
-        measured = measured_bubble(events, run["steps"])
+        measured = min(measured_bubbles(events, run["steps"][1:]))
         formula = bubble_formula(run["name"], 2, run["m"], run.get("vpp", 1))
         report.append((run["name"], measured, formula))
         print(f"{run['name']} p=2 m={run['m']}: measured {measured:.3f}, formula {formula:.3f}")

@@ -81,3 +81,19 @@ def cuda_all_reduce(mesh, numel: int = 1 << 20):
     comm.all_reduce(t, mesh.groups["world"])
     torch.cuda.synchronize()
     return {"backend": dist.get_backend(), "device": str(dev), "value": t[0].item()}
+
+
+def dtensor_norm(mesh, extra_groups: int = 0):
+    """A DTensor reduction on a fresh 2-D DeviceMesh (its groups are proper subgroups: a 1-D
+    mesh would reuse the world group), after `extra_groups` other new groups, which shift the
+    names torch gives the mesh's groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for _ in range(extra_groups):
+        dist.new_group(list(range(dist.get_world_size())))
+    dm = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+    x = distribute_tensor(torch.arange(8, dtype=torch.float32), dm, [Shard(0), Shard(0)])
+    y = distribute_tensor(torch.ones(4), dm, [Shard(0), Shard(0)])
+    return float(torch.nn.utils.get_total_norm([x, y]).full_tensor())  # a foreach op, as
+    # clip_grad_norm_ runs on a sharded model's gradients
