@@ -33,109 +33,27 @@ import json
 import os
 import pickle
 import queue
-import re
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
 from edu3d import heartbeat as hb
-from edu3d import runs
-from edu3d.runs import RunsError, new_run_dir  # noqa: F401 - new_run_dir is part of the API
-from edu3d.runtime import loopback_ifname
-from edu3d.worker import PREFIX_FMT, _alive, _write
+from edu3d import procs, runs
+# the errors and the result a run ends with, and the process helpers, live in edu3d.procs
+# (shared with the warm pool); they are part of this module's API too
+from edu3d.procs import (LaunchError, LaunchTimeout, RankError, RankHung, RunResult,
+                         child_environment, kill_run, torchrun_command)
+from edu3d.runs import RunsError, new_run_dir
+from edu3d.worker import _write
 
-_PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
-# torchrun options that mean "the user is setting up rendezvous themselves" (multi-node)
-_MULTINODE = ("--nnodes", "--node-rank", "--node_rank", "--rdzv", "--master-addr",
-              "--master_addr", "--master-port", "--master_port", "--local-addr", "--local_addr")
-
-
-class LaunchError(RuntimeError):
-    """A run that could not start or did not finish cleanly."""
-
-    def _render_traceback_(self) -> list[str]:
-        """In a notebook, the message (with the failing rank's own traceback) and not the
-        launcher's frames."""
-        return [f"{type(self).__name__}: {self}"]
-
-
-class RankError(LaunchError):
-    """The first rank that failed, with its traceback."""
-
-    def __init__(self, rank: int, message: str, traceback: str = "", run_dir: Path | None = None):
-        self.rank, self.traceback, self.run_dir = rank, traceback, run_dir
-        text = f"rank {rank} failed: {message}"
-        if traceback:
-            text += f"\n---- traceback of rank {rank} ----\n{traceback.rstrip()}"
-        super().__init__(text)
-
-
-class RankHung(RankError):
-    """A rank that made no progress for the heartbeat while the others waited for it (or
-    every rank waiting in a collective: a deadlock); ``ranks`` lists every stalled one."""
-
-    def __init__(self, rank: int, message: str, traceback: str = "", run_dir: Path | None = None,
-                 ranks: Sequence[int] = ()):
-        super().__init__(rank, message, traceback, run_dir)
-        self.ranks = list(ranks) or [rank]
-
-
-class LaunchTimeout(LaunchError, TimeoutError):
-    """The run outlived its timeout and was killed."""
-
-
-@dataclass
-class RunResult:
-    """What a finished run left behind."""
-
-    run_dir: Path
-    nprocs: int
-    elapsed_s: float
-    results: list = field(default_factory=list)  # per-rank return values (function targets)
-    output: list = field(default_factory=list)  # (rank or None, "stdout"|"stderr", line)
-
-    def events(self) -> list[dict]:
-        """The merged trace of every rank (see :mod:`edu3d.trace`)."""
-        from edu3d import trace
-
-        return trace.load(self.run_dir)
-
-    def chrome_trace(self, path: str | os.PathLike | None = None) -> Path:
-        """Write the run's trace as Chrome trace JSON (open it in https://ui.perfetto.dev)."""
-        from edu3d import trace
-
-        path = Path(path or self.run_dir / "trace.json")
-        trace.to_chrome(self.events(), path)
-        return path
-
-    def lines(self, rank: int = 0, stream: str = "stdout") -> list[str]:
-        return [text for r, s, text in self.output if r == rank and s == stream]
-
-
-def _single_node(torchrun_args: Sequence[str]) -> bool:
-    return not any(a.startswith(_MULTINODE) for a in torchrun_args)
-
-
-def torchrun_command(nprocs: int, worker_args: Sequence[str],
-                     torchrun_args: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line edu3d runs (single node on 127.0.0.1 unless told otherwise).
-
-    ``python -m edu3d.launch`` is torchrun's own agent (``torch.distributed.run.main``) with
-    the two additions of :func:`_agent_main`; it takes exactly torchrun's options."""
-    cmd = [sys.executable, "-m", "edu3d.launch", f"--nproc-per-node={nprocs}",
-           "--max-restarts=0", "--monitor-interval=0.1"]
-    if _single_node(torchrun_args):
-        cmd += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1"]
-    return cmd + list(torchrun_args) + ["-m", "edu3d.worker", *worker_args]
+__all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "RankHung", "RunResult",
+           "RunsError", "child_environment", "kill_run", "new_run_dir", "torchrun_command"]
 
 
 # ---- the agent: torchrun, bound to loopback, recording how each rank ended --------------------
@@ -169,23 +87,65 @@ def _bind_stores_to_loopback() -> None:
     c10d_rendezvous_backend.TCPStore = LoopbackTCPStore
 
 
-def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None) -> None:
+_POPENS: dict[int, "subprocess.Popen"] = {}  # in the agent: pid -> torchrun's Popen of a rank
+
+
+def _keep_rank_popens() -> None:
+    """Remember torchrun's ``Popen`` of every rank it starts (see :func:`_exit_of`)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as sh)
+
+    popen = sh.SubprocessHandler._popen
+
+    def keeping(self, args, env):
+        proc = popen(self, args, env)
+        _POPENS[proc.pid] = proc
+        return proc
+
+    sh.SubprocessHandler._popen = keeping
+
+
+def _exit_of(pid: int, wait_s: float = 5.0) -> dict | None:
+    """How child ``pid`` ended, ``{"code": C}`` or ``{"signal": S}``, once it has (None if it
+    is not this process's child).
+
+    ``waitid(..., WNOWAIT)`` sees the death without reaping the child, so torchrun still
+    collects it as usual. But torchrun's monitor polls its children (``Popen.poll``, which
+    reaps), and on a loaded machine it can reap a dead rank before this thread, woken by the
+    death, gets to look: the kernel then answers ``ECHILD``. That rank's status is then in
+    torchrun's ``Popen`` (negative return code: the signal). Without this, a rank that died
+    first went unrecorded and a partner's lost connection was named instead (seen in CI at
+    load 20, 8 ranks)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        proc = _POPENS.get(pid)
+        deadline = time.monotonic() + wait_s
+        while proc is not None and proc.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # torchrun's poll() reaped it and is about to set returncode
+        if proc is None or proc.returncode is None:
+            return None
+        code = proc.returncode
+        return {"code": code} if code >= 0 else {"signal": -code}
+    return {"code": info.si_status} if info.si_code == os.CLD_EXITED else {"signal": info.si_status}
+
+
+def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None
+                  ) -> Callable[[float], None]:
     """Write ``exits/rank{R}.json`` the moment a rank's process ends: exit code or signal and
-    the time. A thread per rank blocks in ``waitid(..., WNOWAIT)``, which sees the death
-    without reaping the child, so torchrun still collects it as usual. The agent is the
-    ranks' parent, the only process the kernel tells how a rank ended. ``also()``: a second
-    run folder to write it to (a warm pool's current job, :mod:`edu3d.pool`)."""
+    the time (:func:`_exit_of`), from a thread per rank. The agent is the ranks' parent, the
+    only process the kernel tells how a rank ended. ``also()``: a second run folder to write
+    it to (a warm pool's current job, :mod:`edu3d.pool`). Returns ``finish(timeout_s)``,
+    which the agent calls before it exits: its threads are daemons, and a death not yet
+    written when the agent ends would be lost."""
     seen: set = set()
+    threads: list = []
 
     def wait_for(rank: int, pid: int) -> None:
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
+        how = _exit_of(pid)
+        if how is None:
             return
-        died = time.time_ns()
-        how = ({"code": info.si_status} if info.si_code == os.CLD_EXITED
-               else {"signal": info.si_status})
-        text = json.dumps({"rank": rank, "pid": pid, "time_ns": died, **how})
+        text = json.dumps({"rank": rank, "pid": pid, "time_ns": time.time_ns(), **how})
         for folder in dict.fromkeys(d for d in (run_dir, also()) if d is not None):
             _write(folder / "exits" / f"rank{rank}.json", text)
 
@@ -196,12 +156,20 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None)
                 if (rank, pid) not in seen:
                     seen.add((rank, pid))
                     last_new = time.monotonic()
-                    threading.Thread(target=wait_for, args=(rank, pid), daemon=True).start()
+                    t = threading.Thread(target=wait_for, args=(rank, pid), daemon=True)
+                    t.start()
+                    threads.append(t)
             # ranks write their pid files as they start; once none has come for a while
             # (a long run, an idle warm pool) look rarely: each death is seen by its waitid
             time.sleep(0.02 if time.monotonic() - last_new < 5.0 else 0.5)
 
+    def finish(timeout_s: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in list(threads):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
     threading.Thread(target=scan, name="edu3d-exits", daemon=True).start()
+    return finish
 
 
 def _pool_job_dir(pool_dir: Path) -> Path | None:
@@ -226,7 +194,8 @@ def _agent_main(argv: Sequence[str]) -> None:
     run_dir = Path(os.environ["EDU3D_RUN_DIR"])
     pooled = bool(os.environ.get("EDU3D_POOL_ID"))
     job = (lambda: _pool_job_dir(run_dir)) if pooled else (lambda: None)
-    _record_exits(run_dir, job)
+    _keep_rank_popens()
+    finish_exits = _record_exits(run_dir, job)
     close = api.PContext.close
 
     def close_noting_teardown(self, *args, **kwargs):
@@ -243,7 +212,7 @@ def _agent_main(argv: Sequence[str]) -> None:
         def watch() -> None:  # the ranks' own watchdogs end them once the agent is gone
             while True:  # a SIGKILLed kernel stays a zombie until its parent reaps it
                 time.sleep(0.2)
-                if launcher and not _running(launcher):
+                if launcher and not procs.running(launcher):
                     if run_dir.name.startswith("edu3d-pool-"):  # nobody else will remove it
                         import shutil
 
@@ -251,7 +220,10 @@ def _agent_main(argv: Sequence[str]) -> None:
                     os._exit(3)
 
         threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()
-    run.main(list(argv))
+    try:
+        run.main(list(argv))
+    finally:  # every rank has ended: let the last deaths be written before the agent goes
+        finish_exits(2.0)
 
 
 def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir: Path):
@@ -299,117 +271,6 @@ def _import_root(target) -> list[str]:
     for _ in range(target.__module__.count(".")):
         root = root.parent
     return [str(root)]
-
-
-def _print_line(rank: int | None, stream: str, text: str) -> None:
-    out = sys.stdout if stream == "stdout" else sys.stderr
-    out.write((PREFIX_FMT.format(rank) if rank is not None else "") + text + "\n")
-    out.flush()
-
-
-def _running(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    if not _alive(pid):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> None:
-    """Kill every process of a run: the workers (each in its own session, each checked to be
-    the run's before it is signalled: pids recycle), then torchrun: at once when every rank
-    had started (its orderly shutdown takes seconds and has nothing left to stop), else
-    politely, so that it stops the ranks that had not yet written their pid file."""
-    try:
-        nprocs = json.loads((run_dir / "command.json").read_text())["nprocs"]
-    except (OSError, ValueError, KeyError):
-        nprocs = None
-    all_started = nprocs is not None and len(runs.pid_files(run_dir)) >= nprocs
-    runs.signal_ranks(run_dir)
-    if proc.poll() is None and not all_started:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops the workers it started
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    rid = runs.run_id(run_dir)
-
-    def ours_running():
-        return [p for p in runs.pid_files(run_dir).values()
-                if _running(p) and runs.belongs_to(p, rid)]
-
-    deadline = time.monotonic() + grace_s
-    while ours_running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if ours_running():  # late starters killed after they wrote their pid
-        runs.signal_ranks(run_dir)
-
-
-def _first_failure(run_dir: Path, settle_s: float = 5.0) -> dict | None:
-    """The failure that caused the others, or None while every rank is fine.
-
-    A rank that dies without a Python error (``os._exit``, a segfault, ``kill -9``) makes its
-    partners fail with "Connection closed by peer" a moment later; those are consequences.
-    When only consequences are known, wait up to ``settle_s`` for the death that caused them
-    (the agent records it, see :func:`_record_exits`) before settling for the earliest. (2 s
-    was not enough on a 2-core machine at load 20: the agent's thread wrote the death of the
-    rank that called ``os._exit`` after its partner's lost connection had waited 2 s.)"""
-    causes, consequences = runs.failures(run_dir)
-    if not causes and not consequences:
-        return None
-    first_seen, deadline = time.monotonic(), time.monotonic() + settle_s
-    while time.monotonic() < deadline:
-        if causes and time.monotonic() - first_seen >= min(0.3, settle_s):
-            break  # an earlier death recorded a little late still gets its chance
-        time.sleep(0.05)
-        causes, consequences = runs.failures(run_dir)
-    return (causes or consequences)[0]
-
-
-def _root_cause(output: list) -> tuple[int, str]:
-    """Rank and exit reason from torchrun's failure report, for a rank that left no error file
-    (killed by a signal, os._exit, a crash in C++)."""
-    text = "\n".join(line for r, _, line in output if r is None)
-    text = text[text.find("Root Cause"):] if "Root Cause" in text else text
-    m = re.search(r"rank\s*:\s*(\d+).*?\n.*?exitcode\s*:\s*(-?\d+)", text, re.S)
-    if not m:
-        return -1, "torchrun exited with an error and no rank reported one"
-    rank, code = int(m.group(1)), int(m.group(2))
-    reason = (f"killed by signal {signal.Signals(-code).name}" if code < 0 else
-              f"exited with code {code}")
-    return rank, reason
-
-
-def _stack_of(run_dir: Path, rank: int, wait_s: float = 1.5) -> str:
-    """Ask a (hung) rank for its Python stack (``SIGUSR1``, see :mod:`edu3d.worker`) and
-    return its main thread's, most recent call first ("" if it cannot answer)."""
-    pid, path = runs.pid_files(run_dir).get(rank), run_dir / "stacks" / f"rank{rank}.txt"
-    if pid is None or not runs.belongs_to(pid, runs.run_id(run_dir)):
-        return ""
-    try:
-        os.kill(pid, signal.SIGUSR1)
-    except (ProcessLookupError, PermissionError):
-        return ""
-    deadline, size = time.monotonic() + wait_s, -1
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = path.stat().st_size if path.exists() else 0
-        if now and now == size:
-            break
-        size = now
-    text = path.read_text(errors="replace") if path.exists() else ""
-    blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip()) if b]
-    main = [b for b in blocks if "in _bootstrap" not in b]  # not a daemon thread
-    return (main or blocks or [""])[0]
 
 
 def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None = None,
@@ -461,7 +322,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
         runs.prepare(run_dir)  # also clears what an earlier run left in a reused folder
     except RunsError as err:
         raise LaunchError(str(err)) from None
-    if echo is True and not _in_kernel():
+    if echo is True and not procs.in_kernel():
         print(f"edu3d: run folder {run_dir}", file=sys.stderr, flush=True)
     if payload:
         (run_dir / "call-args.pkl").write_bytes(payload)
@@ -479,7 +340,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
                                                             "run_id": rid}))
 
     if progress is None:
-        progress = _in_kernel() and os.environ.get("EDU3D_PROGRESS", "1") != "0"
+        progress = procs.in_kernel() and os.environ.get("EDU3D_PROGRESS", "1") != "0"
     status = None
     try:
         if progress:
@@ -513,32 +374,6 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     return result
 
 
-def child_environment(env: dict | None = None, torchrun_args: Sequence[str] = (),
-                      roots: Sequence[str] = ()) -> dict:
-    """The environment a launch's ranks start with, before the run's own folder and id:
-    this process's, ``env`` on top, one thread per rank unless said otherwise, loopback
-    stores and gloo on the loopback interface for a single node, and the launching folder
-    (a notebook's helpers) and ``roots`` (the target function's package) importable."""
-    child_env = {**os.environ, **(env or {})}
-    child_env.setdefault("OMP_NUM_THREADS", "1")
-    child_env.update(EDU3D_LAUNCHER_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
-    if _single_node(torchrun_args):
-        # gloo listens on the interface it is told (else the host name's address)
-        child_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
-        child_env["EDU3D_LOOPBACK"] = "1"
-    paths = [os.getcwd(), *roots, child_env.get("PYTHONPATH", "")]
-    child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    return child_env
-
-
-def _in_kernel() -> bool:
-    if "ipykernel" not in sys.modules:
-        return False
-    from IPython import get_ipython
-
-    return getattr(get_ipython(), "kernel", None) is not None
-
-
 def _notebook_status(nprocs: int, new_pool: bool = False):
     from edu3d.status import NotebookStatus
 
@@ -549,38 +384,26 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
             heartbeat: float = 0.0) -> RunResult:
     """Start torchrun, stream its output, watch for errors, hangs and the timeout, collect
     results."""
-    emit = _print_line if echo is True else (echo or (lambda *a: None))
-    lines: queue.Queue = queue.Queue()
+    emit = procs.print_line if echo is True else (echo or (lambda *a: None))
     output: list = []
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
-                            start_new_session=True, text=True, errors="replace", bufsize=1)
-
-    def pump(stream, tag):
-        for raw in stream:
-            lines.put((tag, raw.rstrip("\n")))
-        lines.put((tag, None))
-
-    readers = [threading.Thread(target=pump, args=(proc.stdout, "stdout"), daemon=True),
-               threading.Thread(target=pump, args=(proc.stderr, "stderr"), daemon=True)]
-    for t in readers:
-        t.start()
+    proc, pipes = procs.start(cmd, child_env)
 
     def drain(block_s: float) -> int:
         closed = 0
         try:
-            item = lines.get(timeout=block_s)
+            item = pipes.lines.get(timeout=block_s)
             while True:
                 tag, text = item
                 if text is None:
                     closed += 1
                 else:
-                    m = _PREFIX_RE.match(text)
+                    m = procs.PREFIX_RE.match(text)
                     rank, body = (int(m.group(1)), m.group(2)) if m else (None, text)
                     output.append((rank, tag, body))
                     if rank is not None:  # torchrun's own chatter stays in result.output
                         emit(rank, tag, body)
-                item = lines.get_nowait()
+                item = pipes.lines.get_nowait()
         except queue.Empty:
             pass
         return closed
@@ -591,16 +414,16 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
         while closed < 2 or proc.poll() is None:
             closed += drain(0.05)
             now = time.monotonic() - start
-            failure = _first_failure(run_dir)
+            failure = procs.first_failure(run_dir)
             if failure is not None:
                 break
             if watch is not None and now - last_beat >= 0.25:
                 last_beat = now
                 hung = watch.check()
                 if hung is not None:
-                    raise _hung_error(run_dir, hung, lambda: kill_run(proc, run_dir))
+                    raise procs.hung_error(run_dir, hung, lambda: kill_run(proc, run_dir))
             if timeout is not None and now > timeout:
-                raise _timeout_error(run_dir, nprocs, timeout, lambda: kill_run(proc, run_dir))
+                raise procs.timeout_error(run_dir, nprocs, timeout, lambda: kill_run(proc, run_dir))
             if on_poll is not None and now - last_poll > 0.25:
                 last_poll = now
                 done_dir = run_dir / "done"
@@ -614,57 +437,11 @@ def _launch(cmd, child_env, run_dir: Path, nprocs: int, timeout, echo, on_poll,
     closed += drain(0.0)
 
     if failure is not None or proc.returncode != 0:
-        for t in readers:
-            t.join(timeout=1.0)
+        pipes.join()
         drain(0.0)
-        raise _rank_error(run_dir, nprocs, failure, output)
-    return RunResult(run_dir, nprocs, time.monotonic() - start, _results(run_dir, nprocs), output)
-
-
-# ---- the errors a run ends with (shared by the cold path and the warm pool, edu3d.pool) ------
-def _hung_error(run_dir: Path, hung: dict, kill: Callable[[], None]) -> RankHung:
-    """Ask the hung rank for its stack, kill every process, and say who hung."""
-    stack = _stack_of(run_dir, hung["rank"])
-    kill()
-    return RankHung(hung["rank"], hung["message"] + "; every process was killed",
-                    stack and f"Python stack of rank {hung['rank']} when it was "
-                    f"declared hung (most recent call first):\n{stack}",
-                    run_dir, hung["ranks"])
-
-
-def _timeout_error(run_dir: Path, nprocs: int, timeout: float,
-                   kill: Callable[[], None]) -> LaunchTimeout:
-    done = {p.name for p in (run_dir / "done").glob("rank*")}
-    pending = [r for r in range(nprocs) if f"rank{r}" not in done]
-    report = runs.flight_report(run_dir, nprocs)
-    kill()
-    return LaunchTimeout(
-        f"run did not finish within {timeout:g} s; rank(s) {pending} were still "
-        f"running and every process was killed (run folder: {run_dir})\n"
-        f"when it was stopped: {report}")
-
-
-def _rank_error(run_dir: Path, nprocs: int, failure: dict | None, output: list) -> RankError:
-    """The error of the first failing rank (from its error file, its recorded exit, or
-    torchrun's report), with its traceback or its last lines."""
-    failure = failure or _first_failure(run_dir, settle_s=0.0)
-    if failure is None:
-        rank, reason = _root_cause(output)
-        failure = {"rank": rank, "message": reason}
-    rank, message = failure["rank"], failure["message"]
-    tail = failure.get("traceback") or "\n".join(
-        text for r, _, text in output if r == rank)[-4000:]
-    if runs._TIMEOUT.search(message):
-        message += f"\nwhen the run was declared hung: {runs.flight_report(run_dir, nprocs)}"
-    return RankError(rank, message, tail, run_dir)
-
-
-def _results(run_dir: Path, nprocs: int) -> list:
-    results = []
-    for r in range(nprocs):
-        f = run_dir / "results" / f"rank{r}.pkl"
-        results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
-    return results
+        raise procs.rank_error(run_dir, nprocs, failure, output)
+    return RunResult(run_dir, nprocs, time.monotonic() - start, procs.read_results(run_dir, nprocs),
+                     output)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ saves most of it without changing what a run sees:
 * **what it is.** Starting N ranks costs seconds, nearly all of it each rank importing torch.
   A pool is one ordinary edu3d launch (the same torchrun agent, loopback stores, own process
   session, ``OMP_NUM_THREADS=1``, rank prefixes, pid files, watchdogs) whose ranks
-  (``python -m edu3d.worker --pool FOLDER``) import torch, ``torch.distributed`` and
+  (``python -m edu3d.pool_rank FOLDER``) import torch, ``torch.distributed`` and
   :mod:`edu3d.runtime`, then wait for jobs. A job is what a launch would have run: a script,
   a module or a function call, its run folder and its environment. Each job gets a **fresh
   process group** (``init_process_group`` meets in ``job{N}/`` of the agent's store) and its
@@ -66,7 +66,6 @@ import queue
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -74,10 +73,11 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from edu3d import runs
+from edu3d import procs, runs
+from edu3d.pool_rank import SENTINEL
+from edu3d.procs import RunResult
 
 MAX_POOLS = 2
-SENTINEL = "\x1eedu3d-job-end"  # the last line of every job on each stream of every rank
 # variables a process reads only when it starts (or torch when it is imported): a job that
 # needs another value than the pool started with runs cold
 START_ONLY = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GLOO_SOCKET_IFNAME", "PYTHONHASHSEED",
@@ -87,7 +87,6 @@ START_ONLY_PREFIXES = ("TORCH_", "NCCL_", "GLOO_", "OMP_", "MKL_", "CUDA_")
 # set per job by the launcher; never a reason to start afresh
 PER_JOB = ("EDU3D_RUN_DIR", "EDU3D_RUN_ID", "EDU3D_POOL_ID", "PYTHONPATH")
 
-_PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
 _END_RE = re.compile(re.escape(SENTINEL) + r" (\d+)$")
 
 
@@ -96,8 +95,6 @@ class Pool:
     """``nprocs`` warm ranks under one torchrun agent, started with ``env``."""
 
     def __init__(self, nprocs: int, env: dict):
-        from edu3d.launch import torchrun_command
-
         self.nprocs = nprocs
         self.id = uuid.uuid4().hex
         self.dir = Path(tempfile.mkdtemp(prefix="edu3d-pool-"))
@@ -107,23 +104,10 @@ class Pool:
         self.broken = False
         self.busy = False  # a job is running (another launch meanwhile runs cold)
         (self.dir / "env.json").write_text(json.dumps(self.env))
-        cmd = torchrun_command(nprocs, ["--pool", str(self.dir)])
+        cmd = procs.torchrun_command(nprocs, [str(self.dir)], entry="edu3d.pool_rank")
         (self.dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
                                                            "run_id": self.id}))
-        self.lines: queue.Queue = queue.Queue()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=self.env, start_new_session=True, text=True,
-                                     errors="replace", bufsize=1)
-        self.readers = [threading.Thread(target=self._pump, args=(s, tag), daemon=True,
-                                         name=f"edu3d-pool-{tag}")
-                        for s, tag in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
-        for t in self.readers:
-            t.start()
-
-    def _pump(self, stream, tag: str) -> None:
-        for raw in stream:
-            self.lines.put((tag, raw.rstrip("\n")))
-        self.lines.put((tag, None))
+        self.proc, self.pipes = procs.start(cmd, self.env)
 
     def compatible(self, env: dict) -> bool:
         """True if a job with environment ``env`` can run here: every variable read only at
@@ -135,9 +119,7 @@ class Pool:
         """The agent runs and no rank that started has ended."""
         if self.broken or self.proc.poll() is not None:
             return False
-        from edu3d.launch import _running
-
-        return all(_running(p) for p in runs.pid_files(self.dir).values())
+        return all(procs.running(p) for p in runs.pid_files(self.dir).values())
 
     def pids(self) -> list[int]:
         return [self.proc.pid, *runs.pid_files(self.dir).values()]
@@ -145,11 +127,9 @@ class Pool:
     def kill(self) -> None:
         """Kill the agent and every rank (each checked to carry this pool's id); forget the
         pool's folder."""
-        from edu3d.launch import kill_run
-
         self.broken = True
         if self.proc.returncode is None:
-            kill_run(self.proc, self.dir, grace_s=2.0)
+            procs.kill_run(self.proc, self.dir, grace_s=2.0)
         for s in (self.proc.stdout, self.proc.stderr):
             try:
                 s.close()
@@ -176,9 +156,7 @@ def wanted(pool: bool | None) -> bool:
         return False
     if _default is not None:
         return _default
-    from edu3d.launch import _in_kernel
-
-    return _in_kernel()
+    return procs.in_kernel()
 
 
 def _start_only(key: str) -> bool:
@@ -237,9 +215,7 @@ def prewarm(nprocs: int, env: dict | None = None, pool: bool | None = None) -> b
     if not wanted(pool):
         return False
     if env is None:
-        from edu3d.launch import child_environment
-
-        env = child_environment()
+        env = procs.child_environment()
     with _lock:
         _drop_dead()
         if any(n >= nprocs and p.compatible(env) for n, p in _pools.items()):
@@ -309,15 +285,13 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
              echo, on_poll: Callable[[float, int], None] | None, heartbeat: float,
              nprocs: int):
     from edu3d import heartbeat as hb
-    from edu3d.launch import (RunResult, _first_failure, _hung_error, _print_line, _rank_error,
-                              _results, _timeout_error)
     from edu3d.worker import _write
 
     if not 0 < nprocs <= p.nprocs:
         raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
     n = p.jobs
     p.jobs += 1
-    emit = _print_line if echo is True else (echo or (lambda *a: None))
+    emit = procs.print_line if echo is True else (echo or (lambda *a: None))
     output: list = []
     ended: set = set()  # (rank, stream) of the job's ranks whose job-end marker arrived
     closed = 0
@@ -325,13 +299,13 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
     def drain(block_s: float) -> int:
         shut = 0
         try:
-            item = p.lines.get(timeout=block_s)
+            item = p.pipes.lines.get(timeout=block_s)
             while True:
                 tag, text = item
                 if text is None:
                     shut += 1
                 else:
-                    m = _PREFIX_RE.match(text)
+                    m = procs.PREFIX_RE.match(text)
                     rank, body = (int(m.group(1)), m.group(2)) if m else (None, text)
                     end = _END_RE.search(body) if rank is not None else None
                     if end is not None:  # this job's end, or the late end of one that a
@@ -342,14 +316,14 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
                         output.append((rank, tag, body))
                         if rank is not None:
                             emit(rank, tag, body)
-                item = p.lines.get_nowait()
+                item = p.pipes.lines.get_nowait()
         except queue.Empty:
             pass
         return shut
 
     while True:  # anything the pool said between jobs (torchrun's start-up chatter)
         try:
-            tag, text = p.lines.get_nowait()
+            tag, text = p.pipes.lines.get_nowait()
         except queue.Empty:
             break
         if text is None:
@@ -373,7 +347,7 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
         while True:
             closed += drain(0.03)
             now = time.monotonic() - start
-            failure = _first_failure(run_dir)
+            failure = procs.first_failure(run_dir)
             if failure is not None or closed >= 2 or p.proc.poll() is not None:
                 break
             done_dir = run_dir / "done"
@@ -389,9 +363,9 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
                 last_beat = now
                 hung = watch.check()
                 if hung is not None:
-                    raise _hung_error(run_dir, hung, kill)
+                    raise procs.hung_error(run_dir, hung, kill)
             if timeout is not None and now > timeout:
-                raise _timeout_error(run_dir, nprocs, timeout, kill)
+                raise procs.timeout_error(run_dir, nprocs, timeout, kill)
             if on_poll is not None and now - last_poll > 0.25:
                 last_poll = now
                 on_poll(now, done)
@@ -411,182 +385,13 @@ def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout:
             except subprocess.TimeoutExpired:
                 pass
         kill()
-        for t in p.readers:
-            t.join(timeout=1.0)
+        p.pipes.join()
         drain(0.0)
-        raise _rank_error(run_dir, nprocs, failure, output)
+        raise procs.rank_error(run_dir, nprocs, failure, output)
     if p.broken:
         _forget(p)
-    return RunResult(run_dir, nprocs, time.monotonic() - start, _results(run_dir, nprocs), output)
-
-
-# ================================ the ranks' side =============================================
-def _wait_for_job(pool_dir: Path, n: int) -> dict:
-    """Poll for job ``n``: a few ms apart right after a job (a notebook's next cell often
-    comes at once), backing off to a quarter second when idle, so a kernel's idle pools
-    cost next to no CPU on a 2-core laptop (a job then waits at most that long to start)."""
-    path, delay = pool_dir / "jobs" / f"{n}.json", 0.002
-    while True:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            time.sleep(delay)
-            delay = min(delay * 1.05, 0.25)
-
-
-def _installed(module) -> bool:
-    """True for a module of the standard library or an installed package (or edu3d): kept
-    between jobs. A notebook's own modules are not, so an edited file is re-imported."""
-    name = getattr(module, "__name__", "") or ""
-    if name == "edu3d" or name.startswith("edu3d."):
-        return True
-    file = getattr(module, "__file__", None)
-    if not file:
-        return True  # built in, or a namespace package
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    return any(os.path.abspath(file).startswith(os.path.abspath(r) + os.sep) for r in roots)
-
-
-def _forget_meshes() -> None:
-    """Clear what torch caches by ``DeviceMesh`` once a job's process groups are destroyed.
-
-    DTensor caches its sharding decisions (in Python and in its C++ dispatch fast path) keyed
-    by the meshes involved, and two meshes of the same shape and dim names compare equal. A
-    later job's DTensor op could then get back a spec holding the *previous* job's mesh, whose
-    groups are gone: "Could not resolve the process group registered under the name 48" (or
-    worse, silently the wrong group when the names happen to line up)."""
-    if "torch.distributed.tensor._api" not in sys.modules:
-        return  # no job has used DTensor in this process
-    import torch
-    from torch.distributed.tensor import _collective_utils, _redistribute
-    from torch.distributed.tensor._api import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (propagator.propagate_op_sharding,
-                   type(propagator)._propagate_tensor_meta_cached,
-                   _redistribute._gen_transform_infos,
-                   _collective_utils.MeshTopoInfo.build_from_mesh):
-        clear = getattr(cached, "cache_clear", None)
-        if clear is not None:
-            clear()
-    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_fast_path is not None:
-        clear_fast_path()
-
-
-def serve(pool_dir: Path, rank: int, pumps: list) -> None:
-    """A pool rank: import torch once, then run job after job, each on a fresh process group
-    and in its own run folder, until killed (never returns)."""
-    import random
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    from edu3d import runtime, trace, worker
-
-    launcher_env = json.loads((pool_dir / "env.json").read_text())
-    own_env = dict(os.environ)
-    size = int(own_env["WORLD_SIZE"])  # the pool's ranks; a job may use fewer
-    torchrun_keys = {k for k, v in own_env.items() if launcher_env.get(k) != v}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=60))
-    prefix = {"job": None}
-    original_init = distributed_c10d.init_process_group
-
-    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
-                           rank=-1, store_=None, **kwargs):
-        """``init_process_group`` of a job: with no store of its own it meets in the job's
-        prefix of the agent's store (a fresh group; ``env://`` would reuse an old one)."""
-        store_ = kwargs.pop("store", store_)
-        if store_ is None and init_method in (None, "env://") and prefix["job"]:
-            store_ = dist.PrefixStore(prefix["job"], store)
-            init_method = None
-            world_size = int(os.environ["WORLD_SIZE"]) if world_size == -1 else world_size
-            rank = int(os.environ["RANK"]) if rank == -1 else rank
-        return original_init(backend, init_method, timeout, world_size, rank, store_, **kwargs)
-
-    import torch.distributed.device_mesh  # noqa: F401 - imports it by name: patched below too
-
-    for name, module in list(sys.modules.items()):  # wherever torch bound it by name
-        if name.startswith("torch.distributed") and \
-                getattr(module, "init_process_group", None) is original_init:
-            module.init_process_group = init_process_group
-    threads = torch.get_num_threads()
-    worker._write(pool_dir / "ready" / f"rank{rank}", "")
-
-    n = 0
-    while True:
-        job = _wait_for_job(pool_dir, n)
-        world = int(job.get("nprocs", size))
-        if rank >= world:  # a smaller job: this rank sits it out, and says it is done
-            for fd in (1, 2):
-                os.write(fd, f"{SENTINEL} {n}\n".encode())
-            n += 1
-            continue
-        run_dir = Path(job["run_dir"])
-        env = {k: v for k, v in job["env"].items() if k not in torchrun_keys}
-        env.update({k: own_env[k] for k in torchrun_keys})
-        if world != size:  # what torchrun would have set for a run of `world` ranks
-            env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       ROLE_WORLD_SIZE=str(world))
-        saved = (dict(os.environ), os.getcwd(), list(sys.argv), list(sys.path),
-                 set(sys.modules))
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(job["cwd"])
-        extra = [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q and q not in sys.path]
-        sys.path[:0] = extra
-        prefix["job"] = f"edu3d-job{n}/"
-        store.set_timeout(timedelta(seconds=runtime.timeout_seconds()))
-        torch.seed()  # a fresh process's generators start from a random seed too
-        random.seed()
-        old_stacks = list(worker._STACKS)
-        worker._stack_on_signal(run_dir, rank)  # SIGUSR1 now writes into the job's folder
-        for f in old_stacks:
-            f.close()
-            worker._STACKS.remove(f)
-        worker._write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
-
-        a = worker._parser().parse_args(job["argv"])
-        rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-        error = worker._run_target(a, rest, rank, run_dir)
-        if error is None:
-            try:
-                trace.current().flush()
-                trace.set_current(trace.NullRecorder())
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except BaseException as e:  # noqa: BLE001 - a group that cannot close is a failure
-                error = {"type": type(e).__name__, "message": f"after the job: {e}",
-                         "traceback": worker._user_traceback(e)}
-        if error is not None:
-            worker._fail(error, rank, run_dir, pumps)  # the launcher kills the pool
-        worker._write(run_dir / "done" / f"rank{rank}", "")
-
-        # back to the pool's own state for the next job
-        prefix["job"] = None
-        os.environ.clear()
-        os.environ.update(saved[0])
-        os.chdir(saved[1])
-        sys.argv[:], sys.path[:] = saved[2], saved[3]
-        for name in set(sys.modules) - saved[4]:
-            if not _installed(sys.modules[name]):
-                del sys.modules[name]
-        if torch.get_default_dtype() != torch.float32:
-            torch.set_default_dtype(torch.float32)
-        torch.set_grad_enabled(True)
-        if torch.are_deterministic_algorithms_enabled():  # the call imports much of torch
-            torch.use_deterministic_algorithms(False)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        _forget_meshes()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        for fd in (1, 2):
-            os.write(fd, f"{SENTINEL} {n}\n".encode())
-        n += 1
+    return RunResult(run_dir, nprocs, time.monotonic() - start, procs.read_results(run_dir, nprocs),
+                     output)
 
 
 def _pool_pids(pool_id: str) -> list[int]:

@@ -19,9 +19,9 @@ and why:
   even while the rank is blocked in C++). The launcher asks a rank it declares hung.
 
 This module imports no torch unless it calls a function for you (``--call``), so launching
-an empty script costs the same as a bare torchrun. ``--pool FOLDER`` makes the rank a warm
-one that runs job after job (:func:`edu3d.pool.serve`), each through the same code a cold rank
-runs (:func:`_run_target`).
+an empty script costs the same as a bare torchrun. A warm rank (:mod:`edu3d.pool_rank`) starts
+the same way (:func:`_start_rank`) and runs job after job, each through the same code a cold
+rank runs (:func:`_run_target`).
 """
 
 from __future__ import annotations
@@ -193,7 +193,6 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--script")
     target.add_argument("--module")
     target.add_argument("--call", help="module:function, called as function(mesh, *args, **kw)")
-    target.add_argument("--pool", help="serve jobs from this pool folder (edu3d.pool)")
     p.add_argument("--layout", help="JSON of Layout fields for --call")
     p.add_argument("--args-file", help="pickled (args, kwargs) for --call")
     p.add_argument("--no-init", action="store_true", help="--call without runtime.init")
@@ -235,12 +234,9 @@ def _fail(error: dict, rank: int, run_dir: Path | None, pumps: list) -> None:
     os._exit(1)  # skip finalization: a broken process group can hang on teardown
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = _parser().parse_args(argv)
-    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-
-    rank = int(os.environ.get("RANK", "0"))
-    run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
+def _start_rank(rank: int, run_dir: Path | None) -> list:
+    """What every rank does first, cold or warm: the watchdog, the stack on ``SIGUSR1``, the
+    pid file, and the rank prefix on its output (the prefixing threads are returned)."""
     _start_watchdog()
     if run_dir:
         _stack_on_signal(run_dir, rank)
@@ -250,12 +246,16 @@ def main(argv: list[str] | None = None) -> None:
         for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
             stream.flush()
             pumps.append(_prefix_fd(fd, PREFIX_FMT.format(rank).encode()))
+    return pumps
 
-    if a.pool:
-        from edu3d.pool import serve
 
-        serve(Path(a.pool), rank, pumps)  # never returns
+def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
 
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
+    pumps = _start_rank(rank, run_dir)
     error = _run_target(a, rest, rank, run_dir)
 
     from edu3d import trace

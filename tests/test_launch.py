@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from edu3d.launch import LaunchError, LaunchTimeout, RankError, _running, launch
+from edu3d.launch import LaunchError, LaunchTimeout, RankError, launch
+from edu3d.procs import running
 from edu3d.mesh import Layout
 from tests import workers
 
@@ -21,9 +22,9 @@ def _pids(run_dir: Path) -> list[int]:
 
 def _assert_all_gone(run_dir: Path, wait_s: float = 5.0):
     deadline = time.monotonic() + wait_s
-    while any(_running(p) for p in _pids(run_dir)) and time.monotonic() < deadline:
+    while any(running(p) for p in _pids(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [p for p in _pids(run_dir) if _running(p)]
+    alive = [p for p in _pids(run_dir) if running(p)]
     assert not alive, f"processes left running: {alive}"
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from edu3d import trace
-from edu3d.launch import LaunchError, LaunchTimeout, RankError, _running, kill_run, launch
+from edu3d.launch import LaunchError, LaunchTimeout, RankError, kill_run, launch
+from edu3d.procs import running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,9 +31,9 @@ def _pids(run_dir: Path) -> list[int]:
 def _assert_all_gone(run_dir: Path, wait_s: float = 10.0):
     deadline = time.monotonic() + wait_s
     pids = _pids(run_dir)
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _running(p)], "processes left running"
+    assert not [p for p in pids if running(p)], "processes left running"
 
 
 # ---- security: no socket of a run outside loopback --------------------------------------------
@@ -130,6 +131,28 @@ def _blamed(tmp_path, how: str, n: int, victim: int) -> RankError:
         launch(dying_script(tmp_path, how, victim), n, echo=False, timeout=120,
                env={"EDU3D_TIMEOUT": "60"})
     return info.value
+
+
+def test_a_death_torchrun_reaped_first_is_still_recorded():
+    """The agent's thread waits for each rank with waitid(WNOWAIT); torchrun's monitor reaps
+    (Popen.poll) and on a loaded machine can do it before that thread looks, which then gets
+    ECHILD. The death is then read from torchrun's Popen, so the rank that died first is
+    still the one named (CI once named its partner's lost connection instead)."""
+    from edu3d import launch as launcher
+
+    exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    for proc in (exited, killed):
+        proc.wait()  # reaped, as torchrun's poll() does, before _exit_of looks
+        launcher._POPENS[proc.pid] = proc
+    try:
+        assert launcher._exit_of(exited.pid) == {"code": 3}
+        assert launcher._exit_of(killed.pid) == {"signal": signal.SIGKILL}
+    finally:
+        for proc in (exited, killed):
+            launcher._POPENS.pop(proc.pid, None)
+    assert launcher._exit_of(os.getppid(), wait_s=0.1) is None  # not a child of this process
 
 
 @pytest.mark.parametrize("n", [4, 8])  # about 6 s each on an idle 2-core machine

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from edu3d import pool
-from edu3d.launch import LaunchTimeout, RankError, _running, launch
+from edu3d.launch import LaunchTimeout, RankError, launch
+from edu3d.procs import running
 from tests import workers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,11 +42,11 @@ def _script(tmp_path, body: str, name: str = "script.py") -> Path:
 def _wait_gone(pids, wait_s: float = 10.0) -> list[int]:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _running(p)]
+        alive = [p for p in pids if running(p)]
         if not alive:
             return []
         time.sleep(0.1)
-    return [p for p in pids if _running(p)]
+    return [p for p in pids if running(p)]
 
 
 def _no_process_of(pool_id: str, wait_s: float = 10.0) -> bool:
@@ -246,7 +247,7 @@ def _none_left(mark: str, wait_s: float) -> list[int]:
     deadline = time.monotonic() + wait_s
     while _marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [p for p in _marked(mark) if _running(p)]
+    return [p for p in _marked(mark) if running(p)]
 
 
 LAUNCH = ("import json\nfrom edu3d.launch import launch\nfrom tests import workers\n"
