@@ -161,7 +161,9 @@ def _reason(err: BaseException) -> str:
         return f"not written yet{_where(err)}: {msg}" if msg else f"not written yet{_where(err)}"
     if len(text) > 400:
         text = text[:400] + " ..."
-    if isinstance(err, AssertionError) or type(err).__module__ == "edu3d.launch":
+    from edu3d.procs import LaunchError
+
+    if isinstance(err, (AssertionError, LaunchError)):
         return text  # the message says it all (a failed run names its rank)
     return f"{type(err).__name__}: {text}{_where(err)}" if text else \
         f"{type(err).__name__}{_where(err)}"
