@@ -16,7 +16,8 @@ def _run(args, **kw):
 
 
 def test_launcher_path_imports_no_torch():
-    code = "import sys, edu3d.cli, edu3d.launch, edu3d.worker; print('torch' in sys.modules)"
+    code = ("import sys, edu3d.cli, edu3d.launch, edu3d.worker, edu3d.pool; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
 
@@ -101,8 +102,7 @@ def _refused_before_launch(p):
     assert "launching" not in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("bad,message", [
-    (["--lr", "nan"], "--lr: nan: must be a finite number > 0"),
+BAD_NUMBERS = [
     (["--lr", "-1"], "--lr: -1: must be a finite number > 0"),
     (["--lr", "inf"], "--lr: inf: must be a finite number > 0"),
     (["--vocab", "1"], "--vocab: 1: must be an integer >= 4"),
@@ -110,11 +110,30 @@ def _refused_before_launch(p):
     (["--bucket-mb", "0"], "--bucket-mb: 0: must be a finite number > 0"),
     (["--bucket-mb", "-1"], "--bucket-mb: -1: must be a finite number > 0"),
     (["--timeout", "0"], "--timeout: 0: must be a finite number > 0"),
-])
-def test_train_refuses_a_bad_number_in_one_line_before_launching(bad, message):
-    p = _run(["train", "--dp", "2", "--steps", "3", *bad])
+]
+
+
+def test_train_refuses_a_bad_number_in_one_line_before_launching():
+    """The command as typed, in its own process: exit code 2, one line, nothing launched."""
+    p = _run(["train", "--dp", "2", "--steps", "3", "--lr", "nan"])
     _refused_before_launch(p)
-    assert p.stderr.startswith("edu3d train: error: argument") and message in p.stderr
+    assert p.stderr.startswith("edu3d train: error: argument")
+    assert "--lr: nan: must be a finite number > 0" in p.stderr
+
+
+@pytest.mark.parametrize("bad,message", BAD_NUMBERS)
+def test_every_bad_number_is_refused_in_one_line(bad, message, capsys, monkeypatch):
+    """The same check for every other number, through ``edu3d.cli.main`` in this process
+    (a new interpreter per case would only add its start-up): nothing may launch."""
+    from edu3d import cli, launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--dp", "2", "--steps", "3", *bad])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("edu3d train: error: argument") and message in err
 
 
 def test_train_refuses_a_model_that_cannot_fit_before_launching():
