@@ -49,13 +49,15 @@ def _installed(module) -> bool:
 
 
 def _forget_meshes() -> None:
-    """Clear what torch caches by ``DeviceMesh`` once a job's process groups are destroyed.
+    """Clear what torch keeps by ``DeviceMesh`` once a job's process groups are destroyed.
 
     DTensor caches its sharding decisions (in Python and in its C++ dispatch fast path) keyed
     by the meshes involved, and two meshes of the same shape and dim names compare equal. A
     later job's DTensor op could then get back a spec holding the *previous* job's mesh, whose
     groups are gone: "Could not resolve the process group registered under the name 48" (or
-    worse, silently the wrong group when the names happen to line up)."""
+    worse, silently the wrong group when the names happen to line up). DTensor's RNG tracker
+    (CUDA meshes only) is made by a job's first random op and synced from its seed: a fresh
+    process has none, so the next job gets none either."""
     if "torch.distributed.tensor._api" not in sys.modules:
         return  # no job has used DTensor in this process
     import torch
@@ -73,6 +75,9 @@ def _forget_meshes() -> None:
     clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_fast_path is not None:
         clear_fast_path()
+    dtensor_random = sys.modules.get("torch.distributed.tensor._random")
+    if dtensor_random is not None and hasattr(dtensor_random, "_rng_tracker"):
+        dtensor_random._rng_tracker = None
 
 
 def serve(pool_dir: Path, rank: int, pumps: list) -> None:
