@@ -12,9 +12,12 @@ After reading this file you should understand one save and one resume, seen from
 3. write ``rank-R.pt``, then its receipt ``rank-R.json`` (sha256, size, pieces), each
    through :func:`~edu3d.checkpoint.write_atomic`;
 4. rank 0 waits until every rank's receipt for *this* save is on disk, then writes
-   ``manifest.json``: from that moment the folder is a checkpoint.
+   ``manifest.json``: from that moment the folder is a checkpoint;
+5. (synchronous save) a barrier: no rank goes on to the next step before the checkpoint
+   is committed, so a rank that dies in that step is restarted from this one. (Without it,
+   a rank could die in the next step while rank 0 was still writing the manifest.)
 
-Steps 3 and 4 run in a background thread under ``--async-save``. They use no collective on
+Steps 3 and 4 run in a background thread under ``--async-save``, and step 5 is skipped. They use no collective on
 purpose: a second thread must never enter the trainer's process groups (collectives must be
 issued in the same order on every rank), so rank 0 learns that the others are done from
 their receipts. A receipt carries a token the ranks agreed on when the run started, so a
@@ -110,6 +113,8 @@ class Checkpointer:
             self.thread.start()
         else:
             self.write(job)
+            if self.world > 1:  # rank 0 has written the manifest: a synchronous save is
+                dist.barrier()  # committed on every rank when it returns (as DCP's save)
 
     def snapshot(self, step: int, records: list[dict]) -> dict:
         """CPU copies of what this rank owns, and (rank 0) the manifest's contents."""

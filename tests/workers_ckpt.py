@@ -97,3 +97,30 @@ def generate_tp(mesh, ckpt_dir: str, prompt: list[int], new: int) -> dict:
     return {"greedy": generate(model, prompt, new, temperature=0.0, mesh=mesh),
             "sampled": generate(model, prompt, new, temperature=0.8, seed=3, mesh=mesh)}
 
+
+
+def sync_save_is_committed(mesh, ckpt_dir: str, manifest_delay_s: float = 1.0) -> bool:
+    """One step on dp=2, then a synchronous save whose manifest rank 0 writes late: is the
+    checkpoint complete on every rank the moment ``save`` returns?"""
+    import time
+
+    from edu3d.checkpoint import MANIFEST
+
+    args = options(["--dp", "2", "--layers", "2", "--steps", "2", "--ckpt-dir", ckpt_dir,
+                    "--save-every", "1"])
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = _trainer(args)
+    ckpt = Checkpointer(trainer, args)
+    if mesh.rank == 0:
+        write = ckpt.write_manifest
+
+        def late(job):
+            time.sleep(manifest_delay_s)  # a busy machine: rank 0 is slow to commit
+            write(job)
+
+        ckpt.write_manifest = late
+    x, y = corpus.batch(1, args.global_batch)
+    records = [{"step": 1, **trainer.step(x, y, 1)}]
+    ckpt.save(1, records)
+    return (step_dir(ckpt_dir, 1) / MANIFEST).is_file()
