@@ -41,8 +41,8 @@ job), the environment (``os.environ`` is the job's, restored after), the working
 ``sys.argv`` and ``sys.path``, the trace recorder (back to none), torch's global generator
 and Python's ``random`` (reseeded at random, as in a fresh process; code that needs
 reproducible numbers seeds them, as ``runtime.init`` does), torch's default dtype, grad
-mode, deterministic-algorithms flag and thread count, DTensor's sharding caches (they are
-keyed by meshes, and a new job's mesh equals the last one's), and every module the job
+mode, deterministic-algorithms flag and thread count, DTensor's sharding caches and RNG
+tracker (kept by mesh, and a new job's mesh equals the last one's), and every module the job
 imported from outside the installed packages and edu3d (a notebook's own files,
 ``cell.py``: re-imported fresh, so edits are seen).
 
