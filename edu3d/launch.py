@@ -114,8 +114,8 @@ def _exit_of(pid: int, wait_s: float = 5.0) -> dict | None:
     reaps), and on a loaded machine it can reap a dead rank before this thread, woken by the
     death, gets to look: the kernel then answers ``ECHILD``. That rank's status is then in
     torchrun's ``Popen`` (negative return code: the signal). Without this, a rank that died
-    first went unrecorded and a partner's lost connection was named instead (seen in CI at
-    load 20, 8 ranks)."""
+    first could go unrecorded and a partner's lost connection be named instead (seen once
+    with 8 ranks while another test worker loaded the machine)."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
     except ChildProcessError:

@@ -95,5 +95,5 @@ def dtensor_norm(mesh, extra_groups: int = 0):
     dm = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
     x = distribute_tensor(torch.arange(8, dtype=torch.float32), dm, [Shard(0), Shard(0)])
     y = distribute_tensor(torch.ones(4), dm, [Shard(0), Shard(0)])
-    return float(torch.nn.utils.get_total_norm([x, y]).full_tensor())  # a foreach op, as
-    # clip_grad_norm_ runs on a sharded model's gradients
+    # a norm over a list of DTensors, as clip_grad_norm_ computes over a sharded model's grads
+    return float(torch.nn.utils.get_total_norm([x, y]).full_tensor())
