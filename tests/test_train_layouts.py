@@ -71,10 +71,26 @@ def test_cli_stdout_is_rank0_records_only():
     (["--tp-overlap"], "add --tp 2"),
     (["--grad-accum", "2", "--microbatches", "4"], "are the same option"),
 ])
-def test_bad_layouts_fail_before_any_process(argv, message):
-    p = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", *argv],
+def test_bad_layouts_fail_before_any_process(argv, message, capsys, monkeypatch):
+    """Through ``edu3d.cli.main`` in this process (a new interpreter per case would only add
+    its start-up; the command as typed is the next test): exit code 2, the rule in one
+    line, nothing launched."""
+    from edu3d import cli, launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    try:
+        code = cli.main(["train", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "launching" not in err and "Traceback" not in err, err
+
+
+def test_a_bad_layout_typed_as_a_command_fails_before_any_process():
+    p = subprocess.run([sys.executable, "-m", "edu3d.cli", "train", "--tp", "3"],
                        capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and message in p.stderr
+    assert p.returncode == 2 and "tp=3 does not divide n_heads=4" in p.stderr, p.stderr
     assert "launching" not in p.stderr and "Traceback" not in p.stderr
 
 
