@@ -155,8 +155,10 @@ def test_a_death_torchrun_reaped_first_is_still_recorded():
     assert launcher._exit_of(os.getppid(), wait_s=0.1) is None  # not a child of this process
 
 
-@pytest.mark.parametrize("n", [4, 8])  # about 6 s each on an idle 2-core machine
-@pytest.mark.parametrize("how", sorted(DEATHS))
+# every death at 4 ranks; at 8 (about 9 s on an idle 2-core machine, twice that under load)
+# once: more ranks only widen the race between the agent's thread and torchrun's reaping,
+# which test_a_death_torchrun_reaped_first_is_still_recorded forces deterministically
+@pytest.mark.parametrize("how,n", [(how, 4) for how in sorted(DEATHS)] + [("kill", 8)])
 def test_first_rank_to_die_is_named_with_how_it_died(tmp_path, how, n):
     victim = n - 2
     err = _blamed(tmp_path, how, n, victim)
