@@ -349,12 +349,12 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
         if warm is not None:
             warm.busy = False  # acquired, never used: free for the next launch
         raise
-    poll = on_poll
-    if status is not None:
-        def poll(elapsed: float, done: int) -> None:
-            status.running(elapsed, done)
-            if on_poll is not None:
-                on_poll(elapsed, done)
+    def with_status(elapsed: float, done: int) -> None:
+        status.running(elapsed, done)
+        if on_poll is not None:
+            on_poll(elapsed, done)
+
+    poll = with_status if status is not None else on_poll
     try:
         if warm is not None:
             result = pools.run_job(warm, worker_argv, child_env, run_dir, timeout, echo, poll,

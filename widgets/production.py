@@ -87,7 +87,6 @@ def traffic_formula(name: str, psi: int, n: int) -> float | None:
 def comparison_figure(results: dict, highlight: str | None = None, psi: int | None = None):
     """Measured per strategy: bytes held by the fullest rank (edu3d / torch), median step
     time, edu3d's bytes on the wire per step (formula as a ghost) and edu3d's lines."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     from edu3d.course.production import STRATEGIES
@@ -124,7 +123,7 @@ def comparison_figure(results: dict, highlight: str | None = None, psi: int | No
             fig.add_vrect(x0=names.index(highlight) - 0.5, x1=names.index(highlight) + 0.5,
                           fillcolor=style.rgba(style.SKY, 0.15), line_width=0, row=1, col=col)
     worst = max((results[n]["worst_rel"] for n in names if n in results), default=None)
-    style.frame(fig, f"edu3d beside PyTorch's APIs, per strategy"
+    style.frame(fig, "edu3d beside PyTorch's APIs, per strategy"
                 + (f" — {highlight}" if highlight else ""),
                 "Same losses" + (f" (worst relative difference {worst:.0e})" if worst is not None
                                  else "") + "; held bytes as ZeRO's formulas say (edu3d "
