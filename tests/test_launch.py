@@ -171,3 +171,15 @@ def test_bad_input_fails_before_any_process(tmp_path):
         launch(workers.rank_info, 4, layout=Layout(dp=2, tp=2, pp=2))
     assert not list(Path(os.environ["EDU3D_RUNS"]).glob("*missing*"))
     assert not list(Path(os.environ["EDU3D_RUNS"]).glob("*lambda*"))
+
+
+def test_progress_outside_ipython_shows_nothing_and_never_fails(capsys, tmp_path):
+    """``launch(progress=True)`` from a plain script: there is no cell to show the status
+    line under (IPython's ``display`` would print the object's repr, and its handle is None)."""
+    from edu3d.status import NotebookStatus
+
+    status = NotebookStatus(2, new_pool=True)
+    status.running(0.5, 1)
+    status.finished(1.0, tmp_path)
+    status.failed("failed: rank 1")
+    assert capsys.readouterr() == ("", "")
