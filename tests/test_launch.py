@@ -173,12 +173,15 @@ def test_bad_input_fails_before_any_process(tmp_path):
     assert not list(Path(os.environ["EDU3D_RUNS"]).glob("*lambda*"))
 
 
-def test_progress_outside_ipython_shows_nothing_and_never_fails(capsys, tmp_path):
+def test_progress_outside_ipython_shows_nothing_and_never_fails(capsys, tmp_path,
+                                                                monkeypatch):
     """``launch(progress=True)`` from a plain script: there is no cell to show the status
-    line under (IPython's ``display`` would print the object's repr, and its handle is None)."""
-    from edu3d.status import NotebookStatus
+    line under (IPython's ``display`` would print the object's repr, and its handle is None).
+    No IPython shell here, even where an earlier test in this process made one."""
+    from edu3d import status as status_module
 
-    status = NotebookStatus(2, new_pool=True)
+    monkeypatch.setattr(status_module, "get_ipython", lambda: None)
+    status = status_module.NotebookStatus(2, new_pool=True)
     status.running(0.5, 1)
     status.finished(1.0, tmp_path)
     status.failed("failed: rank 1")
