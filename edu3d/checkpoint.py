@@ -24,7 +24,10 @@ is written once, by one owner.
 **Atomic**: every file goes through :func:`write_atomic` (temporary name, fsync, rename,
 fsync of the folder). Rank 0 writes the manifest only after every rank's receipt is on disk,
 so a folder without ``manifest.json`` is not a checkpoint and is never loaded: a run killed
-mid-save resumes from the previous one (:func:`latest_step`).
+mid-save resumes from the previous one (:func:`latest_step`). ``--keep-last K`` removes older
+checkpoints only after a newer one is committed, and takes a folder's manifest away first
+(:func:`prune`): a removal cut short leaves a folder that is not a checkpoint, never a
+checkpoint with files missing.
 
 **What resuming needs besides the tensors**: the step. The learning rate is a function of
 the step (:func:`edu3d.optim.lr_at`), and so is the data: batch ``s`` is
@@ -41,6 +44,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -76,6 +80,37 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def prune(root, keep: int) -> list[int]:
+    """Keep the newest ``keep`` complete checkpoints of ``root`` and remove the older ones
+    (torchtitan's ``keep_latest_k``), with any folder a killed save left (no manifest) older
+    than the newest; returns the removed steps. Called by rank 0 right after a manifest is
+    written, so the newest checkpoint is the one just committed and no save is in flight.
+    Each folder loses its manifest first (fsynced): from then on it is not a checkpoint, so a
+    removal cut short leaves debris that is never loaded, not a checkpoint with files missing.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    done = steps(root)
+    if not done:
+        return []
+    old = set(done[:-keep]) if len(done) > keep else set()
+    for d in root.glob("step-*"):  # debris of a killed save, older than the newest
+        if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) < done[-1] and \
+                not (d / MANIFEST).is_file():
+            old.add(int(d.name[5:]))
+    for step in sorted(old):
+        folder = step_dir(root, step)
+        (folder / MANIFEST).unlink(missing_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder)
+    return sorted(old)
 
 
 # ---- reading ----------------------------------------------------------------------------------

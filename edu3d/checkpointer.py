@@ -12,7 +12,8 @@ After reading this file you should understand one save and one resume, seen from
 3. write ``rank-R.pt``, then its receipt ``rank-R.json`` (sha256, size, pieces), each
    through :func:`~edu3d.checkpoint.write_atomic`;
 4. rank 0 waits until every rank's receipt for *this* save is on disk, then writes
-   ``manifest.json``: from that moment the folder is a checkpoint;
+   ``manifest.json``: from that moment the folder is a checkpoint. With ``--keep-last K``
+   rank 0 then removes all but the newest K (:func:`~edu3d.checkpoint.prune`);
 5. (synchronous save) a barrier: no rank goes on to the next step before the checkpoint
    is committed, so a rank that dies in that step is restarted from this one. (Without it,
    a rank could die in the next step while rank 0 was still writing the manifest.)
@@ -46,8 +47,8 @@ import torch.distributed as dist
 
 from edu3d import reshard, trace
 from edu3d.checkpoint import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, differences,
-                              latest_step, load_pieces, read_file, read_manifest, step_dir,
-                              write_atomic)
+                              latest_step, load_pieces, prune, read_file, read_manifest,
+                              step_dir, write_atomic)
 from edu3d.options import config_from_args
 
 
@@ -60,6 +61,7 @@ class Checkpointer:
         self.config = config_from_args(args)
         self.root = step_dir(args.ckpt_dir, 0).parent
         self.every = getattr(args, "save_every", None)
+        self.keep = getattr(args, "keep_last", None)
         self.background = bool(getattr(args, "async_save", False))
         self.rank, self.world = trainer.mesh.rank, trainer.mesh.layout.world_size
         self.timeout = float(getattr(args, "timeout", None) or 600.0)
@@ -200,6 +202,8 @@ class Checkpointer:
                                                                 "pieces")}
                              for _, rec in sorted(receipts.items())}
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if self.keep:  # committed: now the older checkpoints may go (--keep-last)
+            prune(self.root, self.keep)
 
     def _write_logged(self, job: dict) -> None:
         try:

@@ -176,6 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="folder of sharded checkpoints (one sub-folder per saved step)")
     ck.add_argument("--save-every", type=positive_int, default=None,
                     help="save every K steps (default with --ckpt-dir: at the last step only)")
+    ck.add_argument("--keep-last", type=positive_int, default=None, metavar="K",
+                    help="keep only the newest K complete checkpoints: once a save is "
+                         "committed, older step folders are removed (default: keep all)")
     ck.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in --ckpt-dir, whatever "
                          "layout wrote it")
@@ -259,7 +262,8 @@ def check_args(args: argparse.Namespace):
     if args.prefetch and args.zero != 3:
         raise LayoutError("--prefetch gathers ZeRO-3's parameters early; add --zero 3")
     opt = lambda name: getattr(args, name, None)  # noqa: E731 (older Namespaces lack them)
-    needs_dir = [f for f in ("--resume", "--save-every", "--async-save", "--max-restarts")
+    needs_dir = [f for f in ("--resume", "--save-every", "--keep-last", "--async-save",
+                          "--max-restarts")
                  if opt(f[2:].replace("-", "_"))]
     if needs_dir and not opt("ckpt_dir"):
         raise LayoutError(f"{needs_dir[0]} works on checkpoints; add --ckpt-dir DIR")

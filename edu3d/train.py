@@ -177,8 +177,14 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
         print(summary(records[-len(seconds):], seconds), file=out, flush=True)
         if ckpt is not None and ckpt.history:
             blocked = sum(r.get("ckpt_blocked_s", 0.0) for r in records[-len(seconds):])
+            kept = ""
+            if ckpt.keep:
+                from edu3d.checkpoint import steps as complete_steps
+
+                kept = (f"; kept {', '.join(map(str, complete_steps(args.ckpt_dir)))} "
+                        f"(--keep-last {ckpt.keep})")
             print(f"checkpoints: steps {', '.join(str(h['step']) for h in ckpt.history)} in "
-                  f"{args.ckpt_dir}; training waited {blocked:.2f} s for them"
+                  f"{args.ckpt_dir}{kept}; training waited {blocked:.2f} s for them"
                   + (" (written in the background)" if ckpt.background else ""),
                   file=out, flush=True)
     return records

@@ -78,6 +78,47 @@ def test_serial_resume_equals_the_uninterrupted_run(tmp_path):
     assert names == ["manifest.json", "rank-00000.json", "rank-00000.pt"]
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_keep_last_keeps_the_newest_and_resumes_from_them(tmp_path, async_save):
+    """--keep-last 2 with a save every step: after each commit only the two newest remain
+    (under --async-save the writer thread prunes), a killed save's debris older than the
+    newest goes too, and a resume from what is left equals the uninterrupted run."""
+    full = _train(steps=6)
+    _train(steps=3, ckpt_dir=str(tmp_path), save_every=1, keep_last=2, async_save=async_save)
+    assert checkpoint.steps(tmp_path) == [2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+    debris = tmp_path / "step-000001"  # what a save killed before its manifest leaves
+    debris.mkdir()
+    (debris / "rank-00000.pt").write_bytes(b"half")
+    resumed = _train(steps=6, ckpt_dir=str(tmp_path), resume=True, save_every=1, keep_last=2,
+                     async_save=async_save)
+    assert _numbers(resumed) == _numbers(full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000005", "step-000006"]
+
+
+def test_prune_takes_the_manifest_away_first(tmp_path, monkeypatch):
+    """A removal cut short (here: rmtree fails) leaves a folder without manifest, which is
+    not a checkpoint, never a checkpoint with files missing; keep must be >= 1."""
+    _train(steps=3, ckpt_dir=str(tmp_path), save_every=1)
+
+    def cut_short(path):
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", cut_short)
+    with pytest.raises(OSError, match="disk went away"):
+        checkpoint.prune(tmp_path, 1)
+    assert checkpoint.steps(tmp_path) == [2, 3] and (tmp_path / "step-000001").is_dir()
+    monkeypatch.undo()
+    assert checkpoint.prune(tmp_path, 1) == [1, 2] and checkpoint.steps(tmp_path) == [3]
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        checkpoint.prune(tmp_path, 0)
+
+
+def test_keep_last_needs_a_ckpt_dir():
+    with pytest.raises(Exception, match="--keep-last works on checkpoints; add --ckpt-dir"):
+        _args(keep_last=2)
+
+
 def test_a_folder_without_manifest_is_never_loaded(tmp_path):
     _train(steps=2, ckpt_dir=str(tmp_path))
     half = tmp_path / "step-000003"  # what a save killed before its manifest leaves
