@@ -75,11 +75,24 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename or an unlink in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _step_folders(root: Path) -> dict[int, Path]:
+    """Every ``step-N`` folder of ``root``, complete or not, by step."""
+    if not root.is_dir():
+        return {}
+    return {int(d.name[5:]): d for d in root.glob("step-*")
+            if d.is_dir() and d.name[5:].isdigit()}
 
 
 def prune(root, keep: int) -> list[int]:
@@ -97,18 +110,12 @@ def prune(root, keep: int) -> list[int]:
     if not done:
         return []
     old = set(done[:-keep]) if len(done) > keep else set()
-    for d in root.glob("step-*"):  # debris of a killed save, older than the newest
-        if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) < done[-1] and \
-                not (d / MANIFEST).is_file():
-            old.add(int(d.name[5:]))
+    old |= {step for step in _step_folders(root)  # the debris of a killed save
+            if step < done[-1] and step not in done}
     for step in sorted(old):
         folder = step_dir(root, step)
         (folder / MANIFEST).unlink(missing_ok=True)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_folder(folder)
         shutil.rmtree(folder)
     return sorted(old)
 
@@ -116,14 +123,8 @@ def prune(root, keep: int) -> list[int]:
 # ---- reading ----------------------------------------------------------------------------------
 def steps(root) -> list[int]:
     """The steps of ``root`` that have a manifest (complete checkpoints), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.glob("step-*"):
-        if (d / MANIFEST).is_file() and d.name[5:].isdigit():
-            found.append(int(d.name[5:]))
-    return sorted(found)
+    return sorted(step for step, d in _step_folders(Path(root)).items()
+                  if (d / MANIFEST).is_file())
 
 
 def latest_step(root) -> int:

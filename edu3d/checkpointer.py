@@ -21,8 +21,9 @@ After reading this file you should understand one save and one resume, seen from
 Under ``--async-save`` steps 3 and 4 run in a background thread and step 5 is skipped. The
 thread uses no collective on purpose: a second thread must never enter the trainer's process
 groups (collectives must be issued in the same order on every rank), so rank 0 learns that
-the others are done from their receipts. A receipt carries a token the ranks agreed on when the run started, so a
-receipt left by an earlier, killed run in the same folder is never mistaken for this one's.
+the others are done from their receipts. A receipt carries a token the ranks agreed on when
+the run started, so a receipt left by an earlier, killed run in the same folder is never
+mistaken for this one's.
 
 **resume()**: read the newest manifest, refuse it if it belongs to another run (model,
 seed, global batch, optimizer settings), then fill every piece this rank now holds

@@ -114,6 +114,16 @@ def test_prune_takes_the_manifest_away_first(tmp_path, monkeypatch):
         checkpoint.prune(tmp_path, 0)
 
 
+def test_prune_removes_debris_between_the_kept_checkpoints_but_never_a_kept_one(tmp_path):
+    _train(steps=4, ckpt_dir=str(tmp_path), save_every=2)  # complete: 2 and 4
+    for step in (1, 3, 5):  # killed saves: before, between and after the kept ones
+        checkpoint.step_dir(tmp_path, step).mkdir()
+    assert checkpoint.prune(tmp_path, 2) == [1, 3]
+    assert checkpoint.steps(tmp_path) == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000004",
+                                                          "step-000005"]
+
+
 def test_keep_last_needs_a_ckpt_dir():
     with pytest.raises(Exception, match="--keep-last works on checkpoints; add --ckpt-dir"):
         _args(keep_last=2)
