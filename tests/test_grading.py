@@ -2,7 +2,8 @@
 
 * with the reference solutions (``EDU3D_SOLUTIONS=1``) every checked cell prints only
   ``PASS`` lines, and they are exactly the lines committed in the notebook (what nbval
-  compares);
+  compares; every exercise is executed and compared in tests/test_browser_exercises.py, and
+  ``pytest --nbval-lax`` itself runs one here, the command a learner may use);
 * with the untouched stubs (``EDU3D_SOLUTIONS=0``) every check line is ``FAIL``: a learner
   can never pass by leaving the exercise as it is; and every failure says why in one hint
   line (no traceback through the grader, no stray ``True``/``False`` value). That run is
@@ -70,10 +71,10 @@ def test_there_are_exercise_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_solutions_pass_every_check(path):
     """The committed outputs of every checked cell are the solutions passing: PASS lines,
-    nothing on stderr, no displayed value. Running the solutions is nbval's: the README's
-    command runs ``exercises/`` with ``EDU3D_SOLUTIONS=1`` and compares each checked cell's
-    outputs with these (a FAIL line, a hint on stderr or a value would differ), so the
-    notebooks are not executed a second time here."""
+    nothing on stderr, no displayed value. Running the solutions is the browser test's
+    (tests/test_browser_exercises.py executes every exercise with ``EDU3D_SOLUTIONS=1`` and
+    compares each checked cell's outputs with these as nbval does: a FAIL line, a hint on
+    stderr or a value would differ), so the notebooks are not executed a second time here."""
     committed = checked(nbformat.read(path, as_version=4))
     for cell in committed:
         lines = stdout_lines(cell)
@@ -81,6 +82,22 @@ def test_solutions_pass_every_check(path):
         assert all(line.startswith("PASS ") for line in lines), "\n".join(lines)
         assert not stdout_lines(cell, "stderr"), stdout_lines(cell, "stderr")
         assert not values_shown(cell), cell.source
+
+
+def test_nbval_passes_an_exercise_with_the_solutions(tmp_path):
+    """``pytest --nbval-lax exercises/NN.ipynb``, the learner's other way to grade, passes
+    every cell of an exercise with the solutions in place (the smallest one: the comparison
+    itself is the same for all, and every exercise is compared in the browser test)."""
+    nb = ROOT / "exercises" / "08_checkpoints.ipynb"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "--nbval-lax", "-q", "--rootdir", str(tmp_path), str(nb)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "EDU3D_SOLUTIONS": "1",
+             "EDU3D_RUNS": str(tmp_path / "runs")})
+    cells = [c for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "code"]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert f"{len(cells)} passed" in run.stdout, run.stdout[-2000:]
 
 
 # the first test to ask for ``stubs_graded`` waits for all the notebooks (about 30 s on an
