@@ -1,6 +1,7 @@
 """The edu3d command as a user types it."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,29 +24,35 @@ def test_launcher_path_imports_no_torch():
 
 
 def test_run_prefixes_output_and_exits_zero(tmp_path):
+    """... and prints its run folder (to stderr)."""
     script = tmp_path / "ok.py"
     script.write_text("import os, sys\nprint('hi', sys.argv[1:], os.environ['RANK'])\n")
-    p = _run(["run", "-n", "2", str(script), "a", "--b"])
+    p = _run(["run", "-n", "2", str(script), "a", "--b"],
+             env={**os.environ, "EDU3D_RUNS": str(tmp_path / "runs")})
     assert p.returncode == 0, p.stderr
     assert sorted(p.stdout.splitlines()) == ["[rank 0] hi ['a', '--b'] 0",
                                              "[rank 1] hi ['a', '--b'] 1"]
+    folder = next((tmp_path / "runs").iterdir())
+    assert f"run folder {folder}" in p.stderr
 
 
 def test_run_names_the_failing_rank(tmp_path):
+    """The command's report of a failed run: exit 1, the rank, its traceback, and the other
+    rank killed, not waited for (it would sleep 60 s). Its ranks import nothing: the launcher
+    naming the raising rank among partners failing in a collective is test_launch's
+    test_raising_rank_is_named_with_traceback_and_nothing_is_left (4 ranks)."""
     script = tmp_path / "bad.py"
     script.write_text(textwrap.dedent("""
-        import torch.distributed as dist
-        from edu3d import runtime
-        mesh = runtime.init()
-        if mesh.rank == 3:
+        import os, time
+        if os.environ["RANK"] == "1":
             raise KeyError("missing shard")
-        dist.barrier()
+        time.sleep(60)
     """))
     t0 = time.monotonic()
-    p = _run(["run", "-n", "4", str(script)])
+    p = _run(["run", "-n", "2", str(script)])
     assert p.returncode == 1
-    assert "edu3d run: rank 3 failed: KeyError: 'missing shard'" in p.stderr
-    assert "---- traceback of rank 3 ----" in p.stderr and "bad.py" in p.stderr
+    assert "edu3d run: rank 1 failed: KeyError: 'missing shard'" in p.stderr
+    assert "---- traceback of rank 1 ----" in p.stderr and "bad.py" in p.stderr
     assert time.monotonic() - t0 < 60
 
 
@@ -56,25 +63,35 @@ def test_run_timeout_exit_code(tmp_path):
     assert p.returncode == 124 and "did not finish within 5 s" in p.stderr
 
 
-def test_train_json_is_exactly_one_object_per_step():
-    p = _run(["train", "--steps", "4", "--json"])
-    assert p.returncode == 0, p.stderr
-    records = [json.loads(line) for line in p.stdout.splitlines()]
+def test_train_json_is_exactly_one_object_per_step(capfd):
+    """Through ``edu3d.cli.main`` in this process, every write to fd 1 captured (that nothing
+    is written to stdout before the first record, not even at import, is the subprocess in
+    test_train_ctrl_c_is_one_line_and_exit_130)."""
+    from edu3d import cli
+
+    assert cli.main(["train", "--steps", "4", "--json"]) == 0
+    out, err = capfd.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mem_bytes",
                           "comm_s"} for r in records)
     assert records[0]["comm_s"] == {}  # one process: no communication
 
 
-def test_train_rejects_a_bad_model_before_starting():
-    p = _run(["train", "--heads", "5"])
-    assert p.returncode == 2 and "n_heads=5 does not divide d_model=64" in p.stderr
+def test_train_rejects_a_bad_model_before_starting(capsys, monkeypatch):
+    # in this process (the command as typed, in its own: the bad-number refusal below)
+    err = _refused_in_process(["train", "--heads", "5"], capsys, monkeypatch)
+    assert "n_heads=5 does not divide d_model=64" in err
 
 
-def test_doctor_reports_gloo_working_on_two_ranks():
-    p = _run(["doctor"])
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "gloo smoke run on 2 ranks: OK" in p.stdout
+def test_doctor_reports_gloo_working_on_two_ranks(capfd):
+    """In this process, its 2-rank launch a real one (CI runs `edu3d doctor` as typed)."""
+    from edu3d import cli
+
+    code = cli.main(["doctor"])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert "gloo smoke run on 2 ranks: OK" in out
 
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["train", "--help"]])
@@ -100,6 +117,22 @@ def _refused_before_launch(p):
     assert p.returncode == 2, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "launching" not in p.stderr and "Traceback" not in p.stderr
+
+
+def _refused_in_process(argv, capsys, monkeypatch) -> str:
+    """``edu3d.cli.main(argv)`` in this process (a new interpreter per case would only add its
+    start-up and torch import): exit code 2, one line, no model built, nothing launched."""
+    from edu3d import cli, launch, train
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(train, "GPT", lambda *a, **k: pytest.fail("built the model"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "launching" not in err and "Traceback" not in err, err
+    return err
 
 
 BAD_NUMBERS = [
@@ -136,11 +169,10 @@ def test_every_bad_number_is_refused_in_one_line(bad, message, capsys, monkeypat
     assert err.startswith("edu3d train: error: argument") and message in err
 
 
-def test_train_refuses_a_model_that_cannot_fit_before_launching():
-    p = _run(["train", "--model", "gpt2-small", "--layers", "96", "--d-model", "8192",
-              "--heads", "64", "--steps", "1"])
-    _refused_before_launch(p)
-    assert "this run cannot fit: 77.74 B parameters" in p.stderr
+def test_train_refuses_a_model_that_cannot_fit_before_launching(capsys, monkeypatch):
+    err = _refused_in_process(["train", "--model", "gpt2-small", "--layers", "96", "--d-model",
+                               "8192", "--heads", "64", "--steps", "1"], capsys, monkeypatch)
+    assert "this run cannot fit: 77.74 B parameters" in err
 
 
 def test_train_describes_the_model_without_building_it(monkeypatch):
@@ -158,31 +190,62 @@ def test_train_describes_the_model_without_building_it(monkeypatch):
     assert train.run(args) == []
 
 
-def _interrupt_after_first_record(argv):
+def test_train_ctrl_c_is_one_line_and_exit_130():
+    """The command as typed, in its own process, with --dp 2 (the launcher kills the ranks);
+    serially, below, in this process."""
     import signal
 
     # SIGINT's default disposition: a test run in the background inherits it ignored
-    p = subprocess.Popen(EDU3D + ["train", "--steps", "100000", "--json", *argv],
+    p = subprocess.Popen(EDU3D + ["train", "--steps", "100000", "--json", "--dp", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.readline().startswith('{"step": 1')
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    return p.returncode, err
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "edu3d train: interrupted"
 
 
-@pytest.mark.parametrize("layout", [[], ["--dp", "2"]], ids=["serial", "dp2"])
-def test_train_ctrl_c_is_one_line_and_exit_130(layout):
-    code, err = _interrupt_after_first_record(layout)
+def test_serial_train_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    """A real SIGINT to this process once the first record is written (a new interpreter
+    would only add its start-up): ``edu3d.cli.main`` returns 130 and says one line."""
+    import signal
+
+    from edu3d import cli
+
+    class Stdout:  # Ctrl-C as the first record appears
+        def write(self, text):
+            captured.write(text)
+            if text.startswith('{"step": 1'):
+                os.kill(os.getpid(), signal.SIGINT)
+            return len(text)
+
+        def flush(self):
+            captured.flush()
+
+    captured = sys.stdout
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = cli.main(["train", "--steps", "100000", "--json"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out, err = capsys.readouterr()
+    assert out.startswith('{"step": 1')
     assert code == 130 and "Traceback" not in err, err
     assert err.splitlines()[-1] == "edu3d train: interrupted"
 
 
-def test_train_timeout_exits_124_and_names_the_option():
-    p = _run(["train", "--dp", "2", "--steps", "100000", "--timeout", "5"])
-    assert p.returncode == 124, p.stderr
-    assert "edu3d train: --timeout 5 s: run did not finish within 5 s" in p.stderr
-    assert "Traceback" not in p.stderr
+def test_train_timeout_exits_124_and_names_the_option(capfd):
+    """Through ``edu3d.cli.main`` in this process (a new interpreter would only add its start-up
+    and torch import); its 2-rank launch is a real one, killed at the timeout."""
+    from edu3d import cli
+
+    code = cli.main(["train", "--dp", "2", "--steps", "100000", "--timeout", "3"])
+    _, err = capfd.readouterr()
+    assert code == 124, err
+    assert "edu3d train: --timeout 3 s: run did not finish within 3 s" in err
+    assert "Traceback" not in err
 
 
 # ---- help, errors, course --------------------------------------------------------------------
