@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from argparse import Namespace
 
 import torch
@@ -41,50 +42,80 @@ def _comparable(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _errors(trainer, par, ref, what: str) -> float:
+@functools.lru_cache(maxsize=None)
+def serial_reference(layers: int, batch: int, adam_steps: int) -> dict:
+    """The serial GPT's reference for one model and global batch: its loss and gradients
+    after one backward on batch 1, and its weights and last gradient norm after
+    ``adam_steps`` AdamW steps (the serial loop of :mod:`edu3d.train`). It depends on
+    neither the schedule nor the layout, so the tests compute it once, in the test process,
+    and hand it to the ranks (every rank computing the whole serial model for every config
+    cost more than the pipeline runs under test)."""
+    config = config_from("tiny", layers=layers, heads=2, d_model=16, seq=8, vocab=32)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
+    ref = GPT(config, seed=0)
+    x, y = corpus.batch(1, batch)
+    _, loss = ref(x, y)
+    loss.backward()
+    out = {"loss": loss.item(), "grads": {n: p.grad for n, p in ref.named_parameters()}}
+    if adam_steps:
+        ref, args = GPT(config, seed=0), _args("adamw")
+        opt = make_optimizer(ref, args)
+        for step in range(1, adam_steps + 1):
+            x, y = corpus.batch(step, batch)
+            rec = train_step(ref, opt, x, y, step, args)
+        out["weights"] = {n: p.data for n, p in ref.named_parameters()}
+        out["grad_norm"] = rec["grad_norm"]
+    return out
+
+
+def _errors(trainer, par, ref: dict, what: str) -> float:
+    """Worst relative error of this rank's gradients or weights of ``par`` against the
+    serial tensors ``ref`` (by name)."""
     mine = {id(p) for p in trainer.par.module.parameters()}
-    refs = dict(ref.named_parameters())
     worst = 0.0
     for name, p in par.named_parameters():
         if id(p) in mine:
-            a, b = (p.grad, refs[name].grad) if what == "grad" else (p.data, refs[name].data)
-            worst = max(worst, _rel(_comparable(name, a), _comparable(name, b)))
+            a = p.grad if what == "grad" else p.data
+            worst = max(worst, _rel(_comparable(name, a), _comparable(name, ref[name])))
     return worst
 
 
-def parity(mesh, configs: list[dict], adam_steps: int = 10) -> list[dict]:
+def global_batch(cfg: dict, dp: int) -> int:
+    return dp * cfg["m"] * cfg.get("rows", 1)
+
+
+def parity(mesh, configs: list[dict], refs: list[dict], adam_steps: int = 3) -> list[dict]:
     """For each config: gradient error after one step and weight error after
-    ``adam_steps`` AdamW steps, relative to the serial GPT, on this rank's parameters."""
+    ``adam_steps`` AdamW steps, relative to the serial GPT (``refs``, one
+    :func:`serial_reference` per config), on this rank's parameters. (Three steps carry
+    AdamW's state through two updates after the first: later steps run the same code on the
+    same state.)"""
     out = []
-    for cfg in configs:
+    for cfg, ref in zip(configs, refs, strict=True):
         config = config_from("tiny", layers=cfg["layers"], heads=2, d_model=16, seq=8,
                              vocab=32)
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
-        batch = mesh.size("dp") * cfg["m"] * cfg.get("rows", 1)
+        batch = global_batch(cfg, mesh.size("dp"))
         row = dict(cfg)
         # 1) gradients, plain SGD (Adam would hide a wrong scale)
-        par, ref = GPT(config, seed=0), GPT(config, seed=0)
+        par = GPT(config, seed=0)
         tr = Trainer(par, mesh, _pipeline(_args("sgd"), cfg),
                      microbatch_loss=None if cfg.get("scale_loss", True) else unscaled_loss)
         x, y = corpus.batch(1, batch)
         loss = tr.forward_backward(x, y)
-        _, ref_loss = ref(x, y)
-        ref_loss.backward()
-        row["grad_err"] = _errors(tr, par, ref, "grad")
-        row["loss_err"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        row["grad_err"] = _errors(tr, par, ref["grads"], "grad")
+        row["loss_err"] = abs(loss.item() - ref["loss"]) / abs(ref["loss"])
         row["peak_in_flight"] = tr.engine.peak_in_flight
         # 2) weights after AdamW steps
         if adam_steps:
-            par, ref = GPT(config, seed=0), GPT(config, seed=0)
+            par = GPT(config, seed=0)
             args = _args("adamw")
             tr = Trainer(par, mesh, _pipeline(args, cfg))
-            opt = make_optimizer(ref, args)
             for step in range(1, adam_steps + 1):
                 x, y = corpus.batch(step, batch)
                 rec = tr.step(x, y, step)
-                ref_rec = train_step(ref, opt, x, y, step, args)
-            row["weight_err"] = _errors(tr, par, ref, "weight")
-            row["norm_err"] = abs(rec["grad_norm"] - ref_rec["grad_norm"]) / ref_rec["grad_norm"]
+            row["weight_err"] = _errors(tr, par, ref["weights"], "weight")
+            row["norm_err"] = abs(rec["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
         out.append(row)
     return out
 

@@ -4,8 +4,9 @@ For every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1), pp in {2, 4} (8 for G
 1F1B, m = pp only) and m in {pp, 2pp} (and 4pp at pp = 2: more micro-batches than twice the stages take
 the same code path, only longer), with a layer count that divides into the stages and one that
 does not: the gradients after one step (plain SGD: Adam would hide a wrong 1/m) and the
-weights after 10 AdamW steps equal the serial GPT's within 1e-5 relative (fp32), and so does
-the loss rank 0 reports. One launch per world size runs every configuration. The measured
+weights after 3 AdamW steps equal the serial GPT's within 1e-5 relative (fp32), and so does
+the loss rank 0 reports. One launch per world size runs every configuration; the serial
+reference is computed once per model and global batch, in the test process. The measured
 peak of in-flight micro-batches is m for GPipe and at most p for 1F1B and ZB-H1.
 """
 
@@ -15,9 +16,10 @@ import pytest
 
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from tests.pp_workers import parity
+from tests.pp_workers import global_batch, parity, serial_reference
 
 TOL = 1e-5
+ADAM_STEPS = 3
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -47,7 +49,9 @@ def merged(results: list[list[dict]]) -> list[dict]:
 
 
 def run(pp: int, dp: int = 1, schedules=SCHEDULES, cfgs=None) -> list[dict]:
-    res = launch(parity, pp * dp, args=(cfgs or configs(pp, schedules),),
+    cfgs = cfgs or configs(pp, schedules)
+    refs = [serial_reference(c["layers"], global_batch(c, dp), ADAM_STEPS) for c in cfgs]
+    res = launch(parity, pp * dp, args=(cfgs, refs, ADAM_STEPS),
                  layout=Layout(pp=pp, dp=dp), timeout=600, echo=False)
     return merged(res.results)
 
