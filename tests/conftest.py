@@ -20,14 +20,27 @@ def _quiet_machine(tmp_path_factory):
     yield
 
 
-@pytest.fixture(autouse=True)
-def _warm_ranks(request):
-    """Warm pools for this test's launches unless its file tests the cold path. Up to three
-    pools per worker (world sizes 2, 4 and 8) stay warm across the tests of one worker."""
+def _warm(request) -> bool:
+    return request.module.__name__.rpartition(".")[2] not in COLD
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_ranks_for_the_module(request):
+    """Warm pools for this file's launches unless it tests the cold path. Up to three pools
+    per worker (world sizes 2, 4 and 8) stay warm across the files of one worker. Module
+    scope, because a file's module-scoped fixtures (a launch shared by its tests) are set up
+    before any function-scoped fixture: with the default set per test only, those launches
+    started cold ranks (8 imports of torch for an 8-rank fixture)."""
     pool.MAX_POOLS = 3
-    pool.set_default(request.module.__name__.rpartition(".")[2] not in COLD)
+    pool.set_default(_warm(request))
     yield
     pool.set_default(None)
+
+
+@pytest.fixture(autouse=True)
+def _warm_ranks(request):
+    """The same default again for each test, whatever the test before it set."""
+    pool.set_default(_warm(request))
 
 
 # The slowest files first (seconds on a 2-core machine under the other worker's load, from
