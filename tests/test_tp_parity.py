@@ -6,16 +6,19 @@ dp x tp — one launch per world size runs, on the same global batches:
 * one plain-SGD step (no clipping): the loss, the gradient norm and **every gradient**
   (shards glued back together) against the serial model's (SGD first: Adam would hide a
   wrong gradient scale);
-* ten AdamW steps with warmup and clipping through ``build_trainer``: the losses, gradient
-  norms and **every weight** afterwards against the serial loop of :mod:`edu3d.train`
-  (the attention key bias, whose gradient is exactly zero, is checked as zero instead; see
-  :func:`_without_key_bias`).
+* three AdamW steps with warmup (the third at the full rate) and clipping through
+  ``build_trainer``: the losses, gradient norms and **every weight** afterwards against the
+  serial loop of :mod:`edu3d.train` (the attention key bias, whose gradient is exactly zero,
+  is checked as zero instead; see :func:`_without_key_bias`).
 
 All within 1e-5 relative (fp32), ``rel = ||a - b|| / ||b||`` per tensor. The vocabulary
-(250) is not a multiple of 4 or 8, so the padded vocabulary is exercised too.
+(250) is not a multiple of 4 or 8, so the padded vocabulary is exercised too. The serial
+runs depend only on the model (heads, tied or not) and the optimizer, not on tp, SP or
+overlap: each is computed once, in the test process, and handed to the ranks.
 """
 
 import argparse
+import functools
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from edu3d.train import add_arguments, build_trainer, clip_and_step, make_optimi
 
 TOL = 1e-5
 ADAM_WEIGHTS_TOL = 2e-5
+ADAM_STEPS = 3
 BATCH = 4
 
 
@@ -75,24 +79,49 @@ def _key_bias_grad_ratio(grads: dict) -> float:
                if n.endswith("attn.qkv.bias"))
 
 
-def _run(mesh, cfg, args, steps):
-    """Serial and parallel runs side by side; returns (serial model, trainer, max rel errs)."""
+@functools.lru_cache(maxsize=None)
+def _serial(key: tuple) -> dict:
+    """The serial loop of :mod:`edu3d.train` for ``key = (heads, tie, optimizer)``: its
+    records, and its gradients and weights after the last step (SGD: one step; AdamW:
+    ADAM_STEPS). Computed once per test process and handed to the ranks: every rank
+    running it again for every config cost more than the runs under test."""
+    heads, tie, optimizer = key
+    cfg, args = _config(heads, tie), _args(optimizer, False, False)  # SP, overlap: not serial
     serial = GPT(cfg, seed=0)
     opt = make_optimizer(serial, args)
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len, seed=0)
+    records = [train_step(serial, opt, *corpus.batch(step, BATCH), step, args)
+               for step in range(1, (1 if optimizer == "sgd" else ADAM_STEPS) + 1)]
+    return {"records": records,
+            "grads": {n: p.grad for n, p in serial.named_parameters()},
+            "params": {n: p.detach() for n, p in serial.named_parameters()}}
+
+
+def _serial_runs(configs) -> dict:
+    """The serial runs ``configs`` compare with, by key: they depend only on the model
+    (heads, tied or not) and the optimizer, not on tp, SP or overlap."""
+    keys = {(_config(Layout(**kw).tp, tie).n_heads, tie, opt)
+            for kw, _, tie, _ in configs for opt in ("sgd", "adamw")}
+    return {k: _serial(k) for k in keys}
+
+
+def _run(mesh, cfg, args, ref: dict):
+    """The parallel run on the serial run's batches; returns (trainer, max rel errs of the
+    per-step loss and gradient norm against ``ref``'s records)."""
     trainer = build_trainer(GPT(cfg, seed=0), mesh, args)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len, seed=0)
     errs = {"loss": 0.0, "grad_norm": 0.0}
-    for step in range(1, steps + 1):
+    for step, want in enumerate(ref["records"], start=1):
         x, y = corpus.batch(step, BATCH)
-        want = train_step(serial, opt, x, y, step, args)
         got = trainer.step(x, y, step)
         for k in errs:
             errs[k] = max(errs[k], abs(got[k] - want[k]) / abs(want[k]))
-    return serial, trainer, errs
+    return trainer, errs
 
 
-def parity_worker(mesh, configs) -> list[dict]:
-    """``configs``: (layout kwargs, sp, tie, overlap). One mesh per distinct layout."""
+def parity_worker(mesh, configs, refs: dict) -> list[dict]:
+    """``configs``: (layout kwargs, sp, tie, overlap); ``refs``: :func:`_serial_runs`'s. One
+    mesh per distinct layout."""
     meshes, rows = {mesh.layout: mesh}, []
     for layout_kw, sp, tie, overlap in configs:
         layout = Layout(**layout_kw)
@@ -100,19 +129,20 @@ def parity_worker(mesh, configs) -> list[dict]:
             meshes[layout] = Mesh.build(layout)
         m, cfg = meshes[layout], _config(layout.tp, tie)
 
-        serial, trainer, errs = _run(m, cfg, _args("sgd", sp, overlap), steps=1)
+        ref = refs[(cfg.n_heads, tie, "sgd")]
+        trainer, errs = _run(m, cfg, _args("sgd", sp, overlap), ref)
         grads = trainer.gather("grad")
         row = {"layout": str(layout), "sp": sp, "tie": tie, "overlap": overlap,
                "sgd_loss": errs["loss"], "sgd_grad_norm": errs["grad_norm"],
-               "grad": max(_rel(grads[n], p.grad) for n, p in serial.named_parameters()),
-               "all_grads": len(grads) == len(list(serial.parameters())),
+               "grad": max(_rel(grads[n], g) for n, g in ref["grads"].items()),
+               "all_grads": len(grads) == len(ref["grads"]),
                "key_bias_grad": _key_bias_grad_ratio(grads),
-               "serial_key_bias_grad": _key_bias_grad_ratio(
-                   {n: p.grad for n, p in serial.named_parameters()})}
-        serial, trainer, errs = _run(m, cfg, _args("adamw", sp, overlap), steps=10)
+               "serial_key_bias_grad": _key_bias_grad_ratio(ref["grads"])}
+        ref = refs[(cfg.n_heads, tie, "adamw")]
+        trainer, errs = _run(m, cfg, _args("adamw", sp, overlap), ref)
         weights = trainer.gather("param")
         worst = max((_rel(_without_key_bias(n, weights[n]), _without_key_bias(n, p)), n)
-                    for n, p in serial.named_parameters())
+                    for n, p in ref["params"].items())
         row.update(adam_loss=errs["loss"], adam_grad_norm=errs["grad_norm"],
                    adam_weights=worst[0], worst_weight=worst[1])
         rows.append(row)
@@ -130,9 +160,10 @@ def _check(results):
     for row in rows:
         errs = {k: v for k, v in row.items() if k.startswith(("sgd", "adam", "grad"))}
         assert max(v for k, v in errs.items() if k != "adam_weights") < TOL, row
-        # weights after 10 AdamW steps: Adam turns rounding in near-zero gradients into
-        # real steps (see the key bias below); on this CPU tp4 + SP leaves blocks.1.ln2.bias
-        # at 1.02e-5, identically with the code before the one-trainer refactor
+        # weights after the AdamW steps: Adam turns rounding in near-zero gradients into
+        # real steps (see the key bias below); on this CPU, after 10 steps, tp4 + SP left
+        # blocks.1.ln2.bias at 1.02e-5, identically with the code before the one-trainer
+        # refactor
         assert row["adam_weights"] < ADAM_WEIGHTS_TOL, row
         assert row["all_grads"]
         assert row["key_bias_grad"] < 1e-6 and row["serial_key_bias_grad"] < 1e-6, row
@@ -145,21 +176,24 @@ def test_tp1_and_tp2_equal_serial():
     overlap = [({"tp": 2}, False, True, True), ({"tp": 2}, True, False, True)]
     tp1 = [({"dp": 2}, False, False, False), ({"dp": 2}, True, True, False)]
     configs = _configs({"tp": 2}) + overlap + tp1
-    res = launch(parity_worker, 2, args=(configs,), layout=Layout(tp=2), timeout=240)
+    res = launch(parity_worker, 2, args=(configs, _serial_runs(configs)), layout=Layout(tp=2),
+                 timeout=240)
     rows = _check(res.results)
     assert len(rows) == 8
 
 
 def test_tp4_and_dp2_tp2_equal_serial():
-    res = launch(parity_worker, 4, args=(_configs({"tp": 4}) + _configs({"dp": 2, "tp": 2}),),
-                 layout=Layout(tp=4), timeout=240)
+    configs = _configs({"tp": 4}) + _configs({"dp": 2, "tp": 2})
+    res = launch(parity_worker, 4, args=(configs, _serial_runs(configs)), layout=Layout(tp=4),
+                 timeout=240)
     assert len(_check(res.results)) == 8
 
 
 @pytest.mark.slow
 def test_tp8_equals_serial():
-    res = launch(parity_worker, 8, args=([({"tp": 8}, sp, True, False) for sp in (False, True)],),
-                 layout=Layout(tp=8), timeout=300)
+    configs = [({"tp": 8}, sp, True, False) for sp in (False, True)]
+    res = launch(parity_worker, 8, args=(configs, _serial_runs(configs)), layout=Layout(tp=8),
+                 timeout=300)
     assert len(_check(res.results)) == 2
 
 
