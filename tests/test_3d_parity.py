@@ -1,9 +1,11 @@
 """Every composition of TP, PP and DP/ZeRO equals the serial model.
 
 For each layout (world sizes 2 to 8): the gradients of one step (plain SGD: Adam would hide a
-wrong 1/dp or 1/m), the weights after that SGD step, and the losses and gradient norms of 5
+wrong 1/dp or 1/m), the weights after that SGD step, and the losses and gradient norms of 3
 AdamW steps, each against the serial reference step (:func:`edu3d.train.train_step`), within
 1e-5 relative (fp32). The worst error per layout is printed (``pytest -s``) for the record.
+The serial reference does not depend on the layout: it is computed once per model, data and
+optimizer, in the test process, and handed to the ranks.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import pytest
 
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from tests.workers_3d import parity_many
+from tests.workers_3d import parity_many_against, serial_key, serial_reference
 
 TOL = 1e-5
+ADAM_STEPS = 3
 
 LAYOUTS = {
     "dp2-tp2-pp2 1f1b": "--dp 2 --tp 2 --pp 2 --schedule 1f1b --microbatches 4",
@@ -43,12 +46,26 @@ def _layout(argv: list[str]) -> Layout:
     return Layout(**get)
 
 
+_SERIAL: dict[tuple, dict] = {}
+
+
+def _serial(argv: list[str]) -> dict:
+    """The serial reference for ``argv``, shared by every layout with the same model, data
+    and optimizer (:func:`~tests.workers_3d.serial_key`)."""
+    key = serial_key(argv)
+    if key not in _SERIAL:
+        _SERIAL[key] = serial_reference(argv, ADAM_STEPS)
+    return _SERIAL[key]
+
+
 @functools.lru_cache(maxsize=None)
 def _results(layout: Layout) -> dict[str, dict]:
     """Every option set of ``layout``, run in one launch (a launch costs seconds of start-up;
     the layouts sharing a mesh share it)."""
     names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()) == layout]
-    run = launch(parity_many, layout.world_size, args=([LAYOUTS[n].split() for n in names],),
+    argvs = [LAYOUTS[n].split() for n in names]
+    refs = [_serial(argv) for argv in argvs]
+    run = launch(parity_many_against, layout.world_size, args=(argvs, refs),
                  layout=layout, timeout=300, name="parity3d")
     return dict(zip(names, run.results[0]))
 

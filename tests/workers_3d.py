@@ -86,3 +86,73 @@ def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
 def parity_many(mesh, argvs: list[list[str]], steps: int = 5) -> list[dict]:
     """:func:`parity` for several option sets of the same layout, in one launch."""
     return [parity(mesh, argv, steps) for argv in argvs]
+
+
+# ---- the serial reference computed once, outside the ranks ---------------------------------
+def serial_key(argv: list[str]) -> tuple:
+    """What :func:`parity`'s serial reference reads of the options ``argv``: the model, the
+    data and the optimizer (with the SGD variant's overrides), never the layout. Layouts with
+    the same key share one serial reference."""
+    out = []
+    for args in (options([*argv, "--optimizer", "sgd", "--lr", "0.1"]), options(argv)):
+        out.append((repr(config_from_args(args)), args.seed, args.global_batch, args.optimizer,
+                    args.lr, args.clip, args.warmup, args.weight_decay,
+                    getattr(args, "lr_schedule", None), args.steps))
+    return tuple(out)
+
+
+def serial_reference(argv: list[str], steps: int) -> dict:
+    """The serial half of :func:`parity` for the options ``argv``: the gradients of one
+    backward, the weights after one plain-SGD step, and the records of ``steps`` AdamW
+    steps, all from :mod:`edu3d.train`'s serial reference step."""
+    sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
+    config = config_from_args(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
+    x, y = corpus.batch(1, sgd.global_batch)
+    serial = GPT(config, seed=sgd.seed)
+    serial(x, y)[1].backward()
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    serial = GPT(config, seed=sgd.seed)
+    train_step(serial, make_optimizer(serial, sgd), x, y, 1, sgd)
+    params = {n: p.detach() for n, p in serial.named_parameters()}
+    adam = options(argv)
+    serial = GPT(config, seed=adam.seed)
+    opt = make_optimizer(serial, adam)
+    records = [train_step(serial, opt, *corpus.batch(s, adam.global_batch), s, adam)
+               for s in range(1, steps + 1)]
+    return {"grads": grads, "params": params, "records": records}
+
+
+def parity_against(mesh, argv: list[str], ref: dict) -> dict:
+    """:func:`parity` with its serial half given (``ref``, :func:`serial_reference`'s result
+    for the same model, data and optimizer): the same parallel runs, the same errors."""
+    sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
+    config = config_from_args(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
+    x, y = corpus.batch(1, sgd.global_batch)
+
+    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer.forward_backward(x, y)
+    grads = trainer.gather("grad")
+    grad_err = max(_rel(grads[n], g) for n, g in ref["grads"].items())
+
+    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer.step(x, y, 1)
+    params = trainer.gather("param")
+    param_err = max(_rel(params[n], p) for n, p in ref["params"].items())
+
+    adam = options(argv)
+    trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
+    ours = [trainer.step(*corpus.batch(s, adam.global_batch), s)
+            for s in range(1, len(ref["records"]) + 1)]
+    pairs = list(zip(ours, ref["records"], strict=True))
+    loss_err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
+    norm_err = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in pairs)
+    return {"grad_err": grad_err, "param_err": param_err, "loss_err": loss_err,
+            "norm_err": norm_err, "losses": [r["loss"] for r in ours],
+            "serial_losses": [r["loss"] for r in ref["records"]]}
+
+
+def parity_many_against(mesh, argvs: list[list[str]], refs: list[dict]) -> list[dict]:
+    """:func:`parity_against` for several option sets of the same layout, in one launch."""
+    return [parity_against(mesh, argv, ref) for argv, ref in zip(argvs, refs, strict=True)]
