@@ -88,14 +88,24 @@ def test_policy_without_processes(monkeypatch):
     assert not pool.pools()
 
 
-def test_warm_job_equals_cold_run_in_its_own_run_folder(tmp_path):
+@pytest.fixture(scope="module")
+def cold_two():
+    """One cold run of rank_info on 2 ranks, the reference of both warm tests below (a warm
+    job on a pool of its size, and on a larger pool)."""
+    return launch(workers.rank_info, 2, kwargs={"numel": 7}, timeout=120, echo=False,
+                  pool=False)
+
+
+# 2 ranks: a pool of 4 takes no other path (the larger pool's test below runs 2-, 3- and
+# 4-rank jobs on one, and test_a_job_never_gets_the_previous_jobs_device_mesh 4-rank jobs)
+def test_warm_job_equals_cold_run_in_its_own_run_folder(tmp_path, cold_two):
     script = _script(tmp_path, SCRIPT)
-    cold = launch(workers.rank_info, 4, kwargs={"numel": 7}, timeout=120, echo=False, pool=False)
+    cold = cold_two
     assert _pool_of(cold) is None
     seen = []
-    out1 = launch(script, 4, timeout=120, echo=lambda *line: seen.append(line), pool=True)
-    warm = launch(workers.rank_info, 4, kwargs={"numel": 7}, timeout=60, echo=False, pool=True)
-    out2 = launch(script, 4, timeout=60, echo=False, pool=True)
+    out1 = launch(script, 2, timeout=120, echo=lambda *line: seen.append(line), pool=True)
+    warm = launch(workers.rank_info, 2, kwargs={"numel": 7}, timeout=60, echo=False, pool=True)
+    out2 = launch(script, 2, timeout=60, echo=False, pool=True)
     assert _pool_of(out1) == _pool_of(warm) == _pool_of(out2) is not None  # one warm pool
     assert len({cold.run_dir, out1.run_dir, warm.run_dir, out2.run_dir}) == 4
 
@@ -104,16 +114,16 @@ def test_warm_job_equals_cold_run_in_its_own_run_folder(tmp_path):
     assert sorted(map(key, warm.events())) == sorted(map(key, cold.events()))
     for res in (warm, out1, out2):
         d = res.run_dir
-        assert sorted(p.name for p in (d / "done").iterdir()) == [f"rank{r}" for r in range(4)]
-        assert len(list((d / "pids").glob("rank*.pid"))) == 4
+        assert sorted(p.name for p in (d / "done").iterdir()) == [f"rank{r}" for r in range(2)]
+        assert len(list((d / "pids").glob("rank*.pid"))) == 2
         assert not (d / "errors").exists()
-    assert len(list((warm.run_dir / "results").glob("rank*.pkl"))) == 4
+    assert len(list((warm.run_dir / "results").glob("rank*.pkl"))) == 2
 
     for res in (out1, out2):  # each job's output, whole, prefixed, and only its own
-        for r in range(4):
+        for r in range(2):
             assert res.lines(r) == [f"out from {r}", f"partial {r}"]
             assert res.lines(r, "stderr") == [f"err from {r}"]
-    assert (2, "stdout", "out from 2") in seen and (1, "stderr", "err from 1") in seen
+    assert (1, "stdout", "out from 1") in seen and (0, "stderr", "err from 0") in seen
     assert not any("edu3d-job-end" in text for _, _, text in out1.output + out2.output)
 
 
@@ -156,7 +166,7 @@ def test_failures_name_the_rank_and_never_poison_the_next_job(tmp_path):
     assert not _wait_gone(pids) and _no_process_of(_pool_of(again))
 
 
-def test_a_smaller_job_runs_on_a_larger_warm_pool(tmp_path):
+def test_a_smaller_job_runs_on_a_larger_warm_pool(tmp_path, cold_two):
     """prewarm starts a pool in the background; jobs of that many ranks or fewer run on it
     (the ranks above sit out) and give what a cold run of their size gives; a failure in a
     smaller job still names its rank and kills the whole pool."""
@@ -164,9 +174,8 @@ def test_a_smaller_job_runs_on_a_larger_warm_pool(tmp_path):
     assert pool.prewarm(2, pool=True) is False  # the 4-rank pool can run a 2-rank job
     assert [p.nprocs for p in pool.pools()] == [4]
     # at once, while ranks 2 and 3 may still be importing torch: they sit it out late
-    two = launch(workers.rank_info, 2, kwargs={"numel": 5}, timeout=120, echo=False, pool=True)
-    cold = launch(workers.rank_info, 2, kwargs={"numel": 5}, timeout=120, echo=False,
-                  pool=False)
+    two = launch(workers.rank_info, 2, kwargs={"numel": 7}, timeout=120, echo=False, pool=True)
+    cold = cold_two
     three = launch(workers.rank_info, 3, timeout=60, echo=False, pool=True)
     four = launch(workers.rank_info, 4, timeout=60, echo=False, pool=True)
     assert _pool_of(two) == _pool_of(three) == _pool_of(four) is not None
@@ -250,10 +259,12 @@ def _none_left(mark: str, wait_s: float) -> list[int]:
     return [p for p in _marked(mark) if running(p)]
 
 
-LAUNCH = ("import json\nfrom edu3d.launch import launch\nfrom tests import workers\n"
-          "r = launch(workers.rank_info, 2, echo=False, progress=False, timeout=120)\n"
-          "print(json.dumps([r.results[1]['sum'], "
-          "json.loads((r.run_dir / 'command.json').read_text()).get('pool')]))\n")
+def _launch_cell(n: int) -> str:
+    """A cell that launches rank_info on ``n`` ranks: [the last rank's sum, its pool]."""
+    return ("import json\nfrom edu3d.launch import launch\nfrom tests import workers\n"
+            f"r = launch(workers.rank_info, {n}, echo=False, progress=False, timeout=120)\n"
+            "print(json.dumps([r.results[-1]['sum'], "
+            "json.loads((r.run_dir / 'command.json').read_text()).get('pool')]))\n")
 
 
 def _run(kc, code: str, timeout: float = 150) -> list:
@@ -288,10 +299,12 @@ def test_pool_dies_with_the_kernel(tmp_path):
             return c
 
         kc = client()
-        first, second = _run(kc, LAUNCH), _run(kc, LAUNCH)
+        first, second = _run(kc, _launch_cell(2)), _run(kc, _launch_cell(2))
         assert first[0] == second[0] == 3.0
         assert first[1] is not None and first[1] == second[1]  # the second ran warm
         assert len(_marked(mark)) == 3  # the agent and two ranks
+        # every rank dies the same way (its watchdog sees the agent go): the pools of the
+        # SIGKILL and shutdown legs below have one rank, one torch import less each
 
         kc.stop_channels()
         dirs = _pool_dirs(mark)
@@ -299,8 +312,8 @@ def test_pool_dies_with_the_kernel(tmp_path):
         assert not _none_left(mark, 15)
         assert dirs and not any(d.exists() for d in dirs)
         kc = client()
-        _run(kc, LAUNCH)
-        assert _marked(mark)
+        assert _run(kc, _launch_cell(1))[0] == 1.0
+        assert len(_marked(mark)) == 2  # the agent and its rank
 
         kc.stop_channels()
         dirs = _pool_dirs(mark)
@@ -309,8 +322,8 @@ def test_pool_dies_with_the_kernel(tmp_path):
         assert dirs and not any(d.exists() for d in dirs)  # the agent removed its folder
         km.restart_kernel(now=True)
         kc = client()
-        _run(kc, LAUNCH)
-        assert _marked(mark)
+        assert _run(kc, _launch_cell(1))[0] == 1.0
+        assert len(_marked(mark)) == 2  # the agent and its rank
         kc.stop_channels()
         kc = None
         dirs = _pool_dirs(mark)
