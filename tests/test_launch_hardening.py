@@ -328,9 +328,12 @@ def test_runs_list_and_clean(tmp_path):
 def test_interrupted_edu3d_run_is_one_line_and_130(tmp_path):
     script = _script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     runs_dir = tmp_path / "runs"
+    # SIGINT's default disposition, as in a terminal: a test run in the background (started
+    # with `&` by a shell without job control) inherits it ignored, and the SIGINT did nothing
     proc = subprocess.Popen([sys.executable, "-m", "edu3d.cli", "run", "-n", "2", str(script)],
                             env={**os.environ, "EDU3D_RUNS": str(runs_dir)}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         dirs = list(runs_dir.glob("*")) if runs_dir.exists() else []
