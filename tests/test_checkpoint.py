@@ -190,18 +190,6 @@ def test_async_save_blocks_for_the_snapshot_only_one_save_in_flight(tmp_path, mo
         assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_a_synchronous_save_is_committed_on_every_rank_when_it_returns(tmp_path):
-    """Rank 0 writes the manifest last, after every rank's receipt; a synchronous save then
-    holds every rank until it has. Without that, rank 1 went on to the next step while rank 0
-    was still committing, and a fault injected there restarted the run from the start: "no
-    checkpoint yet" (seen in CI, test_max_restarts_recovers_with_the_same_records[kill])."""
-    from tests import workers_ckpt
-
-    run = launch(workers_ckpt.sync_save_is_committed, 2, args=(str(tmp_path),), timeout=120,
-                 echo=False)
-    assert run.results == [True, True]
-
-
 def test_export_loads_with_plain_torch_load_and_through_dcp(tmp_path, capsys):
     """edu3d ckpt export: one file that torch.load (weights only) and the serial GPT read,
     and a DCP folder that torch.distributed.checkpoint.load reads into the serial model."""
@@ -279,6 +267,18 @@ def test_checkpoint_of_dp2_tp2_pp2_loads_into_other_layouts(dp2_tp2_pp2):
               f"params {row['param_err']:.1e}, next loss differs by {diff:.1e}")
         assert row["kept"] == 2 and row["param_err"] == 0.0
         assert diff <= 1e-6
+
+
+def test_a_synchronous_save_is_committed_on_every_rank_when_it_returns(tmp_path):
+    """Rank 0 writes the manifest last, after every rank's receipt; a synchronous save then
+    holds every rank until it has. Without that, rank 1 went on to the next step while rank 0
+    was still committing, and a fault injected there restarted the run from the start: "no
+    checkpoint yet" (seen in CI, test_max_restarts_recovers_with_the_same_records[kill])."""
+    from tests import workers_ckpt
+
+    run = launch(workers_ckpt.sync_save_is_committed, 2, args=(str(tmp_path),), timeout=120,
+                 echo=False)
+    assert run.results == [True, True]
 
 
 def test_resume_bit_exact_dp2_zero3_and_pp2_interleaved(tmp_path):
