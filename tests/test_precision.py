@@ -29,7 +29,7 @@ from edu3d.trainer import Trainer
 
 LAYOUT = dict(dp=2, tp=2, pp=2, microbatches=2)
 TOL = {"bf16": 2.0**-9, "fp16": 2.0**-12}
-STEPS = 5
+STEPS = 3  # AdamW steps compared (was 5: the first 3 are the same steps; losses 5.56 -> 5.48)
 
 
 def _losses(trainer, args) -> list[float]:
