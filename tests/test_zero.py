@@ -3,7 +3,7 @@
 One launch per world size (2, 4, 8) runs stages 1, 2 and 3 (3 also with prefetch), with and
 without gradient accumulation, on a model whose unit sizes are odd (padding on every unit):
 
-* gradients after one SGD step and weights after 10 AdamW steps within 1e-5 relative;
+* gradients after one SGD step and weights after 3 AdamW steps within 1e-5 relative;
 * measured bytes of params + grads + optimizer state per rank within 2% of
   ``zero_bytes`` (fp32: stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``);
 * with ``offload`` the optimizer state leaves the device: 4Ψ + 4Ψ/N there (stage 2) and
@@ -17,11 +17,13 @@ without gradient accumulation, on a model whose unit sizes are odd (padding on e
 At 8 ranks only the accumulating configurations run (2 and 4 cover K = 1), to keep CI short.
 """
 
+import functools
+
 import pytest
 
 from edu3d.launch import launch
 from edu3d.memory import zero_bytes
-from tests.test_dp import parity_worker, report_and_check
+from tests.test_dp import ADAM_STEPS, parity_worker, report_and_check, serial_reference
 
 CONFIGS = [{"name": f"zero{s}/k{k}", "zero": s, "grad_accum": k}
            for s in (1, 2, 3) for k in (1, 2)] + [
@@ -50,9 +52,16 @@ def traffic_elements(events, case: str, rank: int, step: int = 1) -> float:
                and e["lane"] == "comm")
 
 
+@functools.lru_cache(maxsize=None)
+def run_all(world: int):
+    """Every configuration of ``world`` ranks in one launch (shared by the tests below)."""
+    return launch(parity_worker, world, args=(configs_for(world), serial_reference()),
+                  timeout=240, echo=False)
+
+
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_zero_stages_equal_serial_with_formula_memory_and_traffic(world):
-    result = launch(parity_worker, world, args=(configs_for(world),), timeout=240, echo=False)
+    result = run_all(world)
     summary = result.results[0]
     report_and_check(world, summary)
     events = result.events()
@@ -80,11 +89,10 @@ def test_zero3_holds_at_most_two_gathered_units_and_frees_them():
     holds its shards plus at most two full units (the one computing and the next one, whose
     backward hook can fire first), and after the step only its shards."""
     world, name = 2, "zero3/k1"
-    result = launch(parity_worker, world, args=([c for c in CONFIGS if c["name"] == name],),
-                    timeout=240, echo=False)
+    result = run_all(world)  # the 2-rank launch of the test above, zero3/k1 among its configs
     for rank in range(world):
         mem = [e for e in result.events() if e["lane"] == "mem" and e["rank"] == rank
-               and e.get("case") == f"{name}/adamw" and e.get("step") == 10
+               and e.get("case") == f"{name}/adamw" and e.get("step") == ADAM_STEPS
                and e["op"] == "params"]  # (the engine's mem events count activations)
         resident = [e["mem"]["params"] for e in mem]
         psi = result.results[rank][name]["psi"]
