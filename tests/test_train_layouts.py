@@ -19,6 +19,34 @@ def _losses(*argv):
     return [(r["loss"], r["grad_norm"]) for r in run(args, out=io.StringIO())]
 
 
+# The 8-rank test first: the 2- and 4-rank launches after it then run on its idle warm pool
+# (edu3d.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
+def test_3d_records_carry_memory_and_communication_per_axis():
+    """``edu3d train`` on dp2-tp2-pp2 ZeRO-1: every record has the fullest rank's bytes by
+    category (parameters, gradients and optimizer state of a quarter of the model, the
+    optimizer state also halved by ZeRO-1) and rank 0's time in each axis's collectives (what
+    --json prints); the table ends with a summary."""
+    from edu3d.model import GPT, PRESETS
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--steps", "3", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "2",
+         "--zero", "1"])
+    out = io.StringIO()
+    records = run(args, out=out)
+    psi = sum(q.numel() for q in GPT(PRESETS["tiny"]).parameters())
+    for r in records:
+        mem = r["mem_bytes"]
+        assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer",
+                                                    "activations"))
+        assert mem["activations"] > 0
+        assert 0.9 < mem["params"] / (4 * psi / 4) < 1.3  # the biggest of the 4 model pieces
+        assert 0.9 < mem["optimizer"] / mem["params"] < 1.1  # 8 bytes / dp 2 = 4 bytes
+        assert {"tp", "pp", "dp"} <= set(r["comm_s"]) and all(s > 0 for s in r["comm_s"].values())
+    text = out.getvalue()
+    assert "throughput:" in text and "memory of the fullest rank" in text
+    assert "time in communication on rank 0" in text
+
+
 @pytest.fixture(scope="module")
 def serial():
     return _losses()
@@ -100,29 +128,3 @@ def test_offload_and_compression_options_reach_the_ranks():
     compressed = _losses("--dp", "2", "--compress", "bf16")
     assert compressed[0][0] == pytest.approx(offload[0][0], rel=1e-5)  # step 1 loss: before any update
     assert compressed[-1][0] == pytest.approx(offload[-1][0], rel=1e-2)  # then close, not equal
-
-
-def test_3d_records_carry_memory_and_communication_per_axis():
-    """``edu3d train`` on dp2-tp2-pp2 ZeRO-1: every record has the fullest rank's bytes by
-    category (parameters, gradients and optimizer state of a quarter of the model, the
-    optimizer state also halved by ZeRO-1) and rank 0's time in each axis's collectives (what
-    --json prints); the table ends with a summary."""
-    from edu3d.model import GPT, PRESETS
-
-    args = add_arguments(argparse.ArgumentParser()).parse_args(
-        ["--steps", "3", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "2",
-         "--zero", "1"])
-    out = io.StringIO()
-    records = run(args, out=out)
-    psi = sum(q.numel() for q in GPT(PRESETS["tiny"]).parameters())
-    for r in records:
-        mem = r["mem_bytes"]
-        assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer",
-                                                    "activations"))
-        assert mem["activations"] > 0
-        assert 0.9 < mem["params"] / (4 * psi / 4) < 1.3  # the biggest of the 4 model pieces
-        assert 0.9 < mem["optimizer"] / mem["params"] < 1.1  # 8 bytes / dp 2 = 4 bytes
-        assert {"tp", "pp", "dp"} <= set(r["comm_s"]) and all(s > 0 for s in r["comm_s"].values())
-    text = out.getvalue()
-    assert "throughput:" in text and "memory of the fullest rank" in text
-    assert "time in communication on rank 0" in text
