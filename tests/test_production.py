@@ -15,17 +15,10 @@ LOSS_RTOL = 1e-6
 
 @pytest.fixture(scope="module")
 def runs():
-    from edu3d import pool
     from edu3d.production.accelerate_train import notebook_launch
 
-    acc = notebook_launch(steps=3)
-    # a module fixture is set up before conftest's per-test _warm_ranks: without this, edu3d's
-    # dp2 run started cold ranks (2 imports of torch) instead of a warm pool
-    pool.set_default(True)
-    try:
-        return acc, P.edu3d_dp2(steps=3)
-    finally:
-        pool.set_default(None)
+    # edu3d's dp2 run uses the warm pool: conftest sets the default at module scope (54c7cd3)
+    return notebook_launch(steps=3), P.edu3d_dp2(steps=3)
 
 
 def test_accelerate_matches_edu3d_dp2(runs):
