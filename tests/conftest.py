@@ -30,9 +30,15 @@ def _warm_ranks_for_the_module(request):
     per worker (world sizes 2, 4 and 8) stay warm across the files of one worker. Module
     scope, because a file's module-scoped fixtures (a launch shared by its tests) are set up
     before any function-scoped fixture: with the default set per test only, those launches
-    started cold ranks (8 imports of torch for an 8-rank fixture)."""
+    started cold ranks (8 imports of torch for an 8-rank fixture). The first warm file of a
+    worker starts one 8-rank pool: a job of fewer ranks runs on an idle larger pool, so the
+    worker's 2- and 4-rank jobs need no pools of their own (each would import torch again
+    in each of its ranks)."""
     pool.MAX_POOLS = 3
-    pool.set_default(_warm(request))
+    warm = _warm(request)
+    pool.set_default(warm)
+    if warm:
+        pool.prewarm(8)  # returns at once; nothing if an 8-rank pool is already warm
     yield
     pool.set_default(None)
 
