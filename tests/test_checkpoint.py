@@ -227,11 +227,8 @@ def dp2_tp2_pp2(tmp_path_factory):
 
     folder = str(tmp_path_factory.mktemp("dp2tp2pp2"))
     argv = M + "--dp 2 --tp 2 --pp 2 --zero 1 --microbatches 2".split()
-    # pool=True: a module fixture is set up before conftest's per-test _warm_ranks, so
-    # without it this launch started 8 cold ranks (8 imports of torch) instead of a warm pool
     res = launch(save_and_resume, 8, args=([(argv, folder)], 3, 2),
-                 layout=Layout(dp=2, tp=2, pp=2), timeout=300, name="ckpt-3d", echo=False,
-                 pool=True)
+                 layout=Layout(dp=2, tp=2, pp=2), timeout=300, name="ckpt-3d", echo=False)
     return folder, res.results[0][0]
 
 

@@ -203,10 +203,8 @@ def live():
     from edu3d.launch import launch
     from edu3d.mesh import Layout
 
-    # pool=True: a module fixture is set up before conftest's per-test _warm_ranks, so
-    # without it this launch started cold ranks instead of a warm pool
     return launch(small_session, 2, layout=Layout(dp=2), echo=False, timeout=240,
-                  progress=False, pool=True)
+                  progress=False)
 
 
 def test_live_profile_and_timings(live):

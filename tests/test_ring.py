@@ -68,9 +68,7 @@ def check_collectives(mesh):
 
 @pytest.fixture(scope="module")
 def run8():
-    # pool=True: a module fixture is set up before conftest's per-test _warm_ranks, so
-    # without it this launch started 8 cold ranks (8 imports of torch) instead of a warm pool
-    return launch(check_collectives, 8, timeout=240, echo=False, pool=True)
+    return launch(check_collectives, 8, timeout=240, echo=False)
 
 
 def test_results_equal_dist_all_reduce(run8):
