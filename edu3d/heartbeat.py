@@ -4,8 +4,9 @@ After reading this file you should understand how the launcher decides that a ru
 making progress, and whom it blames:
 
 * a rank **makes progress** when its flight record changes (it entered or left an operation,
-  :class:`edu3d.trace.Flight`) or when it uses the CPU (a long computation between two notes
-  is work, not a hang). A rank waiting *inside a collective* is judged by its notes alone: a
+  :class:`edu3d.trace.Flight`) or when it uses the CPU or is ready to and waits for a core
+  (a long computation between two notes is work, not a hang, and so is one starved of CPU
+  on a busy machine). A rank waiting *inside a collective* is judged by its notes alone: a
   GPU rank may spin a core while it waits;
 * a rank **stalls** when it made no progress for ``seconds`` (the heartbeat). Watching starts
   with the run's first note, so importing torch and building the model never count;
@@ -35,7 +36,7 @@ from pathlib import Path
 from edu3d import runs
 from edu3d.runs import describe, read_flight
 
-CPU_BUSY = 0.08  # share of a core above which a rank counts as computing
+CPU_BUSY = 0.08  # share of a core (used, or waited for) above which a rank is computing
 
 
 def default_seconds(env: dict | None = None) -> float:
@@ -54,6 +55,23 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def demand_seconds(pid: int) -> float | None:
+    """CPU time of process ``pid`` (:func:`cpu_seconds`) plus the time its main thread, the
+    one running Python, spent ready to run but waiting for a core (``/proc/PID/schedstat``).
+    A rank that computes on a loaded machine may get less than :data:`CPU_BUSY` of a core
+    and still wait for more: it is starved, not hung. A hung rank sleeps in a system call,
+    and a sleeping thread waits for no core."""
+    cpu = cpu_seconds(pid)
+    if cpu is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            waited_ns = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):  # a kernel without scheduler statistics
+        waited_ns = 0
+    return cpu + waited_ns / 1e9
+
+
 class Watch:
     """The launcher's view of every rank's progress; :meth:`check` it a few times a second."""
 
@@ -63,8 +81,8 @@ class Watch:
         self.raw: dict[int, bytes] = {}
         self.rec: dict[int, dict | None] = {}
         self.noted: dict[int, float] = {}  # when each rank's record last changed
-        self.busy: dict[int, float] = {}  # when each rank last used the CPU
-        self.cpu: dict[int, tuple[float, float]] = {}  # (time, cpu seconds) of last sample
+        self.busy: dict[int, float] = {}  # when each rank last used or waited for the CPU
+        self.cpu: dict[int, tuple[float, float]] = {}  # (time, demand seconds) of last sample
 
     def _sample(self, now: float) -> None:
         pids = runs.pid_files(self.run_dir)
@@ -74,7 +92,7 @@ class Watch:
                 self.raw[r], self.rec[r], self.noted[r] = raw, rec, now
                 if self.started is None:
                     self.started = now
-            cpu = cpu_seconds(pids[r]) if r in pids else None
+            cpu = demand_seconds(pids[r]) if r in pids else None
             if cpu is None:
                 continue
             t, before = self.cpu.get(r, (now, cpu))

@@ -69,6 +69,39 @@ def test_a_long_step_is_no_hang_and_a_hang_is_named_within_the_heartbeat(tmp_pat
     _assert_nothing_left(tmp_path)
 
 
+def test_a_rank_starved_of_cpu_is_busy_not_hung():
+    """20 busy loops on one core: each gets less than CPU_BUSY of it, so by its CPU time
+    alone it would look stalled (the heartbeat named such ranks hung at load 25), yet it is
+    ready to run all the time, and its demand counts that; a sleeping process has neither."""
+    import subprocess
+    import sys
+
+    from edu3d import heartbeat
+
+    core = min(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(20)]
+    procs.append(subprocess.Popen(["sleep", "60"]))
+    try:
+        time.sleep(1.0)  # every loop started and pinned
+        spinner, sleeper = procs[0].pid, procs[-1].pid
+        before = [f(pid) for pid in (spinner, sleeper)
+                  for f in (heartbeat.cpu_seconds, heartbeat.demand_seconds)]
+        t0 = time.monotonic()
+        time.sleep(1.5)
+        after = [f(pid) for pid in (spinner, sleeper)
+                 for f in (heartbeat.cpu_seconds, heartbeat.demand_seconds)]
+        dt = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    cpu, demand, sleeper_cpu, sleeper_demand = (a - b for a, b in zip(after, before))
+    assert cpu < heartbeat.CPU_BUSY * dt, f"the loop got {cpu / dt:.0%} of a core: not starved"
+    assert demand > 0.8 * dt, f"demand {demand:.2f} s in {dt:.2f} s"
+    assert sleeper_cpu + sleeper_demand < heartbeat.CPU_BUSY * dt
+
+
 def test_heartbeat_must_be_shorter_than_the_collective_timeout():
     from edu3d.launch import LaunchError
 
