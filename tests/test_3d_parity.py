@@ -16,7 +16,7 @@ import pytest
 
 from edu3d.launch import launch
 from edu3d.mesh import Layout
-from tests.workers_3d import parity_many_against, serial_key, serial_reference
+from tests.workers_3d import parity_many, serial_key, serial_reference
 
 TOL = 1e-5
 ADAM_STEPS = 3
@@ -65,7 +65,7 @@ def _results(layout: Layout) -> dict[str, dict]:
     names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()) == layout]
     argvs = [LAYOUTS[n].split() for n in names]
     refs = [_serial(argv) for argv in argvs]
-    run = launch(parity_many_against, layout.world_size, args=(argvs, refs),
+    run = launch(parity_many, layout.world_size, args=(argvs, refs),
                  layout=layout, timeout=300, name="parity3d")
     return dict(zip(names, run.results[0]))
 

@@ -24,46 +24,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def parity(mesh, argv: list[str], steps: int = 5) -> dict:
-    """The layout ``argv`` against the serial reference step: gradients (plain SGD, before
-    and after one step: the weights it produced), and the losses and norms of ``steps``
-    AdamW steps. Worst relative errors over every tensor, and the losses themselves."""
-    sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
-
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
-    trainer.forward_backward(x, y)
-    grads = trainer.gather("grad")
-    serial = GPT(config, seed=sgd.seed)
-    serial(x, y)[1].backward()
-    grad_err = max(_rel(grads[n], p.grad) for n, p in serial.named_parameters())
-
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
-    trainer.step(x, y, 1)
-    params = trainer.gather("param")
-    serial = GPT(config, seed=sgd.seed)
-    train_step(serial, make_optimizer(serial, sgd), x, y, 1, sgd)
-    param_err = max(_rel(params[n], p) for n, p in serial.named_parameters())
-
-    adam = options(argv)
-    trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
-    serial = GPT(config, seed=adam.seed)
-    opt = make_optimizer(serial, adam)
-    ours, ref = [], []
-    for s in range(1, steps + 1):
-        xb, yb = corpus.batch(s, adam.global_batch)
-        ours.append(trainer.step(xb, yb, s))
-        ref.append(train_step(serial, opt, xb, yb, s, adam))
-    loss_err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ours, ref))
-    norm_err = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
-                   for a, b in zip(ours, ref))
-    return {"grad_err": grad_err, "param_err": param_err, "loss_err": loss_err,
-            "norm_err": norm_err, "losses": [r["loss"] for r in ours],
-            "serial_losses": [r["loss"] for r in ref]}
-
-
 def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
     """One step of dp2 x pp2 with ZeRO ``stage`` and ``m`` micro-batches per config, traced as
     ``case="zero{stage}/m{m}"``; returns each config's Ψ of this rank's stage."""
@@ -83,14 +43,9 @@ def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
-def parity_many(mesh, argvs: list[list[str]], steps: int = 5) -> list[dict]:
-    """:func:`parity` for several option sets of the same layout, in one launch."""
-    return [parity(mesh, argv, steps) for argv in argvs]
-
-
 # ---- the serial reference computed once, outside the ranks ---------------------------------
 def serial_key(argv: list[str]) -> tuple:
-    """What :func:`parity`'s serial reference reads of the options ``argv``: the model, the
+    """What the serial reference reads of the options ``argv``: the model, the
     data and the optimizer (with the SGD variant's overrides), never the layout. Layouts with
     the same key share one serial reference."""
     out = []
@@ -102,7 +57,7 @@ def serial_key(argv: list[str]) -> tuple:
 
 
 def serial_reference(argv: list[str], steps: int) -> dict:
-    """The serial half of :func:`parity` for the options ``argv``: the gradients of one
+    """The serial half of the parity check for the options ``argv``: the gradients of one
     backward, the weights after one plain-SGD step, and the records of ``steps`` AdamW
     steps, all from :mod:`edu3d.train`'s serial reference step."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
@@ -123,9 +78,12 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     return {"grads": grads, "params": params, "records": records}
 
 
-def parity_against(mesh, argv: list[str], ref: dict) -> dict:
-    """:func:`parity` with its serial half given (``ref``, :func:`serial_reference`'s result
-    for the same model, data and optimizer): the same parallel runs, the same errors."""
+def parity(mesh, argv: list[str], ref: dict) -> dict:
+    """The layout ``argv`` against the serial reference ``ref`` (:func:`serial_reference`'s
+    result for the same model, data and optimizer, computed once outside the ranks):
+    gradients (plain SGD, before and after one step: the weights it produced), and the
+    losses and norms of the AdamW steps. Worst relative errors over every tensor, and the
+    losses themselves."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
     config = config_from_args(sgd)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
@@ -153,6 +111,6 @@ def parity_against(mesh, argv: list[str], ref: dict) -> dict:
             "serial_losses": [r["loss"] for r in ref["records"]]}
 
 
-def parity_many_against(mesh, argvs: list[list[str]], refs: list[dict]) -> list[dict]:
-    """:func:`parity_against` for several option sets of the same layout, in one launch."""
-    return [parity_against(mesh, argv, ref) for argv, ref in zip(argvs, refs, strict=True)]
+def parity_many(mesh, argvs: list[list[str]], refs: list[dict]) -> list[dict]:
+    """:func:`parity` for several option sets of the same layout, in one launch."""
+    return [parity(mesh, argv, ref) for argv, ref in zip(argvs, refs, strict=True)]
