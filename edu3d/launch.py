@@ -88,6 +88,7 @@ def _bind_stores_to_loopback() -> None:
 
 
 _POPENS: dict[int, "subprocess.Popen"] = {}  # in the agent: pid -> torchrun's Popen of a rank
+_BY_RANK: dict[int, "subprocess.Popen"] = {}  # rank -> the newest such Popen
 
 
 def _keep_rank_popens() -> None:
@@ -100,6 +101,8 @@ def _keep_rank_popens() -> None:
     def keeping(self, args, env):
         proc = popen(self, args, env)
         _POPENS[proc.pid] = proc
+        if str(env.get("RANK", "")).isdigit():
+            _BY_RANK[int(env["RANK"])] = proc
         return proc
 
     sh.SubprocessHandler._popen = keeping
@@ -142,7 +145,12 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None
     threads: list = []
 
     def wait_for(rank: int, pid: int) -> None:
-        how = _exit_of(pid)
+        stub = _BY_RANK.get(rank)
+        if pid not in _POPENS and stub is not None:  # a pool rank forked by the zygote: its
+            pid_of_child = stub.pid  # stub, torchrun's child, ends as it did (edu3d.zygote)
+        else:
+            pid_of_child = pid
+        how = _exit_of(pid_of_child)
         if how is None:
             return
         text = json.dumps({"rank": rank, "pid": pid, "time_ns": time.time_ns(), **how})
@@ -216,7 +224,10 @@ def _agent_main(argv: Sequence[str]) -> None:
                     if run_dir.name.startswith("edu3d-pool-"):  # nobody else will remove it
                         import shutil
 
-                        shutil.rmtree(run_dir, ignore_errors=True)
+                        deadline = time.monotonic() + 2.0  # a dying rank may still write
+                        while run_dir.exists() and time.monotonic() < deadline:
+                            shutil.rmtree(run_dir, ignore_errors=True)
+                            time.sleep(0.05)
                     os._exit(3)
 
         threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()

@@ -8,8 +8,12 @@ saves most of it without changing what a run sees:
   A pool is one ordinary edu3d launch (the same torchrun agent, loopback stores, own process
   session, ``OMP_NUM_THREADS=1``, rank prefixes, pid files, watchdogs) whose ranks
   (``python -m edu3d.pool_rank FOLDER``) import torch, ``torch.distributed`` and
-  :mod:`edu3d.runtime`, then wait for jobs. A job is what a launch would have run: a script,
-  a module or a function call, its run folder and its environment. Each job gets a **fresh
+  :mod:`edu3d.runtime`, then wait for jobs. torch is imported once per pool, not once per
+  rank: each rank torchrun starts is a stub that has the pool's fork server
+  (:mod:`edu3d.zygote`, which imported torch) fork the real rank, and lives and dies with
+  it (``EDU3D_POOL_FORK=0``: every rank imports torch itself). A job is what a launch would
+  have run: a script, a module or a function call, its run folder and its environment.
+  Each job gets a **fresh
   process group** (``init_process_group`` meets in ``job{N}/`` of the agent's store) and its
   **own run folder**: errors, results, done markers, pids, stacks, flight records and trace
   land exactly where a cold run puts them, so :class:`~edu3d.launch.RunResult`,
@@ -65,7 +69,9 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -73,7 +79,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from edu3d import procs, runs
+from edu3d import procs, runs, zygote
 from edu3d.pool_rank import SENTINEL
 from edu3d.procs import RunResult
 
@@ -104,10 +110,21 @@ class Pool:
         self.broken = False
         self.busy = False  # a job is running (another launch meanwhile runs cold)
         (self.dir / "env.json").write_text(json.dumps(self.env))
-        cmd = procs.torchrun_command(nprocs, [str(self.dir)], entry="edu3d.pool_rank")
+        self.zygote = None  # the fork server the ranks are forked from (edu3d.zygote)
+        agent_env = self.env
+        if zygote.enabled(self.env):
+            sock = str(self.dir / "zygote.sock")
+            with open(self.dir / "zygote.log", "wb") as log:
+                self.zygote = subprocess.Popen(
+                    [sys.executable, "-u", "-m", "edu3d.zygote", "--serve", sock],
+                    env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+            agent_env = {**self.env, "EDU3D_ZYGOTE": sock}
+        entry = "edu3d.pool_rank" if self.zygote is None else "edu3d.zygote"  # the stub
+        cmd = procs.torchrun_command(nprocs, [str(self.dir)], entry=entry)
         (self.dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
                                                            "run_id": self.id}))
-        self.proc, self.pipes = procs.start(cmd, self.env)
+        self.proc, self.pipes = procs.start(cmd, agent_env)
 
     def compatible(self, env: dict) -> bool:
         """True if a job with environment ``env`` can run here: every variable read only at
@@ -116,13 +133,16 @@ class Pool:
         return all(env.get(k) == self.env.get(k) for k in keys if _start_only(k))
 
     def alive(self) -> bool:
-        """The agent runs and no rank that started has ended."""
+        """The agent (and the zygote) run and no rank that started has ended."""
         if self.broken or self.proc.poll() is not None:
+            return False
+        if self.zygote is not None and self.zygote.poll() is not None:
             return False
         return all(procs.running(p) for p in runs.pid_files(self.dir).values())
 
     def pids(self) -> list[int]:
-        return [self.proc.pid, *runs.pid_files(self.dir).values()]
+        zygote = [] if self.zygote is None else [self.zygote.pid]
+        return [self.proc.pid, *zygote, *runs.pid_files(self.dir).values()]
 
     def kill(self) -> None:
         """Kill the agent and every rank (each checked to carry this pool's id); forget the
@@ -130,6 +150,13 @@ class Pool:
         self.broken = True
         if self.proc.returncode is None:
             procs.kill_run(self.proc, self.dir, grace_s=2.0)
+        if self.zygote is not None and self.zygote.poll() is None:
+            try:  # its own session: the zygote alone (each rank leads a session of its own)
+                os.killpg(self.zygote.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.zygote.wait()
+            self.pipes.join(timeout=2.0)  # the stubs hold the agent's pipes: they exit now
         for s in (self.proc.stdout, self.proc.stderr):
             try:
                 s.close()

@@ -195,13 +195,16 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
         n += 1
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The entry point torchrun runs on each rank of a pool (never returns)."""
+def main(argv: list[str] | None = None, stub_pid: int = 0) -> None:
+    """The entry point of each rank of a pool (never returns): torchrun runs it, or the
+    pool's zygote calls it in the rank it forked for the stub ``stub_pid`` that torchrun
+    started (:mod:`edu3d.zygote`), and the rank then exits if that stub goes."""
+    argv = sys.argv[1:] if argv is None else argv
     from edu3d import worker
 
-    pool_dir = Path((sys.argv[1:] if argv is None else argv)[0])
+    pool_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
-    pumps = worker._start_rank(rank, pool_dir)
+    pumps = worker._start_rank(rank, pool_dir, also_watch=stub_pid)
     serve(pool_dir, rank, pumps)
 
 

@@ -115,14 +115,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _start_watchdog(interval: float = 0.2) -> None:
+def _start_watchdog(interval: float = 0.2, also_watch: int = 0) -> None:
+    """Exit (code 3) when the parent, the launcher (``EDU3D_LAUNCHER_PID``) or the process
+    ``also_watch`` (a forked pool rank's stub, :mod:`edu3d.zygote`) is gone."""
     parent = os.getppid()
     launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0"))
 
     def watch():
         while True:
             time.sleep(interval)
-            if os.getppid() != parent or (launcher and not _alive(launcher)):
+            if os.getppid() != parent or (launcher and not _alive(launcher)) or \
+                    (also_watch and not _alive(also_watch)):
                 os._exit(3)
 
     threading.Thread(target=watch, name="edu3d-watchdog", daemon=True).start()
@@ -234,10 +237,10 @@ def _fail(error: dict, rank: int, run_dir: Path | None, pumps: list) -> None:
     os._exit(1)  # skip finalization: a broken process group can hang on teardown
 
 
-def _start_rank(rank: int, run_dir: Path | None) -> list:
+def _start_rank(rank: int, run_dir: Path | None, also_watch: int = 0) -> list:
     """What every rank does first, cold or warm: the watchdog, the stack on ``SIGUSR1``, the
     pid file, and the rank prefix on its output (the prefixing threads are returned)."""
-    _start_watchdog()
+    _start_watchdog(also_watch=also_watch)
     if run_dir:
         _stack_on_signal(run_dir, rank)
         _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))

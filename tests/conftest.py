@@ -8,8 +8,8 @@ from edu3d import pool
 # exits, sockets, timeouts) or manage pools on their own. Every other test launches its
 # ranks through warm pools (edu3d.pool), the path every notebook cell takes: the same
 # results and errors, without importing torch again in every rank of every launch.
-COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_cli", "test_failures",
-        "test_browser", "test_browser_exercises"}
+COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_zygote", "test_cli",
+        "test_failures", "test_browser", "test_browser_exercises"}
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -97,3 +97,10 @@ def dtensor_norm(mesh, extra_groups: int = 0):
     y = distribute_tensor(torch.ones(4), dm, [Shard(0), Shard(0)])
     # a norm over a list of DTensors, as clip_grad_norm_ computes over a sharded model's grads
     return float(torch.nn.utils.get_total_norm([x, y]).full_tensor())
+
+
+def process_info(mesh):
+    """This rank's process: pid, parent, session, and the CPU it has used (forked pool ranks
+    start at zero: the zygote's imports are not theirs)."""
+    return {"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
+            "cpu": time.process_time(), "rank": mesh.rank}
