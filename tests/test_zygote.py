@@ -149,3 +149,15 @@ def test_a_forked_rank_killed_mid_collective_is_named_not_its_partners(tmp_path)
     assert info.value.rank == 1 and "killed by signal SIGKILL" in str(info.value)
     record = info.value.run_dir / "exits" / "rank1.json"
     assert record.exists() and '"signal": 9' in record.read_text()
+
+
+def test_bench_pool_start_measures_both_ways():
+    """``edu3d bench launch``'s pool-start row (a shape check, not a timing: benchmarks are
+    commands): both pools ran the cell; the forked pool's processes used less CPU, since
+    four ranks importing torch cost more than one zygote doing it once."""
+    from edu3d.bench.launch import pool_start
+
+    (row,) = pool_start(4, reps=1)
+    assert row["name"] == "4-rank pool start" and row["edu3d_s"] > 0 and row["reference_s"] > 0
+    assert 0 < row["forked_cpu_s"] < row["imports_cpu_s"], row
+    assert not pool.pools()

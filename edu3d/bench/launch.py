@@ -11,7 +11,10 @@ cell feels live:
   pool of ranks, :mod:`edu3d.pool`). The **overhead** is the launch's wall time minus the work
   itself, the slowest rank's time from entering the cell's function to leaving it, so a
   slower machine does not hide what launching costs. Repetitions are interleaved (cold,
-  warm, cold, ...) after one warm-up of each (which starts the pool); medians are reported.
+  warm, cold, ...) after one warm-up of each (which starts the pool); medians are reported;
+* :func:`pool_start`: the first cell of a kernel, which starts the pool: its ranks forked
+  from one process that imported torch (:mod:`edu3d.zygote`) against ranks that each import
+  it, wall time and the CPU of every process of the pool.
 """
 
 from __future__ import annotations
@@ -112,10 +115,67 @@ def warm_overhead(nprocs: int = 4, reps: int = 7) -> list[dict]:
                    cold_work_s=statistics.median(works["cold"]), reps=reps)]
 
 
+def _cpu_s(pids) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
+    """A notebook's *first* warm cell: a new pool of ``nprocs`` ranks started and the
+    :func:`cell` run on it, with the ranks forked from the pool's zygote (one import of
+    torch, :mod:`edu3d.zygote`) against every rank importing torch itself
+    (``EDU3D_POOL_FORK=0``). Wall time and the CPU of every process of the pool (agent,
+    zygote, stubs, ranks), medians of interleaved repetitions."""
+    from edu3d import pool
+    from edu3d.launch import launch
+
+    walls: dict[str, list[float]] = {"forked": [], "imports": []}
+    cpus: dict[str, list[float]] = {"forked": [], "imports": []}
+    saved = {k: os.environ.get(k) for k in ("EDU3D_RUNS", "EDU3D_POOL_FORK")}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["EDU3D_RUNS"] = os.path.join(tmp, "runs")
+        try:
+            progress(f"{nprocs}-rank pool start, ranks forked vs each importing torch: "
+                     f"{reps} repetitions")
+            for i in range(reps):
+                for name in ("forked", "imports"):
+                    pool.shutdown()
+                    os.environ["EDU3D_POOL_FORK"] = "1" if name == "forked" else "0"
+                    t0 = time.perf_counter()
+                    launch(cell, nprocs, init=False, echo=False, progress=False, pool=True,
+                           timeout=300)
+                    walls[name].append(time.perf_counter() - t0)
+                    started = pool.pools()[-1]
+                    cpus[name].append(_cpu_s(pool._pool_pids(started.id)))
+                _progress_rep(i, reps, walls)
+        finally:
+            pool.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    return [result(f"{nprocs}-rank pool start", med["forked"],
+                   "each rank imports torch (EDU3D_POOL_FORK=0)", med["imports"],
+                   forked_cpu_s=statistics.median(cpus["forked"]),
+                   imports_cpu_s=statistics.median(cpus["imports"]), reps=reps)]
+
+
 def run_benchmark(nprocs: int | None = None, reps: int = 7, json_out: bool = False,
                   **_) -> dict:
-    """Both: the empty script on ``nprocs`` ranks (default 8) against torchrun, and the
-    cold-vs-warm cell on ``nprocs`` ranks (default 4)."""
+    """All three: the empty script on ``nprocs`` ranks (default 8) against torchrun, the
+    cold-vs-warm cell on ``nprocs`` ranks (default 4), and the first cell of a kernel (a
+    pool's start) with forked ranks against ranks that each import torch."""
     rows = launch_overhead(nprocs or 8, reps)["results"]
     rows += warm_overhead(nprocs or 4, max(reps, 5))
+    rows += pool_start(nprocs or 4, max(3, reps // 2))
     return report("launch", nprocs or 4, rows)
