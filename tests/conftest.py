@@ -55,25 +55,26 @@ def _warm_ranks(request):
 # both workers busy to the end instead of one of them finishing a long file alone. Files not
 # named keep their order after these.
 SLOWEST_FIRST = (
-    "tests/test_browser.py",            # 637: every chapter in Chromium
-    "tests/test_browser_exercises.py",  # 171: every exercise in Chromium
-    "tests/test_pool.py",               # 119
-    "tests/test_impl_torch.py",         # 104
-    "tests/test_failures.py",           # 100
-    "tests/test_grading.py",            # 95: edu3d grade on every untouched stub
-    "tests/test_launch_hardening.py",   # 86
-    "tests/test_train_layouts.py",      # 82
-    "tests/test_cli.py",                # 73
-    "tests/test_launch.py",             # 64
-    "tests/test_recompute.py",          # 61
-    "tests/test_3d_parity.py",          # 35
-    "tests/test_tp_parity.py",          # 35
-    "tests/test_dp.py",                 # 28
-    "tests/test_pp_parity.py",          # 26
-    "tests/test_zero.py",               # 26
-    "tests/test_checkpoint.py",         # 24
-    "tests/test_grade_cli.py",          # 22
-    "tests/test_bench_3d.py",           # 21
+    "tests/test_browser.py",            # 362: every chapter in Chromium
+    "tests/test_browser_exercises.py",  # 122: every exercise in Chromium
+    "tests/test_launch_hardening.py",   # 66
+    "tests/test_failures.py",           # 60
+    "tests/test_grading.py",            # 60: edu3d grade on every untouched stub
+    "tests/test_pool.py",               # 58
+    "tests/test_3d_parity.py",          # 42
+    "tests/test_launch.py",             # 40
+    "tests/test_cli.py",                # 34
+    "tests/test_zygote.py",             # 34
+    "tests/test_recompute.py",          # 32
+    "tests/test_pp_parity.py",          # 27
+    "tests/test_impl_torch.py",         # 24
+    "tests/test_train_layouts.py",      # 24
+    "tests/test_dp.py",                 # 21
+    "tests/test_zero.py",               # 21
+    "tests/test_tp_parity.py",          # 18
+    "tests/test_grade_cli.py",          # 18
+    "tests/test_pp_bubble.py",          # 18
+    "tests/test_checkpoint.py",         # 17
 )
 
 
