@@ -53,13 +53,17 @@ def enabled(env: dict) -> bool:
 def _preimport() -> None:
     """Everything a pool rank imports before its first job, and what the first job's
     optimizer pulls in (``torch._dynamo``); no tensor is created."""
-    import torch  # noqa: F401
+    import torch
     import torch._dynamo  # noqa: F401 - torch.optim imports it at every optimizer's construction
     import torch.distributed  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.optim  # noqa: F401
 
     from edu3d import pool_rank, runtime, trace, worker  # noqa: F401
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA ("bad fork")
+        sys.exit("edu3d zygote: CUDA was initialized while importing, so ranks forked from "
+                 "here could not use it; start pool ranks unforked with EDU3D_POOL_FORK=0")
 
 
 def _launcher_alive() -> bool:
