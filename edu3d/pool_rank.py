@@ -1,5 +1,7 @@
-"""A warm rank: ``python -m edu3d.pool_rank POOL_FOLDER``, started by torchrun for
-:mod:`edu3d.pool`. It imports torch once, then runs job after job, each exactly as
+"""A warm rank of :mod:`edu3d.pool`: forked by the pool's zygote (:mod:`edu3d.zygote`, which
+imported torch) for each stub torchrun started, or, with ``EDU3D_POOL_FORK=0``, started by
+torchrun itself as ``python -m edu3d.pool_rank POOL_FOLDER`` (and importing torch). Either
+way it runs :func:`main`: job after job, each exactly as
 :mod:`edu3d.worker` runs a cold rank's code (:func:`edu3d.worker._run_target`), on a fresh
 process group and in the job's own run folder.
 

@@ -12,8 +12,9 @@ and why:
 * **a pid file** ``pids/rank{R}.pid``, because torchrun starts each worker in a session of
   its own, so killing torchrun's process group does not reach them (the launcher checks that
   the pid still carries the run's ``EDU3D_RUN_ID`` before it signals it: pids recycle);
-* **a watchdog** thread that ends the rank if torchrun or the launcher disappears, so an
-  interrupted notebook never leaves ranks behind;
+* **a watchdog** thread that ends the rank if torchrun or the launcher disappears (or, for a
+  warm rank forked by a pool's zygote, the zygote or the stub torchrun started for it), so
+  an interrupted notebook never leaves ranks behind;
 * **a stack on request**: ``SIGUSR1`` makes the rank write every thread's Python stack to
   ``stacks/rank{R}.txt`` (:mod:`faulthandler`, from inside the signal handler, so it works
   even while the rank is blocked in C++). The launcher asks a rank it declares hung.
