@@ -189,6 +189,27 @@ def _pool_job_dir(pool_dir: Path) -> Path | None:
     return Path(text) if text else None
 
 
+def _remove_pool_folder(pool_dir: Path, finish_exits: Callable[[float], None]) -> None:
+    """Remove a warm pool's folder once its launcher is gone. The ranks are stopped first and
+    their deaths written (each death makes this agent write records into the folder), then
+    the folder is removed until it stays gone: torchrun's own teardown, reacting to the same
+    deaths, may still write one last record."""
+    import shutil
+
+    runs.signal_ranks(pool_dir)
+    finish_exits(2.0)
+    deadline, gone_since = time.monotonic() + 3.0, None
+    while time.monotonic() < deadline:
+        if pool_dir.exists():
+            shutil.rmtree(pool_dir, ignore_errors=True)
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since > 0.3:
+            return
+        time.sleep(0.05)
+
+
 def _agent_main(argv: Sequence[str]) -> None:
     """torchrun's agent plus: stores on loopback (single node) and a record of how each
     rank ended, with the time the agent began stopping the others (``exits/teardown``).
@@ -214,20 +235,21 @@ def _agent_main(argv: Sequence[str]) -> None:
         return close(self, *args, **kwargs)
 
     api.PContext.close = close_noting_teardown
+    launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0"))
+
+    def orphaned() -> bool:  # a SIGKILLed kernel stays a zombie until its parent reaps it
+        return pooled and bool(launcher) and not procs.running(launcher)
+
+    def leave() -> None:  # nobody else will remove an orphaned pool's folder
+        if run_dir.name.startswith("edu3d-pool-"):
+            _remove_pool_folder(run_dir, finish_exits)
+
     if pooled:
-        launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0"))
-
         def watch() -> None:  # the ranks' own watchdogs end them once the agent is gone
-            while True:  # a SIGKILLed kernel stays a zombie until its parent reaps it
+            while True:
                 time.sleep(0.2)
-                if launcher and not procs.running(launcher):
-                    if run_dir.name.startswith("edu3d-pool-"):  # nobody else will remove it
-                        import shutil
-
-                        deadline = time.monotonic() + 2.0  # a dying rank may still write
-                        while run_dir.exists() and time.monotonic() < deadline:
-                            shutil.rmtree(run_dir, ignore_errors=True)
-                            time.sleep(0.05)
+                if orphaned():
+                    leave()
                     os._exit(3)
 
         threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()
@@ -235,6 +257,8 @@ def _agent_main(argv: Sequence[str]) -> None:
         run.main(list(argv))
     finally:  # every rank has ended: let the last deaths be written before the agent goes
         finish_exits(2.0)
+        if orphaned():  # torchrun saw its ranks die before the watchdog saw the launcher go
+            leave()
 
 
 def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir: Path):

@@ -8,8 +8,7 @@ one ``import torch``, and why torchrun still starts, watches and stops every ran
   again: every optimizer's constructor imports it). On a 2-core laptop a pool of 8 ranks
   importing both at once takes 15-35 s of CPU.
 * **how.** :class:`edu3d.pool.Pool` starts the zygote (``python -m edu3d.zygote --serve
-  SOCKET``)
-  beside torchrun. It listens on a Unix socket in the pool's private folder (mode 0700, and
+  SOCKET``) beside torchrun. It listens on a Unix socket in the pool's private folder (mode 0700, and
   only a peer of the same user is served), then imports torch, ``torch._dynamo`` and edu3d's
   rank modules, and never runs a tensor op (so no thread pool exists to be lost in a fork).
   torchrun starts each rank as always, as ``python -m edu3d.zygote FOLDER``: a **stub**
@@ -106,10 +105,7 @@ def serve(path: str) -> None:
         if not _launcher_alive():
             for pid in children:
                 _kill(pid)
-            import shutil  # the pool's folder: the agent removes it too, whoever is last
-
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-            os._exit(0)
+            os._exit(0)  # the agent removes the pool's folder
 
 
 def _same_user(conn: socket.socket) -> bool:
@@ -170,9 +166,6 @@ def _become_rank(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     sys.argv[:] = request["argv"]
-    for sig in FORWARDED:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh Python installs
 
     from edu3d import pool_rank
 
@@ -258,14 +251,10 @@ def stub(path: str, argv: list[str], connect_s: float = 120.0) -> None:
 
 
 def _ours(pid: int) -> bool:
-    """True if ``pid`` still is this pool's rank (pids recycle): its environment carries the
-    pool's ``EDU3D_RUN_ID``."""
-    rid = os.environ.get("EDU3D_RUN_ID", "")
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return bool(rid) and f"EDU3D_RUN_ID={rid}".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
+    """True if ``pid`` still is this pool's rank (pids recycle)."""
+    from edu3d.runs import belongs_to
+
+    return belongs_to(pid, os.environ.get("EDU3D_RUN_ID"))
 
 
 def _receive(conn: socket.socket) -> dict | None:

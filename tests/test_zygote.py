@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from edu3d import pool
+from edu3d.heartbeat import cpu_seconds
 from edu3d.launch import RankError, launch
 from edu3d.procs import running
 from tests import workers
@@ -20,12 +21,6 @@ def _no_pools_left():
     pool.shutdown()
     yield
     pool.shutdown()
-
-
-def _cpu_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stubs(p: pool.Pool) -> dict[int, int]:
@@ -66,7 +61,7 @@ def test_pool_ranks_are_forks_of_one_zygote_and_import_nothing():
     assert sorted(stubs) == [0, 1, 2, 3] and not set(stubs.values()) & {
         i["pid"] for i in info.values()}
     # the zygote paid for torch (and torch._dynamo); a rank's own CPU starts at its fork
-    zygote_cpu = _cpu_s(p.zygote.pid)
+    zygote_cpu = cpu_seconds(p.zygote.pid)
     assert zygote_cpu > 0.3
     assert max(r["cpu"] for r in info.values()) < zygote_cpu / 2, (info, zygote_cpu)
     # the same pool runs the next job (warm), on the same forked processes

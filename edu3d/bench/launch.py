@@ -115,19 +115,6 @@ def warm_overhead(nprocs: int = 4, reps: int = 7) -> list[dict]:
                    cold_work_s=statistics.median(works["cold"]), reps=reps)]
 
 
-def _cpu_s(pids) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far."""
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
     """A notebook's *first* warm cell: a new pool of ``nprocs`` ranks started and the
     :func:`cell` run on it, with the ranks forked from the pool's zygote (one import of
@@ -135,6 +122,7 @@ def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
     (``EDU3D_POOL_FORK=0``). Wall time and the CPU of every process of the pool (agent,
     zygote, stubs, ranks), medians of interleaved repetitions."""
     from edu3d import pool
+    from edu3d.heartbeat import cpu_seconds
     from edu3d.launch import launch
 
     walls: dict[str, list[float]] = {"forked": [], "imports": []}
@@ -154,7 +142,8 @@ def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
                            timeout=300)
                     walls[name].append(time.perf_counter() - t0)
                     started = pool.pools()[-1]
-                    cpus[name].append(_cpu_s(pool._pool_pids(started.id)))
+                    cpus[name].append(sum(cpu_seconds(p) or 0.0
+                                          for p in pool._pool_pids(started.id)))
                 _progress_rep(i, reps, walls)
         finally:
             pool.shutdown()
