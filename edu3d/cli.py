@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from edu3d import __version__
-from edu3d.options import positive_int
+from edu3d.train.options import positive_int
 
 # torchrun options edu3d run forwards unchanged (multi-node and rendezvous)
 PASSTHROUGH = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
@@ -66,7 +66,7 @@ def _add_run(sub) -> None:
 
 
 def _run(args) -> int:
-    from edu3d.launch import LaunchError, LaunchTimeout, launch
+    from edu3d.launch.api import LaunchError, LaunchTimeout, launch
 
     torchrun_args = [f"{opt}={getattr(args, 'tr_' + opt[2:].replace('-', '_'))}"
                      for opt in PASSTHROUGH
@@ -130,7 +130,7 @@ def _doctor(args) -> int:
         found = importlib.util.find_spec(mod) is not None
         print(f"{mod}: {'found' if found else f'NOT found (pip install {mod})'}")
 
-    from edu3d.launch import LaunchError, launch
+    from edu3d.launch.api import LaunchError, launch
 
     t0 = time.perf_counter()
     try:
@@ -143,20 +143,20 @@ def _doctor(args) -> int:
     print(f"gloo smoke run on 2 ranks: {'OK' if ok else 'WRONG RESULTS'} "
           f"(all_reduce and send/recv, {time.perf_counter() - t0:.1f} s)")
     if gpus >= 2:
-        print("NCCL: run `edu3d run -n 2` on a script calling edu3d.runtime.init() to use it")
+        print("NCCL: run `edu3d run -n 2` on a script calling edu3d.distributed.runtime.init() to use it")
     return 0 if ok else 1
 
 
 # ---- edu3d bench ---------------------------------------------------------------------------
 BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
-    "launch": "edu3d.bench.launch:run_benchmark",
-    "comm": "edu3d.bench.comm:run_benchmark",
-    "dp": "edu3d.bench.dp:run_dp_benchmark",
-    "zero": "edu3d.bench.dp:run_zero_benchmark",
-    "pp": "edu3d.bench.pp:run_benchmark",
-    "tp": "edu3d.bench.tp:run_benchmark",
-    "3d": "edu3d.bench.threed:run_benchmark",
-    "recompute": "edu3d.bench.recompute:run_benchmark",
+    "launch": "edu3d.bench.bench_launch:run_benchmark",
+    "comm": "edu3d.bench.bench_comm:run_benchmark",
+    "dp": "edu3d.bench.bench_dp:run_dp_benchmark",
+    "zero": "edu3d.bench.bench_dp:run_zero_benchmark",
+    "pp": "edu3d.bench.bench_pp:run_benchmark",
+    "tp": "edu3d.bench.bench_tp:run_benchmark",
+    "3d": "edu3d.bench.bench_3d:run_benchmark",
+    "recompute": "edu3d.bench.bench_recompute:run_benchmark",
 }
 
 
@@ -178,7 +178,7 @@ def _bench(args) -> int:
     import importlib
     import json
 
-    from edu3d.bench import format_table
+    from edu3d.bench.harness import format_table
 
     module, _, fn = BENCHMARKS[args.name].partition(":")
     options = {k: v for k, v in (("nprocs", args.nprocs), ("reps", args.reps)) if v is not None}
@@ -189,7 +189,7 @@ def _bench(args) -> int:
 
 # ---- edu3d train, course --------------------------------------------------------------------
 def _add_train(sub) -> None:
-    from edu3d import train
+    from edu3d.train import loop as train
 
     p = sub.add_parser("train", help=LAZY["train"][0],
                        description="Train the reference GPT on the synthetic corpus, serially "
@@ -200,7 +200,7 @@ def _add_train(sub) -> None:
 
 
 def _add_schedule(sub) -> None:
-    from edu3d.parallel.pp.cli import add_subcommand
+    from edu3d.commands.schedule import add_subcommand
 
     add_subcommand(sub)
 
@@ -219,13 +219,13 @@ def _module_subcommand(module: str):
 # as fast as a bare torchrun: name -> (help, builder).
 LAZY = {
     "plan": ("will it fit? per-rank memory of a layout, and the best layout for a cluster",
-             _module_subcommand("edu3d.planner")),
+             _module_subcommand("edu3d.commands.plan")),
     "ckpt": ("inspect or export a sharded checkpoint (one consolidated file)",
-             _module_subcommand("edu3d.ckpt_tools")),
+             _module_subcommand("edu3d.ckpt.export")),
     "generate": ("generate text from a checkpoint, serially or under tensor parallelism",
-                 _module_subcommand("edu3d.generate")),
+                 _module_subcommand("edu3d.commands.generate")),
     "grade": ("grade the exercises (yours, the solutions, or a learner's folder)",
-              _module_subcommand("edu3d.course.grade")),
+              _module_subcommand("edu3d.commands.grade")),
     "train": ("train the reference GPT, serially or on a parallel layout", _add_train),
     "schedule": ("print a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1) as data",
                  _add_schedule),
@@ -299,7 +299,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r = sub.add_parser("runs", help="list or clean run folders ($EDU3D_RUNS, default ./runs)")
     r.add_argument("action", choices=("list", "clean"), help="list them, or remove them")
     r.add_argument("--keep", type=int, default=0, help="clean: keep the newest N (default 0)")
-    r.set_defaults(func=lambda a: __import__("edu3d.runs").runs.main(a.action, a.keep))
+    r.set_defaults(func=lambda a: __import__("edu3d.launch.runs").runs.main(a.action, a.keep))
     _add_course(sub)
     return parser
 

@@ -9,7 +9,7 @@
    (``register_post_accumulate_grad_hook``), and finishing (wait, divide by N, copy back)
    after backward.
 
-Reduce with SUM (``edu3d.comm.all_reduce``) and divide by N yourself. Run the checks in
+Reduce with SUM (``edu3d.distributed.comm.all_reduce``) and divide by N yourself. Run the checks in
 ``exercises/02_bucketed_ddp.ipynb``.
 """
 

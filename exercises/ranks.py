@@ -5,7 +5,7 @@ Ranks are numbered with TP varying fastest, then DP, then PP (Megatron's ``tp-dp
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
 Fill in the two functions below, then run the checks in ``exercises/00_ranks.ipynb``.
-Do not import :mod:`edu3d.mesh`: the point is to work the arithmetic out yourself.
+Do not import :mod:`edu3d.distributed.mesh`: the point is to work the arithmetic out yourself.
 """
 
 

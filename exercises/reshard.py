@@ -1,6 +1,6 @@
 """Exercise 08: read one parameter's full tensor from the shards of another layout.
 
-A sharded checkpoint (:mod:`edu3d.checkpoint`) stores, for every tensor of the serial model,
+A sharded checkpoint (:mod:`edu3d.ckpt.format`) stores, for every tensor of the serial model,
 the *pieces* the ranks of the writing layout owned. A piece is ``(placement, data)``:
 
 * ``placement = {"name", "kind", "shape", "box", "flat"}``: ``shape`` is the full tensor's,

@@ -3,7 +3,7 @@
 Fill in every function and method below, save, and re-run exercises/04_tensor_parallel.ipynb.
 Every function takes the tensor-parallel process group ``group`` explicitly; rank ``r`` of
 ``t`` (``dist.get_rank(group)``, ``dist.get_world_size(group)``) holds shard ``r`` of every
-split tensor. Use :mod:`edu3d.comm` for collectives (``comm.all_reduce(t, group)`` sums ``t``
+split tensor. Use :mod:`edu3d.distributed.comm` for collectives (``comm.all_reduce(t, group)`` sums ``t``
 in place across the group); for a maximum, ``dist.all_reduce(t, op=dist.ReduceOp.MAX,
 group=group)``.
 """

@@ -2,7 +2,7 @@
 
 Both steps are index arithmetic on the placements: a box is one slice per dimension, and
 ``flat`` picks a run of the box's elements in row-major order. (The library's own version
-is :mod:`edu3d.reshard`: ``place_all``, ``assemble`` and ``read``.)
+is :mod:`edu3d.ckpt.reshard`: ``place_all``, ``assemble`` and ``read``.)
 """
 
 import torch

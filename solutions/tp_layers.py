@@ -1,7 +1,7 @@
 """Solution to exercise 04: tensor-parallel layers and the vocabulary-parallel loss.
 
 Every function takes the tensor-parallel process group ``group`` explicitly; rank ``r`` of
-``t`` holds shard ``r`` of every split tensor. Collectives go through :mod:`edu3d.comm`
+``t`` holds shard ``r`` of every split tensor. Collectives go through :mod:`edu3d.distributed.comm`
 (recorded in the trace) and always reduce with SUM; the only other reduction, the max in
 the loss, is a numerical shift and uses ``ReduceOp.MAX``.
 """

@@ -380,7 +380,7 @@ def compare_saved(page, lab: Lab, nb: Path, rel: str) -> list[str]:
     the chapters are executed once, here, not once more by nbval."""
     import nbformat
 
-    from edu3d import nbtools
+    from edu3d.course import nbtools
 
     saved = lab.root / rel
     before = saved.stat().st_mtime_ns
@@ -409,7 +409,7 @@ def execute_without_browser(nb: Path, workdir: Path) -> list[str]:
     compared; the browser's own checks are reported as not run."""
     import nbformat
 
-    from edu3d import nbtools
+    from edu3d.course import nbtools
 
     root = workdir / "course"
     if not root.exists():

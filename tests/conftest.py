@@ -2,11 +2,11 @@ import os
 
 import pytest
 
-from edu3d import pool
+from edu3d.launch.warm import pool
 
 # Files that test the cold launch path itself (torchrun started for this run: its pids,
 # exits, sockets, timeouts) or manage pools on their own. Every other test launches its
-# ranks through warm pools (edu3d.pool), the path every notebook cell takes: the same
+# ranks through warm pools (edu3d.launch.warm.pool), the path every notebook cell takes: the same
 # results and errors, without importing torch again in every rank of every launch.
 COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_zygote", "test_cli",
         "test_failures", "test_browser", "test_browser_exercises"}

@@ -1,4 +1,4 @@
-"""Rank functions for the pipeline tests (launched with edu3d.launch)."""
+"""Rank functions for the pipeline tests (launched with edu3d.launch.api)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from argparse import Namespace
 
 import torch
 
-from edu3d.data import SyntheticCorpus
-from edu3d.model import GPT, config_from
+from edu3d.train.data import SyntheticCorpus
+from edu3d.model.gpt import GPT, config_from
 from edu3d.course import unscaled_loss
-from edu3d.trainer import Trainer
-from edu3d.train import make_optimizer, train_step
+from edu3d.train.trainer import Trainer
+from edu3d.train.loop import make_optimizer, train_step
 
 
 def _args(optimizer: str) -> Namespace:
@@ -46,7 +46,7 @@ def _comparable(name: str, t: torch.Tensor) -> torch.Tensor:
 def serial_reference(layers: int, batch: int, adam_steps: int) -> dict:
     """The serial GPT's reference for one model and global batch: its loss and gradients
     after one backward on batch 1, and its weights and last gradient norm after
-    ``adam_steps`` AdamW steps (the serial loop of :mod:`edu3d.train`). It depends on
+    ``adam_steps`` AdamW steps (the serial loop of :mod:`edu3d.train.loop`). It depends on
     neither the schedule nor the layout, so the tests compute it once, in the test process,
     and hand it to the ranks (every rank computing the whole serial model for every config
     cost more than the pipeline runs under test)."""
@@ -124,7 +124,7 @@ def train_records(mesh, argv: list[str], steps: int) -> list[dict]:
     """``edu3d train``'s per-step records through :func:`build_trainer` (what the lead wires)."""
     import argparse
 
-    from edu3d.train import add_arguments, build_trainer, check_args, config_from_args
+    from edu3d.train.loop import add_arguments, build_trainer, check_args, config_from_args
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
     check_args(args)

@@ -2,7 +2,7 @@
 
 For each layout (world sizes 2 to 8): the gradients of one step (plain SGD: Adam would hide a
 wrong 1/dp or 1/m), the weights after that SGD step, and the losses and gradient norms of 3
-AdamW steps, each against the serial reference step (:func:`edu3d.train.train_step`), within
+AdamW steps, each against the serial reference step (:func:`edu3d.train.loop.train_step`), within
 1e-5 relative (fp32). The worst error per layout is printed (``pytest -s``) for the record.
 The serial reference does not depend on the layout: it is computed once per model, data and
 optimizer, in the test process, and handed to the ranks.
@@ -15,7 +15,7 @@ import functools
 import pytest
 
 from edu3d.launch import launch
-from edu3d.mesh import Layout
+from edu3d.distributed.mesh import Layout
 from tests.workers_3d import parity_many, serial_key, serial_reference
 
 TOL = 1e-5

@@ -5,9 +5,9 @@ tested: a verdict must not depend on how busy the machine is."""
 
 import pytest
 
-from edu3d.bench.threed import torch_matches_serial
+from edu3d.bench.bench_3d import torch_matches_serial
 from edu3d.launch import launch
-from edu3d.mesh import Layout
+from edu3d.distributed.mesh import Layout
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def test_bench_3d_is_registered():
 
 
 def test_bench_3d_refuses_another_world_size():
-    from edu3d.bench.threed import run_benchmark
+    from edu3d.bench.bench_3d import run_benchmark
 
     with pytest.raises(ValueError, match="-n 8"):
         run_benchmark(nprocs=4)

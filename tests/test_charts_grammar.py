@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import edu3d.widgets as widgets_pkg
-from edu3d.mesh import Layout
+from edu3d.distributed.mesh import Layout
 from edu3d.widgets import style
 
 
 # ---- synthetic inputs, one per figure function ---------------------------------------------
 def ring_events(n: int = 4, chunk_bytes: int = 4000, case: str = "demo") -> list[dict]:
-    """The sends of a ring all-reduce as :func:`edu3d.ring.ring_all_reduce` traces them."""
+    """The sends of a ring all-reduce as :func:`edu3d.distributed.algorithms.ring_all_reduce` traces them."""
     out = []
     for phase in ("reduce_scatter", "all_gather"):
         for step in range(n - 1):

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from edu3d import checkpoint, checkpointer, reshard
-from edu3d.checkpoint import CheckpointError, check_resume, full_state, latest_step
+from edu3d.ckpt import format as checkpoint, checkpointer, reshard
+from edu3d.ckpt.format import CheckpointError, check_resume, full_state, latest_step
 from edu3d.launch import launch
-from edu3d.mesh import Layout
-from edu3d.options import check_args, config_from_args, defaults
+from edu3d.distributed.mesh import Layout
+from edu3d.train.options import check_args, config_from_args, defaults
 from edu3d.parallel.tp.layers import padded_size, shard
-from edu3d.train import run
+from edu3d.train.loop import run
 
 TINY = dict(model="tiny", layers=2, tie=True, vocab=250, json=True)
 M = "--layers 2 --tie --vocab 250".split()  # launched; vocab 250 is padded under tp 4
@@ -196,7 +196,7 @@ def test_export_loads_with_plain_torch_load_and_through_dcp(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
     from edu3d.cli import main
-    from edu3d.model import GPT, GPTConfig
+    from edu3d.model.gpt import GPT, GPTConfig
 
     _train(steps=2, ckpt_dir=str(tmp_path / "ck"))
     want = full_state(tmp_path / "ck")[1]
@@ -322,10 +322,10 @@ def test_generate_greedy_same_tokens_serial_and_tp2(tmp_path, capsys):
 
 # ---- on a GPU ----------------------------------------------------------------------------------
 def _gpu_run(args, resume_at: int | None = None) -> list[dict]:
-    from edu3d.checkpointer import Checkpointer
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT
-    from edu3d.trainer import Trainer
+    from edu3d.ckpt.checkpointer import Checkpointer
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.model.gpt import GPT
+    from edu3d.train.trainer import Trainer
 
     config = config_from_args(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)

@@ -17,7 +17,7 @@ def _run(args, **kw):
 
 
 def test_launcher_path_imports_no_torch():
-    code = ("import sys, edu3d.cli, edu3d.launch, edu3d.worker, edu3d.pool; "
+    code = ("import sys, edu3d.cli, edu3d.launch.api, edu3d.launch.worker, edu3d.launch.warm.pool; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
@@ -122,7 +122,9 @@ def _refused_before_launch(p):
 def _refused_in_process(argv, capsys, monkeypatch) -> str:
     """``edu3d.cli.main(argv)`` in this process (a new interpreter per case would only add its
     start-up and torch import): exit code 2, one line, no model built, nothing launched."""
-    from edu3d import cli, launch, train
+    from edu3d import cli
+    from edu3d.launch import api as launch
+    from edu3d.train import loop as train
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
     monkeypatch.setattr(train, "GPT", lambda *a, **k: pytest.fail("built the model"))
@@ -158,7 +160,8 @@ def test_train_refuses_a_bad_number_in_one_line_before_launching():
 def test_every_bad_number_is_refused_in_one_line(bad, message, capsys, monkeypatch):
     """The same check for every other number, through ``edu3d.cli.main`` in this process
     (a new interpreter per case would only add its start-up): nothing may launch."""
-    from edu3d import cli, launch
+    from edu3d import cli
+    from edu3d.launch import api as launch
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(SystemExit) as exit_:
@@ -178,7 +181,7 @@ def test_train_refuses_a_model_that_cannot_fit_before_launching(capsys, monkeypa
 def test_train_describes_the_model_without_building_it(monkeypatch):
     import argparse
 
-    from edu3d import train
+    from edu3d.train import loop as train
 
     def no_model(*_, **__):
         raise AssertionError("the launching process built a model")
@@ -309,7 +312,7 @@ def test_course_serves_the_root_on_loopback_and_passes_jupyter_options_through()
 
 
 def test_bench_progress_goes_to_stderr_from_rank_0_only(monkeypatch, capsys):
-    from edu3d.bench import progress
+    from edu3d.bench.harness import progress
 
     monkeypatch.setenv("RANK", "1")
     progress("repetition 1/5")

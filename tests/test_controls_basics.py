@@ -51,9 +51,9 @@ def test_measured_ring_steps_read_bytes_and_times_back():
 
 def test_dp_simulation_cuts_the_real_buckets_and_overlaps_only_in_reverse():
     from edu3d.course import lesson_args
-    from edu3d.model import GPT
-    from edu3d.options import config_from_args
-    from edu3d.parallel.dp import make_buckets
+    from edu3d.model.gpt import GPT
+    from edu3d.train.options import config_from_args
+    from edu3d.parallel.dp.data_parallel import make_buckets
 
     config = config_from_args(lesson_args())
     params = cb.backward_sizes(config)

@@ -9,8 +9,8 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
 from edu3d.course import controls_parallel as cp  # noqa: E402
-from edu3d.memory import zero_bytes  # noqa: E402
-from edu3d.parallel.pp.simulate import bubble_formula  # noqa: E402
+from edu3d.plan.formulas import zero_bytes  # noqa: E402
+from edu3d.schedules.simulate import bubble_formula  # noqa: E402
 from edu3d.widgets import controls_parallel as panels  # noqa: E402
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from edu3d.data import STEP_ENTROPY, SyntheticCorpus, microbatches, shard_rows
+from edu3d.train.data import STEP_ENTROPY, SyntheticCorpus, microbatches, shard_rows
 
 
 def test_batch_shapes_and_shift():

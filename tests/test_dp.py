@@ -11,10 +11,10 @@ import functools
 import pytest
 import torch
 
-from edu3d.data import SyntheticCorpus
+from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
-from edu3d.model import GPT
-from edu3d.train import add_arguments, config_from_args, make_optimizer, train_step
+from edu3d.model.gpt import GPT
+from edu3d.train.loop import add_arguments, config_from_args, make_optimizer, train_step
 
 TOL = 1e-5
 ADAM_STEPS = 3  # AdamW's state carried through two updates after the first; more repeat them
@@ -85,9 +85,10 @@ def parity_worker(mesh, configs: list[dict], ref: dict):
     """Run every config (keyword overrides of the trainer's args) with SGD and AdamW; return
     {config name: {"sgd_grad", "sgd_param", "adamw_param", "loss"}: max relative errors}
     against ``ref``, :func:`serial_reference`'s result."""
-    from edu3d import memory, trace
-    from edu3d.model import num_params
-    from edu3d.train import build_trainer
+    from edu3d.plan import formulas as memory
+    from edu3d.distributed import trace
+    from edu3d.model.gpt import num_params
+    from edu3d.train.loop import build_trainer
 
     summary = {}
     for cfg in configs:
@@ -129,7 +130,7 @@ DP_CONFIGS = [{"name": f"{impl}/k{k}", "dp_impl": impl, "grad_accum": k}
               for impl in ("naive", "flat", "overlap", "bucketed") for k in (1, 2)]
 
 
-# 8 first: the 4- and 2-rank launches then run on its idle warm pool (edu3d.pool: a larger
+# 8 first: the 4- and 2-rank launches then run on its idle warm pool (edu3d.launch.warm.pool: a larger
 # idle pool runs a smaller job) instead of starting pools of their own
 @pytest.mark.parametrize("world", [pytest.param(8, marks=pytest.mark.slow), 4, 2])
 def test_every_dp_version_equals_serial(world):
@@ -154,7 +155,7 @@ def report_and_check(world: int, summary: dict) -> None:
 
 
 def test_buckets_follow_reverse_registration_order():
-    from edu3d.parallel.dp import make_buckets
+    from edu3d.parallel.dp.data_parallel import make_buckets
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 200, 300, 400)]
     rev = make_buckets(params, bucket_mb=500 * 4 / 2**20)

@@ -5,8 +5,8 @@ drifts but still learns (one 2-rank launch)."""
 import pytest
 
 from edu3d.launch import launch
-from edu3d.course.dp import compression_error
-from edu3d.parallel.compress import HOOKS, make_hook
+from edu3d.course.ch02_data_parallel import compression_error
+from edu3d.parallel.dp.compress import HOOKS, make_hook
 
 
 @pytest.fixture(scope="module")

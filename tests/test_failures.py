@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from edu3d import checkpoint, runs, train
-from edu3d.launch import RankHung, launch
-from edu3d.options import defaults
+from edu3d.ckpt import format as checkpoint
+from edu3d.launch import runs
+from edu3d.train import loop as train
+from edu3d.launch.api import RankHung, launch
+from edu3d.train.options import defaults
 from tests import workers_failures
 
 KEYS = ("step", "loss", "grad_norm", "lr")
@@ -76,7 +78,7 @@ def test_a_rank_starved_of_cpu_is_busy_not_hung():
     import subprocess
     import sys
 
-    from edu3d import heartbeat
+    from edu3d.launch import heartbeat
 
     core = min(os.sched_getaffinity(0))
     spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
@@ -103,7 +105,7 @@ def test_a_rank_starved_of_cpu_is_busy_not_hung():
 
 
 def test_heartbeat_must_be_shorter_than_the_collective_timeout():
-    from edu3d.launch import LaunchError
+    from edu3d.launch.api import LaunchError
 
     with pytest.raises(LaunchError, match="shorter than the collective timeout 10 s"):
         launch(workers_failures.slow_then_hang, 2, heartbeat=10, env={"EDU3D_TIMEOUT": "10"})

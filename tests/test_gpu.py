@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from edu3d import runtime
+from edu3d.distributed import runtime
 from edu3d.launch import launch
-from edu3d.model import GPT, config_from
+from edu3d.model.gpt import GPT, config_from
 from tests import workers
 
 pytestmark = [pytest.mark.gpu,

@@ -6,7 +6,7 @@
 * an unknown exercise, a missing folder, a folder without exercise modules, ``--solutions``
   with ``--submission``: exit code 2 and one line saying what to fix, and no kernel started;
 * the scoring of executed cells (a cell that stops on an error, a hint printed once for two
-  failures, an earlier cell's error) and :func:`edu3d.grading.load` with a submission.
+  failures, an earlier cell's error) and :func:`edu3d.course.grading.load` with a submission.
 
 The stub side of every notebook is in tests/test_grading.py (one ``edu3d grade --json``).
 """
@@ -20,8 +20,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from edu3d import cli, grading
-from edu3d.course import grade
+from edu3d import cli
+from edu3d.course import grading
+from edu3d.commands import grade
 
 from .test_grading import edu3d_grade
 

@@ -10,7 +10,7 @@
   ``edu3d grade --json`` itself, once for all the notebooks (each in a fresh kernel), so the
   command a learner and an instructor use is the one proven here.
 
-Plus unit tests of :func:`edu3d.grading.load` and :func:`edu3d.grading.check`.
+Plus unit tests of :func:`edu3d.course.grading.load` and :func:`edu3d.course.grading.check`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from edu3d import grading
+from edu3d.course import grading
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -184,7 +184,7 @@ def test_check_names_the_learners_line_not_the_graders(capsys):
 
 
 def test_a_failed_run_is_one_line():
-    from edu3d.launch import RankError
+    from edu3d.launch.api import RankError
 
     err = RankError(2, "NotImplementedError: hint: chunks = ...", "Traceback (most recent "
                     "call last):\n  File \"x.py\", line 3, in f\nNotImplementedError: hint: "
@@ -228,7 +228,7 @@ def test_a_verdict_shows_no_value_in_a_notebook():
 
 
 def test_solution_matches_layout_everywhere():
-    from edu3d.mesh import Layout
+    from edu3d.distributed.mesh import Layout
 
     sol = grading.load("ranks", solutions=True)
     for dp, tp, pp in [(1, 1, 1), (2, 2, 2), (3, 2, 4), (1, 8, 1), (5, 1, 3)]:
@@ -301,7 +301,7 @@ def test_rank_memory_grader_catches_the_classic_mistakes():
     micro-batches on every rank each fail their check, with a message naming the case."""
     from types import SimpleNamespace
 
-    from edu3d.course import memory_plan
+    from edu3d.course import ch07_memory_plan as memory_plan
 
     sol = grading.load("rank_memory", solutions=True)
     for check in (memory_plan.check_counts, memory_plan.check_state,

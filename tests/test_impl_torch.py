@@ -26,7 +26,7 @@ import functools
 import pytest
 
 from edu3d.launch import launch
-from edu3d.options import add_arguments
+from edu3d.train.options import add_arguments
 from edu3d.production.compare import parity_many, world_size
 from edu3d.production.torch_check import unsupported
 
@@ -100,13 +100,13 @@ def test_supported_layouts_pass_the_check():
 def test_unsupported_flag_exits_2_before_any_process(capsys, monkeypatch):
     """``edu3d train --impl torch --compress fp16 --dp 2`` stops in the option check with
     exit code 2 and the flag named; nothing is launched."""
-    import edu3d.launch
-    from edu3d.train import main
+    import edu3d.launch.api
+    from edu3d.train.loop import main
 
     def no_launch(*a, **k):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(edu3d.launch, "launch", no_launch)
+    monkeypatch.setattr(edu3d.launch.api, "launch", no_launch)
     with pytest.raises(SystemExit) as exc:
         main(["--impl", "torch", "--compress", "fp16", "--dp", "2", "--steps", "1"])
     assert exc.value.code == 2

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edu3d.launch import LaunchError, LaunchTimeout, RankError, launch
-from edu3d.procs import running
-from edu3d.mesh import Layout
+from edu3d.launch.api import LaunchError, LaunchTimeout, RankError, launch
+from edu3d.launch.procs import running
+from edu3d.distributed.mesh import Layout
 from tests import workers
 
 
@@ -73,7 +73,7 @@ def test_raising_rank_is_named_with_traceback_and_nothing_is_left(tmp_path):
     script = _script(tmp_path, """
         import os, time
         import torch.distributed as dist
-        from edu3d import runtime
+        from edu3d.distributed import runtime
         mesh = runtime.init()
         if mesh.rank == 3:
             time.sleep(0.5)
@@ -171,7 +171,7 @@ def test_progress_outside_ipython_shows_nothing_and_never_fails(capsys, tmp_path
     """``launch(progress=True)`` from a plain script: there is no cell to show the status
     line under (IPython's ``display`` would print the object's repr, and its handle is None).
     No IPython shell here, even where an earlier test in this process made one."""
-    from edu3d import status as status_module
+    from edu3d.launch import status as status_module
 
     monkeypatch.setattr(status_module, "get_ipython", lambda: None)
     status = status_module.NotebookStatus(2, new_pool=True)

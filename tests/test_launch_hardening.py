@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from edu3d import trace
-from edu3d.launch import LaunchError, LaunchTimeout, RankError, kill_run, launch
-from edu3d.procs import running
+from edu3d.distributed import trace
+from edu3d.launch.api import LaunchError, LaunchTimeout, RankError, kill_run, launch
+from edu3d.launch.procs import running
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,7 +117,7 @@ def dying_script(tmp_path, how: str, victim: int) -> Path:
     return _script(tmp_path, f"""
         import os, signal, time
         import torch, torch.distributed as dist
-        from edu3d import comm, runtime
+        from edu3d.distributed import comm, runtime
         mesh = runtime.init()
         for step in range(3):
             comm.all_reduce(torch.ones(4))
@@ -142,7 +142,7 @@ def test_a_death_torchrun_reaped_first_is_still_recorded():
     (Popen.poll) and on a loaded machine can do it before that thread looks, which then gets
     ECHILD. The death is then read from torchrun's Popen, so the rank that died first is
     still the one named (CI once named its partner's lost connection instead)."""
-    from edu3d import launch as launcher
+    from edu3d.launch import api as launcher
 
     exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -180,7 +180,7 @@ def test_first_rank_to_die_is_named_with_how_it_died(tmp_path, how, n):
 def mismatched_collectives(mesh):
     import torch
 
-    from edu3d import comm
+    from edu3d.distributed import comm
 
     t = torch.ones(4)
     with trace.current().context(step=3):
@@ -262,7 +262,7 @@ def test_reused_run_folder_ignores_the_old_error(tmp_path):
 
 
 def test_only_the_newest_run_folders_are_kept(tmp_path, monkeypatch):
-    from edu3d import runs
+    from edu3d.launch import runs
 
     monkeypatch.setenv("EDU3D_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("EDU3D_KEEP_RUNS", "3")
@@ -298,7 +298,7 @@ def test_bad_runs_folder_is_one_clear_line(tmp_path):
 def test_interrupted_cell_shows_one_line(monkeypatch):
     from IPython.core.interactiveshell import InteractiveShell
 
-    from edu3d import magic
+    from edu3d.launch import magic
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

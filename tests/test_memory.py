@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from edu3d import memory
-from edu3d.model import GPT, config_from
+from edu3d.plan import formulas as memory
+from edu3d.model.gpt import GPT, config_from
 
 
 def test_zero_bytes_are_the_paper_formulas_in_mixed_precision():

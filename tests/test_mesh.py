@@ -1,8 +1,8 @@
 import pytest
 
 from edu3d.launch import launch
-from edu3d.mesh import Layout, LayoutError
-from edu3d.model import config_from
+from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.model.gpt import config_from
 from tests import workers
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from edu3d.model import GPT, PRESETS, GPTConfig, config_from, flops_per_token, num_params
+from edu3d.model.gpt import GPT, PRESETS, GPTConfig, config_from, flops_per_token, num_params
 
 
 def _state(model):

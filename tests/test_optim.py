@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from edu3d.optim import MIN_LR_RATIO, clip_coef, lr_at, make_optimizer, param_groups
-from edu3d.options import defaults
+from edu3d.train.optim import MIN_LR_RATIO, clip_coef, lr_at, make_optimizer, param_groups
+from edu3d.train.options import defaults
 
 
 def test_warmup_then_constant():

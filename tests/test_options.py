@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from edu3d.mesh import Layout, LayoutError
-from edu3d.options import (MIN_VOCAB, PRESET_NAMES, add_arguments, check_args, check_fit,
-                           memory_per_rank, num_params_from_config, oversubscribed,
-                           positive_int)
+from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.train.options import (MIN_VOCAB, PRESET_NAMES, add_arguments, check_args, check_fit,
+                                 memory_per_rank, num_params_from_config, oversubscribed,
+                                 positive_int)
 
 GB = 10**9
 
@@ -31,14 +31,14 @@ def _parse_error(capsys, *argv) -> str:
 
 
 def test_options_import_no_torch():
-    code = "import sys, edu3d.options; print('torch' in sys.modules)"
+    code = "import sys, edu3d.train.options; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
 
 
 def test_constants_agree_with_the_model_and_the_corpus():
-    from edu3d.data import SUCCESSORS
-    from edu3d.model import PRESETS
+    from edu3d.train.data import SUCCESSORS
+    from edu3d.model.gpt import PRESETS
 
     assert PRESET_NAMES == tuple(PRESETS)
     assert MIN_VOCAB == SUCCESSORS
@@ -161,7 +161,7 @@ def test_what_cannot_work_is_refused_with_what_would(argv, message):
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_num_params_from_config_counts_the_model(preset, tie):
-    from edu3d.model import GPT, config_from, num_params
+    from edu3d.model.gpt import GPT, config_from, num_params
 
     config = config_from(preset, tie=tie)
     assert num_params_from_config(config) == num_params(GPT(config))

@@ -1,4 +1,4 @@
-"""Chapter 10's measures, cost model, pictures and control panel (edu3d.course.perf,
+"""Chapter 10's measures, cost model, pictures and control panel (edu3d.course.ch10_performance,
 edu3d.widgets.perf): formulas and figures on made-up events, and one real 2-rank run (a
 profiled step, dp1 and dp2 timed, overlap off). The three hangs run live in the chapter's
 notebook, whose checked cell nbval compares."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from edu3d.course import perf
+from edu3d.course import ch10_performance as perf
 from edu3d.widgets import perf as wp
 
 
@@ -201,7 +201,7 @@ def small_session(mesh) -> dict:
 @pytest.fixture(scope="module")
 def live():
     from edu3d.launch import launch
-    from edu3d.mesh import Layout
+    from edu3d.distributed.mesh import Layout
 
     return launch(small_session, 2, layout=Layout(dp=2), echo=False, timeout=240,
                   progress=False)

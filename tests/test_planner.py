@@ -16,11 +16,13 @@ import json
 
 import pytest
 
-from edu3d import memory, plan_memory, planner, shapes
-from edu3d.course.memory_plan import measure_many, options
+from edu3d.plan import formulas as memory, estimate as plan_memory
+from edu3d.commands import plan as planner
+from edu3d.model import shapes
+from edu3d.course.ch07_memory_plan import measure_many, options
 from edu3d.launch import launch
-from edu3d.parallel.pp.schedules import build, chunks
-from edu3d.parallel.pp.simulate import simulate
+from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.simulate import simulate
 from tests.test_3d_parity import LAYOUTS, _layout
 
 ACT_TOL = 1e-3
@@ -40,8 +42,8 @@ def test_real_models_have_their_published_parameter_counts():
 
 
 def test_course_models_count_like_the_model():
-    from edu3d.model import config_from
-    from edu3d.options import num_params_from_config
+    from edu3d.model.gpt import config_from
+    from edu3d.train.options import num_params_from_config
 
     for name in shapes.COURSE_PRESETS:
         for tie in (False, True):
@@ -190,10 +192,10 @@ def test_planner_equals_measurement_under_autocast_on_cuda():
     printed beside the planner's total (it adds the loss's backward buffers)."""
     import torch
 
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT
-    from edu3d.options import config_from_args, defaults
-    from edu3d.trainer import Trainer
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.model.gpt import GPT
+    from edu3d.train.options import config_from_args, defaults
+    from edu3d.train.trainer import Trainer
 
     for recompute in ("none", "selective", "full"):
         args = defaults(model="small", precision="bf16", global_batch=4, microbatches=1,

@@ -1,4 +1,4 @@
-"""Warm rank pools (edu3d.pool): a warm job gives what a cold run gives, in its own run folder;
+"""Warm rank pools (edu3d.launch.warm.pool): a warm job gives what a cold run gives, in its own run folder;
 every failure raises the cold path's error and kills the whole pool; the pool dies with the
 kernel (shutdown, restart, SIGKILL)."""
 
@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from edu3d import pool
-from edu3d.launch import LaunchTimeout, RankError, launch
-from edu3d.procs import running
+from edu3d.launch.warm import pool
+from edu3d.launch.api import LaunchTimeout, RankError, launch
+from edu3d.launch.procs import running
 from tests import workers
 
 REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import os, sys
-from edu3d import runtime
+from edu3d.distributed import runtime
 mesh = runtime.init()
 r = mesh.rank
 print("out from", r)
@@ -268,7 +268,7 @@ def _none_left(mark: str, wait_s: float) -> list[int]:
 
 def _launch_cell(n: int) -> str:
     """A cell that launches rank_info on ``n`` ranks: [the last rank's sum, its pool]."""
-    return ("import json\nfrom edu3d.launch import launch\nfrom tests import workers\n"
+    return ("import json\nfrom edu3d.launch.api import launch\nfrom tests import workers\n"
             f"r = launch(workers.rank_info, {n}, echo=False, progress=False, timeout=120)\n"
             "print(json.dumps([r.results[-1]['sum'], "
             "json.loads((r.run_dir / 'command.json').read_text()).get('pool')]))\n")

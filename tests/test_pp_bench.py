@@ -1,7 +1,7 @@
-"""``edu3d bench pp`` runs and reports in edu3d/bench.py's JSON shape (timing is not tested:
+"""``edu3d bench pp`` runs and reports in edu3d/bench/harness.py's JSON shape (timing is not tested:
 a test's verdict must not depend on how busy the machine is)."""
 
-from edu3d.bench.pp import REFERENCE, run_benchmark
+from edu3d.bench.bench_pp import REFERENCE, run_benchmark
 
 
 def test_bench_pp_reports_and_both_compute_the_same():

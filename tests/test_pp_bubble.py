@@ -1,7 +1,7 @@
 """The bubble measured in a live run agrees with the formula.
 
 Two pipeline ranks run the real engine, schedule and messages on balanced stages of known
-cost (:class:`edu3d.course.pp.TimedStage`: forward 40 ms, backward 80 ms, spent waiting,
+cost (:class:`edu3d.course.ch05_pipeline_parallel.TimedStage`: forward 40 ms, backward 80 ms, spent waiting,
 so the two ranks do not slow each other down on a 2-core machine).
 The bubble of a step is the idle share of the ranks' time between its first compute start and
 its last compute end; the smallest over the four steps after the warm-up step must be
@@ -17,9 +17,9 @@ the ranks also slow each other down; chapter 05 shows both.)
 from __future__ import annotations
 
 from edu3d.launch import launch
-from edu3d.mesh import Layout
-from edu3d.course.pp import measured_bubbles, run_timed
-from edu3d.parallel.pp.simulate import bubble_formula
+from edu3d.distributed.mesh import Layout
+from edu3d.course.ch05_pipeline_parallel import measured_bubbles, run_timed
+from edu3d.schedules.simulate import bubble_formula
 
 RUNS = [dict(name="1f1b", m=8), dict(name="interleaved", m=8, vpp=2), dict(name="gpipe", m=8)]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from edu3d import grading
-from edu3d.parallel.pp import Action, check, one_f_one_b, with_comms
-from edu3d.course.pp import gradients
+from edu3d.course import grading
+from edu3d.schedules import Action, check, one_f_one_b, with_comms
+from edu3d.course.ch05_pipeline_parallel import gradients
 
 
 def test_solution_schedule_is_megatrons_1f1b():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from edu3d.launch import launch
-from edu3d.mesh import Layout
+from edu3d.distributed.mesh import Layout
 from tests.pp_workers import global_batch, parity, serial_reference
 
 TOL = 1e-5
@@ -72,7 +72,7 @@ def assert_parity(rows: list[dict], pp: int) -> None:
 
 
 # The 8-rank test first: the 2- and 4-rank launches after it then run on its idle warm pool
-# (edu3d.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
+# (edu3d.launch.warm.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
 @pytest.mark.slow
 def test_pp8_gpipe_and_1f1b():
     cfgs = [c for c in configs(8, ("gpipe", "1f1b")) if c["m"] == 8]  # m = pp: 8 ranks, 2 cores
@@ -98,7 +98,7 @@ def test_build_trainer_reproduces_edu3d_train():
     it through build_trainer: every rank reports the serial run's loss and gradient norm."""
     import argparse
 
-    from edu3d.train import add_arguments, run
+    from edu3d.train.loop import add_arguments, run
     from tests.pp_workers import train_records
 
     model = ["--layers", "4", "--heads", "2", "--d-model", "32", "--seq", "16", "--vocab", "64",

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from edu3d.model import config_from
-from edu3d.parallel.pp import partition as part
-from edu3d.parallel.pp.check import ScheduleError, check
-from edu3d.parallel.pp.cli import schedule_main
-from edu3d.parallel.pp.schedules import (SCHEDULES, Action, build, compute_order, parse_torch,
+from edu3d.model.gpt import config_from
+from edu3d.schedules import partition as part
+from edu3d.schedules.check import ScheduleError, check
+from edu3d.commands.schedule import schedule_main
+from edu3d.schedules.actions import (SCHEDULES, Action, build, compute_order, parse_torch,
                                          format_torch)
-from edu3d.parallel.pp.simulate import Costs, bubble_formula, simulate
+from edu3d.schedules.simulate import Costs, bubble_formula, simulate
 
 CASES = [(pp, m) for pp in (2, 4, 8) for m in (pp, 2 * pp, 4 * pp)]
 

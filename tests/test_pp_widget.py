@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from edu3d.parallel.pp.simulate import bubble_formula
+from edu3d.schedules.simulate import bubble_formula
 from edu3d.widgets import style
 from edu3d.widgets.pipeline import compare_figure, pipeline_figure, synthetic_trace
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from edu3d.course import lesson_args
-from edu3d.data import SyntheticCorpus
+from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
-from edu3d.mesh import Layout
-from edu3d.model import GPT
-from edu3d.optim import make_optimizer
-from edu3d.options import config_from_args
-from edu3d.train import train_step
-from edu3d.trainer import Trainer
+from edu3d.distributed.mesh import Layout
+from edu3d.model.gpt import GPT
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import config_from_args
+from edu3d.train.loop import train_step
+from edu3d.train.trainer import Trainer
 
 LAYOUT = dict(dp=2, tp=2, pp=2, microbatches=2)
 TOL = {"bf16": 2.0**-9, "fp16": 2.0**-12}

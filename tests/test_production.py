@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from edu3d.course import production as P
+from edu3d.course import ch09_in_production as P
 from edu3d.widgets import production as W
 
 # measured: the worst relative loss difference over 3-5 steps was 8.7e-8 (one float32 ulp
@@ -52,7 +52,7 @@ def test_accelerate_prepare_wrapped_ddp_and_ran_one_all_reduce_per_bucket(runs):
 
 
 def test_strategy_map_names_both_sides_and_the_edu3d_flag():
-    from edu3d.options import add_arguments
+    from edu3d.train.options import add_arguments
     import argparse
 
     for name, s in P.STRATEGIES.items():
@@ -114,7 +114,7 @@ def test_static_figures_build():
 
 
 def test_deepspeed_config_maps_edu3d_options_and_its_recorded_run_matches(runs):
-    from edu3d.options import defaults
+    from edu3d.train.options import defaults
     from edu3d.production import deepspeed_map as D
 
     args = defaults(dp=2, microbatches=2, bucket_mb=25.0)

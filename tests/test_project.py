@@ -50,7 +50,7 @@ def test_notebooks_store_outputs_only_where_nbval_checks_them():
     vacuously, and unchecked outputs bloat the repository."""
     import nbformat
 
-    from edu3d.nbtools import problems
+    from edu3d.course.nbtools import problems
 
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted(
         (ROOT / "exercises").glob("*.ipynb"))
@@ -68,12 +68,12 @@ def test_every_subpackage_is_declared_for_regular_installs():
 
 
 def test_checked_outputs_are_compared_like_nbval():
-    """The browser test compares the chapters' checked cells with edu3d.nbtools.differences
+    """The browser test compares the chapters' checked cells with edu3d.course.nbtools.differences
     (the chapters are executed there, once): a changed printed line is reported, an
     unchecked cell's output and stderr are not."""
     import nbformat
 
-    from edu3d import nbtools
+    from edu3d.course import nbtools
 
     def notebook(printed: str, other: str, stderr: str = ""):
         nb = nbformat.v4.new_notebook()

@@ -19,11 +19,11 @@ import itertools
 import pytest
 import torch
 
-from edu3d.course.memory import measure_layer
+from edu3d.course.ch07_memory import measure_layer
 from edu3d.launch import launch
-from edu3d.memory import activation_bytes_per_layer, course_activation_bytes_per_layer
-from edu3d.mesh import Layout
-from edu3d.model import GPT, config_from
+from edu3d.plan.formulas import activation_bytes_per_layer, course_activation_bytes_per_layer
+from edu3d.distributed.mesh import Layout
+from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.recompute import apply_recompute, layer_activation_bytes, recompute_mode
 from tests.workers_recompute import all_checks, compare, serial_adamw
 
@@ -90,7 +90,7 @@ def test_serial_model_adamw_equal():
 def test_layer_bytes_serial_and_paper_ratio():
     """tp 1: measured == formula for every mode and two shapes; fp32 and no dropout against
     the paper's 16-bit count: full recomputation keeps exactly 2x Korthikanti's bytes. The
-    planner's torch-free count (:mod:`edu3d.memory`) is the same formula."""
+    planner's torch-free count (:mod:`edu3d.plan.formulas`) is the same formula."""
     for c, b in ((config_from("tiny"), 2), (config_from("tiny", seq=16, heads=8), 3)):
         s, h, a = c.seq_len, c.d_model, c.n_heads
         for mode in ("none", "selective", "full"):

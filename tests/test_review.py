@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from edu3d.course import review
+from edu3d.course import ch11_review as review
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "11_review.ipynb"
@@ -82,7 +82,7 @@ def test_an_unanswered_question_says_so(capsys):
 
 
 def test_the_truths_are_the_course_formulas():
-    from edu3d.parallel.pp import bubble_formula
+    from edu3d.schedules import bubble_formula
 
     assert review.ring_gb_sent(8, 1.0) == pytest.approx(2 * 7 / 8)
     assert review.zero_gb() == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # the ZeRO paper's figure 1

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from edu3d import ring, trace
+from edu3d.course import ch01_collectives as ch01
+from edu3d.distributed import algorithms as ring, trace
 from edu3d.launch import launch
 
 SIZES = (1, 7, 1001, 840)  # 1 element (most ranks get an empty chunk), odd, odd, 840 = lcm(1..8)
@@ -137,7 +138,7 @@ def test_replay_of_a_ring_trace_ends_with_every_rank_holding_every_sum():
 
 
 def test_alpha_beta_fit_recovers_a_known_model():
-    from edu3d.bench.comm import fit_alpha_beta
+    from edu3d.bench.bench_comm import fit_alpha_beta
 
     n, alpha, beta = 4, 50e-6, 1e-9
     sizes = [2**k for k in range(10, 27, 2)]
@@ -150,9 +151,9 @@ def test_collectives_figures_build_from_run_shaped_data():
     from edu3d.widgets.collectives import bytes_figure, cost_model_figure, gallery_figure
 
     gallery = [{op: {"before": [10 * r, 10 * r + 1], "after": None if op == "reduce" and r
-                     else [r, r + 1]} for op in ring.GALLERY} for r in range(3)]
+                     else [r, r + 1]} for op in ch01.GALLERY} for r in range(3)]
     fig = gallery_figure(gallery, "all_gather")
-    assert len(fig.layout.updatemenus[0].buttons) == len(ring.GALLERY)
+    assert len(fig.layout.updatemenus[0].buttons) == len(ch01.GALLERY)
     assert len(bytes_figure({2: 4000.0, 4: 6000.0}, 4000).data) == 2
     rows = [{"op": "all_reduce", "bytes": s, "edu3d_s": 1e-3, "reference_s": 1e-3,
              "reference": "torch.distributed.all_reduce", "edu3d_alpha_s": 1e-4,

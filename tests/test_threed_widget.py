@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("plotly")
 
 from edu3d.course import lesson_args  # noqa: E402
-from edu3d.course.threed import axis_bytes, axis_formulas  # noqa: E402
-from edu3d.mesh import Layout  # noqa: E402
-from edu3d.options import config_from_args  # noqa: E402
+from edu3d.course.ch06_3d_parallelism import axis_bytes, axis_formulas  # noqa: E402
+from edu3d.distributed.mesh import Layout  # noqa: E402
+from edu3d.train.options import config_from_args  # noqa: E402
 from edu3d.widgets import threed  # noqa: E402
 
 LAYOUT = Layout(dp=2, tp=2, pp=2)
@@ -90,8 +90,8 @@ def test_memory_estimate_matches_the_measured_parameter_bytes():
     counters = est[0]["optimizer"] - 8 * 60608 / 2
     assert counters > 0 and counters % 4 == 0 and counters / 4 <= 60
     # the planner's count, which tests/test_planner.py holds to every layout's measurement
-    from edu3d import plan_memory
-    from edu3d.shapes import spec_from_config
+    from edu3d.plan import estimate as plan_memory
+    from edu3d.model.shapes import spec_from_config
 
     spec = spec_from_config(config)
     st = plan_memory.Setup(dp=2, tp=2, pp=2, zero=1, microbatches=4, micro_batch=1)

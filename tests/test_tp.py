@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from edu3d.launch import launch
-from edu3d.mesh import Layout, LayoutError, Mesh
-from edu3d.model import GPT, GPTConfig, config_from
+from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.model.gpt import GPT, GPTConfig, config_from
 from edu3d.parallel.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                check_layout, ops, shard, unshard, vocab_parallel_cross_entropy)
 from edu3d.parallel.tp.activations import (block_collectives, korthikanti_bytes, measure_layer,
@@ -266,7 +266,7 @@ def test_layouts_the_model_cannot_take_fail_with_the_valid_choices():
 
 
 def test_bench_tp_reports_both_modes_and_agrees_with_dtensor():
-    from edu3d.bench.tp import run_benchmark
+    from edu3d.bench.bench_tp import run_benchmark
 
     rep = run_benchmark(2, reps=1)  # a shape check, not a timing: benchmarks are commands
     assert rep["benchmark"] == "tp" and rep["world_size"] == 2

@@ -8,7 +8,7 @@ dp x tp — one launch per world size runs, on the same global batches:
   wrong gradient scale);
 * three AdamW steps with warmup (the third at the full rate) and clipping through
   ``build_trainer``: the losses, gradient norms and **every weight** afterwards against the
-  serial loop of :mod:`edu3d.train` (the attention key bias, whose gradient is exactly zero,
+  serial loop of :mod:`edu3d.train.loop` (the attention key bias, whose gradient is exactly zero,
   is checked as zero instead; see :func:`_without_key_bias`).
 
 All within 1e-5 relative (fp32), ``rel = ||a - b|| / ||b||`` per tensor. The vocabulary
@@ -23,11 +23,12 @@ import functools
 import pytest
 import torch
 
-from edu3d.data import SyntheticCorpus
+from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
-from edu3d.mesh import Layout, Mesh
-from edu3d.model import GPT, GPTConfig
-from edu3d.train import add_arguments, build_trainer, clip_and_step, make_optimizer, train_step
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.train.loop import (add_arguments, build_trainer, clip_and_step, make_optimizer,
+                              train_step)
 
 TOL = 1e-5
 ADAM_WEIGHTS_TOL = 2e-5
@@ -81,7 +82,7 @@ def _key_bias_grad_ratio(grads: dict) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _serial(key: tuple) -> dict:
-    """The serial loop of :mod:`edu3d.train` for ``key = (heads, tie, optimizer)``: its
+    """The serial loop of :mod:`edu3d.train.loop` for ``key = (heads, tie, optimizer)``: its
     records, and its gradients and weights after the last step (SGD: one step; AdamW:
     ADAM_STEPS). Computed once per test process and handed to the ranks: every rank
     running it again for every config cost more than the runs under test."""
@@ -171,7 +172,7 @@ def _check(results):
 
 
 # The 8-rank test first: the 2- and 4-rank launches after it then run on its idle warm pool
-# (edu3d.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
+# (edu3d.launch.warm.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
 @pytest.mark.slow
 def test_tp8_equals_serial():
     configs = [({"tp": 8}, sp, True, False) for sp in (False, True)]

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from edu3d import trace
+from edu3d.distributed import trace
 from edu3d.launch import launch
 from tests import workers
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from edu3d.data import SyntheticCorpus
-from edu3d.model import GPT, PRESETS
-from edu3d.optim import make_optimizer
-from edu3d.train import RECORD_KEYS, TRAINER_KEYS, add_arguments, main, run, train_step
+from edu3d.train.data import SyntheticCorpus
+from edu3d.model.gpt import GPT, PRESETS
+from edu3d.train.optim import make_optimizer
+from edu3d.train.loop import RECORD_KEYS, TRAINER_KEYS, add_arguments, main, run, train_step
 
 
 def _args(*argv):

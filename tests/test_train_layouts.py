@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from edu3d.train import add_arguments, run
+from edu3d.train.loop import add_arguments, run
 
 STEPS = ["--steps", "3", "--json", "--global-batch", "8"]
 
@@ -20,13 +20,13 @@ def _losses(*argv):
 
 
 # The 8-rank test first: the 2- and 4-rank launches after it then run on its idle warm pool
-# (edu3d.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
+# (edu3d.launch.warm.pool: a larger idle pool runs a smaller job) instead of starting pools of their own.
 def test_3d_records_carry_memory_and_communication_per_axis():
     """``edu3d train`` on dp2-tp2-pp2 ZeRO-1: every record has the fullest rank's bytes by
     category (parameters, gradients and optimizer state of a quarter of the model, the
     optimizer state also halved by ZeRO-1) and rank 0's time in each axis's collectives (what
     --json prints); the table ends with a summary."""
-    from edu3d.model import GPT, PRESETS
+    from edu3d.model.gpt import GPT, PRESETS
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(
         ["--steps", "3", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "2",
@@ -103,7 +103,8 @@ def test_bad_layouts_fail_before_any_process(argv, message, capsys, monkeypatch)
     """Through ``edu3d.cli.main`` in this process (a new interpreter per case would only add
     its start-up; the command as typed is the next test): exit code 2, the rule in one
     line, nothing launched."""
-    from edu3d import cli, launch
+    from edu3d import cli
+    from edu3d.launch import api as launch
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched"))
     try:

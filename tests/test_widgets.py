@@ -1,6 +1,6 @@
 """The shared visualizers: style helpers, the timeline and the 3D mesh cube.
 
-Figures are built from synthetic trace events with the schema of :mod:`edu3d.trace` (the
+Figures are built from synthetic trace events with the schema of :mod:`edu3d.distributed.trace` (the
 demos' tests draw real ones); the large case checks that 8 ranks x 2000 events build and
 serialise quickly, because every bar lives in one trace per operation.
 """
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from edu3d.mesh import Layout
+from edu3d.distributed.mesh import Layout
 from edu3d.widgets import style
 from edu3d.widgets.mesh3d import mesh_figure, predicted_report
 from edu3d.widgets.timeline import idle_gaps, lanes, timeline_figure

@@ -22,7 +22,7 @@ import functools
 import pytest
 
 from edu3d.launch import launch
-from edu3d.memory import zero_bytes
+from edu3d.plan.formulas import zero_bytes
 from tests.test_dp import ADAM_STEPS, parity_worker, report_and_check, serial_reference
 
 CONFIGS = [{"name": f"zero{s}/k{k}", "zero": s, "grad_accum": k}
@@ -59,7 +59,7 @@ def run_all(world: int):
                   timeout=240, echo=False)
 
 
-# 8 first: the 4- and 2-rank launches then run on its idle warm pool (edu3d.pool: a larger
+# 8 first: the 4- and 2-rank launches then run on its idle warm pool (edu3d.launch.warm.pool: a larger
 # idle pool runs a smaller job) instead of starting pools of their own
 @pytest.mark.parametrize("world", [pytest.param(8, marks=pytest.mark.slow), 4, 2])
 def test_zero_stages_equal_serial_with_formula_memory_and_traffic(world):
@@ -107,7 +107,7 @@ def test_zero3_holds_at_most_two_gathered_units_and_frees_them():
 
 
 def test_zero_figures_build_from_run_shaped_data():
-    from edu3d.memory import zero_bytes
+    from edu3d.plan.formulas import zero_bytes
     from edu3d.widgets.zero import memory_bars_figure, resident_params_figure, sharding_map_figure
 
     fig = sharding_map_figure([("embed", 10, 12), ("block0", 30, 32)], 4, stage=2)

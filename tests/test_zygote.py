@@ -1,4 +1,4 @@
-"""The fork server behind warm pools (edu3d.zygote): each pool rank is a fork of one process
+"""The fork server behind warm pools (edu3d.launch.warm.zygote): each pool rank is a fork of one process
 that imported torch once; torchrun still starts, watches and stops every rank through its
 stub, and nothing outlives a kill of any of the three (stub, rank, zygote)."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from edu3d import pool
-from edu3d.heartbeat import cpu_seconds
-from edu3d.launch import RankError, launch
-from edu3d.procs import running
+from edu3d.launch.warm import pool
+from edu3d.launch.heartbeat import cpu_seconds
+from edu3d.launch.api import RankError, launch
+from edu3d.launch.procs import running
 from tests import workers
 
 
@@ -150,7 +150,7 @@ def test_bench_pool_start_measures_both_ways():
     """``edu3d bench launch``'s pool-start row (a shape check, not a timing: benchmarks are
     commands): both pools ran the cell; the forked pool's processes used less CPU, since
     four ranks importing torch cost more than one zygote doing it once."""
-    from edu3d.bench.launch import pool_start
+    from edu3d.bench.bench_launch import pool_start
 
     (row,) = pool_start(4, reps=1)
     assert row["name"] == "4-rank pool start" and row["edu3d_s"] > 0 and row["reference_s"] > 0

@@ -6,7 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from edu3d import comm, trace
+from edu3d.distributed import comm, trace
 
 
 def rank_info(mesh, numel: int = 10):
@@ -74,7 +74,7 @@ def comm_ops(mesh):
 
 def cuda_all_reduce(mesh, numel: int = 1 << 20):
     """An all-reduce on each rank's own GPU (NCCL), timed by CUDA events in the trace."""
-    from edu3d import runtime
+    from edu3d.distributed import runtime
 
     dev = runtime.device()
     t = torch.full((numel,), float(mesh.rank + 1), device=dev)

@@ -1,4 +1,4 @@
-"""Rank functions for the 3D parity tests (launched with edu3d.launch)."""
+"""Rank functions for the 3D parity tests (launched with edu3d.launch.api)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import argparse
 
 import torch
 
-from edu3d.data import SyntheticCorpus
-from edu3d.model import GPT
-from edu3d.optim import make_optimizer
-from edu3d.options import add_arguments, check_args, config_from_args
-from edu3d.train import train_step
-from edu3d.trainer import Trainer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.model.gpt import GPT
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import add_arguments, check_args, config_from_args
+from edu3d.train.loop import train_step
+from edu3d.train.trainer import Trainer
 
 
 def options(argv: list[str]) -> argparse.Namespace:
@@ -27,7 +27,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
     """One step of dp2 x pp2 with ZeRO ``stage`` and ``m`` micro-batches per config, traced as
     ``case="zero{stage}/m{m}"``; returns each config's Ψ of this rank's stage."""
-    from edu3d import trace
+    from edu3d.distributed import trace
 
     out = []
     for stage, m in configs:
@@ -59,7 +59,7 @@ def serial_key(argv: list[str]) -> tuple:
 def serial_reference(argv: list[str], steps: int) -> dict:
     """The serial half of the parity check for the options ``argv``: the gradients of one
     backward, the weights after one plain-SGD step, and the records of ``steps`` AdamW
-    steps, all from :mod:`edu3d.train`'s serial reference step."""
+    steps, all from :mod:`edu3d.train.loop`'s serial reference step."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
     config = config_from_args(sgd)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)

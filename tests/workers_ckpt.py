@@ -1,18 +1,18 @@
-"""Rank functions for the checkpoint tests (launched with edu3d.launch)."""
+"""Rank functions for the checkpoint tests (launched with edu3d.launch.api)."""
 
 from __future__ import annotations
 
 import argparse
 
-from edu3d.checkpoint import files_needed, full_state, read_manifest, step_dir
-from edu3d.checkpointer import Checkpointer
-from edu3d.data import SyntheticCorpus
-from edu3d.mesh import Layout, Mesh
-from edu3d.model import GPT
-from edu3d.optim import lr_at
-from edu3d.options import add_arguments, check_args, config_from_args
-from edu3d.train import loop
-from edu3d.trainer import Trainer
+from edu3d.ckpt.format import files_needed, full_state, read_manifest, step_dir
+from edu3d.ckpt.checkpointer import Checkpointer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.model.gpt import GPT
+from edu3d.train.optim import lr_at
+from edu3d.train.options import add_arguments, check_args, config_from_args
+from edu3d.train.loop import loop
+from edu3d.train.trainer import Trainer
 
 
 def options(argv: list[str]) -> argparse.Namespace:
@@ -91,7 +91,7 @@ def resume_then_reshard(mesh, cases, steps: int, save_at: int, into: list[list[s
 
 def generate_tp(mesh, ckpt_dir: str, prompt: list[int], new: int) -> dict:
     """Greedy and sampled tokens under this launch's tensor parallelism."""
-    from edu3d.generate import generate, load_model
+    from edu3d.commands.generate import generate, load_model
 
     model = load_model(ckpt_dir, mesh)
     return {"greedy": generate(model, prompt, new, temperature=0.0, mesh=mesh),
@@ -104,7 +104,7 @@ def sync_save_is_committed(mesh, ckpt_dir: str, manifest_delay_s: float = 1.0) -
     checkpoint complete on every rank the moment ``save`` returns?"""
     import time
 
-    from edu3d.checkpoint import MANIFEST
+    from edu3d.ckpt.format import MANIFEST
 
     args = options(["--dp", "2", "--layers", "2", "--steps", "2", "--ckpt-dir", ckpt_dir,
                     "--save-every", "1"])

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from edu3d import comm, trace
+from edu3d.distributed import comm, trace
 
 # where in a save the process dies: the checkpoint's own write_atomic, seen from outside
 POINTS = ("shard-half-written", "shard-before-rename", "receipt-before-manifest",
@@ -47,7 +47,7 @@ def _die() -> None:
 
 def kill_during_save(point: str, step: int) -> None:
     """Make the save of ``step`` SIGKILL this process at ``point``."""
-    from edu3d import checkpoint, checkpointer
+    from edu3d.ckpt import format as checkpoint, checkpointer
 
     if point not in POINTS:
         raise SystemExit(f"point must be one of {POINTS}")
@@ -81,7 +81,7 @@ def kill_during_save(point: str, step: int) -> None:
 if __name__ == "__main__":
     point, step = sys.argv[1], int(sys.argv[2])
     kill_during_save(point, step)
-    from edu3d.train import main
+    from edu3d.train.loop import main
 
     rest = sys.argv[3:]
     sys.exit(main(rest[1:] if rest[:1] == ["--"] else rest))

@@ -1,16 +1,16 @@
-"""Rank functions for the recomputation tests (launched with edu3d.launch, or called with
+"""Rank functions for the recomputation tests (launched with edu3d.launch.api, or called with
 ``mesh=None`` for one process)."""
 
 from __future__ import annotations
 
 import torch
 
-from edu3d.data import SyntheticCorpus
-from edu3d.model import GPT
-from edu3d.optim import make_optimizer
-from edu3d.options import config_from_args
-from edu3d.train import train_step
-from edu3d.trainer import Trainer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.model.gpt import GPT
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import config_from_args
+from edu3d.train.loop import train_step
+from edu3d.train.trainer import Trainer
 from tests.workers_3d import options
 
 MODES = ("none", "selective", "full")
@@ -84,14 +84,14 @@ def serial_adamw(argv: list[str], mode: str, steps: int = 3) -> list[dict]:
 def all_checks(mesh, argvs: list[list[str]], dp4_argvs: list[list[str]], config) -> dict:
     """Everything the launched recompute test checks, in one launch of 8 ranks:
     :func:`compare_many` on the dp2-tp2-pp2 ``mesh``, then on a dp4-tp2 mesh of the same
-    ranks; one layer's saved bytes at tp = 1, 2, 4 (:func:`edu3d.course.memory.recompute_sweep`,
+    ranks; one layer's saved bytes at tp = 1, 2, 4 (:func:`edu3d.course.ch07_memory.recompute_sweep`,
     untimed); the tp collectives of one layer per mode (:func:`tp_comm_counts`); and ``edu3d
     bench recompute`` at tp 2, one repetition (it refuses to time unless edu3d's gradients
     equal PyTorch's checkpoint wrappers')."""
-    from edu3d.course.memory import recompute_sweep
-    from edu3d.mesh import Layout, Mesh
+    from edu3d.course.ch07_memory import recompute_sweep
+    from edu3d.distributed.mesh import Layout, Mesh
 
-    from edu3d.bench.recompute import recompute_benchmark
+    from edu3d.bench.bench_recompute import recompute_benchmark
 
     flat = Mesh.build(Layout(dp=4, tp=2))
     return {"3d": compare_many(mesh, argvs), "dp4": compare_many(flat, dp4_argvs),
@@ -106,8 +106,8 @@ def tp_comm_counts(mesh, config, batch: int = 2) -> dict:
     backward (as far as the last tensor it has to re-save)."""
     from collections import Counter
 
-    from edu3d import trace
-    from edu3d.course.memory import _input, _model
+    from edu3d.distributed import trace
+    from edu3d.course.ch07_memory import _input, _model
     from edu3d.parallel.tp import ops
 
     out = {}

@@ -5,7 +5,7 @@ After reading this file you should understand how chapter 08's charts are drawn 
 runs left behind:
 
 * :func:`owners` turns a checkpoint's manifest (every rank's piece placements,
-  :mod:`edu3d.reshard`) into a map of the full tensor saying which rank wrote each number;
+  :mod:`edu3d.ckpt.reshard`) into a map of the full tensor saying which rank wrote each number;
   :func:`piece_map` draws it, :func:`reshard_map` draws a source and a target layout side by
   side, and :func:`reads` counts, for each rank of the target, how many numbers it takes
   from each rank of the source (the files it must open);
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from edu3d import reshard
+from edu3d.ckpt import reshard
 from edu3d.widgets import style
 
 
@@ -158,7 +158,7 @@ def save_timeline(events: list[dict], *, title: str | None = None):
     """Each rank's training steps (one bar per step, from its first to its last event) and,
     on a lane beneath, the checkpointer's ``ckpt_blocked`` (what the step waited: the
     snapshot, and the writes unless ``--async-save``) and ``ckpt_write`` (in the background
-    under ``--async-save``), as :class:`edu3d.checkpointer.Checkpointer` traces them."""
+    under ``--async-save``), as :class:`edu3d.ckpt.checkpointer.Checkpointer` traces them."""
     import plotly.graph_objects as go
 
     real = [e for e in events if not e.get("sim")]

@@ -24,7 +24,7 @@ def _pad(rows: list, width: int) -> list:
 
 
 def gallery_figure(results: list[dict], op: str = "all_reduce"):
-    """``results``: per-rank return values of :func:`edu3d.ring.collectives_gallery`."""
+    """``results``: per-rank return values of :func:`edu3d.course.ch01_collectives.collectives_gallery`."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -181,7 +181,7 @@ def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_re
 
 def cost_model_figure(rep: dict):
     """All-reduce time against message size (log-log) for edu3d's ring and the library, with
-    the fitted alpha-beta line of each (a report of :mod:`edu3d.bench.comm`)."""
+    the fitted alpha-beta line of each (a report of :mod:`edu3d.bench.bench_comm`)."""
     import plotly.graph_objects as go
 
     rows = [r for r in rep["results"] if r.get("op") == "all_reduce"]

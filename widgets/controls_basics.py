@@ -6,10 +6,10 @@ from:
 * :class:`MeshControls` (chapter 00) — dp, tp, pp and the group axis redraw the cube of
   ranks with the groups the layout predicts (:func:`edu3d.widgets.mesh3d.mesh_figure`);
   "run it" launches the ranks (at most 8), each all-gathers its groups
-  (:func:`edu3d.demos.mesh_report`), and the cube shows what they reported over the
+  (:func:`edu3d.course.ch00_launching_ranks.mesh_report`), and the cube shows what they reported over the
   prediction, with how many groups agree.
 * :class:`RingControls` (chapter 01) — N and the message size redraw the ring all-reduce
-  replayed from edu3d's own plan (:func:`edu3d.ring.ring_plan`), its steps priced by the
+  replayed from edu3d's own plan (:func:`edu3d.distributed.algorithms.ring_plan`), its steps priced by the
   alpha-beta model, and the model's curve; "run it" runs edu3d's ring over gloo at that N
   and size and draws the measured bytes and time of every step over the prediction.
 * :class:`BucketControls` (chapter 02) — bucket size and overlap (buckets in reverse or
@@ -95,7 +95,7 @@ class MeshControls(Panel):
 
     @property
     def layout(self):
-        from edu3d.mesh import Layout
+        from edu3d.distributed.mesh import Layout
 
         s = self.state
         return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"])
@@ -116,7 +116,7 @@ class MeshControls(Panel):
 
     def run(self, timeout: float = 120):
         """Launch the layout's ranks; each reports the groups it all-gathered."""
-        from edu3d import demos
+        from edu3d.course import ch00_launching_ranks as demos
         from edu3d.launch import launch
         from edu3d.widgets.mesh3d import agreement, mesh_figure
 
@@ -271,7 +271,7 @@ class BucketControls(Panel):
     def __init__(self, default: dict | None = None, config=None,
                  costs: cb.StepCosts = cb.StepCosts()):
         from edu3d.course import lesson_args
-        from edu3d.options import config_from_args
+        from edu3d.train.options import config_from_args
 
         super().__init__(default)
         self.config = config or config_from_args(lesson_args())

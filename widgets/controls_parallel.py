@@ -3,7 +3,7 @@
 After reading this file you should know what each panel's knobs change and what its button
 measures. Every panel follows :class:`edu3d.widgets.threed.Controls`: a ``state`` dict,
 :meth:`redraw` rebuilding plain plotly figures from a formula or a simulation at once, a
-:meth:`run` that launches the real ranks (:func:`edu3d.launch.launch`) and draws the
+:meth:`run` that launches the real ranks (:func:`edu3d.launch.api.launch`) and draws the
 measurement over the prediction, and a lazily built ``widget``. Without a frontend the
 chapter shows the default figures (``ctl.figures``).
 
@@ -61,7 +61,7 @@ class _Panel(abc.ABC):
 
     def _launch(self, target, nprocs: int, **kw):
         """Launch ``target``; a failed run becomes the panel's message (None returned)."""
-        from edu3d.launch import LaunchError, launch
+        from edu3d.launch.api import LaunchError, launch
 
         try:
             return launch(target, nprocs, echo=False, progress=False, **kw)
@@ -207,7 +207,7 @@ class ZeroControls(_Panel):
     def run(self, timeout: float = 300):
         """Train ``steps`` steps at the chosen stage on N ranks (and the serial model on rank
         0) and draw the measured memory and traffic over the prediction."""
-        from edu3d.course import dp
+        from edu3d.course import ch02_data_parallel as dp
 
         s = self.state
         if s["n"] > 8:
@@ -374,7 +374,7 @@ class TPControls(_Panel):
     def run(self, timeout: float = 240):
         """Run the split, one layer forward and backward, and its activation count on tp
         ranks; draw the measured shards, collectives and bytes over the prediction."""
-        from edu3d.mesh import Layout
+        from edu3d.distributed.mesh import Layout
 
         s = self.state
         self.message = f"running {s['tp']} tensor-parallel ranks ..."
@@ -407,7 +407,7 @@ def bubble_figure(schedule: str, pp: int, m: int, vpp: int, measured: float | No
     """Bubble fraction against m for the chosen schedule and pp: the formula (line), the
     simulation (markers), the chosen m ringed, and a run's measured bubble."""
     import plotly.graph_objects as go
-    from edu3d.parallel.pp.simulate import bubble_formula
+    from edu3d.schedules.simulate import bubble_formula
 
     from edu3d.widgets.threed import SIM_COSTS_US
 
@@ -488,8 +488,8 @@ class PipelineControls(_Panel):
             self.message = f"cannot run this pipeline: {bad}"
             self._show()
             return None
-        from edu3d.course.pp import measured_bubble, run_schedules
-        from edu3d.mesh import Layout
+        from edu3d.course.ch05_pipeline_parallel import measured_bubble, run_schedules
+        from edu3d.distributed.mesh import Layout
         from edu3d.widgets.pipeline import pipeline_figure
 
         self.message = (f"running {s['schedule']} on {s['pp']} pipeline ranks, "

@@ -9,8 +9,8 @@ After reading this file you should know how to read the chart and turn its knobs
   (translucent) and the measured bytes beside it, solid.
 * :class:`Controls` — a model (the course's presets or a real one), the sequence length,
   micro-batch size and count, dp/tp/pp, ZeRO stage, recomputation, precision, schedule and
-  the GPU's memory redraw the estimate at once (:func:`edu3d.plan_memory.estimate`); "measure
-  it" launches the tiny model in the chosen layout (:func:`edu3d.course.memory_plan.run`,
+  the GPU's memory redraw the estimate at once (:func:`edu3d.plan.estimate.estimate`); "measure
+  it" launches the tiny model in the chosen layout (:func:`edu3d.course.ch07_memory_plan.run`,
   8 ranks at most, fp32) and puts the measured bars beside the estimate. Without a frontend
   (nbval, exported HTML) the default figure is drawn statically (:attr:`Controls.figure`).
 """
@@ -90,7 +90,7 @@ def zero_stages(psi: float, dp: int, *, gpu_mem_gb: float | None = None,
     paper's figure 1: ``16Ψ``, ``4Ψ + KΨ/N``, ``2Ψ + (2+K)Ψ/N``, ``(4+K)Ψ/N``)."""
     import plotly.graph_objects as go
 
-    from edu3d.memory import zero_bytes
+    from edu3d.plan.formulas import zero_bytes
 
     rows = [zero_bytes(psi, dp, z, *bytes_per) for z in range(4)]
     x = ["no ZeRO", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
@@ -124,8 +124,8 @@ class Controls:
 
     def setup(self):
         """``(spec, setup)`` of the current choice (``ValueError`` when it cannot work)."""
-        from edu3d.plan_memory import Setup, validate
-        from edu3d.shapes import spec_from
+        from edu3d.plan.estimate import Setup, validate
+        from edu3d.model.shapes import spec_from
 
         s = self.state
         spec = spec_from(s["model"], seq_len=s["seq"])
@@ -137,7 +137,7 @@ class Controls:
         return spec, st
 
     def redraw(self, **changes) -> None:
-        from edu3d.plan_memory import estimate
+        from edu3d.plan.estimate import estimate
 
         self.state.update(changes)
         self.measured = None
@@ -170,8 +170,8 @@ class Controls:
     def measure(self, timeout: float = 300):
         """Launch the tiny model in the current layout; draw the measured bytes (the fullest
         rank of each pipeline stage, after one step) beside the planner's, at rest."""
-        from edu3d.course.memory_plan import options, run
-        from edu3d.plan_memory import estimate, from_train_args
+        from edu3d.course.ch07_memory_plan import options, run
+        from edu3d.plan.estimate import estimate, from_train_args
 
         s = self.state
         problem = None
@@ -214,7 +214,7 @@ class Controls:
         if self._box is None:
             import ipywidgets as w
 
-            from edu3d.shapes import PRESETS
+            from edu3d.model.shapes import PRESETS
 
             s = self.state
             knobs = {

@@ -12,7 +12,7 @@ After reading this file you should be able to look at a layout ``Layout(dp, tp, 
 
 The cube is drawn from a *report*: what each rank of a live run said about itself (its
 coordinates, and the members of each of its groups as proven by an all-gather over that
-group, see :func:`edu3d.demos.mesh_report`). Without a report it draws what the layout
+group, see :func:`edu3d.course.ch00_launching_ranks.mesh_report`). Without a report it draws what the layout
 predicts; the title says which. With a report, the prediction is drawn as grey rings
 around where each rank should sit, and the title counts how many groups agree
 (:func:`agreement`).
@@ -20,7 +20,7 @@ around where each rank should sit, and the title counts how many groups agree
 
 from __future__ import annotations
 
-from edu3d.mesh import Layout
+from edu3d.distributed.mesh import Layout
 from edu3d.widgets import style
 
 DIMS = ("tp", "dp", "pp", "mp")
@@ -29,7 +29,7 @@ DIM_NAMES = {"tp": "TP groups", "dp": "DP groups", "pp": "PP groups",
 
 
 def predicted_report(layout: Layout) -> list[dict]:
-    """What :func:`edu3d.demos.mesh_report` would return on every rank, from the layout alone."""
+    """What :func:`edu3d.course.ch00_launching_ranks.mesh_report` would return on every rank, from the layout alone."""
     return [{"rank": r, "coords": layout.coords(r)._asdict(),
              "groups": {d: layout.group_of(r, d) for d in DIMS}}
             for r in range(layout.world_size)]
@@ -88,7 +88,7 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
 
     ``report``: per-rank dicts ``{"rank", "coords": {"pp","dp","tp"}, "groups": {"tp": [...],
     "dp": [...], "pp": [...], "mp": [...]}}`` as returned by a live run of
-    :func:`edu3d.demos.mesh_report` (``RunResult.results``).
+    :func:`edu3d.course.ch00_launching_ranks.mesh_report` (``RunResult.results``).
     """
     import plotly.graph_objects as go
 

@@ -24,7 +24,7 @@ def step_events(events: list[dict], case: str, step: int) -> list[dict]:
 
 
 def overlap_figure(events: list[dict], case: str, step: int, takeaway: str | None = None):
-    """The timeline of one DP step of ``case`` (see :func:`edu3d.course.dp.compare_versions`)."""
+    """The timeline of one DP step of ``case`` (see :func:`edu3d.course.ch02_data_parallel.compare_versions`)."""
     evs = step_events(events, case, step)
     return timeline_figure(evs, title=f"One data-parallel step: {case}, step {step}",
                            takeaway=takeaway, idle=False,
@@ -105,7 +105,7 @@ def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: 
 
 def compression_figure(errors: dict):
     """Loss per step with each compression hook (see
-    :func:`edu3d.course.dp.compression_error`), uncompressed as the reference line."""
+    :func:`edu3d.course.ch02_data_parallel.compression_error`), uncompressed as the reference line."""
     import plotly.graph_objects as go
 
     from edu3d.widgets import style

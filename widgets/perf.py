@@ -15,7 +15,7 @@ After reading this file you should know how to read chapter 10's charts:
   core count marked: more ranks than cores share the cores;
 * :func:`bench_figure` — an ``edu3d bench`` report: edu3d's time against PyTorch's;
 * :class:`Controls` — a layout, overlap and micro-batches redraw the cost model's predicted
-  budget (:func:`edu3d.course.perf.predict`) at once; "run it" measures the layout live and
+  budget (:func:`edu3d.course.ch10_performance.predict`) at once; "run it" measures the layout live and
   draws the measurement over the prediction.
 """
 
@@ -204,7 +204,7 @@ class Controls:
     """Layout, overlap and micro-batches -> the cost model's predicted step budget at once;
     "run it" measures the layout live and draws it over the prediction.
 
-    ``costs`` calibrates the model (:func:`edu3d.course.perf.calibrate`); ``measured`` maps a
+    ``costs`` calibrates the model (:func:`edu3d.course.ch10_performance.calibrate`); ``measured`` maps a
     layout name to its measured step (ms) from the chapter's sweep."""
 
     KNOB_LAYOUTS = ("dp1", "dp2", "tp2", "pp2", "dp4", "dp2-tp2", "dp2-pp2", "tp2-pp2")
@@ -219,7 +219,7 @@ class Controls:
         self.redraw()
 
     def prediction(self, name: str | None = None) -> dict:
-        from edu3d.course.perf import predict
+        from edu3d.course.ch10_performance import predict
 
         s = self.state
         p = predict(name or s["layout"], s["overlap"], s["microbatches"] or None, self.costs)
@@ -250,7 +250,7 @@ class Controls:
 
     def run(self, steps: int = 3, timeout: float = 300):
         """Measure the chosen layout live and draw it over the prediction."""
-        from edu3d.course.perf import run_layout
+        from edu3d.course.ch10_performance import run_layout
 
         s = self.state
         self.message = f"running {s['layout']} ..."

@@ -9,7 +9,7 @@ After reading this file you should know how to read the course's pipeline pictur
   weight-gradient ``W`` green; **tint = model chunk** (interleaving); **label = micro-batch**;
   hatched grey = idle, the bubble;
 * the **ghost** under the bars is the simulated schedule
-  (:func:`edu3d.parallel.pp.simulate.simulate`) with the *measured* mean cost of each action,
+  (:func:`edu3d.schedules.simulate.simulate`) with the *measured* mean cost of each action,
   so any gap between ghost and bars is what the theory leaves out (message latency, Python
   overhead, an uneven stage);
 * the title prints the bubble fraction measured next to the formula ``(p-1)/(v·m+p-1)``;
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import statistics
 
-from edu3d.parallel.pp.schedules import build
-from edu3d.parallel.pp.simulate import Costs, bubble_formula, bubble_of, simulate
+from edu3d.schedules.actions import build
+from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 from edu3d.widgets import style
 from edu3d.widgets.timeline import add_bars, idle_gaps, lanes
 

@@ -3,7 +3,7 @@
 After reading this file you should know how to read chapter 09's charts:
 
 * :func:`need_figure` — bytes one GPU would need to train each published model alone
-  (the planner, :mod:`edu3d.plan_memory`: bf16 weights and gradients, fp32 Adam state,
+  (the planner, :mod:`edu3d.plan.estimate`: bf16 weights and gradients, fp32 Adam state,
   activations of one sequence), against one GPU's memory (log scale);
 * :func:`comparison_figure` — each strategy measured on edu3d and on ``--impl torch``: the
   bytes a rank holds, the median step time, the bytes edu3d's collectives moved per step
@@ -35,7 +35,8 @@ def need_figure(device_gb: float = 80.0):
     one device's memory."""
     import plotly.graph_objects as go
 
-    from edu3d import plan_memory, shapes
+    from edu3d.plan import estimate as plan_memory
+    from edu3d.model import shapes
 
     names = list(shapes.REAL)
     est = [plan_memory.estimate(shapes.spec_from(n), plan_memory.Setup(precision="bf16"),
@@ -70,11 +71,9 @@ def _edu3d_lines(name: str) -> int:
     import edu3d.parallel as par
 
     root = Path(par.__file__).parent
-    files = {"DP": ["dp.py"], "ZeRO-1": ["zero.py"], "ZeRO-2": ["zero.py"],
-             "ZeRO-3": ["zero.py"], "TP/SP": sorted(p.name for p in (root / "tp").glob("*.py")),
-             "PP": sorted(p.name for p in (root / "pp").glob("*.py"))}[name]
-    sub = {"TP/SP": "tp", "PP": "pp"}.get(name, "")
-    return sum(len((root / sub / f).read_text().splitlines()) for f in files)
+    folders = {"DP": ["dp"], "ZeRO-1": ["zero"], "ZeRO-2": ["zero"], "ZeRO-3": ["zero"],
+               "TP/SP": ["tp"], "PP": ["pp", "../schedules"]}[name]
+    return sum(len(f.read_text().splitlines()) for d in folders for f in (root / d).glob("*.py"))
 
 
 def traffic_formula(name: str, psi: int, n: int) -> float | None:
@@ -89,7 +88,7 @@ def comparison_figure(results: dict, highlight: str | None = None, psi: int | No
     time, edu3d's bytes on the wire per step (formula as a ghost) and edu3d's lines."""
     from plotly.subplots import make_subplots
 
-    from edu3d.course.production import STRATEGIES
+    from edu3d.course.ch09_in_production import STRATEGIES
 
     names = [n for n in STRATEGIES if n in results] or list(STRATEGIES)
     fig = make_subplots(rows=1, cols=4, horizontal_spacing=0.07, subplot_titles=(
@@ -228,7 +227,7 @@ def fsdp_figure(psi: int, unit: int, n: int = 4, node: int = 2, highlight: str |
     """The four FSDP1 strategies side by side: stacked bytes per phase."""
     from plotly.subplots import make_subplots
 
-    from edu3d.course.production import FSDP_STRATEGIES
+    from edu3d.course.ch09_in_production import FSDP_STRATEGIES
 
     names = list(FSDP_STRATEGIES)
     fig = make_subplots(rows=1, cols=4, shared_yaxes=True, horizontal_spacing=0.03,
@@ -291,7 +290,7 @@ def mapping_table(name: str):
     """One strategy's edu3d code, PyTorch API and the other libraries' knobs."""
     import plotly.graph_objects as go
 
-    from edu3d.course.production import STRATEGIES, strategy_rows
+    from edu3d.course.ch09_in_production import STRATEGIES, strategy_rows
 
     rows = strategy_rows(name)
     fig = go.Figure(go.Table(
@@ -333,7 +332,7 @@ class Controls:
         self._show()
 
     def run(self, steps: int = 4):
-        from edu3d.course.production import measure
+        from edu3d.course.ch09_in_production import measure
 
         s = self.state["strategy"]
         self.message = f"running {s} on edu3d and on torch ..."
@@ -351,7 +350,7 @@ class Controls:
         if self._box is None:
             import ipywidgets as w
 
-            from edu3d.course.production import STRATEGIES
+            from edu3d.course.ch09_in_production import STRATEGIES
 
             pick = w.Dropdown(options=list(STRATEGIES), value=self.state["strategy"],
                               description="strategy")

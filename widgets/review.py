@@ -15,7 +15,7 @@ numbers come from (all of them computed by edu3d at once, no run needed):
 
 :class:`Controls` puts them behind one panel: the first knob picks a question (and sets the
 other knobs to that question's case); "measure it" launches the tiny GPT on the CPU
-(``edu3d.launch.launch``) for the pipeline and ZeRO pictures and draws the measurement over
+(``edu3d.launch.api.launch``) for the pipeline and ZeRO pictures and draws the measurement over
 the theory.
 """
 
@@ -31,7 +31,7 @@ PART_COLORS = {"compute": style.BLUE, "bubble": style.GREY, "tp": style.YELLOW,
 
 
 def _spec(model: str):
-    from edu3d.shapes import spec_from
+    from edu3d.model.shapes import spec_from
 
     return spec_from(model)
 
@@ -41,7 +41,7 @@ def ring_figure(n: int = 8):
     """Bytes a rank sends per byte of the buffer, from edu3d's ring plan, N = 2..16."""
     import plotly.graph_objects as go
 
-    from edu3d.ring import ring_plan
+    from edu3d.distributed.algorithms import ring_plan
 
     ns = list(range(2, 17))
     fig = go.Figure()
@@ -70,7 +70,7 @@ def zero_figure(model: str = "llama2-7b", n: int = 8, gpu_mem_gb: float = 80):
 def activations_figure(model: str = "gpt3-175b"):
     import plotly.graph_objects as go
 
-    from edu3d.memory import activation_bytes_per_layer as act
+    from edu3d.plan.formulas import activation_bytes_per_layer as act
 
     sp = _spec(model)
     kw = dict(d_ff=sp.ff, kv_heads=sp.kv_heads, mlp=sp.mlp)
@@ -106,7 +106,7 @@ def _label(st) -> str:
 
 
 def _search(model: str, gpus: int):
-    from edu3d.course.review import plan
+    from edu3d.course.ch11_review import plan
 
     return plan(model, gpus)
 
@@ -143,8 +143,8 @@ def bubble_figure(schedule: str = "1f1b", pp: int = 4, m: int = 8, measured: flo
     """The simulated bubble against the micro-batches, over the formula."""
     import plotly.graph_objects as go
 
-    from edu3d.course.review import bubble
-    from edu3d.parallel.pp import bubble_formula
+    from edu3d.course.ch11_review import bubble
+    from edu3d.schedules import bubble_formula
 
     ms = [k for k in range(1, max(32, m) + 1) if schedulable(schedule, pp, k)]
     fig = go.Figure()
@@ -172,7 +172,7 @@ def bubble_figure(schedule: str = "1f1b", pp: int = 4, m: int = 8, measured: flo
 def in_flight_figure(schedule: str = "1f1b", pp: int = 4, m: int = 8):
     import plotly.graph_objects as go
 
-    from edu3d.plan_memory import in_flight
+    from edu3d.plan.estimate import in_flight
 
     fig = go.Figure()
     for i, name in enumerate(dict.fromkeys(["gpipe", "1f1b", schedule])):
@@ -252,7 +252,7 @@ class Controls:
     """
 
     def __init__(self, default: dict | None = None):
-        from edu3d.course.review import BANK
+        from edu3d.course.ch11_review import BANK
 
         self.bank = BANK
         self.state = {**DEFAULT, **BANK[(default or DEFAULT).get("question", "bubble_1f1b")]
@@ -298,10 +298,10 @@ class Controls:
         return None
 
     def _measure_bubble(self, timeout: float):
-        from edu3d.course.threed import capstone
+        from edu3d.course.ch06_3d_parallelism import capstone
         from edu3d.launch import launch
-        from edu3d.mesh import Layout
-        from edu3d.parallel.pp.simulate import bubble_of
+        from edu3d.distributed.mesh import Layout
+        from edu3d.schedules.simulate import bubble_of
         from edu3d.widgets.threed import pipeline_view
 
         s = self.state
@@ -328,10 +328,10 @@ class Controls:
 
     def _measure_zero(self, timeout: float):
         from edu3d.course import lesson_args
-        from edu3d.course.threed import capstone
+        from edu3d.course.ch06_3d_parallelism import capstone
         from edu3d.launch import launch
-        from edu3d.mesh import Layout
-        from edu3d.options import config_from_args
+        from edu3d.distributed.mesh import Layout
+        from edu3d.train.options import config_from_args
         from edu3d.widgets.threed import memory_estimate
 
         dp = min(max(self.state["n"], 2), 4)

@@ -4,7 +4,7 @@ After reading this file you should know how to read the chapter-04 split picture
 
 * one row of heatmaps per rank: the input that rank holds, its weight shard, and the
   partial output it computes alone — real tensors returned by the ranks of a live run
-  (:func:`edu3d.course.tp.split_demo`);
+  (:func:`edu3d.course.ch04_tensor_parallel.split_demo`);
 * an arrow labelled with the collective that joins the partial outputs: **all-gather
   (concatenate)** for a column split, where each rank owns some output features, and
   **all-reduce (sum)** for a row split, where each rank owns a partial sum of every feature;
@@ -29,7 +29,7 @@ _HOW = {"column": ("all-gather<br>(concatenate)", "Column split: Y = X·[W₁ W�
 def split_figure(results: list[dict], kind: str = "column"):
     """Heatmaps of every rank's shards for ``kind`` in ``{"column", "row"}``.
 
-    ``results`` are the per-rank return values of :func:`edu3d.course.tp.split_demo`.
+    ``results`` are the per-rank return values of :func:`edu3d.course.ch04_tensor_parallel.split_demo`.
     """
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots

@@ -10,7 +10,7 @@ After reading this file you should know how to read chapter 06's charts:
 * :func:`memory_per_rank` — bytes per rank stacked by category (parameters, gradients,
   optimizer state, activations), measured, with the estimate as a ghost marker.
 * :class:`Controls` — sliders for dp, tp, pp, ZeRO stage, schedule and micro-batches redraw
-  the *simulated* pipeline (:func:`edu3d.parallel.pp.simulate.simulate`) and the per-rank
+  the *simulated* pipeline (:func:`edu3d.schedules.simulate.simulate`) and the per-rank
   memory estimate at once; "run it" launches the real run and draws it over the simulation.
   The figures come from plain functions (:func:`simulated_pipeline`, :func:`memory_estimate`),
   so a notebook without a frontend shows the default static figures.
@@ -111,7 +111,7 @@ _COUNTS: dict[str, tuple] = {}
 
 def _param_counts(config) -> tuple[tuple[str, int], ...]:
     """(serial name, numel) of every parameter of ``config``'s GPT (built once per config)."""
-    from edu3d.model import GPT
+    from edu3d.model.gpt import GPT
 
     key = repr(config)
     if key not in _COUNTS:
@@ -129,7 +129,7 @@ def replicated(name: str) -> bool:
 def stage_params(config, pp: int, vpp: int = 1, tp: int = 1) -> list[float]:
     """Parameters one rank holds of each global stage (uniform cut) with TP degree ``tp``:
     embeddings on the first stage, the final LayerNorm and LM head on the last."""
-    from edu3d.parallel.pp.partition import partition
+    from edu3d.schedules.partition import partition
 
     parts = partition(config, pp, vpp)
     out = [0.0] * len(parts)
@@ -149,14 +149,14 @@ def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
                     schedule: str = "1f1b", vpp: int = 1,
                     global_batch: int = 8) -> dict[int, dict]:
     """Estimated bytes per rank after a step: the planner's count
-    (:mod:`edu3d.plan_memory`, fp32 AdamW), exact for this GPT. A rank holds its stages'
+    (:mod:`edu3d.plan.estimate`, fp32 AdamW), exact for this GPT. A rank holds its stages'
     parameters, cut by tp except the replicated ones, with ZeRO sharding each unit's flat
     buffer (padded to a multiple of dp) over the dp ranks; its activations are what each
     layer of its stages saves per micro-batch, times the micro-batches the schedule keeps in
     flight (replayed)."""
-    from edu3d import plan_memory
-    from edu3d.mesh import Layout
-    from edu3d.shapes import spec_from_config
+    from edu3d.plan import estimate as plan_memory
+    from edu3d.distributed.mesh import Layout
+    from edu3d.model.shapes import spec_from_config
 
     layout = Layout(dp=dp, tp=tp, pp=pp, vpp=vpp)
     spec = spec_from_config(config)
@@ -173,8 +173,8 @@ def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
 
 
 def simulate_schedule(pp: int, m: int, schedule: str, vpp: int = 1):
-    from edu3d.parallel.pp.schedules import build
-    from edu3d.parallel.pp.simulate import Costs, simulate
+    from edu3d.schedules.actions import build
+    from edu3d.schedules.simulate import Costs, simulate
 
     return simulate(build(schedule, pp, m, vpp), pp, Costs(**SIM_COSTS_US))
 
@@ -191,7 +191,7 @@ def simulated_pipeline(pp: int, m: int, schedule: str, vpp: int = 1, measured=No
                               title=title or f"{schedule}, pp={pp}, m={m}: measured over "
                               "the simulation", memory=False)
     import plotly.graph_objects as go
-    from edu3d.parallel.pp.simulate import bubble_formula
+    from edu3d.schedules.simulate import bubble_formula
 
     sim = simulate_schedule(pp, m, schedule, vpp)
     evs = [{k: v for k, v in e.items() if k != "sim"} for e in sim.events]
@@ -238,7 +238,7 @@ class Controls:
 
     def __init__(self, default: dict | None = None, config=None):
         from edu3d.course import lesson_args
-        from edu3d.options import config_from_args
+        from edu3d.train.options import config_from_args
 
         self.state = {**DEFAULT, **(default or {})}
         self.config = config or config_from_args(lesson_args())
@@ -253,7 +253,7 @@ class Controls:
 
     def problem(self) -> str | None:
         """Why the current choice cannot run (None if it can)."""
-        from edu3d.mesh import Layout, LayoutError
+        from edu3d.distributed.mesh import Layout, LayoutError
 
         s = self.state
         try:
@@ -286,9 +286,9 @@ class Controls:
 
     def run(self, timeout: float = 300):
         """Launch the real run of the current layout and draw it over the simulation."""
-        from edu3d.course.threed import capstone
+        from edu3d.course.ch06_3d_parallelism import capstone
         from edu3d.launch import launch
-        from edu3d.mesh import Layout
+        from edu3d.distributed.mesh import Layout
 
         s = self.state
         layout = Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], vpp=self.vpp)

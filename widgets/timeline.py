@@ -6,7 +6,7 @@ After reading this file you should know how to read every timeline in the course
   sub-lane (collectives and send/recv), so you see at a glance when a rank computes, when it
   talks, and when it does both at once (overlap).
 * **x = time in milliseconds from the first event shown**: the trace's clock is aligned across
-  ranks (every rank passed a barrier and called that instant zero, see :mod:`edu3d.trace`),
+  ranks (every rank passed a barrier and called that instant zero, see :mod:`edu3d.distributed.trace`),
   and the chart shifts it so the shown step starts at 0 ms, not somewhere far along an axis
   that starts with the run. Theory (simulated) events start at their own 0.
 * **colour = operation** (:mod:`edu3d.widgets.style`), **tint = model chunk**, **label =

@@ -17,7 +17,7 @@ After reading this file you should be able to read three pictures:
 
 from __future__ import annotations
 
-from edu3d.memory import zero_bytes
+from edu3d.plan.formulas import zero_bytes
 from edu3d.widgets import style
 
 CATS = ("params", "grads", "optimizer")
@@ -28,7 +28,7 @@ FIRST_SHARDED_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
 def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 1,
                         menu: bool = True):
     """``units``: ``(name, numel, padded)`` per flat unit, in order (see
-    :class:`edu3d.parallel.zero.FlatUnit`). ``menu``: the figure's own dropdown through the
+    :class:`edu3d.parallel.zero.sharding.FlatUnit`). ``menu``: the figure's own dropdown through the
     stages (off in a control panel, whose stage knob redraws the figure)."""
     import plotly.graph_objects as go
 
@@ -98,8 +98,8 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
 
 
 def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per):
-    """``measured[stage]``: bytes per category on one rank (:func:`edu3d.memory.measure`).
-    ``bytes_per`` goes to :func:`edu3d.memory.zero_bytes` (fp32 Adam by default)."""
+    """``measured[stage]``: bytes per category on one rank (:func:`edu3d.plan.formulas.measure`).
+    ``bytes_per`` goes to :func:`edu3d.plan.formulas.zero_bytes` (fp32 Adam by default)."""
     import plotly.graph_objects as go
 
     stages = sorted(measured)

@@ -4,7 +4,7 @@ The library (everything else under :mod:`edu3d`) is the mechanics and never impo
 package; chapters, exercises and their graders import the library and this.
 
 * :func:`lesson_args` gives a chapter the defaults of ``edu3d train`` with a few changed, so
-  a cell can build a :class:`~edu3d.trainer.Trainer` the way the command does;
+  a cell can build a :class:`~edu3d.train.trainer.Trainer` the way the command does;
 * the deliberate bugs the exercises hunt are plain functions handed to the library's hooks
   (for example ``Trainer(..., microbatch_loss=unscaled_loss)``), never flags of its classes.
 """
@@ -16,7 +16,7 @@ import argparse
 
 def lesson_args(**overrides) -> argparse.Namespace:
     """``edu3d train``'s default options (tiny model) with ``overrides`` applied."""
-    from edu3d.options import defaults
+    from edu3d.train.options import defaults
 
     return defaults(**overrides)
 

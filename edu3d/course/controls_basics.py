@@ -2,13 +2,13 @@
 
 After reading this file you should know where each panel's pictures come from:
 
-* chapter 01's ring: :func:`ring_sends` replays :func:`edu3d.ring.ring_plan` (the very list
+* chapter 01's ring: :func:`ring_sends` replays :func:`edu3d.distributed.algorithms.ring_plan` (the very list
   of transfers the executor walks) with the chunk sizes ``torch.tensor_split`` gives, so its
   bytes are exact; :func:`ring_step_costs` prices each of its ``2(N-1)`` steps with the
   alpha-beta model, ``α + (S/N)·β`` per step; :func:`ring_timed` runs edu3d's real ring and
   :func:`measured_ring_steps` reads the per-step bytes and times back from its trace;
 * chapter 02's buckets: :func:`simulate_dp_step` cuts the model's gradients into buckets with
-  :func:`edu3d.parallel.dp.make_buckets` itself (on ``meta`` tensors: sizes, no memory), lets
+  :func:`edu3d.parallel.dp.data_parallel.make_buckets` itself (on ``meta`` tensors: sizes, no memory), lets
   backward produce them last layer first, launches each bucket's all-reduce when its last
   gradient is ready and every earlier bucket has gone, and prices the all-reduces with the
   same alpha-beta model; :func:`dp_step` runs the real bucketed data-parallel step and
@@ -51,7 +51,7 @@ def chunk_bytes(numel: int, n: int, itemsize: int = 4) -> list[int]:
 def ring_sends(n: int, numel: int, itemsize: int = 4) -> list[dict]:
     """The ``send`` events a ring all-reduce of ``numel`` values on ``n`` ranks makes, from the
     executor's own plan (no times: :func:`ring_replay` adds them)."""
-    from edu3d.ring import ring_plan
+    from edu3d.distributed.algorithms import ring_plan
 
     sizes = chunk_bytes(numel, n, itemsize)
     return [{"rank": t.src, "lane": "comm", "op": "send", "peer": t.dst, "bytes": sizes[t.chunk],
@@ -88,8 +88,8 @@ def ring_timed(mesh, numel: int = 1 << 16, repeats: int = 3) -> dict:
     import torch
     import torch.distributed as dist
 
-    from edu3d import comm, trace
-    from edu3d.ring import ring_all_reduce
+    from edu3d.distributed import comm, trace
+    from edu3d.distributed.algorithms import ring_all_reduce
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
     want = x.clone()
@@ -150,7 +150,7 @@ def backward_sizes(config) -> list[tuple[str, int]]:
     """``(name, numel)`` of every parameter, in registration order (what the buckets cut)."""
     import torch
 
-    from edu3d.model import GPT
+    from edu3d.model.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(config)
@@ -166,10 +166,10 @@ def _compute_weight(name: str, numel: int) -> float:
 def simulate_dp_step(params: list[tuple[str, int]], bucket_mb: float, reverse: bool, n: int,
                      costs: StepCosts = StepCosts()) -> dict:
     """The events of one bucketed DP step on each of ``n`` ranks, as edu3d's
-    :class:`~edu3d.parallel.dp.DataParallel` would run it.
+    :class:`~edu3d.parallel.dp.data_parallel.DataParallel` would run it.
 
     Backward produces the gradients last-registered first; gradient ``p`` is ready after its
-    share of ``backward_s``. Buckets come from :func:`edu3d.parallel.dp.make_buckets` (in
+    share of ``backward_s``. Buckets come from :func:`edu3d.parallel.dp.data_parallel.make_buckets` (in
     reverse order, or forward order when ``reverse`` is False) and are launched strictly in
     bucket order, each when its last gradient is ready. All-reduces share one link, one after
     the other, each ``2(N-1)α + 2(N-1)/N·S·β``; an all-reduce's event is its time on that
@@ -179,7 +179,7 @@ def simulate_dp_step(params: list[tuple[str, int]], bucket_mb: float, reverse: b
     """
     import torch
 
-    from edu3d.parallel.dp import make_buckets
+    from edu3d.parallel.dp.data_parallel import make_buckets
 
     tensors = [torch.empty(numel, device="meta") for _, numel in params]
     index = {id(t): i for i, t in enumerate(tensors)}
@@ -228,12 +228,12 @@ def dp_step(mesh, bucket_mb: float = 0.1, reverse: bool = True, steps: int = 2,
     ``edu3d train``), traced as ``case="panel"``; the last one is the warm one to draw."""
     import torch.distributed as dist
 
-    from edu3d import trace
+    from edu3d.distributed import trace
     from edu3d.course import lesson_args
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT
-    from edu3d.options import config_from_args
-    from edu3d.trainer import Trainer
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.model.gpt import GPT
+    from edu3d.train.options import config_from_args
+    from edu3d.train.trainer import Trainer
 
     args = lesson_args(dp_impl="bucketed", bucket_mb=bucket_mb, reverse_buckets=reverse,
                        global_batch=global_batch)

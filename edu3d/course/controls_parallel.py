@@ -5,19 +5,19 @@ from. Each knob setting has a **prediction** computed in this process in millise
 **launch target** (or an extraction from one) that measures the same quantity on real ranks:
 
 * **ZeRO** (chapter 03) — :func:`zero_units` (the flat units and their padding to a multiple
-  of N, as :class:`edu3d.parallel.zero.FlatUnit` builds them), :func:`zero_prediction` (the
-  paper's formula :func:`edu3d.memory.zero_bytes`, the planner's exact count
-  :func:`edu3d.plan_memory.state_per_rank`, and the traffic per step 2Ψ / 3Ψ),
-  :func:`zero_measured` (what a :func:`edu3d.course.dp.compare_versions` run held and moved);
+  of N, as :class:`edu3d.parallel.zero.sharding.FlatUnit` builds them), :func:`zero_prediction` (the
+  paper's formula :func:`edu3d.plan.formulas.zero_bytes`, the planner's exact count
+  :func:`edu3d.plan.estimate.state_per_rank`, and the traffic per step 2Ψ / 3Ψ),
+  :func:`zero_measured` (what a :func:`edu3d.course.ch02_data_parallel.compare_versions` run held and moved);
 * **tensor parallelism** (chapter 04) — :func:`tp_split_prediction` (each rank's shards of one
-  ``X·W``, cut in this process exactly as :func:`edu3d.course.tp.split_demo` cuts them on the
+  ``X·W``, cut in this process exactly as :func:`edu3d.course.ch04_tensor_parallel.split_demo` cuts them on the
   ranks), :func:`tp_collectives_prediction` (count and ring bytes of one layer's collectives,
   SP off and on), :func:`tp_activation_prediction` (activation bytes of one layer,
   Korthikanti's count adapted to this model), and :func:`tp_panel_run`, the launch target that
   measures all three;
 * **pipelines** (chapter 05) — :func:`pp_problem` (why a schedule setting cannot be drawn or
   run), :func:`pp_bubble_curve` (formula and simulation over the number of micro-batches),
-  :func:`pp_run_kwargs` (the live run that :func:`edu3d.course.pp.run_schedules` makes).
+  :func:`pp_run_kwargs` (the live run that :func:`edu3d.course.ch05_pipeline_parallel.run_schedules` makes).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def zero_formula_text(stage: int) -> str:
 def course_config():
     """The tiny GPT every chapter-03 run trains (``edu3d train``'s defaults)."""
     from edu3d.course import lesson_args
-    from edu3d.options import config_from_args
+    from edu3d.train.options import config_from_args
 
     return config_from_args(lesson_args())
 
@@ -63,8 +63,8 @@ def zero_units(config, n: int) -> list[tuple[str, int, int]]:
     (the model is built once per config; padding rounds each unit up to a multiple of n)."""
     key = repr(config)
     if key not in _UNITS:
-        from edu3d.model import GPT
-        from edu3d.parallel.zero import model_units
+        from edu3d.model.gpt import GPT
+        from edu3d.parallel.zero.sharding import model_units
 
         _UNITS[key] = [(name, sum(p.numel() for p in params))
                        for name, _, params in model_units(GPT(config, seed=0))]
@@ -75,9 +75,9 @@ def zero_prediction(config, n: int, stage: int) -> dict:
     """Everything the ZeRO panel predicts for ``n`` ranks at ``stage``: Ψ, the formula and
     the planner's count per category for every stage (bytes on rank 0 after a step), and the
     traffic per step in bytes (Ψ counted as 4-byte parameters)."""
-    from edu3d import plan_memory
-    from edu3d.memory import zero_bytes
-    from edu3d.shapes import spec_from_config
+    from edu3d.plan import estimate as plan_memory
+    from edu3d.plan.formulas import zero_bytes
+    from edu3d.model.shapes import spec_from_config
 
     units = zero_units(config, n)
     psi = sum(numel for _, numel, _ in units)
@@ -94,12 +94,12 @@ def zero_prediction(config, n: int, stage: int) -> dict:
 
 
 def zero_versions(stage: int) -> dict:
-    """The one version :func:`edu3d.course.dp.compare_versions` trains for ``stage``."""
+    """The one version :func:`edu3d.course.ch02_data_parallel.compare_versions` trains for ``stage``."""
     return {f"zero{stage}": {"zero": stage}}
 
 
 def zero_measured(run, stage: int, steps: int) -> dict:
-    """What a :func:`edu3d.course.dp.compare_versions` run of :func:`zero_versions` held and
+    """What a :func:`edu3d.course.ch02_data_parallel.compare_versions` run of :func:`zero_versions` held and
     moved: bytes per category on every rank, rank 0's traffic in the last step (the paper's
     count, :func:`edu3d.widgets.overlap.traffic_per_step`), the run's units, and whether its
     losses equal the serial model's."""
@@ -123,7 +123,7 @@ SPLIT = {"rows": 4, "d_in": 8, "d_out": 8, "seed": 0}
 
 def tp_layer_config():
     """Chapter 04's one-layer model: 8 heads, d = 128, s = 64 (b = 2 in every measurement)."""
-    from edu3d.model import GPTConfig
+    from edu3d.model.gpt import GPTConfig
 
     return GPTConfig(n_layers=1, n_heads=8, d_model=128, seq_len=64, vocab_size=64)
 
@@ -132,7 +132,7 @@ def tp_split_prediction(t: int, rows: int = 4, d_in: int = 8, d_out: int = 8,
                         seed: int = 0) -> list[dict]:
     """Each of ``t`` ranks' tensors for the column and the row split of one ``nn.Linear``,
     cut here with ``chunk`` from the same seeded layer and input
-    :func:`edu3d.course.tp.split_demo` builds on every rank: what the ranks will hold."""
+    :func:`edu3d.course.ch04_tensor_parallel.split_demo` builds on every rank: what the ranks will hold."""
     import torch
     import torch.nn as nn
 
@@ -197,8 +197,8 @@ def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
     layer saved, measured with ``saved_tensors_hooks``."""
     import torch
 
-    from edu3d import trace
-    from edu3d.course.tp import split_demo
+    from edu3d.distributed import trace
+    from edu3d.course.ch04_tensor_parallel import split_demo
     from edu3d.parallel.tp.activations import _tp_block, block_input, measure_layer
 
     block = _tp_block(config, mesh, sp, 0)
@@ -243,7 +243,7 @@ def pp_problem(schedule: str, pp: int, m: int, vpp: int) -> str | None:
     if schedule == "interleaved" and m % pp:
         return (f"interleaved sends micro-batches through the chunks in groups of pp: "
                 f"m = {m} must be a multiple of pp = {pp} (try m = {pp * max(1, m // pp)})")
-    from edu3d.parallel.pp.schedules import build
+    from edu3d.schedules.actions import build
 
     try:  # the generators' own limits (ZB-H1 groups its micro-batches like interleaving)
         build(schedule, pp, m, vpp)
@@ -263,7 +263,7 @@ def pp_run_problem(schedule: str, pp: int, m: int, vpp: int, max_ranks: int = 8)
 
 
 def pp_run_kwargs(schedule: str, pp: int, m: int, vpp: int, steps: int = 2) -> dict:
-    """Options of :func:`edu3d.course.pp.run_schedules` for one schedule: one layer per
+    """Options of :func:`edu3d.course.ch05_pipeline_parallel.run_schedules` for one schedule: one layer per
     global stage (at least 4), chapter 05's sizes (d = 128, s = 64, 2 rows per micro-batch),
     so compute, not message overhead, fills most of a step."""
     return {"layers": max(4, pp * vpp), "d_model": 128, "seq": 64, "rows": 2, "steps": steps}
@@ -274,8 +274,8 @@ def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms: tuple, p2p: float = 0.
     """Bubble fraction for each m in ``ms``: the formula and the simulation (F = 1, B = 2,
     I = W = 1, ``p2p`` per message in the same unit); settings that cannot run are left
     out."""
-    from edu3d.parallel.pp.schedules import build
-    from edu3d.parallel.pp.simulate import Costs, bubble_formula, simulate
+    from edu3d.schedules.actions import build
+    from edu3d.schedules.simulate import Costs, bubble_formula, simulate
 
     out = {"m": [], "formula": [], "simulated": []}
     for m in ms:  # a tuple, so the curve is computed once per setting

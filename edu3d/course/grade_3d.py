@@ -2,7 +2,7 @@
 against the serial model.
 
 :func:`grade` is a launch target (``launch(grade, 4, layout=Layout(tp=2, pp=2))``). Every
-rank builds the library's :class:`~edu3d.trainer.Trainer` on a tp2-pp2 layout with tied
+rank builds the library's :class:`~edu3d.train.trainer.Trainer` on a tp2-pp2 layout with tied
 embeddings, back-propagates one global batch (2 micro-batches), and hands the learner's
 functions the pieces this rank really holds:
 
@@ -13,7 +13,7 @@ functions the pieces this rank really holds:
   fixes, as :class:`GradPiece` s, and must return the serial model's gradient norm on every
   rank. The provided buggy norm is measured alongside, to show how far off it is.
 
-Every verdict is a bool agreed by all ranks (:func:`~edu3d.runtime.all_ok`): an unfinished
+Every verdict is a bool agreed by all ranks (:func:`~edu3d.distributed.runtime.all_ok`): an unfinished
 stub or a wrong answer is ``False`` everywhere, never an exception that would leave the
 other ranks waiting in a collective.
 """
@@ -58,12 +58,12 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = No
     rank, ``{"tied": bool, "norm": bool, "serial_norm", "norm_value", "buggy_norm",
     "library_norm"}``. ``use`` grades another function of the module under a graded name
     (``{"global_grad_norm": "buggy_global_grad_norm"}``: the tests prove the bug is caught)."""
-    from edu3d import grading
+    from edu3d.course import grading
     from edu3d.course import lesson_args
-    from edu3d.data import SyntheticCorpus
-    from edu3d.model import GPT, config_from
-    from edu3d.runtime import all_ok
-    from edu3d.trainer import Trainer
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.model.gpt import GPT, config_from
+    from edu3d.distributed.runtime import all_ok
+    from edu3d.train.trainer import Trainer
 
     mod = grading.load("grad_norm_3d")
     use = use or {}
@@ -123,7 +123,7 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = No
 def run(timeout: float = 180, **kwargs) -> dict:
     """Launch :func:`grade` on 4 ranks (tp2-pp2) quietly; rank 0's verdicts."""
     from edu3d.launch import launch
-    from edu3d.mesh import Layout
+    from edu3d.distributed.mesh import Layout
 
     res = launch(grade, 4, layout=Layout(tp=2, pp=2), echo=False, progress=False,
                  timeout=timeout, name="grade_3d", kwargs=kwargs)

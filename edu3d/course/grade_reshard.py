@@ -1,7 +1,7 @@
 """The grader of exercise 08 (``exercises/reshard.py``): checkpoint pieces of real layouts.
 
 Every case starts from a full serial tensor and cuts it the way a layout's ranks own it, with
-the library's placement arithmetic (:func:`edu3d.reshard.pieces`): TP boxes (the fused qkv
+the library's placement arithmetic (:func:`edu3d.ckpt.reshard.pieces`): TP boxes (the fused qkv
 weight's three row blocks, a row-parallel weight's columns, the vocabulary-parallel
 embedding padded to a multiple of tp), then ZeRO's flat windows, which start and end in the
 middle of rows. The learner's ``full_tensor`` must rebuild the serial tensor from those
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from edu3d import reshard
+from edu3d.ckpt import reshard
 
 # (name, full shape, TP spec (dim, parts, true size)) of tensors of the course's GPT
 QKV = ("blocks.0.attn.qkv.weight", [96, 32], (0, 3, None))  # column-parallel, fused q|k|v

@@ -31,7 +31,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from edu3d import comm
+from edu3d.distributed import comm
 from edu3d.parallel.parallelize import Parallel
 
 

@@ -11,7 +11,7 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
    its TP forward communication) and before the cut, which keeps the wrapped blocks
    (:func:`~edu3d.parallel.recompute.apply_recompute`);
 3. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
-   (:func:`~edu3d.parallel.pp.partition.partition`, :func:`~edu3d.parallel.pp.stage.split_model`);
+   (:func:`~edu3d.schedules.partition.partition`, :func:`~edu3d.parallel.pp.stage.split_model`);
    the schedule's action list for this rank is built alongside;
 4. **data parallelism or ZeRO** wraps what is left, the parameters this rank really holds
    (last, because it must see the final parameters: TP shards of this rank's stages only).
@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from edu3d.mesh import Mesh
-from edu3d.parallel.dp import DataParallel
-from edu3d.parallel.pp.partition import partition
-from edu3d.parallel.pp.schedules import Action, build, chunks, with_comms
+from edu3d.distributed.mesh import Mesh
+from edu3d.parallel.dp.data_parallel import DataParallel
+from edu3d.schedules.partition import partition
+from edu3d.schedules.actions import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
-from edu3d.parallel.zero import Zero, model_units
+from edu3d.parallel.zero.sharding import Zero, model_units
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def apply_data_parallel(par: Parallel, args) -> None:
     elif mesh.size("dp") > 1:
         hook = None
         if plan.compress:
-            from edu3d.parallel.compress import make_hook
+            from edu3d.parallel.dp.compress import make_hook
 
             hook = make_hook(plan.compress)
         par.dp = DataParallel(par.module, mesh.dp, plan.dp_impl, plan.bucket_mb,

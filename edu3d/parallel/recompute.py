@@ -12,16 +12,16 @@ After reading this file you should understand:
   16-bit, ``/t`` under sequence parallelism); the price is one more forward of every block,
   up to a third more compute (a backward costs about two forwards);
 * **selective** recomputation (``--recompute selective``) recomputes only the *attention
-  core* (``softmax(QK^T)V``, :meth:`edu3d.model.CausalSelfAttention.core`), the part whose
+  core* (``softmax(QK^T)V``, :meth:`edu3d.model.gpt.CausalSelfAttention.core`), the part whose
   saved tensors grow with ``s^2`` (the ``5as/h`` term: scores, softmax, its dropout) while
   it costs few FLOPs. With a fused attention kernel, as here, the ``s x s`` matrices are
   never stored, so selective recomputation saves only the kernel's per-token log-sum-exp:
-  FlashAttention already *is* selective recomputation (see :mod:`edu3d.course.memory`);
+  FlashAttention already *is* selective recomputation (see :mod:`edu3d.course.ch07_memory`);
 * how ``torch.utils.checkpoint`` (non-reentrant) does it: inside the region a
   ``saved_tensors_hooks`` pair replaces every saved tensor by a placeholder; the region's
   inputs are saved by one no-op autograd node *outside* it, so whatever counts saved tensors
   (:class:`~edu3d.parallel.pp.engine.PipelineEngine`'s activation meter,
-  :func:`edu3d.memory.measure_activations`) sees exactly what is kept: the inputs. The first
+  :func:`edu3d.plan.formulas.measure_activations`) sees exactly what is kept: the inputs. The first
   placeholder unpacked in backward re-runs the region (and stops as soon as every saved
   tensor is back);
 * how it composes: it is applied **after tensor parallelism** (it wraps the parallel block,
@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from edu3d import memory
+from edu3d.plan import formulas as memory
 
 MODES = ("none", "selective", "full")
 
@@ -144,7 +144,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     from Q, K, V, which stay saved (they are its inputs), and its output stays too (the
     output projection saves it): only the ``asb`` log-sum-exps go. ``full`` keeps the
     block's input, ``sbh`` (``/t`` with SP). Korthikanti's 16-bit counts
-    (:func:`edu3d.memory.activation_bytes_per_layer`) have ``34sbh``, ``2sbh`` of it dropout
+    (:func:`edu3d.plan.formulas.activation_bytes_per_layer`) have ``34sbh``, ``2sbh`` of it dropout
     masks, and ``5as^2b`` for the unfused scores, softmax and its dropout that selective
     recomputation removes: here a fused kernel never stored them.
     """

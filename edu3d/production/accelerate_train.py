@@ -18,7 +18,7 @@ what it leaves to you:
 What stays edu3d's, so the run is comparable step by step with ``edu3d train --dp 2``: the
 model and its initial weights (``GPT(config, seed)``), global batch ``step`` of the
 synthetic corpus cut into the ranks' rows, AdamW with edu3d's weight-decay groups, the
-learning-rate schedule and the clipping threshold (:mod:`edu3d.optim`).
+learning-rate schedule and the clipping threshold (:mod:`edu3d.train.optim`).
 
 Three ways to start it, all on 127.0.0.1 only:
 
@@ -77,10 +77,10 @@ def train(steps: int = 5, overrides: dict | None = None) -> dict | None:
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from edu3d.data import SyntheticCorpus, shard_rows
-    from edu3d.model import GPT
-    from edu3d.optim import lr_at, make_optimizer, set_lr
-    from edu3d.options import config_from_args, defaults
+    from edu3d.train.data import SyntheticCorpus, shard_rows
+    from edu3d.model.gpt import GPT
+    from edu3d.train.optim import lr_at, make_optimizer, set_lr
+    from edu3d.train.options import config_from_args, defaults
 
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -168,8 +168,8 @@ def loopback_only():
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
-    from edu3d.launch import _bind_stores_to_loopback
-    from edu3d.runtime import loopback_ifname
+    from edu3d.launch.api import _bind_stores_to_loopback
+    from edu3d.distributed.runtime import loopback_ifname
 
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     saved = (dist.TCPStore, c10d_rendezvous_backend.TCPStore, static_tcp_rendezvous.TCPStore)
@@ -202,7 +202,7 @@ def notebook_launch(steps: int = 5, num_processes: int = 2, overrides: dict | No
     import torch
     from accelerate import notebook_launcher
 
-    import edu3d.data, edu3d.model, edu3d.optim  # noqa: F401,E401 (the ranks inherit them)
+    import edu3d.train.data, edu3d.model.gpt, edu3d.train.optim  # noqa: F401,E401 (the ranks inherit them)
 
     # the ranks are forked from this process: import what each would otherwise import on its
     # own (AdamW's constructor pulls in torch._dynamo, seconds per rank on a busy CPU)

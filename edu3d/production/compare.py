@@ -2,8 +2,8 @@
 own APIs (``--impl torch``), side by side.
 
 For every layout: the same model, seed and batches through edu3d's
-:class:`~edu3d.trainer.Trainer`, through :class:`~edu3d.production.torch_impl.TorchTrainer`
-and through the serial reference step (:func:`edu3d.train.train_step`):
+:class:`~edu3d.train.trainer.Trainer`, through :class:`~edu3d.production.torch_impl.TorchTrainer`
+and through the serial reference step (:func:`edu3d.train.loop.train_step`):
 
 * **gradients**, with plain SGD (Adam would hide a wrong ``1/dp`` or ``1/m``): every
   gradient of step 1 gathered by serial name (the worst relative error), the gradient norm of
@@ -49,7 +49,7 @@ _SERIAL: dict = {}
 
 
 def options(argv: list[str]) -> argparse.Namespace:
-    from edu3d.options import add_arguments, check_args
+    from edu3d.train.options import add_arguments, check_args
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
     check_args(args)
@@ -92,14 +92,14 @@ def _rel(a: float, b: float) -> float:
 def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     """One layout (every rank calls): torch vs serial with SGD and AdamW, and (``edu3d_too``)
     torch vs edu3d with AdamW, with step times."""
-    from edu3d.data import SyntheticCorpus
-    from edu3d.mesh import Layout, Mesh
-    from edu3d.model import GPT
-    from edu3d.optim import make_optimizer
-    from edu3d.options import config_from_args
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.distributed.mesh import Layout, Mesh
+    from edu3d.model.gpt import GPT
+    from edu3d.train.optim import make_optimizer
+    from edu3d.train.options import config_from_args
     from edu3d.production.torch_impl import TorchTrainer
-    from edu3d.train import train_step
-    from edu3d.trainer import Trainer
+    from edu3d.train.loop import train_step
+    from edu3d.train.trainer import Trainer
 
     adam = options([*argv, "--impl", "torch"])
     sgd = options([*argv, "--impl", "torch", "--optimizer", "sgd", "--lr", "0.1"])

@@ -99,10 +99,10 @@ def run(specs=SPECS, steps: int = 4) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from edu3d.data import SyntheticCorpus, shard_rows
-    from edu3d.model import GPT
-    from edu3d.optim import param_groups
-    from edu3d.options import config_from_args, defaults
+    from edu3d.train.data import SyntheticCorpus, shard_rows
+    from edu3d.model.gpt import GPT
+    from edu3d.train.optim import param_groups
+    from edu3d.train.options import config_from_args, defaults
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
     if args.print is not None:
-        from edu3d.options import defaults
+        from edu3d.train.options import defaults
 
         print(json.dumps(ds_config(defaults(dp=2), args.print, args.offload), indent=2))
     elif args.launch:

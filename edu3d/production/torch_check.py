@@ -57,7 +57,7 @@ def unsupported(args: argparse.Namespace) -> str | None:
     pp, tp = _opt(args, "pp", 1) or 1, _opt(args, "tp", 1) or 1
     tie = _opt(args, "tie")
     if tie is None:
-        tie = _opt(args, "model") == "gpt2-small"  # the preset that ties (edu3d.model.PRESETS)
+        tie = _opt(args, "model") == "gpt2-small"  # the preset that ties (edu3d.model.gpt.PRESETS)
     if tie and pp > 1:
         return ("--tie with --pp > 1: torch.distributed.pipelining gives each stage its own "
                 "module, with no embedding group to keep a tied matrix on two stages equal; "

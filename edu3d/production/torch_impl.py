@@ -1,5 +1,5 @@
 """``edu3d train --impl torch``: the same layout, model, data and optimizer as edu3d's own
-:class:`~edu3d.trainer.Trainer`, executed by PyTorch's parallel APIs, composed as torchtitan
+:class:`~edu3d.train.trainer.Trainer`, executed by PyTorch's parallel APIs, composed as torchtitan
 composes them.
 
 After reading this file you should understand how each of edu3d's mechanisms maps onto a
@@ -42,11 +42,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from edu3d.data import microbatches, shard_rows
-from edu3d.mesh import Layout, Mesh
-from edu3d.optim import lr_at, optimizer_for, param_groups, set_lr
-from edu3d.parallel.pp.partition import partition
-from edu3d.parallel.pp.schedules import chunks
+from edu3d.train.data import microbatches, shard_rows
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.train.optim import lr_at, optimizer_for, param_groups, set_lr
+from edu3d.schedules.partition import partition
+from edu3d.schedules.actions import chunks
 from edu3d.production import torch_pp
 from edu3d.production.torch_tp import apply_tp, serial_qkv
 
@@ -80,7 +80,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchTrainer:
-    """:class:`~edu3d.trainer.Trainer`'s interface (``mesh``, ``step``, ``stats``) on
+    """:class:`~edu3d.train.trainer.Trainer`'s interface (``mesh``, ``step``, ``stats``) on
     PyTorch's own APIs. ``model`` is the full serial GPT, the same on every rank."""
 
     def __init__(self, model: nn.Module, mesh: Mesh | None, args):
@@ -213,7 +213,7 @@ class TorchTrainer:
     @torch.no_grad()
     def gather(self, what: str = "grad") -> dict[str, torch.Tensor]:
         """Full serial tensors by serial name, ``"param"`` or ``"grad"``, on every rank (as
-        :meth:`edu3d.trainer.Trainer.gather`). Collective and untraced: for tests and
+        :meth:`edu3d.train.trainer.Trainer.gather`). Collective and untraced: for tests and
         benchmarks, not for training."""
         log = logging.getLogger("torch.distributed.tensor._redistribute")
         log.setLevel(logging.ERROR)  # FSDP-over-TP shards gather in two steps; it warns

@@ -7,7 +7,7 @@ for a model of its own:
 * the model is cut by *module ownership*, not traced: each global stage keeps some blocks
   of the (already tensor-parallel) model, the first also the embeddings, the last also the
   final LayerNorm and the head; the ranges are edu3d's
-  (:func:`edu3d.parallel.pp.partition.partition`), and global stage ``s`` lives on pipeline
+  (:func:`edu3d.schedules.partition.partition`), and global stage ``s`` lives on pipeline
   rank ``s % pp`` (round robin, PyTorch's "loop" placement for interleaving);
 * each piece becomes a ``PipelineStage`` on the pp process group, and one schedule object
   (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or

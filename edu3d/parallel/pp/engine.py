@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from edu3d import trace
-from edu3d.parallel.pp.schedules import Action
+from edu3d.distributed import trace
+from edu3d.schedules.actions import Action
 from edu3d.parallel.pp.stage import PipelineStage
 
 def scaled_loss(loss: torch.Tensor, m: int) -> torch.Tensor:

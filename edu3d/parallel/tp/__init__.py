@@ -4,8 +4,8 @@ Read in this order: :mod:`~edu3d.parallel.tp.ops` (the conjugate communication o
 :mod:`~edu3d.parallel.tp.layers` (column, row, vocabulary-parallel layers and the loss),
 :mod:`~edu3d.parallel.tp.apply` (the model transformation),
 :mod:`~edu3d.parallel.tp.activations` (activation memory, measured against Korthikanti's
-formula), :mod:`edu3d.course.tp` (the runs chapter 04 draws, and exercise 04's
-grader) and :mod:`~edu3d.bench.tp` (edu3d against PyTorch's DTensor TP).
+formula), :mod:`edu3d.course.ch04_tensor_parallel` (the runs chapter 04 draws, and exercise 04's
+grader) and :mod:`~edu3d.bench.bench_tp` (edu3d against PyTorch's DTensor TP).
 """
 
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,

@@ -24,9 +24,9 @@ from collections import Counter
 
 import torch
 
-from edu3d import trace
-from edu3d.memory import measure_activations
-from edu3d.model import GPT, GPTConfig
+from edu3d.distributed import trace
+from edu3d.plan.formulas import measure_activations
+from edu3d.model.gpt import GPT, GPTConfig
 
 
 def saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:

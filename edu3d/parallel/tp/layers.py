@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from edu3d import comm
+from edu3d.distributed import comm
 from edu3d.parallel.tp import ops
 
 

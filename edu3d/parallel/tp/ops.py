@@ -21,7 +21,7 @@ After reading this file you should understand:
   it contributes a partial gradient, and the true gradient is their *sum* (all-reduce). If
   forward *sums* partial results, each rank's input receives the full gradient unchanged
   (identity). Gather and split are each other's transpose in the same way;
-* every collective goes through :mod:`edu3d.comm`, so it is a trace event a chart can count;
+* every collective goes through :mod:`edu3d.distributed.comm`, so it is a trace event a chart can count;
   with one rank in the group the operators do nothing and record nothing.
 
 ``dim`` is the dimension that is gathered, split or scattered: the hidden dimension (``-1``)
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from edu3d import comm, trace
+from edu3d.distributed import comm, trace
 
 
 def group_size(group) -> int:
@@ -84,7 +84,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
-    """Element-wise maximum over the group, recorded like :func:`edu3d.comm.all_reduce`
+    """Element-wise maximum over the group, recorded like :func:`edu3d.distributed.comm.all_reduce`
     (the one reduction that is not a sum: the max is only a numerical shift, exact on gloo)."""
     out = x.contiguous().clone()
     with trace.current().span("comm", "all_reduce", group=comm.group_name(group),

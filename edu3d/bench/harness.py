@@ -1,0 +1,101 @@
+"""Benchmarks: edu3d's mechanics timed side by side with PyTorch's own implementations.
+
+After reading this file you should understand how edu3d measures speed honestly:
+
+* both implementations run in the **same process tree** (the same ranks, the same process
+  groups), so they see the same machine, load and network;
+* their repetitions are **interleaved** (edu3d, torch, edu3d, torch, ...), so a slow phase
+  of the machine hurts both equally, and each time is the **median** of several repetitions;
+* a distributed repetition ends when the **slowest rank** ends (a barrier before, the maximum
+  over ranks after);
+* results are reported as ``ratio = edu3d_s / reference_s`` in one JSON shape::
+
+    {"benchmark": "dp", "world_size": 4,
+     "results": [{"name": "bucketed", "edu3d_s": 0.012, "reference":
+                  "torch.nn.parallel.DistributedDataParallel", "reference_s": 0.011,
+                  "ratio": 1.09}]}
+
+Benchmarks are commands (``edu3d bench NAME``), never timed tests: a test's pass or fail must
+not depend on how busy the machine is.
+
+This module is the one harness; each benchmark is a module beside it: :mod:`.comm`
+(collectives and the alpha-beta fit), :mod:`.dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.tp` (DTensor
+tensor parallelism), :mod:`.pp` (``Schedule1F1B``), :mod:`.threed` (the composed dp x tp x pp
+stack), :mod:`.recompute` (activation recomputation against ``checkpoint_wrapper``) and
+:mod:`.launch` (``edu3d run`` against a bare torchrun, and a warm pool's cell against a cold
+one). :mod:`.gpu` is the one
+that needs CUDA: the memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and
+MFU on one device (``python -m edu3d.bench.bench_gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+
+def progress(message: str) -> None:
+    """One line on stderr, from rank 0 only, so a benchmark that runs for half a minute shows
+    it is alive; stdout keeps only the report."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _progress_rep(i: int, reps: int, times: dict[str, list[float]]) -> None:
+    progress(f"repetition {i + 1}/{reps}: " +
+             ", ".join(f"{name} {ts[-1] * 1e3:.2f} ms" for name, ts in times.items()))
+
+
+def time_once(fn: Callable[[], object], group=None) -> float:
+    """Seconds from a common start (barrier) until the slowest rank finishes ``fn``."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed.item())
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1,
+                        group=None) -> dict[str, float]:
+    """Median seconds of each function, repetitions interleaved across functions."""
+    progress(f"{' vs '.join(fns)}: {warmup} warm-up and {reps} timed repetitions")
+    for _ in range(warmup):
+        for fn in fns.values():
+            time_once(fn, group)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(reps):
+        for name, fn in fns.items():
+            times[name].append(time_once(fn, group))
+        _progress_rep(i, reps, times)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def result(name: str, edu3d_s: float, reference: str, reference_s: float, **extra) -> dict:
+    """One row of a benchmark report."""
+    return {"name": name, "edu3d_s": edu3d_s, "reference": reference,
+            "reference_s": reference_s, "ratio": edu3d_s / reference_s, **extra}
+
+
+def report(benchmark: str, world_size: int, results: list[dict]) -> dict:
+    return {"benchmark": benchmark, "world_size": world_size, "results": results}
+
+
+def format_table(rep: dict) -> str:
+    """A readable table of a report (the non-JSON output of ``edu3d bench``)."""
+    lines = [f"benchmark {rep['benchmark']} on {rep['world_size']} ranks "
+             f"(medians of interleaved repetitions)",
+             f"{'name':<22} {'edu3d':>10} {'reference':>10} {'ratio':>7}  reference"]
+    for r in rep["results"]:
+        lines.append(f"{r['name']:<22} {r['edu3d_s'] * 1e3:>8.2f}ms {r['reference_s'] * 1e3:>8.2f}ms "
+                     f"{r['ratio']:>7.3f}  {r['reference']}")
+    return "\n".join(lines)
+

@@ -1,0 +1,1 @@
+"""Sharded checkpoints: the format, saving and resuming, resharding, export."""

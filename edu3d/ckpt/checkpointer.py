@@ -1,0 +1,271 @@
+"""Saving and resuming a run: the :class:`Checkpointer` that ``edu3d train --ckpt-dir`` drives.
+
+After reading this file you should understand one save and one resume, seen from a rank
+(the files themselves are described in :mod:`edu3d.ckpt.format`):
+
+**save(step)**
+
+1. wait for the previous save: at most one is in flight;
+2. *snapshot*: copy the pieces this rank owns into fresh CPU tensors. Under
+   ``--async-save`` this is all the training step waits for (``ckpt_blocked_s`` in the
+   step's record); the parameters may change as soon as it returns;
+3. write ``rank-R.pt``, then its receipt ``rank-R.json`` (sha256, size, pieces), each
+   through :func:`~edu3d.ckpt.format.write_atomic`;
+4. rank 0 waits until every rank's receipt for *this* save is on disk, then writes
+   ``manifest.json``: from that moment the folder is a checkpoint. With ``--keep-last K``
+   rank 0 then removes all but the newest K (:func:`~edu3d.ckpt.format.prune`);
+5. (synchronous save) a barrier: no rank goes on to the next step before the checkpoint
+   is committed, so a rank that dies in that step is restarted from this one. (Without it,
+   a rank could die in the next step while rank 0 was still writing the manifest.)
+
+Under ``--async-save`` steps 3 and 4 run in a background thread and step 5 is skipped. The
+thread uses no collective on purpose: a second thread must never enter the trainer's process
+groups (collectives must be issued in the same order on every rank), so rank 0 learns that
+the others are done from their receipts. A receipt carries a token the ranks agreed on when
+the run started, so a receipt left by an earlier, killed run in the same folder is never
+mistaken for this one's.
+
+**resume()**: read the newest manifest, refuse it if it belongs to another run (model,
+seed, global batch, optimizer settings), then fill every piece this rank now holds
+(:meth:`~edu3d.train.trainer.Trainer.checkpoint_slots`) from the saved pieces that overlap it,
+whatever layout wrote them (:mod:`edu3d.ckpt.reshard`), set the optimizer's step count and the
+fp16 loss scale, and return the records the checkpoint kept. Training then goes on with step
+``step + 1``: its learning rate and its batch are functions of the step alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from edu3d.ckpt import reshard
+from edu3d.distributed import trace
+from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, differences,
+                               latest_step, load_pieces, prune, read_file, read_manifest, step_dir,
+                               write_atomic)
+from edu3d.train.options import config_from_args
+
+
+class Checkpointer:
+    """Saves ``trainer``'s state into ``args.ckpt_dir`` as ``args`` says (``--save-every``,
+    ``--async-save``) and resumes it. Every rank of the run creates one (collective)."""
+
+    def __init__(self, trainer, args):
+        self.trainer, self.args = trainer, args
+        self.config = config_from_args(args)
+        self.root = step_dir(args.ckpt_dir, 0).parent
+        self.every = getattr(args, "save_every", None)
+        self.keep = getattr(args, "keep_last", None)
+        self.background = bool(getattr(args, "async_save", False))
+        self.rank, self.world = trainer.mesh.rank, trainer.mesh.layout.world_size
+        self.timeout = float(getattr(args, "timeout", None) or 600.0)
+        token = [uuid.uuid4().hex]
+        if self.world > 1:  # every rank's receipts carry rank 0's token
+            dist.broadcast_object_list(token, src=0)
+        self.token = token[0]
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.written: tuple | None = None  # (step, t0, t1) of the last write, trace clock
+        self.history: list[dict] = []  # per save: "step", "blocked" and "write" (t0, t1) in µs
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step == self.args.steps or bool(self.every and step % self.every == 0)
+
+    def after_step(self, step: int, records: list[dict]) -> None:
+        """Save if ``step`` is due; the seconds the step waited go into its record."""
+        if self.due(step):
+            t0 = time.perf_counter()
+            self.save(step, records)
+            records[-1]["ckpt_blocked_s"] = time.perf_counter() - t0
+
+    def save(self, step: int, records: list[dict]) -> None:
+        """Save the state after ``step`` (collective: every rank calls). On the trace's
+        compute lane: ``ckpt_blocked`` (what the training thread waited: the previous save,
+        the snapshot, and the writes unless ``--async-save``) and ``ckpt_write`` (the
+        writes, ``background: true`` when a thread did them); also kept in ``history``."""
+        rec = trace.current()
+        t0 = rec.now()
+        self._save(step, records)
+        t1 = rec.now()
+        rec.record("compute", "ckpt_blocked", t0, t1, step=step)
+        self.history.append({"step": step, "blocked": (t0, t1)})
+        if not self.background:
+            self._trace_write()
+
+    def _save(self, step: int, records: list[dict]) -> None:
+        self.wait()
+        folder = step_dir(self.root, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # an older run's manifest here would vouch for files we replace
+            (folder / MANIFEST).unlink(missing_ok=True)
+        if self.world > 1:
+            dist.barrier()
+        job = self.snapshot(step, records)
+        self.written = None
+        if self.background:
+            self.thread = threading.Thread(target=self._write_logged, args=(job,),
+                                           name=f"ckpt-step-{step}", daemon=True)
+            self.thread.start()
+        else:
+            self.write(job)
+            if self.world > 1:  # rank 0 has written the manifest: a synchronous save is
+                dist.barrier()  # committed on every rank when it returns (as DCP's save)
+
+    def snapshot(self, step: int, records: list[dict]) -> dict:
+        """CPU copies of what this rank owns, and (rank 0) the manifest's contents."""
+        pieces, data = [], []
+        with torch.no_grad():
+            for place, view, owned in self.trainer.checkpoint_slots():
+                if owned:
+                    pieces.append(place)
+                    data.append(view.detach().to("cpu", copy=True))
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        job = {"step": step, "pieces": pieces, "data": data, "rng": rng}
+        if self.rank == 0:
+            prec = self.trainer.precision
+            job["manifest"] = {
+                "format": FORMAT, "step": step, "steps": self.args.steps,
+                "config": dataclasses.asdict(self.config),
+                "options": {k: getattr(self.args, k) for k in MUST_MATCH},
+                "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
+                "precision": {"mode": prec.mode, "scale": prec.scale,
+                              "good_steps": prec.good_steps, "skipped": prec.skipped},
+                "data_position": f"step {step}: the next batch is corpus.batch({step + 1})",
+                "records": json.loads(json.dumps(records[:step])),
+            }
+        return job
+
+    def layout(self) -> dict:
+        layout, plan = self.trainer.mesh.layout, self.trainer.plan
+        return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+                "zero": plan.zero, "schedule": plan.schedule, "microbatches": plan.microbatches,
+                "world_size": layout.world_size}
+
+    def write(self, job: dict) -> None:
+        """Write this rank's file and receipt; rank 0 then writes the manifest."""
+        t0 = trace.current().now()
+        self._write(job)
+        self.written = (job["step"], t0, trace.current().now())
+
+    def _trace_write(self) -> None:
+        if self.written is not None:  # emitted from the training thread, never the writer's
+            step, t0, t1 = self.written
+            trace.current().record("compute", "ckpt_write", t0, t1, step=step,
+                                   background=self.background)
+            self.history[-1]["write"] = (t0, t1)
+            self.written = None
+
+    def _write(self, job: dict) -> None:
+        folder = step_dir(self.root, job["step"])
+        name = f"rank-{self.rank:05d}"
+        buf = io.BytesIO()
+        torch.save({k: job[k] for k in ("step", "pieces", "data", "rng")}, buf)
+        data = buf.getvalue()
+        write_atomic(folder / f"{name}.pt", data)
+        receipt = {"token": self.token, "step": job["step"], "rank": self.rank,
+                   "file": f"{name}.pt", "sha256": hashlib.sha256(data).hexdigest(),
+                   "bytes": len(data), "pieces": job["pieces"]}
+        write_atomic(folder / f"{name}.json", json.dumps(receipt).encode())
+        if self.rank == 0:
+            self.write_manifest(job)
+
+    def write_manifest(self, job: dict) -> None:
+        """Once every rank's receipt of this save is on disk: the manifest, last."""
+        folder = step_dir(self.root, job["step"])
+        deadline = time.monotonic() + self.timeout
+        receipts: dict[int, dict] = {}
+        while len(receipts) < self.world:
+            for r in set(range(self.world)) - set(receipts):
+                try:
+                    rec = json.loads((folder / f"rank-{r:05d}.json").read_text())
+                except (OSError, ValueError):
+                    continue
+                if rec.get("token") == self.token and rec.get("step") == job["step"]:
+                    receipts[r] = rec
+            if len(receipts) < self.world:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world)) - set(receipts))
+                    raise CheckpointError(f"{folder}: ranks {missing} wrote no receipt within "
+                                          f"{self.timeout:g} s; no manifest written")
+                time.sleep(0.005)
+        manifest = dict(job["manifest"])
+        manifest["files"] = {rec["file"]: {k: rec[k] for k in ("rank", "sha256", "bytes",
+                                                                "pieces")}
+                             for _, rec in sorted(receipts.items())}
+        write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if self.keep:  # committed: now the older checkpoints may go (--keep-last)
+            prune(self.root, self.keep)
+
+    def _write_logged(self, job: dict) -> None:
+        try:
+            self.write(job)
+        except BaseException as err:  # re-raised in the training thread by wait()
+            self.error = err
+
+    def wait(self) -> None:
+        """Wait for a save in flight; raise its error if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            self._trace_write()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def close(self) -> None:
+        self.wait()
+
+    # ---- resuming -------------------------------------------------------------------------------
+    def resume(self, step: int | None = None) -> list[dict]:
+        """Load the newest complete checkpoint (or ``step``'s) into the trainer, whatever
+        layout wrote it; returns its records ([] when there is none)."""
+        self.wait()
+        step = latest_step(self.root) if step is None else step
+        if not step:
+            return []
+        manifest = read_manifest(self.root, step)
+        diff = differences(manifest, self.config, self.args)
+        if diff:
+            raise CheckpointError(f"{step_dir(self.root, step) / MANIFEST} belongs to another "
+                                  "run: " + "; ".join(diff))
+        self.load(manifest)
+        return manifest["records"]
+
+    def load(self, manifest: dict) -> None:
+        folder = step_dir(self.root, manifest["step"])
+        slots = self.trainer.checkpoint_slots()
+        saved = load_pieces(folder, manifest, [place for place, _, _ in slots])
+        by_key: dict = {}
+        for place, view, _ in slots:
+            by_key.setdefault((place["name"], place["kind"]), []).append((place, view))
+        with torch.no_grad():
+            for key, mine in by_key.items():  # one full tensor at a time
+                values, seen = reshard.place_all(saved[key])
+                for place, view in mine:
+                    if not reshard.read(seen, place).all():
+                        raise CheckpointError(f"{folder}: no saved piece covers {key[0]} "
+                                              f"({key[1]}) box {place['box']}: a shard is "
+                                              "missing")
+                    view.copy_(reshard.read(values, place))
+        self.trainer.optimizer_step = manifest["optimizer_step"]
+        prec, saved_prec = self.trainer.precision, manifest["precision"]
+        if prec.mode == saved_prec["mode"]:
+            prec.scale, prec.good_steps = saved_prec["scale"], saved_prec["good_steps"]
+            prec.skipped = saved_prec["skipped"]
+        if manifest["layout"] == self.layout():  # the same ranks: their random states too
+            name = f"rank-{self.rank:05d}.pt"
+            rng = read_file(folder, name, manifest["files"][name])["rng"]
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])

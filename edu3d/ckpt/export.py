@@ -1,0 +1,132 @@
+"""``edu3d ckpt show|export``: read a sharded checkpoint from outside the run that wrote it.
+
+After reading this file you should understand how a checkpoint leaves edu3d:
+
+* ``edu3d ckpt show DIR`` prints what a folder holds: the complete steps, the folders that
+  are not checkpoints (no manifest), the layout that wrote the newest one, and each rank's
+  file with its pieces;
+* ``edu3d ckpt export DIR OUT`` assembles every parameter's full tensor from the shards
+  (:func:`edu3d.ckpt.format.full_state`) and writes **one file** that plain ``torch.load``
+  reads: ``{"config": {...}, "step": 40, "model": state_dict}``, so
+  ``GPT(GPTConfig(**d["config"])).load_state_dict(d["model"])`` is the whole recipe;
+* ``--format dcp`` writes the same state dict with ``torch.distributed.checkpoint.save``
+  (PyTorch's distributed checkpoint, DCP), which ``dcp.load`` reads back into the serial
+  model, and which other tools built on DCP (torchtitan, for one) can reshard themselves.
+
+Why an export rather than DCP metadata over edu3d's own shards: DCP describes every saved
+chunk as a *box* (offsets and sizes per dimension, ``ChunkStorageMetadata``). A TP shard is a
+box, but a ZeRO shard is a run of a flat buffer that starts and ends inside rows (see
+:mod:`edu3d.ckpt.reshard`): it has no box, and DCP cannot name it. (PyTorch's FSDP2 shards each
+parameter along dimension 0 for that reason.) Assembling first sidesteps the question.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from edu3d.ckpt.format import CheckpointError, full_state, read_manifest, step_dir, steps
+
+
+def state_dict(ckpt_dir, step: int | None = None) -> tuple[dict, dict]:
+    """``(manifest, state dict of the serial GPT)``, the tied head included when tied."""
+    from edu3d.model.gpt import GPT, GPTConfig
+
+    manifest, params = full_state(ckpt_dir, step)
+    model = GPT(GPTConfig(**manifest["config"]))
+    missing = set(n for n, _ in model.named_parameters()) - set(params)
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: no saved pieces of {sorted(missing)}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return manifest, model.state_dict()
+
+
+def export(ckpt_dir, out, step: int | None = None, fmt: str = "torch") -> Path:
+    """Write one consolidated checkpoint (``fmt`` ``"torch"``: one file; ``"dcp"``: a DCP
+    folder); returns its path."""
+    manifest, sd = state_dict(ckpt_dir, step)
+    out = Path(out)
+    if fmt == "dcp":
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"config": manifest["config"], "step": manifest["step"], "model": sd}, out)
+    return out
+
+
+def describe(ckpt_dir, step: int | None = None) -> str:
+    """What ``edu3d ckpt show`` prints."""
+    root = Path(ckpt_dir)
+    done = steps(root)
+    partial = sorted(d.name for d in root.glob("step-*") if d.is_dir() and
+                     d.name[5:].isdigit() and int(d.name[5:]) not in done)
+    lines = [f"{root}: complete checkpoints at steps {', '.join(map(str, done)) or 'none'}"]
+    if partial:
+        lines.append(f"not checkpoints (no manifest, never loaded): {', '.join(partial)}")
+    if not done:
+        return "\n".join(lines)
+    m = read_manifest(root, step)
+    lay = m["layout"]
+    lines.append(f"step {m['step']} written by dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
+                 f" vpp={lay['vpp']} zero={lay['zero']} ({lay['world_size']} ranks); model "
+                 + " ".join(f"{k}={v}" for k, v in m["config"].items()))
+    lines.append(f"optimizer {m['options']['optimizer']}, {m['optimizer_step']} updates; "
+                 f"{len(m['records'])} records kept; {m['data_position']}")
+    folder = step_dir(root, m["step"])
+    for name, info in m["files"].items():
+        kinds: dict[str, int] = {}
+        for p in info["pieces"]:
+            kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+        what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "nothing it alone owns"
+        lines.append(f"  {folder.name}/{name}  {info['bytes'] / 2**10:8.1f} KiB  sha256 "
+                     f"{info['sha256'][:12]}  pieces: {what}")
+    return "\n".join(lines)
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect or export a sharded checkpoint",
+                       description="Inspect a sharded checkpoint folder (edu3d train "
+                                   "--ckpt-dir) or export one consolidated file from it.")
+    acts = p.add_subparsers(dest="action", required=True)
+    show = acts.add_parser("show", help="the steps, layout and files of a checkpoint folder")
+    show.add_argument("dir")
+    show.add_argument("--step", type=int, default=None, help="default: the newest")
+    show.set_defaults(func=_show)
+    exp = acts.add_parser("export", help="one consolidated file that torch.load and the "
+                                         "serial GPT read")
+    exp.add_argument("dir")
+    exp.add_argument("out")
+    exp.add_argument("--step", type=int, default=None, help="default: the newest")
+    exp.add_argument("--format", choices=("torch", "dcp"), default="torch",
+                     help="torch: one file {config, step, model}; dcp: a folder written by "
+                          "torch.distributed.checkpoint.save")
+    exp.set_defaults(func=_export)
+
+
+def _show(args) -> int:
+    try:
+        print(describe(args.dir, args.step))
+    except CheckpointError as err:
+        print(f"edu3d ckpt show: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _export(args) -> int:
+    try:
+        out = export(args.dir, args.out, args.step, args.format)
+    except CheckpointError as err:
+        print(f"edu3d ckpt export: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,334 @@
+"""``edu3d grade``: run the exercise notebooks and count their verdicts.
+
+After reading this file you should know how a score is made:
+
+* each exercise notebook (``exercises/NN_name.ipynb`` of this checkout) runs top to bottom in
+  a fresh kernel (nbclient), in memory: nothing is written back, the kernel works in a
+  temporary folder and its runs go to a temporary ``EDU3D_RUNS``;
+* the code graded is the learner's ``exercises/*.py`` (default), the reference solutions
+  (``--solutions``: ``EDU3D_SOLUTIONS=1``), or one learner's folder (``--submission DIR``:
+  ``EDU3D_SUBMISSION=DIR``, see :func:`edu3d.course.grading.source`; a module the folder lacks is
+  graded as the untouched stub, so its checks fail). Nothing from ``DIR`` runs except the
+  exercise modules the notebooks import, and nothing is written into it;
+* the checks are the ``PASS``/``FAIL`` lines :func:`edu3d.course.grading.check` prints in the
+  ``# NBVAL_CHECK_OUTPUT`` cells, each ``FAIL`` with the hint printed under it. The committed
+  notebook (outputs of the solutions) names each cell's checks in order, so a line that is
+  not the cell's next check is ignored, and a cell that stops on an error counts its missing
+  checks as failed, with the error's one-line reason.
+
+``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--json]`` prints a score table
+(or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
+(found before any kernel starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edu3d.course.grading import ROOT
+
+EXERCISES = ROOT / "exercises"
+MARK = "# NBVAL_CHECK_OUTPUT"
+HINT = "  hint: "
+SAME = "the same as above"
+
+
+class GradeError(ValueError):
+    """Bad input (an unknown exercise, a missing folder): exit code 2, before any kernel."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    name: str  # "03_zero1"
+    path: Path
+    modules: tuple[str, ...]  # the exercise modules its notebook loads ("zero1")
+
+    @property
+    def number(self) -> str:
+        return self.name.split("_", 1)[0]
+
+    @property
+    def short(self) -> str:
+        return self.name.split("_", 1)[-1]
+
+
+def _read(path: Path):
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
+def exercises() -> list[Exercise]:
+    """Every exercise notebook of the checkout, in order."""
+    stems = sorted(p.stem for p in EXERCISES.glob("*.py"))
+    out = []
+    for path in sorted(EXERCISES.glob("[0-9][0-9]_*.ipynb")):
+        text = "\n".join(c.source for c in _read(path).cells)
+        # grading.load("zero1") in a cell, or "exercises/tp_layers.py" when a grader loads it
+        mods = tuple(m for m in stems if re.search(
+            rf"grading\.load\(\s*[\"']{m}[\"']|\b{m}\.py\b", text))
+        out.append(Exercise(path.stem, path, mods))
+    return out
+
+
+def select(wanted: list[str], available: list[Exercise] | None = None) -> list[Exercise]:
+    """The exercises named by number (``03``, ``3``), name (``zero1``, ``03_zero1``) or
+    exercise module (``ring_allreduce``); all of them when ``wanted`` is empty."""
+    available = exercises() if available is None else available
+    if not wanted:
+        return available
+    chosen: list[Exercise] = []
+    for w in wanted:
+        key = w.removesuffix(".ipynb").lower()
+        hits = [e for e in available if key in (e.name.lower(), e.short.lower()) or key in
+                e.modules or (key.isdigit() and int(key) == int(e.number))]
+        if not hits:
+            names = ", ".join(e.name for e in available)
+            raise GradeError(f"unknown exercise {w!r}; choose a number, a name or one of: "
+                             f"{names}")
+        chosen += [e for e in hits if e not in chosen]
+    return sorted(chosen, key=lambda e: e.name)
+
+
+def submission_folder(folder: str | Path, modules: set[str]) -> Path:
+    """The folder holding one learner's exercise modules: ``DIR`` itself, or ``DIR/exercises``
+    (a learner's whole checkout). Refuses a folder that holds none of them."""
+    root = Path(folder).expanduser().resolve()
+    if not root.is_dir():
+        raise GradeError(f"--submission {folder}: no such folder")
+    for cand in (root, root / "exercises"):
+        if any((cand / f"{m}.py").is_file() for m in modules):
+            return cand
+    raise GradeError(f"--submission {folder}: holds none of the exercise modules "
+                     f"({', '.join(sorted(f'{m}.py' for m in modules))}), neither does its "
+                     "exercises/ folder")
+
+
+# ---- scoring one executed notebook -------------------------------------------------------------
+def checked_cells(nb) -> list[tuple[int, object]]:
+    return [(i, c) for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and c.source.startswith(MARK)]
+
+
+def committed_titles(cell) -> list[str]:
+    """The check titles a committed cell passes (the solutions' ``PASS`` lines)."""
+    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return [ln[5:] for ln in text.splitlines() if ln.startswith("PASS ")]
+
+
+def error_reason(output) -> str:
+    """One line for a cell's error output: ``NameError: name 'x' is not defined``."""
+    value = (output.get("evalue") or "").strip().splitlines()
+    text = f"{output.get('ename', 'error')}: {value[0]}" if value else output.get("ename", "")
+    return text if len(text) <= 300 else text[:300] + " ..."
+
+
+def score_cell(cell, titles: list[str], earlier_error: str | None) -> dict:
+    """Verdicts of one executed checked cell against its committed ``titles``."""
+    verdicts: list[list] = []  # [passed, title, hint]
+    last_hint, error, shown = None, None, 0
+    for out in cell.get("outputs", []):
+        kind = out.get("output_type")
+        if kind == "stream":
+            for line in out.get("text", "").splitlines():
+                if out.get("name") == "stdout" and line.startswith(("PASS ", "FAIL ")) \
+                        and len(verdicts) < len(titles) and line[5:] == titles[len(verdicts)]:
+                    # the next check of the cell (a stray line that is not one is ignored)
+                    verdicts.append([line.startswith("PASS "), line[5:], None])
+                elif out.get("name") == "stderr" and line.startswith(HINT):
+                    hint = line[len(HINT):]
+                    hint = last_hint if hint == SAME and last_hint else hint
+                    last_hint = hint
+                    open_fail = [v for v in verdicts if not v[0] and v[2] is None]
+                    if open_fail:
+                        open_fail[0][2] = hint
+        elif kind == "error":
+            error = error_reason(out)
+        else:
+            shown += 1  # a displayed value under a checked cell: not a verdict
+    if error and earlier_error:
+        error = f"{error} (after an earlier cell failed: {earlier_error})"
+    missing = error or earlier_error or "the check did not run"
+    checks = []
+    for i, title in enumerate(titles):
+        if i < len(verdicts):
+            ok, printed, hint = verdicts[i]
+            checks.append({"check": printed, "passed": ok,
+                           "hint": None if ok else hint or "no hint printed"})
+        else:
+            checks.append({"check": title, "passed": False, "hint": missing})
+    return {"checks": checks, "error": error, "shown": shown,
+            "hints": sum(v[2] is not None for v in verdicts)}
+
+
+def score(ran, committed) -> dict:
+    """Per checked cell and in total: checks passed, failures with their hints."""
+    cells, earlier = [], None
+    ran_checked = dict(checked_cells(ran))
+    for i, cell in enumerate(ran.cells):
+        if cell.cell_type != "code":
+            continue
+        if i not in ran_checked:
+            errs = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            if errs and earlier is None:
+                earlier = error_reason(errs[0])
+            continue
+        cells.append({"cell": i, **score_cell(cell, committed_titles(committed.cells[i]),
+                                              earlier)})
+    checks = [c for cell in cells for c in cell["checks"]]
+    return {"passed": sum(c["passed"] for c in checks), "total": len(checks),
+            "failures": [{"check": c["check"], "hint": c["hint"]} for c in checks
+                         if not c["passed"]],
+            "cells": [{"cell": c["cell"], "checks": len(c["checks"]),
+                       "passed": sum(x["passed"] for x in c["checks"]), "error": c["error"],
+                       "hints": c["hints"], "shown": c["shown"]} for c in cells]}
+
+
+# ---- running a notebook ------------------------------------------------------------------------
+def kernel_env(solutions: bool, submission: Path | None, runs: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("EDU3D_SUBMISSION",)}
+    env.update(EDU3D_SOLUTIONS="1" if solutions else "0", OMP_NUM_THREADS="1",
+               EDU3D_RUNS=str(runs), EDU3D_PROGRESS="0", PYTHONDONTWRITEBYTECODE="1")
+    if submission is not None:
+        env["EDU3D_SUBMISSION"] = str(submission)
+    return env
+
+
+def execute(nb, env: dict[str, str], cwd: Path, timeout: float) -> str | None:
+    """Run ``nb`` in place in a fresh kernel started in ``cwd``; None, or why the run stopped
+    early (a dead kernel). Cells that raise are recorded and the next ones still run. The
+    kernel's own console output (not the cells') goes to ``cwd/kernel.log``."""
+    from edu3d.course.nbtools import notebook_client
+
+    for cell in nb.cells:  # no committed output may stand in for one the run did not produce
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    client = notebook_client(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                             interrupt_on_timeout=True,
+                             resources={"metadata": {"path": str(cwd)}})
+    log = cwd / "kernel.log"
+    try:
+        with open(log, "w") as console:
+            client.execute(env=env, stdout=console, stderr=console)
+    except Exception as err:  # noqa: BLE001 - a dead kernel fails what had not run yet
+        why = (str(err).strip().splitlines() or [""])[0]
+        last = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        return (f"the kernel stopped: {type(err).__name__}" + (f": {why}" if why else "")
+                + (f" (its last words: {last[-1].strip()[:200]})" if last else ""))
+    return None
+
+
+def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None = None,
+              timeout: float = 240) -> dict:
+    """Score one exercise notebook (see the module docstring)."""
+    import copy
+
+    committed = _read(ex.path)
+    ran = copy.deepcopy(committed)
+    with tempfile.TemporaryDirectory(prefix="edu3d-grade-") as tmp:
+        runs, cwd = Path(tmp) / "runs", Path(tmp) / "work"
+        runs.mkdir()
+        cwd.mkdir()
+        stopped = execute(ran, kernel_env(solutions, submission, runs), cwd, timeout)
+    if stopped:  # cells the kernel never ran fail with that reason
+        for i, cell in checked_cells(ran):
+            if not cell.get("outputs"):
+                cell.outputs = [{"output_type": "error", "ename": "KernelStopped",
+                                 "evalue": stopped, "traceback": []}]
+    out = {"notebook": f"exercises/{ex.path.name}", "modules": list(ex.modules), **score(
+        ran, committed)}
+    if submission is not None:
+        out["from_submission"] = [m for m in ex.modules if (submission / f"{m}.py").is_file()]
+        out["stubs"] = [m for m in ex.modules if m not in out["from_submission"]]
+    return out
+
+
+def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path | None = None,
+          timeout: float = 240, progress=sys.stderr) -> dict:
+    """Grade ``chosen``; a report ``{"graded", "passed", "total", "exercises": {name: ...}}``."""
+    report = {"graded": "solutions" if solutions else str(submission) if submission else
+              "exercises", "passed": 0, "total": 0, "exercises": {}}
+    for k, ex in enumerate(chosen, 1):
+        t0 = time.perf_counter()
+        if progress:
+            print(f"[{k}/{len(chosen)}] {ex.name} ...", end="", file=progress, flush=True)
+        r = grade_one(ex, solutions=solutions, submission=submission, timeout=timeout)
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        report["exercises"][ex.name] = r
+        report["passed"] += r["passed"]
+        report["total"] += r["total"]
+        if progress:
+            print(f" {r['passed']}/{r['total']} passed ({r['seconds']:.0f} s)", file=progress,
+                  flush=True)
+    return report
+
+
+def table(report: dict, width: int = 100) -> str:
+    """The score table: one row per exercise, and under it its first failure's hint."""
+    import textwrap
+
+    name_w = max([len("exercise")] + [len(n) for n in report["exercises"]])
+    head = f"{'exercise':<{name_w}}  passed  total  first failure"
+    rule = "-" * min(width, max(len(head), 40))
+    lines = [f"graded: {report['graded']}", head, rule]
+    for name, r in report["exercises"].items():
+        first = r["failures"][0] if r["failures"] else None
+        lines.append(f"{name:<{name_w}}  {r['passed']:>6}  {r['total']:>5}  "
+                     + (first["check"] if first else "all passed"))
+        if first:
+            lines += textwrap.wrap(f"hint: {first['hint']}", width, initial_indent="    ",
+                                   subsequent_indent="      ")
+    lines += [rule, f"{'total':<{name_w}}  {report['passed']:>6}  {report['total']:>5}"]
+    return "\n".join(lines)
+
+
+# ---- the command -------------------------------------------------------------------------------
+def add_subcommand(sub) -> None:
+    p = sub.add_parser(
+        "grade", help="grade the exercises (yours, the solutions, or a learner's folder)",
+        description="Run the exercise notebooks (each in a fresh kernel) and count the checks "
+                    "that pass. Exit code 0 when all pass, 1 otherwise, 2 for bad input.")
+    p.add_argument("exercise", nargs="*", help="number, name or module (03, zero1, 03_zero1, "
+                                                "ring_allreduce); default: all")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--solutions", action="store_true",
+                       help="grade the reference solutions (EDU3D_SOLUTIONS=1)")
+    which.add_argument("--submission", metavar="DIR",
+                       help="grade one learner's folder of exercise modules (DIR/*.py or "
+                            "DIR/exercises/*.py) instead of exercises/; a module missing "
+                            "there is graded as the untouched stub")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=240,
+                   help="seconds per cell (default: %(default)s)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    try:
+        import nbclient  # noqa: F401
+        import nbformat  # noqa: F401
+    except ImportError as err:
+        print(f"edu3d grade: {err.name} is missing; pip install nbclient ipykernel",
+              file=sys.stderr)
+        return 2
+    try:
+        everything = exercises()
+        chosen = select(args.exercise, everything)
+        folder = None
+        if args.submission is not None:
+            folder = submission_folder(args.submission, {m for e in everything
+                                                         for m in e.modules})
+    except GradeError as err:
+        print(f"edu3d grade: {err}", file=sys.stderr)
+        return 2
+    report = grade(chosen, solutions=args.solutions, submission=folder, timeout=args.timeout)
+    print(json.dumps(report) if args.json else table(report))
+    return 0 if report["total"] and report["passed"] == report["total"] else 1

@@ -1,0 +1,220 @@
+"""``edu3d plan``: will it fit, and which layout?
+
+After reading this file you should know what the command answers and where each answer
+comes from:
+
+* ``edu3d plan --model llama2-7b --tp 2 --pp 2 --dp 2 --zero 1`` prints the bytes of every
+  pipeline rank by category (weights, gradients, optimizer state, activations,
+  communication buffers) and the fullest rank, from :mod:`edu3d.plan.estimate` (model shapes
+  from :mod:`edu3d.model.shapes`); ``--gpu-mem 80`` adds a verdict, fits or does not fit;
+* ``edu3d plan --model llama2-70b --gpus 64 --gpu-mem 80`` ranks every layout of 64 GPUs by
+  an estimated step time (:mod:`edu3d.plan.search`, whose docstring states the cost model)
+  and explains the fastest one that fits;
+* ``--json`` prints one object: ``params_bytes`` ... ``total_bytes``, ``per_stage``, and with
+  ``--gpus`` a ``recommended`` layout with its ``reasons``.
+
+Exit codes: 0, 1 when the layout (or every layout) does not fit, 2 for options that cannot
+work together. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from edu3d.plan import search as plan_search
+from edu3d.plan.estimate import (CATEGORIES, PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes,
+                                 validate)
+from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
+
+
+# ---- edu3d plan ----------------------------------------------------------------------------------
+def add_arguments(parser):
+    """``edu3d plan``'s options."""
+    from edu3d.train.options import _number, positive_int
+
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", choices=PRESETS, help="a preset: the course's or a real model")
+    what.add_argument("--params", type=_number(1e8, True, "7e9"),
+                      help="a GPT-3-shaped model of about this many parameters")
+    m = parser.add_argument_group("model overrides")
+    for flag, kw in (("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-model", "d_model"),
+                     ("--seq", "seq_len"), ("--vocab", "vocab_size"),
+                     ("--kv-heads", "n_kv_heads"), ("--ffn", "d_ff")):
+        m.add_argument(flag, dest=kw, type=positive_int, help=f"override {kw}")
+    m.add_argument("--tie", action="store_true", default=None, help="tie the head to the embedding")
+    lay = parser.add_argument_group("layout (without --gpus, or to check one layout on them)")
+    for flag in ("--dp", "--tp", "--pp", "--vpp"):
+        lay.add_argument(flag, type=positive_int, default=None, help=f"{flag[2:]} degree")
+    lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    lay.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
+    lay.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch")
+    lay.add_argument("--global-batch", type=positive_int,
+                     help="sequences per step (default: the preset's published batch; 8 for "
+                          "the course's models, as edu3d train)")
+    lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+                     default="1f1b")
+    lay.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    lay.add_argument("--precision", choices=PRECISIONS, default=None,
+                     help="fp32 (4+4+8 bytes/param) or mixed bf16/fp16 (2+2+12); default fp32 "
+                          "for the course's models, bf16 otherwise")
+    lay.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    cl = parser.add_argument_group("cluster and cost model (with --gpus, the layout search)")
+    cl.add_argument("--gpus", type=positive_int, help="GPUs to plan for: search every layout")
+    cl.add_argument("--gpu-mem", type=_number(0, False, "80"), default=None,
+                    help="GB per GPU (default with --gpus: 80)")
+    cl.add_argument("--gpus-per-node", type=positive_int, default=8)
+    cl.add_argument("--peak-tflops", type=_number(0, False, "989"), default=989.0)
+    cl.add_argument("--mfu", type=_number(0, False, "0.45"), default=0.45)
+    cl.add_argument("--intra-gbps", type=_number(0, False, "300"), default=300.0,
+                    help="GB/s inside a node (NVLink)")
+    cl.add_argument("--inter-gbps", type=_number(0, False, "25"), default=25.0,
+                    help="GB/s per GPU across nodes (InfiniBand)")
+    cl.add_argument("--top", type=positive_int, default=8, help="layouts listed")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return parser
+
+
+def add_subcommand(sub):
+    """Register ``plan`` on ``edu3d``'s subcommands."""
+    p = sub.add_parser("plan", help="will it fit? per-rank memory of a layout, and the best "
+                                    "layout for a cluster",
+                       description="Per-rank memory by category and pipeline stage for a "
+                                   "layout; with --gpus, every layout ranked by an estimated "
+                                   "step time, and the recommended one with its reasons.")
+    add_arguments(p)
+    p.set_defaults(func=main_from_args)
+    return p
+
+
+def setup_from_args(args) -> tuple[ModelSpec, Setup]:
+    """The model and the layout ``edu3d plan``'s options describe (``ValueError`` if they
+    cannot work together)."""
+    over = {k: getattr(args, k) for k in ("n_layers", "n_heads", "d_model", "seq_len",
+                                          "vocab_size", "n_kv_heads", "d_ff")}
+    if args.params is not None:
+        spec = dataclasses.replace(spec_for_params(args.params),
+                                   **{k: v for k, v in over.items() if v is not None})
+    else:
+        spec = spec_from(args.model, tied=args.tie, **over)
+    dp, tp, pp = (getattr(args, k) or 1 for k in ("dp", "tp", "pp"))
+    gb, m, b = args.global_batch, args.microbatches, args.micro_batch_size
+    if m and b:
+        gb = dp * m * b
+    gb = gb or spec.global_batch
+    if not m:
+        m = gb // (dp * b) if b else (pp if spec.course else max(1, gb // dp))
+    b = b or gb // (dp * m)
+    if gb != dp * m * b or b < 1:
+        raise ValueError(f"global batch {gb} does not split into dp={dp} x {m} micro-batches "
+                         "of whole sequences; change --global-batch, --microbatches or "
+                         "--micro-batch-size")
+    precision = args.precision or ("fp32" if spec.course else "bf16")
+    st = Setup(dp=dp, tp=tp, pp=pp, vpp=args.vpp or 1, zero=args.zero, microbatches=m,
+               micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
+               precision=precision, optimizer=args.optimizer)
+    validate(spec, st)
+    return spec, st
+
+
+def describe(spec: ModelSpec, st: Setup) -> str:
+    pb, gb, ob = state_bytes(st.precision, st.optimizer, spec.course)
+    return (f"dp={st.dp} tp={st.tp} pp={st.pp}" + (f" vpp={st.vpp}" if st.vpp > 1 else "")
+            + f" ZeRO-{st.zero}, {st.microbatches} micro-batch(es) of {st.micro_batch} x "
+            f"{spec.seq_len} tokens, {st.schedule}, recompute {st.recompute}, {st.precision} "
+            f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.sp else ""))
+
+
+def table(est: dict) -> str:
+    """Per-stage bytes as a text table (GB when large, MB otherwise)."""
+    big = est["total_bytes"] > 1e9
+    unit, div = ("GB", 1e9) if big else ("MB", 1e6)
+    cols = CATEGORIES + ("total",)
+    lines = [f"{'per rank (' + unit + ')':<18}" + "".join(f"{c:>13}" for c in cols)]
+    n = len(est["per_stage"])
+    for row in est["per_stage"]:
+        r = row["pp_rank"]
+        name = f"pp rank {r}" + (" first" if r == 0 and n > 1 else "") + (
+            " last" if r == n - 1 and n > 1 else "")
+        lines.append(f"{name:<18}" + "".join(f"{row[c] / div:>13.3f}" for c in cols))
+    return "\n".join(lines)
+
+
+def _json_setup(st: Setup) -> dict:
+    return dataclasses.asdict(st)
+
+
+def main_from_args(args) -> int:
+    """``edu3d plan``: 0 when it fits (or nothing was asked to fit), 1 when it does not,
+    2 for options that cannot work together."""
+    import json
+    import sys
+
+    try:
+        spec, st = setup_from_args(args)
+    except ValueError as err:
+        print(f"edu3d plan: {err}", file=sys.stderr)
+        return 2
+    searching = args.gpus is not None and not any((args.dp, args.tp, args.pp))
+    mem_gb = args.gpu_mem or (80.0 if args.gpus else None)
+    if args.gpus is not None and not searching and st.gpus != args.gpus:
+        print(f"edu3d plan: dp*tp*pp = {st.gpus} but --gpus {args.gpus}; give a layout whose "
+              "product is the GPU count, or leave --dp/--tp/--pp out to search",
+              file=sys.stderr)
+        return 2
+    cluster = plan_search.Cluster(args.gpus or st.gpus, mem_gb or 80.0, args.gpus_per_node,
+                                  args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
+    out = {"model": dataclasses.asdict(spec), "num_params": spec.num_params()}
+    if searching:
+        rows = plan_search.search(spec, cluster, st.global_batch, st.precision, st.schedule)
+        if not rows or not rows[0]["fits"]:
+            print(f"edu3d plan: no layout of {spec.name} fits {args.gpus} GPUs of {mem_gb:g} GB"
+                  + (f" (the best needs {rows[0]['memory']['total_bytes'] / 1e9:.1f} GB)"
+                     if rows else ""), file=sys.stderr)
+            return 1
+        best = rows[0]
+        why = plan_search.reasons(spec, cluster, rows)
+        st = best["setup"]
+        out["recommended"] = {**_json_setup(st), "reasons": why,
+                              "step_time_s": best["time"]}
+        out["candidates"] = [{**_json_setup(r["setup"]), "total_bytes": r["memory"]["total_bytes"],
+                              "step_time_s": r["time"]["total"], "fits": r["fits"]}
+                             for r in rows[:args.top]]
+        out["cost_model"] = plan_search.__doc__.split("The cost model")[1].strip()
+        out["cluster"] = dataclasses.asdict(cluster)
+    est = estimate(spec, st)
+    out.update(est)
+    out["setup"] = _json_setup(st)
+    fits = None if mem_gb is None else est["total_bytes"] <= cluster.usable * mem_gb * 1e9
+    out["fits"] = fits
+    if args.json:
+        print(json.dumps(out))
+        return 0 if fits is not False else 1
+    print(f"{spec.name}: {spec.num_params() / 1e9:.3f} B parameters; activations: "
+          f"{est['activation_model']}")
+    if searching:
+        print(f"cluster: {cluster.describe()}")
+        print(f"{len(rows)} layouts, {sum(r['fits'] for r in rows)} fit; fastest first:")
+        for r in rows[:args.top]:
+            print(f"  {r['time']['total']:9.2f} s/step  {r['memory']['total_bytes'] / 1e9:6.1f} GB"
+                  f"  {'fits' if r['fits'] else 'too big'}  {describe(spec, r['setup'])}")
+        print("recommended: " + describe(spec, st))
+        for line in why:
+            print(f"  - {line}")
+    else:
+        print("layout: " + describe(spec, st))
+    print(table(est))
+    verdict = "" if fits is None else (
+        f"  {'FITS' if fits else 'DOES NOT FIT'} in {cluster.usable * mem_gb:.1f} GB usable of "
+        f"{mem_gb:g} GB")
+    size = (f"{est['total_bytes'] / 1e9:.3f} GB" if est["total_bytes"] > 1e9 else
+            f"{est['total_bytes'] / 1e6:.3f} MB")
+    print(f"fullest: pp rank {est['fullest_pp_rank']}, {size}" + verdict)
+    return 0 if fits is not False else 1
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """``edu3d plan ...`` as a function (returns the exit code)."""
+    import argparse
+
+    return main_from_args(add_arguments(argparse.ArgumentParser(prog="edu3d plan")).parse_args(argv))

@@ -1,0 +1,278 @@
+"""Live runs for chapter 04: what every rank of a tensor-parallel group sees, returned as data.
+
+After reading this file you should know where the chapter's numbers come from. Each function
+is a launch target (``launch(fn, n, layout=Layout(tp=n))``) that runs the real layers on
+every rank and returns plain tensors and numbers; the charts only draw them:
+
+* :func:`split_demo` — one column-parallel and one row-parallel product ``X·W``: each
+  rank's input, weight shard, partial output and the result after the collective;
+* :func:`operator_table` — the six conjugate operators fed rank-valued inputs (rank r sends
+  r + 1) and the gradient each rank gets back;
+* :func:`cross_entropy_demo` — the vocabulary-parallel loss against ``F.cross_entropy``;
+* :func:`train_demo` — a few training steps of the TP (and TP+SP) model next to the serial
+  loop on the same batches;
+* :func:`memory_sweep` — activation memory of one layer for tp = 1, 2, 4 (sub-meshes of the
+  launched ranks), SP off and on, next to the formula;
+* :func:`grade` — exercise 04's grader: the learner's ``exercises/tp_layers.py`` run on real
+  ranks against the serial layers and hand-computed values.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.tp import ops
+from edu3d.parallel.tp.activations import block_collectives, measure_layer
+from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
+                                      vocab_parallel_cross_entropy)
+
+
+def split_demo(mesh, rows: int = 4, d_in: int = 6, d_out: int = 8, seed: int = 0) -> dict:
+    """Column and row split of one ``nn.Linear`` (no bias); every tensor this rank touched."""
+    g = mesh.tp
+    torch.manual_seed(seed)  # the same serial layer and input on every rank
+    x = torch.randn(rows, d_in)
+    lin = nn.Linear(d_in, d_out, bias=False)
+    serial = (x @ lin.weight.t()).detach()
+    out = {"x": x, "serial": serial}
+    with torch.no_grad():
+        col = ColumnParallelLinear.from_linear(lin, g)
+        partial = col(x)
+        out["column"] = {"x": x, "w": col.weight.t().clone(), "partial": partial,
+                         "result": ops.all_gather(partial, g, -1)}
+        row = RowParallelLinear.from_linear(lin, g)
+        xs = ops.split(x, g, -1)
+        partial = F.linear(xs, row.weight)
+        out["row"] = {"x": xs, "w": row.weight.t().clone(), "partial": partial,
+                      "result": ops.all_reduce(partial, g)}
+    return out
+
+
+def operator_table(mesh) -> list[tuple[str, str, str]]:
+    """(operator, forward output, input gradient) on this rank. Every input element is
+    ``r + 1`` and so is every element of the incoming gradient, so the numbers say which
+    collective ran in which direction (1-D tensors, split along dim 0)."""
+    g, r, t = mesh.tp, mesh.index("tp"), mesh.size("tp")
+    table = (("identity/all-reduce (f)", ops.identity_all_reduce, 1),
+             ("all-reduce/identity (g)", ops.all_reduce_identity, 1),
+             ("all-gather/split", ops.all_gather_split, 1),
+             ("split/all-gather", ops.split_all_gather, t),
+             ("reduce-scatter/all-gather", ops.reduce_scatter_all_gather, t),
+             ("all-gather/reduce-scatter", ops.all_gather_reduce_scatter, 1))
+    rows = []
+    for name, fn, size in table:
+        x = torch.full((size,), float(r + 1), requires_grad=True)
+        y = fn(x, g, 0)
+        y.backward(torch.full_like(y, float(r + 1)))
+        rows.append((name, _fmt(y), _fmt(x.grad)))
+    return rows
+
+
+def _fmt(t: torch.Tensor) -> str:
+    return "[" + " ".join(f"{v:g}" for v in t.flatten().tolist()) + "]"
+
+
+def cross_entropy_demo(mesh, vocab: int = 11, tokens: int = 6, seed: int = 0) -> dict:
+    """Vocabulary-parallel CE on a padded vocabulary (with an ignored target) vs torch."""
+    g, r, t = mesh.tp, mesh.index("tp"), mesh.size("tp")
+    torch.manual_seed(seed)
+    logits = torch.randn(tokens, vocab) * 2
+    target = torch.randint(0, vocab, (tokens,))
+    target[1] = -100
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full, target, ignore_index=-100)
+    want.backward()
+    per_rank = -(-vocab // t)
+    padded = F.pad(logits, (0, per_rank * t - vocab))
+    local = padded.chunk(t, -1)[r].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(local, target, g, vocab_size=vocab)
+    got.backward()
+    want_grad = F.pad(full.grad, (0, per_rank * t - vocab)).chunk(t, -1)[r]
+    return {"loss": got.item(), "torch_loss": want.item(), "columns": (r * per_rank,
+            min((r + 1) * per_rank, vocab)), "padding": per_rank * t - vocab,
+            "loss_err": abs(got.item() - want.item()) / want.item(),
+            "grad_err": (local.grad - want_grad).abs().max().item()}
+
+
+def train_demo(mesh, config: GPTConfig, steps: int = 8, batch: int = 4) -> dict:
+    """Serial, TP and TP+SP training on the same batches: per-step loss and grad norm, and
+    each run's time window in the trace (``"windows"``)."""
+    from edu3d.course import lesson_args
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.train.trainer import Trainer
+
+    args = lesson_args(global_batch=batch, lr=3e-3)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
+    out, rec = {"windows": {}}, trace.current()
+    for name, sp in (("serial", None), ("tp", False), ("tp+sp", True)):
+        args.sp, args.tp_overlap = bool(sp), False
+        trainer = Trainer(GPT(config, 0), None if sp is None else mesh, args)
+        t0 = rec.now()
+        out[name] = [trainer.step(*corpus.batch(s, batch), s) for s in range(1, steps + 1)]
+        out["windows"][name] = (t0, rec.now())  # which trace events belong to this run
+    return out
+
+
+def collectives(mesh, config: GPTConfig, batch: int = 2) -> dict:
+    """The collectives of one layer, SP off and on, counted from the trace."""
+    return {sp: block_collectives(mesh, config, batch, sp) for sp in (False, True)}
+
+
+def memory_sweep(mesh, config: GPTConfig, batch: int = 2) -> list[dict]:
+    """Activation bytes of one layer on rank 0 of tp = 1, 2, ... up to the launched ranks."""
+    n, rows, t = mesh.layout.world_size, [], 1
+    while t <= n:
+        m = mesh if t == mesh.size("tp") else Mesh.build(Layout(dp=n // t, tp=t))
+        for sp in (False, True):
+            rows.append(measure_layer(m, config, batch, sp))
+        t *= 2
+    return rows
+
+
+def chapter_run(mesh, train_config: GPTConfig, layer_config: GPTConfig, steps: int = 8) -> dict:
+    """Everything chapter 04 shows at one tp size, in one launch."""
+    from edu3d.parallel.tp.apply import apply_tp
+
+    model = GPT(layer_config, 0)
+    apply_tp(model, mesh)
+    block = model.blocks[0]
+    return {"split": split_demo(mesh), "operators": operator_table(mesh),
+            "cross_entropy": cross_entropy_demo(mesh), "block": repr(block),
+            "collectives": collectives(mesh, layer_config),
+            "train": train_demo(mesh, train_config, steps)}
+
+
+# ---- grading exercise 04 (exercises/tp_layers.py) -----------------------------------------------
+def _layer_checks(ex, group) -> dict:
+    """name -> a function that raises (AssertionError with the reason) unless the learner's
+    code is right. Rank-valued inputs for the operators; serial layers for the rest."""
+    t, r = ops.group_size(group), ops.group_rank(group)
+
+    def close(what, got, want, tol):
+        err = (got.detach() - want.detach()).abs().max().item()
+        assert err <= tol, f"{what} differs by {err:.2e} on rank {r}"
+
+    def f_operator():
+        x = torch.full((3,), float(r + 1), requires_grad=True)
+        y = ex.IdentityAllReduce.apply(x, group)
+        y.backward(torch.full((3,), float(r + 1)))
+        close("forward", y, torch.full((3,), float(r + 1)), 0)
+        close("backward (expected the sum over ranks)", x.grad,
+              torch.full((3,), t * (t + 1) / 2), 0)
+
+    def g_operator():
+        x = torch.full((3,), float(r + 1), requires_grad=True)
+        y = ex.AllReduceIdentity.apply(x, group)
+        y.backward(torch.full((3,), float(r + 1)))
+        close("forward (expected the sum over ranks)", y, torch.full((3,), t * (t + 1) / 2), 0)
+        close("backward", x.grad, torch.full((3,), float(r + 1)), 0)
+        assert torch.equal(x.detach(), torch.full((3,), float(r + 1))), "x was changed in place"
+
+    def linear_case(kind):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 6)
+        x = torch.randn(5, 8, requires_grad=True)
+        gy = torch.randn(5, 6)
+        (lin(x) * gy).sum().backward()
+        if kind == "column":
+            w = lin.weight.detach().chunk(t, 0)[r].clone().requires_grad_()
+            b = lin.bias.detach().chunk(t, 0)[r].clone().requires_grad_()
+            xs = x.detach().clone().requires_grad_()
+            y = ex.column_parallel_linear(xs, w, b, group)
+            (y * gy.chunk(t, -1)[r]).sum().backward()
+            close("output", y, lin(x).chunk(t, -1)[r], 1e-6)
+            close("input gradient", xs.grad, x.grad, 1e-6)
+            close("weight gradient", w.grad, lin.weight.grad.chunk(t, 0)[r], 1e-6)
+            close("bias gradient", b.grad, lin.bias.grad.chunk(t, 0)[r], 1e-6)
+        else:
+            w = lin.weight.detach().chunk(t, 1)[r].clone().requires_grad_()
+            b = lin.bias.detach().clone().requires_grad_()
+            xs = x.detach().chunk(t, -1)[r].clone().requires_grad_()
+            y = ex.row_parallel_linear(xs, w, b, group)
+            (y * gy).sum().backward()
+            close("output", y, lin(x), 1e-6)
+            close("input gradient", xs.grad, x.grad.chunk(t, -1)[r], 1e-6)
+            close("weight gradient", w.grad, lin.weight.grad.chunk(t, 1)[r], 1e-6)
+            close("bias gradient", b.grad, lin.bias.grad, 1e-6)
+
+    def mlp():
+        torch.manual_seed(1)
+        fc, proj = torch.nn.Linear(4, 16), torch.nn.Linear(16, 4)
+        x = torch.randn(3, 4, requires_grad=True)
+        proj(F.gelu(fc(x))).pow(2).sum().backward()
+        xs = x.detach().clone().requires_grad_()
+        h = ex.column_parallel_linear(xs, fc.weight.detach().chunk(t, 0)[r],
+                                      fc.bias.detach().chunk(t, 0)[r], group)
+        y = ex.row_parallel_linear(F.gelu(h), proj.weight.detach().chunk(t, 1)[r],
+                                   proj.bias.detach(), group)
+        y.pow(2).sum().backward()
+        close("MLP output", y, proj(F.gelu(fc(x))), 1e-6)
+        close("MLP input gradient", xs.grad, x.grad, 1e-6)
+
+    def cross_entropy(part):
+        torch.manual_seed(2)
+        vocab = 4 * t + 1  # padded: the last rank holds padding columns
+        per = -(-vocab // t)
+        logits = torch.randn(7, vocab) * 3
+        target = torch.randint(0, vocab, (7,))
+        target[2], target[5] = -100, vocab - 1
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full, target, ignore_index=-100)
+        want.backward()
+        padded = torch.cat([logits, torch.full((7, per * t - vocab), 5.0)], -1)
+        local = padded.chunk(t, -1)[r].clone().requires_grad_()
+        got = ex.vocab_parallel_cross_entropy(local, target, group, r * per, vocab)
+        if part == "loss":
+            close("loss", got, want, 1e-6 * want.item())
+            return
+        got.backward()
+        want_grad = torch.cat([full.grad, torch.zeros(7, per * t - vocab)], -1).chunk(t, -1)[r]
+        close("logits gradient", local.grad, want_grad, 1e-6)
+
+    return {"f": f_operator, "g": g_operator, "column": lambda: linear_case("column"),
+            "row": lambda: linear_case("row"), "mlp": mlp,
+            "ce_loss": lambda: cross_entropy("loss"), "ce_grad": lambda: cross_entropy("grad")}
+
+
+def grade_layers(mesh) -> dict:
+    """Launch target: run every check on the learner's ``tp_layers`` module (the solution
+    with ``EDU3D_SOLUTIONS=1``); ``{name: None or why it failed}``. Every rank runs the same
+    code, so a stub fails at the same point everywhere and no rank is left in a collective."""
+    from edu3d.course import grading
+
+    ex = grading.load("tp_layers")
+    out = {}
+    for name, check in _layer_checks(ex, mesh.tp).items():
+        try:
+            check()
+            out[name] = None
+        except Exception as err:  # noqa: BLE001 - reported to the learner, not raised
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def grade(nprocs: int = 2, timeout: float = 120) -> dict:
+    """Grade exercise 04 on ``nprocs`` tensor-parallel ranks; a run that fails or hangs fails
+    every check with its reason."""
+    from edu3d.launch.api import LaunchError, launch
+
+    try:
+        results = launch(grade_layers, nprocs, layout=Layout(tp=nprocs), timeout=timeout,
+                         echo=False).results
+    except LaunchError as err:
+        return {"run": f"the graded run failed: {str(err)[:400]}"}
+    return {name: next((r[name] for r in results if r[name]), None) for name in results[0]}
+
+
+def verdict(results: dict, name: str) -> None:
+    """Raise with the reason if check ``name`` failed (for :func:`edu3d.course.grading.check`)."""
+    if "run" in results:
+        raise AssertionError(results["run"])
+    if results[name]:
+        raise AssertionError(results[name])

@@ -1,0 +1,232 @@
+"""Live pipeline runs for the chapter, the tests and the benchmark: run schedules, keep events.
+
+After reading this file you should know how a measured timeline is produced: every rank
+builds the same model, keeps its stages, and runs a few steps of each schedule inside
+``trace.current().context(step=k)``, so every engine event carries the step it belongs to.
+The first step of each schedule warms up (allocations, first messages); the bubble is
+measured on the later ones, as the idle share of the ranks' time between the step's first
+compute start and its last compute end (:func:`edu3d.schedules.simulate.bubble_of`).
+
+Stages are balanced (equal layer counts and a light head: small vocabulary), so what the
+chart shows is the schedule's bubble, not an uneven cut.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from edu3d.distributed import trace
+from edu3d.course import lesson_args, unscaled_loss
+from edu3d.train.data import SyntheticCorpus
+from edu3d.model.gpt import GPT, config_from
+from edu3d.schedules.simulate import bubble_of
+from edu3d.train.trainer import Trainer
+
+
+def _pipeline_args(schedule: str, m: int, vpp: int = 1, **overrides):
+    """``edu3d train``'s options for a pipeline run of ``schedule`` with ``m`` micro-batches."""
+    return lesson_args(schedule=schedule, microbatches=m, vpp=vpp, **overrides)
+
+
+def run_schedules(mesh, runs: list[dict], *, layers: int = 4, d_model: int = 128,
+                  seq: int = 64, vocab: int = 64, rows: int = 1, steps: int = 3,
+                  seed: int = 0) -> list[dict]:
+    """Run each ``{"name", "m", "vpp"}`` for ``steps`` forward/backward steps.
+
+    Returns, per run, the trace step ids it used and this rank's peak in-flight micro-batches
+    and peak activation bytes. Use it through :func:`edu3d.launch.api.launch` with a
+    ``Layout(pp=P)``; read the events from the launch result.
+    """
+    torch.manual_seed(seed)
+    rec = trace.current()
+    config = config_from("tiny", layers=layers, heads=4, d_model=d_model, seq=seq, vocab=vocab)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=seed)
+    out, step_id = [], 0
+    for run in runs:
+        model = GPT(config, seed=seed)
+        args = _pipeline_args(run["name"], run["m"], run.get("vpp", 1), lr=1e-3,
+                              weight_decay=0.0, optimizer="sgd")
+        trainer = Trainer(model, mesh, args)
+        x, y = corpus.batch(1, run["m"] * rows * mesh.size("dp"))
+        ids = []
+        for _ in range(steps):
+            with rec.context(step=step_id):
+                trainer.forward_backward(x, y)
+            ids.append(step_id)
+            step_id += 1
+        out.append({**run, "steps": ids, "peak_in_flight": trainer.engine.peak_in_flight,
+                    "peak_activation_bytes": trainer.engine.peak_activation_bytes})
+    return out
+
+
+def measured_bubbles(events: list[dict], steps: list[int]) -> list[float]:
+    """The bubble fraction of each of ``steps`` (all ranks' compute events of that step)."""
+    return [bubble_of([e for e in events if e.get("step") == s and e["lane"] == "compute"])
+            for s in steps]
+
+
+def measured_bubble(events: list[dict], steps: list[int]) -> float:
+    """Median bubble fraction over ``steps`` after the first (warm-up) one."""
+    return statistics.median(measured_bubbles(events, steps[1:] or steps))
+
+
+# ---- exercise helpers: a learner's schedule and loss scale, checked against the serial GPT ----
+def _small_model(layers: int, seed: int = 0):
+    config = config_from("tiny", layers=layers, heads=2, d_model=32, seq=16, vocab=64)
+    return config, SyntheticCorpus(config.vocab_size, config.seq_len, seed=seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def schedule_parity(mesh, compute: list[list[str]], m: int, layers: int = 4) -> dict:
+    """Run per-rank compute lists (strings like ``"0F1"``) for one step; return this rank's
+    worst relative gradient error against the serial GPT and its peak in-flight count."""
+    config, corpus = _small_model(layers)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    trainer = Trainer(model, mesh, _pipeline_args("1f1b", m), compute=compute)
+    x, y = corpus.batch(1, m * 2)
+    trainer.forward_backward(x, y)
+    ref(x, y)[1].backward()
+    mine = {id(p) for p in trainer.par.module.parameters()}
+    refs = dict(ref.named_parameters())
+    err = max(_rel(p.grad, refs[n].grad) for n, p in model.named_parameters() if id(p) in mine)
+    return {"grad_err": err, "peak_in_flight": trainer.engine.peak_in_flight}
+
+
+def local_mesh():
+    """A one-rank mesh for runs inside the notebook's own process (no messages needed)."""
+    from edu3d.distributed.mesh import Layout, Mesh
+
+    return Mesh(Layout(), 0, {})
+
+
+def gradients(m: int = 4, microbatch_loss=None, scale_loss: bool = True, layers: int = 2,
+              chunks: int = 2) -> tuple[dict, dict]:
+    """``(pipeline_grads, serial_grads)`` by parameter name after one step on one batch.
+
+    Runs in this process: one rank holding ``chunks`` stages, ``m`` micro-batches."""
+    config, corpus = _small_model(layers)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    trainer = Trainer(model, local_mesh(), _pipeline_args("interleaved", m, chunks),
+                      microbatch_loss=microbatch_loss or (None if scale_loss else unscaled_loss))
+    x, y = corpus.batch(1, m * 2)
+    trainer.forward_backward(x, y)
+    ref(x, y)[1].backward()
+    return ({n: p.grad.clone() for n, p in model.named_parameters()},
+            {n: p.grad.clone() for n, p in ref.named_parameters()})
+
+
+def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_loss: bool = True,
+                microbatch_loss=None, layers: int = 2, lr: float = 3e-3) -> dict:
+    """Losses of the serial model and of a one-rank pipeline, step by step, same data.
+
+    Uses the defaults of ``edu3d train`` (clipping at 1.0, weight decay 0.1)."""
+    from edu3d.train.loop import make_optimizer, train_step
+
+    config, corpus = _small_model(layers)
+    args = _pipeline_args("interleaved", m, 2, lr=lr, optimizer=optimizer)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    trainer = Trainer(model, local_mesh(), args,
+                      microbatch_loss=microbatch_loss or (None if scale_loss else unscaled_loss))
+    opt = make_optimizer(ref, args)
+    out = {"serial": [], "pipeline": []}
+    for step in range(1, steps + 1):
+        x, y = corpus.batch(step, m * 2)
+        out["pipeline"].append(trainer.step(x, y, step)["loss"])
+        out["serial"].append(train_step(ref, opt, x, y, step, args)["loss"])
+    return out
+
+
+def replay_bubble(events: list[dict], step: int, name: str, pp: int, m: int,
+                  vpp: int = 1) -> float:
+    """The bubble the schedule would have with exactly the compute times measured in
+    ``step`` and nothing between actions (no message latency, no Python overhead).
+
+    measured - replay = what the engine and the messages add; replay - formula = what
+    unequal action times add (uneven stages, or a busy machine slowing some actions)."""
+    from edu3d.schedules.actions import build
+    from edu3d.schedules.simulate import Costs, simulate
+
+    durations = {(e["stage"], e["op"], e["mb"]): e["t1"] - e["t0"] for e in events
+                 if e.get("step") == step and e["lane"] == "compute"}
+    return simulate(build(name, pp, m, vpp), pp, Costs(measured=durations)).bubble
+
+
+# ---- stages of known cost: the schedule's own bubble, without CPU contention -------------------
+class _Wait(torch.autograd.Function):
+    """Identity that takes ``f`` seconds forward and ``b`` seconds backward (sleeping, so two
+    ranks on a shared CPU do not slow each other down)."""
+
+    @staticmethod
+    def forward(ctx, x, f: float, b: float):
+        time.sleep(f)
+        ctx.b = b
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.b)
+        return grad, None, None
+
+
+class TimedStage(torch.nn.Module):
+    """A pipeline stage whose forward lasts ``f`` s and backward ``b`` s (one tiny weight so
+    gradients really flow). Same interface as :class:`~edu3d.parallel.pp.stage.PipelineStage`.
+    """
+
+    def __init__(self, f: float, b: float, is_first: bool, is_last: bool, width: int = 16):
+        super().__init__()
+        self.f, self.b, self.is_first, self.is_last = f, b, is_first, is_last
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx.float().unsqueeze(-1) * self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(x * self.weight, self.f, self.b)
+
+    def body_parameters(self):
+        return [self.weight]
+
+    @staticmethod
+    def loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return out.mean()
+
+
+def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
+              steps: int = 3) -> list[dict]:
+    """Like :func:`run_schedules`, with :class:`TimedStage` stages of fixed cost.
+
+    The engine, the schedule and the messages are real; only the compute is a wait of known
+    length, so the measured bubble is the schedule's (plus message latency and overhead),
+    not the machine's other processes. Backward-split schedules (ZB-H1) put the whole
+    backward wait into ``I``.
+    """
+    from edu3d.parallel.pp.engine import PipelineEngine
+    from edu3d.schedules.actions import build, chunks
+
+    rec = trace.current()
+    pp, rank = mesh.size("pp"), mesh.index("pp")
+    out, step_id = [], 0
+    for run in runs:
+        v = chunks(run["name"], run.get("vpp", 1))
+        n = pp * v
+        stages = {s: TimedStage(f_ms / 1e3 / v, b_ms / 1e3 / v, s == 0, s == n - 1)
+                  for s in range(rank, n, pp)}
+        engine = PipelineEngine(stages, build(run["name"], pp, run["m"], v)[rank], n,
+                                mesh.ranks("pp"), mesh.pp, run["m"])
+        batch = [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+                 for _ in range(run["m"])]
+        ids = []
+        for _ in range(steps):
+            with rec.context(step=step_id):
+                engine.run(batch)
+            ids.append(step_id)
+            step_id += 1
+        out.append({**run, "steps": ids, "peak_in_flight": engine.peak_in_flight})
+    return out

@@ -1,0 +1,125 @@
+"""Chapter 06 (3D parallelism): the functions its notebook launches, and the formulas it
+prints beside the measurements.
+
+After reading this file you should know what the capstone run does and how each axis's
+bytes per step are predicted:
+
+* :func:`capstone` trains dp2-tp2-pp2 with ZeRO-1 (the tiny model, 4 micro-batches, 1F1B)
+  with the one :class:`~edu3d.train.trainer.Trainer`, and, on every rank, the serial reference
+  GPT on the same batches, so the notebook can show both loss curves are one;
+* :func:`axis_bytes` sums what the trace says each rank sent per axis (tp, pp, dp) in one
+  step (:func:`edu3d.distributed.trace.wire_bytes`: ring costs);
+* :func:`axis_formulas` predicts the same numbers from the model's shape:
+
+  - **TP** (no sequence parallelism): per layer and micro-batch 2 all-reduces forward and 2
+    backward of the activation ``b·s·h·4`` bytes, each costing ``2(t-1)/t`` of it per rank
+    (plus the vocabulary-parallel embedding and LM head on the end stages);
+  - **PP**: per micro-batch one activation sent forward and one gradient sent back across
+    each stage boundary (``b·s·h·4`` bytes each);
+  - **DP / ZeRO-1**: gradients reduce-scattered and parameters all-gathered once per step:
+    ``2 Ψ_rank · 4 · (N-1)/N`` bytes, Ψ_rank the parameters this rank holds (its stage's,
+    cut by TP).
+"""
+
+from __future__ import annotations
+
+AXES = ("tp", "pp", "dp")
+
+
+def capstone(mesh, steps: int = 4, **overrides) -> dict:
+    """Train ``steps`` steps of dp2-tp2-pp2 ZeRO-1 (or the launched layout) on this rank;
+    return its losses, grad norms, measured memory per category, and the serial reference
+    losses (computed on every rank, the same everywhere)."""
+    from edu3d.plan import formulas as memory
+    from edu3d.distributed import trace
+    from edu3d.course import lesson_args
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.model.gpt import GPT
+    from edu3d.train.optim import make_optimizer
+    from edu3d.train.options import config_from_args, num_params_from_config
+    from edu3d.train.loop import train_step
+    from edu3d.train.trainer import Trainer
+
+    layout = mesh.layout
+    opts = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=1, microbatches=4,
+                schedule="1f1b", steps=steps)
+    opts.update(overrides)
+    args = lesson_args(**opts)
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    serial = GPT(config, seed=args.seed)
+    optimizer = make_optimizer(serial, args)
+
+    losses, norms, serial_losses, peak = [], [], [], 0
+    rec = trace.current()
+    for s in range(1, steps + 1):
+        x, y = corpus.batch(s, args.global_batch)
+        with rec.context(step=s):
+            out = trainer.step(x, y, s)
+        peak = max(peak, trainer.engine.peak_activation_bytes)
+        losses.append(out["loss"])
+        norms.append(out["grad_norm"])
+        with trace.use(trace.NullRecorder()):  # the reference is not part of the run's trace
+            serial_losses.append(train_step(serial, optimizer, x, y, s, args)["loss"])
+    mem = memory.measure(trainer.tensors())
+    mem["activations"] = int(peak)
+    mem["total"] = mem["total"] + mem["activations"]
+    return {"rank": mesh.rank, "coords": list(mesh.layout.coords(mesh.rank)),
+            "losses": losses, "grad_norms": norms, "serial_losses": serial_losses,
+            "memory": mem, "psi": num_params_from_config(config),
+            "rank_params": mem["params"] // 4,  # fp32: the parameters this rank holds
+            "options": opts}
+
+
+def axis_bytes(events: list[dict], step: int) -> dict[int, dict[str, float]]:
+    """Per rank, the bytes it sent in ``step`` on each axis (tp, pp, dp), from the trace."""
+    from edu3d.distributed.trace import wire_bytes
+
+    out: dict[int, dict[str, float]] = {}
+    for ev in events:
+        if ev.get("step") != step or ev.get("lane") != "comm" or ev.get("sim"):
+            continue
+        row = out.setdefault(ev["rank"], {a: 0.0 for a in AXES})
+        group = ev.get("group")
+        if group in row:
+            row[group] += wire_bytes(ev)
+    return out
+
+
+def axis_counts(events: list[dict], step: int, rank: int) -> dict[tuple[str, str], int]:
+    """How many events of each (group, op) ``rank`` recorded in ``step`` (to explain a
+    difference between trace and formula)."""
+    out: dict[tuple[str, str], int] = {}
+    for ev in events:
+        if ev.get("step") == step and ev.get("rank") == rank and ev.get("lane") == "comm":
+            key = (ev.get("group"), ev["op"])
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def axis_formulas(config, layout, m: int, *, stage: int, rank_params: int,
+                  global_batch: int = 8, dtype_bytes: int = 4) -> dict[str, float]:
+    """The formula's bytes one rank of pipeline ``stage`` sends per step on each axis.
+
+    ``config`` the GPT config, ``layout`` the mesh, ``m`` micro-batches, ``rank_params``
+    Ψ_rank (the parameters this rank holds: its stage's, cut by TP).
+
+    * TP: 4 all-reduces of ``b·s·h`` per layer and micro-batch; the first stage adds the
+      vocabulary-parallel embedding's forward all-reduce, the last stage the LM head's
+      backward all-reduce (one ``b·s·h`` each per micro-batch); each costs ``2(t-1)/t``.
+      Left out: the vocabulary-parallel loss's all-reduces of ``b·s`` numbers.
+    * PP: a first or last stage sends ``m`` messages of ``b·s·h`` (activations forward, or
+      gradients back); a middle stage both.
+    * DP, ZeRO-1: ``2 Ψ_rank · 4 · (N-1)/N`` (reduce-scatter the gradients, all-gather the
+      parameters).
+    """
+    b = global_batch // layout.dp // m
+    act = b * config.seq_len * config.d_model * dtype_bytes
+    t, n, p = layout.tp, layout.dp, layout.pp
+    ring = 2 * (t - 1) / t
+    per_mb = 4 * config.n_layers / p + (stage == 0) + (stage == p - 1)
+    tp = per_mb * m * act * ring
+    pp = m * act * ((stage > 0) + (stage < p - 1))
+    dp = 2 * rank_params * dtype_bytes * (n - 1) / n
+    return {"tp": tp, "pp": pp, "dp": dp}

@@ -1,0 +1,475 @@
+"""Chapter 10 (performance and debugging): the runs its notebook launches, and the measures
+it draws.
+
+After reading this file you should know how the chapter's numbers are made, each from a
+real run of the one :class:`~edu3d.train.trainer.Trainer`:
+
+* :func:`profile_step` wraps one training step in ``torch.profiler`` on every rank, writes
+  the profiler's Chrome trace into the run folder (Perfetto opens it) and returns the
+  per-operator table and the top-level events, each given a phase (forward, backward,
+  optimizer, communication) by where it falls in the step;
+* :func:`measure_layouts` trains several layouts inside one launch (every layout of the
+  launched world size is a new :class:`~edu3d.distributed.mesh.Mesh` over the same processes) and times
+  each step from a barrier to the slowest rank (:func:`edu3d.bench.harness.time_once`);
+* :func:`breakdown` cuts a traced step into **compute**, **exposed communication** (the
+  part of a collective no forward or backward runs under) and **idle** (bubble, waiting);
+* :func:`predict` is the cost model the control panel draws at once: compute split over
+  the ranks (but never over more ranks than cores), ring collectives in the alpha-beta
+  model, the pipeline bubble ``(p-1)/m`` of the compute, data-parallel traffic hidden
+  under backward when overlap is on;
+* :func:`hang` reproduces the three classic hangs (a rank skipping a collective,
+  mismatched shapes, a send without its receive) and returns the launcher's verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+#: the layouts the chapter sweeps: name -> (dp, tp, pp)
+LAYOUTS = {"dp1": (1, 1, 1), "dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2),
+           "dp4": (4, 1, 1), "dp2-tp2": (2, 2, 1), "dp2-pp2": (2, 1, 2), "tp2-pp2": (1, 2, 2)}
+#: overlap off and on for data parallelism: all-reduce after backward in one flat buffer,
+#: or small buckets launched as their gradients are ready (edu3d's DDP)
+OVERLAP = {"off": {"dp_impl": "flat"}, "on": {"dp_impl": "bucketed", "bucket_mb": 0.1}}
+COMPUTE_OPS = ("F", "B", "I", "W")
+#: a pipeline receive mostly waits for the previous stage to compute: the bubble, not the wire
+WAITS = ("recv", "RECV_F", "RECV_B")
+
+
+def layout_options(name: str, overlap: str = "on", microbatches: int | None = None) -> dict:
+    """Trainer options of a layout by name (``"dp2-tp2"``), with overlap on or off."""
+    dp, tp, pp = LAYOUTS[name]
+    opts = {"dp": dp, "tp": tp, "pp": pp, **OVERLAP[overlap]}
+    opts["microbatches"] = microbatches or (2 * pp if pp > 1 else 1)
+    return opts
+
+
+# ---- interval arithmetic on one rank's events ---------------------------------------------------
+def union(spans) -> list[tuple[float, float]]:
+    """Merge ``(t0, t1)`` spans into disjoint sorted ones."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(spans) -> float:
+    return sum(b - a for a, b in union(spans))
+
+
+def minus(spans, cut) -> list[tuple[float, float]]:
+    """The parts of ``spans`` outside ``cut``."""
+    cut, out = union(cut), []
+    for a, b in union(spans):
+        for c, d in cut:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def breakdown(events: list[dict], case: str | None = None) -> dict:
+    """Per step, averaged over ranks: ``step_ms`` (first to last event of the step),
+    ``compute_ms`` (F, B, I, W, optimizer), ``comm_ms`` (every collective and send, whole),
+    ``exposed_ms`` (communication no F/B/I/W runs under) and ``idle_ms`` (the rest: the
+    bubble, and waiting, a pipeline receive's included). Returns
+    ``{"steps": {step: {...}}, "median": {...}}`` (median over the steps after the first,
+    which warms up)."""
+    sel = [e for e in events if (case is None or e.get("case") == case) and not e.get("sim")
+           and e.get("lane") in ("compute", "comm") and e.get("step") is not None]
+    per: dict[int, list[dict]] = {}
+    for (step, rank) in sorted({(e["step"], e["rank"]) for e in sel}):
+        evs = [e for e in sel if e["step"] == step and e["rank"] == rank]
+        window = (min(e["t0"] for e in evs), max(e["t1"] for e in evs))
+        fb = [(e["t0"], e["t1"]) for e in evs if e["lane"] == "compute" and e["op"] in COMPUTE_OPS]
+        comm = [(e["t0"], e["t1"]) for e in evs
+                if e["lane"] == "comm" and e["op"] not in WAITS]
+        exposed = minus(comm, fb)
+        compute = minus([(e["t0"], e["t1"]) for e in evs if e["lane"] == "compute"], exposed)
+        row = {"step_ms": (window[1] - window[0]) / 1e3, "compute_ms": length(compute) / 1e3,
+               "comm_ms": length(comm) / 1e3, "exposed_ms": length(exposed) / 1e3}
+        row["idle_ms"] = max(row["step_ms"] - row["compute_ms"] - row["exposed_ms"], 0.0)
+        per.setdefault(step, []).append(row)
+    steps = {s: {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+             for s, rows in per.items()}
+    later = [steps[s] for s in sorted(steps)[1:]] or list(steps.values())
+    median = {k: statistics.median(r[k] for r in later) for k in (later[0] if later else {})}
+    return {"steps": steps, "median": median}
+
+
+# ---- the runs -----------------------------------------------------------------------------------
+def _trainer(mesh, opts: dict):
+    from edu3d.course import lesson_args
+    from edu3d.train.data import SyntheticCorpus
+    from edu3d.model.gpt import GPT
+    from edu3d.train.options import config_from_args
+    from edu3d.train.trainer import Trainer
+
+    args = lesson_args(**opts)
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    return Trainer(GPT(config, seed=args.seed), mesh, args), corpus, args
+
+
+def _timed_steps(trainer, corpus, args, steps: int, group=None, alone: bool = False):
+    """Step times (s, slowest rank) of ``steps`` steps; ``alone``: this rank runs by itself."""
+    from edu3d.bench import harness as bench
+
+    times = []
+    for s in range(1, steps + 1):
+        x, y = corpus.batch(s, args.global_batch)
+        if alone:
+            t0 = time.perf_counter()
+            trainer.step(x, y, s)
+            times.append(time.perf_counter() - t0)
+        else:
+            times.append(bench.time_once(lambda: trainer.step(x, y, s), group))
+    return times
+
+
+def measure_layouts(mesh, names: list[str], steps: int = 3, overlap: str = "on",
+                    cases: dict | None = None) -> list[dict]:
+    """Train each named layout (of this launch's world size, or ``dp1`` on rank 0 while the
+    others wait) for ``steps`` steps, traced as ``case=name``; ``cases`` adds named option
+    sets (``{"overlap off": {...}}``) run in the launched layout. Returns one row per case:
+    its step times (slowest rank) and tokens/s (median of the steps after the first)."""
+    import torch.distributed as dist
+
+    from edu3d.distributed import trace
+    from edu3d.distributed.mesh import Layout, Mesh
+    from edu3d.train.options import config_from_args
+
+    world = dist.get_world_size()
+    todo = [(n, layout_options(n, overlap)) for n in names] + list((cases or {}).items())
+    rows = []
+    for name, opts in todo:
+        layout = Layout(dp=opts.get("dp", mesh.layout.dp), tp=opts.get("tp", mesh.layout.tp),
+                        pp=opts.get("pp", mesh.layout.pp))
+        opts = {**opts, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+        alone = layout.world_size == 1
+        times = None
+        with trace.current().context(case=name):
+            if alone:
+                if dist.get_rank() == 0:
+                    trainer, corpus, args = _trainer(None, opts)
+                    times = _timed_steps(trainer, corpus, args, steps, alone=True)
+                dist.barrier()
+            else:
+                if layout.world_size != world:
+                    raise ValueError(f"{name} needs {layout.world_size} ranks; this launch has "
+                                     f"{world}")
+                sub = mesh if layout == mesh.layout else Mesh.build(layout)
+                trainer, corpus, args = _trainer(sub, opts)
+                times = _timed_steps(trainer, corpus, args, steps)
+                if sub is not mesh:  # its groups must not outlive the process group
+                    del trainer
+                    sub.release()
+        if dist.get_rank() == 0:
+            step_s = statistics.median(times[1:] or times)
+            tokens = args.global_batch * config_from_args(args).seq_len  # global batch
+            rows.append({"name": name, "world_size": layout.world_size, "options": opts,
+                         "step_s": times, "median_s": step_s, "tokens_per_s": tokens / step_s})
+    return rows
+
+
+def profile_step(mesh, opts: dict | None = None, warmup: int = 2, case: str = "profiled") -> dict:
+    """Profile one training step with ``torch.profiler`` on every rank (after ``warmup``
+    steps). Writes ``torch-profile-rank{R}.json`` (Chrome trace) into the run folder and
+    returns ``{"rank", "path", "table", "events"}``: the operators by self CPU time, and
+    the top-level events as edu3d trace events (``op`` = phase, ``name`` = the operator),
+    times in microseconds since the step began (a barrier just before it)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from edu3d.distributed import trace
+
+    trainer, corpus, args = _trainer(mesh, opts or {"dp": mesh.layout.dp, "tp": mesh.layout.tp,
+                                                    "pp": mesh.layout.pp})
+    with trace.current().context(case=case):
+        for s in range(1, warmup + 1):
+            trainer.step(*corpus.batch(s, args.global_batch), s)
+        x, y = corpus.batch(warmup + 1, args.global_batch)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("edu3d:step_start"):
+                pass
+            trainer.step(x, y, warmup + 1)
+    run_dir = os.environ.get("EDU3D_RUN_DIR")
+    path = None
+    if run_dir:
+        path = os.path.join(run_dir, f"torch-profile-rank{mesh.rank}.json")
+        prof.export_chrome_trace(path)
+    table = [{"name": a.key, "calls": a.count, "self_ms": a.self_cpu_time_total / 1e3,
+              "total_ms": a.cpu_time_total / 1e3}
+             for a in prof.key_averages()]
+    table.sort(key=lambda r: -r["self_ms"])
+    return {"rank": mesh.rank, "path": path, "table": table,
+            "events": profiler_events(prof.events(), mesh.rank)}
+
+
+def phase_of(name: str) -> str | None:
+    """The phase a top-level profiler event belongs to by its name alone (None: decided by
+    where it falls)."""
+    low = name.lower()
+    if "gloo" in low or "nccl" in low or "c10d" in low or "record_param_comms" in low:
+        return "comm"
+    if name.startswith("autograd::engine"):
+        return "B"
+    if name.startswith("Optimizer."):
+        return "optimizer"
+    return None
+
+
+def collective_of(name: str) -> str:
+    """The edu3d name of a profiled collective (``c10d::allreduce_`` -> ``all_reduce``)."""
+    low = name.lower().replace("_", "")
+    for op in ("allreduce", "allgather", "reducescatter", "broadcast", "barrier", "send",
+               "recv"):
+        if op in low:
+            return {"allreduce": "all_reduce", "allgather": "all_gather",
+                    "reducescatter": "reduce_scatter"}.get(op, op)
+    return "all_reduce"
+
+
+def profiler_events(function_events, rank: int) -> list[dict]:
+    """Top-level profiler events as edu3d trace events: each operator before the first
+    backward function is forward (``F``), between the first and the last backward (``B``),
+    after it the optimizer (clip, norm, AdamW); collectives go to the comm lane."""
+    top = [e for e in function_events if e.cpu_parent is None]
+    start = next((e.time_range.start for e in top if e.name == "edu3d:step_start"), None)
+    top = [e for e in top if e.name != "edu3d:step_start"]
+    if not top:
+        return []
+    start = min(e.time_range.start for e in top) if start is None else start
+    backward = [e.time_range.start for e in top if phase_of(e.name) == "B"]
+    first_b, last_b = (min(backward), max(backward)) if backward else (float("inf"),) * 2
+    out = []
+    for e in top:
+        t0 = e.time_range.start
+        phase = phase_of(e.name) or ("F" if t0 < first_b else "B" if t0 <= last_b
+                                     else "optimizer")
+        out.append({"rank": rank, "lane": "comm" if phase == "comm" else "compute",
+                    "op": collective_of(e.name) if phase == "comm" else phase,
+                    "name": e.name, "t0": t0 - start,
+                    "t1": e.time_range.end - start})
+    return out
+
+
+def session_two(mesh, steps: int = 3) -> dict:
+    """Chapter 10's 2-rank launch: the profile of a dp2 step, dp2 with overlap off and on,
+    the 2-rank layouts and dp1 timed, and ``edu3d bench dp`` on the tiny model."""
+    from edu3d.bench.bench_dp import dp_worker
+
+    profile = profile_step(mesh, {"dp": 2, **OVERLAP["on"]})
+    cases = {f"overlap {k}": {"dp": 2, **v} for k, v in OVERLAP.items()}
+    overlap = measure_layouts(mesh, [], steps + 1, cases=cases)
+    sweep = measure_layouts(mesh, ["dp1", "dp2", "tp2", "pp2"], steps)
+    report = dp_worker(mesh, model="tiny", global_batch=8, reps=3)
+    return {"profile": profile, "overlap": overlap, "sweep": sweep, "bench": report}
+
+
+def session_four(mesh, steps: int = 3) -> dict:
+    """Chapter 10's 4-rank launch: dp4 and dp2-tp2 timed."""
+    return {"sweep": measure_layouts(mesh, ["dp4", "dp2-tp2"], steps)}
+
+
+# ---- the cost model the controls draw -----------------------------------------------------------
+#: the model's constants until :func:`calibrate` fits them to a run: a serial tiny-GPT step
+#: on one laptop core, gloo's latency and bandwidth on loopback, in round numbers
+DEFAULT_COSTS = {"serial_ms": 25.0, "alpha_us": 100.0, "gb_per_s": 1.0}
+
+
+def predict(name: str, overlap: str = "on", microbatches: int | None = None,
+            costs: dict | None = None, cores: int | None = None) -> dict:
+    """The predicted step of layout ``name`` (ms): ``compute``, ``exposed`` communication,
+    ``bubble``, and their sum ``step``; ``comm`` is all communication, hidden or not.
+
+    * compute: the serial step's ``serial_ms`` split over the ranks, but ranks share the
+      machine's ``cores``: ``serial_ms / min(world, cores)``;
+    * communication per axis from :func:`edu3d.course.ch06_3d_parallelism.axis_formulas`' bytes, each
+      message paying the ring's latency ``2(n-1)·alpha`` and its bytes at ``gb_per_s``;
+      TP and PP are on the critical path; with overlap on, every DP bucket but the last
+      hides under backward (at most 2/3 of the compute), else it all waits for the end;
+    * bubble ``(p-1)/m`` of the compute (1F1B, DESIGN.md's ``(p-1)/(m+p-1)`` of the step).
+    """
+    from edu3d.plan import estimate as plan_memory
+    from edu3d.course import lesson_args
+    from edu3d.course.ch06_3d_parallelism import axis_formulas
+    from edu3d.distributed.mesh import Layout
+    from edu3d.train.options import config_from_args
+    from edu3d.model.shapes import spec_from_config
+
+    c = {**DEFAULT_COSTS, **(costs or {})}
+    cores = cores or os.cpu_count() or 1
+    opts = layout_options(name, overlap, microbatches)
+    dp, tp, pp, m = opts["dp"], opts["tp"], opts["pp"], opts["microbatches"]
+    layout = Layout(dp=dp, tp=tp, pp=pp)
+    world = layout.world_size
+    config = config_from_args(lesson_args())
+    compute = c["serial_ms"] / min(world, cores)
+    spec, setup = spec_from_config(config), plan_memory.Setup(dp=dp, tp=tp, pp=pp)
+    psi = [sum(n for _, tensors in plan_memory.units(spec, setup, r) for n, _ in tensors)
+           for r in range(pp)]  # parameters one rank of each stage holds (the planner's count)
+    worst: dict | None = None
+    for stage in range(pp):
+        bytes_ = axis_formulas(config, layout, m, stage=stage, rank_params=int(psi[stage]))
+        alpha, beta = c["alpha_us"] / 1e3, 1.0 / (c["gb_per_s"] * 1e6)  # ms, ms per byte
+        per_mb = 4 * config.n_layers / pp + (stage == 0) + (stage == pp - 1)
+        n_buckets = 1 if opts.get("dp_impl") == "flat" else max(
+            1, round(psi[stage] * 4 / 1e6 / opts.get("bucket_mb", 25.0)))
+        t = {"tp": (per_mb * m * 2 * (tp - 1) * alpha if tp > 1 else 0) + bytes_["tp"] * beta,
+             "pp": (m * ((stage > 0) + (stage < pp - 1)) * alpha if pp > 1 else 0)
+             + bytes_["pp"] * beta,
+             "dp": (n_buckets * 2 * (dp - 1) * alpha if dp > 1 else 0) + bytes_["dp"] * beta}
+        backward = compute * 2 / 3
+        hidden = min(t["dp"] - t["dp"] / n_buckets, backward) if overlap == "on" else 0.0
+        exposed = t["tp"] + t["pp"] + t["dp"] - hidden
+        row = {"compute": compute, "exposed": exposed, "bubble": compute * (pp - 1) / m,
+               "comm": t["tp"] + t["pp"] + t["dp"], "by_axis": t}
+        row["step"] = row["compute"] + row["exposed"] + row["bubble"]
+        if worst is None or row["step"] > worst["step"]:
+            worst = row
+    return {"name": name, "overlap": overlap, "microbatches": m, "world_size": world,
+            "cores": cores, **worst}
+
+
+def calibrate(events: list[dict], sweep: list[dict]) -> dict:
+    """Cost-model constants from this machine's runs: the serial step (dp1's median) and
+    alpha, beta fitted to the synchronous all-reduces of 2 ranks in the trace
+    (:func:`edu3d.bench.bench_comm.fit_alpha_beta`)."""
+    from edu3d.bench.bench_comm import fit_alpha_beta
+
+    costs = dict(DEFAULT_COSTS)
+    serial = [r for r in sweep if r["name"] == "dp1"]
+    if serial:
+        costs["serial_ms"] = serial[0]["median_s"] * 1e3
+    ar = [e for e in events if e.get("op") == "all_reduce" and e.get("n") == 2
+          and e.get("case") in ("tp2", "overlap off") and e.get("bytes")]
+    if len({e["bytes"] for e in ar}) >= 2:
+        alpha, beta = fit_alpha_beta([e["bytes"] for e in ar],
+                                     [(e["t1"] - e["t0"]) / 1e6 for e in ar], 2)
+        if alpha > 0 and beta > 0:
+            costs["alpha_us"], costs["gb_per_s"] = alpha * 1e6, 1 / beta / 1e9
+    return costs
+
+
+def measure_one(mesh, name: str, overlap: str = "on", microbatches: int | None = None,
+                steps: int = 3) -> list[dict]:
+    """The control panel's live run: one layout traced as ``case=name``."""
+    return measure_layouts(mesh, [], steps, cases={name: layout_options(name, overlap,
+                                                                        microbatches)})
+
+
+def run_layout(name: str, overlap: str = "on", microbatches: int | None = None,
+               steps: int = 3, timeout: float = 300):
+    """Launch :func:`measure_one` for ``name``; returns ``(row, breakdown)``."""
+    from edu3d.launch import launch
+    from edu3d.distributed.mesh import Layout
+
+    dp, tp, pp = LAYOUTS[name]
+    layout = Layout(dp=dp, tp=tp, pp=pp)
+    if layout.world_size == 1:
+        layout = Layout(dp=2)  # dp1 runs on rank 0 of a 2-rank launch
+    run = launch(measure_one, max(layout.world_size, 2), kwargs={
+        "name": name, "overlap": overlap, "microbatches": microbatches, "steps": steps},
+        layout=layout, timeout=timeout, echo=False, name=f"perf-{name}")
+    return run.results[0][0], breakdown(run.events(), name)
+
+
+# ---- the classic hangs --------------------------------------------------------------------------
+def wait_for_next_batch() -> None:
+    """Stands for a data loader that never delivers (the rank blocks outside any collective)."""
+    time.sleep(120)
+
+
+def skipped_collective(mesh) -> None:
+    """Rank 1 skips the gradient all-reduce (a rank-dependent ``if``) and goes on to wait for
+    its next batch; rank 0 waits in the all-reduce for it."""
+    import torch
+
+    from edu3d.distributed import comm, trace
+
+    grad = torch.ones(1024)
+    with trace.current().context(step=1):
+        if mesh.rank != 1:  # e.g. "skip the sync when my loss is NaN"
+            comm.all_reduce(grad)
+        wait_for_next_batch()
+
+
+def mismatched_shapes(mesh) -> None:
+    """Rank 0 all-reduces 4 numbers, rank 1 eight (a shape computed from rank-local data)."""
+    import torch
+
+    from edu3d.distributed import comm, trace
+
+    with trace.current().context(step=1):
+        comm.all_reduce(torch.ones(4 if mesh.rank == 0 else 8))
+
+
+def unmatched_send(mesh) -> None:
+    """Rank 0 sends an activation to rank 1, which never posts the receive: it goes straight
+    to the loss all-reduce."""
+    import torch
+
+    from edu3d.distributed import comm, trace
+
+    with trace.current().context(step=1):
+        if mesh.rank == 0:
+            comm.send(torch.ones(4096), 1)
+        comm.all_reduce(torch.ones(1))
+
+
+HANGS = {"skipped collective": skipped_collective, "mismatched shapes": mismatched_shapes,
+         "send without receive": unmatched_send}
+
+
+def hang(kind: str, timeout_s: float = 6.0, heartbeat: float = 2.0) -> dict:
+    """Launch one of :data:`HANGS` on 2 ranks with a short collective timeout and heartbeat;
+    return the launcher's verdict: the error's class, the rank it names, its first line and
+    the named rank's stack (or traceback)."""
+    from edu3d.launch.api import LaunchError, RankError, launch
+
+    t0 = time.perf_counter()
+    try:
+        launch(HANGS[kind], 2, env={"EDU3D_TIMEOUT": str(timeout_s)}, heartbeat=heartbeat,
+               echo=False, timeout=60, progress=False, name="hang", pool=False)
+    except RankError as err:
+        return {"kind": kind, "error": type(err).__name__, "rank": err.rank,
+                "message": str(err).splitlines()[0], "traceback": err.traceback,
+                "seconds": time.perf_counter() - t0}
+    except LaunchError as err:
+        return {"kind": kind, "error": type(err).__name__, "rank": None,
+                "message": str(err).splitlines()[0], "traceback": "",
+                "seconds": time.perf_counter() - t0}
+    raise AssertionError(f"{kind} finished without hanging")
+
+
+def hangs(kinds=tuple(HANGS), **kw) -> dict[str, dict]:
+    """Every hang of ``kinds`` at once, each its own launch in its own thread: waiting for a
+    heartbeat costs no CPU. Each starts its ranks cold (a run that fails kills the warm pool
+    it ran on, and the chapter's pool is kept for the runs after these)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        futures = {k: pool.submit(hang, k, **kw) for k in kinds}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def stack_lines(verdict: dict, keep: int = 6) -> list[str]:
+    """The first lines of the named rank's stack or traceback, the launcher's own frames
+    (worker, warm pool, runpy) left out."""
+    launcher = ("edu3d/launch/worker.py", "edu3d/launch/warm/pool.py", "<frozen runpy>")
+    lines = [ln for ln in verdict["traceback"].splitlines()
+             if ln.strip() and not any(f in ln for f in launcher)]
+    return lines[:keep]

@@ -1,0 +1,172 @@
+"""Keeping the course's notebooks gradeable: ``python -m edu3d.course.nbtools refresh|strip NB...``.
+
+nbval compares a cell's new output with the output stored in the notebook, but only for
+cells that were executed when saved (an ``execution_count``) and that are marked
+``# NBVAL_CHECK_OUTPUT``. So a committed notebook must store exactly:
+
+* for checked cells, the output of a clean run with the reference solutions
+  (``EDU3D_SOLUTIONS=1``) and its execution count;
+* for every other cell, nothing: charts and logs are for the learner's own run, and outputs
+  full of timings would only bloat the repository.
+
+``refresh`` executes a notebook top to bottom in its own folder and stores it that way;
+``strip`` only removes outputs (checked cells keep theirs). ``check`` reports notebooks
+that break the rule (the test suite runs it on every notebook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+MARK = "# NBVAL_CHECK_OUTPUT"
+
+
+def is_checked(cell) -> bool:
+    return cell.cell_type == "code" and cell.source.lstrip().startswith(MARK)
+
+
+def strip(nb) -> None:
+    """Remove outputs and counts from every unchecked code cell, in place."""
+    for cell in nb.cells:
+        if cell.cell_type == "code" and not is_checked(cell):
+            cell.outputs, cell.execution_count = [], None
+        cell.get("metadata", {}).pop("execution", None)
+
+
+def problems(nb) -> list[str]:
+    """What makes nbval's comparison of this notebook vacuous or noisy."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if is_checked(cell):
+            if not cell.outputs or cell.execution_count is None:
+                out.append(f"cell {i}: checked cell stores no output/execution count, so "
+                           "nbval would not compare it; run `python -m edu3d.course.nbtools refresh`")
+        elif cell.outputs:
+            out.append(f"cell {i}: unchecked cell stores outputs; strip them")
+    return out
+
+
+def _shown(cell) -> list:
+    """What nbval compares of a cell's outputs: stdout as one text, each result's or
+    display's ``text/plain``, and errors (stderr, a progress line, is not compared)."""
+    stdout, shown = "", []
+    for o in cell.get("outputs", []):
+        kind = o.get("output_type")
+        if kind == "stream" and o.get("name") == "stdout":
+            stdout += o.get("text", "")
+        elif kind in ("execute_result", "display_data"):
+            shown.append(("shows", o.get("data", {}).get("text/plain", "")))
+        elif kind == "error":
+            shown.append(("error", f"{o.get('ename')}: {o.get('evalue')}"))
+    return ([("prints", stdout)] if stdout else []) + shown
+
+
+def differences(committed, executed) -> list[str]:
+    """The checked cells of ``committed`` whose outputs ``executed`` (the same notebook,
+    run again) does not reproduce: what ``pytest --nbval-lax`` would report."""
+    if len(committed.cells) != len(executed.cells):
+        return [f"{len(executed.cells)} cells, the committed notebook has "
+                f"{len(committed.cells)}"]
+    out = []
+    for i, (old, new) in enumerate(zip(committed.cells, executed.cells)):
+        if is_checked(old) and _shown(old) != _shown(new):
+            out.append(f"cell {i}: expected {_shown(old)!r}\n  got {_shown(new)!r}")
+    return out
+
+
+def errors(nb) -> list[str]:
+    """Every error output of an executed notebook, one line each."""
+    return [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(nb.cells)
+            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+POLL_SLICE_S = 0.5
+
+
+def notebook_client(nb, **kwargs):
+    """An ``nbclient.NotebookClient`` for ``nb`` that does not stall after widget cells.
+
+    nbclient waits for a kernel's reply with one long ``poll`` on the zmq socket, and that
+    wait sometimes misses a message that has already arrived (nbclient issue #312, open: seen
+    here after a cell that displays an ipywidget, when the next cell's reply only came back
+    when the whole cell ``timeout`` had run out). Here every wait on the shell and IOPub
+    channels is cut into slices of :data:`POLL_SLICE_S`; each new ``poll`` looks at the
+    socket first, so a reply that is there is taken at once. Timeouts mean what they meant.
+    """
+    import time
+    from queue import Empty
+
+    from nbclient import NotebookClient
+
+    def sliced(channel) -> None:
+        wait = channel.get_msg
+
+        async def get_msg(timeout: float | None = None):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+                try:
+                    return await wait(timeout=max(0.0, min(POLL_SLICE_S, left)))
+                except Empty:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+
+        channel.get_msg = get_msg
+
+    class Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            sliced(self.kc.shell_channel)
+            sliced(self.kc.iopub_channel)
+            return kc
+
+    return Client(nb, **kwargs)
+
+
+def refresh(path: Path, timeout: int = 600) -> None:
+    """Execute with the reference solutions, keep checked outputs, strip the rest."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    saved = os.environ.get("EDU3D_SOLUTIONS")
+    os.environ["EDU3D_SOLUTIONS"] = "1"  # the kernel inherits it
+    try:
+        notebook_client(nb, timeout=timeout, kernel_name="python3",
+                        resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if saved is None:
+            os.environ.pop("EDU3D_SOLUTIONS")
+        else:
+            os.environ["EDU3D_SOLUTIONS"] = saved
+    strip(nb)
+    nbformat.write(nb, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edu3d.course.nbtools", description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=("refresh", "strip", "check"))
+    p.add_argument("notebooks", nargs="+", type=Path)
+    a = p.parse_args(argv)
+    import nbformat
+
+    bad = 0
+    for path in a.notebooks:
+        if a.action == "refresh":
+            refresh(path)
+        elif a.action == "strip":
+            nb = nbformat.read(path, as_version=4)
+            strip(nb)
+            nbformat.write(nb, path)
+        for msg in problems(nbformat.read(path, as_version=4)):
+            bad += 1
+            print(f"{path}: {msg}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What every rank uses: the mesh, start-up, traced collectives, hand-written algorithms, the trace."""

@@ -1,0 +1,227 @@
+"""The 3D device mesh: which rank does what, and which ranks talk to each other.
+
+After reading this file you should understand:
+
+* a layout ``Layout(dp, tp, pp, vpp)`` cuts ``dp * tp * pp`` ranks into a 3D grid;
+* the rank order is Megatron's ``tp-dp-pp``: TP varies fastest, then DP, then PP, so
+  ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``. Tensor-parallel partners (who talk
+  every layer) are neighbours, pipeline partners (who talk least) are farthest apart. This
+  is the same order as ``init_device_mesh(..., (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``;
+* a *group* along a dimension is the set of ranks that differ only in that coordinate. With
+  tp=dp=pp=2 (8 ranks): TP groups [0,1][2,3][4,5][6,7], DP groups [0,2][1,3][4,6][5,7],
+  PP groups [0,4][1,5][2,6][3,7];
+* process groups are created once, in the same order on every rank (``new_group`` is a
+  collective call), and handed around explicitly in a :class:`Mesh`: there is no hidden
+  global state.
+
+Nothing in this module imports torch until a :class:`Mesh` is built, so layouts can be
+checked before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+DIMS = ("pp", "dp", "tp")  # slowest to fastest
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message says how to fix it."""
+
+
+class Coord(NamedTuple):
+    """A rank's position in the mesh."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``world_size = dp * tp * pp`` ranks are arranged.
+
+    ``vpp`` is the number of virtual pipeline chunks per rank (interleaved schedules).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name}={value!r} must be a positive integer")
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(f"vpp={self.vpp} needs pipeline parallelism; set pp >= 2 or vpp=1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Mesh shape in (pp, dp, tp) order, slowest dimension first."""
+        return (self.pp, self.dp, self.tp)
+
+    def __str__(self) -> str:
+        s = f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        return s + (f" vpp={self.vpp}" if self.vpp > 1 else "")
+
+    # ---- validation -------------------------------------------------------------------
+    def validate(self, world_size: int | None = None, config: Any = None,
+                 global_batch: int | None = None, microbatches: int | None = None) -> "Layout":
+        """Check the layout against a world size, a model config and a batch.
+
+        ``config`` is anything with ``n_layers``, ``n_heads`` and ``d_model`` (a
+        :class:`edu3d.model.gpt.GPTConfig`). Raises :class:`LayoutError` with a fix.
+        Returns ``self`` so calls chain.
+        """
+        if world_size is not None and world_size != self.world_size:
+            raise LayoutError(
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} ranks, but "
+                f"{world_size} were launched; launch {self.world_size} ranks or choose "
+                f"dp, tp, pp whose product is {world_size}")
+        if config is not None:
+            heads, layers = config.n_heads, config.n_layers
+            if heads % self.tp:
+                ok = ", ".join(str(d) for d in _divisors(heads))
+                raise LayoutError(f"tp={self.tp} does not divide n_heads={heads}; choose {ok}")
+            if self.pp * self.vpp > layers:
+                raise LayoutError(
+                    f"pp*vpp = {self.pp}*{self.vpp} = {self.pp * self.vpp} stages but the model "
+                    f"has only n_layers={layers}; each stage needs at least one layer, so "
+                    f"choose pp*vpp <= {layers}")
+        if global_batch is not None:
+            mb = microbatches or 1
+            if global_batch % (self.dp * mb):
+                raise LayoutError(
+                    f"global batch {global_batch} does not split into dp={self.dp} ranks x "
+                    f"{mb} micro-batches; use a global batch that is a multiple of "
+                    f"{self.dp * mb}")
+        return self
+
+    # ---- rank <-> coordinates ----------------------------------------------------------
+    def coords(self, rank: int) -> Coord:
+        """Coordinates of ``rank`` (TP fastest, then DP, then PP)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside 0..{self.world_size - 1} for {self}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coord(pp, dp, tp)
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """Inverse of :meth:`coords`."""
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise LayoutError(f"{name} coordinate {value} is outside 0..{size - 1} for {self}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """All groups along ``dim``: 'tp', 'dp', 'pp', 'mp' (tp x pp), 'embed' (the first and
+        last pipeline stage, which share a tied embedding) or 'world'.
+
+        Each group lists ranks in increasing order; groups are sorted by their first rank.
+        """
+        if dim == "world":
+            return [list(range(self.world_size))]
+        if dim == "mp":  # model parallel: same dp coordinate
+            return [[self.rank(p, d, t) for p in range(self.pp) for t in range(self.tp)]
+                    for d in range(self.dp)]
+        if dim == "embed":  # first and last pipeline stage, same dp and tp coordinates
+            return [list(g) for g in sorted(
+                {tuple(sorted({self.rank(0, d, t), self.rank(self.pp - 1, d, t)}))
+                 for d in range(self.dp) for t in range(self.tp)})]
+
+        if dim not in DIMS:
+            raise LayoutError(f"unknown mesh dimension {dim!r}; use tp, dp, pp, mp or world")
+        out = {}
+        for r in range(self.world_size):
+            c = self.coords(r)._asdict()
+            key = tuple(v for k, v in c.items() if k != dim)
+            out.setdefault(key, []).append(r)
+        return sorted(out.values())
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The group along ``dim`` that contains ``rank``."""
+        return next(g for g in self.groups(dim) if rank in g)
+
+
+@dataclass
+class Mesh:
+    """A layout seen from one rank, with its process groups.
+
+    Build it with :meth:`Mesh.build` after ``dist.init_process_group`` (see
+    :func:`edu3d.distributed.runtime.init`). ``mesh.tp``, ``mesh.dp``, ``mesh.pp`` and ``mesh.mp`` are
+    this rank's ``ProcessGroup`` objects; ``mesh.coord`` its coordinates; ``mesh.ranks(dim)``
+    the global ranks of its group along ``dim``.
+    """
+
+    layout: Layout
+    rank: int
+    groups: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, layout: Layout, rank: int | None = None) -> "Mesh":
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        layout.validate(world_size=world)
+        rank = dist.get_rank() if rank is None else rank
+        mine = {"world": dist.group.WORLD}
+        for dim in ("tp", "dp", "pp", "mp"):
+            # new_group is collective: every rank creates every group, in the same order.
+            # group_desc names the group in traces ("dp", "tp", ...).
+            for ranks in layout.groups(dim):
+                pg = dist.new_group(ranks, group_desc=dim)
+                if rank in ranks:
+                    mine[dim] = pg
+        return cls(layout, rank, mine)
+
+    @property
+    def coord(self) -> Coord:
+        return self.layout.coords(self.rank)
+
+    def ranks(self, dim: str) -> list[int]:
+        return self.layout.group_of(self.rank, dim)
+
+    def size(self, dim: str) -> int:
+        return len(self.ranks(dim))
+
+    def index(self, dim: str) -> int:
+        """This rank's position inside its group along ``dim``."""
+        return self.ranks(dim).index(self.rank)
+
+    def group(self, dim: str):
+        return self.groups[dim]
+
+    def add_groups(self, dim: str) -> None:
+        """Create the process groups along ``dim`` (every rank must call, in the same order);
+        this rank's becomes ``mesh.group(dim)``, ``None`` where it is in none of them."""
+        import torch.distributed as dist
+
+        if dim in self.groups:
+            return
+        self.groups[dim] = None
+        for ranks in self.layout.groups(dim):
+            pg = dist.new_group(list(ranks), group_desc=dim)
+            if self.rank in ranks:
+                self.groups[dim] = pg
+
+    def release(self) -> None:
+        """Drop the process groups (before ``destroy_process_group``): a group object that
+        outlives it is destroyed during interpreter exit, which can abort gloo."""
+        self.groups.clear()
+
+    tp = property(lambda self: self.groups["tp"])
+    dp = property(lambda self: self.groups["dp"])
+    pp = property(lambda self: self.groups["pp"])
+    mp = property(lambda self: self.groups["mp"])

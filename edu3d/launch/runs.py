@@ -1,0 +1,265 @@
+"""Run folders: where every launched run leaves its output, and how they are kept tidy.
+
+After reading this file you should understand what a run folder holds and its life cycle:
+
+* each run gets a fresh folder under ``$EDU3D_RUNS`` (default ``./runs``), named
+  ``YYYYmmdd-HHMMSS-<name>-<id>``: ``command.json``, the ranks' ``pids/``, ``errors/``,
+  ``exits/``, ``done/`` markers, ``flight/`` (what each rank is doing now),
+  ``trace-rank{R}.jsonl`` and ``results/``;
+* the files that describe *a* run's state (pids, errors, exits, done, flight) are cleared when
+  a folder is reused, so a new run is never judged by an old run's error;
+* only the newest ``$EDU3D_KEEP_RUNS`` folders (default 50) are kept; ``edu3d runs list`` and
+  ``edu3d runs clean`` show and remove them by hand.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+DEFAULT_KEEP = 50
+# per-run state: stale copies from an earlier run in the same folder would mislead the launcher
+STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results", "stacks")
+
+
+class RunsError(RuntimeError):
+    """The runs folder cannot be used (the message says which path and how to choose another)."""
+
+
+def base() -> Path:
+    """The folder that holds run folders: ``$EDU3D_RUNS``, else ``./runs``."""
+    return Path(os.environ.get("EDU3D_RUNS") or "runs")
+
+
+def _usable(path: Path) -> Path:
+    """``path`` created if needed, or a one-line :class:`RunsError` saying what is wrong."""
+    hint = "set EDU3D_RUNS to a writable folder, e.g. EDU3D_RUNS=/tmp/edu3d-runs"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunsError(f"run folder base {path} is a file, not a folder; {hint}") from None
+    except OSError as err:
+        raise RunsError(f"cannot create run folder base {path} ({err.strerror}); {hint}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise RunsError(f"run folder base {path} is not writable; {hint}")
+    return path
+
+
+def new_run_dir(name: str = "run", create: bool = True) -> Path:
+    """A fresh folder under :func:`base` for one run's files (older ones beyond
+    ``$EDU3D_KEEP_RUNS`` are removed when it is created)."""
+    root = base()
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40]
+    path = (root / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}").resolve()
+    if create:
+        prepare(path)
+    return path
+
+
+def prepare(path: Path) -> None:
+    """Create ``path`` (checked) and clear any state an earlier run left in it."""
+    _usable(path.parent)
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as err:
+        raise RunsError(f"cannot create run folder {path} ({err.strerror}); choose another "
+                        "run_dir, or set EDU3D_RUNS to a writable folder") from None
+    for sub in STATE_DIRS:
+        shutil.rmtree(path / sub, ignore_errors=True)
+    for old in path.glob("trace-rank*.jsonl"):
+        old.unlink(missing_ok=True)
+    if path.parent.resolve() == base().resolve():
+        prune(keep_runs(), protect=path)
+
+
+def keep_runs() -> int:
+    """How many run folders to keep: ``$EDU3D_KEEP_RUNS`` (0 keeps all), default 50."""
+    text = os.environ.get("EDU3D_KEEP_RUNS", str(DEFAULT_KEEP))
+    try:
+        value = int(text)
+    except ValueError:
+        raise RunsError(f"EDU3D_KEEP_RUNS={text!r} is not a whole number "
+                        "(how many run folders to keep; 0 keeps all)") from None
+    if value < 0:
+        raise RunsError(f"EDU3D_KEEP_RUNS={value} must be 0 (keep all) or more")
+    return value
+
+
+def list_runs(root: Path | None = None) -> list[Path]:
+    """Run folders under ``root``, oldest first (a run folder has a ``command.json``)."""
+    root = root or base()
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        try:  # another process may prune a folder between listing and reading it
+            found.append(((p / "command.json").stat().st_mtime, p.name, p))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return [p for _, _, p in sorted(found)]
+
+
+def prune(keep: int, root: Path | None = None, protect: Path | None = None) -> list[Path]:
+    """Remove all but the newest ``keep`` run folders (0 keeps all); returns what was removed."""
+    if keep <= 0:
+        return []
+    runs = [p for p in list_runs(root) if protect is None or p.resolve() != protect.resolve()]
+    doomed = runs[:max(len(runs) - (keep - (protect is not None)), 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+# ---- what the ranks left: pids, errors, exits, flight -----------------------------------------
+def pid_files(run_dir: Path) -> dict[int, int]:
+    """``{rank: pid}`` from ``pids/rank{R}.pid`` (written by each rank as it starts)."""
+    pids = {}
+    for f in (run_dir / "pids").glob("rank*.pid"):
+        try:
+            pids[int(f.stem[4:])] = int(f.read_text())
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def run_id(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "command.json").read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def belongs_to(pid: int, rid: str | None) -> bool:
+    """True only if process ``pid`` verifiably belongs to run ``rid``: its environment carries
+    ``EDU3D_RUN_ID=rid``. Pids are recycled, so a pid file alone proves nothing."""
+    if not rid:
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"EDU3D_RUN_ID={rid}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def signal_ranks(run_dir: Path, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to each rank's process group (each rank leads a session of its own),
+    after checking that the process is the run's; anything else is left alone."""
+    rid = run_id(run_dir)
+    for pid in pid_files(run_dir).values():
+        if not belongs_to(pid, rid):
+            continue
+        try:
+            os.killpg(pid, sig) if os.getpgid(pid) == pid else os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _read_all(folder: Path) -> list[dict]:
+    out = []
+    for f in folder.glob("rank*.json"):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+# a rank whose partner vanished fails with one of these: a consequence, never the cause
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|"
+                        r"ECONNRESET|EPIPE|connection closed|peer .*(?:closed|gone)", re.I)
+_TIMEOUT = re.compile(r"time[ds]? ?out", re.I)
+
+
+def how(exit_: dict) -> str:
+    if "signal" in exit_:
+        try:
+            return f"killed by signal {signal.Signals(exit_['signal']).name}"
+        except ValueError:
+            return f"killed by signal {exit_['signal']}"
+    return f"exited with code {exit_['code']}"
+
+
+def failures(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """``(causes, consequences)``, each sorted by time. A cause is a Python error that is not
+    a lost connection, or a rank that ended without a Python error (``os._exit``, a signal):
+    ``{"rank", "time_ns", "message", "traceback"?}``. Deaths from the agent's own teardown
+    (SIGTERM after ``exits/teardown``) are not causes. A death is recorded by a thread of the
+    agent and may be stamped a little after the agent noticed it (and began its teardown), so
+    a SIGKILL or a crash always counts, whatever its time."""
+    errors = _read_all(run_dir / "errors")
+    erred = {e["rank"] for e in errors}
+    try:
+        teardown = json.loads((run_dir / "exits" / "teardown").read_text())["time_ns"]
+    except (OSError, ValueError, KeyError):
+        teardown = None
+    causes, consequences = [], []
+    for e in errors:
+        e = {**e, "message": f"{e['type']}: {e['message']}"}
+        lost = _PEER_LOST.search(e["message"]) or _PEER_LOST.search(e.get("traceback", ""))
+        (consequences if lost else causes).append(e)
+    for x in _read_all(run_dir / "exits"):
+        if x["rank"] in erred or x.get("code") == 0:
+            continue
+        if teardown is not None and x["time_ns"] >= teardown and x.get("signal") == signal.SIGTERM:
+            continue  # torchrun stops the others with SIGTERM (SIGKILL only 30 s later)
+        causes.append({"rank": x["rank"], "time_ns": x["time_ns"], "message": how(x)})
+    return (sorted(causes, key=lambda e: e["time_ns"]),
+            sorted(consequences, key=lambda e: e["time_ns"]))
+
+
+def describe(rec: dict | None) -> str:
+    """``waits in all_reduce(dp) at step 3``: one rank's flight record in words."""
+    if rec is None:
+        return "recorded no operation"
+    what = rec["op"] + (f"({rec['group']})" if rec.get("group") else "")
+    verb = {"in": "waits in" if rec.get("lane", "comm") == "comm" else "is in",
+            "failed": "failed in"}.get(rec["state"], "last finished")
+    where = "".join(f" {k} {rec[k]}" for k in ("step", "mb") if k in rec)
+    return f"{verb} {what}{' at' + where if where else ''}"
+
+
+def read_flight(run_dir: Path, rank: int) -> tuple[bytes, dict | None]:
+    """The raw bytes of a rank's flight record and the record (None before its first note)."""
+    try:
+        raw = (run_dir / "flight" / f"rank{rank}.json").read_bytes().strip(b" \0")
+        return raw, json.loads(raw) if raw else None
+    except (OSError, ValueError):
+        return b"", None
+
+
+def flight_report(run_dir: Path, nprocs: int) -> str:
+    """What every rank was doing, from its flight record (:class:`edu3d.distributed.trace.Flight`):
+    ``rank 0 waits in all_reduce(dp) at step 3; rank 1 waits in broadcast(tp) at step 3``."""
+    return "; ".join(f"rank {r} {describe(read_flight(run_dir, r)[1])}" for r in range(nprocs))
+
+
+def size_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(action: str, keep: int = 0) -> int:
+    """``edu3d runs list`` / ``edu3d runs clean [--keep N]``."""
+    if action == "list":
+        found = list_runs()
+        for path in found:
+            print(f"{size_bytes(path) / 1e6:8.1f} MB  {path}")
+        print(f"{len(found)} run folder(s) under {base().resolve()}")
+        return 0
+    if keep < 0:
+        print(f"edu3d runs clean: --keep {keep}: must be 0 or more", file=sys.stderr)
+        return 2
+    found = list_runs()
+    doomed = found[:max(len(found) - keep, 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    print(f"removed {len(doomed)} run folder(s) under {base().resolve()}, kept {len(found) - len(doomed)}")
+    return 0

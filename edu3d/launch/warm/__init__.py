@@ -1,0 +1,1 @@
+"""Warm ranks: a pool kept alive in a notebook's kernel, its fork server and its ranks."""

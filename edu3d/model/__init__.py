@@ -1,0 +1,1 @@
+"""The serial reference GPT and the model shapes the planner reads."""

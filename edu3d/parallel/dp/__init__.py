@@ -1,0 +1,1 @@
+"""Data parallelism: four versions of DDP and gradient compression."""

@@ -1,0 +1,1 @@
+"""ZeRO stages 1, 2 and 3."""

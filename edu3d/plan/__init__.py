@@ -1,0 +1,1 @@
+"""Memory formulas, the per-rank estimator and the layout search."""

@@ -1,0 +1,324 @@
+"""The per-rank memory of a 3D layout, by category and pipeline stage: the planner's estimator.
+
+After reading this file you should understand where every byte of a rank goes, stage by
+stage, and how the classic answer to "how do I train this model on G GPUs" follows from it:
+
+* **the model's state**: each rank holds the parameters of its pipeline stage(s), cut by
+  tensor parallelism (matrices split, LayerNorms and row biases whole), and for each of them
+  a gradient and the optimizer's state. Mixed precision (bf16/fp16) keeps 2 + 2 + 12 bytes
+  per parameter (16-bit weights and gradients; fp32 master weights and Adam's two moments,
+  the ZeRO paper's K = 12); fp32 training 4 + 4 + 8. ZeRO shards the optimizer state
+  (stage 1), then the gradients (2), then the weights (3) over the dp ranks, each unit's
+  flat buffer padded to a multiple of dp (:mod:`edu3d.parallel.zero.sharding`);
+* **the activations**: bytes per layer and micro-batch from :mod:`edu3d.plan.formulas`
+  (Korthikanti et al. 2022 for real models in 16-bit; the exact fp32 count for this course's
+  GPT), times the layers of the stage, plus the first stage's token ids and the last
+  stage's LayerNorm, head input and fp32 logits; times the micro-batches the schedule keeps
+  alive at once, found by replaying the schedule (:func:`edu3d.schedules.simulate.simulate`):
+  1F1B keeps up to ``p`` on the first stage, GPipe all ``m``, interleaved a little more than
+  1F1B;
+* **at rest and at the peak**: after the optimizer step ZeRO-2/3 hold gradient (and ZeRO-3
+  weight) shards only; during the step edu3d keeps a stage's full gradients (and ZeRO-3 its
+  gathered weights) while its micro-batches run, so traffic does not grow with ``m``. The
+  peak is what must fit; the rest is what ``edu3d train`` measures after a step;
+* **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
+  at its start) and ZeRO's flat gradient of one unit before its reduce-scatter.
+
+The layout search and its cost model live in :mod:`edu3d.plan.search`, the command line
+(``edu3d plan``) in :mod:`edu3d.commands.plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from edu3d.plan import formulas as memory
+from edu3d.schedules.partition import uniform
+from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.simulate import simulate
+from edu3d.model.shapes import ModelSpec, spec_from
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+# ---- the layout --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """How the model is trained: the layout, the batch and the recipe."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    micro_batch: int = 1  # sequences per micro-batch
+    schedule: str = "1f1b"
+    sp: bool = False
+    recompute: str = "none"
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch
+
+
+def validate(spec: ModelSpec, st: Setup) -> None:
+    """Raise ``ValueError`` saying what to change when ``st`` cannot run ``spec``."""
+    if spec.n_heads % st.tp or spec.kv_heads % st.tp and st.tp % spec.kv_heads:
+        raise ValueError(f"tp={st.tp} must divide n_heads={spec.n_heads} (and KV heads "
+                         f"{spec.kv_heads} split or replicate evenly)")
+    if st.pp * chunks(st.schedule, st.vpp) > spec.n_layers:
+        raise ValueError(f"pp*vpp = {st.pp * st.vpp} stages for {spec.n_layers} layers")
+    if st.zero and st.dp == 1:
+        raise ValueError(f"ZeRO-{st.zero} shards over dp; use dp >= 2")
+    if st.sp and spec.seq_len % st.tp:
+        raise ValueError(f"sequence parallelism: tp={st.tp} must divide seq={spec.seq_len}")
+    if st.vpp > 1 and st.schedule != "interleaved":
+        raise ValueError(f"vpp={st.vpp} needs the interleaved schedule")
+    if st.schedule == "interleaved" and st.pp > 1 and st.microbatches % st.pp:
+        raise ValueError(f"interleaved: microbatches={st.microbatches} must be a multiple "
+                         f"of pp={st.pp}")
+    for name, value, ok in (("precision", st.precision, PRECISIONS),
+                            ("recompute", st.recompute, RECOMPUTE),
+                            ("zero", st.zero, (0, 1, 2, 3))):
+        if value not in ok:
+            raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
+
+
+def state_bytes(precision: str, optimizer: str = "adamw",
+                autocast: bool = False) -> tuple[int, int, int]:
+    """Bytes per parameter of (weights, gradients, optimizer state). ``autocast``: edu3d's
+    own recipe (``torch.autocast`` over fp32 weights, gradients and moments: 4 + 4 + 8)."""
+    moments = 8 if optimizer == "adamw" else 0
+    if precision == "fp32" or autocast:
+        return 4, 4, moments
+    return 2, 2, 4 + moments  # fp32 master copy + moments: the ZeRO paper's K = 12
+
+
+def _autocast(spec: ModelSpec, st: Setup) -> bool:
+    """A course model in 16 bits runs edu3d's autocast recipe, not Megatron's."""
+    return spec.course and st.precision != "fp32"
+
+
+# ---- parameters per rank -------------------------------------------------------------------------
+def units(spec: ModelSpec, st: Setup, pp_rank: int) -> list[tuple[str, list[tuple[int, bool]]]]:
+    """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in the
+    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`)."""
+    t, h, v = st.tp, spec.d_model, chunks(st.schedule, st.vpp)
+    parts = uniform(spec.n_layers, st.pp * v)
+    n_stages = len(parts)
+    tok = (spec.vocab_rows(t) * h, True)
+    norm = [(h, False)] * (2 if spec.norm == "layernorm" else 1)
+    layer = [(n, m) for _, n, m in spec.layer_tensors(t)]
+    out = []
+    for s in range(pp_rank, n_stages, st.pp):
+        first, last = s == 0, s == n_stages - 1
+        tied_here = spec.tied and (first or last)
+        if tied_here and (n_stages > 1 or first):
+            out.append(("tied", [tok]))
+        if first:
+            emb = ([] if spec.tied else [tok]) + ([(spec.seq_len * h, True)]
+                                                  if spec.learned_pos else [])
+            if emb:
+                out.append(("embed", emb))
+        out += [(f"block{i}", layer) for i in range(*parts[s])]
+        if last:
+            out.append(("head", norm + ([] if spec.tied else [tok])))
+    return out
+
+
+def _shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, int, int]:
+    """ZeRO's flat buffer of ``unit``: (padded elements, shard elements, pieces in shard
+    ``index``: the parameters that overlap it, each its own optimizer tensors)."""
+    numel = sum(k for k, _ in unit)
+    padded = math.ceil(numel / n) * n
+    lo, hi = index * padded // n, (index + 1) * padded // n
+    pieces, off = 0, 0
+    for k, _ in unit:
+        pieces += max(off, lo) < min(off + k, hi)
+        off += k
+    return padded, padded // n, pieces
+
+
+def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
+                   at: str = "peak") -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
+    optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step)."""
+    pb, gb, ob = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
+    step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
+    us = units(spec, st, pp_rank)
+    full = sum(k for _, u in us for k, _ in u)
+    tensors = sum(len(u) for _, u in us)
+    if not st.zero:
+        return {"params": pb * full, "grads": gb * full,
+                "optimizer": ob * full + step_bytes * tensors * bool(ob)}
+    n = st.dp
+    shards = [_shard(u, n, dp_index) for _, u in us]
+    padded = sum(p for p, _, _ in shards)
+    shard = sum(s for _, s, _ in shards)
+    covered = sum(min(s, max(0, sum(k for k, _ in u) - dp_index * s))
+                  for (_, u), (_, s, _) in zip(us, shards))
+    optimizer = ob * covered + step_bytes * sum(p for _, _, p in shards)
+    biggest = max(p for p, _, _ in shards)
+    held_full = st.microbatches > 1 or st.pp > 1  # edu3d reduces once per step
+    params = pb * (padded if st.zero < 3 else shard)
+    grads = gb * (padded if st.zero < 2 else shard)
+    if at == "peak" and st.zero >= 2:
+        grads += gb * (padded if held_full else biggest)
+    if at == "peak" and st.zero == 3:
+        params += pb * (padded if held_full else 2 * biggest)  # gathered (and prefetched)
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+# ---- activations per rank ------------------------------------------------------------------------
+def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
+    """Bytes one micro-batch keeps for backward on each global stage."""
+    s, b, h, a, t = spec.seq_len, st.micro_batch, spec.d_model, spec.n_heads, st.tp
+    rec = None if st.recompute == "none" else st.recompute
+    parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp))
+    sp = st.sp and t > 1
+    if spec.course and st.precision == "fp32":
+        layer = memory.course_activation_bytes_per_layer(s, b, h, a, t, sp, rec)
+        ids = 8 * st.global_batch * s  # a view into the global batch keeps its whole storage
+        if t > 1:  # the vocabulary-parallel embedding keeps its local ids and mask
+            first = 9 * s * b + 8 * s
+            last = (4 * s * b * h + 8 * s * b) / (t if sp else 1) + 4 * s * b * h / (
+                t if sp else 1) + 4 * s * b * spec.vocab_rows(t) + 10 * s * b
+        else:
+            first = ids + 8 * s
+            last = 4 * s * b * h + 8 * s * b + 4 * s * b * h + 4 * s * b * spec.vocab_size + ids
+    elif _autocast(spec, st) and t == 1:
+        layer = memory.autocast_activation_bytes_per_layer(s, b, h, a, rec)
+        ids = 8 * st.global_batch * s
+        first = ids + 8 * s
+        # fp32 final LayerNorm input, the head's 16-bit input and weight copies, its 16-bit
+        # logits and the fp32 log-softmax the loss keeps (on CUDA; the CPU keeps no 16-bit
+        # logits, 2sbV bytes less)
+        last = (4 * s * b * h + 8 * s * b + 2 * s * b * h + 2 * spec.vocab_size * h
+                + 6 * s * b * spec.vocab_size + ids)
+    else:
+        layer = memory.activation_bytes_per_layer(
+            s, b, h, a, t, sp, rec, d_ff=spec.ff, kv_heads=spec.kv_heads, mlp=spec.mlp)
+        first = 0.0
+        # final norm and head inputs (16-bit), fp32 logits for the loss (Korthikanti 4.3)
+        last = 4 * s * b * h / (t if sp else 1) + 4 * s * b * spec.vocab_rows(t)
+    out = []
+    for i, (lo, hi) in enumerate(parts):
+        out.append((hi - lo) * layer + (first if i == 0 else 0) +
+                   (last if i == len(parts) - 1 else 0))
+    return out
+
+
+def _replayed(schedule: str, pp: int, m: int) -> int:
+    """How many micro-batches to replay: the steady state of 1F1B and ZB-H1 is reached by
+    ``p`` micro-batches, interleaved's by ``2p`` (a test checks both against the full
+    replay), and a replay grows with ``m``; GPipe holds every micro-batch, so its peak is ``m``."""
+    if schedule == "gpipe":
+        return m
+    return min(m, 2 * pp if schedule == "interleaved" else pp)
+
+
+@lru_cache(maxsize=512)
+def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
+    """The most micro-batches each pipeline rank keeps alive, from replaying the schedule."""
+    if schedule == "gpipe":
+        return (m,) * pp
+    replay = _replayed(schedule, pp, m)
+    return tuple(simulate(build(schedule, pp, replay, chunks(schedule, vpp)), pp).peak_in_flight)
+
+
+def activations_per_rank(spec: ModelSpec, st: Setup) -> list[float]:
+    """Peak activation bytes of each pipeline rank over the step's schedule."""
+    per_stage = stage_activation_bytes(spec, st)
+    v = chunks(st.schedule, st.vpp)
+    if v == 1:
+        return [n * a for n, a in zip(in_flight(st.schedule, st.pp, st.microbatches), per_stage)]
+    actions = build(st.schedule, st.pp, _replayed(st.schedule, st.pp, st.microbatches), v)
+    return list(simulate(actions, st.pp, activation_bytes=per_stage).peak_activation_bytes)
+
+
+def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
+    """Pipeline receive buffers and ZeRO's flat gradient of one unit before its reduce-scatter.
+
+    edu3d posts all of a step's receives at its start (one buffer per micro-batch, chunk and
+    direction: see :class:`~edu3d.parallel.pp.engine.PipelineEngine`); Megatron keeps about
+    two per direction, which is what the planner assumes for real models."""
+    act = 4 if st.precision == "fp32" or _autocast(spec, st) else 2  # the residual stream
+    msg = act * st.micro_batch * spec.seq_len * spec.d_model / (st.tp if st.sp else 1)
+    directions = (pp_rank > 0) + (pp_rank < st.pp - 1) if st.pp > 1 else 0
+    v = chunks(st.schedule, st.vpp)
+    buffers = st.microbatches * v if spec.course else 2
+    out = directions * buffers * msg
+    if st.zero >= 2:
+        _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
+        out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank))
+    return out
+
+
+def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
+    """The loss's backward on the last pipeline rank: for a moment it holds the gradient of
+    the logits, in their dtype (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit), beside
+    everything the forward kept. With a large vocabulary this is the step's peak: on an H100,
+    GPT-2-small in bf16, ``torch.cuda.max_memory_allocated`` rose exactly ``2sbV`` bytes above
+    what was held when the loss's backward ran (``python -m edu3d.bench.bench_gpu``)."""
+    if pp_rank != st.pp - 1:
+        return 0.0
+    logit = 4 if st.precision == "fp32" else 2
+    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp))
+
+
+def activation_model(spec: ModelSpec, st: Setup) -> str:
+    """Which count the estimate's activations use."""
+    if spec.course and st.precision == "fp32":
+        return "edu3d's GPT in fp32 (exact)"
+    if _autocast(spec, st) and st.tp == 1:
+        return "edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)"
+    return "Korthikanti et al. 2022, 16-bit"
+
+
+# ---- the estimate --------------------------------------------------------------------------------
+def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
+    """Bytes per rank by category for every pipeline rank (``per_stage``), and the most loaded
+    one's at the top level (``params_bytes`` ... ``total_bytes``)."""
+    validate(spec, st)
+    acts = activations_per_rank(spec, st)
+    per_stage = []
+    for r in range(st.pp):
+        # ZeRO's shards differ by a few optimizer pieces between dp ranks: the fullest counts
+        indices = range(st.dp if st.zero and spec.course else 1)
+        worst = max((state_per_rank(spec, st, r, i, at) for i in indices),
+                    key=lambda d: sum(d.values()))
+        row = {"pp_rank": r, **worst, "activations": acts[r],
+               "comm": comm_per_rank(spec, st, r) if at == "peak" else 0.0,
+               "transient": transient_per_rank(spec, st, r) if at == "peak" else 0.0}
+        row["total"] = sum(row[c] for c in CATEGORIES)
+        per_stage.append(row)
+    top = max(per_stage, key=lambda row: row["total"])
+    out = {f"{c}_bytes": top[c] for c in CATEGORIES}
+    out.update(total_bytes=top["total"], fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
+               num_params=spec.num_params(), activation_model=activation_model(spec, st))
+    return out
+
+
+def from_train_args(args) -> tuple[ModelSpec, Setup]:
+    """The model and setup of an ``edu3d train`` run (options checked by
+    :func:`edu3d.train.options.check_args`): what the planner predicts for that very run."""
+    spec = spec_from(args.model, n_layers=args.layers, n_heads=args.heads,
+                     d_model=args.d_model, seq_len=args.seq, vocab_size=args.vocab,
+                     tied=args.tie)
+    m = args.microbatches or args.pp
+    st = Setup(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, zero=args.zero,
+               microbatches=m, micro_batch=args.global_batch // (args.dp * m),
+               schedule=args.schedule, sp=args.sp, recompute=args.recompute,
+               precision=args.precision, optimizer=args.optimizer)
+    return spec, st

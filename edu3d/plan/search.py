@@ -1,0 +1,212 @@
+"""Which layout for G GPUs? Every valid choice, ranked by an estimated step time.
+
+After reading this file you should understand the practitioners' decision tree as numbers:
+
+* **tensor parallelism inside a node**: TP talks four times per layer and micro-batch (two
+  all-reduces forward, two backward), so it stays on the fast links (NVLink); beyond one
+  node it pays the slow ones for every layer;
+* **pipeline parallelism for depth**: when the model's state still does not fit after TP,
+  cut its layers into stages; it sends only one activation per micro-batch and stage
+  boundary, so it crosses nodes cheaply, but it idles ``(p-1)/(m+p-1)`` of the step (the
+  bubble), which more micro-batches shrink;
+* **data parallelism for the rest**, with the ZeRO stage chosen by memory: ZeRO-1 shards
+  the 12 bytes per parameter of optimizer state at no extra traffic; ZeRO-2/3 save more but
+  are not combined with pipelines (DeepSpeed refuses; edu3d keeps full gradients during a
+  pipelined step, so they would save nothing at the peak); ZeRO-3 costs 1.5x the traffic;
+* **recomputation** trades compute for activation memory: selective (the attention core) is
+  almost free, full costs a third more compute.
+
+The cost model (:func:`step_time`), stated so it can be argued with:
+
+``compute``  tokens per step x (6N + 12·L·h·s) FLOPs (PaLM's count, N without embeddings),
+             plus a forward again for recomputation (full: 2N + 4·L·h·s per token;
+             selective: the attention core, 4·L·h·s), over G GPUs at ``peak x MFU``;
+``bubble``   compute x (p-1)/m (1F1B, GPipe), (p-1)/(v·m) interleaved, a third of 1F1B's
+             for ZB-H1;
+``tp``       per micro-batch and layer of the stage, 4 ring all-reduces (6 with full
+             recomputation) of ``b·s·h`` 16-bit values: ``2(t-1)/t`` of it each, over NVLink
+             when the tp group fits in a node, else InfiniBand;
+``pp``       per micro-batch, one activation forward and one gradient back, ``b·s·h``
+             values (``/t`` with SP), over InfiniBand when stages sit on different nodes;
+``dp``       once per step, ``2(N_d-1)/N_d`` (ZeRO-0/1/2) or ``3(N_d-1)/N_d`` (ZeRO-3) of
+             the rank's 16-bit gradients (Ψ/(t·p)), over InfiniBand when the dp group
+             spans nodes.
+
+Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
+practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`) is
+at most ``usable`` of the GPU's memory (the rest: CUDA context, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from edu3d.plan.estimate import Setup, estimate, units
+from edu3d.model.shapes import ModelSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine the cost model assumes (defaults: H100 SXM nodes of 8)."""
+
+    gpus: int
+    gpu_mem_gb: float = 80.0
+    gpus_per_node: int = 8
+    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    mfu: float = 0.45
+    intra_gbps: float = 300.0  # NVLink, per GPU, GB/s of ring bandwidth
+    inter_gbps: float = 25.0  # one 200 Gb/s InfiniBand NIC per GPU
+    usable: float = 0.9
+
+    def describe(self) -> str:
+        return (f"{self.gpus} GPUs of {self.gpu_mem_gb:g} GB ({self.usable:.0%} usable), "
+                f"{self.gpus_per_node} per node; {self.peak_tflops:g} TFLOP/s peak at "
+                f"{self.mfu:.0%} MFU; NVLink {self.intra_gbps:g} GB/s inside a node, "
+                f"InfiniBand {self.inter_gbps:g} GB/s across nodes")
+
+
+def _flops_per_token(spec: ModelSpec) -> tuple[float, float]:
+    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters."""
+    n = spec.n_layers * sum(k for _, k, _ in spec.layer_tensors())
+    return 6 * n + 12 * spec.n_layers * spec.d_model * spec.seq_len, n
+
+
+def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
+    """Seconds per step by part (``compute``, ``bubble``, ``tp``, ``pp``, ``dp``) and ``total``."""
+    L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, st.micro_batch, st.tp,
+                           st.pp, st.microbatches)
+    per_token, n = _flops_per_token(spec)
+    attn_fwd = 4 * L * h * s
+    extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[st.recompute]
+    tokens = st.global_batch * s
+    compute = tokens * (per_token + extra) / (st.gpus * cl.peak_tflops * 1e12 * cl.mfu)
+    v = st.vpp if st.schedule == "interleaved" else 1
+    bubble = compute * (p - 1) / (v * m) * (1 / 3 if st.schedule == "zb-h1" else 1)
+    node = cl.gpus_per_node
+    bw = lambda inside: (cl.intra_gbps if inside else cl.inter_gbps) * GB  # noqa: E731
+    msg = 2 * b * s * h  # 16-bit activations of one micro-batch
+    calls = 6 if st.recompute == "full" else 4
+    tp = (calls * 2 * (t - 1) / t * msg * (L / p) * m / bw(t <= node)) if t > 1 else 0.0
+    pp = (2 * m * msg / (t if st.sp else 1) / bw(t * st.dp * p <= node)) if p > 1 else 0.0
+    psi_rank = max(sum(k for _, u in units(spec, st, r) for k, _ in u) for r in range(p))
+    factor = 3 if st.zero == 3 else 2
+    dp = (factor * (st.dp - 1) / st.dp * 2 * psi_rank / bw(t * st.dp <= node)
+          if st.dp > 1 else 0.0)
+    out = {"compute": compute, "bubble": bubble, "tp": tp, "pp": pp, "dp": dp}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
+               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8)):
+    """Every (dp, tp, pp, zero, recompute, micro-batch) choice the model and batch allow."""
+    for tp in _divisors(cl.gpus):
+        if spec.n_heads % tp:
+            continue
+        for pp in _divisors(cl.gpus // tp):
+            dp = cl.gpus // (tp * pp)
+            if pp > spec.n_layers:
+                continue
+            for b in micro_batches:
+                if global_batch % (dp * b):
+                    continue
+                m = global_batch // (dp * b)
+                for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
+                    for rec in ("none", "selective", "full"):
+                        yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
+                                    micro_batch=b, schedule=schedule, sp=tp > 1,
+                                    recompute=rec, precision=precision)
+
+
+def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
+           precision: str = "bf16", schedule: str = "1f1b") -> list[dict]:
+    """Every candidate with its peak memory and step time, those that fit first, fastest
+    first: ``{"setup", "memory", "time", "fits"}``."""
+    gb = global_batch or spec.global_batch
+    rows = []
+    for st in candidates(spec, cl, gb, precision, schedule):
+        try:
+            mem = estimate(spec, st)
+        except ValueError:
+            continue
+        rows.append({"setup": st, "memory": mem, "time": step_time(spec, st, cl),
+                     "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
+    rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))
+    return rows
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
+    """The recommended layout (``rows[0]``) explained in words, against its neighbours."""
+    best = rows[0]
+    st, mem, tm = best["setup"], best["memory"], best["time"]
+    budget = cl.usable * cl.gpu_mem_gb * GB
+    by_key = {r["setup"]: r for r in rows}
+    state16 = 16 * spec.num_params()
+
+    def other(**change):
+        return by_key.get(dataclasses.replace(st, **change))
+
+    out = [f"the model has {spec.num_params() / 1e9:.2f} B parameters: {_gb(state16)} of "
+           f"weights, gradients and Adam state at 16 bytes each, against {_gb(budget)} usable "
+           "per GPU, so its state must be cut"]
+    out.append(f"tp={st.tp}: tensor parallelism {'inside one node' if st.tp <= cl.gpus_per_node else 'across nodes'} "
+               f"({'NVLink' if st.tp <= cl.gpus_per_node else 'InfiniBand'}): it all-reduces "
+               f"4 times per layer and micro-batch, {tm['tp']:.2f} s per step; with sequence "
+               "parallelism the activations are split too" if st.tp > 1 else
+               "tp=1: the layers are small enough not to need tensor parallelism")
+    if st.pp > 1:
+        out.append(f"pp={st.pp}: {spec.n_layers // st.pp} layers per stage bring the fullest "
+                   f"rank to {_gb(mem['total_bytes'])} (weights {_gb(mem['params_bytes'])}, "
+                   f"activations {_gb(mem['activations_bytes'])}); the bubble "
+                   f"(p-1)/(m+p-1) = {(st.pp - 1) / (st.microbatches + st.pp - 1):.1%} with "
+                   f"m={st.microbatches} micro-batches of {st.micro_batch}")
+    whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
+    out.append(f"dp={st.dp}: {whom} a replica of the model; gradients are reduced "
+               f"once per step ({tm['dp']:.2f} s)" if st.dp > 1 else
+               "dp=1: every GPU is needed to hold one copy of the model")
+    if st.dp > 1:
+        z0 = other(zero=0)
+        if st.zero == 0:
+            out.append("ZeRO-0: the state fits replicated; no sharding needed")
+        else:
+            saved = z0["memory"]["total_bytes"] - mem["total_bytes"] if z0 else 0.0
+            out.append(
+                f"ZeRO-{st.zero}: shards the optimizer state"
+                f"{' and gradients' if st.zero >= 2 else ''}{' and weights' if st.zero == 3 else ''}"
+                f" over dp={st.dp}, {_gb(saved)} less per GPU"
+                + ("" if z0 is None or z0["fits"] else " (without it: does not fit)")
+                + ("; ZeRO-1 moves the same bytes as plain DP (2Ψ)" if st.zero == 1 else "")
+                + ("; ZeRO-2/3 are not combined with pipelines" if st.pp > 1 else ""))
+    rivals = [r for r in rows if r["fits"] and r["setup"].tp != st.tp]
+    if rivals:
+        r = rivals[0]
+        out.append(f"the fastest layout with tp={r['setup'].tp} (pp={r['setup'].pp}, "
+                   f"dp={r['setup'].dp}) takes {r['time']['total']:.2f} s: its tp traffic is "
+                   f"{r['time']['tp']:.2f} s against {tm['tp']:.2f} s, because a GPU's share of "
+                   "TP all-reduces grows with the layers and micro-batches it runs")
+    none = other(recompute="none")
+    if st.recompute == "none":
+        out.append(f"no recomputation: activations ({_gb(mem['activations_bytes'])}) fit")
+    else:
+        gap = (f"without it the fullest rank needs {_gb(none['memory']['total_bytes'])}"
+               if none else "")
+        fits = none is not None and none["fits"]
+        out.append(f"{st.recompute} recomputation: {gap}"
+                   + (" (fits, but a larger micro-batch or fewer stages pays more)" if fits
+                      else f", more than {_gb(budget)}")
+                   + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"
+                      " more compute" if none else ""))
+    out.append(f"estimated step {tm['total']:.2f} s: compute {tm['compute']:.2f}, bubble "
+               f"{tm['bubble']:.2f}, tp {tm['tp']:.2f}, pp {tm['pp']:.2f}, dp {tm['dp']:.2f}")
+    return out

@@ -1,0 +1,301 @@
+"""The training loop behind ``edu3d train``, and the serial reference step.
+
+After reading this file you should understand one training step end to end: fetch global
+batch ``step`` (the same tokens whatever the layout), forward and backward, measure the
+gradient norm and clip it, set the learning rate, update. Each step is recorded as
+``{"step", "loss", "grad_norm", "lr", "tokens_per_s"}`` (plus the run's memory and
+communication, :meth:`~edu3d.train.trainer.Trainer.stats`); a parallel layout must reproduce
+these records step by step, which is how the course proves it is the same computation.
+
+:func:`loop` drives the one :class:`~edu3d.train.trainer.Trainer`, whatever the layout;
+:func:`serial_step` is written independently of it, on purpose: it is the reference the
+tests compare every layout with.
+
+Weight decay follows nanoGPT: it applies to matrices (and embeddings), not to biases or
+LayerNorm gains, which only shift and scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from edu3d.train import faults
+from edu3d.train.data import SyntheticCorpus
+from edu3d.model.gpt import GPT
+from edu3d.train.optim import make_optimizer  # noqa: F401 (re-exported for the chapters and tests)
+from edu3d.train.optim import clip_coef, lr_at, set_lr
+from edu3d.train.trainer import Trainer
+from edu3d.train.options import (add_arguments, check_args, check_fit, config_from_args,
+                                 num_params_from_config, oversubscribed)
+
+RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
+TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Trainer.stats)
+
+
+def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace) -> Trainer:
+    """The one :class:`~edu3d.train.trainer.Trainer`, for every layout (``mesh`` None: one process);
+    with ``--impl torch`` the same layout on PyTorch's own APIs
+    (:class:`edu3d.production.torch_impl.TorchTrainer`, the same interface)."""
+    if getattr(args, "impl", "edu3d") == "torch":
+        from edu3d.production.torch_impl import TorchTrainer
+
+        return TorchTrainer(model, mesh, args)
+    return Trainer(model, mesh, args)
+
+
+def worker(mesh, options: dict) -> list[dict]:
+    """What every rank of ``edu3d train --dp/--tp/--pp`` runs (called by the launcher)."""
+    args = argparse.Namespace(**options)
+    config = config_from_args(args)
+    model = GPT(config, seed=args.seed)  # the full serial init: shards are cut from it
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = build_trainer(model, mesh, args)
+    return loop(trainer, corpus, args, out=sys.stdout if mesh.rank == 0 else None)
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor | float,
+                  step: int, args: argparse.Namespace) -> float:
+    """Clip by a *given* total gradient norm, set the learning rate, update; returns the lr."""
+    coef = clip_coef(grad_norm, args.clip)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    lr = lr_at(step, args)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    return lr
+
+
+def serial_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
+    """The reference step: forward and backward on the whole global batch, the total
+    gradient norm, clip, learning rate, update. Returns ``{"loss", "grad_norm"}``."""
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    clip_and_step(optimizer, params, grad_norm, step, args)
+    return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+
+
+def train_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
+    """One serial step on the global batch ``(x, y)``, returned as a full record."""
+    t0 = time.perf_counter()
+    out = serial_step(model, optimizer, x, y, step, args)
+    return _record(step, out, lr_at(step, args), x.numel(), time.perf_counter() - t0)
+
+
+def _record(step: int, out: dict, lr: float, tokens: int, seconds: float) -> dict:
+    return {"step": step, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
+            "lr": lr, "tokens_per_s": tokens / seconds}
+
+
+def _emit(rec: dict, args: argparse.Namespace, out) -> None:
+    if out is None:
+        return
+    if args.json:
+        print(json.dumps(rec), file=out, flush=True)
+        return
+    row = (f"{rec['step']:>5} {rec['loss']:>8.4f} {rec['grad_norm']:>10.4f} "
+           f"{rec['lr']:>9.2e} {rec['tokens_per_s']:>9.0f}")
+    if _is_terminal(out):  # a progress bar: one line, rewritten in place
+        done = rec["step"] / args.steps
+        bar = "#" * int(30 * done)
+        end = "\n" if rec["step"] == args.steps else ""
+        print(f"\r[{bar:<30}] {row}", end=end, file=out, flush=True)
+    else:
+        print(row, file=out, flush=True)
+
+
+def _is_terminal(out) -> bool:
+    return bool(getattr(out, "isatty", lambda: False)())
+
+
+def summary(records: list[dict], seconds: list[float]) -> str:
+    """The end of a run in words: throughput, the fullest rank's memory, and the share of
+    the step time rank 0 spent communicating on each axis (``seconds``: each step's)."""
+    rate = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
+    lines = [f"throughput: {rate:,.0f} tokens/s (median over {len(records)} steps)"]
+    mem = records[-1].get("mem_bytes")
+    if mem:
+        parts = ", ".join(f"{k} {mem[k] / 2**20:.2f}" for k in
+                          ("params", "grads", "optimizer", "activations"))
+        lines.append(f"memory of the fullest rank: {mem['total'] / 2**20:.2f} MiB ({parts})")
+    comm: dict[str, float] = {}
+    for r in records:
+        for group, s in r.get("comm_s", {}).items():
+            comm[group] = comm.get(group, 0.0) + s
+    if comm:
+        total = sum(seconds)
+        share = ", ".join(f"{g} {100 * s / total:.0f}%" for g, s in sorted(comm.items()))
+        lines.append(f"time in communication on rank 0, share of the step time: {share} "
+                     "(overlapped collectives count whole)")
+    return "\n".join(lines)
+
+
+def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -> list[dict]:
+    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print.
+
+    With ``--ckpt-dir`` the state is saved as ``--save-every`` says (:mod:`edu3d.ckpt.format`),
+    and ``--resume`` starts after the newest complete checkpoint with the records it kept, so
+    the list returned is the whole run's either way."""
+    if out is not None and not args.json and not _is_terminal(out):
+        print(f"{'step':>5} {'loss':>8} {'grad norm':>10} {'lr':>9} {'tok/s':>9}", file=out)
+    records, seconds = [], []
+    ckpt = None
+    if getattr(args, "ckpt_dir", None):
+        from edu3d.ckpt.checkpointer import Checkpointer
+
+        ckpt = Checkpointer(trainer, args)
+        if args.resume:
+            records = ckpt.resume()  # the records of the steps the checkpoint holds
+    rank, attempt = trainer.mesh.rank, getattr(args, "attempt", 0)
+    for step in range(len(records) + 1, args.steps + 1):
+        faults.maybe_inject(getattr(args, "inject_fault", None), rank, step, attempt)
+        x, y = corpus.batch(step, args.global_batch)
+        t0 = time.perf_counter()
+        result = trainer.step(x, y, step)
+        seconds.append(time.perf_counter() - t0)
+        rec = _record(step, result, lr_at(step, args), x.numel(), seconds[-1])
+        rec.update({k: result[k] for k in ("skipped", "loss_scale") if k in result})  # fp16
+        rec.update(trainer.stats())
+        records.append(rec)
+        if ckpt is not None:
+            ckpt.after_step(step, records)  # saves when due; may add the time it blocked
+        _emit(rec, args, out)
+    if ckpt is not None:
+        ckpt.close()  # waits for an asynchronous save still in flight
+    if out is not None and not args.json and seconds:  # the steps this process ran
+        print(summary(records[-len(seconds):], seconds), file=out, flush=True)
+        if ckpt is not None and ckpt.history:
+            blocked = sum(r.get("ckpt_blocked_s", 0.0) for r in records[-len(seconds):])
+            kept = ""
+            if ckpt.keep:
+                from edu3d.ckpt.format import steps as complete_steps
+
+                kept = (f"; kept {', '.join(map(str, complete_steps(args.ckpt_dir)))} "
+                        f"(--keep-last {ckpt.keep})")
+            print(f"checkpoints: steps {', '.join(str(h['step']) for h in ckpt.history)} in "
+                  f"{args.ckpt_dir}{kept}; training waited {blocked:.2f} s for them"
+                  + (" (written in the background)" if ckpt.background else ""),
+                  file=out, flush=True)
+    return records
+
+
+def _describe(args, config, corpus) -> None:
+    print(f"{args.model} {config}: {num_params_from_config(config):,} parameters; loss at "
+          f"init ~ ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
+          f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace, out=None) -> list[dict]:
+    """Train serially for ``args.steps`` steps; print to ``out`` (default: the current
+    ``sys.stdout``) and return one record per step."""
+    out = out or sys.stdout
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # the course's runs are multi-process; one thread each
+    config, layout = check_args(args)
+    check_fit(config, layout, args)
+    warning = oversubscribed(layout)
+    if warning:
+        print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
+    if getattr(args, "ckpt_dir", None):  # a bad checkpoint fails here, before any process
+        from edu3d.ckpt.format import check_ckpt_dir
+
+        step = check_ckpt_dir(args, config)
+        if args.resume:
+            print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
+                  f"edu3d train: no complete checkpoint in {args.ckpt_dir}: starting at step 1",
+                  file=sys.stderr, flush=True)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    _describe(args, config, corpus)
+    if layout.world_size == 1:
+        return loop(build_trainer(GPT(config, seed=args.seed), None, args), corpus, args, out)
+    return _run_parallel(args, layout, out)
+
+
+def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
+    """Launch ``layout.world_size`` ranks; rank 0's stdout (the records) goes to ``out``
+    untouched, everything else to stderr with its rank prefix.
+
+    With ``--max-restarts N``, a rank that dies or hangs stops every rank and the run starts
+    again from the newest complete checkpoint, up to N times (torchrun's elastic agent does
+    the same with ``--max-restarts``); the records returned are then the whole run's."""
+    from edu3d.launch.api import LaunchError, LaunchTimeout, launch
+
+    def echo(rank, stream, line):
+        if rank == 0 and stream == "stdout":
+            print(line, file=out, flush=True)
+        else:
+            print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+    print(f"launching {layout.world_size} ranks ({layout})", file=sys.stderr, flush=True)
+    options = {k: v for k, v in vars(args).items() if not callable(v)}  # argparse's func
+    restarts = getattr(args, "max_restarts", 0) or 0
+    for attempt in range(restarts + 1):
+        options["attempt"] = attempt
+        try:
+            res = launch(worker, layout.world_size, args=(options,), layout=layout, echo=echo,
+                         timeout=args.timeout, name="train",
+                         heartbeat=getattr(args, "heartbeat", None))
+            return res.results[0]
+        except LaunchTimeout:
+            raise  # the whole run's time is spent: nothing to restart into
+        except LaunchError as err:
+            if attempt == restarts:
+                raise
+            from edu3d.ckpt.format import latest_step
+
+            step = latest_step(args.ckpt_dir)
+            where = f"the checkpoint of step {step}" if step else "the start (no checkpoint yet)"
+            print(f"edu3d train: {str(err).splitlines()[0]}; restart {attempt + 1} of "
+                  f"{restarts}: every rank starts again from {where}", file=sys.stderr,
+                  flush=True)
+            options["resume"] = True
+    raise AssertionError("unreachable")
+
+
+def main_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the arguments and the memory they need (before any process starts), then
+    train. Exit codes: 2 bad options, 1 a rank failed, 124 timeout, 130 interrupted."""
+    from edu3d.launch.api import LaunchError, LaunchTimeout
+
+    try:
+        config, layout = check_args(args)
+        check_fit(config, layout, args)
+        if getattr(args, "ckpt_dir", None):
+            from edu3d.ckpt.format import check_ckpt_dir
+
+            check_ckpt_dir(args, config)  # a foreign, corrupted or used folder: before launch
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        run(args)
+    except LaunchTimeout as err:
+        print(f"edu3d train: --timeout {args.timeout:g} s: {err}", file=sys.stderr)
+        return 124
+    except LaunchError as err:
+        print(f"edu3d train: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("edu3d train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="edu3d train", description="Train the reference GPT on the synthetic corpus."))
+    return main_from_args(parser.parse_args(argv), parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
