@@ -299,7 +299,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r = sub.add_parser("runs", help="list or clean run folders ($EDU3D_RUNS, default ./runs)")
     r.add_argument("action", choices=("list", "clean"), help="list them, or remove them")
     r.add_argument("--keep", type=int, default=0, help="clean: keep the newest N (default 0)")
-    r.set_defaults(func=lambda a: __import__("edu3d.launch.runs").runs.main(a.action, a.keep))
+    r.set_defaults(func=lambda a: __import__("edu3d.launch.runs").launch.runs.main(a.action, a.keep))
     _add_course(sub)
     return parser
 

@@ -123,11 +123,11 @@ def test_calibrate_fits_alpha_beta_and_the_serial_step():
 
 
 def test_stack_lines_leave_the_launchers_frames_out():
-    v = {"traceback": "Python stack:\n  File \"/x/edu3d/worker.py\", line 1 in _call\n"
-                      "  File \"/x/edu3d/course/perf.py\", line 9 in skipped_collective\n"
+    v = {"traceback": "Python stack:\n  File \"/x/edu3d/launch/worker.py\", line 1 in _call\n"
+                      "  File \"/x/edu3d/course/ch10_performance.py\", line 9 in skipped_collective\n"
                       "  File \"<frozen runpy>\", line 88 in _run_code\n"}
     assert perf.stack_lines(v) == [
-        "Python stack:", "  File \"/x/edu3d/course/perf.py\", line 9 in skipped_collective"]
+        "Python stack:", "  File \"/x/edu3d/course/ch10_performance.py\", line 9 in skipped_collective"]
 
 
 # ---- the pictures -------------------------------------------------------------------------------
