@@ -69,6 +69,11 @@ new_enough() {
     [ "$major" -gt 3 ] || { [ "$major" -eq 3 ] && [ "$minor" -ge 10 ]; }
 }
 
+# the interpreter itself, not a launcher in front of it (a pyenv shim, say)
+real_executable() {
+    "$1" -c 'import sys; print(sys.executable)' 2>/dev/null | grep . || echo "$1"
+}
+
 has_venv() { "$1" -c 'import venv, ensurepip' >/dev/null 2>&1; }
 
 no_venv_message() {  # $1 command, $2 version
@@ -89,7 +94,7 @@ pick_python() {
         new_enough "$ver" \
             || die "EDU3D_PYTHON=$EDU3D_PYTHON is Python $ver; edu3d needs Python 3.10 or newer"
         has_venv "$path" || die "$(no_venv_message "EDU3D_PYTHON=$EDU3D_PYTHON" "$ver")"
-        BASE_PY=$path; BASE_VER=$ver
+        BASE_PY=$(real_executable "$path"); BASE_VER=$ver
         return 0
     fi
     for cmd in $CANDIDATES; do
@@ -104,7 +109,7 @@ pick_python() {
             [ -n "$no_venv" ] || no_venv=$(no_venv_message "$cmd" "$ver")
             continue
         fi
-        BASE_PY=$path; BASE_VER=$ver
+        BASE_PY=$(real_executable "$path"); BASE_VER=$ver
         return 0
     done
     [ -z "$no_venv" ] || die "$no_venv"
