@@ -159,6 +159,10 @@ def test_second_run_is_fast_and_calls_no_pip(no_pip):
     _set_up_checkout()
     env, mark = no_pip
     before = STAMP.stat().st_mtime_ns, STAMP.read_text()
+    start = time.monotonic()  # what the second run must do anyway: import torch and edu3d
+    subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-I", "-c", "import torch, edu3d"],
+                   check=True, timeout=60)
+    importing = time.monotonic() - start
     start = time.monotonic()
     result = run(["setup"], env=env)
     seconds = time.monotonic() - start
@@ -166,7 +170,9 @@ def test_second_run_is_fast_and_calls_no_pip(no_pip):
     assert "environment up to date (.venv" in result.stderr
     assert not mark.exists(), "the second run called pip"
     assert (STAMP.stat().st_mtime_ns, STAMP.read_text()) == before
-    assert seconds < 20, f"the second run took {seconds:.1f} s"  # about 1.5 s when idle
+    # about 1.5 s on an idle machine, 1 s of it importing torch; more on a busy one
+    assert seconds < importing + 5, f"the second run took {seconds:.1f} s, importing " \
+                                    f"torch and edu3d {importing:.1f} s"
 
 
 def test_test_command_runs_the_paths_given_and_fails_when_nothing_ran(no_pip):
