@@ -308,7 +308,7 @@ case "$COMMAND" in
     course)
         ensure_env
         activate
-        say "opening the course: .venv/bin/edu3d course $*"
+        say "opening the course: .venv/bin/edu3d course ${*:-}"
         exec "$VENV/bin/edu3d" course ${1+"$@"}
         ;;
     test)
