@@ -212,7 +212,7 @@ sys.exit(os.path.realpath(edu3d.__file__) != os.path.join(sys.argv[1], "edu3d", 
 
 # sets up .venv unless it is up to date. $1 = "check": only report (exit 0 if up to date, 1 if not)
 ensure_env() {
-    local mode=${1:-} venv_ver="" choice want recreate=""
+    local mode=${1:-} venv_ver="" choice want recreate="" made_in
     [ -f pyproject.toml ] || die "no pyproject.toml in $ROOT; run edu3d.sh from the edu3d clone"
     if [ -x "$VENV_PY" ]; then
         venv_ver=$(py_version "$VENV_PY") || venv_ver=""
@@ -224,6 +224,11 @@ ensure_env() {
         [ "$venv_ver" = "$BASE_VER" ] || recreate="it has Python $venv_ver, EDU3D_PYTHON is $BASE_VER"
     elif ! new_enough "$venv_ver"; then
         recreate="it has Python $venv_ver, older than 3.10"
+    fi
+    if [ -z "$recreate" ] && [ -f "$STAMP" ]; then
+        made_in=$(sed -n 's/^root=//p' "$STAMP")
+        # a virtual environment does not survive a move: its scripts name their old path
+        [ -z "$made_in" ] || [ "$made_in" = "$ROOT" ] || recreate="it was made in $made_in"
     fi
     choice=$(torch_choice)
 
