@@ -240,7 +240,7 @@ ensure_env() {
         fi
     fi
     if [ "$mode" = check ]; then
-        say "environment not up to date; ./edu3d.sh setup would set up .venv"
+        say "environment not up to date${recreate:+ (.venv: $recreate)}; ./edu3d.sh setup would set it up"
         exit 1
     fi
 
