@@ -33,10 +33,14 @@ def test_torch_requirement_admits_2_13():
 
 
 def test_readme_test_command_is_what_ci_runs():
+    """CI runs ./edu3d.sh test, which runs README's test command."""
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
+    script = (ROOT / "edu3d.sh").read_text()
     command = re.search(r"```bash\n# test\n(.+?)\n```", readme, re.S).group(1).strip()
-    assert command in ci
+    assert command in script
+    assert re.search(r"^(EDU3D_\w+=\S+ )*\./edu3d\.sh test$", ci, re.M)
+    assert "./edu3d.sh test" in readme
 
 
 def test_widgets_are_importable_as_edu3d_widgets():
