@@ -130,7 +130,7 @@ def test_a_forked_rank_killed_mid_collective_is_named_not_its_partners(tmp_path)
     script.write_text(
         "import os, signal, time\n"
         "import torch, torch.distributed as dist\n"
-        "from edu3d import runtime\n"
+        "from edu3d.distributed import runtime\n"
         "mesh = runtime.init()\n"
         "t = torch.ones(4)\n"
         "dist.all_reduce(t)\n"
