@@ -142,7 +142,7 @@ def test_a_death_torchrun_reaped_first_is_still_recorded():
     (Popen.poll) and on a loaded machine can do it before that thread looks, which then gets
     ECHILD. The death is then read from torchrun's Popen, so the rank that died first is
     still the one named (CI once named its partner's lost connection instead)."""
-    from edu3d.launch import api as launcher
+    from edu3d.launch import agent as launcher
 
     exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

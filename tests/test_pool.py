@@ -52,9 +52,9 @@ def _wait_gone(pids, wait_s: float = 10.0) -> list[int]:
 def _no_process_of(pool_id: str, wait_s: float = 10.0) -> bool:
     """True once no process carries ``EDU3D_POOL_ID=pool_id`` (the agent and every rank)."""
     deadline = time.monotonic() + wait_s
-    while pool._pool_pids(pool_id) and time.monotonic() < deadline:
+    while pool.pool_pids(pool_id) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not pool._pool_pids(pool_id)
+    return not pool.pool_pids(pool_id)
 
 
 def _pool_of(res) -> str | None:

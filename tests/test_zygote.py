@@ -26,7 +26,7 @@ def _no_pools_left():
 def _stubs(p: pool.Pool) -> dict[int, int]:
     """{rank: pid} of the stubs torchrun started (children of the agent)."""
     found = {}
-    for pid in pool._pool_pids(p.id):
+    for pid in pool.pool_pids(p.id):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -78,7 +78,7 @@ def test_a_rank_and_its_stub_live_and_die_together(tmp_path):
     assert not p.alive()
     again = launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)  # a fresh pool
     assert again.results[1]["sum"] == 3.0 and pool.pools()[0] is not p
-    assert _gone(p.pids()) and not pool._pool_pids(p.id)
+    assert _gone(p.pids()) and not pool.pool_pids(p.id)
 
     # a rank's death by a signal is its stub's: torchrun reports it as such
     script = tmp_path / "term.py"
@@ -98,7 +98,7 @@ def test_torchrun_stopping_a_stub_stops_its_rank():
     os.killpg(stubs[0], signal.SIGTERM)  # what torchrun's shutdown sends each worker
     assert _gone([ranks[0], stubs[0]], 5), "SIGTERM to the stub did not reach the rank"
     pool.shutdown()
-    assert _gone(p.pids()) and not pool._pool_pids(p.id)
+    assert _gone(p.pids()) and not pool.pool_pids(p.id)
 
 
 def test_killing_the_zygote_ends_every_rank_and_stub():
@@ -111,7 +111,7 @@ def test_killing_the_zygote_ends_every_rank_and_stub():
     again = launch(workers.rank_info, 4, timeout=120, echo=False, pool=True)
     assert [r["sum"] for r in again.results] == [10.0] * 4
     pool.shutdown()
-    assert _gone([p.proc.pid]) and not pool._pool_pids(p.id)
+    assert _gone([p.proc.pid]) and not pool.pool_pids(p.id)
 
 
 def test_fork_off_starts_ranks_the_old_way(monkeypatch):

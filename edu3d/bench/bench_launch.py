@@ -143,7 +143,7 @@ def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
                     walls[name].append(time.perf_counter() - t0)
                     started = pool.pools()[-1]
                     cpus[name].append(sum(cpu_seconds(p) or 0.0
-                                          for p in pool._pool_pids(started.id)))
+                                          for p in pool.pool_pids(started.id)))
                 _progress_rep(i, reps, walls)
         finally:
             pool.shutdown()

@@ -1,6 +1,8 @@
 """Starting, watching and ending ranks: torchrun as a subprocess, watched from Python.
 
-* :mod:`~edu3d.launch.api`: ``launch(target, n)``, torchrun's agent with loopback stores;
+* :mod:`~edu3d.launch.api`: ``launch(target, n)``; :mod:`~edu3d.launch.agent`: torchrun's
+  agent with loopback stores, recording how each rank ended;
+* :mod:`~edu3d.launch.supervise`: the one loop that watches a run, cold or warm;
 * :mod:`~edu3d.launch.worker`: what wraps your code on each rank;
 * :mod:`~edu3d.launch.procs`: a run's processes, their ending, and the errors that name a rank;
 * :mod:`~edu3d.launch.runs`: run folders; :mod:`~edu3d.launch.heartbeat`: a hung rank named;

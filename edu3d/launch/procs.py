@@ -1,5 +1,6 @@
-"""The processes of a run, and how it ended: what :mod:`edu3d.launch.api` (a cold run) and
-:mod:`edu3d.launch.warm.pool` (a job on warm ranks) share.
+"""The processes of a run, and how it ended: what :mod:`edu3d.launch.api` (a cold run),
+:mod:`edu3d.launch.warm.pool` (a job on warm ranks) and :mod:`edu3d.launch.supervise` (the
+loop that watches either) share.
 
 * how ranks are started: :func:`torchrun_command` and :func:`child_environment`;
 * their output: :class:`Pipes` reads the agent's stdout and stderr line by line, and
@@ -9,7 +10,10 @@
   the others), the error a run raises (:func:`rank_error`, :func:`hung_error`,
   :func:`timeout_error`) and the ranks' return values (:func:`read_results`).
 
-Like the launcher, this module never imports torch.
+Like the launcher, this module never imports torch. It keeps one of its
+imports inside functions, IPython's (:func:`in_kernel`, asked only where ``ipykernel`` is
+loaded): the launcher's start-up (``edu3d run``, torchrun's agent) stays free of IPython's
+import, which takes longer than the rest of the launcher's.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from edu3d.launch import runs
+from edu3d.distributed import trace
 from edu3d.distributed.runtime import loopback_ifname
-from edu3d.launch.worker import PREFIX_FMT, _alive
+from edu3d.launch import runs
+from edu3d.launch.worker import PREFIX_FMT, alive
 
 # torchrun options that mean "the user is setting up rendezvous themselves" (multi-node)
 _MULTINODE = ("--nnodes", "--node-rank", "--node_rank", "--rdzv", "--master-addr",
@@ -85,14 +90,10 @@ class RunResult:
 
     def events(self) -> list[dict]:
         """The merged trace of every rank (see :mod:`edu3d.distributed.trace`)."""
-        from edu3d.distributed import trace
-
         return trace.load(self.run_dir)
 
     def chrome_trace(self, path: str | os.PathLike | None = None) -> Path:
         """Write the run's trace as Chrome trace JSON (open it in https://ui.perfetto.dev)."""
-        from edu3d.distributed import trace
-
         path = Path(path or self.run_dir / "trace.json")
         trace.to_chrome(self.events(), path)
         return path
@@ -106,15 +107,15 @@ def single_node(torchrun_args: Sequence[str]) -> bool:
     return not any(a.startswith(_MULTINODE) for a in torchrun_args)
 
 
-def torchrun_command(nprocs: int, worker_args: Sequence[str],
-                     torchrun_args: Sequence[str] = (), entry: str = "edu3d.launch.worker") -> list[str]:
+def torchrun_command(nprocs: int, worker_args: Sequence[str], torchrun_args: Sequence[str] = (),
+                     entry: str = "edu3d.launch.worker") -> list[str]:
     """The torchrun command line edu3d runs (single node on 127.0.0.1 unless told otherwise).
 
-    ``python -m edu3d.launch.api`` is torchrun's own agent (``torch.distributed.run.main``) with
-    the two additions of :func:`edu3d.launch.api._agent_main`; it takes exactly torchrun's
+    ``python -m edu3d.launch.agent`` is torchrun's own agent (``torch.distributed.run.main``)
+    with the two additions of :func:`edu3d.launch.agent.main`; it takes exactly torchrun's
     options. Each rank runs ``python -m ENTRY WORKER_ARGS``: :mod:`edu3d.launch.worker` around
     one run's code, or :mod:`edu3d.launch.warm.rank` for a warm rank."""
-    cmd = [sys.executable, "-m", "edu3d.launch.api", f"--nproc-per-node={nprocs}",
+    cmd = [sys.executable, "-m", "edu3d.launch.agent", f"--nproc-per-node={nprocs}",
            "--max-restarts=0", "--monitor-interval=0.1"]
     if single_node(torchrun_args):
         cmd += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
@@ -163,7 +164,7 @@ def start(cmd: list[str], env: dict) -> tuple[subprocess.Popen, Pipes]:
 
 def running(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
-    if not _alive(pid):
+    if not alive(pid):
         return False
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -214,7 +215,7 @@ def first_failure(run_dir: Path, settle_s: float = 5.0) -> dict | None:
     A rank that dies without a Python error (``os._exit``, a segfault, ``kill -9``) makes its
     partners fail with "Connection closed by peer" a moment later; those are consequences.
     When only consequences are known, wait up to ``settle_s`` for the death that caused them
-    (the agent records it, see :func:`edu3d.launch.api._record_exits`) before settling for the
+    (the agent records it, see :mod:`edu3d.launch.agent`) before settling for the
     earliest. (2 s was not enough on a 2-core machine at load 20: the agent's thread wrote
     the death of the rank that called ``os._exit`` after its partner's lost connection had
     waited 2 s.)"""
@@ -328,7 +329,7 @@ def rank_error(run_dir: Path, nprocs: int, failure: dict | None, output: list) -
     rank, message = failure["rank"], failure["message"]
     tail = failure.get("traceback") or "\n".join(
         text for r, _, text in output if r == rank)[-4000:]
-    if runs._TIMEOUT.search(message):
+    if runs.TIMED_OUT.search(message):
         message += f"\nwhen the run was declared hung: {runs.flight_report(run_dir, nprocs)}"
     return RankError(rank, message, tail, run_dir)
 

@@ -176,7 +176,8 @@ def _read_all(folder: Path) -> list[dict]:
 # a rank whose partner vanished fails with one of these: a consequence, never the cause
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|"
                         r"ECONNRESET|EPIPE|connection closed|peer .*(?:closed|gone)", re.I)
-_TIMEOUT = re.compile(r"time[ds]? ?out", re.I)
+# a rank's error that says a collective timed out: its report adds what every rank was doing
+TIMED_OUT = re.compile(r"time[ds]? ?out", re.I)
 
 
 def how(exit_: dict) -> str:

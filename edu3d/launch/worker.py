@@ -20,14 +20,15 @@ and why:
   even while the rank is blocked in C++). The launcher asks a rank it declares hung.
 
 This module imports no torch unless it calls a function for you (``--call``), so launching
-an empty script costs the same as a bare torchrun. A warm rank (:mod:`edu3d.launch.warm.rank`) starts
-the same way (:func:`_start_rank`) and runs job after job, each through the same code a cold
-rank runs (:func:`_run_target`).
+an empty script costs the same as a bare torchrun. A warm rank (:mod:`edu3d.launch.warm.rank`)
+starts the same way (:func:`start_rank`) and runs job after job, each through the same code a
+cold rank runs (:func:`parser`, :func:`run_target`, :func:`fail`).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
@@ -35,11 +36,15 @@ import pickle
 import re
 import runpy
 import select
+import signal
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+
+from edu3d.distributed import runtime, trace
+from edu3d.distributed.mesh import Layout
 
 PREFIX_FMT = "[rank {}] "
 
@@ -106,7 +111,8 @@ def _close_output(pumps: list[threading.Thread], timeout_s: float = 2.0) -> None
             t.join(timeout_s)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True if process ``pid`` exists (a zombie too: see :func:`edu3d.launch.procs.running`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -125,28 +131,30 @@ def _start_watchdog(interval: float = 0.2, also_watch: int = 0) -> None:
     def watch():
         while True:
             time.sleep(interval)
-            if os.getppid() != parent or (launcher and not _alive(launcher)) or \
-                    (also_watch and not _alive(also_watch)):
+            if os.getppid() != parent or (launcher and not alive(launcher)) or \
+                    (also_watch and not alive(also_watch)):
                 os._exit(3)
 
     threading.Thread(target=watch, name="edu3d-watchdog", daemon=True).start()
 
 
-_STACKS = []  # the open file faulthandler writes to (kept open for the process's life)
+_STACKS = []  # the open file faulthandler writes to (kept open while it is registered)
 
 
-def _stack_on_signal(run_dir: Path, rank: int) -> None:
-    """``SIGUSR1`` dumps every thread's Python stack to ``stacks/rank{R}.txt``."""
-    import faulthandler
-    import signal
-
+def stack_on_signal(run_dir: Path, rank: int) -> None:
+    """``SIGUSR1`` dumps every thread's Python stack to ``stacks/rank{R}.txt`` of ``run_dir``
+    (a warm rank calls it again for each job's folder: the previous file is then closed)."""
     path = run_dir / "stacks" / f"rank{rank}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = list(_STACKS)
     _STACKS.append(open(path, "w"))
     faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
+    for f in old:
+        f.close()
+        _STACKS.remove(f)
 
 
-def _write(path: Path, data: str | bytes) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
     """Write atomically (temporary file, then rename): a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -154,8 +162,8 @@ def _write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
-def _user_traceback(err: BaseException) -> str:
-    """The traceback without this wrapper's own frames (worker.py, runpy)."""
+def user_traceback(err: BaseException) -> str:
+    """The traceback of ``err`` without this wrapper's own frames (worker.py, runpy)."""
     tb = err.__traceback__
     while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
                               or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
@@ -166,8 +174,6 @@ def _user_traceback(err: BaseException) -> str:
 def _parse_layout(text: str | None):
     if not text:
         return None
-    from edu3d.distributed.mesh import Layout
-
     return Layout(**json.loads(text))
 
 
@@ -182,8 +188,6 @@ def _call(spec: str, layout_json: str | None, args_file: str | None, init: bool)
             args, kwargs = pickle.load(f)
     if not init:
         return fn(*args, **kwargs)
-    from edu3d.distributed import runtime
-
     mesh = runtime.init(_parse_layout(layout_json))
     try:
         return fn(mesh, *args, **kwargs)
@@ -191,7 +195,8 @@ def _call(spec: str, layout_json: str | None, args_file: str | None, init: bool)
         runtime.shutdown(mesh)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The wrapper's arguments (a warm rank parses each job's with it too)."""
     p = argparse.ArgumentParser(prog="python -m edu3d.launch.worker")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--script")
@@ -204,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_target(a, rest: list[str], rank: int, run_dir: Path | None) -> dict | None:
+def run_target(a, rest: list[str], rank: int, run_dir: Path | None) -> dict | None:
     """Run the script, module or function of the parsed arguments ``a``; the error (a dict
     for ``errors/rank{R}.json``) or None. A function's return value goes to ``results/``."""
     try:
@@ -218,33 +223,33 @@ def _run_target(a, rest: list[str], rank: int, run_dir: Path | None) -> dict | N
         else:
             result = _call(a.call, a.layout, a.args_file, not a.no_init)
             if run_dir:
-                _write(run_dir / "results" / f"rank{rank}.pkl", pickle.dumps(result))
+                write_atomic(run_dir / "results" / f"rank{rank}.pkl", pickle.dumps(result))
     except SystemExit as e:
         if e.code not in (None, 0):
             return {"type": "SystemExit", "message": f"exited with code {e.code}",
                     "traceback": f"SystemExit: {e.code}\n"}
     except BaseException as e:  # noqa: BLE001 - every failure must be reported, then exit
-        return {"type": type(e).__name__, "message": str(e), "traceback": _user_traceback(e)}
+        return {"type": type(e).__name__, "message": str(e), "traceback": user_traceback(e)}
     return None
 
 
-def _fail(error: dict, rank: int, run_dir: Path | None, pumps: list) -> None:
+def fail(error: dict, rank: int, run_dir: Path | None, pumps: list) -> None:
     """Write the error file and the traceback, then leave at once."""
     error.update(rank=rank, time_ns=time.time_ns(), pid=os.getpid())
     if run_dir:
-        _write(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
+        write_atomic(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
     sys.stderr.write(error["traceback"])
     _close_output(pumps)
     os._exit(1)  # skip finalization: a broken process group can hang on teardown
 
 
-def _start_rank(rank: int, run_dir: Path | None, also_watch: int = 0) -> list:
+def start_rank(rank: int, run_dir: Path | None, also_watch: int = 0) -> list:
     """What every rank does first, cold or warm: the watchdog, the stack on ``SIGUSR1``, the
     pid file, and the rank prefix on its output (the prefixing threads are returned)."""
     _start_watchdog(also_watch=also_watch)
     if run_dir:
-        _stack_on_signal(run_dir, rank)
-        _write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+        stack_on_signal(run_dir, rank)
+        write_atomic(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
     pumps = []
     if os.environ.get("EDU3D_PREFIX", "1") != "0":
         for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
@@ -254,21 +259,18 @@ def _start_rank(rank: int, run_dir: Path | None, also_watch: int = 0) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = _parser().parse_args(argv)
+    a = parser().parse_args(argv)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
 
     rank = int(os.environ.get("RANK", "0"))
     run_dir = Path(os.environ["EDU3D_RUN_DIR"]) if os.environ.get("EDU3D_RUN_DIR") else None
-    pumps = _start_rank(rank, run_dir)
-    error = _run_target(a, rest, rank, run_dir)
-
-    from edu3d.distributed import trace
-
+    pumps = start_rank(rank, run_dir)
+    error = run_target(a, rest, rank, run_dir)
     if error is not None:
-        _fail(error, rank, run_dir, pumps)
+        fail(error, rank, run_dir, pumps)
     trace.current().flush()
     if run_dir:
-        _write(run_dir / "done" / f"rank{rank}", "")
+        write_atomic(run_dir / "done" / f"rank{rank}", "")
     _close_output(pumps)
     # Everything is written. Leaving through os._exit skips interpreter finalization, where
     # process-group objects a script kept alive would be destroyed late and abort gloo.

@@ -168,14 +168,14 @@ def loopback_only():
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
-    from edu3d.launch.api import _bind_stores_to_loopback
+    from edu3d.launch.agent import bind_stores_to_loopback
     from edu3d.distributed.runtime import loopback_ifname
 
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     saved = (dist.TCPStore, c10d_rendezvous_backend.TCPStore, static_tcp_rendezvous.TCPStore)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname()
-    _bind_stores_to_loopback()
+    bind_stores_to_loopback()
     static_tcp_rendezvous.TCPStore = dist.TCPStore  # imported by name there: patch it too
     try:
         yield

@@ -66,7 +66,6 @@ import atexit
 import collections
 import json
 import os
-import queue
 import re
 import shutil
 import signal
@@ -79,10 +78,11 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from edu3d.launch import procs, runs
+from edu3d.launch import procs, runs, supervise
+from edu3d.launch.procs import RunResult
 from edu3d.launch.warm import zygote
 from edu3d.launch.warm.rank import SENTINEL
-from edu3d.launch.procs import RunResult
+from edu3d.launch.worker import write_atomic
 
 MAX_POOLS = 2
 # variables a process reads only when it starts (or torch when it is imported): a job that
@@ -297,134 +297,87 @@ atexit.register(shutdown)
 
 def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
             echo, on_poll: Callable[[float, int], None] | None, heartbeat: float = 0.0,
-            nprocs: int | None = None):
+            nprocs: int | None = None) -> RunResult:
     """Run one job of ``nprocs`` ranks (default: all of them) on pool ``p`` (from
-    :func:`acquire`) and wait for it, exactly as :func:`edu3d.launch.api._launch` waits for a
-    cold run: same output, same result, same errors. Ranks ``nprocs`` and up sit the job
-    out. Any failure kills the pool."""
+    :func:`acquire`) and wait for it with the loop that waits for a cold run
+    (:func:`edu3d.launch.supervise.watch`): same output, same result, same errors. Ranks
+    ``nprocs`` and up sit the job out. Any failure kills the pool."""
     try:
-        return _run_job(p, worker_argv, env, run_dir, timeout, echo, on_poll, heartbeat,
-                        nprocs or p.nprocs)
+        nprocs = nprocs or p.nprocs
+        if not 0 < nprocs <= p.nprocs:
+            raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
+        job = Job(p, nprocs)
+        (run_dir / "command.json").write_text(json.dumps({
+            "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": job.n,
+            "pool_ranks": p.nprocs}))
+        env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
+        write_atomic(p.dir / "current", str(run_dir))
+        write_atomic(p.dir / "jobs" / f"{job.n}.json", json.dumps({
+            "n": job.n, "argv": worker_argv, "run_dir": str(run_dir), "env": env,
+            "cwd": os.getcwd(), "nprocs": nprocs}))
+        result = supervise.watch(p.proc, p.pipes, run_dir, nprocs, lambda: _forget(p),
+                                 timeout=timeout, echo=echo, on_poll=on_poll,
+                                 heartbeat=heartbeat, job=job, block_s=0.03)
+        if p.broken:
+            _forget(p)
+        return result
     finally:
         p.busy = False
 
 
-def _run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: float | None,
-             echo, on_poll: Callable[[float, int], None] | None, heartbeat: float,
-             nprocs: int):
-    from edu3d.launch import heartbeat as hb
-    from edu3d.launch.worker import _write
+class Job:
+    """One job on pool ``p``'s agent, as :func:`edu3d.launch.supervise.watch` sees it: the
+    agent outlives the job, so the job's end is told by a marker line that each of its ranks
+    writes on stdout and stderr after everything else (:data:`edu3d.launch.warm.rank.SENTINEL`
+    and the job's number)."""
 
-    if not 0 < nprocs <= p.nprocs:
-        raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
-    n = p.jobs
-    p.jobs += 1
-    emit = procs.print_line if echo is True else (echo or (lambda *a: None))
-    output: list = []
-    ended: set = set()  # (rank, stream) of the job's ranks whose job-end marker arrived
-    closed = 0
+    def __init__(self, p: Pool, nprocs: int):
+        self.pool, self.nprocs = p, nprocs
+        self.n = p.jobs
+        p.jobs += 1
+        # anything the pool said between jobs (torchrun's start-up chatter), read before the
+        # job is handed to the ranks so none of the job's own lines is taken for it
+        self.before, self.closed = supervise.chatter(p.pipes)
+        self.ended: set = set()  # (rank, stream) of the job's ranks whose marker arrived
+        self.all_done_at: float | None = None
 
-    def drain(block_s: float) -> int:
-        shut = 0
+    def keep(self, rank: int, stream: str, text: str) -> str | None:
+        """A rank's line without its marker; None for a line to drop (a bare marker, an empty
+        line after it)."""
+        end = _END_RE.search(text)
+        if end is not None:  # this job's end, or the late end of one that a
+            text = text[:end.start()]  # rank still starting up sat out
+            if int(end.group(1)) == self.n and rank < self.nprocs:
+                self.ended.add((rank, stream))
+        if text or not (end is not None or (rank, stream) in self.ended):
+            return text
+        return None
+
+    def finished(self, done: int) -> bool:
+        """Every rank is done and every marker arrived (or one went missing for 3 s: the job
+        is done, but its output may not be, so the pool is marked broken: start afresh)."""
+        if done != self.nprocs:
+            return False
+        if len(self.ended) == 2 * self.nprocs:
+            return True
+        self.all_done_at = self.all_done_at or time.monotonic()
+        if time.monotonic() - self.all_done_at > 3.0:
+            self.pool.broken = True
+            return True
+        return False
+
+    def leave(self) -> None:
+        """The agent stops writing the ranks' exits into this job's run folder."""
         try:
-            item = p.pipes.lines.get(timeout=block_s)
-            while True:
-                tag, text = item
-                if text is None:
-                    shut += 1
-                else:
-                    m = procs.PREFIX_RE.match(text)
-                    rank, body = (int(m.group(1)), m.group(2)) if m else (None, text)
-                    end = _END_RE.search(body) if rank is not None else None
-                    if end is not None:  # this job's end, or the late end of one that a
-                        body = body[:end.start()]  # rank still starting up sat out
-                        if int(end.group(1)) == n and rank < nprocs:
-                            ended.add((rank, tag))
-                    if body or not (end is not None or (rank, tag) in ended):
-                        output.append((rank, tag, body))
-                        if rank is not None:
-                            emit(rank, tag, body)
-                item = p.pipes.lines.get_nowait()
-        except queue.Empty:
-            pass
-        return shut
-
-    while True:  # anything the pool said between jobs (torchrun's start-up chatter)
-        try:
-            tag, text = p.pipes.lines.get_nowait()
-        except queue.Empty:
-            break
-        if text is None:
-            closed += 1
-        else:
-            output.append((None, tag, text))
-    (run_dir / "command.json").write_text(json.dumps({
-        "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": n,
-        "pool_ranks": p.nprocs}))
-    env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
-    _write(p.dir / "current", str(run_dir))
-    _write(p.dir / "jobs" / f"{n}.json", json.dumps({
-        "n": n, "argv": worker_argv, "run_dir": str(run_dir), "env": env, "cwd": os.getcwd(),
-        "nprocs": nprocs}))
-
-    start = time.monotonic()
-    failure, last_poll, last_beat, all_done_at = None, 0.0, 0.0, None
-    watch = hb.Watch(run_dir, nprocs, heartbeat) if heartbeat else None
-    kill = lambda: _forget(p)  # noqa: E731
-    try:
-        while True:
-            closed += drain(0.03)
-            now = time.monotonic() - start
-            failure = procs.first_failure(run_dir)
-            if failure is not None or closed >= 2 or p.proc.poll() is not None:
-                break
-            done_dir = run_dir / "done"
-            done = len(list(done_dir.glob("rank*"))) if done_dir.exists() else 0
-            if done == nprocs:
-                if len(ended) == 2 * nprocs:
-                    break
-                all_done_at = all_done_at or time.monotonic()
-                if time.monotonic() - all_done_at > 3.0:  # a marker went missing: the job
-                    p.broken = True  # is done, but its output may not be; start afresh
-                    break
-            if watch is not None and now - last_beat >= 0.25:
-                last_beat = now
-                hung = watch.check()
-                if hung is not None:
-                    raise procs.hung_error(run_dir, hung, kill)
-            if timeout is not None and now > timeout:
-                raise procs.timeout_error(run_dir, nprocs, timeout, kill)
-            if on_poll is not None and now - last_poll > 0.25:
-                last_poll = now
-                on_poll(now, done)
-    except BaseException:
-        kill()
-        raise
-    finally:
-        try:
-            (p.dir / "current").write_text("")
+            (self.pool.dir / "current").write_text("")
         except OSError:
             pass
 
-    if failure is not None or closed >= 2 or p.proc.poll() is not None:
-        if failure is None:  # the agent ended: let the exit records and its report arrive
-            try:
-                p.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        kill()
-        p.pipes.join()
-        drain(0.0)
-        raise procs.rank_error(run_dir, nprocs, failure, output)
-    if p.broken:
-        _forget(p)
-    return RunResult(run_dir, nprocs, time.monotonic() - start, procs.read_results(run_dir, nprocs),
-                     output)
 
-
-def _pool_pids(pool_id: str) -> list[int]:
-    """Every process whose environment carries ``EDU3D_POOL_ID=pool_id`` (for tests and
-    for checking that nothing was left behind)."""
+def pool_pids(pool_id: str) -> list[int]:
+    """Every process whose environment carries ``EDU3D_POOL_ID=pool_id``: the agent, the
+    zygote, the stubs and the ranks (to check that nothing was left behind, or to add up
+    what a pool costs)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -437,5 +390,5 @@ def _pool_pids(pool_id: str) -> list[int]:
     return found
 
 
-__all__ = ["Pool", "acquire", "disable", "enable", "pools", "prewarm", "run_job", "shutdown",
-           "wanted", "MAX_POOLS", "START_ONLY"]
+__all__ = ["Pool", "Job", "acquire", "disable", "enable", "pool_pids", "pools", "prewarm",
+           "run_job", "shutdown", "wanted", "MAX_POOLS", "START_ONLY"]

@@ -1,9 +1,10 @@
-"""A warm rank of :mod:`edu3d.launch.warm.pool`: forked by the pool's zygote (:mod:`edu3d.launch.warm.zygote`, which
-imported torch) for each stub torchrun started, or, with ``EDU3D_POOL_FORK=0``, started by
-torchrun itself as ``python -m edu3d.launch.warm.rank POOL_FOLDER`` (and importing torch). Either
-way it runs :func:`main`: job after job, each exactly as
-:mod:`edu3d.launch.worker` runs a cold rank's code (:func:`edu3d.launch.worker._run_target`), on a fresh
-process group and in the job's own run folder.
+"""A warm rank of :mod:`edu3d.launch.warm.pool`: forked by the pool's zygote
+(:mod:`edu3d.launch.warm.zygote`, which imported torch) for each stub torchrun started, or, with
+``EDU3D_POOL_FORK=0``, started by torchrun itself as ``python -m edu3d.launch.warm.rank
+POOL_FOLDER`` (and importing torch). Either way it runs :func:`main`: job after job, each
+exactly as :mod:`edu3d.launch.worker` runs a cold rank's code
+(:func:`edu3d.launch.worker.run_target`), on a fresh process group and in the job's own run
+folder.
 
 After reading this file you should understand what a job may change in a rank and what is
 put back before the next one (the list is in :mod:`edu3d.launch.warm.pool`'s docstring): the
@@ -11,15 +12,23 @@ environment, working folder, ``sys.argv``/``sys.path``, the modules the job impo
 outside the installed packages, torch's global switches, DTensor's mesh-keyed caches; and
 how a job ends on every rank's stdout and stderr: a marker line (:data:`SENTINEL`) after
 everything the job wrote, so no line leaks into the next job.
+
+It keeps its torch imports inside functions: the launcher's side imports this module too
+(:mod:`edu3d.launch.warm.pool` reads :data:`SENTINEL`), and the launcher starts without torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+
+from edu3d.distributed import runtime, trace
+from edu3d.launch import worker
 
 SENTINEL = "\x1eedu3d-job-end"  # the last line of every job on each stream of every rank
 
@@ -85,15 +94,9 @@ def _forget_meshes() -> None:
 def serve(pool_dir: Path, rank: int, pumps: list) -> None:
     """A pool rank: import torch once, then run job after job, each on a fresh process group
     and in its own run folder, until killed (never returns)."""
-    import random
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
-
-    from edu3d.distributed import runtime, trace
-    from edu3d.launch import worker
 
     launcher_env = json.loads((pool_dir / "env.json").read_text())
     own_env = dict(os.environ)
@@ -123,7 +126,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
                 getattr(module, "init_process_group", None) is original_init:
             module.init_process_group = init_process_group
     threads = torch.get_num_threads()
-    worker._write(pool_dir / "ready" / f"rank{rank}", "")
+    worker.write_atomic(pool_dir / "ready" / f"rank{rank}", "")
 
     n = 0
     while True:
@@ -151,16 +154,12 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
         store.set_timeout(timedelta(seconds=runtime.timeout_seconds()))
         torch.seed()  # a fresh process's generators start from a random seed too
         random.seed()
-        old_stacks = list(worker._STACKS)
-        worker._stack_on_signal(run_dir, rank)  # SIGUSR1 now writes into the job's folder
-        for f in old_stacks:
-            f.close()
-            worker._STACKS.remove(f)
-        worker._write(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+        worker.stack_on_signal(run_dir, rank)  # SIGUSR1 now writes into the job's folder
+        worker.write_atomic(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
 
-        a = worker._parser().parse_args(job["argv"])
+        a = worker.parser().parse_args(job["argv"])
         rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-        error = worker._run_target(a, rest, rank, run_dir)
+        error = worker.run_target(a, rest, rank, run_dir)
         if error is None:
             try:
                 trace.current().flush()
@@ -169,10 +168,10 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
                     dist.destroy_process_group()
             except BaseException as e:  # noqa: BLE001 - a group that cannot close is a failure
                 error = {"type": type(e).__name__, "message": f"after the job: {e}",
-                         "traceback": worker._user_traceback(e)}
+                         "traceback": worker.user_traceback(e)}
         if error is not None:
-            worker._fail(error, rank, run_dir, pumps)  # the launcher kills the pool
-        worker._write(run_dir / "done" / f"rank{rank}", "")
+            worker.fail(error, rank, run_dir, pumps)  # the launcher kills the pool
+        worker.write_atomic(run_dir / "done" / f"rank{rank}", "")
 
         # back to the pool's own state for the next job
         prefix["job"] = None
@@ -203,11 +202,9 @@ def main(argv: list[str] | None = None, stub_pid: int = 0) -> None:
     pool's zygote calls it in the rank it forked for the stub ``stub_pid`` that torchrun
     started (:mod:`edu3d.launch.warm.zygote`), and the rank then exits if that stub goes."""
     argv = sys.argv[1:] if argv is None else argv
-    from edu3d.launch import worker
-
     pool_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
-    pumps = worker._start_rank(rank, pool_dir, also_watch=stub_pid)
+    pumps = worker.start_rank(rank, pool_dir, also_watch=stub_pid)
     serve(pool_dir, rank, pumps)
 
 

@@ -7,11 +7,12 @@ one ``import torch``, and why torchrun still starts, watches and stops every ran
   a laptop core) and, at the first ``torch.optim`` call, ``torch._dynamo`` (about as much
   again: every optimizer's constructor imports it). On a 2-core laptop a pool of 8 ranks
   importing both at once takes 15-35 s of CPU.
-* **how.** :class:`edu3d.launch.warm.pool.Pool` starts the zygote (``python -m edu3d.launch.warm.zygote --serve
-  SOCKET``) beside torchrun. It listens on a Unix socket in the pool's private folder (mode 0700, and
-  only a peer of the same user is served), then imports torch, ``torch._dynamo`` and edu3d's
-  rank modules, and never runs a tensor op (so no thread pool exists to be lost in a fork).
-  torchrun starts each rank as always, as ``python -m edu3d.launch.warm.zygote FOLDER``: a **stub**
+* **how.** :class:`edu3d.launch.warm.pool.Pool` starts the zygote (``python -m
+  edu3d.launch.warm.zygote --serve SOCKET``) beside torchrun. It listens on a Unix socket in
+  the pool's private folder (mode 0700, and only a peer of the same user is served), then
+  imports torch, ``torch._dynamo`` and edu3d's rank modules, and never runs a tensor op (so
+  no thread pool exists to be lost in a fork). torchrun starts each rank as always, as
+  ``python -m edu3d.launch.warm.zygote FOLDER``: a **stub**
   that imports nothing heavy (``EDU3D_ZYGOTE`` names the socket): it hands the zygote its
   environment, working folder and its stdin/stdout/stderr (``SCM_RIGHTS``), and the zygote
   forks the real rank, which takes over those three descriptors and that environment and
@@ -27,6 +28,10 @@ one ``import torch``, and why torchrun still starts, watches and stops every ran
 
 ``EDU3D_POOL_FORK=0`` starts pool ranks the old way (each imports torch itself); cold runs
 never use the zygote.
+
+This module keeps its torch imports inside functions (:func:`_preimport`): the stub, which
+torchrun starts for every rank, must not import torch, and :mod:`edu3d.launch.warm.pool`, on
+the launcher's side, imports this module too.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import time
+
+from edu3d.launch.procs import running
+from edu3d.launch.runs import belongs_to
+from edu3d.launch.warm import rank as pool_rank
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MAX_MESSAGE = 1 << 20  # a rank's request: its environment, argv and working folder
@@ -50,17 +60,14 @@ def enabled(env: dict) -> bool:
 
 # ================================ the zygote ==================================================
 def _preimport() -> None:
-    """Everything a pool rank imports before its first job, and what the first job's
-    optimizer pulls in (``torch._dynamo``); no tensor is created."""
+    """Everything a pool rank imports before its first job (edu3d's rank modules are
+    imported with this module), and what the first job's optimizer pulls in
+    (``torch._dynamo``); no tensor is created."""
     import torch
     import torch._dynamo  # noqa: F401 - torch.optim imports it at every optimizer's construction
     import torch.distributed  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.optim  # noqa: F401
-
-    from edu3d.launch.warm import rank as pool_rank
-    from edu3d.distributed import runtime, trace
-    from edu3d.launch import worker  # noqa: F401
 
     if torch.cuda.is_initialized():  # a forked child could not use CUDA ("bad fork")
         sys.exit("edu3d zygote: CUDA was initialized while importing, so ranks forked from "
@@ -70,8 +77,6 @@ def _preimport() -> None:
 def _launcher_alive() -> bool:
     """False once the launcher is gone (a SIGKILLed kernel stays a zombie until its parent
     reaps it: that counts as gone)."""
-    from edu3d.launch.procs import running
-
     launcher = int(os.environ.get("EDU3D_LAUNCHER_PID", "0") or 0)
     return not launcher or running(launcher)
 
@@ -111,8 +116,6 @@ def serve(path: str) -> None:
 
 
 def _same_user(conn: socket.socket) -> bool:
-    import struct
-
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _, uid, _ = struct.unpack("3i", creds)
     return uid == os.getuid()
@@ -168,9 +171,6 @@ def _become_rank(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     sys.argv[:] = request["argv"]
-
-    from edu3d.launch.warm import rank as pool_rank
-
     pool_rank.main(request["argv"][1:], stub_pid=int(request["stub_pid"]))
 
 
@@ -254,8 +254,6 @@ def stub(path: str, argv: list[str], connect_s: float = 120.0) -> None:
 
 def _ours(pid: int) -> bool:
     """True if ``pid`` still is this pool's rank (pids recycle)."""
-    from edu3d.launch.runs import belongs_to
-
     return belongs_to(pid, os.environ.get("EDU3D_RUN_ID"))
 
 
@@ -282,8 +280,9 @@ def _die(message: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m edu3d.launch.warm.zygote --serve SOCKET``: the zygote; ``python -m edu3d.launch.warm.zygote
-    FOLDER``: a pool rank's stub, as torchrun starts it (``EDU3D_ZYGOTE`` names the socket)."""
+    """``python -m edu3d.launch.warm.zygote --serve SOCKET``: the zygote; ``python -m
+    edu3d.launch.warm.zygote FOLDER``: a pool rank's stub, as torchrun starts it
+    (``EDU3D_ZYGOTE`` names the socket)."""
     if argv[1:2] == ["--serve"]:
         serve(argv[2])
     stub(os.environ["EDU3D_ZYGOTE"], argv)
