@@ -192,6 +192,7 @@ def accelerate_figure(result: dict):
 
 # ---- FSDP's sharding strategies -----------------------------------------------------------------
 PHASES = ("at rest", "forward", "backward", "optimizer step")
+
 #: the FSDP1 sharding strategies and their FSDP2 / ZeRO / edu3d names
 FSDP_STRATEGIES = {
     "FULL_SHARD": ("fully_shard(reshard_after_forward=True)", "ZeRO-3", "--zero 3"),

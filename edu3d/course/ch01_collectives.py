@@ -149,8 +149,6 @@ def grade_ring_exercise(mesh, sizes=(1001, 840)) -> dict:
 #: ``edu3d bench comm`` at 2 ranks: 0.7 to 1.2 ms per step, 0.8 to 1.8 GB/s. A chapter
 #: passes the values it fitted itself.
 ALPHA_S = 1.0e-3
-
-
 BETA_S_PER_BYTE = 1 / 1.0e9
 
 

@@ -137,7 +137,6 @@ def compression_error(mesh, hooks=("none",) + HOOKS, steps: int = 10, **common) 
     return out
 
 
-# ---- grading exercise 03 -------------------------------------------------------------------------
 # ---- chapter 02's panel: buckets on the backward timeline -------------------------------------
 #: gloo's own all-reduce (what data parallelism calls) on the same machine, 2 ranks
 GLOO_ALPHA_S = 1.5e-4

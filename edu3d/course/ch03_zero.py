@@ -31,13 +31,11 @@ from edu3d.train.options import config_from_args
 #: traffic per step in units of Ψ parameters (the ZeRO paper's count, section 7)
 ZERO_TRAFFIC_PSI = {0: 2, 1: 2, 2: 2, 3: 3}
 
-
 #: the collectives behind it
 ZERO_COLLECTIVES = {0: "all-reduce of the gradients",
                     1: "reduce-scatter grads + all-gather params",
                     2: "reduce-scatter grads + all-gather params",
                     3: "all-gather (fwd) + all-gather (bwd) + reduce-scatter"}
-
 
 #: fp32 Adam (the course's recipe): bytes per parameter of weights, gradients, moments
 FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}

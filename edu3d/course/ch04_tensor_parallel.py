@@ -324,7 +324,6 @@ TP_COLLECTIVES = {False: {"forward": {"all_reduce": 2}, "backward": {"all_reduce
                   True: {"forward": {"all_gather": 2, "reduce_scatter": 2},
                          "backward": {"all_gather": 4, "reduce_scatter": 2}}}
 
-
 #: bytes a rank sends on a ring, per byte of the full buffer S, times t/(t-1)
 RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
