@@ -151,7 +151,7 @@ BUILDERS = {
     "review.zero_figure": lambda m: m.zero_figure("llama2-7b", 64),
     "review.activations_figure": lambda m: m.activations_figure("gpt3-175b"),
     "review.tp_figure": lambda m: m.tp_figure(plan("llama2-7b", 16), "llama2-7b", 16),
-    "review.in_flight_figure": lambda m: m.in_flight_figure("zb-h1", 4, 8),
+    "review.in_flight_figure": lambda m: m.in_flight_figure(4, 8, ("gpipe", "1f1b", "zb-h1")),
     "review.layout_figure": lambda m: m.layout_figure(plan("llama2-13b", 16), "llama2-13b", 16),
     "review.zero_measured_figure": lambda m: m.zero_measured_figure(
         [{"zero": z, "dp": 4, "measured": 1000 * (4 - z), "estimate": 1000 * (4 - z)}

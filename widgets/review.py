@@ -111,22 +111,12 @@ def tp_figure(rows, model: str = "llama2-7b", gpus: int = 16):
                        x="tensor-parallel degree (best layout for it)", y="step time (s)")
 
 
-def schedulable(schedule: str, pp: int, m: int) -> bool:
-    """Whether edu3d's schedules build for ``m`` micro-batches: interleaved wants a multiple
-    of ``p``; ZB-H1 groups micro-batches like PyTorch (``m // max(1, m // p)`` must divide)."""
-    if schedule == "interleaved":
-        return m % pp == 0
-    if schedule == "zb-h1":
-        return m % max(1, m // pp) == 0
-    return m >= 1
-
-
-def in_flight_figure(schedule: str = "1f1b", pp: int = 4, m: int = 8):
+def in_flight_figure(pp: int = 4, m: int = 8, schedules=("gpipe", "1f1b")):
+    """Micro-batches each pipeline rank keeps alive at its peak, one bar group per schedule
+    of ``schedules`` (interleaved with 2 chunks per rank)."""
     fig = go.Figure()
-    for i, name in enumerate(dict.fromkeys(["gpipe", "1f1b", schedule])):
+    for i, name in enumerate(schedules):
         v = 2 if name == "interleaved" else 1
-        if not schedulable(name, pp, m):
-            continue
         fig.add_bar(x=[f"pp rank {r}" for r in range(pp)], y=list(in_flight(name, pp, m, v)),
                     name=name, marker_color=style.GROUP_COLORS[i])
     return style.frame(fig, f"Micro-batches kept alive per pipeline rank: p = {pp}, m = {m}",

@@ -8,7 +8,8 @@ the bubble curve from :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve
 it" launches the tiny GPT on the CPU for the pipeline and ZeRO pictures
 (:func:`edu3d.course.ch06_3d_parallelism.capstone`) and draws the measurement over the theory.
 :func:`tp_picture`, :func:`bubble_picture` and :func:`layout_picture` are the pictures the
-chapter shows beside its questions.
+chapter shows beside its questions; a pipeline setting that cannot run says why
+(:func:`edu3d.course.ch05_pipeline_parallel.pp_problem`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import lesson_args
-from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve
+from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve, pp_problem
 from edu3d.course.ch06_3d_parallelism import capstone, memory_estimate
 from edu3d.course.ch11_review import BANK, plan
 from edu3d.distributed.mesh import Layout
@@ -25,8 +26,7 @@ from edu3d.train.options import config_from_args
 from edu3d.widgets.panels.panel import Panel, choices
 from edu3d.widgets.pipeline import bubble_figure
 from edu3d.widgets.review import (activations_figure, in_flight_figure, layout_figure,
-                                  ring_figure, schedulable, tp_figure, zero_figure,
-                                  zero_measured_figure)
+                                  ring_figure, tp_figure, zero_figure, zero_measured_figure)
 from edu3d.widgets.threed import pipeline_view
 
 PICTURES = ("ring", "zero", "activations", "tp", "bubble", "in_flight", "layout")
@@ -52,9 +52,21 @@ def bubble_picture(schedule: str = "1f1b", pp: int = 4, m: int = 8,
                    measured: float | None = None):
     """The simulated bubble against the micro-batches (1 to 32, or m), over the formula;
     interleaved with 2 chunks per rank."""
-    vpp = 2 if schedule == "interleaved" else 1
-    curve = pp_bubble_curve(schedule, pp, vpp, tuple(range(1, max(32, m) + 1)))
-    return bubble_figure(curve, schedule, pp, m, vpp, measured)
+    curve = pp_bubble_curve(schedule, pp, chunks(schedule), tuple(range(1, max(32, m) + 1)))
+    return bubble_figure(curve, schedule, pp, m, chunks(schedule), measured)
+
+
+def chunks(schedule: str) -> int:
+    """Chunks per rank the quiz gives a schedule: interleaved 2, the others 1."""
+    return 2 if schedule == "interleaved" else 1
+
+
+def in_flight_picture(schedule: str = "1f1b", pp: int = 4, m: int = 8):
+    """Micro-batches kept alive per pipeline rank under GPipe, 1F1B and ``schedule`` (those
+    that can run ``m`` micro-batches on ``pp`` ranks)."""
+    names = [s for s in dict.fromkeys(["gpipe", "1f1b", schedule])
+             if pp_problem(s, pp, m, chunks(s)) is None]
+    return in_flight_figure(pp, m, names)
 
 
 def picture(state: dict):
@@ -71,7 +83,7 @@ def picture(state: dict):
     if kind == "bubble":
         return bubble_picture(state["schedule"], state["pp"], state["m"])
     if kind == "in_flight":
-        return in_flight_figure(state["schedule"], state["pp"], state["m"])
+        return in_flight_picture(state["schedule"], state["pp"], state["m"])
     if kind == "layout":
         return layout_picture(state["model"], state["gpus"])
     raise ValueError(f"unknown picture {kind!r}; choose one of {', '.join(PICTURES)}")
@@ -99,11 +111,10 @@ class Controls(Panel):
         return () if self.problem() else super().figures
 
     def problem(self) -> str | None:
+        """Why the current pipeline picture cannot be drawn (None if it can)."""
         s = self.state
-        if s["picture"] in ("bubble", "in_flight") and not schedulable(s["schedule"], s["pp"],
-                                                                       s["m"]):
-            return (f"{s['schedule']} cannot group m={s['m']} micro-batches over pp={s['pp']}: "
-                    "use a multiple of pp")
+        if s["picture"] in ("bubble", "in_flight"):
+            return pp_problem(s["schedule"], s["pp"], s["m"], chunks(s["schedule"]))
         return None
 
     def redraw(self, **changes) -> None:
@@ -131,7 +142,7 @@ class Controls(Panel):
 
     def _measure_bubble(self, timeout: float):
         s = self.state
-        vpp = 2 if s["schedule"] == "interleaved" else 1
+        vpp = chunks(s["schedule"])
         # the tiny GPT has 4 layers and a global batch of 8: p*v <= 4 and m divides 8
         pp = 2 if s["pp"] < 4 or vpp > 1 else 4
         m = max(k for k in (1, 2, 4, 8) if k <= max(s["m"], pp) and k % (pp if vpp > 1 else 1)
