@@ -212,3 +212,20 @@ def test_the_panel_base_builds_knobs_redraws_and_reports_a_failed_run(monkeypatc
     monkeypatch.setattr(panel_mod, "launch", fails)
     assert toy.run() is None and "the run failed: rank 1 failed" in toy.message
     assert panel_mod.choices([1, 2], 4) == [1, 2, 4]
+
+
+def test_one_step_of_a_trace_starts_at_zero():
+    from edu3d.widgets.timeline import step_events
+
+    ev = [{"rank": 0, "lane": "comm", "op": "recv", "t0": 90.0, "t1": 95.0, "step": 2},
+          {"rank": 0, "lane": "compute", "op": "F", "t0": 100.0, "t1": 110.0, "step": 2,
+           "case": "a"},
+          {"rank": 0, "lane": "mem", "op": "mem", "t0": 105.0, "t1": 105.0, "step": 2},
+          {"rank": 0, "lane": "compute", "op": "F", "t0": 10.0, "t1": 20.0, "step": 1}]
+    got = step_events(ev)  # the last step, compute and comm lanes, its first event at 0
+    assert [(e["op"], e["t0"]) for e in got] == [("recv", 0.0), ("F", 10.0)]
+    assert [e["t0"] for e in step_events(ev, 2, lanes=None, zero_at="compute")] == [
+        -10.0, 0.0, 5.0]  # a pipeline's receive is posted before its first compute
+    assert [e["op"] for e in step_events(ev, 2, case="a")] == ["F"]
+    assert [e["op"] for e in step_events(ev, 2, ops=("recv",))] == ["recv"]
+    assert step_events(ev, 7) == []
