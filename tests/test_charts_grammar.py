@@ -1,9 +1,10 @@
 """Every chart keeps the visual grammar: a named legend, the shown step from 0 ms, a replay
 whose picture, label and slider agree, send and receive told apart.
 
-Every ``*_figure`` function in ``widgets/*.py`` is built here from synthetic data with the
-schema of the real runs (:data:`BUILDERS`); a new figure function without a builder fails
-:func:`test_every_figure_function_is_walked`, so the walk stays complete.
+Every ``*_figure`` function in ``widgets/*.py`` (the charts; ``widgets/panels/`` holds the
+knobs) is built here from synthetic data with the schema of the real runs (:data:`BUILDERS`);
+a new figure function without a builder fails :func:`test_every_figure_function_is_walked`,
+so the walk stays complete.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import pytest
 import torch
 
 import edu3d.widgets as widgets_pkg
+from edu3d.course.ch01_collectives import ring_all_reduce_s, ring_step_costs
+from edu3d.course.ch02_data_parallel import simulate_dp_step
+from edu3d.course.ch03_zero import course_config, zero_prediction
+from edu3d.course.ch04_tensor_parallel import (tp_activation_prediction,
+                                               tp_collectives_prediction, tp_layer_config)
+from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve
+from edu3d.course.ch11_review import plan
 from edu3d.distributed.mesh import Layout
 from edu3d.widgets import style
 
@@ -92,14 +100,10 @@ def zero_mem_events(step: int = 2) -> list[dict]:
 
 
 def _ring_costs():
-    from edu3d.course.controls_basics import ring_step_costs
-
     return ring_step_costs(4, 4000, alpha=1e-4, beta=1e-9)
 
 
 def _bucket_sim():
-    from edu3d.course.controls_basics import simulate_dp_step
-
     params = [("tok_emb.weight", 4096), ("blocks.0.w", 8192), ("lm_head.weight", 4096)]
     return simulate_dp_step(params, 0.02, True, 2)
 
@@ -140,16 +144,15 @@ BUILDERS = {
         _ring_costs(), 4, 16000, [{**r, "s": 2 * r["s"]} for r in _ring_costs()],
         alpha=1e-4, beta=1e-9),
     "collectives.alpha_beta_figure": lambda m: m.alpha_beta_figure(
-        4, 1 << 20, alpha=1e-4, beta=1e-9, measured_s=2e-3),
+        4, 1 << 20, alpha=1e-4, beta=1e-9, time_s=ring_all_reduce_s, measured_s=2e-3),
     "overlap.bucket_timeline_figure": lambda m: m.bucket_timeline_figure(
         _bucket_sim(), _bucket_sim()["events"], bucket_mb=0.1, reverse=True),
     "review.ring_figure": lambda m: m.ring_figure(8),
     "review.zero_figure": lambda m: m.zero_figure("llama2-7b", 64),
     "review.activations_figure": lambda m: m.activations_figure("gpt3-175b"),
-    "review.tp_figure": lambda m: m.tp_figure("llama2-7b", 16),
-    "review.bubble_figure": lambda m: m.bubble_figure("1f1b", 4, 8, measured=0.3),
-    "review.in_flight_figure": lambda m: m.in_flight_figure("zb-h1", 4, 8),
-    "review.layout_figure": lambda m: m.layout_figure("llama2-13b", 16),
+    "review.tp_figure": lambda m: m.tp_figure(plan("llama2-7b", 16), "llama2-7b", 16),
+    "review.in_flight_figure": lambda m: m.in_flight_figure(4, 8, ("gpipe", "1f1b", "zb-h1")),
+    "review.layout_figure": lambda m: m.layout_figure(plan("llama2-13b", 16), "llama2-13b", 16),
     "review.zero_measured_figure": lambda m: m.zero_measured_figure(
         [{"zero": z, "dp": 4, "measured": 1000 * (4 - z), "estimate": 1000 * (4 - z)}
          for z in range(4)]),
@@ -179,29 +182,32 @@ BUILDERS = {
 
 
 def _zero_panel(stage: int = 2):
-    from edu3d.course import controls_parallel as cp
-
-    pred = cp.zero_prediction(cp.course_config(), 4, stage)
+    pred = zero_prediction(course_config(), 4, stage)
     return pred, {"stage": stage, "memory": {0: pred["estimate"][stage]},
                   "traffic": pred["traffic"][stage] * 1.0001}
 
 
 def _tp_panel():
-    from edu3d.course import controls_parallel as cp
+    config = tp_layer_config()
+    return config, tp_collectives_prediction(config, 2, 2, True)
 
-    config = cp.tp_layer_config()
-    return config, cp.tp_collectives_prediction(config, 2, 2, True)
+
+def _tp_activations():
+    config = tp_layer_config()
+    return {(k, on): tp_activation_prediction(config, 2, k, on)
+            for k in (1, 2, 4, 8) for on in (False, True)}
 
 
 BUILDERS.update({
-    "controls_parallel.zero_sharding_figure": lambda m: m.zero_sharding_figure(_zero_panel()[0]),
-    "controls_parallel.zero_memory_figure": lambda m: m.zero_memory_figure(*_zero_panel()),
-    "controls_parallel.zero_traffic_figure": lambda m: m.zero_traffic_figure(*_zero_panel()),
-    "controls_parallel.tp_collectives_figure": lambda m: m.tp_collectives_figure(
+    "zero.zero_memory_figure": lambda m: m.zero_memory_figure(*_zero_panel()),
+    "zero.zero_traffic_figure": lambda m: m.zero_traffic_figure(*_zero_panel()),
+    "tp_layer.tp_collectives_figure": lambda m: m.tp_collectives_figure(
         _tp_panel()[1], 2, True, _tp_panel()[1]),
-    "controls_parallel.tp_memory_figure": lambda m: m.tp_memory_figure(
-        _tp_panel()[0], 2, 2, True, {"measured": 527360}),
-    "controls_parallel.bubble_figure": lambda m: m.bubble_figure("interleaved", 2, 4, 2, 0.15),
+    "tp_layer.tp_memory_figure": lambda m: m.tp_memory_figure(
+        _tp_activations(), _tp_panel()[0], 2, 2, True, {"measured": 527360}),
+    "pipeline.bubble_figure": lambda m: m.bubble_figure(
+        pp_bubble_curve("interleaved", 2, 2, tuple(range(1, 17)), 0.05), "interleaved", 2, 4,
+        2, 0.15),
 })
 
 

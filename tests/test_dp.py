@@ -169,8 +169,8 @@ def test_buckets_follow_reverse_registration_order():
 
 
 def test_overlap_helpers_read_run_shaped_events():
-    from edu3d.widgets.overlap import (compression_figure, launched_during_backward,
-                                       overlap_figure, traffic_per_step)
+    from edu3d.course.ch02_data_parallel import traffic_per_step
+    from edu3d.widgets.overlap import compression_figure, launched_during_backward, overlap_figure
 
     events = [{"rank": 0, "lane": "compute", "op": "B", "t0": 10.0, "t1": 50.0, "step": 1,
                "case": "c"},

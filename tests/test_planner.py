@@ -220,7 +220,8 @@ def test_planner_equals_measurement_under_autocast_on_cuda():
 
 
 def test_widget_draws_stages_verdict_and_measured_beside_the_estimate():
-    from edu3d.widgets.memory_plan import controls, stage_bars, zero_stages
+    from edu3d.widgets.memory_plan import stage_bars, zero_stages
+    from edu3d.widgets.panels.ch07_memory import controls
 
     ctl = controls(dict(model="llama2-7b", dp=1, pp=1, precision="bf16", microbatches=8,
                         micro_batch=1, gpu_mem_gb=80))

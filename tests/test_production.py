@@ -7,6 +7,7 @@ import pytest
 
 from edu3d.course import ch09_in_production as P
 from edu3d.widgets import production as W
+from edu3d.widgets.panels.ch09_in_production import controls
 
 # measured: the worst relative loss difference over 3-5 steps was 8.7e-8 (one float32 ulp
 # of a loss near 5.5, from DDP's average of two halves against edu3d's bucketed all-reduce)
@@ -89,7 +90,7 @@ def _result(name, scale):
 
 def test_controls_dropdown_redraws_mapping_and_comparison():
     results = {"DP": _result("DP", 2), "ZeRO-3": _result("ZeRO-3", 1)}
-    ctl = W.controls(results, strategy="DP", psi=1000)
+    ctl = controls(results, strategy="DP", psi=1000)
     title = ctl.mapping_fig.layout.title.text
     cells = ctl.mapping_fig.data[0].cells.values
     ctl.redraw(strategy="ZeRO-3")

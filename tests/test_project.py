@@ -67,7 +67,9 @@ def test_every_subpackage_is_declared_for_regular_installs():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     declared = set(data["tool"]["setuptools"]["packages"])
     on_disk = {".".join(p.parent.relative_to(ROOT).parts)
-               for p in (ROOT / "edu3d").rglob("__init__.py")} | {"edu3d.widgets"}
+               for p in (ROOT / "edu3d").rglob("__init__.py")}
+    on_disk |= {".".join(("edu3d", *p.parent.relative_to(ROOT).parts))  # package-dir widgets/
+                for p in (ROOT / "widgets").rglob("__init__.py")}
     assert on_disk == declared
 
 

@@ -101,9 +101,9 @@ def test_the_truths_are_the_course_formulas():
 def test_the_quiz_panel_redraws_each_question_at_once():
     import ipywidgets as w
 
-    from edu3d.widgets import review as pictures
+    from edu3d.widgets.panels.ch11_review import controls
 
-    ctl = pictures.controls()
+    ctl = controls()
     box = ctl.widget
     assert "edu3d-controls" in box._dom_classes
     first = box.children[0].children[0]

@@ -7,10 +7,13 @@ import pytest
 pytest.importorskip("plotly")
 
 from edu3d.course import lesson_args  # noqa: E402
-from edu3d.course.ch06_3d_parallelism import axis_bytes, axis_formulas  # noqa: E402
+from edu3d.course.ch06_3d_parallelism import (axis_bytes, axis_formulas,  # noqa: E402
+                                              memory_estimate)
 from edu3d.distributed.mesh import Layout  # noqa: E402
 from edu3d.train.options import config_from_args  # noqa: E402
 from edu3d.widgets import threed  # noqa: E402
+from edu3d.widgets.panels.ch06_3d_parallelism import controls  # noqa: E402
+from edu3d.widgets.pipeline import simulated_pipeline  # noqa: E402
 
 LAYOUT = Layout(dp=2, tp=2, pp=2)
 ACT = 1 * 32 * 64 * 4  # b·s·h·4 bytes of the tiny model, 4 micro-batches of 1 row
@@ -83,7 +86,7 @@ def test_axis_bytes_match_the_formulas_on_run_shaped_events():
 
 def test_memory_estimate_matches_the_measured_parameter_bytes():
     config = config_from_args(lesson_args())
-    est = threed.memory_estimate(config, dp=2, tp=2, pp=2, zero=1, m=4)
+    est = memory_estimate(config, dp=2, tp=2, pp=2, zero=1, m=4)
     # measured on a dp2-tp2-pp2 ZeRO-1 run: 60608 and 58688 fp32 parameters per rank
     assert est[0]["params"] == 60608 * 4 and est[4]["params"] == 58688 * 4
     # Adam's two moments of this dp rank's half, plus one 4-byte step counter per piece
@@ -96,12 +99,12 @@ def test_memory_estimate_matches_the_measured_parameter_bytes():
     spec = spec_from_config(config)
     st = plan_memory.Setup(dp=2, tp=2, pp=2, zero=1, microbatches=4, micro_batch=1)
     assert est[4]["activations"] == plan_memory.activations_per_rank(spec, st)[1]
-    z3 = threed.memory_estimate(config, dp=2, tp=2, pp=2, zero=3, m=4)
+    z3 = memory_estimate(config, dp=2, tp=2, pp=2, zero=3, m=4)
     assert z3[0]["params"] == est[0]["params"] / 2
 
 
 def test_controls_redraw_with_another_layout():
-    ctl = threed.controls()
+    ctl = controls()
     assert ctl.state["dp"] == 2 and ctl.message == ""
     first = ctl.pipeline_fig
     assert len(ctl.estimate) == 8
@@ -118,5 +121,5 @@ def test_controls_redraw_with_another_layout():
 def test_pipeline_view_renumbers_one_pipeline():
     view = threed.pipeline_view(run_events(), LAYOUT)
     assert {e["rank"] for e in view} == {0, 1}
-    fig = threed.simulated_pipeline(2, 4, "1f1b", measured=[e for e in view if e["step"] == 2])
+    fig = simulated_pipeline(2, 4, "1f1b", measured=[e for e in view if e["step"] == 2])
     assert fig.data and all(t.name for t in fig.data)

@@ -163,3 +163,69 @@ def test_mesh_cube_draws_what_the_ranks_reported():
         mesh_figure(Layout(dp=8), report)
     with pytest.raises(ValueError, match="dim"):
         mesh_figure(layout, report, dim="xy")
+
+
+def test_the_panel_base_builds_knobs_redraws_and_reports_a_failed_run(monkeypatch):
+    import ipywidgets as w
+
+    from edu3d.launch.api import LaunchError
+    from edu3d.widgets.panels import panel as panel_mod
+
+    class Toy(panel_mod.Panel):
+        title = "toy"
+        knob_rows = (("a", "run"), ("b",))
+        FIGURES = ("fig", "extra")
+
+        def __init__(self):
+            super().__init__({"a": 1, "b": "x"})
+            self.extra = None
+            self.redraw()
+
+        def knobs(self):
+            return {"a": w.Dropdown(options=[1, 2], value=self.state["a"]),
+                    "b": w.Dropdown(options=["x", "y"], value=self.state["b"])}
+
+        def redraw(self, **changes):
+            self.state.update(changes)
+            self.fig = f"figure {self.state['a']}{self.state['b']}"
+            self.say("")
+
+        def run(self):
+            return self.launch(lambda mesh: None, 2)
+
+    toy = Toy()
+    assert toy.figures == ("figure 1x",)  # no frontend: the static figures, nothing drawn
+    box = toy.widget
+    assert box is toy.widget and "edu3d-controls" in box._dom_classes
+    title, first, second, out = box.children
+    assert isinstance(title, w.HTML) and isinstance(out, w.Output)
+    assert isinstance(first.children[1], w.Button) and len(second.children) == 1
+    first.children[0].value = 2  # a learner turns a knob: redrawn at once
+    assert toy.figures == ("figure 2x",)
+    toy.state["b"] = "y"
+    toy.sync_knobs()  # the knobs show the state without a redraw per knob
+    assert second.children[0].value == "y" and toy.figures == ("figure 2x",)
+
+    def fails(*a, **k):
+        raise LaunchError("rank 1 failed")
+
+    monkeypatch.setattr(panel_mod, "launch", fails)
+    assert toy.run() is None and "the run failed: rank 1 failed" in toy.message
+    assert panel_mod.choices([1, 2], 4) == [1, 2, 4]
+
+
+def test_one_step_of_a_trace_starts_at_zero():
+    from edu3d.widgets.timeline import step_events
+
+    ev = [{"rank": 0, "lane": "comm", "op": "recv", "t0": 90.0, "t1": 95.0, "step": 2},
+          {"rank": 0, "lane": "compute", "op": "F", "t0": 100.0, "t1": 110.0, "step": 2,
+           "case": "a"},
+          {"rank": 0, "lane": "mem", "op": "mem", "t0": 105.0, "t1": 105.0, "step": 2},
+          {"rank": 0, "lane": "compute", "op": "F", "t0": 10.0, "t1": 20.0, "step": 1}]
+    got = step_events(ev)  # the last step, compute and comm lanes, its first event at 0
+    assert [(e["op"], e["t0"]) for e in got] == [("recv", 0.0), ("F", 10.0)]
+    assert [e["t0"] for e in step_events(ev, 2, lanes=None, zero_at="compute")] == [
+        -10.0, 0.0, 5.0]  # a pipeline's receive is posted before its first compute
+    assert [e["op"] for e in step_events(ev, 2, case="a")] == ["F"]
+    assert [e["op"] for e in step_events(ev, 2, ops=("recv",))] == ["recv"]
+    assert step_events(ev, 7) == []

@@ -13,13 +13,15 @@ runs left behind:
   rank's training steps, from the run's trace events;
 * :func:`recovery_curve` draws the recovered run's loss over the uninterrupted run's ghost,
   with the failure and the steps redone from the checkpoint marked;
-* :func:`controls` lets a learner pick the layout, the tensor and its kind (parameter or an
-  AdamW moment), and redraws at once from the manifests it holds.
+* the chapter's knobs (the layouts, the tensor and its kind) are
+  :mod:`edu3d.widgets.panels.ch08_checkpoints`.
 """
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
 import torch
+from plotly.subplots import make_subplots
 
 from edu3d.ckpt import reshard
 from edu3d.widgets import style
@@ -63,8 +65,6 @@ def _as_2d(grid: torch.Tensor) -> torch.Tensor:
 
 
 def _heatmap(grid: torch.Tensor, ranks: list[int], name: str):
-    import plotly.graph_objects as go
-
     grid2 = _as_2d(grid)
     n = max(ranks) + 1 if ranks else 1
     scale = []
@@ -76,8 +76,6 @@ def _heatmap(grid: torch.Tensor, ranks: list[int], name: str):
 
 
 def _legend(fig, counts: dict[int, int], total: int, **where) -> None:
-    import plotly.graph_objects as go
-
     for r, k in sorted(counts.items()):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
                                  marker={"symbol": "square", "size": 12,
@@ -93,8 +91,6 @@ def _counts(grid: torch.Tensor) -> dict[int, int]:
 
 def piece_map(manifest: dict, name: str, kind: str = "param", *, title: str | None = None):
     """The full tensor ``name`` coloured by the rank that wrote each number."""
-    import plotly.graph_objects as go
-
     grid = owners(manifest, name, kind)
     counts = _counts(grid)
     holes = int((grid < 0).sum())
@@ -131,8 +127,6 @@ def reads(source: dict, target: dict, name: str, kind: str = "param") -> dict[in
 def reshard_map(source: dict, target: dict, name: str, kind: str = "param"):
     """``name`` as the source layout wrote it (left) and as the target layout holds it
     (right); the takeaway lists which source files each target rank opens."""
-    from plotly.subplots import make_subplots
-
     src, dst = owners(source, name, kind), owners(target, name, kind)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
                         subplot_titles=(f"saved by {layout_name(source)}",
@@ -159,8 +153,6 @@ def save_timeline(events: list[dict], *, title: str | None = None):
     on a lane beneath, the checkpointer's ``ckpt_blocked`` (what the step waited: the
     snapshot, and the writes unless ``--async-save``) and ``ckpt_write`` (in the background
     under ``--async-save``), as :class:`edu3d.ckpt.checkpointer.Checkpointer` traces them."""
-    import plotly.graph_objects as go
-
     real = [e for e in events if not e.get("sim")]
     t_zero = min(e["t0"] for e in real)
     steps: dict = {}
@@ -205,8 +197,6 @@ def save_timeline(events: list[dict], *, title: str | None = None):
 def recovery_curve(clean: list[dict], recovered: list[dict], fault_step: int,
                    resumed_at: int, *, what: str = "rank 1 killed"):
     """The recovered run's loss (markers) over the uninterrupted run's (ghost line)."""
-    import plotly.graph_objects as go
-
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=[r["step"] for r in clean], y=[r["loss"] for r in clean],
                              mode="lines", name="uninterrupted run",
@@ -228,69 +218,3 @@ def recovery_curve(clean: list[dict], recovered: list[dict], fault_step: int,
         xaxis_title="step", yaxis_title="loss (nats)", font=style.FONT, height=360,
         margin={"t": 80, "l": 70, "r": 20, "b": 50})
     return fig
-
-
-class Controls:
-    """Pick the saved layout, the layout to load into, the tensor and its kind; the piece map
-    and the reshard map redraw from the manifests at once. ``fault_demo`` (a callable
-    returning :func:`recovery_curve`'s figure) backs a button."""
-
-    def __init__(self, manifests: dict[str, dict], fault_demo=None):
-        self.manifests = manifests
-        labels = list(manifests)
-        self.state = {"source": labels[0], "target": labels[-1], "kind": "param",
-                      "name": tensors(manifests[labels[0]])[0]}
-        self.fault_demo, self.fault_fig = fault_demo, None
-        self._box = self._out = None
-        self.redraw()
-
-    def redraw(self, **change) -> None:
-        self.state.update(change)
-        s = self.state
-        src, dst = self.manifests[s["source"]], self.manifests[s["target"]]
-        names = [n for n in tensors(src, s["kind"]) if n in tensors(dst, s["kind"])]
-        if s["name"] not in names:
-            s["name"] = names[0]
-        self.piece_fig = piece_map(src, s["name"], s["kind"])
-        self.reshard_fig = reshard_map(src, dst, s["name"], s["kind"])
-        self._show()
-
-    def run_fault_demo(self) -> None:
-        if self.fault_demo is not None:
-            self.fault_fig = self.fault_demo()
-            self._show()
-
-    @property
-    def widget(self):
-        if self._box is None:
-            import ipywidgets as w
-
-            s, labels = self.state, list(self.manifests)
-            knobs = {
-                "source": w.Dropdown(options=labels, value=s["source"], description="saved by"),
-                "target": w.Dropdown(options=labels, value=s["target"], description="load into"),
-                "kind": w.Dropdown(options=["param", "exp_avg", "exp_avg_sq"], value=s["kind"],
-                                   description="kind"),
-                "name": w.Dropdown(options=tensors(self.manifests[s["source"]]),
-                                   value=s["name"], description="tensor"),
-            }
-            for key, knob in knobs.items():
-                knob.observe(lambda ch, key=key: self.redraw(**{key: ch["new"]}), "value")
-            button = w.Button(description="kill a rank, recover", button_style="warning")
-            button.on_click(lambda _: self.run_fault_demo())
-            self._out = w.Output()
-            self._box = w.VBox([w.HBox(list(knobs.values())[:2] + [button]),
-                                w.HBox(list(knobs.values())[2:]), self._out])
-            self._box.add_class("edu3d-controls")  # what the browser test turns
-            self._show()
-        return self._box
-
-    def _show(self) -> None:
-        style.show_in(self._out, "", self.piece_fig, self.reshard_fig,
-                      *([self.fault_fig] if self.fault_fig else []))
-
-
-def controls(manifests: dict[str, dict], fault_demo=None) -> Controls:
-    """The chapter's controls; display ``controls(...).widget`` in JupyterLab, or show the
-    static ``piece_fig`` / ``reshard_fig`` without a frontend."""
-    return Controls(manifests, fault_demo)

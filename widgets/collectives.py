@@ -16,6 +16,9 @@ After reading this file you should be able to read two pictures:
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
 from edu3d.widgets import style
 
 
@@ -25,9 +28,6 @@ def _pad(rows: list, width: int) -> list:
 
 def gallery_figure(results: list[dict], op: str = "all_reduce"):
     """``results``: per-rank return values of :func:`edu3d.course.ch01_collectives.collectives_gallery`."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     ops = list(results[0])
     n = len(results)
     takeaways = {
@@ -100,9 +100,7 @@ def ring_states(events: list[dict], n: int, case: str | None = None) -> list[dic
 def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str | None = None,
                        title: str | None = None):
     """Animate a ring all-reduce of a ``total_bytes`` buffer over ``n`` ranks from its trace
-    (or from the simulated sends of :func:`edu3d.course.controls_basics.ring_sends`)."""
-    import plotly.graph_objects as go
-
+    (or from the simulated sends of :func:`edu3d.course.ch01_collectives.ring_sends`)."""
     states = ring_states(events, n, case)
     formula = 2 * (n - 1) / n * total_bytes  # per rank
 
@@ -161,8 +159,6 @@ def ring_replay_figure(events: list[dict], n: int, total_bytes: int, case: str |
 
 def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_reduce"):
     """Bytes sent per rank (from traces) against the formula, for several world sizes N."""
-    import plotly.graph_objects as go
-
     factor = 2 if op == "all_reduce" else 1
     ns = sorted(measured)
     theory = [factor * (n - 1) / n * total_bytes for n in ns]
@@ -182,8 +178,6 @@ def bytes_figure(measured: dict[int, float], total_bytes: int, op: str = "all_re
 def cost_model_figure(rep: dict):
     """All-reduce time against message size (log-log) for edu3d's ring and the library, with
     the fitted alpha-beta line of each (a report of :mod:`edu3d.bench.bench_comm`)."""
-    import plotly.graph_objects as go
-
     rows = [r for r in rep["results"] if r.get("op") == "all_reduce"]
     n = rep["world_size"]
     xs = [r["bytes"] for r in rows]
@@ -219,11 +213,8 @@ def ring_steps_figure(predicted: list[dict], n: int, total_bytes: int,
                       measured: list[dict] | None = None, *, alpha: float, beta: float):
     """The ring's ``2(N-1)`` steps: bytes all ranks sent in each (top) and each step's time
     (bottom), the alpha-beta prediction as ghost bars
-    (:func:`edu3d.course.controls_basics.ring_step_costs`), a run's measurement
-    (:func:`~edu3d.course.controls_basics.measured_ring_steps`) as black markers over it."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
+    (:func:`edu3d.course.ch01_collectives.ring_step_costs`), a run's measurement
+    (:func:`~edu3d.course.ch01_collectives.measured_ring_steps`) as black markers over it."""
     steps = [r["step"] for r in predicted]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08)
     fig.add_trace(go.Bar(x=steps, y=[r["bytes"] / 1024 for r in predicted],
@@ -270,23 +261,20 @@ def ring_steps_figure(predicted: list[dict], n: int, total_bytes: int,
     return fig
 
 
-def alpha_beta_figure(n: int, total_bytes: int, *, alpha: float, beta: float,
+def alpha_beta_figure(n: int, total_bytes: int, *, alpha: float, beta: float, time_s,
                       measured_s: float | None = None, ns=(2, 4, 8)):
     """The alpha-beta prediction against message size (log-log) for a few N, the chosen
-    (N, S) marked, and a run's measured time beside it."""
-    import plotly.graph_objects as go
-
-    from edu3d.course.controls_basics import ring_all_reduce_s
-
+    (N, S) marked, and a run's measured time beside it. ``time_s(size, n, alpha, beta)`` is
+    the model (:func:`edu3d.course.ch01_collectives.ring_all_reduce_s`)."""
     sizes = [2 ** k for k in range(8, 29)]
     fig = go.Figure()
     for i, k in enumerate(sorted({*ns, n})):
         fig.add_trace(go.Scatter(
-            x=sizes, y=[ring_all_reduce_s(s, k, alpha, beta) * 1e3 for s in sizes],
+            x=sizes, y=[time_s(s, k, alpha, beta) * 1e3 for s in sizes],
             mode="lines", name=f"N = {k}", line={"color": style.group_color(i),
                                                  "width": 4 if k == n else 1.5},
             hovertemplate=f"N={k}, " + "S=%{x:,} B: %{y:.3f} ms<extra></extra>"))
-    t = ring_all_reduce_s(total_bytes, n, alpha, beta)
+    t = time_s(total_bytes, n, alpha, beta)
     fig.add_trace(go.Scatter(x=[total_bytes], y=[t * 1e3], mode="markers",
                              name="this choice (predicted)",
                              marker={"color": style.YELLOW, "size": 16, "symbol": "circle",

@@ -20,6 +20,8 @@ around where each rank should sit, and the title counts how many groups agree
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
+
 from edu3d.distributed.mesh import Layout
 from edu3d.widgets import style
 
@@ -90,8 +92,6 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
     "dp": [...], "pp": [...], "mp": [...]}}`` as returned by a live run of
     :func:`edu3d.course.ch00_launching_ranks.mesh_report` (``RunResult.results``).
     """
-    import plotly.graph_objects as go
-
     if dim not in DIMS:
         raise ValueError(f"dim {dim!r} must be one of {', '.join(DIMS)}")
     live = report is not None

@@ -10,22 +10,15 @@ so every all-reduce waits for the end of backward.
 
 from __future__ import annotations
 
-from edu3d.widgets.timeline import timeline_figure
+import plotly.graph_objects as go
 
-
-def step_events(events: list[dict], case: str, step: int) -> list[dict]:
-    """One step of one configuration, times shifted so the step starts at 0 ms."""
-    sel = [e for e in events if e.get("case") == case and e.get("step") == step
-           and e.get("lane") in ("compute", "comm")]
-    if not sel:
-        return []
-    t0 = min(e["t0"] for e in sel)
-    return [{**e, "t0": e["t0"] - t0, "t1": e["t1"] - t0} for e in sel]
+from edu3d.widgets import style
+from edu3d.widgets.timeline import step_events, timeline_figure
 
 
 def overlap_figure(events: list[dict], case: str, step: int, takeaway: str | None = None):
     """The timeline of one DP step of ``case`` (see :func:`edu3d.course.ch02_data_parallel.compare_versions`)."""
-    evs = step_events(events, case, step)
+    evs = step_events(events, step, case=case)
     return timeline_figure(evs, title=f"One data-parallel step: {case}, step {step}",
                            takeaway=takeaway, idle=False,
                            ops=["F", "B", "all_reduce"])
@@ -34,8 +27,8 @@ def overlap_figure(events: list[dict], case: str, step: int, takeaway: str | Non
 def bucket_timeline_figure(sim: dict, measured: list[dict] | None = None, *, bucket_mb: float,
                            reverse: bool):
     """One DP step with gradient buckets: the simulation
-    (:func:`edu3d.course.controls_basics.simulate_dp_step`), solid alone and a ghost under a
-    run's step (:func:`~edu3d.course.controls_basics.step_events`). A simulated all-reduce
+    (:func:`edu3d.course.ch02_data_parallel.simulate_dp_step`), solid alone and a ghost under a
+    run's step (:func:`~edu3d.widgets.timeline.step_events`). A simulated all-reduce
     is the bucket's time on the link; a measured one runs from its launch to the moment the
     step waited for it. Tint = bucket (later buckets lighter)."""
     def exposed(evs):
@@ -71,23 +64,8 @@ def launched_during_backward(launch_log: list, total_grads: int) -> int:
     return sum(1 for _, seen in launch_log if seen < total_grads)
 
 
-PAPER_COUNT = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
-
-
-def traffic_per_step(events: list[dict], case: str, step: int, rank: int = 0) -> float:
-    """Bytes one rank moved in one step, in the ZeRO paper's count (all-reduce 2S, all-gather
-    and reduce-scatter S, S the full buffer)."""
-    return sum(PAPER_COUNT.get(e["op"], 0) * e.get("bytes", 0) for e in events
-               if e.get("case") == case and e.get("step") == step and e["rank"] == rank
-               and e["lane"] == "comm")
-
-
 def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: str = "Ψ"):
     """Measured traffic per configuration (bars) next to the formula (ghost bars)."""
-    import plotly.graph_objects as go
-
-    from edu3d.widgets import style
-
     names = list(measured)
     fig = go.Figure([
         go.Bar(x=names, y=[formula[n] for n in names], name="formula",
@@ -106,10 +84,6 @@ def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: 
 def compression_figure(errors: dict):
     """Loss per step with each compression hook (see
     :func:`edu3d.course.ch02_data_parallel.compression_error`), uncompressed as the reference line."""
-    import plotly.graph_objects as go
-
-    from edu3d.widgets import style
-
     fig = go.Figure()
     for i, (name, r) in enumerate(errors.items()):
         fig.add_trace(go.Scatter(

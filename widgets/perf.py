@@ -14,14 +14,18 @@ After reading this file you should know how to read chapter 10's charts:
 * :func:`scaling_figure` — tokens/s and step time per layout, measured, with the machine's
   core count marked: more ranks than cores share the cores;
 * :func:`bench_figure` — an ``edu3d bench`` report: edu3d's time against PyTorch's;
-* :class:`Controls` — a layout, overlap and micro-batches redraw the cost model's predicted
-  budget (:func:`edu3d.course.ch10_performance.predict`) at once; "run it" measures the layout live and
-  draws the measurement over the prediction.
+* :func:`prediction_figure` — the cost model's predicted step of every layout.
+
+The chapter's knobs (layout, overlap, micro-batches) are
+:mod:`edu3d.widgets.panels.ch10_performance`.
 """
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
+
 from edu3d.widgets import style
+from edu3d.widgets.timeline import timeline_figure
 
 BUDGET = (("compute", "compute (F, B, optimizer)", style.BLUE),
           ("exposed", "exposed communication", style.YELLOW),
@@ -52,8 +56,6 @@ def top_ops(table: list[dict], top: int = 12) -> list[dict]:
 
 def op_table_figure(table: list[dict], top: int = 12, rank: int = 0):
     """Horizontal bars: the ``top`` operators of one rank's profiled step by self CPU ms."""
-    import plotly.graph_objects as go
-
     rows = top_ops(table, top)[::-1]
     total = sum(r["self_ms"] for r in table if not r["name"].startswith("edu3d:"))
     fig = go.Figure()
@@ -77,8 +79,6 @@ def op_table_figure(table: list[dict], top: int = 12, rank: int = 0):
 
 def profile_timeline(events: list[dict]):
     """The profiler's top-level events of every rank on the course's lanes."""
-    from edu3d.widgets.timeline import timeline_figure
-
     evs = [e for e in events if e.get("t1", 0) > e.get("t0", 0)]
     ranks = sorted({e["rank"] for e in evs})
     ops = [op for op in ("F", "B", "optimizer", "all_reduce", "broadcast", "send", "recv")
@@ -95,8 +95,6 @@ def budget_figure(rows: dict[str, dict], *, title: str, takeaway: str,
     """Stacked horizontal bars, one per configuration (keys of ``rows``): compute, exposed
     communication, idle (ms). Names in ``ghosts`` are drawn translucent: predictions. The
     text beside each bar gives its whole communication and the part compute hid."""
-    import plotly.graph_objects as go
-
     names = list(rows)
     fig = go.Figure()
     for key, label, color in BUDGET:
@@ -123,8 +121,6 @@ def budget_figure(rows: dict[str, dict], *, title: str, takeaway: str,
 def scaling_figure(rows: list[dict], cores: int):
     """Tokens/s (bars) and step time (labels) per layout, coloured by world size; the core
     count marked."""
-    import plotly.graph_objects as go
-
     names = [r["name"] for r in rows]
     sizes = sorted({r["world_size"] for r in rows})
     fig = go.Figure()
@@ -152,8 +148,6 @@ def scaling_figure(rows: list[dict], cores: int):
 def bench_figure(report: dict):
     """An ``edu3d bench`` report: edu3d's median time beside the reference's, the ratio on
     top."""
-    import plotly.graph_objects as go
-
     res = report["results"]
     names = [r["name"] for r in res]
     fig = go.Figure([
@@ -176,8 +170,6 @@ def bench_figure(report: dict):
 def prediction_figure(preds: dict[str, dict], chosen: str, measured: dict | None = None):
     """The predicted step time of every layout (bars), the chosen one highlighted, measured
     step times (markers) where a sweep has them."""
-    import plotly.graph_objects as go
-
     names = list(preds)
     fig = go.Figure()
     for key, label, color in BUDGET:
@@ -197,105 +189,3 @@ def prediction_figure(preds: dict[str, dict], chosen: str, measured: dict | None
                 y="time per step (ms)", height=380)
     fig.update_layout(barmode="stack")
     return fig
-
-
-# ---- the control panel --------------------------------------------------------------------------
-class Controls:
-    """Layout, overlap and micro-batches -> the cost model's predicted step budget at once;
-    "run it" measures the layout live and draws it over the prediction.
-
-    ``costs`` calibrates the model (:func:`edu3d.course.ch10_performance.calibrate`); ``measured`` maps a
-    layout name to its measured step (ms) from the chapter's sweep."""
-
-    KNOB_LAYOUTS = ("dp1", "dp2", "tp2", "pp2", "dp4", "dp2-tp2", "dp2-pp2", "tp2-pp2")
-
-    def __init__(self, costs: dict | None = None, measured: dict | None = None,
-                 default: dict | None = None):
-        self.costs, self.measured = costs, dict(measured or {})
-        self.state = {"layout": "dp2", "overlap": "on", "microbatches": 0, **(default or {})}
-        self.message, self.result = "", None
-        self.live: dict | None = None
-        self._box = self._out = None
-        self.redraw()
-
-    def prediction(self, name: str | None = None) -> dict:
-        from edu3d.course.ch10_performance import predict
-
-        s = self.state
-        p = predict(name or s["layout"], s["overlap"], s["microbatches"] or None, self.costs)
-        return {**p, "idle": p["bubble"]}
-
-    def redraw(self, **changes) -> None:
-        self.state.update(changes)
-        s = self.state
-        self.predicted = self.prediction()
-        preds = {n: self.prediction(n) for n in self.KNOB_LAYOUTS}
-        rows = {"predicted": self.predicted}
-        live = bool(self.live) and self.live["key"] == (s["layout"], s["overlap"],
-                                                       s["microbatches"])
-        if live:
-            rows["measured"] = self.live["budget"]
-        m = self.predicted["microbatches"]
-        self.budget_fig = budget_figure(
-            rows, ghosts=("predicted",) if live else (),
-            title=f"{s['layout']}, overlap {s['overlap']}, "
-                  f"{style.plural(m, 'micro-batch', 'micro-batches')}"
-                  f": {'measured against ' if live else ''}predicted step budget",
-            takeaway=f"predicted {self.predicted['step']:.1f} ms per step on "
-                     f"{style.plural(self.predicted['cores'], 'core')}"
-                     + (f"; measured {self.live['budget']['step']:.1f} ms" if live else
-                        "; press 'run it' to measure"))
-        self.layouts_fig = prediction_figure(preds, s["layout"], self.measured)
-        self._show()
-
-    def run(self, steps: int = 3, timeout: float = 300):
-        """Measure the chosen layout live and draw it over the prediction."""
-        from edu3d.course.ch10_performance import run_layout
-
-        s = self.state
-        self.message = f"running {s['layout']} ..."
-        self._show()
-        row, brk = run_layout(s["layout"], s["overlap"], s["microbatches"] or None, steps,
-                              timeout)
-        med = brk["median"]
-        budget = {"compute": med["compute_ms"], "exposed": med["exposed_ms"],
-                  "idle": med["idle_ms"], "comm": med["comm_ms"], "step": med["step_ms"]}
-        self.live = {"key": (s["layout"], s["overlap"], s["microbatches"]), "budget": budget,
-                     "row": row}
-        self.measured[s["layout"]] = row["median_s"] * 1e3
-        self.message = (f"measured {s['layout']}: {row['median_s'] * 1e3:.1f} ms per step "
-                        f"(slowest rank), {row['tokens_per_s']:.0f} tokens/s")
-        self.redraw()
-        return self.live
-
-    @property
-    def widget(self):
-        if self._box is None:
-            import ipywidgets as w
-
-            s = self.state
-            layout = w.Dropdown(options=list(self.KNOB_LAYOUTS), value=s["layout"],
-                                description="layout")
-            overlap = w.ToggleButtons(options=["on", "off"], value=s["overlap"],
-                                      description="DP overlap")
-            micro = w.IntSlider(min=0, max=8, value=s["microbatches"],
-                                description="micro-batches", tooltip="0: the layout's default")
-            for key, knob in (("layout", layout), ("overlap", overlap), ("microbatches", micro)):
-                knob.observe(lambda ch, key=key: self.redraw(**{key: ch["new"]}), "value")
-            button = w.Button(description="run it", button_style="primary")
-            button.on_click(lambda _: self.run())
-            self._out = w.Output()
-            self._box = w.VBox([w.HBox([layout, overlap]), w.HBox([micro, button]), self._out])
-            self._box.add_class("edu3d-controls")
-            self._show()
-        return self._box
-
-    def _show(self) -> None:
-        style.show_in(self._out, self.message, self.budget_fig, self.layouts_fig)
-
-
-def controls(costs: dict | None = None, measured: dict | None = None,
-             default: dict | None = None) -> Controls:
-    """The chapter's control panel; display ``controls(...).widget`` in JupyterLab, or the
-    static ``budget_fig`` / ``layouts_fig`` without a frontend."""
-    return Controls(costs, measured, default)

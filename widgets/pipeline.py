@@ -17,31 +17,25 @@ After reading this file you should know how to read the course's pipeline pictur
   engine): GPipe's grows to m micro-batches, 1F1B's stays at most p.
 
 :func:`pipeline_figure` draws one step; :func:`compare_figure` puts several schedules one
-under the other on the same time axis.
+under the other on the same time axis; :func:`simulated_pipeline` draws a schedule's
+simulation alone (a forward 1 ms, a backward 2 ms) or a run over it; :func:`bubble_figure` draws the bubble against the
+number of micro-batches (the formula as a line, the simulation as markers).
 """
 
 from __future__ import annotations
 
+import random
 import statistics
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from edu3d.schedules.actions import build
 from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 from edu3d.widgets import style
-from edu3d.widgets.timeline import add_bars, idle_gaps, lanes
+from edu3d.widgets.timeline import add_bars, idle_gaps, lanes, step_events
 
 _COMPUTE = ("F", "B", "I", "W")
-
-
-def step_events(events: list[dict], step: int | None = None) -> list[dict]:
-    """The events of one step (the last one if ``step`` is None), time-shifted so the step's
-    first compute starts at 0."""
-    steps = sorted({e["step"] for e in events if e.get("step") is not None})
-    if steps:
-        step = steps[-1] if step is None else step
-        events = [e for e in events if e.get("step") == step]
-    comp = [e for e in events if e["lane"] == "compute"]
-    origin = min((e["t0"] for e in comp), default=0.0)
-    return [{**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin} for e in events]
 
 
 def measured_costs(events: list[dict]) -> Costs:
@@ -63,7 +57,7 @@ def theory(name: str, pp: int, m: int, vpp: int = 1, events: list[dict] | None =
     return simulate(build(name, pp, m, vpp), pp, costs)
 
 
-def _add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show_legend: bool):
+def add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show_legend: bool):
     """Draw one schedule's lanes (ghost, idle, compute, comm) into subplot ``row``."""
     where = lanes(ranks)
     before = len(fig.data)
@@ -86,8 +80,6 @@ def _add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show
 
 
 def _memory_strip(fig, evs: list[dict], row: int, ranks, show_legend: bool) -> None:
-    import plotly.graph_objects as go
-
     for r in ranks:
         mem = sorted((e for e in evs if e["lane"] == "mem" and e["rank"] == r),
                      key=lambda e: e["t0"])
@@ -110,11 +102,9 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
     Each run is ``{"name", "pp", "m", "vpp", "events"}`` (``events``: a run's trace, one
     step of it is drawn; ``vpp`` only for interleaved). Returns a ``go.Figure``.
     """
-    from plotly.subplots import make_subplots
-
     rows, titles, heights = [], [], []
     for run in runs:
-        evs = step_events(run["events"], run.get("step"))
+        evs = step_events(run["events"], run.get("step"), lanes=None, zero_at="compute")
         vpp = run.get("vpp", 1)
         ghost = theory(run["name"], run["pp"], run["m"], vpp, evs).events
         measured, formula = bubble_of(evs), bubble_formula(run["name"], run["pp"], run["m"], vpp)
@@ -136,7 +126,7 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
     row = 1
     for k, (evs, ghost, pp) in enumerate(rows):
         ranks = list(range(pp))
-        where = _add_schedule(fig, evs, ghost, row, ranks, show_legend=(k == 0))
+        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=(k == 0))
         fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext,
                          range=where.extent[::-1], showgrid=False, zeroline=False,
                          row=row, col=1)
@@ -170,8 +160,6 @@ def synthetic_trace(name: str, pp: int, m: int, vpp: int = 1, jitter: float = 0.
                     seed: int = 0) -> list[dict]:
     """A measured-looking trace made from the simulator with noisy costs (µs), for testing
     and for drawing a schedule nobody has time to run (8 ranks, 32 micro-batches)."""
-    import random
-
     rng = random.Random(seed)
     t = simulate(build(name, pp, m, vpp), pp, Costs(F=1000, B=2000, I=1000, W=1000, p2p=50),
                  activation_bytes=[2**20] * (pp * vpp))
@@ -183,3 +171,72 @@ def synthetic_trace(name: str, pp: int, m: int, vpp: int = 1, jitter: float = 0.
         e["step"] = 0
         out.append(e)
     return out
+
+
+SIM_COSTS_US = {"F": 1000.0, "B": 2000.0, "I": 1000.0, "W": 1000.0, "p2p": 50.0}
+
+
+def simulate_schedule(pp: int, m: int, schedule: str, vpp: int = 1):
+    return simulate(build(schedule, pp, m, vpp), pp, Costs(**SIM_COSTS_US))
+
+
+def simulated_pipeline(pp: int, m: int, schedule: str, vpp: int = 1, measured=None, *,
+                     title: str | None = None):
+    """The schedule simulated (F = 1 ms, B = 2 ms); with ``measured`` (pipeline events of one
+    dp/tp coordinate, ranks renumbered 0..pp-1) the run is drawn over it instead."""
+    if measured:
+        return compare_figure([{"name": schedule, "pp": pp, "m": m, "vpp": vpp,
+                                "events": measured}],
+                              title=title or f"{schedule}, pp={pp}, m={m}: measured over "
+                              "the simulation", memory=False)
+
+    sim = simulate_schedule(pp, m, schedule, vpp)
+    evs = [{k: v for k, v in e.items() if k != "sim"} for e in sim.events]
+    fig = go.Figure()
+    where = add_schedule(fig, evs, [], 1, list(range(pp)), show_legend=True)
+    style.frame(fig, title or f"Simulated {schedule}: pp={pp}, m={m}"
+                + (f", v={vpp}" if vpp > 1 else ""),
+                f"bubble simulated {sim.bubble:.1%}, " + (
+                    f"1F1B's formula {bubble_formula('1f1b', pp, m):.1%} (ZB-H1 has no "
+                    "closed form: about a third of it)" if schedule == "zb-h1" else
+                    f"formula {bubble_formula(schedule, pp, m, vpp):.1%}") + "; hatched = idle",
+                x="time (ms, a forward = 1 ms, a backward = 2 ms)",
+                height=max(240, 140 + 40 * len(where.tickvals)))
+    fig.update_layout(barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"})
+    fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext,
+                     range=where.extent[::-1], showgrid=False, zeroline=False)
+    fig.update_xaxes(rangemode="tozero")
+    return fig
+
+
+def bubble_figure(curve: dict, schedule: str, pp: int, m: int, vpp: int = 1,
+                  measured: float | None = None):
+    """Bubble fraction against m for ``schedule`` on ``pp`` ranks: the formula (line), the
+    simulation (markers), the chosen m ringed, and a run's measured bubble. ``curve`` is
+    :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve`'s (``p2p``: a message's cost
+    in forwards of 1 ms)."""
+    label = ("(p-1)/(v·m+p-1)" if schedule == "interleaved" else "(p-1)/(m+p-1)"
+             + (", 1F1B's" if schedule == "zb-h1" else ""))
+    p2p = curve.get("p2p", 0.0)
+    fig = go.Figure([
+        go.Scatter(x=curve["m"], y=curve["formula"], mode="lines", name=f"formula {label}",
+                   line={"dash": "dash", "color": style.GREY}),
+        go.Scatter(x=curve["m"], y=curve["simulated"], mode="markers",
+                   name="simulated" + (f" (+ {p2p:g} ms per message)" if p2p else ""),
+                   marker={"color": style.BLUE, "size": 8})])
+    sim = dict(zip(curve["m"], curve["simulated"]))
+    if m in sim:
+        fig.add_scatter(x=[m], y=[sim[m]], mode="markers", name=f"chosen m = {m}",
+                        marker={"symbol": "circle-open", "size": 18, "color": style.BLACK,
+                                "line": {"width": 2}})
+    line = (f"m = {m}: simulated {sim.get(m, float('nan')):.1%}, formula "
+            f"{bubble_formula(schedule, pp, m, vpp):.1%}")
+    if measured is not None:
+        fig.add_scatter(x=[m], y=[measured], mode="markers", name="measured (live run)",
+                        marker={"symbol": "x", "size": 14, "color": style.VERMILLION})
+        line += f", measured {measured:.1%}"
+    style.frame(fig, f"{schedule}, p = {pp}" + (f", v = {vpp}" if vpp > 1 else "")
+                + ": the bubble against the micro-batches", line, x="micro-batches m",
+                y="bubble (share of the step)", height=340)
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero")
+    return fig

@@ -14,13 +14,22 @@ After reading this file you should know how to read chapter 09's charts:
   forward, in backward and at the optimizer step (formula, this model's units);
 * :func:`offload_figure` — edu3d's ``--offload`` run: where the optimizer state lives, the
   bytes that cross to the host and back each step, and the step time;
-* :func:`mapping_table` — one strategy's edu3d code, PyTorch API and knobs as a table;
-* :class:`Controls` — strategy dropdown redraws the mapping and the comparison at once;
-  "run it" measures that strategy live on both implementations.
+* :func:`mapping_table` — one strategy's edu3d code, PyTorch API and knobs as a table.
+
+The chapter's strategy dropdown is :mod:`edu3d.widgets.panels.ch09_in_production`.
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+import edu3d.parallel as par
+from edu3d.model import shapes
+from edu3d.plan import estimate as plan_memory
 from edu3d.widgets import style
 
 CATS = {"params": style.BLUE, "grads": style.ORANGE, "optimizer": style.GREEN,
@@ -33,16 +42,9 @@ KIB = 1024
 def need_figure(device_gb: float = 80.0):
     """Stacked bytes per published model (planner, one sequence, bf16 + fp32 Adam) against
     one device's memory."""
-    import plotly.graph_objects as go
-
-    from edu3d.plan import estimate as plan_memory
-    from edu3d.model import shapes
-
     names = list(shapes.REAL)
     est = [plan_memory.estimate(shapes.spec_from(n), plan_memory.Setup(precision="bf16"),
                                 at="rest") for n in names]
-    import math
-
     total = [e["total_bytes"] / 1e9 for e in est]
     parts = ["<br>".join(f"{c}: {e[f'{c}_bytes'] / 1e9:.1f} GB" for c in CATS) for e in est]
     fig = go.Figure()
@@ -66,10 +68,6 @@ def need_figure(device_gb: float = 80.0):
 # ---- strategies side by side --------------------------------------------------------------------
 def _edu3d_lines(name: str) -> int:
     """Lines of edu3d's modules that implement a strategy (their source, counted)."""
-    from pathlib import Path
-
-    import edu3d.parallel as par
-
     root = Path(par.__file__).parent
     folders = {"DP": ["dp"], "ZeRO-1": ["zero"], "ZeRO-2": ["zero"], "ZeRO-3": ["zero"],
                "TP/SP": ["tp"], "PP": ["pp", "../schedules"]}[name]
@@ -83,14 +81,12 @@ def traffic_formula(name: str, psi: int, n: int) -> float | None:
     return None if k is None else k * (n - 1) / n * 4 * psi
 
 
-def comparison_figure(results: dict, highlight: str | None = None, psi: int | None = None):
+def comparison_figure(results: dict, highlight: str | None = None, psi: int | None = None,
+                      names: list[str] | None = None):
     """Measured per strategy: bytes held by the fullest rank (edu3d / torch), median step
-    time, edu3d's bytes on the wire per step (formula as a ghost) and edu3d's lines."""
-    from plotly.subplots import make_subplots
-
-    from edu3d.course.ch09_in_production import STRATEGIES
-
-    names = [n for n in STRATEGIES if n in results] or list(STRATEGIES)
+    time, edu3d's bytes on the wire per step (formula as a ghost) and edu3d's lines.
+    ``names``: the strategies to show, in order (default: those of ``results``)."""
+    names = list(names or results)
     fig = make_subplots(rows=1, cols=4, horizontal_spacing=0.07, subplot_titles=(
         "held per rank (KiB)", "median step (ms)", "edu3d on the wire / step (KiB)",
         "edu3d lines of code"))
@@ -137,8 +133,6 @@ def comparison_figure(results: dict, highlight: str | None = None, psi: int | No
 
 def loss_figure(row: dict):
     """One strategy's losses per step, edu3d and torch (the same curve)."""
-    import plotly.graph_objects as go
-
     fig = go.Figure()
     for impl, dash in (("edu3d", "solid"), ("torch", "dot")):
         ys = row[f"{impl}_losses"]
@@ -153,8 +147,6 @@ def loss_figure(row: dict):
 # ---- Accelerate ---------------------------------------------------------------------------------
 def accelerate_figure(result: dict):
     """prepare()'s wrapping (left) and the collectives each step ran (right), from the run."""
-    from plotly.subplots import make_subplots
-
     w = result["wrapped"]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.1,
                         subplot_titles=("accelerator.prepare(model, optimizer)",
@@ -201,6 +193,15 @@ def accelerate_figure(result: dict):
 # ---- FSDP's sharding strategies -----------------------------------------------------------------
 PHASES = ("at rest", "forward", "backward", "optimizer step")
 
+#: the FSDP1 sharding strategies and their FSDP2 / ZeRO / edu3d names
+FSDP_STRATEGIES = {
+    "FULL_SHARD": ("fully_shard(reshard_after_forward=True)", "ZeRO-3", "--zero 3"),
+    "SHARD_GRAD_OP": ("fully_shard(reshard_after_forward=False)", "ZeRO-2", "--zero 2"),
+    "NO_SHARD": ("replicate(module) / DDP", "DP (ZeRO-0)", "--dp N"),
+    "HYBRID_SHARD": ("fully_shard(mesh=2-D (replicate, shard))", "ZeRO-3 inside a node, DP "
+                     "across nodes (ZeRO++ hpZ)", "(no edu3d flag: --zero 3 over one dp group)"),
+}
+
 
 def fsdp_held(strategy: str, psi: int, unit: int, n: int, node: int = 2) -> dict:
     """Bytes one rank holds in each phase (fp32 AdamW: 4 + 4 + 8 bytes per parameter), with
@@ -225,10 +226,6 @@ def fsdp_held(strategy: str, psi: int, unit: int, n: int, node: int = 2) -> dict
 
 def fsdp_figure(psi: int, unit: int, n: int = 4, node: int = 2, highlight: str | None = None):
     """The four FSDP1 strategies side by side: stacked bytes per phase."""
-    from plotly.subplots import make_subplots
-
-    from edu3d.course.ch09_in_production import FSDP_STRATEGIES
-
     names = list(FSDP_STRATEGIES)
     fig = make_subplots(rows=1, cols=4, shared_yaxes=True, horizontal_spacing=0.03,
                         subplot_titles=[f"<b>{s}</b>" if s == highlight else s for s in names])
@@ -257,8 +254,6 @@ def fsdp_figure(psi: int, unit: int, n: int = 4, node: int = 2, highlight: str |
 def offload_figure(result: dict):
     """edu3d ZeRO-1 without and with ``--offload``: device and host bytes, the bytes moved
     per step and the step times (measured)."""
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.12,
                         subplot_titles=("where the state lives (rank 0, KiB)", "median step (ms)"))
     runs = ("device", "offload")
@@ -286,13 +281,10 @@ def offload_figure(result: dict):
 
 
 # ---- the mapping table --------------------------------------------------------------------------
-def mapping_table(name: str):
-    """One strategy's edu3d code, PyTorch API and the other libraries' knobs."""
-    import plotly.graph_objects as go
-
-    from edu3d.course.ch09_in_production import STRATEGIES, strategy_rows
-
-    rows = strategy_rows(name)
+def mapping_table(name: str, rows: list[tuple[str, str, str]], argv: str):
+    """One strategy's edu3d code, PyTorch API and the other libraries' knobs: ``rows`` from
+    :func:`edu3d.course.ch09_in_production.strategy_rows`, ``argv`` its ``edu3d train``
+    options."""
     fig = go.Figure(go.Table(
         columnwidth=[3, 4, 4],
         header={"values": ["<b>edu3d</b>", "<b>PyTorch</b>", "<b>Accelerate / DeepSpeed / "
@@ -302,73 +294,7 @@ def mapping_table(name: str):
     style.html_export_renderer()  # frame() labels legends, which a table has not
     fig.update_layout(title={"text": style.title_text(
         f"{name}: edu3d ↔ PyTorch ↔ the libraries",
-        f"the same layout runs as `edu3d train {STRATEGIES[name]['argv']}` and with "
+        f"the same layout runs as `edu3d train {argv}` and with "
         "`--impl torch`"), "x": 0.0, "xanchor": "left"}, font=style.FONT,
         margin={"l": 20, "r": 20, "t": 90, "b": 10}, height=140 + 48 * len(rows))
     return fig
-
-
-# ---- the controls -------------------------------------------------------------------------------
-class Controls:
-    """Strategy dropdown: the mapping table and the comparison redraw at once (the
-    comparison highlights it); "run it" measures that strategy on edu3d and torch."""
-
-    def __init__(self, results: dict | None = None, strategy: str = "ZeRO-3",
-                 psi: int | None = None):
-        self.results = dict(results or {})
-        self.psi = psi
-        self.state = {"strategy": strategy}
-        self.message = ""
-        self._box = self._out = None
-        self.loss_fig = None
-        self.redraw()
-
-    def redraw(self, **changes) -> None:
-        self.state.update(changes)
-        s = self.state["strategy"]
-        self.mapping_fig = mapping_table(s)
-        self.comparison_fig = comparison_figure(self.results, highlight=s, psi=self.psi)
-        self.loss_fig = loss_figure(self.results[s]) if s in self.results else None
-        self._show()
-
-    def run(self, steps: int = 4):
-        from edu3d.course.ch09_in_production import measure
-
-        s = self.state["strategy"]
-        self.message = f"running {s} on edu3d and on torch ..."
-        self._show()
-        self.results.update(measure([s], steps))
-        row = self.results[s]
-        self.message = (f"{s}: worst relative loss difference {row['worst_rel']:.1e}; step "
-                        f"{row['edu3d_step_s'] * 1e3:.0f} ms (edu3d) vs "
-                        f"{row['torch_step_s'] * 1e3:.0f} ms (torch)")
-        self.redraw()
-        return row
-
-    @property
-    def widget(self):
-        if self._box is None:
-            import ipywidgets as w
-
-            from edu3d.course.ch09_in_production import STRATEGIES
-
-            pick = w.Dropdown(options=list(STRATEGIES), value=self.state["strategy"],
-                              description="strategy")
-            pick.observe(lambda ch: self.redraw(strategy=ch["new"]), "value")
-            button = w.Button(description="run it", button_style="primary")
-            button.on_click(lambda _: self.run())
-            self._out = w.Output()
-            self._box = w.VBox([w.HBox([pick, button]), self._out])
-            self._box.add_class("edu3d-controls")
-            self._show()
-        return self._box
-
-    def _show(self) -> None:
-        figs = [self.mapping_fig, self.comparison_fig] + ([self.loss_fig] if self.loss_fig
-                                                           else [])
-        style.show_in(self._out, self.message, *figs)
-
-
-def controls(results: dict | None = None, strategy: str = "ZeRO-3",
-             psi: int | None = None) -> Controls:
-    return Controls(results, strategy, psi)

@@ -13,11 +13,13 @@ new visualizer looks like the others:
 * **frame:** every chart has a title, axis titles with units, and a one-line takeaway under
   the title (:func:`frame`).
 
-Nothing here imports plotly at import time: these are plain strings and dicts, cheap to
-import anywhere.
+The colours are plain strings and dicts; :func:`frame` and :func:`html_export_renderer`
+also set plotly's layout and renderer.
 """
 
 from __future__ import annotations
+
+import plotly.io as pio
 
 # Okabe & Ito (2008), "Color Universal Design"; TEAL and GREEN from Paul Tol's muted scheme.
 BLUE = "#0072B2"
@@ -118,39 +120,8 @@ def html_export_renderer() -> None:
     which JupyterLab draws but an exported HTML page does not. Add the ``notebook`` renderer
     (plotly.js embedded once, works offline) so every chart survives ``nbconvert --to html``.
     A renderer the user chose is left alone."""
-    import plotly.io as pio
-
     if pio.renderers.default == "plotly_mimetype":
         pio.renderers.default = "plotly_mimetype+notebook"
-
-
-def show_in(out, message: str = "", *figures) -> None:
-    """Redraw a control panel's output area: the message (a refused layout, a run's
-    result), then the figures. ``out`` None (no frontend: nbval, exported HTML) draws
-    nothing; the chapter shows the default figures itself."""
-    if out is None:
-        return
-    from IPython.display import display
-
-    out.clear_output(wait=True)
-    with out:
-        if message:
-            print(message)
-        if figures:
-            display(*figures)
-
-
-def sync_knobs(panel) -> None:
-    """Show ``panel.state`` on ``panel._knobs`` (after a redraw adjusted a dependent knob, or
-    a choice set several) without one redraw per knob: the panel's observers skip while
-    ``panel._syncing`` is set."""
-    panel._syncing = True
-    try:
-        for key, knob in panel._knobs.items():
-            if knob.value != panel.state[key]:
-                knob.value = panel.state[key]
-    finally:
-        panel._syncing = False
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:

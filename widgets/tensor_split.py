@@ -17,6 +17,9 @@ all panels of a figure, so a value has the same colour everywhere.
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
 from edu3d.widgets.style import BLUE, VERMILLION, frame
 
 _SCALE = [[0.0, BLUE], [0.5, "#FFFFFF"], [1.0, VERMILLION]]
@@ -31,9 +34,6 @@ def split_figure(results: list[dict], kind: str = "column"):
 
     ``results`` are the per-rank return values of :func:`edu3d.course.ch04_tensor_parallel.split_demo`.
     """
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     if kind not in _HOW:
         raise ValueError(f"kind must be 'column' or 'row', not {kind!r}")
     arrow, title, takeaway = _HOW[kind]

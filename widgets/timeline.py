@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import plotly.graph_objects as go
 
 from edu3d.widgets import style
 
@@ -101,8 +102,6 @@ def add_bars(fig, events, where: Lanes, *, name: str, color, ghost: bool = False
     ``color`` is one colour or one per event (chunk tints); ``ghost`` makes the bars
     translucent theory.
     """
-    import plotly.graph_objects as go
-
     if not events:
         return
     t0 = np.fromiter((e["t0"] for e in events), float, len(events)) / 1e3
@@ -149,6 +148,26 @@ def idle_gaps(events) -> list[dict]:
     return out
 
 
+def step_events(events, step: int | None = None, *, case: str | None = None,
+                lanes=("compute", "comm"), ops=None, zero_at: str = "first") -> list[dict]:
+    """The events of one step of a trace, shifted so the step starts at 0.
+
+    ``step`` None: the trace's last step (all events when none has a step). ``case`` keeps one
+    configuration's events; ``lanes`` (None: every lane) and ``ops`` (None: every operation)
+    narrow the selection. ``zero_at="first"`` puts the selection's first start at 0;
+    ``"compute"`` its first computation (a pipeline's receives are posted before it)."""
+    evs = [e for e in events if "t1" in e and (case is None or e.get("case") == case)
+           and (lanes is None or e.get("lane") in lanes) and (ops is None or e["op"] in ops)]
+    steps = sorted({e["step"] for e in evs if e.get("step") is not None})
+    if step is None and steps:
+        step = steps[-1]
+    if step is not None:
+        evs = [e for e in evs if e.get("step") == step]
+    starts = [e["t0"] for e in evs if zero_at == "first" or e["lane"] == "compute"]
+    origin = min(starts, default=0.0)
+    return [{**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin} for e in evs]
+
+
 def from_start(events) -> list[dict]:
     """``events`` shifted so the first of them starts at 0 (measured and simulated events
     each from their own first start: a simulation counts from 0, a run from its origin)."""
@@ -176,8 +195,6 @@ def timeline_figure(events, *, title: str = "Timeline", takeaway: str | None = N
     The x axis starts where the first shown event starts (:func:`from_start`).
     Returns a plain ``go.Figure`` (works in JupyterLab and in exported HTML).
     """
-    import plotly.graph_objects as go
-
     evs = from_start([e for e in events if e.get("lane") in DRAWN_LANES and "t1" in e
                       and (ops is None or e["op"] in ops)])
     fig = go.Figure()

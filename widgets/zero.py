@@ -12,16 +12,23 @@ After reading this file you should be able to read three pictures:
   rank holds (solid, stacked) next to the formula (ghost), for each stage;
 * :func:`resident_params_figure` — ZeRO-3's resident parameter bytes over one step, from the
   ``mem`` events the run recorded: a sawtooth between the shard ``4Ψ/N`` and the shard plus
-  one gathered unit, never the full ``4Ψ``.
+  one gathered unit, never the full ``4Ψ``;
+* :func:`zero_memory_figure` and :func:`zero_traffic_figure` — the chapter panel's bars for
+  all four stages at N ranks: memory per rank (the paper's formula as a ghost, the planner's
+  exact count solid) and traffic per step (2Ψ, 3Ψ), the chosen stage marked, a run's
+  measurement beside it.
 """
 
 from __future__ import annotations
+
+import plotly.graph_objects as go
 
 from edu3d.plan.formulas import zero_bytes
 from edu3d.widgets import style
 
 CATS = ("params", "grads", "optimizer")
 CAT_COLORS = {"params": style.BLUE, "grads": style.ORANGE, "optimizer": style.VERMILLION}
+MB = 1e6
 FIRST_SHARDED_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
 
 
@@ -30,8 +37,6 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
     """``units``: ``(name, numel, padded)`` per flat unit, in order (see
     :class:`edu3d.parallel.zero.sharding.FlatUnit`). ``menu``: the figure's own dropdown through the
     stages (off in a control panel, whose stage knob redraws the figure)."""
-    import plotly.graph_objects as go
-
     starts, pos = [], 0
     for _, _, padded in units:
         starts.append(pos)
@@ -100,8 +105,6 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
 def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per):
     """``measured[stage]``: bytes per category on one rank (:func:`edu3d.plan.formulas.measure`).
     ``bytes_per`` goes to :func:`edu3d.plan.formulas.zero_bytes` (fp32 Adam by default)."""
-    import plotly.graph_objects as go
-
     stages = sorted(measured)
     x_meas = [f"stage {s}" for s in stages]
     fig = go.Figure()
@@ -125,8 +128,6 @@ def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per)
 def resident_params_figure(events: list[dict], psi: int, n: int, step: int, rank: int = 0,
                            case: str | None = None):
     """ZeRO-3's resident parameter bytes over one step, with the shard and full-model lines."""
-    import plotly.graph_objects as go
-
     mem = sorted((e for e in events if e.get("lane") == "mem" and e["rank"] == rank
                   and e.get("step") == step and "params" in e.get("mem", {})
                   and (case is None or e.get("case") == case)), key=lambda e: e["t0"])
@@ -148,4 +149,69 @@ def resident_params_figure(events: list[dict], psi: int, n: int, step: int, rank
                 "each unit is gathered before its forward and again before its backward, "
                 "and freed right after", x="time since the step's first record (ms)",
                 y="parameters held (MB)")
+    return fig
+
+
+def zero_memory_figure(pred: dict, measured: dict | None = None):
+    """Bytes per rank by category for stages 0-3 at N ranks: formula (ghost), the planner's
+    exact count (solid), and a run's measurement (rank 0) at its stage. ``pred`` is
+    :func:`edu3d.course.ch03_zero.zero_prediction`'s, ``measured``
+    :func:`edu3d.course.ch03_zero.zero_measured`'s."""
+    n, chosen, psi = pred["n"], pred["stage"], pred["psi"]
+    x = [f"<b>stage {s} ◀</b>" if s == chosen else f"stage {s}" for s in range(4)]
+    fig = go.Figure()
+    for c in CAT_COLORS:
+        fig.add_bar(x=x, y=[pred["formula"][s][c] / MB for s in range(4)],
+                    name=f"{c} (formula)", marker_color=CAT_COLORS[c],
+                    opacity=style.GHOST_OPACITY, offsetgroup="formula", legendgroup=c,
+                    hovertemplate=f"{c}, formula: " + "%{y:.3f} MB<extra>%{x}</extra>")
+        fig.add_bar(x=x, y=[pred["estimate"][s][c] / MB for s in range(4)],
+                    name=f"{c} (planner)", marker_color=CAT_COLORS[c], offsetgroup="planner",
+                    legendgroup=c,
+                    hovertemplate=f"{c}, planner: " + "%{y:.3f} MB<extra>%{x}</extra>")
+    f = pred["formula"][chosen]["total"]
+    e = pred["estimate"][chosen]["total"]
+    line = (f"ZeRO-{chosen}: {pred['formula_text'][chosen]} = {f / MB:.3f} MB; planner "
+            f"{e / MB:.3f} MB (padding, step counters)")
+    if measured:
+        got = measured["memory"][0]
+        xm = [x[measured["stage"]]]
+        for c in CAT_COLORS:
+            fig.add_bar(x=xm, y=[got[c] / MB], name=f"{c} (measured, rank 0)",
+                        marker={"color": CAT_COLORS[c], "pattern": {"shape": "x"}},
+                        offsetgroup="measured", legendgroup=c,
+                        hovertemplate=f"{c}, measured: " + "%{y:.3f} MB<extra>%{x}</extra>")
+        totals = [m["total"] for m in measured["memory"].values()]
+        line += (f"; measured {got['total'] / MB:.3f} MB "
+                 f"(x {got['total'] / pred['formula'][measured['stage']]['total']:.4f} formula)"
+                 + (f", the {len(totals)} ranks within {max(totals) - min(totals):,} bytes"
+                    if len(totals) > 1 else ""))
+    style.frame(fig, f"Memory per rank, N = {n} ranks, Ψ = {psi:,} parameters (fp32 Adam)",
+                line, x="ZeRO stage (◀ = chosen)", y="memory per rank (MB)", height=430)
+    fig.update_layout(barmode="stack", legend={"font": {"size": 11}})
+    return fig
+
+
+def zero_traffic_figure(pred: dict, measured: dict | None = None):
+    """Bytes one rank moves per step for stages 0-3 (the paper's count: 2Ψ, 2Ψ, 2Ψ, 3Ψ in
+    4-byte parameters), and a run's measurement at its stage."""
+    chosen, psi = pred["stage"], pred["psi"]
+    # the formula's value in the tick label: a ghost bar's own text would fade with it
+    x = [f"<b>stage {s} ◀</b><br>{pred['traffic_psi'][s]}Ψ" if s == chosen
+         else f"stage {s}<br>{pred['traffic_psi'][s]}Ψ" for s in range(4)]
+    fig = go.Figure(go.Bar(
+        x=x, y=[pred["traffic"][s] / MB for s in range(4)], name="formula",
+        marker_color=style.OLIVE, opacity=style.GHOST_OPACITY + 0.05, offsetgroup="formula",
+        customdata=[pred["collectives"][s] for s in range(4)],
+        hovertemplate="%{customdata}: %{y:.3f} MB<extra>%{x}</extra>"))
+    line = f"ZeRO-{chosen}: {pred['collectives'][chosen]} = {pred['traffic_psi'][chosen]}Ψ"
+    if measured:
+        got = measured["traffic"]
+        fig.add_bar(x=[x[measured["stage"]]], y=[got / MB], name="measured (trace, rank 0)",
+                    marker_color=style.OLIVE, offsetgroup="measured",
+                    text=[f"{got / (4 * psi):.3f}Ψ"], textposition="outside")
+        line += f"; measured {got / (4 * psi):.3f}Ψ (padding: the last digits)"
+    style.frame(fig, f"Traffic per rank per step, Ψ = {psi:,} parameters x 4 bytes", line,
+                x="ZeRO stage (◀ = chosen)", y="bytes per step (MB)", height=360)
+    fig.update_yaxes(range=[0, max(pred["traffic"].values()) / MB * 1.25])
     return fig

@@ -16,17 +16,17 @@ small dict that the notebook draws.
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from edu3d.distributed import comm, runtime, trace
+
 DIMS = ("tp", "dp", "pp", "mp")
 
 
 def mesh_report(mesh) -> dict:
     """This rank's coordinates and the members of each of its groups, learned by all-gathering
     the global rank over the group."""
-    import torch
-    import torch.distributed as dist
-
-    from edu3d.distributed import comm, runtime
-
     dev = runtime.device()  # NCCL only moves tensors that live on this rank's GPU
     me = torch.tensor([mesh.rank], dtype=torch.int64, device=dev)
     groups = {}
@@ -45,11 +45,6 @@ def first_all_reduce(mesh, numel: int = 1 << 18, repeats: int = 2) -> dict:
     It runs ``repeats`` times, each round traced as a compute span ``fill`` (making the
     tensor), the all-reduce, and a barrier, so the timeline shows both lanes of every rank.
     """
-    import torch
-    import torch.distributed as dist
-
-    from edu3d.distributed import comm, runtime, trace
-
     rec = trace.current()
     dev = runtime.device()
     world = dist.get_world_size()

@@ -15,22 +15,35 @@ every rank and returns plain tensors and numbers; the charts only draw them:
   launched ranks), SP off and on, next to the formula;
 * :func:`grade` — exercise 04's grader: the learner's ``exercises/tp_layers.py`` run on real
   ranks against the serial layers and hand-computed values.
+
+The chapter's panel predicts at once what :func:`tp_panel_run` then measures on tp ranks:
+:func:`tp_split_prediction` (each rank's shards of one ``X·W``, cut in this process exactly
+as :func:`split_demo` cuts them on the ranks), :func:`tp_collectives_prediction` (count and
+ring bytes of one layer's collectives, SP off and on) and :func:`tp_activation_prediction`
+(activation bytes of one layer, Korthikanti's count adapted to this model).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edu3d.course import grading, lesson_args
 from edu3d.distributed import trace
 from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import ops
-from edu3d.parallel.tp.activations import block_collectives, measure_layer
+from edu3d.parallel.tp.activations import (block_collectives, block_input, korthikanti_bytes,
+                                           measure_layer, model_activation_bytes)
+from edu3d.parallel.tp.apply import apply_tp
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                       vocab_parallel_cross_entropy)
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.trainer import Trainer
 
 
 def split_demo(mesh, rows: int = 4, d_in: int = 6, d_out: int = 8, seed: int = 0) -> dict:
@@ -103,10 +116,6 @@ def cross_entropy_demo(mesh, vocab: int = 11, tokens: int = 6, seed: int = 0) ->
 def train_demo(mesh, config: GPTConfig, steps: int = 8, batch: int = 4) -> dict:
     """Serial, TP and TP+SP training on the same batches: per-step loss and grad norm, and
     each run's time window in the trace (``"windows"``)."""
-    from edu3d.course import lesson_args
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.train.trainer import Trainer
-
     args = lesson_args(global_batch=batch, lr=3e-3)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     out, rec = {"windows": {}}, trace.current()
@@ -137,8 +146,6 @@ def memory_sweep(mesh, config: GPTConfig, batch: int = 2) -> list[dict]:
 
 def chapter_run(mesh, train_config: GPTConfig, layer_config: GPTConfig, steps: int = 8) -> dict:
     """Everything chapter 04 shows at one tp size, in one launch."""
-    from edu3d.parallel.tp.apply import apply_tp
-
     model = GPT(layer_config, 0)
     apply_tp(model, mesh)
     block = model.blocks[0]
@@ -244,8 +251,6 @@ def grade_layers(mesh) -> dict:
     """Launch target: run every check on the learner's ``tp_layers`` module (the solution
     with ``EDU3D_SOLUTIONS=1``); ``{name: None or why it failed}``. Every rank runs the same
     code, so a stub fails at the same point everywhere and no rank is left in a collective."""
-    from edu3d.course import grading
-
     ex = grading.load("tp_layers")
     out = {}
     for name, check in _layer_checks(ex, mesh.tp).items():
@@ -260,8 +265,6 @@ def grade_layers(mesh) -> dict:
 def grade(nprocs: int = 2, timeout: float = 120) -> dict:
     """Grade exercise 04 on ``nprocs`` tensor-parallel ranks; a run that fails or hangs fails
     every check with its reason."""
-    from edu3d.launch.api import LaunchError, launch
-
     try:
         results = launch(grade_layers, nprocs, layout=Layout(tp=nprocs), timeout=timeout,
                          echo=False).results
@@ -276,3 +279,100 @@ def verdict(results: dict, name: str) -> None:
         raise AssertionError(results["run"])
     if results[name]:
         raise AssertionError(results[name])
+
+
+# ---- the chapter's panel: predictions at once, one launch to measure them ------------------------
+#: the split the panel draws: 4 tokens, 8 -> 8 features (8 divides by every tp it offers)
+SPLIT = {"rows": 4, "d_in": 8, "d_out": 8, "seed": 0}
+
+
+def tp_layer_config():
+    """Chapter 04's one-layer model: 8 heads, d = 128, s = 64 (b = 2 in every measurement)."""
+    return GPTConfig(n_layers=1, n_heads=8, d_model=128, seq_len=64, vocab_size=64)
+
+
+def tp_split_prediction(t: int, rows: int = 4, d_in: int = 8, d_out: int = 8,
+                        seed: int = 0) -> list[dict]:
+    """Each of ``t`` ranks' tensors for the column and the row split of one ``nn.Linear``,
+    cut here with ``chunk`` from the same seeded layer and input
+    :func:`edu3d.course.ch04_tensor_parallel.split_demo` builds on every rank: what the ranks will hold."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, d_in)
+    lin = nn.Linear(d_in, d_out, bias=False)
+    with torch.no_grad():
+        w = lin.weight.detach().t()  # [d_in, d_out]
+        serial = x @ w
+        col_w, row_w, xs = w.chunk(t, 1), w.chunk(t, 0), x.chunk(t, -1)
+        col_parts = [x @ cw for cw in col_w]
+        row_parts = [xi @ rw for xi, rw in zip(xs, row_w)]
+        col_result, row_result = torch.cat(col_parts, -1), sum(row_parts)
+    return [{"x": x, "serial": serial,
+             "column": {"x": x, "w": col_w[r].clone(), "partial": col_parts[r],
+                        "result": col_result},
+             "row": {"x": xs[r].clone(), "w": row_w[r].clone(), "partial": row_parts[r],
+                     "result": row_result}} for r in range(t)]
+
+
+def split_difference(measured: list[dict], predicted: list[dict], kind: str) -> float:
+    """Largest |difference| between the ranks' tensors and the prediction."""
+    return max(float((m[kind][k] - p[kind][k]).abs().max())
+               for m, p in zip(measured, predicted) for k in ("x", "w", "partial", "result"))
+
+
+#: one layer's collectives, from the operators in edu3d.parallel.tp (f, g and the SP pairs)
+TP_COLLECTIVES = {False: {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}},
+                  True: {"forward": {"all_gather": 2, "reduce_scatter": 2},
+                         "backward": {"all_gather": 4, "reduce_scatter": 2}}}
+
+#: bytes a rank sends on a ring, per byte of the full buffer S, times t/(t-1)
+RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def tp_collectives_prediction(config, batch: int, t: int, sp: bool) -> dict:
+    """``{phase: {op: {"count", "bytes", "ring_bytes"}}}`` for one layer on ``t`` ranks:
+    ``bytes`` is the full buffer S = b·s·h·4 of each collective summed (what the trace
+    records), ``ring_bytes`` what one rank sends on a ring (all-reduce 2(t-1)/t·S,
+    all-gather and reduce-scatter (t-1)/t·S)."""
+    s_bytes = batch * config.seq_len * config.d_model * 4
+    out = {}
+    for phase, counts in TP_COLLECTIVES[sp].items():
+        out[phase] = {op: {"count": n, "bytes": n * s_bytes,
+                           "ring_bytes": n * RING_FACTOR[op] * (t - 1) / t * s_bytes}
+                      for op, n in counts.items()}
+    return out
+
+
+def tp_activation_prediction(config, batch: int, t: int, sp: bool) -> dict:
+    """Activation bytes one layer keeps per rank: this model's count (fp32, no dropout,
+    fused attention) and Korthikanti et al.'s 16-bit count for the paper's layer."""
+    s, h, a = config.seq_len, config.d_model, config.n_heads
+    return {"model_formula": model_activation_bytes(s, batch, h, a, t, sp),
+            "korthikanti_16bit": korthikanti_bytes(s, batch, h, a, t, sp)}
+
+
+def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
+    """Launch target (``Layout(tp=t)``): the split demo, one layer's collectives counted and
+    summed from the trace (forward and backward, SP as asked), and the activation bytes the
+    layer saved, measured with ``saved_tensors_hooks``."""
+    model = GPT(config, 0)
+    apply_tp(model, mesh, sequence_parallel=sp)
+    block = model.blocks[0]
+    x = block_input(config, batch, mesh, sp, 0)
+    phases = {}
+    with trace.use(trace.Recorder(mesh.rank)) as rec:
+        y = block(x)
+        phases["forward"] = [e for e in rec.events if e["lane"] == "comm"]
+        rec.events.clear()
+        y.backward(torch.ones_like(y))
+        phases["backward"] = [e for e in rec.events if e["lane"] == "comm"]
+    t = mesh.size("tp")
+    collectives = {}
+    for phase, evs in phases.items():
+        counts = Counter(e["op"] for e in evs)
+        collectives[phase] = {
+            op: {"count": n, "bytes": sum(e["bytes"] for e in evs if e["op"] == op),
+                 "ring_bytes": sum(RING_FACTOR.get(op, 0) * (t - 1) / t * e["bytes"]
+                                   for e in evs if e["op"] == op)}
+            for op, n in sorted(counts.items())}
+    return {"split": split_demo(mesh, **SPLIT), "collectives": collectives,
+            "memory": measure_layer(mesh, config, batch, sp)}

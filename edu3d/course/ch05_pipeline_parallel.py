@@ -9,20 +9,30 @@ compute start and its last compute end (:func:`edu3d.schedules.simulate.bubble_o
 
 Stages are balanced (equal layer counts and a light head: small vocabulary), so what the
 chart shows is the schedule's bubble, not an uneven cut.
+
+The chapter's panel: :func:`pp_problem` says why a schedule setting cannot be drawn or run,
+:func:`pp_bubble_curve` gives the formula and the simulation over the number of
+micro-batches, and :func:`pp_run_kwargs` the live run of :func:`run_schedules` that "run it"
+makes.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from functools import lru_cache
 
 import torch
 
-from edu3d.distributed import trace
 from edu3d.course import lesson_args, unscaled_loss
-from edu3d.train.data import SyntheticCorpus
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.model.gpt import GPT, config_from
-from edu3d.schedules.simulate import bubble_of
+from edu3d.parallel.pp.engine import PipelineEngine
+from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import make_optimizer, train_step
 from edu3d.train.trainer import Trainer
 
 
@@ -100,8 +110,6 @@ def schedule_parity(mesh, compute: list[list[str]], m: int, layers: int = 4) -> 
 
 def local_mesh():
     """A one-rank mesh for runs inside the notebook's own process (no messages needed)."""
-    from edu3d.distributed.mesh import Layout, Mesh
-
     return Mesh(Layout(), 0, {})
 
 
@@ -126,8 +134,6 @@ def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_los
     """Losses of the serial model and of a one-rank pipeline, step by step, same data.
 
     Uses the defaults of ``edu3d train`` (clipping at 1.0, weight decay 0.1)."""
-    from edu3d.train.loop import make_optimizer, train_step
-
     config, corpus = _small_model(layers)
     args = _pipeline_args("interleaved", m, 2, lr=lr, optimizer=optimizer)
     model, ref = GPT(config, seed=0), GPT(config, seed=0)
@@ -149,9 +155,6 @@ def replay_bubble(events: list[dict], step: int, name: str, pp: int, m: int,
 
     measured - replay = what the engine and the messages add; replay - formula = what
     unequal action times add (uneven stages, or a busy machine slowing some actions)."""
-    from edu3d.schedules.actions import build
-    from edu3d.schedules.simulate import Costs, simulate
-
     durations = {(e["stage"], e["op"], e["mb"]): e["t1"] - e["t0"] for e in events
                  if e.get("step") == step and e["lane"] == "compute"}
     return simulate(build(name, pp, m, vpp), pp, Costs(measured=durations)).bubble
@@ -207,9 +210,6 @@ def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
     not the machine's other processes. Backward-split schedules (ZB-H1) put the whole
     backward wait into ``I``.
     """
-    from edu3d.parallel.pp.engine import PipelineEngine
-    from edu3d.schedules.actions import build, chunks
-
     rec = trace.current()
     pp, rank = mesh.size("pp"), mesh.index("pp")
     out, step_id = [], 0
@@ -229,4 +229,65 @@ def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
             ids.append(step_id)
             step_id += 1
         out.append({**run, "steps": ids, "peak_in_flight": engine.peak_in_flight})
+    return out
+
+
+# ---- the chapter's panel ------------------------------------------------------------------------
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def pp_problem(schedule: str, pp: int, m: int, vpp: int) -> str | None:
+    """Why ``schedule`` with ``pp`` ranks, ``m`` micro-batches and ``vpp`` chunks per rank
+    cannot be drawn (None if it can)."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}"
+    if pp < 1 or m < 1 or vpp < 1:
+        return "pp, micro-batches and vpp must be at least 1"
+    if vpp > 1 and schedule != "interleaved":
+        return (f"vpp = {vpp} chunks per rank needs the interleaved schedule: {schedule} "
+                "runs one chunk per rank (set vpp = 1, or choose interleaved)")
+    if schedule == "interleaved" and vpp == 1:
+        return ("interleaved with vpp = 1 is plain 1F1B: give each rank at least 2 chunks "
+                "(vpp >= 2)")
+    if schedule == "interleaved" and m % pp:
+        return (f"interleaved sends micro-batches through the chunks in groups of pp: "
+                f"m = {m} must be a multiple of pp = {pp} (try m = {pp * max(1, m // pp)})")
+
+    try:  # the generators' own limits (ZB-H1 groups its micro-batches like interleaving)
+        build(schedule, pp, m, vpp)
+    except ValueError as err:
+        return f"{schedule} with pp = {pp}, m = {m} cannot be built ({err})"
+    return None
+
+
+def pp_run_problem(schedule: str, pp: int, m: int, vpp: int, max_ranks: int = 8) -> str | None:
+    """Why the live run of that setting cannot go (None if it can)."""
+    bad = pp_problem(schedule, pp, m, vpp)
+    if bad:
+        return bad
+    if pp > max_ranks:
+        return f"the live run is limited to {max_ranks} ranks on this machine (pp = {pp})"
+    return None
+
+
+def pp_run_kwargs(schedule: str, pp: int, m: int, vpp: int, steps: int = 2) -> dict:
+    """Options of :func:`edu3d.course.ch05_pipeline_parallel.run_schedules` for one schedule: one layer per
+    global stage (at least 4), chapter 05's sizes (d = 128, s = 64, 2 rows per micro-batch),
+    so compute, not message overhead, fills most of a step."""
+    return {"layers": max(4, pp * vpp), "d_model": 128, "seq": 64, "rows": 2, "steps": steps}
+
+
+@lru_cache(maxsize=256)
+def pp_bubble_curve(schedule: str, pp: int, vpp: int, ms: tuple, p2p: float = 0.0) -> dict:
+    """Bubble fraction for each m in ``ms``: the formula and the simulation (F = 1, B = 2,
+    I = W = 1, ``p2p`` per message in the same unit); settings that cannot run are left
+    out."""
+    out = {"m": [], "formula": [], "simulated": [], "p2p": p2p}
+    for m in ms:  # a tuple, so the curve is computed once per setting
+        if pp_problem(schedule, pp, m, vpp):
+            continue
+        sim = simulate(build(schedule, pp, m, vpp), pp, Costs(F=1, B=2, I=1, W=1, p2p=p2p))
+        out["m"].append(m)
+        out["formula"].append(bubble_formula(schedule, pp, m, vpp))
+        out["simulated"].append(sim.bubble)
     return out

@@ -18,28 +18,36 @@ bytes per step are predicted:
     each stage boundary (``b·s·h·4`` bytes each);
   - **DP / ZeRO-1**: gradients reduce-scattered and parameters all-gathered once per step:
     ``2 Ψ_rank · 4 · (N-1)/N`` bytes, Ψ_rank the parameters this rank holds (its stage's,
-    cut by TP).
+    cut by TP);
+
+* :func:`memory_estimate` gives every rank's bytes by category from the planner's one
+  estimator (:func:`edu3d.plan.estimate.estimate`), the diamonds over the measured bars.
 """
 
 from __future__ import annotations
 
+from edu3d.course import lesson_args
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Layout
+from edu3d.distributed.trace import wire_bytes
+from edu3d.model.gpt import GPT
+from edu3d.model.shapes import spec_from_config
+from edu3d.plan import formulas as memory
+from edu3d.plan.estimate import Setup, estimate
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import config_from_args, num_params_from_config
+from edu3d.train.trainer import Trainer
+
 AXES = ("tp", "pp", "dp")
+STATE = ("params", "grads", "optimizer")
 
 
 def capstone(mesh, steps: int = 4, **overrides) -> dict:
     """Train ``steps`` steps of dp2-tp2-pp2 ZeRO-1 (or the launched layout) on this rank;
     return its losses, grad norms, measured memory per category, and the serial reference
     losses (computed on every rank, the same everywhere)."""
-    from edu3d.plan import formulas as memory
-    from edu3d.distributed import trace
-    from edu3d.course import lesson_args
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.model.gpt import GPT
-    from edu3d.train.optim import make_optimizer
-    from edu3d.train.options import config_from_args, num_params_from_config
-    from edu3d.train.loop import train_step
-    from edu3d.train.trainer import Trainer
-
     layout = mesh.layout
     opts = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=1, microbatches=4,
                 schedule="1f1b", steps=steps)
@@ -74,8 +82,6 @@ def capstone(mesh, steps: int = 4, **overrides) -> dict:
 
 def axis_bytes(events: list[dict], step: int) -> dict[int, dict[str, float]]:
     """Per rank, the bytes it sent in ``step`` on each axis (tp, pp, dp), from the trace."""
-    from edu3d.distributed.trace import wire_bytes
-
     out: dict[int, dict[str, float]] = {}
     for ev in events:
         if ev.get("step") != step or ev.get("lane") != "comm" or ev.get("sim"):
@@ -123,3 +129,21 @@ def axis_formulas(config, layout, m: int, *, stage: int, rank_params: int,
     pp = m * act * ((stage > 0) + (stage < p - 1))
     dp = 2 * rank_params * dtype_bytes * (n - 1) / n
     return {"tp": tp, "pp": pp, "dp": dp}
+
+
+def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
+                    schedule: str = "1f1b", vpp: int = 1,
+                    global_batch: int = 8) -> dict[int, dict]:
+    """Estimated bytes per rank after a step (``{rank: {"params", "grads", "optimizer",
+    "activations"}}``): the planner's estimate at rest (fp32 AdamW, exact for this GPT) of
+    the rank's pipeline stage. A rank holds its stages' parameters, cut by tp except the
+    replicated ones, with ZeRO sharding each unit's flat buffer (padded to a multiple of dp)
+    over the dp ranks (the fullest dp rank's count); its activations are what each layer of
+    its stages saves per micro-batch, times the micro-batches the schedule keeps in flight."""
+    layout = Layout(dp=dp, tp=tp, pp=pp, vpp=vpp)
+    # ZeRO over one rank shards nothing: the planner asks for dp >= 2, the numbers are DP's
+    st = Setup(dp=dp, tp=tp, pp=pp, vpp=vpp, zero=zero if dp > 1 else 0, microbatches=m,
+               micro_batch=max(global_batch // (dp * m), 1), schedule=schedule)
+    stages = estimate(spec_from_config(config), st, at="rest")["per_stage"]
+    return {rank: {c: stages[layout.coords(rank).pp][c] for c in (*STATE, "activations")}
+            for rank in range(layout.world_size)}

@@ -29,14 +29,14 @@ from edu3d.plan.formulas import activation_bytes_per_layer, measure_activations
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.recompute import MODES, apply_recompute, layer_activation_bytes
+from edu3d.parallel.tp import ops
+from edu3d.parallel.tp.apply import apply_tp
 
 
 def _model(config: GPTConfig, tp_group, sp: bool, mode: str, seed: int = 0) -> GPT:
     """The serial GPT made tensor-parallel over ``tp_group`` (None: serial), then recomputing."""
     model = GPT(config, seed)
     if tp_group is not None:
-        from edu3d.parallel.tp.apply import apply_tp
-
         apply_tp(model, tp_group, sequence_parallel=sp)
     return apply_recompute(model, mode)
 
@@ -53,8 +53,6 @@ def _input(config: GPTConfig, batch: int, t: int, index: int, sp: bool, seed: in
 def measure_layer(config: GPTConfig, batch: int, tp_group=None, sp: bool = False,
                   mode: str = "none") -> int:
     """Bytes one layer (``blocks[0]``) saves for backward on this rank."""
-    from edu3d.parallel.tp import ops
-
     t = 1 if tp_group is None else ops.group_size(tp_group)
     index = 0 if tp_group is None else ops.group_rank(tp_group)
     block = _model(config, tp_group, sp, mode).blocks[0]
@@ -68,8 +66,6 @@ def time_modes(config: GPTConfig, batch: int, tp_group=None, sp: bool = False,
     and head left out: recomputation does not touch them), per mode. The modes take turns,
     one repetition each, so a machine that gets busier slows them all alike; the first round
     is thrown away (warm-up). Collective under TP."""
-    from edu3d.parallel.tp import ops
-
     t = 1 if tp_group is None else ops.group_size(tp_group)
     index = 0 if tp_group is None else ops.group_rank(tp_group)
     blocks = {m: _model(config, tp_group, sp, m).blocks for m in MODES}

@@ -22,14 +22,19 @@ from __future__ import annotations
 import argparse
 
 from edu3d.plan import formulas as memory, estimate as plan_memory
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.launch import launch
+from edu3d.model.gpt import GPT
+from edu3d.model.shapes import spec_from
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.options import add_arguments, check_args, config_from_args
+from edu3d.train.trainer import Trainer
 
 STATE = ("params", "grads", "optimizer")
 
 
 def options(argv: list[str]) -> argparse.Namespace:
     """``edu3d train``'s options from a command line, checked."""
-    from edu3d.train.options import add_arguments, check_args
-
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
     check_args(args)
     return args
@@ -44,12 +49,6 @@ def measure(mesh, argv: list[str]) -> dict:
     """One AdamW step of the layout ``argv`` on this rank: ``{"coord": (pp, dp, tp),
     "bytes": {params, grads, optimizer (after the step), activations (the step's peak)},
     "mem_bytes": the fullest rank's, as edu3d train records it}``."""
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.distributed.mesh import Layout, Mesh
-    from edu3d.model.gpt import GPT
-    from edu3d.train.options import config_from_args
-    from edu3d.train.trainer import Trainer
-
     args = options(argv)
     layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp)
     if mesh is None or layout != mesh.layout:
@@ -73,8 +72,6 @@ def measure_many(mesh, argvs: list[list[str]]) -> list[dict]:
 
 def run(argv: list[str], timeout: float = 300) -> list[dict]:
     """Launch :func:`measure` for ``argv``'s layout; one result per rank, rank order."""
-    from edu3d.launch import launch
-
     n = world_of(argv)
     if n == 1:
         return [measure(None, argv)]
@@ -97,8 +94,6 @@ LAYOUTS = [(L, t, p) for L in (4, 5) for t in (1, 2, 4) for p in (1, 2, 4) if p 
 
 
 def _spec(layers: int, tied: bool = False):
-    from edu3d.model.shapes import spec_from
-
     return spec_from("tiny", n_layers=layers, tied=tied)
 
 
@@ -151,8 +146,6 @@ MEASURED = [["--dp", "2", "--zero", "2", "--microbatches", "2"],
 def measured_run(timeout: float = 300) -> dict:
     """The exercise's three layouts (ZeRO-2, TP with a tied head, a 1F1B pipeline), measured
     in one launch of 2 ranks."""
-    from edu3d.launch import launch
-
     res = launch(measure_many, 2, args=(MEASURED,), timeout=timeout, echo=False,
                  name="exercise07").results
     return {" ".join(argv): [res[r][i] for r in range(2)] for i, argv in enumerate(MEASURED)}

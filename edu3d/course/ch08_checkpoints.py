@@ -17,26 +17,31 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import tempfile
 import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
+import torch
+
+from edu3d.ckpt import format as checkpoint
+from edu3d.distributed import comm, trace
+from edu3d.launch import runs
+from edu3d.launch.api import LaunchError, launch
+from edu3d.train import loop as train
+from edu3d.train.options import check_args, defaults
+
 KEYS = ("step", "loss", "grad_norm", "lr")
 
 
 def _args(**kw):
-    from edu3d.train.options import defaults
-
     return defaults(**{"layers": 2, "json": True, "timeout": 300.0, **kw})
 
 
 def checkpointed_run(ckpt_dir: str | Path, **layout) -> dict:
     """Train ``steps`` steps in ``layout`` (``dp=2, tp=2, zero=1`` ...) saving into
     ``ckpt_dir`` every step; returns the newest manifest and the run's folder."""
-    from edu3d.ckpt import format as checkpoint
-    from edu3d.train import loop as train
-
     args = _args(**{"steps": 2, "save_every": 1, **layout, "ckpt_dir": str(ckpt_dir)})
     with redirect_stderr(io.StringIO()):
         records = train.run(args, out=io.StringIO())
@@ -73,8 +78,6 @@ def recovery(kind: str = "kill", rank: int = 1, step: int = 3, save_every: int =
 
     ``clean``: the records of an uninterrupted run of the same layout and options, if one was
     already made (it is then not run again, and ``clean_s``/``lost_s`` are None)."""
-    from edu3d.train import loop as train
-
     layout = {"steps": 4, **layout}
     clean_s = None
     if clean is None:
@@ -112,8 +115,6 @@ def recovery(kind: str = "kill", rank: int = 1, step: int = 3, save_every: int =
 
 def _deaths(rank: int, since: float) -> list[float]:
     """When the launcher's agent saw ``rank`` die in runs started after ``since`` (wall)."""
-    from edu3d.launch import runs
-
     found = []
     for folder in runs.list_runs():
         try:
@@ -136,11 +137,6 @@ def async_save_run(ckpt_dir: str | Path, **layout) -> dict:
     """A short run saving every step with ``--async-save`` (default) in ``layout``; returns
     its records, trace events (the checkpointer's own ``ckpt_blocked`` and ``ckpt_write``
     beside the steps) and newest manifest."""
-    from edu3d.ckpt import format as checkpoint
-    from edu3d.train import loop as train
-    from edu3d.launch import launch
-    from edu3d.train.options import check_args
-
     args = _args(**{"steps": 4, "save_every": 1, "async_save": True, **layout,
                     "ckpt_dir": str(ckpt_dir)})
     _, mesh_layout = check_args(args)
@@ -162,10 +158,6 @@ def placements_only(manifest: dict) -> dict:
 def mismatched(mesh) -> None:
     """Rank 0 calls all-reduce where every other rank calls broadcast (launched by
     :func:`mismatch`): each waits for a partner that is in another collective."""
-    import torch
-
-    from edu3d.distributed import comm, trace
-
     t = torch.ones(4)
     with trace.current().context(step=1):
         comm.all_reduce(t)  # all agree here
@@ -177,8 +169,6 @@ def mismatched(mesh) -> None:
 
 def mismatch(n: int = 2, heartbeat: float = 2.0) -> str:
     """The launcher's diagnosis of :func:`mismatched` (the first line of its error)."""
-    from edu3d.launch.api import LaunchError, launch
-
     try:
         launch(mismatched, n, heartbeat=heartbeat, echo=False, timeout=120)
     except LaunchError as err:
@@ -191,8 +181,6 @@ def main(argv: list[str] | None = None) -> None:
     (dp2-tp2-pp2, ZeRO-1; rank 5 killed at step 5, checkpoints every 2 steps).
     ``python -m edu3d.course.ch08_checkpoints manifest OUT.json``: record the placements of a
     dp2-tp2-pp2 ZeRO-1 checkpoint (8 ranks) for chapter 08's resharding picture."""
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["manifest"]:
         with tempfile.TemporaryDirectory() as ckpt:

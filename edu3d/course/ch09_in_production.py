@@ -13,11 +13,28 @@ shards of DTensors) and, for edu3d, the bytes its collectives moved in the last 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.launch import launch
+from edu3d.model.gpt import GPT
+from edu3d.plan import formulas as memory
+from edu3d.production.compare import world_size
+from edu3d.production.torch_impl import TorchTrainer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import worker
+from edu3d.train.options import add_arguments, check_args, config_from_args, defaults
+from edu3d.train.trainer import Trainer
 
 #: strategy -> edu3d's code, PyTorch's API, the layout both run, and the knobs that map
 STRATEGIES = {
@@ -96,16 +113,6 @@ STRATEGIES = {
     },
 }
 
-#: the FSDP1 sharding strategies and their FSDP2 / ZeRO / edu3d names
-FSDP_STRATEGIES = {
-    "FULL_SHARD": ("fully_shard(reshard_after_forward=True)", "ZeRO-3", "--zero 3"),
-    "SHARD_GRAD_OP": ("fully_shard(reshard_after_forward=False)", "ZeRO-2", "--zero 2"),
-    "NO_SHARD": ("replicate(module) / DDP", "DP (ZeRO-0)", "--dp N"),
-    "HYBRID_SHARD": ("fully_shard(mesh=2-D (replicate, shard))", "ZeRO-3 inside a node, DP "
-                     "across nodes (ZeRO++ hpZ)", "(no edu3d flag: --zero 3 over one dp group)"),
-}
-
-
 def strategy_rows(name: str) -> list[tuple[str, str, str]]:
     """(edu3d, PyTorch, Accelerate/DeepSpeed/FSDP1) rows of one strategy: what does it,
     then every knob."""
@@ -117,10 +124,6 @@ def strategy_rows(name: str) -> list[tuple[str, str, str]]:
 # ---- the live runs (every rank calls) ------------------------------------------------------
 def _held(params, grads, states) -> dict:
     """Bytes of the tensors this rank holds (DTensors: their local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    from edu3d.plan import formulas as memory
-
     local = lambda ts: [t.to_local() if isinstance(t, DTensor) else t for t in ts]  # noqa: E731
     return memory.measure({"params": local(params), "grads": local(grads),
                            "optimizer": local(states)})
@@ -129,8 +132,6 @@ def _held(params, grads, states) -> dict:
 def torch_held(trainer) -> dict:
     """What a :class:`TorchTrainer` rank holds: its parameters (FSDP2: shards), their
     gradients, and the optimizer state (ZeroRedundancyOptimizer: this rank's partition)."""
-    import torch
-
     opt = getattr(trainer.optimizer, "optim", trainer.optimizer)
     states = [v for s in opt.state.values() for v in s.values()
               if torch.is_tensor(v)]
@@ -139,9 +140,6 @@ def torch_held(trainer) -> dict:
 
 def _fullest(held: dict) -> dict:
     """The rank with the largest total (every rank calls)."""
-    import torch
-    import torch.distributed as dist
-
     keys = ("params", "grads", "optimizer")
     row = torch.tensor([float(held[k]) for k in keys], dtype=torch.float64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
@@ -151,9 +149,6 @@ def _fullest(held: dict) -> dict:
 
 
 def _slowest(seconds: list[float]) -> float:
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([statistics.median(seconds[1:] or seconds)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
@@ -171,16 +166,6 @@ def _steps(trainer, corpus, args, steps: int) -> tuple[list[float], list[float]]
 
 def side_by_side(mesh, names: list[str], steps: int = 4) -> list[dict]:
     """Each named strategy (:data:`STRATEGIES`, one world size) on edu3d and on torch."""
-    import argparse
-
-    from edu3d.distributed import trace
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.distributed.mesh import Layout, Mesh
-    from edu3d.model.gpt import GPT
-    from edu3d.train.options import add_arguments, check_args, config_from_args
-    from edu3d.production.torch_impl import TorchTrainer
-    from edu3d.train.trainer import Trainer
-
     out = []
     folder = Path(tempfile.mkdtemp(prefix="edu3d-prod-"))
     for name in names:
@@ -218,9 +203,6 @@ def side_by_side(mesh, names: list[str], steps: int = 4) -> list[dict]:
 
 def measure(names: list[str] | None = None, steps: int = 4, timeout: float = 300) -> dict:
     """:func:`side_by_side` for the named strategies, one launch per world size."""
-    from edu3d.launch import launch
-    from edu3d.production.compare import world_size
-
     names = list(names or STRATEGIES)
     by_ws: dict[int, list[str]] = {}
     for n in names:
@@ -236,11 +218,6 @@ def measure(names: list[str] | None = None, steps: int = 4, timeout: float = 300
 def edu3d_dp2(steps: int = 5, timeout: float = 300) -> list[dict]:
     """``edu3d train --dp 2`` (bucketed DDP-like all-reduce), its records: what Accelerate's
     run is compared with."""
-    from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
-    from edu3d.train.options import defaults
-    from edu3d.train.loop import worker
-
     options = {k: v for k, v in vars(defaults(dp=2, steps=steps, json=True)).items()
                if not callable(v)}
     run = launch(worker, 2, args=(options,), layout=Layout(dp=2), timeout=timeout,
@@ -262,12 +239,6 @@ def loss_table(accelerate_records: list[dict], edu3d_records: list[dict]) -> tup
 def offload(mesh, steps: int = 4) -> dict:
     """edu3d ZeRO-1 over dp with and without ``--offload`` (every rank calls): the bytes the
     optimizer's host copy holds and moves each step, and the step times."""
-    from edu3d.plan import formulas as memory
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.model.gpt import GPT
-    from edu3d.train.options import config_from_args, defaults
-    from edu3d.train.trainer import Trainer
-
     out = {}
     for off in (False, True):
         args = defaults(dp=mesh.layout.dp, zero=1, offload=off, steps=steps)
@@ -293,9 +264,6 @@ def chapter_runs(mesh, names: list[str], steps: int = 4) -> dict:
 
 def measure_chapter(steps: int = 4, timeout: float = 300) -> dict:
     """:func:`chapter_runs` on 2 ranks: ``{"strategies": {name: row}, "offload": {...}}``."""
-    from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
-
     names = list(STRATEGIES)
     run = launch(chapter_runs, 2, args=(names, steps), layout=Layout(dp=2), timeout=timeout,
                  name="production", echo=False)

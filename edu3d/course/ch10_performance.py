@@ -16,9 +16,9 @@ real run of the one :class:`~edu3d.train.trainer.Trainer`:
 * :func:`predict` is the cost model the control panel draws at once: compute split over
   the ranks (but never over more ranks than cores), ring collectives in the alpha-beta
   model, the pipeline bubble ``(p-1)/m`` of the compute, data-parallel traffic hidden
-  under backward when overlap is on;
-* :func:`hang` reproduces the three classic hangs (a rank skipping a collective,
-  mismatched shapes, a send without its receive) and returns the launcher's verdict.
+  under backward when overlap is on.
+
+The chapter's debugging half, the three classic hangs, is :mod:`edu3d.course.ch10_hangs`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,24 @@ from __future__ import annotations
 import os
 import statistics
 import time
+
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from edu3d.bench import harness as bench
+from edu3d.bench.bench_comm import fit_alpha_beta
+from edu3d.bench.bench_dp import dp_worker
+from edu3d.course import lesson_args
+from edu3d.course.ch06_3d_parallelism import axis_formulas
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.launch import launch
+from edu3d.model.gpt import GPT
+from edu3d.model.shapes import spec_from_config
+from edu3d.plan import estimate as plan_memory
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.options import config_from_args
+from edu3d.train.trainer import Trainer
 
 #: the layouts the chapter sweeps: name -> (dp, tp, pp)
 LAYOUTS = {"dp1": (1, 1, 1), "dp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2),
@@ -110,12 +128,6 @@ def breakdown(events: list[dict], case: str | None = None) -> dict:
 
 # ---- the runs -----------------------------------------------------------------------------------
 def _trainer(mesh, opts: dict):
-    from edu3d.course import lesson_args
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.model.gpt import GPT
-    from edu3d.train.options import config_from_args
-    from edu3d.train.trainer import Trainer
-
     args = lesson_args(**opts)
     config = config_from_args(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
@@ -124,8 +136,6 @@ def _trainer(mesh, opts: dict):
 
 def _timed_steps(trainer, corpus, args, steps: int, group=None, alone: bool = False):
     """Step times (s, slowest rank) of ``steps`` steps; ``alone``: this rank runs by itself."""
-    from edu3d.bench import harness as bench
-
     times = []
     for s in range(1, steps + 1):
         x, y = corpus.batch(s, args.global_batch)
@@ -144,12 +154,6 @@ def measure_layouts(mesh, names: list[str], steps: int = 3, overlap: str = "on",
     others wait) for ``steps`` steps, traced as ``case=name``; ``cases`` adds named option
     sets (``{"overlap off": {...}}``) run in the launched layout. Returns one row per case:
     its step times (slowest rank) and tokens/s (median of the steps after the first)."""
-    import torch.distributed as dist
-
-    from edu3d.distributed import trace
-    from edu3d.distributed.mesh import Layout, Mesh
-    from edu3d.train.options import config_from_args
-
     world = dist.get_world_size()
     todo = [(n, layout_options(n, overlap)) for n in names] + list((cases or {}).items())
     rows = []
@@ -189,11 +193,6 @@ def profile_step(mesh, opts: dict | None = None, warmup: int = 2, case: str = "p
     returns ``{"rank", "path", "table", "events"}``: the operators by self CPU time, and
     the top-level events as edu3d trace events (``op`` = phase, ``name`` = the operator),
     times in microseconds since the step began (a barrier just before it)."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from edu3d.distributed import trace
-
     trainer, corpus, args = _trainer(mesh, opts or {"dp": mesh.layout.dp, "tp": mesh.layout.tp,
                                                     "pp": mesh.layout.pp})
     with trace.current().context(case=case):
@@ -269,8 +268,6 @@ def profiler_events(function_events, rank: int) -> list[dict]:
 def session_two(mesh, steps: int = 3) -> dict:
     """Chapter 10's 2-rank launch: the profile of a dp2 step, dp2 with overlap off and on,
     the 2-rank layouts and dp1 timed, and ``edu3d bench dp`` on the tiny model."""
-    from edu3d.bench.bench_dp import dp_worker
-
     profile = profile_step(mesh, {"dp": 2, **OVERLAP["on"]})
     cases = {f"overlap {k}": {"dp": 2, **v} for k, v in OVERLAP.items()}
     overlap = measure_layouts(mesh, [], steps + 1, cases=cases)
@@ -303,13 +300,6 @@ def predict(name: str, overlap: str = "on", microbatches: int | None = None,
       hides under backward (at most 2/3 of the compute), else it all waits for the end;
     * bubble ``(p-1)/m`` of the compute (1F1B, DESIGN.md's ``(p-1)/(m+p-1)`` of the step).
     """
-    from edu3d.plan import estimate as plan_memory
-    from edu3d.course import lesson_args
-    from edu3d.course.ch06_3d_parallelism import axis_formulas
-    from edu3d.distributed.mesh import Layout
-    from edu3d.train.options import config_from_args
-    from edu3d.model.shapes import spec_from_config
-
     c = {**DEFAULT_COSTS, **(costs or {})}
     cores = cores or os.cpu_count() or 1
     opts = layout_options(name, overlap, microbatches)
@@ -348,8 +338,6 @@ def calibrate(events: list[dict], sweep: list[dict]) -> dict:
     """Cost-model constants from this machine's runs: the serial step (dp1's median) and
     alpha, beta fitted to the synchronous all-reduces of 2 ranks in the trace
     (:func:`edu3d.bench.bench_comm.fit_alpha_beta`)."""
-    from edu3d.bench.bench_comm import fit_alpha_beta
-
     costs = dict(DEFAULT_COSTS)
     serial = [r for r in sweep if r["name"] == "dp1"]
     if serial:
@@ -374,9 +362,6 @@ def measure_one(mesh, name: str, overlap: str = "on", microbatches: int | None =
 def run_layout(name: str, overlap: str = "on", microbatches: int | None = None,
                steps: int = 3, timeout: float = 300):
     """Launch :func:`measure_one` for ``name``; returns ``(row, breakdown)``."""
-    from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
-
     dp, tp, pp = LAYOUTS[name]
     layout = Layout(dp=dp, tp=tp, pp=pp)
     if layout.world_size == 1:
@@ -385,91 +370,3 @@ def run_layout(name: str, overlap: str = "on", microbatches: int | None = None,
         "name": name, "overlap": overlap, "microbatches": microbatches, "steps": steps},
         layout=layout, timeout=timeout, echo=False, name=f"perf-{name}")
     return run.results[0][0], breakdown(run.events(), name)
-
-
-# ---- the classic hangs --------------------------------------------------------------------------
-def wait_for_next_batch() -> None:
-    """Stands for a data loader that never delivers (the rank blocks outside any collective)."""
-    time.sleep(120)
-
-
-def skipped_collective(mesh) -> None:
-    """Rank 1 skips the gradient all-reduce (a rank-dependent ``if``) and goes on to wait for
-    its next batch; rank 0 waits in the all-reduce for it."""
-    import torch
-
-    from edu3d.distributed import comm, trace
-
-    grad = torch.ones(1024)
-    with trace.current().context(step=1):
-        if mesh.rank != 1:  # e.g. "skip the sync when my loss is NaN"
-            comm.all_reduce(grad)
-        wait_for_next_batch()
-
-
-def mismatched_shapes(mesh) -> None:
-    """Rank 0 all-reduces 4 numbers, rank 1 eight (a shape computed from rank-local data)."""
-    import torch
-
-    from edu3d.distributed import comm, trace
-
-    with trace.current().context(step=1):
-        comm.all_reduce(torch.ones(4 if mesh.rank == 0 else 8))
-
-
-def unmatched_send(mesh) -> None:
-    """Rank 0 sends an activation to rank 1, which never posts the receive: it goes straight
-    to the loss all-reduce."""
-    import torch
-
-    from edu3d.distributed import comm, trace
-
-    with trace.current().context(step=1):
-        if mesh.rank == 0:
-            comm.send(torch.ones(4096), 1)
-        comm.all_reduce(torch.ones(1))
-
-
-HANGS = {"skipped collective": skipped_collective, "mismatched shapes": mismatched_shapes,
-         "send without receive": unmatched_send}
-
-
-def hang(kind: str, timeout_s: float = 6.0, heartbeat: float = 2.0) -> dict:
-    """Launch one of :data:`HANGS` on 2 ranks with a short collective timeout and heartbeat;
-    return the launcher's verdict: the error's class, the rank it names, its first line and
-    the named rank's stack (or traceback)."""
-    from edu3d.launch.api import LaunchError, RankError, launch
-
-    t0 = time.perf_counter()
-    try:
-        launch(HANGS[kind], 2, env={"EDU3D_TIMEOUT": str(timeout_s)}, heartbeat=heartbeat,
-               echo=False, timeout=60, progress=False, name="hang", pool=False)
-    except RankError as err:
-        return {"kind": kind, "error": type(err).__name__, "rank": err.rank,
-                "message": str(err).splitlines()[0], "traceback": err.traceback,
-                "seconds": time.perf_counter() - t0}
-    except LaunchError as err:
-        return {"kind": kind, "error": type(err).__name__, "rank": None,
-                "message": str(err).splitlines()[0], "traceback": "",
-                "seconds": time.perf_counter() - t0}
-    raise AssertionError(f"{kind} finished without hanging")
-
-
-def hangs(kinds=tuple(HANGS), **kw) -> dict[str, dict]:
-    """Every hang of ``kinds`` at once, each its own launch in its own thread: waiting for a
-    heartbeat costs no CPU. Each starts its ranks cold (a run that fails kills the warm pool
-    it ran on, and the chapter's pool is kept for the runs after these)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(kinds)) as pool:
-        futures = {k: pool.submit(hang, k, **kw) for k in kinds}
-        return {k: f.result() for k, f in futures.items()}
-
-
-def stack_lines(verdict: dict, keep: int = 6) -> list[str]:
-    """The first lines of the named rank's stack or traceback, the launcher's own frames
-    (worker, warm pool, runpy) left out."""
-    launcher = ("edu3d/launch/worker.py", "edu3d/launch/warm/pool.py", "<frozen runpy>")
-    lines = [ln for ln in verdict["traceback"].splitlines()
-             if ln.strip() and not any(f in ln for f in launcher)]
-    return lines[:keep]

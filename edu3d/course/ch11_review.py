@@ -14,7 +14,7 @@ asks about distributed training, and know where in edu3d each answer comes from:
   dict) with :func:`edu3d.course.grading.check`: one ``PASS``/``FAIL`` line, and on failure one hint
   that says what to reconsider and which chapter shows it, never the answer itself;
 * every question names its ``chapter`` and its ``picture``: the knobs of the quiz panel
-  (:mod:`edu3d.widgets.review`) that draw it.
+  (``widgets/panels/ch11_review.py``) that draw it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ from functools import lru_cache
 from typing import Callable
 
 from edu3d.course import grading
+from edu3d.distributed.algorithms import ring_plan
+from edu3d.model.shapes import spec_from
+from edu3d.plan.estimate import Setup, estimate, in_flight
+from edu3d.plan.formulas import activation_bytes_per_layer as act
+from edu3d.plan.formulas import zero_bytes
+from edu3d.plan.search import GB as GBPS
+from edu3d.plan.search import Cluster, search, step_time
+from edu3d.schedules import bubble_formula, build, simulate
 
 GB = 1e9
 MB = 1e6
@@ -48,37 +56,26 @@ class Question:
 def ring_gb_sent(n: int = 8, size_gb: float = 1.0) -> float:
     """GB one rank sends in a ring all-reduce of ``size_gb``: its transfers in edu3d's plan
     (:func:`edu3d.distributed.algorithms.ring_plan`), each one chunk of ``size/n``."""
-    from edu3d.distributed.algorithms import ring_plan
-
     return sum(t.src == 0 for t in ring_plan(n)) * size_gb / n
 
 
 def zero_gb(psi: float = 7.5e9, n: int = 64) -> dict[int, float]:
     """GB per GPU of mixed-precision Adam's state for ZeRO stages 0-3 (2 + 2 + 12 bytes)."""
-    from edu3d.plan.formulas import zero_bytes
-
     return {s: round(zero_bytes(psi, n, s, 2, 2, 12)["total"] / GB, 1) for s in range(4)}
 
 
 def zero_sharded() -> dict[int, set[str]]:
     """Which of params/grads/optimizer each ZeRO stage divides by the dp degree."""
-    from edu3d.plan.formulas import zero_bytes
-
     return {s: {c for c in ("params", "grads", "optimizer")
                 if zero_bytes(1, 2, s)[c] < zero_bytes(1, 1, s)[c]} for s in (1, 2, 3)}
 
 
 def _llama(name: str = "llama2-13b"):
-    from edu3d.model.shapes import spec_from
-
     return spec_from(name)
 
 
 def zero3_traffic_ratio() -> float:
     """ZeRO-3's data-parallel traffic per step over plain DP's, in the planner's cost model."""
-    from edu3d.plan.estimate import Setup
-    from edu3d.plan.search import Cluster, step_time
-
     spec, cl = _llama("llama2-7b"), Cluster(8)
     t = {z: step_time(spec, Setup(dp=8, zero=z, microbatches=4, precision="bf16"), cl)["dp"]
          for z in (0, 3)}
@@ -86,16 +83,14 @@ def zero3_traffic_ratio() -> float:
 
 
 def state_gb(name: str = "llama2-7b") -> float:
-    """Mixed-precision Adam's state of a model: bytes per parameter x parameters."""
-    from edu3d.plan.estimate import state_bytes
-
-    return sum(state_bytes("bf16")) * _llama(name).num_params() / GB
+    """Mixed-precision Adam's state of a model on one GPU, the planner's count: 2 + 2 + 12
+    bytes per parameter (and Adam's step counters)."""
+    est = estimate(_llama(name), Setup(precision="bf16"), at="rest")
+    return sum(est[f"{c}_bytes"] for c in ("params", "grads", "optimizer")) / GB
 
 
 def gpt3_layer_mb() -> dict[str, float]:
     """One GPT-3 175B layer's activations (s=2048, b=1, 16-bit), MB: serial, TP t=8, TP+SP."""
-    from edu3d.plan.formulas import activation_bytes_per_layer as act
-
     sp = _llama("gpt3-175b")
     s, h, a = sp.seq_len, sp.d_model, sp.n_heads
     return {"none": act(s, 1, h, a) / MB, "tp": act(s, 1, h, a, t=8) / MB,
@@ -104,8 +99,6 @@ def gpt3_layer_mb() -> dict[str, float]:
 
 def selective_saving(name: str = "llama2-7b") -> float:
     """Share of a 16-bit layer's activations that selective recomputation drops."""
-    from edu3d.plan.formulas import activation_bytes_per_layer as act
-
     sp = _llama(name)
     kw = dict(d_ff=sp.ff, kv_heads=sp.kv_heads, mlp=sp.mlp)
     full = act(sp.seq_len, 1, sp.d_model, sp.n_heads, **kw)
@@ -115,10 +108,6 @@ def selective_saving(name: str = "llama2-7b") -> float:
 def tp_all_reduces() -> int:
     """All-reduces per layer and micro-batch (forward + backward) in the planner's TP cost:
     its TP time divided by the time of one ring all-reduce of ``b·s·h`` 16-bit values."""
-    from edu3d.plan.estimate import Setup
-    from edu3d.plan.search import GB as GBPS
-    from edu3d.plan.search import Cluster, step_time
-
     spec, cl, t, m = _llama("llama2-7b"), Cluster(8), 8, 4
     st = Setup(tp=t, microbatches=m, precision="bf16")
     one = 2 * (t - 1) / t * 2 * spec.seq_len * spec.d_model / (cl.intra_gbps * GBPS)
@@ -128,31 +117,23 @@ def tp_all_reduces() -> int:
 @lru_cache(maxsize=1024)
 def bubble(schedule: str, pp: int, m: int, vpp: int = 1) -> float:
     """The simulated bubble fraction (F = 1, B = 2, I = W = 1, free messages)."""
-    from edu3d.schedules import build, simulate
-
     v = vpp if schedule == "interleaved" else 1
     return simulate(build(schedule, pp, m, v), pp).bubble
 
 
 def in_flight_first(pp: int = 4, m: int = 8) -> dict[str, int]:
     """Micro-batches whose activations the first stage holds at its peak, per schedule."""
-    from edu3d.plan.estimate import in_flight
-
     return {s: in_flight(s, pp, m)[0] for s in ("gpipe", "1f1b")}
 
 
 def micro_batches_for(target: float = 0.10, pp: int = 8) -> int:
     """The fewest micro-batches that bring 1F1B's bubble to ``target`` or below."""
-    from edu3d.schedules import bubble_formula
-
     return next(m for m in range(1, 10_000) if bubble_formula("1f1b", pp, m) <= target)
 
 
 def fits_one_gpu(name: str = "llama2-7b", gpu_gb: float = 80) -> bool:
     """Whether the planner's peak for ``name`` on one GPU (bf16, selective recomputation,
     8 micro-batches of one sequence) is within 90% of ``gpu_gb``."""
-    from edu3d.plan.estimate import Setup, estimate
-
     est = estimate(_llama(name), Setup(precision="bf16", microbatches=8,
                                        recompute="selective"))
     return est["total_bytes"] <= 0.9 * gpu_gb * GB
@@ -162,8 +143,6 @@ def fits_one_gpu(name: str = "llama2-7b", gpu_gb: float = 80) -> bool:
 def plan(name: str, gpus: int) -> tuple[dict, ...]:
     """The planner's ranking for ``name`` on ``gpus`` H100s of 80 GB (fitting first, fastest
     first): :func:`edu3d.plan.search.search`, kept for the panel's redraws."""
-    from edu3d.plan.search import Cluster, search
-
     return tuple(search(_llama(name), Cluster(gpus)))
 
 

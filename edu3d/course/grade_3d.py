@@ -24,6 +24,15 @@ from typing import NamedTuple
 
 import torch
 
+from edu3d.course import grading, lesson_args
+from edu3d.distributed.mesh import Layout
+from edu3d.distributed.runtime import all_ok
+from edu3d.launch import launch
+from edu3d.model.gpt import GPT, config_from
+from edu3d.parallel.tp.layers import padded_size, shard
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.trainer import Trainer
+
 
 class GradPiece(NamedTuple):
     """One gradient this rank holds, as the exercise sees it."""
@@ -36,8 +45,6 @@ class GradPiece(NamedTuple):
 
 def _shard_of(full: torch.Tensor, spec, tp_index: int, tp: int) -> torch.Tensor:
     """This tp rank's shard of a serial tensor, for a spec as ``Parallel.specs`` holds it."""
-    from edu3d.parallel.tp.layers import padded_size, shard
-
     if spec is None or tp == 1:
         return full
     dim, parts, size = spec
@@ -58,13 +65,6 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = No
     rank, ``{"tied": bool, "norm": bool, "serial_norm", "norm_value", "buggy_norm",
     "library_norm"}``. ``use`` grades another function of the module under a graded name
     (``{"global_grad_norm": "buggy_global_grad_norm"}``: the tests prove the bug is caught)."""
-    from edu3d.course import grading
-    from edu3d.course import lesson_args
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.model.gpt import GPT, config_from
-    from edu3d.distributed.runtime import all_ok
-    from edu3d.train.trainer import Trainer
-
     mod = grading.load("grad_norm_3d")
     use = use or {}
     norm_fn = getattr(mod, use.get("global_grad_norm", "global_grad_norm"))
@@ -122,9 +122,6 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = No
 
 def run(timeout: float = 180, **kwargs) -> dict:
     """Launch :func:`grade` on 4 ranks (tp2-pp2) quietly; rank 0's verdicts."""
-    from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
-
     res = launch(grade, 4, layout=Layout(tp=2, pp=2), echo=False, progress=False,
                  timeout=timeout, name="grade_3d", kwargs=kwargs)
     return res.results[0]

@@ -37,6 +37,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
+from IPython import get_ipython
+
+from edu3d.launch.procs import LaunchError
+
 ROOT = Path(__file__).resolve().parents[2]  # the course checkout (editable install)
 
 
@@ -161,8 +165,6 @@ def _reason(err: BaseException) -> str:
         return f"not written yet{_where(err)}: {msg}" if msg else f"not written yet{_where(err)}"
     if len(text) > 400:
         text = text[:400] + " ..."
-    from edu3d.launch.procs import LaunchError
-
     if isinstance(err, (AssertionError, LaunchError)):
         return text  # the message says it all (a failed run names its rank)
     return f"{type(err).__name__}: {text}{_where(err)}" if text else \
@@ -173,10 +175,6 @@ _last_hint: dict = {}  # the last hint printed, and in which cell
 
 
 def _cell() -> object:
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython ships with the course
-        return None
     shell = get_ipython()
     return getattr(shell, "execution_count", None)
 

@@ -19,7 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
+from queue import Empty
+
+import nbformat
+from nbclient import NotebookClient
 
 MARK = "# NBVAL_CHECK_OUTPUT"
 
@@ -98,11 +103,6 @@ def notebook_client(nb, **kwargs):
     channels is cut into slices of :data:`POLL_SLICE_S`; each new ``poll`` looks at the
     socket first, so a reply that is there is taken at once. Timeouts mean what they meant.
     """
-    import time
-    from queue import Empty
-
-    from nbclient import NotebookClient
-
     def sliced(channel) -> None:
         wait = channel.get_msg
 
@@ -130,8 +130,6 @@ def notebook_client(nb, **kwargs):
 
 def refresh(path: Path, timeout: int = 600) -> None:
     """Execute with the reference solutions, keep checked outputs, strip the rest."""
-    import nbformat
-
     nb = nbformat.read(path, as_version=4)
     saved = os.environ.get("EDU3D_SOLUTIONS")
     os.environ["EDU3D_SOLUTIONS"] = "1"  # the kernel inherits it
@@ -152,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=("refresh", "strip", "check"))
     p.add_argument("notebooks", nargs="+", type=Path)
     a = p.parse_args(argv)
-    import nbformat
 
     bad = 0
     for path in a.notebooks:

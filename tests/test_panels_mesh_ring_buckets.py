@@ -10,8 +10,10 @@ import pytest
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
-from edu3d.course import controls_basics as cb  # noqa: E402
-from edu3d.widgets import controls_basics as panels  # noqa: E402
+from edu3d.course import ch01_collectives as ch01  # noqa: E402
+from edu3d.course import ch02_data_parallel as ch02  # noqa: E402
+from edu3d.widgets.panels import ch00_launching_ranks, ch01_collectives  # noqa: E402
+from edu3d.widgets.panels import ch02_data_parallel  # noqa: E402
 from edu3d.widgets.mesh3d import agreement, predicted_report  # noqa: E402
 
 
@@ -26,15 +28,15 @@ def timed(sends: list[dict], step_us: float, start: float = 0.0) -> list[dict]:
 
 @pytest.mark.parametrize("n,numel", [(4, 1 << 12), (3, 1001), (8, 4096)])
 def test_ring_simulation_sends_what_the_formula_says(n, numel):
-    sends = cb.ring_sends(n, numel)
+    sends = ch01.ring_sends(n, numel)
     assert len(sends) == 2 * (n - 1) * n  # every rank sends once per step
     assert sum(e["bytes"] for e in sends) == 2 * (n - 1) * numel * 4  # 2(N-1)/N·S per rank
-    steps = cb.ring_step_costs(n, numel, alpha=1e-4, beta=1e-9)
+    steps = ch01.ring_step_costs(n, numel, alpha=1e-4, beta=1e-9)
     assert [r["step"] for r in steps] == ([f"RS{i}" for i in range(n - 1)]
                                           + [f"AG{i}" for i in range(n - 1)])
     if numel % n == 0:
         assert sum(r["s"] for r in steps) == pytest.approx(
-            cb.ring_all_reduce_s(numel * 4, n, 1e-4, 1e-9))
+            ch01.ring_all_reduce_s(numel * 4, n, 1e-4, 1e-9))
 
 
 def test_measured_ring_steps_read_bytes_and_times_back():
@@ -42,8 +44,8 @@ def test_measured_ring_steps_read_bytes_and_times_back():
     events = []
     for rep, step_us in enumerate((100.0, 300.0, 200.0)):
         events += [{**e, "case": f"rep{rep}", "sim": False}
-                   for e in timed(cb.ring_sends(n, numel), step_us, start=1e6 * rep)]
-    steps = cb.measured_ring_steps(events, n, repeats=3)
+                   for e in timed(ch01.ring_sends(n, numel), step_us, start=1e6 * rep)]
+    steps = ch01.measured_ring_steps(events, n, repeats=3)
     assert [r["step"] for r in steps] == ["RS0", "RS1", "RS2", "AG0", "AG1", "AG2"]
     assert sum(r["bytes"] for r in steps) == 2 * (n - 1) * numel * 4
     assert all(r["s"] == pytest.approx(200e-6) for r in steps)  # the median repeat
@@ -56,12 +58,12 @@ def test_dp_simulation_cuts_the_real_buckets_and_overlaps_only_in_reverse():
     from edu3d.parallel.dp.data_parallel import make_buckets
 
     config = config_from_args(lesson_args())
-    params = cb.backward_sizes(config)
+    params = ch02.backward_sizes(config)
     model = GPT(config, seed=0)
     psi = sum(p.numel() for p in model.parameters())
-    costs = cb.StepCosts(forward_s=3e-3, backward_s=9e-3)
-    on = cb.simulate_dp_step(params, 0.1, True, 2, costs)
-    off = cb.simulate_dp_step(params, 0.1, False, 2, costs)
+    costs = ch02.StepCosts(forward_s=3e-3, backward_s=9e-3)
+    on = ch02.simulate_dp_step(params, 0.1, True, 2, costs)
+    off = ch02.simulate_dp_step(params, 0.1, False, 2, costs)
     for sim, reverse in ((on, True), (off, False)):
         real = make_buckets(list(model.parameters()), 0.1, reverse=reverse)
         assert sim["buckets"] == [b.buffer.numel() * 4 for b in real]
@@ -73,13 +75,13 @@ def test_dp_simulation_cuts_the_real_buckets_and_overlaps_only_in_reverse():
     assert on["launch_log"][0][1] < total  # the first bucket leaves during backward
     assert all(seen == total for _, seen in off["launch_log"])  # nothing before the end
     assert on["exposed_s"] < off["exposed_s"]
-    one = cb.ring_all_reduce_s(4 * psi, 2, costs.alpha, costs.beta)
+    one = ch01.ring_all_reduce_s(4 * psi, 2, costs.alpha, costs.beta)
     # forward order: every bucket after backward, one latency 2(N-1)α per bucket
     assert off["exposed_s"] == pytest.approx(one + 2 * costs.alpha * (len(off["buckets"]) - 1))
 
 
 def test_mesh_panel_redraws_and_counts_agreement():
-    ctl = panels.mesh_controls()
+    ctl = ch00_launching_ranks.mesh_controls()
     first = ctl.mesh_fig
     assert "dp=2 tp=2 pp=2" in first.layout.title.text and "predicted" in first.layout.title.text
     ctl.redraw(dp=1, tp=4)
@@ -102,7 +104,7 @@ def test_mesh_panel_redraws_and_counts_agreement():
 
 
 def test_ring_panel_redraws_replay_steps_and_model():
-    ctl = panels.ring_controls()
+    ctl = ch01_collectives.ring_controls()
     assert len(ctl.replay_fig.data[0].z) == 4 and len(ctl.replay_fig.frames) == 1 + 2 * 3
     steps = ctl.steps_fig
     ctl.redraw(n=6, size=64 << 10)
@@ -112,7 +114,7 @@ def test_ring_panel_redraws_replay_steps_and_model():
         f"AG{i}" for i in range(5)]
     assert "N = 6" in [t.name for t in ctl.cost_fig.data]
     rep = {"results": [{"edu3d_alpha_s": -1e-5, "edu3d_beta_s_per_byte": 2e-9}]}
-    fitted = panels.ring_controls(rep=rep)
+    fitted = ch01_collectives.ring_controls(rep=rep)
     assert fitted.alpha > 0 and fitted.beta == 2e-9  # a negative fit is kept causal
     box = ctl.widget
     assert "edu3d-controls" in box._dom_classes
@@ -120,7 +122,7 @@ def test_ring_panel_redraws_replay_steps_and_model():
 
 
 def test_bucket_panel_runs_the_real_step_over_the_simulation():
-    ctl = panels.bucket_controls()
+    ctl = ch02_data_parallel.bucket_controls()
     assert "simulated" in ctl.timeline_fig.layout.title.text
     assert {t.name for t in ctl.timeline_fig.data} == {"F", "B", "all_reduce"}
     ctl.redraw(bucket_mb=0.05)

@@ -8,10 +8,15 @@ import pytest
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
-from edu3d.course import controls_parallel as cp  # noqa: E402
+from edu3d.course import ch03_zero as ch03  # noqa: E402
+from edu3d.course import ch04_tensor_parallel as ch04  # noqa: E402
+from edu3d.course import ch05_pipeline_parallel as ch05  # noqa: E402
 from edu3d.plan.formulas import zero_bytes  # noqa: E402
 from edu3d.schedules.simulate import bubble_formula  # noqa: E402
-from edu3d.widgets import controls_parallel as panels  # noqa: E402
+from edu3d.widgets.panels.ch03_zero import zero_controls  # noqa: E402
+from edu3d.widgets.panels.ch04_tensor_parallel import tp_controls  # noqa: E402
+from edu3d.widgets.panels.ch05_pipeline_parallel import pipeline_controls  # noqa: E402
+from edu3d.widgets.zero import zero_memory_figure, zero_traffic_figure  # noqa: E402
 
 
 def _title(fig) -> str:
@@ -30,7 +35,7 @@ def _first_dropdown(ctl):
 
 
 def test_zero_panel_predicts_every_stage_and_redraws_at_once():
-    ctl = panels.zero_controls(stage=1, n=4)
+    ctl = zero_controls(stage=1, n=4)
     pred = ctl.prediction
     psi = pred["psi"]
     assert psi == sum(numel for _, numel, _ in pred["units"])
@@ -60,7 +65,7 @@ def test_zero_panel_predicts_every_stage_and_redraws_at_once():
 
 
 def test_tp_panel_predictions_and_redraw():
-    ctl = panels.tp_controls(tp=2, kind="column", sp=False)
+    ctl = tp_controls(tp=2, kind="column", sp=False)
     for kind in ("column", "row"):
         part = ctl.split[0][kind]
         assert (part["result"] - ctl.split[0]["serial"]).abs().max() < 1e-5
@@ -81,19 +86,19 @@ def test_tp_panel_predictions_and_redraw():
     assert names == {"all-gather (predicted)", "reduce-scatter (predicted)"}
     assert "Row split" in _title(ctl.split_fig) and "+ SP" in _title(ctl.comm_fig)
     # SP: same bytes as TP forward, two more all-gathers backward
-    tp_only = cp.tp_collectives_prediction(ctl.config, 2, 4, False)
+    tp_only = ch04.tp_collectives_prediction(ctl.config, 2, 4, False)
     both = ctl.collectives
     fwd = sum(v["ring_bytes"] for v in both["forward"].values())
     assert fwd == sum(v["ring_bytes"] for v in tp_only["forward"].values())
-    mem = cp.tp_activation_prediction(ctl.config, 2, 4, True)["model_formula"]
+    mem = ch04.tp_activation_prediction(ctl.config, 2, 4, True)["model_formula"]
     assert f"{mem / 1024:.1f} KiB" in _title(ctl.memory_fig)
 
 
 def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
-    ctl = panels.pipeline_controls(schedule="1f1b", pp=2, m=4)
+    ctl = pipeline_controls(schedule="1f1b", pp=2, m=4)
     assert ctl.message == "" and len(ctl.figures) == 2
     assert f"formula {bubble_formula('1f1b', 2, 4):.1%}" in _title(ctl.gantt_fig)
-    curve = cp.pp_bubble_curve("1f1b", 4, 1, tuple(range(1, 9)))
+    curve = ch05.pp_bubble_curve("1f1b", 4, 1, tuple(range(1, 9)))
     assert curve["simulated"] == pytest.approx(curve["formula"])
 
     first = _first_dropdown(ctl)
@@ -106,8 +111,8 @@ def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
     assert ctl.figures == () and "multiple of pp = 2" in ctl.message
     ctl.redraw(m=4, schedule="gpipe", vpp=2)
     assert ctl.figures == () and "needs the interleaved schedule" in ctl.message
-    assert cp.pp_problem("interleaved", 2, 4, 1) and cp.pp_run_problem("1f1b", 16, 16, 1)
-    assert "cannot be built" in cp.pp_problem("zb-h1", 4, 9, 1)  # the generator's own limit
+    assert ch05.pp_problem("interleaved", 2, 4, 1) and ch05.pp_run_problem("1f1b", 16, 16, 1)
+    assert "cannot be built" in ch05.pp_problem("zb-h1", 4, 9, 1)  # the generator's own limit
     assert ctl.run() is None and "cannot run" in ctl.message  # nothing launched
     ctl.redraw(schedule="zb-h1", vpp=1, m=4)
     assert ctl.message == "" and "ZB-H1" in _title(ctl.gantt_fig)
@@ -117,11 +122,11 @@ def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
 def test_tp_run_lands_on_the_prediction():
     """One real launch (2 ranks, TP+SP): shards, collectives and activation bytes measured on
     the ranks equal what the panel predicted in-process."""
-    ctl = panels.tp_controls(tp=2, kind="row", sp=True)
+    ctl = tp_controls(tp=2, kind="row", sp=True)
     got = ctl.run(timeout=120)
     assert got is not None, ctl.message
-    assert cp.split_difference(got["split"], ctl.split, "row") < 1e-6
-    assert cp.split_difference(got["split"], ctl.split, "column") < 1e-6
+    assert ch04.split_difference(got["split"], ctl.split, "row") < 1e-6
+    assert ch04.split_difference(got["split"], ctl.split, "column") < 1e-6
     assert got["collectives"] == ctl.collectives
     assert got["memory"]["measured"] == got["memory"]["model_formula"]
     assert "measured" in _title(ctl.split_fig)
@@ -132,7 +137,7 @@ def test_tp_run_lands_on_the_prediction():
 def test_zero_measurement_is_read_from_the_run_and_drawn_over_the_prediction():
     """What "run it" reads from a compare_versions run (a run-shaped stand-in here: the real
     launch of this path is chapter 03's; this file's one launch is the TP run above)."""
-    ctl = panels.zero_controls(stage=2, n=2)
+    ctl = zero_controls(stage=2, n=2)
     pred = ctl.prediction
     psi = pred["psi"]
     est = pred["estimate"][2]
@@ -150,11 +155,11 @@ def test_zero_measurement_is_read_from_the_run_and_drawn_over_the_prediction():
                 {"rank": 1, "lane": "comm", "op": "all_gather", "case": "zero2", "step": 2,
                  "bytes": 4 * psi, "t0": 0.0, "t1": 1.0}]
 
-    got = cp.zero_measured(Run, 2, steps=2)
+    got = ch03.zero_measured(Run, 2, steps=2)
     assert got["traffic"] == pred["traffic"][2]  # 2Ψ in the paper's count
     assert got["loss_rel_err"] < 1e-5 and set(got["memory"]) == {0, 1}
-    fig = panels.zero_memory_figure(pred, got)
+    fig = zero_memory_figure(pred, got)
     assert "the 2 ranks within 8 bytes" in _title(fig)
     assert [t.name for t in fig.data if "measured" in t.name] == [
         f"{c} (measured, rank 0)" for c in ("params", "grads", "optimizer")]
-    assert "measured 2.000Ψ" in _title(panels.zero_traffic_figure(pred, got))
+    assert "measured 2.000Ψ" in _title(zero_traffic_figure(pred, got))

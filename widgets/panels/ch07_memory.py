@@ -1,0 +1,152 @@
+"""Chapter 07's panel: the planner's bytes per pipeline rank for any model and layout.
+
+After reading this file you should know what the knobs change: a model (the course's
+presets or a real one), the sequence length, micro-batch size and count, dp/tp/pp, ZeRO
+stage, recomputation, precision, schedule and the GPU's memory redraw the estimate at once
+(:func:`edu3d.plan.estimate.estimate`, drawn by :func:`edu3d.widgets.memory_plan.stage_bars`);
+"measure it" launches the tiny model in the chosen layout
+(:func:`edu3d.course.ch07_memory_plan.run`, 8 ranks at most, fp32) and puts the measured bars
+beside the estimate. Without a frontend (nbval, exported HTML) the default figure is drawn
+statically (:attr:`Controls.figure`).
+"""
+
+from __future__ import annotations
+
+import ipywidgets as w
+
+from edu3d.course.ch07_memory_plan import options, run
+from edu3d.model.shapes import PRESETS, spec_from
+from edu3d.plan.estimate import Setup, estimate, from_train_args, validate
+from edu3d.widgets.memory_plan import stage_bars
+from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel
+
+DEFAULT = dict(model="tiny", seq=None, micro_batch=2, microbatches=2, dp=2, tp=1, pp=2,
+               zero=1, recompute="none", precision="fp32", schedule="1f1b", sp=False,
+               gpu_mem_gb=0.01)
+
+
+class Controls(Panel):
+    """Knobs for a model and a layout that redraw the planner's estimate; "measure it"
+    runs the tiny model in that layout and draws what every rank held beside it."""
+
+    button = "measure it"
+    knob_rows = (("model", "seq", "micro_batch", "microbatches"), ("dp", "tp", "pp", "zero"),
+                 ("recompute", "precision", "schedule", "sp", "gpu_mem_gb"))
+    FIGURES = ("figure",)
+
+    def __init__(self, default: dict | None = None):
+        super().__init__({**DEFAULT, **(default or {})})
+        self.measured = None
+        self.figure = None
+        self.redraw()
+
+    def setup(self):
+        """``(spec, setup)`` of the current choice (``ValueError`` when it cannot work)."""
+        s = self.state
+        spec = spec_from(s["model"], seq_len=s["seq"])
+        st = Setup(dp=s["dp"], tp=s["tp"], pp=s["pp"], zero=s["zero"] if s["dp"] > 1 else 0,
+                   microbatches=s["microbatches"], micro_batch=s["micro_batch"],
+                   schedule=s["schedule"], sp=s["sp"] and s["tp"] > 1,
+                   recompute=s["recompute"], precision=s["precision"])
+        validate(spec, st)
+        return spec, st
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        self.measured = None
+        try:
+            spec, st = self.setup()
+        except ValueError as err:
+            self.figure = None
+            self.say(str(err))
+            return
+        self.estimate = estimate(spec, st)
+        self.figure = stage_bars(
+            self.estimate, gpu_mem_gb=self.state["gpu_mem_gb"],
+            title=f"{spec.name}: dp={st.dp} tp={st.tp} pp={st.pp} ZeRO-{st.zero}, "
+                  f"{st.microbatches}x{st.micro_batch} seq, {st.recompute} recompute")
+        self.say("")
+
+    @property
+    def valid(self) -> bool:
+        """Whether the current choice can work (else :attr:`message` says why)."""
+        return self.figure is not None
+
+    def argv(self) -> list[str]:
+        """``edu3d train``'s options for the current layout on the tiny model (fp32)."""
+        s, (_, st) = self.state, self.setup()
+        out = ["--model", "tiny", "--dp", str(st.dp), "--tp", str(st.tp), "--pp", str(st.pp),
+               "--zero", str(st.zero), "--microbatches", str(st.microbatches),
+               "--global-batch", str(st.global_batch), "--schedule", st.schedule,
+               "--recompute", st.recompute]
+        if s["seq"]:
+            out += ["--seq", str(s["seq"])]
+        return out + (["--sp"] if st.sp else [])
+
+    def problem(self) -> str | None:
+        """Why "measure it" cannot run the current choice (None if it can)."""
+        s = self.state
+        if s["model"] != "tiny" or s["precision"] != "fp32":
+            return "measure it runs the tiny model in fp32: choose model tiny, precision fp32"
+        if s["dp"] * s["tp"] * s["pp"] > MAX_RUN_RANKS:
+            return f"the real run is limited to {MAX_RUN_RANKS} ranks"
+        try:
+            options(self.argv())
+        except (ValueError, SystemExit) as err:
+            return f"this layout cannot run: {err}"
+        return None
+
+    def run(self, timeout: float = 300):
+        """Launch the tiny model in the current layout; draw the measured bytes (the fullest
+        rank of each pipeline stage, after one step) beside the planner's, at rest."""
+        s = self.state
+        if self.refuse(self.problem()):
+            return None
+        argv = self.argv()
+        self.say(f"running {s['dp'] * s['tp'] * s['pp']} ranks ...")
+        ranks = run(argv, timeout)
+        rest = estimate(*from_train_args(options(argv)), at="rest")
+        measured: dict[int, dict] = {}
+        for r in ranks:
+            pp = r["coord"][0]
+            if pp not in measured or sum(r["bytes"].values()) > sum(measured[pp].values()):
+                measured[pp] = r["bytes"]
+        self.measured = self.result = measured
+        self.figure = stage_bars(
+            rest, measured, gpu_mem_gb=s["gpu_mem_gb"],
+            title="Measured (solid) beside the planner (ghost), after one step",
+            takeaway="Weights, gradients and optimizer state to the byte; activations are "
+                     "the step's peak, within a few bytes.")
+        self.say(f"measured {len(ranks)} ranks")
+        return measured
+
+    def knobs(self) -> dict:
+        s = self.state
+        return {
+            "model": w.Dropdown(options=list(PRESETS), value=s["model"], description="model"),
+            "seq": w.Dropdown(options=[("preset", None), 32, 64, 128, 1024, 2048, 4096, 8192],
+                              value=s["seq"], description="sequence"),
+            "micro_batch": w.Dropdown(options=[1, 2, 4, 8], value=s["micro_batch"],
+                                      description="micro-batch"),
+            "microbatches": w.IntSlider(min=1, max=16, value=s["microbatches"],
+                                        description="micro-batches"),
+            "dp": w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=s["dp"], description="dp"),
+            "tp": w.Dropdown(options=[1, 2, 4, 8], value=s["tp"], description="tp"),
+            "pp": w.Dropdown(options=[1, 2, 4, 8, 16], value=s["pp"], description="pp"),
+            "zero": w.IntSlider(min=0, max=3, value=s["zero"], description="ZeRO"),
+            "recompute": w.Dropdown(options=["none", "selective", "full"],
+                                    value=s["recompute"], description="recompute"),
+            "precision": w.Dropdown(options=["fp32", "bf16", "fp16"], value=s["precision"],
+                                    description="precision"),
+            "schedule": w.Dropdown(options=["gpipe", "1f1b", "zb-h1"], value=s["schedule"],
+                                   description="schedule"),
+            "sp": w.Checkbox(value=s["sp"], description="sequence parallel"),
+            "gpu_mem_gb": w.FloatLogSlider(value=s["gpu_mem_gb"], base=10, min=-3, max=2.3,
+                                           description="GPU GB"),
+        }
+
+
+def controls(default: dict | None = None) -> Controls:
+    """The chapter's planner controls; display ``controls().widget`` in JupyterLab, or the
+    static ``figure`` without a frontend."""
+    return Controls(default)

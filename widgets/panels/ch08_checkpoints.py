@@ -1,0 +1,70 @@
+"""Chapter 08's panel: which rank wrote which number, and what a reshard reads.
+
+After reading this file you should know what the knobs change: the saved layout, the layout
+to load into, the tensor and its kind (parameter or an AdamW moment) redraw the piece map and
+the reshard map at once from the manifests the panel holds
+(:func:`edu3d.widgets.checkpoint.piece_map`, :func:`edu3d.widgets.checkpoint.reshard_map`);
+the button, "kill a rank, recover", runs the chapter's fault demo (a callable returning
+:func:`edu3d.widgets.checkpoint.recovery_curve`'s figure) and shows its curve.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as w
+
+from edu3d.widgets.checkpoint import piece_map, reshard_map, tensors
+from edu3d.widgets.panels.panel import Panel
+
+
+class Controls(Panel):
+    """Pick the saved layout, the layout to load into, the tensor and its kind; the piece map
+    and the reshard map redraw from the manifests at once. ``fault_demo`` backs the button."""
+
+    button = "kill a rank, recover"
+    button_style = "warning"
+    tooltip = "kill a rank of a real run and restart it from its last checkpoint"
+    knob_rows = (("source", "target", "run"), ("kind", "name"))
+    FIGURES = ("piece_fig", "reshard_fig", "fault_fig")
+
+    def __init__(self, manifests: dict[str, dict], fault_demo=None):
+        labels = list(manifests)
+        super().__init__({"source": labels[0], "target": labels[-1], "kind": "param",
+                          "name": tensors(manifests[labels[0]])[0]})
+        self.manifests = manifests
+        self.fault_demo, self.fault_fig = fault_demo, None
+        self.redraw()
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        s = self.state
+        src, dst = self.manifests[s["source"]], self.manifests[s["target"]]
+        names = [n for n in tensors(src, s["kind"]) if n in tensors(dst, s["kind"])]
+        if s["name"] not in names:
+            s["name"] = names[0]
+        self.piece_fig = piece_map(src, s["name"], s["kind"])
+        self.reshard_fig = reshard_map(src, dst, s["name"], s["kind"])
+        self.show()
+
+    def run(self):
+        """The fault demo: a rank killed, the run recovered from its checkpoint."""
+        if self.fault_demo is not None:
+            self.fault_fig = self.result = self.fault_demo()
+            self.show()
+        return self.result
+
+    def knobs(self) -> dict:
+        s, labels = self.state, list(self.manifests)
+        return {
+            "source": w.Dropdown(options=labels, value=s["source"], description="saved by"),
+            "target": w.Dropdown(options=labels, value=s["target"], description="load into"),
+            "kind": w.Dropdown(options=["param", "exp_avg", "exp_avg_sq"], value=s["kind"],
+                               description="kind"),
+            "name": w.Dropdown(options=tensors(self.manifests[s["source"]]), value=s["name"],
+                               description="tensor"),
+        }
+
+
+def controls(manifests: dict[str, dict], fault_demo=None) -> Controls:
+    """The chapter's controls; display ``controls(...).widget`` in JupyterLab, or show the
+    static ``piece_fig`` / ``reshard_fig`` without a frontend."""
+    return Controls(manifests, fault_demo)

@@ -1,0 +1,208 @@
+"""Chapter 11's quiz panel: pick a review question, see its picture, turn its knobs.
+
+After reading this file you should know how the quiz panel works: the first knob picks a
+question of :data:`edu3d.course.ch11_review.BANK` and sets the other knobs to that question's
+case; :func:`picture` draws the picture of the current knobs (the charts of
+:mod:`edu3d.widgets.review`, the planner's ranking from :func:`edu3d.course.ch11_review.plan`,
+the bubble curve from :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve`); "measure
+it" launches the tiny GPT on the CPU for the pipeline and ZeRO pictures
+(:func:`edu3d.course.ch06_3d_parallelism.capstone`) and draws the measurement over the theory.
+:func:`tp_picture`, :func:`bubble_picture` and :func:`layout_picture` are the pictures the
+chapter shows beside its questions; a pipeline setting that cannot run says why
+(:func:`edu3d.course.ch05_pipeline_parallel.pp_problem`).
+"""
+
+from __future__ import annotations
+
+import ipywidgets as w
+
+from edu3d.course import lesson_args
+from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve, pp_problem
+from edu3d.course.ch06_3d_parallelism import capstone, memory_estimate
+from edu3d.course.ch11_review import BANK, plan
+from edu3d.distributed.mesh import Layout
+from edu3d.schedules.simulate import bubble_of
+from edu3d.train.options import config_from_args
+from edu3d.widgets.panels.panel import Panel, choices
+from edu3d.widgets.pipeline import bubble_figure
+from edu3d.widgets.review import (activations_figure, in_flight_figure, layout_figure,
+                                  ring_figure, tp_figure, zero_figure, zero_measured_figure)
+from edu3d.widgets.threed import pipeline_view
+
+PICTURES = ("ring", "zero", "activations", "tp", "bubble", "in_flight", "layout")
+MODELS = ("gpt2-xl", "llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+STATE = ("params", "grads", "optimizer")
+DEFAULT = {"question": "bubble_1f1b", "picture": "bubble", "schedule": "1f1b", "pp": 4, "m": 8,
+           "n": 8, "model": "llama2-7b", "gpus": 16}
+
+
+# ---- the pictures ------------------------------------------------------------------------------
+def tp_picture(model: str = "llama2-7b", gpus: int = 16):
+    """The fastest layout at each TP degree for ``model`` on ``gpus`` GPUs (the planner's)."""
+    return tp_figure(plan(model, gpus), model, gpus)
+
+
+def layout_picture(model: str = "llama2-13b", gpus: int = 16):
+    """The planner's fastest fitting layouts for ``model`` on ``gpus`` GPUs."""
+    return layout_figure(plan(model, gpus), model, gpus)
+
+
+def bubble_picture(schedule: str = "1f1b", pp: int = 4, m: int = 8,
+                   measured: float | None = None):
+    """The simulated bubble against the micro-batches (1 to 32, or m), over the formula;
+    interleaved with 2 chunks per rank."""
+    curve = pp_bubble_curve(schedule, pp, chunks(schedule), tuple(range(1, max(32, m) + 1)))
+    return bubble_figure(curve, schedule, pp, m, chunks(schedule), measured)
+
+
+def chunks(schedule: str) -> int:
+    """Chunks per rank the quiz gives a schedule: interleaved 2, the others 1."""
+    return 2 if schedule == "interleaved" else 1
+
+
+def in_flight_picture(schedule: str = "1f1b", pp: int = 4, m: int = 8):
+    """Micro-batches kept alive per pipeline rank under GPipe, 1F1B and ``schedule`` (those
+    that can run ``m`` micro-batches on ``pp`` ranks)."""
+    names = [s for s in dict.fromkeys(["gpipe", "1f1b", schedule])
+             if pp_problem(s, pp, m, chunks(s)) is None]
+    return in_flight_figure(pp, m, names)
+
+
+def picture(state: dict):
+    """The figure of the panel's current ``state``."""
+    kind = state["picture"]
+    if kind == "ring":
+        return ring_figure(state["n"])
+    if kind == "zero":
+        return zero_figure(state["model"], state["n"])
+    if kind == "activations":
+        return activations_figure(state["model"])
+    if kind == "tp":
+        return tp_picture(state["model"], state["gpus"])
+    if kind == "bubble":
+        return bubble_picture(state["schedule"], state["pp"], state["m"])
+    if kind == "in_flight":
+        return in_flight_picture(state["schedule"], state["pp"], state["m"])
+    if kind == "layout":
+        return layout_picture(state["model"], state["gpus"])
+    raise ValueError(f"unknown picture {kind!r}; choose one of {', '.join(PICTURES)}")
+
+
+# ---- the panel ---------------------------------------------------------------------------------
+class Controls(Panel):
+    """"Quiz me": pick a question, see its picture, turn its knobs; "measure it" runs the
+    tiny GPT for the pipeline and ZeRO pictures."""
+
+    button = "measure it"
+    tooltip = "run the tiny GPT on the CPU and draw it over the theory"
+    knob_rows = (("question", "run"), ("schedule", "pp", "m"), ("n", "model", "gpus"))
+    FIGURES = ("figure",)
+
+    def __init__(self, default: dict | None = None):
+        question = (default or DEFAULT).get("question", "bubble_1f1b")
+        super().__init__({**DEFAULT, **BANK[question].picture, **(default or {})})
+        self.bank = BANK
+        self.figure = None
+        self.redraw()
+
+    @property
+    def figures(self) -> tuple:
+        return () if self.problem() else super().figures
+
+    def problem(self) -> str | None:
+        """Why the current pipeline picture cannot be drawn (None if it can)."""
+        s = self.state
+        if s["picture"] in ("bubble", "in_flight"):
+            return pp_problem(s["schedule"], s["pp"], s["m"], chunks(s["schedule"]))
+        return None
+
+    def redraw(self, **changes) -> None:
+        if "question" in changes and changes["question"] != self.state["question"]:
+            changes = {**self.bank[changes["question"]].picture, **changes}
+        self.state.update(changes)
+        self.result = None
+        q = self.bank[self.state["question"]]
+        bad = self.problem()
+        if not bad:
+            self.figure = picture(self.state)
+        self.sync_knobs()
+        self.say(bad or f"{q.title[:3].strip()} · {q.topic}: see notebooks/{q.chapter}")
+
+    def run(self, timeout: float = 300):
+        """Run the tiny GPT for the current picture and draw it over the theory."""
+        s = self.state
+        if s["picture"] == "bubble":
+            return self._measure_bubble(timeout)
+        if s["picture"] == "zero":
+            return self._measure_zero(timeout)
+        self.say(f"the {s['picture']} picture is edu3d's estimate at real sizes; pick a "
+                 "pipeline-bubble or ZeRO question to measure a run")
+        return None
+
+    def _measure_bubble(self, timeout: float):
+        s = self.state
+        vpp = chunks(s["schedule"])
+        # the tiny GPT has 4 layers and a global batch of 8: p*v <= 4 and m divides 8
+        pp = 2 if s["pp"] < 4 or vpp > 1 else 4
+        m = max(k for k in (1, 2, 4, 8) if k <= max(s["m"], pp) and k % (pp if vpp > 1 else 1)
+                == 0)
+        self.say(f"running pp={pp}, m={m} on {pp} ranks ...")
+        layout = Layout(pp=pp, vpp=vpp)
+        run = self.launch(capstone, pp, kwargs={"steps": 2, "zero": 0, "microbatches": m,
+                                                "schedule": s["schedule"], "vpp": vpp},
+                          layout=layout, timeout=timeout)
+        if run is None:
+            return None
+        events = [e for e in pipeline_view(run.events(), layout) if e.get("step") == 2]
+        self.result = bubble_of(events)
+        self.state.update(pp=pp, m=m)
+        self.sync_knobs()
+        self.figure = bubble_picture(s["schedule"], pp, m, self.result)
+        self.say(f"measured on {pp} CPU ranks: bubble {self.result:.1%} (message "
+                 "latency and Python overhead add to the theory)")
+        return self.result
+
+    def _measure_zero(self, timeout: float):
+        dp = min(max(self.state["n"], 2), 4)
+        config = config_from_args(lesson_args())
+        rows = []
+        for zero in range(4):
+            self.say(f"running dp={dp} ZeRO-{zero} ...")
+            run = self.launch(capstone, dp, kwargs={"steps": 1, "zero": zero,
+                                                    "microbatches": 1},
+                              layout=Layout(dp=dp), timeout=timeout)
+            if run is None:
+                return None
+            mem = next(r["memory"] for r in run.results if r["rank"] == 0)
+            est = memory_estimate(config, dp, 1, 1, zero, 1)[0]
+            rows.append({"zero": zero, "dp": dp, "measured": sum(mem[c] for c in STATE),
+                         "estimate": sum(est[c] for c in STATE)})
+        self.result = rows
+        self.figure = zero_measured_figure(rows)
+        self.say(f"measured on {dp} CPU ranks, the tiny GPT in fp32 (4 + 4 + 8 bytes)")
+        return rows
+
+    def knobs(self) -> dict:
+        s = self.state
+        return {
+            "question": w.Dropdown(options=[(q.title, q.key) for q in self.bank.values()],
+                                   value=s["question"], description="question",
+                                   layout={"width": "460px"}),
+            "schedule": w.Dropdown(options=list(SCHEDULES), value=s["schedule"],
+                                   description="schedule"),
+            "pp": w.IntSlider(min=2, max=8, value=s["pp"], description="stages p"),
+            "m": w.IntSlider(min=1, max=64, value=s["m"], description="micro-batches"),
+            "n": w.Dropdown(options=choices([1, 2, 4, 8, 16, 32, 64], s["n"]), value=s["n"],
+                            description="ranks N"),
+            "model": w.Dropdown(options=choices(MODELS, s["model"]), value=s["model"],
+                                description="model"),
+            "gpus": w.Dropdown(options=choices([8, 16, 32, 64], s["gpus"]), value=s["gpus"],
+                               description="GPUs"),
+        }
+
+
+def controls(default: dict | None = None) -> Controls:
+    """The review's quiz panel; display ``controls().widget`` in JupyterLab, or show the
+    static ``figure`` without a frontend."""
+    return Controls(default)

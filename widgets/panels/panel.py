@@ -1,0 +1,143 @@
+"""The one base of every chapter's control panel: knobs that redraw, a button that runs.
+
+After reading this file you should know what every panel of the course does, whatever its
+chapter:
+
+* it holds its choice in ``state`` (a dict) and rebuilds plain plotly figures from it in
+  :meth:`Panel.redraw`, at once, from a simulation or a formula computed by the chapter's
+  course module (:mod:`edu3d.course`);
+* its button (``"run it"`` unless the panel names it otherwise) calls :meth:`Panel.run`,
+  which launches real ranks (:meth:`Panel.launch`: a failed run becomes the panel's message)
+  and draws the measurement over the prediction;
+* :attr:`Panel.widget` builds the ipywidgets box on first use: a bold title if any, the
+  knobs in ``knob_rows`` (the name ``"run"`` places the button; otherwise it ends the last
+  row), and one output area that shows the message and :attr:`Panel.figures`;
+* without a frontend (nbval, exported HTML) nobody asks for the widget: the output area never
+  exists, :meth:`Panel.show` draws nothing, and the chapter shows the default static figures
+  (``ctl.figures``, or the panel's named ``..._fig``), so checked cells stay stable.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import ipywidgets as w
+from IPython.display import display
+
+from edu3d.launch.api import LaunchError, launch
+
+MAX_RUN_RANKS = 8  # what 2 CPU cores can launch in a few seconds
+
+
+class Panel(abc.ABC):
+    """Knobs -> :meth:`redraw`; the button -> :meth:`run`; one output area for both."""
+
+    title = ""  # a bold line above the knobs; empty: none
+    knob_rows: tuple | None = None  # rows of knob keys ("run": the button); None: one row
+    button = "run it"
+    button_style = "primary"
+    tooltip = "launch the real ranks and draw them over the theory"
+    FIGURES: tuple = ()  # the names of the figure attributes :attr:`figures` shows
+
+    def __init__(self, state: dict):
+        self.state = dict(state)
+        self.message = ""
+        self.result = None
+        self._box = self._out = None
+        self._knobs: dict = {}
+        self._syncing = False
+
+    @property
+    def figures(self) -> tuple:
+        """The figures the panel shows now (its ``FIGURES`` attributes that are drawn)."""
+        figs = (getattr(self, name, None) for name in self.FIGURES)
+        return tuple(f for f in figs if f is not None)
+
+    @abc.abstractmethod
+    def knobs(self) -> dict:
+        """``{state key: ipywidget}`` showing the current state."""
+
+    @abc.abstractmethod
+    def redraw(self, **changes) -> None:
+        """Apply ``changes`` to the state and redraw the figures at once (no launch)."""
+
+    @abc.abstractmethod
+    def run(self):
+        """Launch the real ranks for the current state and draw the measurement."""
+
+    # ---- what runs share --------------------------------------------------------------------
+    def launch(self, target, nprocs: int, **kw):
+        """Launch ``target`` on ``nprocs`` ranks quietly; a failed run becomes the panel's
+        message and None is returned."""
+        try:
+            return launch(target, nprocs, echo=False, **kw)
+        except LaunchError as err:
+            self.message = f"the run failed: {str(err)[:500]}"
+            self.show()
+            return None
+
+    def refuse(self, reason: str | None) -> bool:
+        """Show ``reason`` (why this setting cannot run) and say whether there was one."""
+        if reason:
+            self.message = reason
+            self.show()
+        return bool(reason)
+
+    def say(self, message: str) -> None:
+        """Show ``message`` over the figures (a run starting, a run's result)."""
+        self.message = message
+        self.show()
+
+    # ---- the ipywidgets box -----------------------------------------------------------------
+    @property
+    def widget(self):
+        if self._box is None:
+            knobs = self._knobs = self.knobs()
+            for key, knob in knobs.items():
+                knob.observe(lambda ch, key=key: self._turned(key, ch["new"]), "value")
+            button = w.Button(description=self.button, button_style=self.button_style,
+                              tooltip=self.tooltip)
+            button.on_click(lambda _: self.run())
+            rows = self.knob_rows or (tuple(knobs),)
+            boxes = [w.HBox([button if key == "run" else knobs[key] for key in row])
+                     for row in rows]
+            if not any("run" in row for row in rows):
+                boxes[-1].children = (*boxes[-1].children, button)
+            self._out = w.Output()
+            head = [w.HTML(f"<b>{self.title}</b>")] if self.title else []
+            self._box = w.VBox([*head, *boxes, self._out])
+            self._box.add_class("edu3d-controls")  # what the browser test turns
+            self.show()
+        return self._box
+
+    def _turned(self, key: str, value) -> None:
+        if not self._syncing:
+            self.redraw(**{key: value})
+
+    def sync_knobs(self) -> None:
+        """Show ``state`` on the knobs (after a redraw adjusted a dependent knob, or a choice
+        set several) without one redraw per knob: :meth:`_turned` skips while syncing."""
+        self._syncing = True
+        try:
+            for key, knob in self._knobs.items():
+                if knob.value != self.state[key]:
+                    knob.value = self.state[key]
+        finally:
+            self._syncing = False
+
+    def show(self) -> None:
+        """Redraw the output area: the message (a refused setting, a run's result), then the
+        figures. Without a frontend there is no output area: nothing to draw."""
+        if self._out is None:
+            return
+        self._out.clear_output(wait=True)
+        with self._out:
+            if self.message:
+                print(self.message)
+            if self.figures:
+                display(*self.figures)
+
+
+def choices(values, current) -> list:
+    """A knob's options: ``values`` and the current value, sorted."""
+    return sorted({*values, current})
