@@ -26,6 +26,9 @@ stack), :mod:`.recompute` (activation recomputation against ``checkpoint_wrapper
 one). :mod:`.gpu` is the one
 that needs CUDA: the memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and
 MFU on one device (``python -m edu3d.bench.bench_gpu``).
+
+The timing functions bring torch in through imports inside functions: ``edu3d bench``'s
+command formats reports with this module (:func:`format_table`) and must start torch-free.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def progress(message: str) -> None:
         print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def _progress_rep(i: int, reps: int, times: dict[str, list[float]]) -> None:
+def progress_rep(i: int, reps: int, times: dict[str, list[float]]) -> None:
+    """One progress line (stderr) after repetition ``i``: each side's latest time."""
     progress(f"repetition {i + 1}/{reps}: " +
              ", ".join(f"{name} {ts[-1] * 1e3:.2f} ms" for name, ts in times.items()))
 
@@ -75,7 +79,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int = 5, war
     for i in range(reps):
         for name, fn in fns.items():
             times[name].append(time_once(fn, group))
-        _progress_rep(i, reps, times)
+        progress_rep(i, reps, times)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -28,10 +28,12 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
     import statistics
     import time
 
-    from edu3d.plan import formulas as memory
+    from edu3d.distributed import meter
     from edu3d.train.data import SyntheticCorpus
     from edu3d.model.gpt import GPT, num_params
-    from edu3d.train.loop import config_from_args, make_optimizer, train_step
+    from edu3d.train.loop import train_step
+    from edu3d.train.optim import make_optimizer
+    from edu3d.train.options import config_from_args
     from edu3d.train.trainer import Trainer
 
     out = {}
@@ -56,7 +58,7 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
         log = getattr(trainer.par.dp, "launch_log", [])
         out[name] = {"losses": losses, "step_s": statistics.median(times),
                      "launch_log": list(log), "psi": num_params(model),
-                     "memory": memory.measure(trainer.tensors())}
+                     "memory": meter.measure(trainer.tensors())}
         if trainer.par.zero is not None:
             out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.par.zero.units]
     return out
@@ -113,7 +115,7 @@ def compression_error(mesh, hooks=("none",) + HOOKS, steps: int = 10, **common) 
     from edu3d.distributed import trace
     from edu3d.train.data import SyntheticCorpus
     from edu3d.model.gpt import GPT
-    from edu3d.train.loop import config_from_args
+    from edu3d.train.options import config_from_args
     from edu3d.train.trainer import Trainer
 
     out, ref_params = {}, None

@@ -29,6 +29,7 @@ from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import ops
 from edu3d.parallel.tp.activations import block_collectives, measure_layer
+from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                       vocab_parallel_cross_entropy)
 
@@ -130,7 +131,10 @@ def memory_sweep(mesh, config: GPTConfig, batch: int = 2) -> list[dict]:
     while t <= n:
         m = mesh if t == mesh.size("tp") else Mesh.build(Layout(dp=n // t, tp=t))
         for sp in (False, True):
-            rows.append(measure_layer(m, config, batch, sp))
+            s, h, a = config.seq_len, config.d_model, config.n_heads
+            rows.append({**measure_layer(m, config, batch, sp),
+                         "model_formula": layer_activation_bytes(s, batch, h, a, t, sp),
+                         "korthikanti_16bit": activation_bytes_per_layer(s, batch, h, a, t, sp)})
         t *= 2
     return rows
 

@@ -126,7 +126,8 @@ def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_los
     """Losses of the serial model and of a one-rank pipeline, step by step, same data.
 
     Uses the defaults of ``edu3d train`` (clipping at 1.0, weight decay 0.1)."""
-    from edu3d.train.loop import make_optimizer, train_step
+    from edu3d.train.loop import train_step
+    from edu3d.train.optim import make_optimizer
 
     config, corpus = _small_model(layers)
     args = _pipeline_args("interleaved", m, 2, lr=lr, optimizer=optimizer)

@@ -30,13 +30,14 @@ def capstone(mesh, steps: int = 4, **overrides) -> dict:
     """Train ``steps`` steps of dp2-tp2-pp2 ZeRO-1 (or the launched layout) on this rank;
     return its losses, grad norms, measured memory per category, and the serial reference
     losses (computed on every rank, the same everywhere)."""
-    from edu3d.plan import formulas as memory
+    from edu3d.distributed import meter
     from edu3d.distributed import trace
     from edu3d.course import lesson_args
     from edu3d.train.data import SyntheticCorpus
     from edu3d.model.gpt import GPT
     from edu3d.train.optim import make_optimizer
-    from edu3d.train.options import config_from_args, num_params_from_config
+    from edu3d.model.shapes import num_params_from_config
+    from edu3d.train.options import config_from_args
     from edu3d.train.loop import train_step
     from edu3d.train.trainer import Trainer
 
@@ -62,7 +63,7 @@ def capstone(mesh, steps: int = 4, **overrides) -> dict:
         norms.append(out["grad_norm"])
         with trace.use(trace.NullRecorder()):  # the reference is not part of the run's trace
             serial_losses.append(train_step(serial, optimizer, x, y, s, args)["loss"])
-    mem = memory.measure(trainer.tensors())
+    mem = meter.measure(trainer.tensors())
     mem["activations"] = int(peak)
     mem["total"] = mem["total"] + mem["activations"]
     return {"rank": mesh.rank, "coords": list(mesh.layout.coords(mesh.rank)),

@@ -7,7 +7,7 @@ chapter measures both sides in one launch per world size (:func:`side_by_side`):
 model, seed and batches through edu3d's :class:`~edu3d.train.trainer.Trainer` and through
 :class:`~edu3d.production.torch_impl.TorchTrainer` (``edu3d train --impl torch``), with each
 side's losses, median step time, the bytes of parameters, gradients and optimizer state a
-rank holds at rest (the same count, :func:`edu3d.plan.formulas.measure`, on both sides: local
+rank holds at rest (the same count, :func:`edu3d.distributed.meter.measure`, on both sides: local
 shards of DTensors) and, for edu3d, the bytes its collectives moved in the last step.
 """
 
@@ -119,10 +119,10 @@ def _held(params, grads, states) -> dict:
     """Bytes of the tensors this rank holds (DTensors: their local shard)."""
     from torch.distributed.tensor import DTensor
 
-    from edu3d.plan import formulas as memory
+    from edu3d.distributed import meter
 
     local = lambda ts: [t.to_local() if isinstance(t, DTensor) else t for t in ts]  # noqa: E731
-    return memory.measure({"params": local(params), "grads": local(grads),
+    return meter.measure({"params": local(params), "grads": local(grads),
                            "optimizer": local(states)})
 
 
@@ -171,13 +171,11 @@ def _steps(trainer, corpus, args, steps: int) -> tuple[list[float], list[float]]
 
 def side_by_side(mesh, names: list[str], steps: int = 4) -> list[dict]:
     """Each named strategy (:data:`STRATEGIES`, one world size) on edu3d and on torch."""
-    import argparse
-
     from edu3d.distributed import trace
     from edu3d.train.data import SyntheticCorpus
     from edu3d.distributed.mesh import Layout, Mesh
     from edu3d.model.gpt import GPT
-    from edu3d.train.options import add_arguments, check_args, config_from_args
+    from edu3d.train.options import check_args, config_from_args, from_flags
     from edu3d.production.torch_impl import TorchTrainer
     from edu3d.train.trainer import Trainer
 
@@ -187,7 +185,7 @@ def side_by_side(mesh, names: list[str], steps: int = 4) -> list[dict]:
         argv = [*STRATEGIES[name]["argv"].split(), "--steps", str(steps)]
         row = {"name": name, "argv": " ".join(argv)}
         for impl in ("edu3d", "torch"):
-            args = add_arguments(argparse.ArgumentParser()).parse_args([*argv, "--impl", impl])
+            args = from_flags([*argv, "--impl", impl])
             config, _ = check_args(args)
             layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp)
             m = Mesh.build(layout)
@@ -262,7 +260,7 @@ def loss_table(accelerate_records: list[dict], edu3d_records: list[dict]) -> tup
 def offload(mesh, steps: int = 4) -> dict:
     """edu3d ZeRO-1 over dp with and without ``--offload`` (every rank calls): the bytes the
     optimizer's host copy holds and moves each step, and the step times."""
-    from edu3d.plan import formulas as memory
+    from edu3d.distributed import meter
     from edu3d.train.data import SyntheticCorpus
     from edu3d.model.gpt import GPT
     from edu3d.train.options import config_from_args, defaults
@@ -275,7 +273,7 @@ def offload(mesh, steps: int = 4) -> dict:
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
         trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
         losses, secs = _steps(trainer, corpus, args, steps)
-        held = memory.measure(trainer.tensors())  # this rank; offloaded state under "host"
+        held = meter.measure(trainer.tensors())  # this rank; offloaded state under "host"
         shard = sum(u.shard_numel for u in trainer.par.zero.units) * 4
         out["offload" if off else "device"] = {
             "losses": losses, "step_s": _slowest(secs), "mem": held, "shard_bytes": shard,

@@ -184,11 +184,11 @@ def tp_collectives_prediction(config, batch: int, t: int, sp: bool) -> dict:
 def tp_activation_prediction(config, batch: int, t: int, sp: bool) -> dict:
     """Activation bytes one layer keeps per rank: this model's count (fp32, no dropout,
     fused attention) and Korthikanti et al.'s 16-bit count for the paper's layer."""
-    from edu3d.parallel.tp.activations import korthikanti_bytes, model_activation_bytes
+    from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
 
     s, h, a = config.seq_len, config.d_model, config.n_heads
-    return {"model_formula": model_activation_bytes(s, batch, h, a, t, sp),
-            "korthikanti_16bit": korthikanti_bytes(s, batch, h, a, t, sp)}
+    return {"model_formula": layer_activation_bytes(s, batch, h, a, t, sp),
+            "korthikanti_16bit": activation_bytes_per_layer(s, batch, h, a, t, sp)}
 
 
 def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
@@ -199,9 +199,9 @@ def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
 
     from edu3d.distributed import trace
     from edu3d.course.ch04_tensor_parallel import split_demo
-    from edu3d.parallel.tp.activations import _tp_block, block_input, measure_layer
+    from edu3d.parallel.tp.activations import tp_block, block_input, measure_layer
 
-    block = _tp_block(config, mesh, sp, 0)
+    block = tp_block(config, mesh, sp, 0)
     x = block_input(config, batch, mesh, sp, 0)
     phases = {}
     with trace.use(trace.Recorder(mesh.rank)) as rec:
@@ -220,7 +220,8 @@ def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
                                    for e in evs if e["op"] == op)}
             for op, n in sorted(counts.items())}
     return {"split": split_demo(mesh, **SPLIT), "collectives": collectives,
-            "memory": measure_layer(mesh, config, batch, sp)}
+            "memory": {**measure_layer(mesh, config, batch, sp),
+                       **tp_activation_prediction(config, batch, t, sp)}}
 
 
 # ---- pipelines ---------------------------------------------------------------------------------

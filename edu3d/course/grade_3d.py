@@ -36,7 +36,8 @@ class GradPiece(NamedTuple):
 
 def _shard_of(full: torch.Tensor, spec, tp_index: int, tp: int) -> torch.Tensor:
     """This tp rank's shard of a serial tensor, for a spec as ``Parallel.specs`` holds it."""
-    from edu3d.parallel.tp.layers import padded_size, shard
+    from edu3d.model.shapes import padded_size
+    from edu3d.parallel.tp.layers import shard
 
     if spec is None or tp == 1:
         return full

@@ -217,6 +217,12 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return n
 
 
+def block_params(d: int) -> int:
+    """Parameters of one block of width ``d``: qkv ``3d²+3d``, proj ``d²+d``, fc ``4d²+4d``,
+    its proj ``4d²+d``, two LayerNorms ``4d``."""
+    return 12 * d * d + 13 * d
+
+
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: ``6N + 12·L·h·s`` (Chowdhery et al. 2022, PaLM, appendix B).
 
@@ -226,8 +232,7 @@ def flops_per_token(config: GPTConfig) -> int:
     computed from the config, so this is cheap even for gpt2-small.
     """
     d, L = config.d_model, config.n_layers
-    per_layer = 12 * d * d + 13 * d  # qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, proj 4d^2+d, 2 LNs 4d
-    n = L * per_layer + 2 * d  # + ln_f
+    n = L * block_params(d) + 2 * d  # + ln_f
     if not config.tie_weights:
         n += d * config.vocab_size  # lm_head
     return 6 * n + 12 * L * d * config.seq_len
