@@ -52,6 +52,13 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block: qkv ``3d²+3d``, proj ``d²+d``, fc ``4d²+4d``, its proj
+        ``4d²+d``, two LayerNorms ``4d``."""
+        d = self.d_model
+        return 12 * d * d + 13 * d
+
 
 PRESETS = {
     "tiny": GPTConfig(n_layers=4, n_heads=4, d_model=64, seq_len=32, vocab_size=256),
@@ -217,12 +224,6 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return n
 
 
-def block_params(d: int) -> int:
-    """Parameters of one block of width ``d``: qkv ``3d²+3d``, proj ``d²+d``, fc ``4d²+4d``,
-    its proj ``4d²+d``, two LayerNorms ``4d``."""
-    return 12 * d * d + 13 * d
-
-
 def flops_per_token(config: GPTConfig) -> int:
     """Training FLOPs per token: ``6N + 12·L·h·s`` (Chowdhery et al. 2022, PaLM, appendix B).
 
@@ -232,7 +233,7 @@ def flops_per_token(config: GPTConfig) -> int:
     computed from the config, so this is cheap even for gpt2-small.
     """
     d, L = config.d_model, config.n_layers
-    n = L * block_params(d) + 2 * d  # + ln_f
+    n = L * config.block_params + 2 * d  # + ln_f
     if not config.tie_weights:
         n += d * config.vocab_size  # lm_head
     return 6 * n + 12 * L * d * config.seq_len
