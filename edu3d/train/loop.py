@@ -195,6 +195,9 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
     (default: the current ``sys.stdout``) and return one record per step. ``trainer_class``:
     :class:`~edu3d.train.trainer.Trainer`, or one with its interface (``--impl torch``)."""
     out = out or sys.stdout
+    if args.impl == "torch" and trainer_class is Trainer:
+        raise ValueError("impl='torch' trains with PyTorch's own APIs: pass trainer_class="
+                         "edu3d.production.torch_impl.TorchTrainer (as edu3d train does)")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # the course's runs are multi-process; one thread each
     config, layout = check_args(args)
