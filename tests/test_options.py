@@ -11,8 +11,8 @@ from edu3d.distributed.mesh import Layout, LayoutError
 from edu3d.commands.argtypes import positive_int
 from edu3d.commands.train import add_arguments, options_from
 from edu3d.model.shapes import num_params_from_config
-from edu3d.train.options import (MIN_VOCAB, PRESET_NAMES, check_args, check_fit, memory_per_rank,
-                                 oversubscribed)
+from edu3d.train.options import (MIN_VOCAB, PRESET_NAMES, check_args, check_fit, defaults,
+                                 from_flags, memory_per_rank, oversubscribed)
 
 GB = 10**9
 
@@ -130,6 +130,18 @@ COMPOSE = [
 def test_every_axis_composes(argv):
     config, layout = _check(*argv)
     assert layout.world_size == layout.dp * layout.tp * layout.pp
+
+
+@pytest.mark.parametrize("argv", COMPOSE, ids=[" ".join(a) for a in COMPOSE])
+def test_a_command_line_written_as_data_reads_as_the_parser_reads_it(argv):
+    assert from_flags(argv) == _parse(*argv)
+
+
+def test_an_unknown_option_is_refused_with_the_valid_names():
+    with pytest.raises(TypeError, match="unknown option.*microbatch.*options are .*microbatches"):
+        defaults(microbatch=4)
+    with pytest.raises(ValueError, match="--microbatch.*not an edu3d train option"):
+        from_flags(["--microbatch", "4"])
 
 
 @pytest.mark.parametrize("argv,message", [
