@@ -64,8 +64,8 @@ class Parser(argparse.ArgumentParser):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser for ``command`` (all commands when None); others as placeholders."""
     parser = Parser(
-        prog="edu3d", description="edu3d: 3D-parallel LLM training you can see. Real "
-                                  "torch.distributed runs, measured and drawn.")
+        prog="edu3d", description="edu3d: 3D-parallel LLM training you can see. Real runs "
+                                  "(torch.distributed), measured and drawn.")
     parser.add_argument("--version", action="version", version=f"edu3d {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_, module) in SUBCOMMANDS.items():
