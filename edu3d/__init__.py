@@ -6,7 +6,13 @@ Import the modules you need (``from edu3d.distributed import mesh, runtime, comm
 write ``from edu3d import comm``, which this package hands the traced collectives for.
 
 In a notebook, ``%load_ext edu3d`` registers the ``%%torchrun`` cell magic.
+
+The imports inside functions below are what keeps ``import edu3d`` (and so the ``edu3d``
+command and every rank's start-up) torch-free: ``comm`` and the magic are imported only when
+first asked for.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
@@ -15,8 +21,6 @@ def __getattr__(name):
     """``from edu3d import comm`` (the path learners' exercise files use) gives
     :mod:`edu3d.distributed.comm`, imported on first use so that ``import edu3d`` stays torch-free."""
     if name == "comm":
-        import importlib
-
         return importlib.import_module("edu3d.distributed.comm")
     raise AttributeError(f"module 'edu3d' has no attribute {name!r}")
 

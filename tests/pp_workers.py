@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from argparse import Namespace
+import dataclasses
 
 import torch
 
@@ -11,21 +11,23 @@ from edu3d.train.data import SyntheticCorpus
 from edu3d.model.gpt import GPT, config_from
 from edu3d.course import unscaled_loss
 from edu3d.train.trainer import Trainer
-from edu3d.train.loop import make_optimizer, train_step
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import TrainOptions, check_args, config_from_args, defaults
 
 
-def _args(optimizer: str) -> Namespace:
+def _args(optimizer: str) -> TrainOptions:
     # AdamW turns fp32 rounding in tiny gradients into full-size updates; lr 1e-3 with 10
     # warmup steps keeps that floor below 1e-5 (see tests/test_dp.py, same convention).
     if optimizer == "sgd":
-        return Namespace(lr=0.1, clip=1.0, weight_decay=0.1, optimizer="sgd", warmup=0)
-    return Namespace(lr=1e-3, clip=1.0, weight_decay=0.1, optimizer="adamw", warmup=10)
+        return defaults(lr=0.1, clip=1.0, weight_decay=0.1, optimizer="sgd", warmup=0)
+    return defaults(lr=1e-3, clip=1.0, weight_decay=0.1, optimizer="adamw", warmup=10)
 
 
-def _pipeline(args: Namespace, cfg: dict) -> Namespace:
+def _pipeline(args: TrainOptions, cfg: dict) -> TrainOptions:
     """``args`` with the pipeline options of ``cfg``."""
-    return Namespace(**vars(args), schedule=cfg["schedule"], microbatches=cfg["m"],
-                     vpp=cfg.get("vpp", 1))
+    return dataclasses.replace(args, schedule=cfg["schedule"], microbatches=cfg["m"],
+                               vpp=cfg.get("vpp", 1))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,15 +123,13 @@ def parity(mesh, configs: list[dict], refs: list[dict], adam_steps: int = 3) -> 
 
 
 def train_records(mesh, argv: list[str], steps: int) -> list[dict]:
-    """``edu3d train``'s per-step records through :func:`build_trainer` (what the lead wires)."""
-    import argparse
+    """``edu3d train``'s per-step records through the :class:`Trainer` (what the lead wires)."""
+    from edu3d.commands.train import parse
 
-    from edu3d.train.loop import add_arguments, build_trainer, check_args, config_from_args
-
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    args = parse(argv)
     check_args(args)
     config = config_from_args(args)
-    trainer = build_trainer(GPT(config, seed=args.seed), mesh, args)
+    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     out = []
     for step in range(1, steps + 1):

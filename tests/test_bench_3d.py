@@ -22,7 +22,7 @@ def test_torch_composed_3d_gradients_equal_serial(zero):
 def test_bench_3d_is_registered():
     import importlib
 
-    from edu3d.cli import BENCHMARKS
+    from edu3d.commands.bench import BENCHMARKS
 
     module, _, fn = BENCHMARKS["3d"].partition(":")
     assert callable(getattr(importlib.import_module(module), fn))

@@ -16,7 +16,8 @@ from edu3d.ckpt.format import CheckpointError, check_resume, full_state, latest_
 from edu3d.launch import launch
 from edu3d.distributed.mesh import Layout
 from edu3d.train.options import check_args, config_from_args, defaults
-from edu3d.parallel.tp.layers import padded_size, shard
+from edu3d.model.shapes import padded_size
+from edu3d.parallel.tp.layers import shard
 from edu3d.train.loop import run
 
 TINY = dict(model="tiny", layers=2, tie=True, vocab=250, json=True)
@@ -330,7 +331,7 @@ def _gpu_run(args, resume_at: int | None = None) -> list[dict]:
     config = config_from_args(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     trainer = Trainer(GPT(config, seed=args.seed).cuda(), None, args)
-    ckpt = Checkpointer(trainer, args)
+    ckpt = Checkpointer(trainer, args, config_from_args(args))
     records = ckpt.resume(step=resume_at) if resume_at else []
     for s in range(len(records) + 1, args.steps + 1):
         x, y = corpus.batch(s, args.global_batch)

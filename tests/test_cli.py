@@ -104,7 +104,7 @@ def test_every_benchmark_entry_point_exists():
     """`edu3d bench NAME` resolves to a real function for every NAME it offers."""
     import importlib
 
-    from edu3d.cli import BENCHMARKS
+    from edu3d.commands.bench import BENCHMARKS
 
     assert {"launch", "comm", "dp", "zero", "tp", "pp"} <= set(BENCHMARKS)
     for name, target in BENCHMARKS.items():
@@ -179,8 +179,7 @@ def test_train_refuses_a_model_that_cannot_fit_before_launching(capsys, monkeypa
 
 
 def test_train_describes_the_model_without_building_it(monkeypatch):
-    import argparse
-
+    from edu3d.commands.train import parse
     from edu3d.train import loop as train
 
     def no_model(*_, **__):
@@ -188,8 +187,7 @@ def test_train_describes_the_model_without_building_it(monkeypatch):
 
     monkeypatch.setattr(train, "GPT", no_model)
     monkeypatch.setattr(train, "_run_parallel", lambda *_: [])
-    args = train.add_arguments(argparse.ArgumentParser()).parse_args(
-        ["--model", "medium", "--dp", "2"])
+    args = parse(["--model", "medium", "--dp", "2"])
     assert train.run(args) == []
 
 
@@ -292,12 +290,13 @@ def test_every_course_option_has_help():
 
     from edu3d.cli import build_parser
 
-    sub = next(a for a in build_parser("")._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in build_parser("course")._actions if isinstance(a, argparse._SubParsersAction))
     assert all(action.help for action in sub.choices["course"]._actions)
 
 
 def test_course_serves_the_root_on_loopback_and_passes_jupyter_options_through():
-    from edu3d.cli import COURSE_ROOT, course_command, parse_args
+    from edu3d.cli import parse_args
+    from edu3d.commands.course import COURSE_ROOT, course_command
 
     args = parse_args(["course", "--no-browser", "--port", "9000", "--ServerApp.token=s3cret"])
     cmd = course_command(args, as_root=False)

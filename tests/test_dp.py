@@ -5,7 +5,6 @@ sizes do not divide by N (d_model=27: every unit's size is odd). One launch per 
 runs every configuration; the serial reference is computed once, in the test process, and
 handed to the ranks."""
 
-import argparse
 import functools
 
 import pytest
@@ -14,7 +13,11 @@ import torch
 from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
-from edu3d.train.loop import add_arguments, config_from_args, make_optimizer, train_step
+from edu3d.commands.train import parse
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import TrainOptions, config_from_args
+from edu3d.train.trainer import Trainer
 
 TOL = 1e-5
 ADAM_STEPS = 3  # AdamW's state carried through two updates after the first; more repeat them
@@ -22,14 +25,14 @@ MODEL = ["--layers", "2", "--heads", "3", "--d-model", "27", "--seq", "16", "--v
          "--global-batch", "16"]
 
 
-def make_args(optimizer: str, **extra) -> argparse.Namespace:
+def make_args(optimizer: str, **extra) -> TrainOptions:
     # AdamW divides each gradient by its own root-mean-square, so elements with tiny gradients
     # turn fp32 rounding into full-size updates: at lr 3e-3 without warmup the *serial* model
     # run with 8 micro-batches differs from the unsplit run by 1.2e-4 after 10 steps. With
     # lr 1e-3 and 10 warmup steps that rounding floor is at most 3.4e-6 for 2, 8 or 16
     # micro-batches, so the 1e-5 bound tests the mechanism, not luck.
     lr = ["--lr", "0.1"] if optimizer == "sgd" else ["--lr", "1e-3", "--warmup", "10"]
-    args = add_arguments(argparse.ArgumentParser()).parse_args(
+    args = parse(
         MODEL + ["--optimizer", optimizer] + lr)
     args.__dict__.update(dict(dp=1, zero=0, grad_accum=1, dp_impl="bucketed", bucket_mb=0.01))
     args.__dict__.update(extra)
@@ -85,10 +88,9 @@ def parity_worker(mesh, configs: list[dict], ref: dict):
     """Run every config (keyword overrides of the trainer's args) with SGD and AdamW; return
     {config name: {"sgd_grad", "sgd_param", "adamw_param", "loss"}: max relative errors}
     against ``ref``, :func:`serial_reference`'s result."""
-    from edu3d.plan import formulas as memory
+    from edu3d.distributed import meter
     from edu3d.distributed import trace
     from edu3d.model.gpt import num_params
-    from edu3d.train.loop import build_trainer
 
     summary = {}
     for cfg in configs:
@@ -101,7 +103,7 @@ def parity_worker(mesh, configs: list[dict], ref: dict):
             model = GPT(config, seed=args.seed)
             corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
             psi = num_params(model)
-            trainer = build_trainer(model, mesh, args)
+            trainer = Trainer(model, mesh, args)
             losses = []
             with trace.current().context(case=f"{name}/{opt}"):
                 for step in range(1, steps + 1):
@@ -115,7 +117,7 @@ def parity_worker(mesh, configs: list[dict], ref: dict):
             errs[f"{opt}_loss"] = max(abs(a - b) / abs(b) for a, b in
                                       zip(losses, ref[opt]["losses"]))
             if opt == "adamw":
-                errs["memory"] = memory.measure(trainer.tensors())
+                errs["memory"] = meter.measure(trainer.tensors())
                 errs["psi"] = psi
         summary[name] = errs
     return summary

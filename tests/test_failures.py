@@ -13,6 +13,7 @@ import pytest
 
 from edu3d.ckpt import format as checkpoint
 from edu3d.launch import runs
+from edu3d.commands.train import main as train_main
 from edu3d.train import loop as train
 from edu3d.launch.api import RankHung, launch
 from edu3d.train.options import defaults
@@ -156,7 +157,7 @@ def _train_killed_during_save(point: str, step: int, opts: list[str]) -> int:
     if pid == 0:  # the child never returns into pytest, whatever happens
         try:
             workers_failures.kill_during_save(point, step)
-            train.main(opts)
+            train_main(opts)
         except BaseException:
             import traceback
 

@@ -20,13 +20,12 @@ tiny gradients.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import pytest
 
 from edu3d.launch import launch
-from edu3d.train.options import add_arguments
+from edu3d.commands.train import parse
 from edu3d.production.compare import parity_many, world_size
 from edu3d.production.torch_check import unsupported
 
@@ -85,7 +84,7 @@ def test_torch_layout_equals_serial(name):
     ("--dp 2 --pp 2 --zero 1", "--zero 1"),
 ])
 def test_unsupported_flag_is_named(argv, flag):
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv.split())
+    args = parse(argv.split())
     message = unsupported(args)
     assert message and flag in message, message
     assert "--impl edu3d" in message or "use --" in message  # says what would work
@@ -93,7 +92,7 @@ def test_unsupported_flag_is_named(argv, flag):
 
 def test_supported_layouts_pass_the_check():
     for argv in LAYOUTS.values():
-        args = add_arguments(argparse.ArgumentParser()).parse_args(argv.split())
+        args = parse(argv.split())
         assert unsupported(args) is None, argv
 
 
@@ -101,7 +100,7 @@ def test_unsupported_flag_exits_2_before_any_process(capsys, monkeypatch):
     """``edu3d train --impl torch --compress fp16 --dp 2`` stops in the option check with
     exit code 2 and the flag named; nothing is launched."""
     import edu3d.launch.api
-    from edu3d.train.loop import main
+    from edu3d.commands.train import main
 
     def no_launch(*a, **k):
         raise AssertionError("launched")

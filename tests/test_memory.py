@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from edu3d.distributed import meter
 from edu3d.plan import formulas as memory
 from edu3d.model.gpt import GPT, config_from
 
@@ -23,10 +24,10 @@ def test_zero_bytes_are_the_paper_formulas_in_mixed_precision():
 def test_storages_are_counted_once_and_freed_ones_not_at_all():
     flat = torch.zeros(100)
     views = [flat[:40], flat[40:]]
-    assert memory.storage_bytes(views) == 400
+    assert meter.storage_bytes(views) == 400
     freed = torch.zeros(50)
     freed.untyped_storage().resize_(0)
-    m = memory.measure({"params": views + [freed], "grads": [flat[10:20], torch.zeros(5)]})
+    m = meter.measure({"params": views + [freed], "grads": [flat[10:20], torch.zeros(5)]})
     assert m == {"params": 400, "grads": 20, "optimizer": 0, "total": 420}
 
 
@@ -38,6 +39,6 @@ def test_activation_formula_and_measurement():
     assert memory.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
     model = GPT(config_from("tiny", layers=2), seed=0)
     x = torch.randint(0, 256, (4, 32))
-    one = memory.measure_activations(lambda: model(x[:2], x[:2]), exclude=model.parameters())
-    two = memory.measure_activations(lambda: model(x, x), exclude=model.parameters())
+    one = meter.measure_activations(lambda: model(x[:2], x[:2]), exclude=model.parameters())
+    two = meter.measure_activations(lambda: model(x, x), exclude=model.parameters())
     assert one > 0 and abs(two / one - 2) < 0.05  # activations grow with the batch

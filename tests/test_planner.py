@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from edu3d.distributed import meter
 from edu3d.plan import formulas as memory, estimate as plan_memory
 from edu3d.commands import plan as planner
 from edu3d.model import shapes
@@ -43,7 +44,7 @@ def test_real_models_have_their_published_parameter_counts():
 
 def test_course_models_count_like_the_model():
     from edu3d.model.gpt import config_from
-    from edu3d.train.options import num_params_from_config
+    from edu3d.model.shapes import num_params_from_config
 
     for name in shapes.COURSE_PRESETS:
         for tie in (False, True):
@@ -88,16 +89,6 @@ def test_korthikanti_formulas_and_their_numbers():
         assert 4.5 < ratio < 5.6, ratio
     # SwiGLU with d_ff = 4h and full KV heads: only the MLP term changes (8sbf, not 4sbf)
     assert f(s, b, h, a, mlp="swiglu") - f(s, b, h, a) == 4 * s * b * 4 * h
-
-
-def test_course_layer_count_is_the_recomputation_modules():
-    from edu3d.parallel.recompute import layer_activation_bytes
-
-    for t, sp in ((1, False), (2, False), (2, True), (4, True)):
-        for mode in ("none", "selective", "full"):
-            got = memory.course_activation_bytes_per_layer(64, 2, 128, 8, t, sp,
-                                                           None if mode == "none" else mode)
-            assert got == layer_activation_bytes(64, 2, 128, 8, t, sp, mode), (t, sp, mode)
 
 
 def test_in_flight_replays_few_microbatches_but_equals_the_full_replay():
@@ -209,7 +200,7 @@ def test_planner_equals_measurement_under_autocast_on_cuda():
         trainer.step(x, y, 2)
         spec, st = plan_memory.from_train_args(args)
         est = plan_memory.estimate(spec, st, at="rest")
-        held = memory.measure(trainer.tensors())
+        held = meter.measure(trainer.tensors())
         for cat in ("params", "grads", "optimizer"):
             assert held[cat] == est[f"{cat}_bytes"], (recompute, cat)
         ratio = est["activations_bytes"] / trainer.engine.peak_activation_bytes

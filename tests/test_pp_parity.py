@@ -93,18 +93,17 @@ def test_pp2_with_data_parallel_sync():
     assert_parity(run(2, dp=2, cfgs=cfgs), 2)
 
 
-def test_build_trainer_reproduces_edu3d_train():
+def test_trainer_reproduces_edu3d_train():
     """``edu3d train --pp 2 --vpp 2 --schedule interleaved --microbatches 4``, as the lead wires
-    it through build_trainer: every rank reports the serial run's loss and gradient norm."""
-    import argparse
-
-    from edu3d.train.loop import add_arguments, run
+    it through the Trainer: every rank reports the serial run's loss and gradient norm."""
+    from edu3d.commands.train import parse
+    from edu3d.train.loop import run
     from tests.pp_workers import train_records
 
     model = ["--layers", "4", "--heads", "2", "--d-model", "32", "--seq", "16", "--vocab", "64",
              "--global-batch", "8", "--lr", "1e-3", "--warmup", "10"]
     steps = 5
-    serial = run(add_arguments(argparse.ArgumentParser()).parse_args(model + ["--steps",
+    serial = run(parse(model + ["--steps",
                                                                                str(steps)]),
                  out=open("/dev/null", "w"))
     res = launch(train_records, 2, args=(model + ["--schedule", "interleaved",

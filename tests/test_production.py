@@ -53,13 +53,12 @@ def test_accelerate_prepare_wrapped_ddp_and_ran_one_all_reduce_per_bucket(runs):
 
 
 def test_strategy_map_names_both_sides_and_the_edu3d_flag():
-    from edu3d.train.options import add_arguments
-    import argparse
+    from edu3d.commands.train import parse
 
     for name, s in P.STRATEGIES.items():
         rows = P.strategy_rows(name)
         assert all(len(r) == 3 and all(r) for r in rows)
-        add_arguments(argparse.ArgumentParser()).parse_args(s["argv"].split())  # a real layout
+        parse(s["argv"].split())  # a real layout
     assert "reshard_after_forward=True" in P.STRATEGIES["ZeRO-3"]["torch"]
     assert "reshard_after_forward=False" in P.STRATEGIES["ZeRO-2"]["torch"]
     assert any("bucket_cap_mb" in r[1] for r in P.strategy_rows("DP"))

@@ -17,8 +17,9 @@ from edu3d.distributed.mesh import Layout, LayoutError, Mesh
 from edu3d.model.gpt import GPT, GPTConfig, config_from
 from edu3d.parallel.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                check_layout, ops, shard, unshard, vocab_parallel_cross_entropy)
-from edu3d.parallel.tp.activations import (block_collectives, korthikanti_bytes, measure_layer,
-                                           model_activation_bytes, saved_activation_bytes)
+from edu3d.parallel.tp.activations import block_collectives, measure_layer, saved_activation_bytes
+from edu3d.plan.formulas import activation_bytes_per_layer as korthikanti_bytes
+from edu3d.plan.formulas import layer_activation_bytes as model_activation_bytes
 
 LAYER_CONFIG = GPTConfig(n_layers=1, n_heads=4, d_model=32, seq_len=8, vocab_size=50)
 
@@ -229,7 +230,7 @@ def test_collectives_per_layer(results, tp):
 def test_activation_memory_matches_formula(results, tp):
     for rank_res in results:
         for sp, m in rank_res[tp]["memory"].items():
-            assert m["measured"] == m["model_formula"], m
+            assert m["measured"] == model_activation_bytes(8, 2, 32, 4, tp, sp), m
     no_sp, sp = results[0][tp]["memory"][False], results[0][tp]["memory"][True]
     assert sp["measured"] * tp == pytest.approx(
         model_activation_bytes(8, 2, 32, 4, 1, False), rel=1e-12)

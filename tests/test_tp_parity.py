@@ -7,7 +7,7 @@ dp x tp — one launch per world size runs, on the same global batches:
   (shards glued back together) against the serial model's (SGD first: Adam would hide a
   wrong gradient scale);
 * three AdamW steps with warmup (the third at the full rate) and clipping through
-  ``build_trainer``: the losses, gradient norms and **every weight** afterwards against the
+  ``Trainer``: the losses, gradient norms and **every weight** afterwards against the
   serial loop of :mod:`edu3d.train.loop` (the attention key bias, whose gradient is exactly zero,
   is checked as zero instead; see :func:`_without_key_bias`).
 
@@ -17,7 +17,6 @@ runs depend only on the model (heads, tied or not) and the optimizer, not on tp,
 overlap: each is computed once, in the test process, and handed to the ranks.
 """
 
-import argparse
 import functools
 
 import pytest
@@ -27,8 +26,11 @@ from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.model.gpt import GPT, GPTConfig
-from edu3d.train.loop import (add_arguments, build_trainer, clip_and_step, make_optimizer,
-                              train_step)
+from edu3d.commands.train import parse
+from edu3d.train.loop import clip_and_step, train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import TrainOptions
+from edu3d.train.trainer import Trainer
 
 TOL = 1e-5
 ADAM_WEIGHTS_TOL = 2e-5
@@ -42,13 +44,13 @@ def _config(tp: int, tie: bool) -> GPTConfig:
                      tie_weights=tie)
 
 
-def _args(optimizer: str, sp: bool, overlap: bool) -> argparse.Namespace:
+def _args(optimizer: str, sp: bool, overlap: bool) -> TrainOptions:
     if optimizer == "sgd":
         argv = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
     else:
         argv = ["--lr", "3e-3", "--warmup", "3", "--clip", "0.5"]
     argv += ["--global-batch", str(BATCH)]
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    args = parse(argv)
     args.sp, args.tp_overlap = sp, overlap
     return args
 
@@ -109,7 +111,7 @@ def _serial_runs(configs) -> dict:
 def _run(mesh, cfg, args, ref: dict):
     """The parallel run on the serial run's batches; returns (trainer, max rel errs of the
     per-step loss and gradient norm against ``ref``'s records)."""
-    trainer = build_trainer(GPT(cfg, seed=0), mesh, args)
+    trainer = Trainer(GPT(cfg, seed=0), mesh, args)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len, seed=0)
     errs = {"loss": 0.0, "grad_norm": 0.0}
     for step, want in enumerate(ref["records"], start=1):

@@ -1,6 +1,5 @@
 """The serial training loop: its JSON records, and that the tiny model learns."""
 
-import argparse
 import io
 import json
 
@@ -9,11 +8,12 @@ import pytest
 from edu3d.train.data import SyntheticCorpus
 from edu3d.model.gpt import GPT, PRESETS
 from edu3d.train.optim import make_optimizer
-from edu3d.train.loop import RECORD_KEYS, TRAINER_KEYS, add_arguments, main, run, train_step
+from edu3d.commands.train import main, parse
+from edu3d.train.loop import RECORD_KEYS, TRAINER_KEYS, run, train_step
 
 
 def _args(*argv):
-    return add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    return parse(list(argv))
 
 
 def test_json_output_is_one_record_per_line():

@@ -1,7 +1,6 @@
 """`edu3d train` with a parallel layout prints the serial run's losses (same seed, same global
 batch), because every layout is the serial computation cut into pieces."""
 
-import argparse
 import io
 import json
 import subprocess
@@ -9,13 +8,14 @@ import sys
 
 import pytest
 
-from edu3d.train.loop import add_arguments, run
+from edu3d.commands.train import parse
+from edu3d.train.loop import run
 
 STEPS = ["--steps", "3", "--json", "--global-batch", "8"]
 
 
 def _losses(*argv):
-    args = add_arguments(argparse.ArgumentParser()).parse_args([*STEPS, *argv])
+    args = parse([*STEPS, *argv])
     return [(r["loss"], r["grad_norm"]) for r in run(args, out=io.StringIO())]
 
 
@@ -28,7 +28,7 @@ def test_3d_records_carry_memory_and_communication_per_axis():
     --json prints); the table ends with a summary."""
     from edu3d.model.gpt import GPT, PRESETS
 
-    args = add_arguments(argparse.ArgumentParser()).parse_args(
+    args = parse(
         ["--steps", "3", "--global-batch", "8", "--dp", "2", "--tp", "2", "--pp", "2",
          "--zero", "1"])
     out = io.StringIO()

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from edu3d.train.data import SyntheticCorpus
 from edu3d.model.gpt import GPT
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import add_arguments, check_args, config_from_args
+from edu3d.commands.train import parse
+from edu3d.train.options import TrainOptions, check_args, config_from_args
 from edu3d.train.loop import train_step
 from edu3d.train.trainer import Trainer
 
 
-def options(argv: list[str]) -> argparse.Namespace:
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+def options(argv: list[str]) -> TrainOptions:
+    args = parse(argv)
     check_args(args)
     return args
 

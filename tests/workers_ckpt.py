@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 
 from edu3d.ckpt.format import files_needed, full_state, read_manifest, step_dir
 from edu3d.ckpt.checkpointer import Checkpointer
@@ -10,13 +9,14 @@ from edu3d.train.data import SyntheticCorpus
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.model.gpt import GPT
 from edu3d.train.optim import lr_at
-from edu3d.train.options import add_arguments, check_args, config_from_args
+from edu3d.commands.train import parse
+from edu3d.train.options import TrainOptions, check_args, config_from_args
 from edu3d.train.loop import loop
 from edu3d.train.trainer import Trainer
 
 
-def options(argv: list[str]) -> argparse.Namespace:
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+def options(argv: list[str]) -> TrainOptions:
+    args = parse(argv)
     check_args(args)
     return args
 
@@ -46,7 +46,7 @@ def save_and_resume(mesh, cases: list[tuple[list[str], str]], steps: int = 4,
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
         full = loop(_trainer(args), corpus, args)
         trainer = _trainer(args)
-        kept = Checkpointer(trainer, args).resume(step=save_at)
+        kept = Checkpointer(trainer, args, config_from_args(args)).resume(step=save_at)
         resumed = list(kept)
         for s in range(save_at + 1, steps + 1):
             x, y = corpus.batch(s, args.global_batch)
@@ -73,7 +73,7 @@ def reshard_into(mesh, ckpt_dir: str, step: int, targets: list[list[str]]) -> li
         folder = step_dir(ckpt_dir, step)
         files = files_needed(folder, read_manifest(ckpt_dir, step),
                              [place for place, _, _ in trainer.checkpoint_slots()])
-        kept = Checkpointer(trainer, args).resume(step=step)
+        kept = Checkpointer(trainer, args, config_from_args(args)).resume(step=step)
         params = trainer.gather("param")
         err = max(float((params[n] - t).abs().max()) for n, t in want.items())
         x, y = corpus.batch(step + 1, args.global_batch)
@@ -111,7 +111,7 @@ def sync_save_is_committed(mesh, ckpt_dir: str, manifest_delay_s: float = 1.0) -
     config = config_from_args(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     trainer = _trainer(args)
-    ckpt = Checkpointer(trainer, args)
+    ckpt = Checkpointer(trainer, args, config_from_args(args))
     if mesh.rank == 0:
         write = ckpt.write_manifest
 

@@ -81,7 +81,7 @@ def kill_during_save(point: str, step: int) -> None:
 if __name__ == "__main__":
     point, step = sys.argv[1], int(sys.argv[2])
     kill_during_save(point, step)
-    from edu3d.train.loop import main
+    from edu3d.commands.train import main
 
     rest = sys.argv[3:]
     sys.exit(main(rest[1:] if rest[:1] == ["--"] else rest))

@@ -103,7 +103,7 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
 
 
 def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per):
-    """``measured[stage]``: bytes per category on one rank (:func:`edu3d.plan.formulas.measure`).
+    """``measured[stage]``: bytes per category on one rank (:func:`edu3d.distributed.meter.measure`).
     ``bytes_per`` goes to :func:`edu3d.plan.formulas.zero_bytes` (fp32 Adam by default)."""
     stages = sorted(measured)
     x_meas = [f"stage {s}" for s in stages]

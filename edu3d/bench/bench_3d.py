@@ -56,13 +56,18 @@ two sides' communication, which is the same by construction, decides.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 
 import torch
 
 from edu3d.bench.harness import interleaved_medians, report, result
-from edu3d.train.data import SyntheticCorpus
+from edu3d.distributed.mesh import Layout
+from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
+from edu3d.production.torch_impl import TorchTrainer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.options import TrainOptions, defaults
+from edu3d.train.trainer import Trainer
 
 LAYOUT = {"dp": 2, "tp": 2, "pp": 2}
 MICROBATCHES = 4
@@ -81,11 +86,8 @@ def torch_trainer(gpt: GPT, mesh, zero: int, model: dict = MODEL,
     ``fully_shard(reshard_after_forward=False)`` (``--zero 2``'s construction): under a
     pipeline that is ZeRO-1's traffic, and ``ZeroRedundancyOptimizer`` cannot take TP's
     DTensors."""
-    from edu3d.production.torch_impl import TorchTrainer
-
     args = train_args(2 if zero else 0, model, global_batch, microbatches)
-    args.impl = "torch"
-    return TorchTrainer(gpt, mesh, args)
+    return TorchTrainer(gpt, mesh, dataclasses.replace(args, impl="torch"))
 
 
 def max_rel_diff(ours: dict, theirs: dict) -> float:
@@ -99,30 +101,12 @@ def max_rel_diff(ours: dict, theirs: dict) -> float:
 
 # ---- edu3d's side ----------------------------------------------------------------------------
 def train_args(zero: int, model: dict = MODEL, global_batch: int = GLOBAL_BATCH,
-               microbatches: int = MICROBATCHES) -> argparse.Namespace:
+               microbatches: int = MICROBATCHES) -> TrainOptions:
     """``edu3d train``'s options for the benchmarked layout."""
-    from edu3d.train.loop import add_arguments
-
-    argv = ["--dp", str(LAYOUT["dp"]), "--tp", str(LAYOUT["tp"]), "--pp", str(LAYOUT["pp"]),
-            "--zero", str(zero), "--schedule", "1f1b", "--microbatches", str(microbatches),
-            "--global-batch", str(global_batch), "--layers", str(model["layers"]),
-            "--heads", str(model["heads"]), "--d-model", str(model["d_model"]),
-            "--seq", str(model["seq"]), "--vocab", str(model["vocab"])]
-    return add_arguments(argparse.ArgumentParser()).parse_args(argv)
-
-
-def edu3d_trainer(gpt: GPT, mesh, args):
-    """edu3d's composed trainer; it must offer ``forward_backward`` and ``gather`` to be
-    compared (a benchmark that skips the gradient check would time an unproven step)."""
-    from edu3d.train.loop import build_trainer
-
-    trainer = build_trainer(gpt, mesh, args)
-    lacking = [m for m in ("step", "forward_backward", "gather") if not hasattr(trainer, m)]
-    if lacking:
-        raise RuntimeError(f"{type(trainer).__name__} lacks {', '.join(lacking)}: edu3d bench 3d "
-                           "needs the composed trainer (edu3d.train.loop.build_trainer with "
-                           "--dp --tp --pp) to offer step, forward_backward and gather('grad')")
-    return trainer
+    return defaults(dp=LAYOUT["dp"], tp=LAYOUT["tp"], pp=LAYOUT["pp"], zero=zero,
+                    schedule="1f1b", microbatches=microbatches, global_batch=global_batch,
+                    layers=model["layers"], heads=model["heads"], d_model=model["d_model"],
+                    seq=model["seq"], vocab=model["vocab"])
 
 
 # ---- the launched worker ---------------------------------------------------------------------
@@ -153,7 +137,7 @@ def worker(mesh, reps: int = 3, warmup: int = 1) -> dict | None:
         config = config_from("tiny", layers=MODEL["layers"], heads=MODEL["heads"],
                              d_model=MODEL["d_model"], seq=MODEL["seq"], vocab=MODEL["vocab"])
         x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, GLOBAL_BATCH)
-        ours = edu3d_trainer(GPT(config, seed=0), mesh, args)
+        ours = Trainer(GPT(config, seed=0), mesh, args)
         theirs = torch_trainer(GPT(config, seed=0), mesh, zero)
 
         ours.forward_backward(x, y)
@@ -175,9 +159,6 @@ def worker(mesh, reps: int = 3, warmup: int = 1) -> dict | None:
 
 def run_benchmark(nprocs: int = 8, reps: int = 3, json_out: bool = False, **_) -> dict:
     """``edu3d bench 3d``: the dp2-tp2-pp2 step (and its ZeRO-1 variant) on 8 gloo ranks."""
-    from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
-
     layout = Layout(**LAYOUT)
     if nprocs != layout.world_size:
         raise ValueError(f"edu3d bench 3d runs dp2-tp2-pp2 on {layout.world_size} ranks, "

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from edu3d.bench import harness as bench
 from edu3d.distributed import algorithms as ring
+from edu3d.launch import launch
 
 SIZES = tuple(2**k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB in bytes
 REFERENCES = {"all_reduce": "torch.distributed.all_reduce",
@@ -90,8 +91,6 @@ def describe(rep: dict) -> str:
 
 def run_benchmark(nprocs: int = 4, json_out: bool = False, **opts) -> dict:
     """Launch ``nprocs`` ranks, time edu3d's rings against the library collectives."""
-    from edu3d.launch import launch
-
     run = launch(worker, nprocs, kwargs=opts, timeout=600, echo=not json_out,
                  name="bench-comm")
     rep = run.results[0]

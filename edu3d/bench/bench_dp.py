@@ -17,11 +17,17 @@ on the same rows; times are medians of interleaved repetitions, ``ratio = edu3d 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 
 from edu3d.bench import harness as bench
-from edu3d.train.data import SyntheticCorpus
+from edu3d.launch import launch
 from edu3d.model.gpt import GPT
+from edu3d.production.torch_impl import TorchTrainer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.options import config_from_args, defaults
+from edu3d.train.trainer import Trainer
 
 DDP = "torch.nn.parallel.DistributedDataParallel"
 ZERO_OPT = "torch.distributed.optim.ZeroRedundancyOptimizer"
@@ -29,9 +35,6 @@ FSDP2 = "torch.distributed.fsdp.fully_shard"
 
 
 def _setup(model: str, global_batch: int, **overrides):
-    from edu3d.train.options import defaults
-    from edu3d.train.loop import config_from_args
-
     args = defaults(model=model, global_batch=global_batch, **overrides)
     config = config_from_args(args)
     x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, global_batch)
@@ -44,13 +47,9 @@ def _trainers(mesh, config, args, **layout):
     ZeroRedundancyOptimizer or FSDP2 ``fully_shard``), each from the same weights; one
     repetition is one full step of each: forward, backward with the gradient reduction,
     the global norm, clipping, AdamW."""
-    from edu3d.train.options import defaults
-    from edu3d.production.torch_impl import TorchTrainer
-    from edu3d.train.trainer import Trainer
-
-    opts = {**vars(args), "dp": mesh.size("dp"), **layout}
-    return (Trainer(GPT(config, seed=0), mesh, defaults(**opts)),
-            TorchTrainer(GPT(config, seed=0), mesh, defaults(**{**opts, "impl": "torch"})))
+    args = dataclasses.replace(args, dp=mesh.size("dp"), **layout)
+    return (Trainer(GPT(config, seed=0), mesh, args),
+            TorchTrainer(GPT(config, seed=0), mesh, dataclasses.replace(args, impl="torch")))
 
 
 def _timed(mine, ref, x, y, reps: int) -> dict:
@@ -81,8 +80,6 @@ def zero_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 
 
 
 def _run(worker, name: str, nprocs: int, json_out: bool, opts: dict) -> dict:
-    from edu3d.launch import launch
-
     run = launch(worker, nprocs, kwargs=opts, timeout=600, echo=not json_out, name=name)
     return run.results[0]
 

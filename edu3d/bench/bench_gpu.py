@@ -23,6 +23,14 @@ import subprocess
 import sys
 import time
 
+import torch
+
+from edu3d.model.gpt import GPT, flops_per_token
+from edu3d.plan import estimate as plan_memory
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.options import check_args, config_from_args, defaults
+from edu3d.train.trainer import Trainer
+
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM)
 
 
@@ -35,14 +43,6 @@ def measure(micro_batch: int, recompute: str, steps: int = 4, model: str = "gpt2
             device: str = "cuda") -> dict:
     """Train ``steps`` steps of ``model`` in bf16 on one device; the measured peak of steps
     2.. against the planner's estimate, tokens/s (median of steps 2..) and MFU."""
-    import torch
-
-    from edu3d.plan import estimate as plan_memory
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.model.gpt import GPT, flops_per_token
-    from edu3d.train.options import check_args, config_from_args, defaults
-    from edu3d.train.trainer import Trainer
-
     args = defaults(model=model, precision="bf16", global_batch=micro_batch, microbatches=1,
                     recompute=recompute, steps=steps, lr=3e-4)
     check_args(args)
@@ -88,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    import torch
-
     if not torch.cuda.is_available():
         print("edu3d.bench.bench_gpu: no CUDA device here; this benchmark needs one", file=sys.stderr)
         return 2

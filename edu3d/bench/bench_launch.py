@@ -15,25 +15,30 @@ cell feels live:
 * :func:`pool_start`: the first cell of a kernel, which starts the pool: its ranks forked
   from one process that imported torch (:mod:`edu3d.launch.warm.zygote`) against ranks that each import
   it, wall time and the CPU of every process of the pool.
+
+:func:`cell` brings torch in through imports inside functions: it runs on the ranks, and the
+process that times the launches must stay torch-free, or it would measure itself.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
-from edu3d.bench.harness import _progress_rep, progress, report, result
+from edu3d.bench.harness import progress, progress_rep, report, result
+from edu3d.launch import launch
+from edu3d.launch.heartbeat import cpu_seconds
+from edu3d.launch.warm import pool
 
 
 def launch_overhead(nprocs: int = 8, reps: int = 7, **_) -> dict:
     """``edu3d run -n N`` of an empty script against a bare ``torchrun --standalone`` of the
     same script: what edu3d's launcher (rank wrapper, output prefixing, pid and error files,
     watchdog) adds to starting N ranks. Whole commands are timed, interleaved."""
-    import subprocess
-
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "empty.py")
         open(script, "w").close()
@@ -49,7 +54,7 @@ def launch_overhead(nprocs: int = 8, reps: int = 7, **_) -> dict:
                 t0 = time.perf_counter()
                 subprocess.run(cmd, env=env, check=True, capture_output=True)
                 times[name].append(time.perf_counter() - t0)
-            _progress_rep(i, reps, times)
+            progress_rep(i, reps, times)
     med = {k: statistics.median(v) for k, v in times.items()}
     return report("launch", nprocs, [result(f"run -n {nprocs} empty script", med["edu3d"],
                                             "torch.distributed.run --standalone",
@@ -77,9 +82,6 @@ def cell(numel: int = 1024) -> float:
 def warm_overhead(nprocs: int = 4, reps: int = 7) -> list[dict]:
     """Median wall time, work and overhead (wall minus work) of an ``nprocs``-rank
     :func:`cell` launched cold and warm; the pool is shut down afterwards."""
-    from edu3d.launch.warm import pool
-    from edu3d.launch import launch
-
     walls: dict[str, list[float]] = {"cold": [], "warm": []}
     works: dict[str, list[float]] = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +100,7 @@ def warm_overhead(nprocs: int = 4, reps: int = 7) -> list[dict]:
                                  pool=name == "warm", timeout=300)
                     walls[name].append(time.perf_counter() - t0)
                     works[name].append(max(res.results))
-                _progress_rep(i, reps, {k: [w - s for w, s in zip(walls[k], works[k])]
+                progress_rep(i, reps, {k: [w - s for w, s in zip(walls[k], works[k])]
                                         for k in walls})
         finally:
             pool.shutdown(nprocs)
@@ -121,10 +123,6 @@ def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
     torch, :mod:`edu3d.launch.warm.zygote`) against every rank importing torch itself
     (``EDU3D_POOL_FORK=0``). Wall time and the CPU of every process of the pool (agent,
     zygote, stubs, ranks), medians of interleaved repetitions."""
-    from edu3d.launch.warm import pool
-    from edu3d.launch.heartbeat import cpu_seconds
-    from edu3d.launch import launch
-
     walls: dict[str, list[float]] = {"forked": [], "imports": []}
     cpus: dict[str, list[float]] = {"forked": [], "imports": []}
     saved = {k: os.environ.get(k) for k in ("EDU3D_RUNS", "EDU3D_POOL_FORK")}
@@ -144,7 +142,7 @@ def pool_start(nprocs: int = 4, reps: int = 3) -> list[dict]:
                     started = pool.pools()[-1]
                     cpus[name].append(sum(cpu_seconds(p) or 0.0
                                           for p in pool.pool_pids(started.id)))
-                _progress_rep(i, reps, walls)
+                progress_rep(i, reps, walls)
         finally:
             pool.shutdown()
             for k, v in saved.items():

@@ -11,12 +11,17 @@ between the two and the median of each is reported (:mod:`edu3d.bench.harness`),
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from edu3d.bench import harness as bench
-from edu3d.train.data import SyntheticCorpus
+from edu3d.distributed.mesh import Layout
+from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
+from edu3d.production.torch_impl import TorchTrainer
+from edu3d.train.data import SyntheticCorpus
 from edu3d.train.options import defaults
 from edu3d.train.trainer import Trainer
 
@@ -29,8 +34,6 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
     ``edu3d train --pp N --impl torch``'s own construction
     (:class:`~edu3d.production.torch_impl.TorchTrainer`): the same cut into stages, its
     modules run by ``PipelineStage`` and ``Schedule1F1B``."""
-    from edu3d.production.torch_impl import TorchTrainer
-
     config = config_from("tiny", layers=layers, heads=4, d_model=d_model, seq=seq, vocab=64)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     x, y = corpus.batch(1, m * rows)
@@ -38,7 +41,7 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
 
     args = defaults(schedule="1f1b", microbatches=m, pp=pp)
     ours = Trainer(GPT(config, seed=0), mesh, args)
-    theirs = TorchTrainer(GPT(config, seed=0), mesh, defaults(**{**vars(args), "impl": "torch"}))
+    theirs = TorchTrainer(GPT(config, seed=0), mesh, dataclasses.replace(args, impl="torch"))
 
     def edu3d_step():
         ours.forward_backward(x, y)
@@ -63,9 +66,6 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
 
 def run_benchmark(nprocs: int = 4, json_out: bool = False, **opts) -> dict:
     """Launch ``nprocs`` pipeline ranks (gloo on CPU), time both, return the report."""
-    from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
-
     run = launch(worker, nprocs, kwargs=opts, layout=Layout(pp=nprocs), timeout=600,
                  echo=not json_out, name="bench-pp")
     return run.results[0]

@@ -16,7 +16,7 @@ After reading this file you should understand what is compared:
 
 Each row also carries ``slowdown``, the mode's time over edu3d's time without recomputation
 (the price of the memory it saves), and ``saved_bytes_per_layer``, what one layer keeps
-for backward (measured; :func:`edu3d.parallel.recompute.layer_activation_bytes` predicts it
+for backward (measured; :func:`edu3d.plan.formulas.layer_activation_bytes` predicts it
 exactly).
 """
 
@@ -25,11 +25,17 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                         checkpoint_wrapper)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from edu3d.bench.harness import interleaved_medians, report, result
 from edu3d.distributed.mesh import Layout
+from edu3d.distributed.meter import measure_activations
+from edu3d.launch import launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.recompute import MODES, apply_recompute
+from edu3d.parallel.tp.apply import apply_tp
 
 CONFIG = GPTConfig(n_layers=4, n_heads=8, d_model=256, seq_len=128, vocab_size=256)
 REFERENCE = {
@@ -42,8 +48,6 @@ REFERENCE = {
 def _sdpa_policy(ctx, op, *args, **kwargs):
     """Recompute the attention kernel, save everything else (selective recomputation as an
     op-level policy)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     name = str(op)
     if "scaled_dot_product" in name or "flash_attention" in name:
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -51,10 +55,6 @@ def _sdpa_policy(ctx, op, *args, **kwargs):
 
 
 def _torch_blocks(model: GPT, mode: str):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, checkpoint_wrapper)
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     for i, block in enumerate(model.blocks):
         if mode == "full":
             model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
@@ -68,16 +68,18 @@ def _torch_blocks(model: GPT, mode: str):
 def _blocks(config: GPTConfig, mesh, mode: str, ours: bool):
     model = GPT(config, 0)
     if mesh.size("tp") > 1:
-        from edu3d.parallel.tp.apply import apply_tp
-
         apply_tp(model, mesh)
     return apply_recompute(model, mode).blocks if ours else _torch_blocks(model, mode)
 
 
+def saved_bytes(block, x: torch.Tensor) -> int:
+    """Bytes ``block`` saves for backward on this rank (its parameters left out)."""
+    inp = x.detach().requires_grad_()
+    return measure_activations(lambda: block(inp), exclude=block.parameters())
+
+
 def recompute_benchmark(mesh, reps: int = 7, batch: int = 4, config: GPTConfig = CONFIG):
     """Launch target: every mode both ways, timed in one interleaved round; rank 0 reports."""
-    from edu3d.course.ch07_memory import measure_layer
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, config.seq_len, config.d_model, generator=g)
 
@@ -100,21 +102,17 @@ def recompute_benchmark(mesh, reps: int = 7, batch: int = 4, config: GPTConfig =
                                  functools.partial(step, blocks)
                                  for (m, ours), blocks in sides.items()},
                                 reps=reps, warmup=1, group=mesh.tp)
-    group = mesh.tp if mesh.size("tp") > 1 else None
     rows = []
     for m in MODES:
         ours, theirs = times[f"{m}/edu3d"], times[f"{m}/torch"]
         rows.append(result(f"{config.n_layers} blocks {m}", ours, REFERENCE[m], theirs,
                            slowdown=ours / times["none/edu3d"],
-                           saved_bytes_per_layer=measure_layer(config, batch, group,
-                                                                   mode=m)))
+                           saved_bytes_per_layer=saved_bytes(sides[(m, True)][0], x)))
     return report("recompute", mesh.layout.world_size, rows) if mesh.rank == 0 else None
 
 
 def run_benchmark(nprocs: int = 1, reps: int = 7, json_out: bool = False, **_) -> dict:
     """``edu3d bench recompute [-n N]``: none, selective and full on ``N`` tp ranks."""
-    from edu3d.launch import launch
-
     Layout(tp=nprocs).validate(config=CONFIG)
     res = launch(recompute_benchmark, nprocs, args=(reps,), layout=Layout(tp=nprocs),
                  timeout=600)

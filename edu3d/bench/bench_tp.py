@@ -26,10 +26,15 @@ from __future__ import annotations
 
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from edu3d.bench.harness import interleaved_medians, report, result
 from edu3d.distributed.mesh import Layout
+from edu3d.launch import launch
 from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.tp.apply import apply_tp
+from edu3d.production.torch_tp import apply_tp as apply_dtensor_tp
 
 CONFIG = GPTConfig(n_layers=2, n_heads=8, d_model=128, seq_len=64, vocab_size=128)
 
@@ -37,10 +42,6 @@ CONFIG = GPTConfig(n_layers=2, n_heads=8, d_model=128, seq_len=64, vocab_size=12
 def _dtensor_blocks(gpt: GPT, t: int, sp: bool):
     """PyTorch's side: ``edu3d train --tp t --impl torch``'s own plan
     (:func:`edu3d.production.torch_tp.apply_tp`) applied to the whole GPT; its blocks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from edu3d.production.torch_tp import apply_tp as apply_dtensor_tp
-
     mesh = init_device_mesh("cpu", (t,), mesh_dim_names=("tp",))
     apply_dtensor_tp(gpt, mesh, sequence_parallel=sp)
     return gpt.blocks, mesh
@@ -56,10 +57,6 @@ def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
                  config: GPTConfig = CONFIG, overlap: bool = False) -> dict | None:
     """Launch target: time forward + backward of the blocks both ways; rank 0 reports.
     ``overlap`` runs edu3d's column layers with the asynchronous input-gradient all-reduce."""
-    from torch.distributed.tensor import DTensor
-
-    from edu3d.parallel.tp.apply import apply_tp
-
     t, r = mesh.size("tp"), mesh.index("tp")
     model = GPT(config, 0)
     apply_tp(model, mesh, sequence_parallel=sp, overlap=overlap)
@@ -101,8 +98,6 @@ def bench_all(mesh, reps: int) -> dict | None:
 
 def run_benchmark(nprocs: int = 2, reps: int = 10, json_out: bool = False, **_) -> dict:
     """``edu3d bench tp [-n N]``: TP, TP with overlap, and TP+SP on ``nprocs`` ranks."""
-    from edu3d.launch import launch
-
     Layout(tp=nprocs).validate(config=CONFIG)
     res = launch(bench_all, nprocs, args=(reps,), layout=Layout(tp=nprocs), timeout=600)
     return res.results[0]

@@ -18,14 +18,18 @@ After reading this file you should understand how edu3d measures speed honestly:
 Benchmarks are commands (``edu3d bench NAME``), never timed tests: a test's pass or fail must
 not depend on how busy the machine is.
 
-This module is the one harness; each benchmark is a module beside it: :mod:`.comm`
-(collectives and the alpha-beta fit), :mod:`.dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.tp` (DTensor
-tensor parallelism), :mod:`.pp` (``Schedule1F1B``), :mod:`.threed` (the composed dp x tp x pp
-stack), :mod:`.recompute` (activation recomputation against ``checkpoint_wrapper``) and
-:mod:`.launch` (``edu3d run`` against a bare torchrun, and a warm pool's cell against a cold
-one). :mod:`.gpu` is the one
-that needs CUDA: the memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and
-MFU on one device (``python -m edu3d.bench.bench_gpu``).
+This module is the one harness; each benchmark is a module beside it: :mod:`.bench_comm`
+(collectives and the alpha-beta fit), :mod:`.bench_dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.bench_tp`
+(DTensor tensor parallelism), :mod:`.bench_pp` (``Schedule1F1B``), :mod:`.bench_3d` (the
+composed dp x tp x pp stack), :mod:`.bench_recompute` (activation recomputation against
+``checkpoint_wrapper``) and :mod:`.bench_launch` (``edu3d run`` against a bare torchrun, and a
+warm pool's cell against a cold one). :mod:`.bench_gpu` is the one that needs CUDA: the
+memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and MFU on one device
+(``python -m edu3d.bench.bench_gpu``). :mod:`edu3d.commands.bench` maps ``edu3d bench NAME``
+to them.
+
+The timing functions bring torch in through imports inside functions: ``edu3d bench``'s
+command formats reports with this module (:func:`format_table`) and must start torch-free.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def progress(message: str) -> None:
         print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def _progress_rep(i: int, reps: int, times: dict[str, list[float]]) -> None:
+def progress_rep(i: int, reps: int, times: dict[str, list[float]]) -> None:
+    """One progress line (stderr) after repetition ``i``: each side's latest time."""
     progress(f"repetition {i + 1}/{reps}: " +
              ", ".join(f"{name} {ts[-1] * 1e3:.2f} ms" for name, ts in times.items()))
 
@@ -75,7 +80,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int = 5, war
     for i in range(reps):
         for name, fn in fns.items():
             times[name].append(time_once(fn, group))
-        _progress_rep(i, reps, times)
+        progress_rep(i, reps, times)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -51,22 +51,22 @@ from edu3d.distributed import trace
 from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, differences,
                                latest_step, load_pieces, prune, read_file, read_manifest, step_dir,
                                write_atomic)
-from edu3d.train.options import config_from_args
 
 
 class Checkpointer:
-    """Saves ``trainer``'s state into ``args.ckpt_dir`` as ``args`` says (``--save-every``,
-    ``--async-save``) and resumes it. Every rank of the run creates one (collective)."""
+    """Saves ``trainer``'s state into ``args.ckpt_dir`` as ``args`` (``edu3d train``'s
+    options: ``--save-every``, ``--keep-last``, ``--async-save``) says, and resumes it;
+    ``config`` is the model's :class:`~edu3d.model.gpt.GPTConfig`, recorded in the manifest.
+    Every rank of the run creates one (collective)."""
 
-    def __init__(self, trainer, args):
-        self.trainer, self.args = trainer, args
-        self.config = config_from_args(args)
+    def __init__(self, trainer, args, config):
+        self.trainer, self.args, self.config = trainer, args, config
         self.root = step_dir(args.ckpt_dir, 0).parent
-        self.every = getattr(args, "save_every", None)
-        self.keep = getattr(args, "keep_last", None)
-        self.background = bool(getattr(args, "async_save", False))
+        self.every = args.save_every
+        self.keep = args.keep_last
+        self.background = args.async_save
         self.rank, self.world = trainer.mesh.rank, trainer.mesh.layout.world_size
-        self.timeout = float(getattr(args, "timeout", None) or 600.0)
+        self.timeout = float(args.timeout)
         token = [uuid.uuid4().hex]
         if self.world > 1:  # every rank's receipts carry rank 0's token
             dist.broadcast_object_list(token, src=0)

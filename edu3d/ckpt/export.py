@@ -1,4 +1,5 @@
-"""``edu3d ckpt show|export``: read a sharded checkpoint from outside the run that wrote it.
+"""Reading a sharded checkpoint from outside the run that wrote it (``edu3d ckpt show|export``,
+whose command line is :mod:`edu3d.commands.ckpt`).
 
 After reading this file you should understand how a checkpoint leaves edu3d:
 
@@ -22,18 +23,18 @@ parameter along dimension 0 for that reason.) Assembling first sidesteps the que
 
 from __future__ import annotations
 
-import sys
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from edu3d.ckpt.format import CheckpointError, full_state, read_manifest, step_dir, steps
+from edu3d.model.gpt import GPT, GPTConfig
 
 
 def state_dict(ckpt_dir, step: int | None = None) -> tuple[dict, dict]:
     """``(manifest, state dict of the serial GPT)``, the tied head included when tied."""
-    from edu3d.model.gpt import GPT, GPTConfig
-
     manifest, params = full_state(ckpt_dir, step)
     model = GPT(GPTConfig(**manifest["config"]))
     missing = set(n for n, _ in model.named_parameters()) - set(params)
@@ -51,10 +52,6 @@ def export(ckpt_dir, out, step: int | None = None, fmt: str = "torch") -> Path:
     manifest, sd = state_dict(ckpt_dir, step)
     out = Path(out)
     if fmt == "dcp":
-        import warnings
-
-        import torch.distributed.checkpoint as dcp
-
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
@@ -91,42 +88,3 @@ def describe(ckpt_dir, step: int | None = None) -> str:
         lines.append(f"  {folder.name}/{name}  {info['bytes'] / 2**10:8.1f} KiB  sha256 "
                      f"{info['sha256'][:12]}  pieces: {what}")
     return "\n".join(lines)
-
-
-def add_subcommand(sub) -> None:
-    p = sub.add_parser("ckpt", help="inspect or export a sharded checkpoint",
-                       description="Inspect a sharded checkpoint folder (edu3d train "
-                                   "--ckpt-dir) or export one consolidated file from it.")
-    acts = p.add_subparsers(dest="action", required=True)
-    show = acts.add_parser("show", help="the steps, layout and files of a checkpoint folder")
-    show.add_argument("dir")
-    show.add_argument("--step", type=int, default=None, help="default: the newest")
-    show.set_defaults(func=_show)
-    exp = acts.add_parser("export", help="one consolidated file that torch.load and the "
-                                         "serial GPT read")
-    exp.add_argument("dir")
-    exp.add_argument("out")
-    exp.add_argument("--step", type=int, default=None, help="default: the newest")
-    exp.add_argument("--format", choices=("torch", "dcp"), default="torch",
-                     help="torch: one file {config, step, model}; dcp: a folder written by "
-                          "torch.distributed.checkpoint.save")
-    exp.set_defaults(func=_export)
-
-
-def _show(args) -> int:
-    try:
-        print(describe(args.dir, args.step))
-    except CheckpointError as err:
-        print(f"edu3d ckpt show: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _export(args) -> int:
-    try:
-        out = export(args.dir, args.out, args.step, args.format)
-    except CheckpointError as err:
-        print(f"edu3d ckpt export: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0

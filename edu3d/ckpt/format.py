@@ -184,10 +184,10 @@ def differences(manifest: dict, config, args) -> list[str]:
     for k, v in manifest["config"].items():
         if mine.get(k) != v:
             diff.append(f"model {k}: checkpoint {v}, this run {mine.get(k)}")
+    options = vars(args)  # edu3d train's options (a dataclass); a key it lacks differs too
     for k, v in manifest["options"].items():
-        if getattr(args, k, None) != v:
-            diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run "
-                        f"{getattr(args, k, None)}")
+        if options.get(k) != v:
+            diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {options.get(k)}")
     if args.lr_schedule == "cosine" and manifest["steps"] != args.steps:
         diff.append(f"--steps: checkpoint {manifest['steps']}, this run {args.steps} (the "
                     "cosine schedule depends on the run's length)")
@@ -215,9 +215,9 @@ def check_ckpt_dir(args, config) -> int:
     the run starts after. With ``--resume``: the newest checkpoint's, checked
     (:func:`check_resume`). Without: the folder must hold no checkpoint, or a restart after a
     failure would resume from a step of some earlier run."""
-    if not getattr(args, "ckpt_dir", None):
+    if not args.ckpt_dir:
         return 0
-    if getattr(args, "resume", False):
+    if args.resume:
         return check_resume(args, config)
     done = steps(args.ckpt_dir)
     if done:

@@ -36,10 +36,7 @@ import math
 
 import torch
 
-
-def padded_size(size: int, tp: int) -> int:
-    """``size`` rounded up to a multiple of ``tp`` (the vocabulary under TP)."""
-    return -(-size // tp) * tp
+from edu3d.model.shapes import padded_size
 
 
 def tp_boxes(shape, spec, index: int, size: int) -> list[tuple[list, int, int]]:

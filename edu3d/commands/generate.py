@@ -27,16 +27,17 @@ import sys
 import torch
 import torch.distributed as dist
 
+from edu3d.ckpt.export import state_dict
 from edu3d.ckpt.format import CheckpointError, read_manifest
+from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.launch.api import LaunchError, launch
+from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.tp import apply_tp
 
 
 def load_model(ckpt_dir, mesh=None, step: int | None = None):
     """The serial GPT with the checkpoint's weights, or this rank's TP piece of it when
     ``mesh`` has tp > 1 (every rank must call)."""
-    from edu3d.ckpt.export import state_dict
-    from edu3d.model.gpt import GPT, GPTConfig
-    from edu3d.parallel.tp import apply_tp
-
     manifest, sd = state_dict(ckpt_dir, step)
     model = GPT(GPTConfig(**manifest["config"]))
     model.load_state_dict(sd)
@@ -95,9 +96,6 @@ def parse_prompt(text: str, vocab_size: int) -> list[int]:
 
 
 def main_from_args(args) -> int:
-    from edu3d.distributed.mesh import Layout, LayoutError
-    from edu3d.model.gpt import GPTConfig
-
     try:  # every check before any process starts
         manifest = read_manifest(args.ckpt, args.step)
         config = GPTConfig(**manifest["config"])
@@ -118,8 +116,6 @@ def main_from_args(args) -> int:
         tokens = generate(load_model(args.ckpt, None, manifest["step"]), prompt,
                           args.max_new_tokens, args.temperature, args.seed)
     else:
-        from edu3d.launch.api import LaunchError, launch
-
         try:
             tokens = launch(worker, args.tp, args=(options,), layout=layout, echo=False,
                             name="generate", timeout=args.timeout).results[0]

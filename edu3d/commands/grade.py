@@ -19,20 +19,26 @@ After reading this file you should know how a score is made:
 ``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--json]`` prints a score table
 (or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
 (found before any kernel starts).
+
+nbformat and nbclient come in through imports inside functions: they are optional (the
+course's notebook extras), and a missing one is reported as one line with how to install it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from edu3d.course.grading import ROOT
+from edu3d.course.nbtools import notebook_client
 
 EXERCISES = ROOT / "exercises"
 MARK = "# NBVAL_CHECK_OUTPUT"
@@ -206,8 +212,6 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float) -> str | None:
     """Run ``nb`` in place in a fresh kernel started in ``cwd``; None, or why the run stopped
     early (a dead kernel). Cells that raise are recorded and the next ones still run. The
     kernel's own console output (not the cells') goes to ``cwd/kernel.log``."""
-    from edu3d.course.nbtools import notebook_client
-
     for cell in nb.cells:  # no committed output may stand in for one the run did not produce
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -229,8 +233,6 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float) -> str | None:
 def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None = None,
               timeout: float = 240) -> dict:
     """Score one exercise notebook (see the module docstring)."""
-    import copy
-
     committed = _read(ex.path)
     ran = copy.deepcopy(committed)
     with tempfile.TemporaryDirectory(prefix="edu3d-grade-") as tmp:
@@ -273,8 +275,6 @@ def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path |
 
 def table(report: dict, width: int = 100) -> str:
     """The score table: one row per exercise, and under it its first failure's hint."""
-    import textwrap
-
     name_w = max([len("exercise")] + [len(n) for n in report["exercises"]])
     head = f"{'exercise':<{name_w}}  passed  total  first failure"
     rule = "-" * min(width, max(len(head), 40))

@@ -19,8 +19,12 @@ work together. Nothing here imports torch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import sys
 
+from edu3d.commands.argtypes import number, positive_int
 from edu3d.plan import search as plan_search
 from edu3d.plan.estimate import (CATEGORIES, PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes,
                                  validate)
@@ -30,11 +34,9 @@ from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
 # ---- edu3d plan ----------------------------------------------------------------------------------
 def add_arguments(parser):
     """``edu3d plan``'s options."""
-    from edu3d.train.options import _number, positive_int
-
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", choices=PRESETS, help="a preset: the course's or a real model")
-    what.add_argument("--params", type=_number(1e8, True, "7e9"),
+    what.add_argument("--params", type=number(1e8, True, "7e9"),
                       help="a GPT-3-shaped model of about this many parameters")
     m = parser.add_argument_group("model overrides")
     for flag, kw in (("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-model", "d_model"),
@@ -61,14 +63,14 @@ def add_arguments(parser):
     lay.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     cl = parser.add_argument_group("cluster and cost model (with --gpus, the layout search)")
     cl.add_argument("--gpus", type=positive_int, help="GPUs to plan for: search every layout")
-    cl.add_argument("--gpu-mem", type=_number(0, False, "80"), default=None,
+    cl.add_argument("--gpu-mem", type=number(0, False, "80"), default=None,
                     help="GB per GPU (default with --gpus: 80)")
     cl.add_argument("--gpus-per-node", type=positive_int, default=8)
-    cl.add_argument("--peak-tflops", type=_number(0, False, "989"), default=989.0)
-    cl.add_argument("--mfu", type=_number(0, False, "0.45"), default=0.45)
-    cl.add_argument("--intra-gbps", type=_number(0, False, "300"), default=300.0,
+    cl.add_argument("--peak-tflops", type=number(0, False, "989"), default=989.0)
+    cl.add_argument("--mfu", type=number(0, False, "0.45"), default=0.45)
+    cl.add_argument("--intra-gbps", type=number(0, False, "300"), default=300.0,
                     help="GB/s inside a node (NVLink)")
-    cl.add_argument("--inter-gbps", type=_number(0, False, "25"), default=25.0,
+    cl.add_argument("--inter-gbps", type=number(0, False, "25"), default=25.0,
                     help="GB/s per GPU across nodes (InfiniBand)")
     cl.add_argument("--top", type=positive_int, default=8, help="layouts listed")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -147,8 +149,6 @@ def _json_setup(st: Setup) -> dict:
 def main_from_args(args) -> int:
     """``edu3d plan``: 0 when it fits (or nothing was asked to fit), 1 when it does not,
     2 for options that cannot work together."""
-    import json
-    import sys
 
     try:
         spec, st = setup_from_args(args)
@@ -215,6 +215,4 @@ def main_from_args(args) -> int:
 
 def plan_main(argv: list[str] | None = None) -> int:
     """``edu3d plan ...`` as a function (returns the exit code)."""
-    import argparse
-
     return main_from_args(add_arguments(argparse.ArgumentParser(prog="edu3d plan")).parse_args(argv))

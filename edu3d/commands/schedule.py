@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from edu3d.train.options import positive_int
+from edu3d.commands.argtypes import positive_int
 from edu3d.schedules.check import ScheduleError, check
 from edu3d.schedules.actions import SCHEDULES, build, chunks, format_torch
 from edu3d.schedules.simulate import Costs, bubble_formula, simulate

@@ -11,13 +11,12 @@ package; chapters, exercises and their graders import the library and this.
 
 from __future__ import annotations
 
-import argparse
+from edu3d.train.options import TrainOptions, defaults
 
 
-def lesson_args(**overrides) -> argparse.Namespace:
-    """``edu3d train``'s default options (tiny model) with ``overrides`` applied."""
-    from edu3d.train.options import defaults
-
+def lesson_args(**overrides) -> TrainOptions:
+    """``edu3d train``'s default options (tiny model) with ``overrides`` applied (an unknown
+    name is a ``TypeError`` that lists the valid ones)."""
     return defaults(**overrides)
 
 

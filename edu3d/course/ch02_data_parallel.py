@@ -26,13 +26,13 @@ import torch.distributed as dist
 
 from edu3d.course import grading, lesson_args  # chapter 02 reads dp.lesson_args() too
 from edu3d.course.ch01_collectives import ring_all_reduce_s
-from edu3d.distributed import trace
+from edu3d.distributed import meter, trace
 from edu3d.model.gpt import GPT, config_from, num_params
 from edu3d.parallel.dp.compress import HOOKS
 from edu3d.parallel.dp.data_parallel import make_buckets
-from edu3d.plan import formulas as memory
 from edu3d.train.data import SyntheticCorpus, shard_rows
-from edu3d.train.loop import make_optimizer, train_step
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
 from edu3d.train.options import config_from_args
 from edu3d.train.trainer import Trainer
 
@@ -67,7 +67,7 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
         log = getattr(trainer.par.dp, "launch_log", [])
         out[name] = {"losses": losses, "step_s": statistics.median(times),
                      "launch_log": list(log), "psi": num_params(model),
-                     "memory": memory.measure(trainer.tensors())}
+                     "memory": meter.measure(trainer.tensors())}
         if trainer.par.zero is not None:
             out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.par.zero.units]
     return out

@@ -37,11 +37,11 @@ from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import ops
-from edu3d.parallel.tp.activations import (block_collectives, block_input, korthikanti_bytes,
-                                           measure_layer, model_activation_bytes)
+from edu3d.parallel.tp.activations import block_collectives, block_input, measure_layer, tp_block
 from edu3d.parallel.tp.apply import apply_tp
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                       vocab_parallel_cross_entropy)
+from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.trainer import Trainer
 
@@ -139,7 +139,8 @@ def memory_sweep(mesh, config: GPTConfig, batch: int = 2) -> list[dict]:
     while t <= n:
         m = mesh if t == mesh.size("tp") else Mesh.build(Layout(dp=n // t, tp=t))
         for sp in (False, True):
-            rows.append(measure_layer(m, config, batch, sp))
+            rows.append({**measure_layer(m, config, batch, sp),
+                         **tp_activation_prediction(config, batch, t, sp)})
         t *= 2
     return rows
 
@@ -346,17 +347,15 @@ def tp_activation_prediction(config, batch: int, t: int, sp: bool) -> dict:
     """Activation bytes one layer keeps per rank: this model's count (fp32, no dropout,
     fused attention) and Korthikanti et al.'s 16-bit count for the paper's layer."""
     s, h, a = config.seq_len, config.d_model, config.n_heads
-    return {"model_formula": model_activation_bytes(s, batch, h, a, t, sp),
-            "korthikanti_16bit": korthikanti_bytes(s, batch, h, a, t, sp)}
+    return {"model_formula": layer_activation_bytes(s, batch, h, a, t, sp),
+            "korthikanti_16bit": activation_bytes_per_layer(s, batch, h, a, t, sp)}
 
 
 def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
     """Launch target (``Layout(tp=t)``): the split demo, one layer's collectives counted and
     summed from the trace (forward and backward, SP as asked), and the activation bytes the
     layer saved, measured with ``saved_tensors_hooks``."""
-    model = GPT(config, 0)
-    apply_tp(model, mesh, sequence_parallel=sp)
-    block = model.blocks[0]
+    block = tp_block(config, mesh, sp, 0)
     x = block_input(config, batch, mesh, sp, 0)
     phases = {}
     with trace.use(trace.Recorder(mesh.rank)) as rec:
@@ -375,4 +374,5 @@ def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
                                    for e in evs if e["op"] == op)}
             for op, n in sorted(counts.items())}
     return {"split": split_demo(mesh, **SPLIT), "collectives": collectives,
-            "memory": measure_layer(mesh, config, batch, sp)}
+            "memory": {**measure_layer(mesh, config, batch, sp),
+                       **tp_activation_prediction(config, batch, t, sp)}}

@@ -32,7 +32,8 @@ from edu3d.parallel.pp.engine import PipelineEngine
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.loop import make_optimizer, train_step
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
 from edu3d.train.trainer import Trainer
 
 

@@ -27,17 +27,16 @@ bytes per step are predicted:
 from __future__ import annotations
 
 from edu3d.course import lesson_args
-from edu3d.distributed import trace
+from edu3d.distributed import meter, trace
 from edu3d.distributed.mesh import Layout
 from edu3d.distributed.trace import wire_bytes
 from edu3d.model.gpt import GPT
-from edu3d.model.shapes import spec_from_config
-from edu3d.plan import formulas as memory
+from edu3d.model.shapes import num_params_from_config, spec_from_config
 from edu3d.plan.estimate import Setup, estimate
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import config_from_args, num_params_from_config
+from edu3d.train.options import config_from_args
 from edu3d.train.trainer import Trainer
 
 AXES = ("tp", "pp", "dp")
@@ -70,7 +69,7 @@ def capstone(mesh, steps: int = 4, **overrides) -> dict:
         norms.append(out["grad_norm"])
         with trace.use(trace.NullRecorder()):  # the reference is not part of the run's trace
             serial_losses.append(train_step(serial, optimizer, x, y, s, args)["loss"])
-    mem = memory.measure(trainer.tensors())
+    mem = meter.measure(trainer.tensors())
     mem["activations"] = int(peak)
     mem["total"] = mem["total"] + mem["activations"]
     return {"rank": mesh.rank, "coords": list(mesh.layout.coords(mesh.rank)),

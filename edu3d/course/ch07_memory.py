@@ -8,9 +8,9 @@ GPT (tensor-parallel, then recomputing, in :func:`~edu3d.parallel.parallelize.pa
 order) and returns per row:
 
 * ``measured``: the bytes autograd saved during the layer's forward, counted by hooking
-  every save (:func:`edu3d.plan.formulas.measure_activations`: each storage once, parameters not
+  every save (:func:`edu3d.distributed.meter.measure_activations`: each storage once, parameters not
   counted; a checkpointed region contributes exactly its inputs);
-* ``formula``: :func:`edu3d.parallel.recompute.layer_activation_bytes`, the exact count for
+* ``formula``: :func:`edu3d.plan.formulas.layer_activation_bytes`, the exact count for
   this layer in fp32, and ``korthikanti``: the paper's 16-bit count
   (:func:`edu3d.plan.formulas.activation_bytes_per_layer`), with their ratio;
 * ``step_ms``: the median time of a forward and backward through a stack of such layers,
@@ -25,10 +25,11 @@ import time
 
 import torch
 
-from edu3d.plan.formulas import activation_bytes_per_layer, measure_activations
+from edu3d.distributed.meter import measure_activations
+from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.model.gpt import GPT, GPTConfig
-from edu3d.parallel.recompute import MODES, apply_recompute, layer_activation_bytes
+from edu3d.parallel.recompute import MODES, apply_recompute
 from edu3d.parallel.tp import ops
 from edu3d.parallel.tp.apply import apply_tp
 

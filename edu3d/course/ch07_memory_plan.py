@@ -6,7 +6,7 @@ how the exercise is checked:
 * :func:`measure` is a launch target: every rank builds the library's
   :class:`~edu3d.train.trainer.Trainer` for ``edu3d train``'s options, takes one AdamW step, and
   returns what it holds afterwards (weights, gradients, optimizer state, counted by storage:
-  :func:`edu3d.plan.formulas.measure`) and the peak of the activations its pipeline engine kept
+  :func:`edu3d.distributed.meter.measure`) and the peak of the activations its pipeline engine kept
   during the step, with its mesh coordinates. :func:`run` launches it for one layout;
   :func:`measure_many` measures several layouts of one world size in a single launch;
 * :func:`planned` is the planner's prediction for the same ranks
@@ -19,23 +19,22 @@ how the exercise is checked:
 
 from __future__ import annotations
 
-import argparse
-
-from edu3d.plan import formulas as memory, estimate as plan_memory
+from edu3d.distributed import meter
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.model.shapes import spec_from
+from edu3d.plan import estimate as plan_memory
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import add_arguments, check_args, config_from_args
+from edu3d.train.options import TrainOptions, check_args, config_from_args, from_flags
 from edu3d.train.trainer import Trainer
 
 STATE = ("params", "grads", "optimizer")
 
 
-def options(argv: list[str]) -> argparse.Namespace:
+def options(argv: list[str]) -> TrainOptions:
     """``edu3d train``'s options from a command line, checked."""
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    args = from_flags(argv)
     check_args(args)
     return args
 
@@ -58,7 +57,7 @@ def measure(mesh, argv: list[str]) -> dict:
         1, args.global_batch)
     trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
     trainer.step(x, y, 1)
-    held = memory.measure(trainer.tensors())
+    held = meter.measure(trainer.tensors())
     held = {c: held[c] for c in STATE}
     held["activations"] = trainer.engine.peak_activation_bytes
     coord = tuple(mesh.coord) if mesh is not None else (0, 0, 0)

@@ -7,13 +7,12 @@ chapter measures both sides in one launch per world size (:func:`side_by_side`):
 model, seed and batches through edu3d's :class:`~edu3d.train.trainer.Trainer` and through
 :class:`~edu3d.production.torch_impl.TorchTrainer` (``edu3d train --impl torch``), with each
 side's losses, median step time, the bytes of parameters, gradients and optimizer state a
-rank holds at rest (the same count, :func:`edu3d.plan.formulas.measure`, on both sides: local
+rank holds at rest (the same count, :func:`edu3d.distributed.meter.measure`, on both sides: local
 shards of DTensors) and, for edu3d, the bytes its collectives moved in the last step.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -24,16 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from edu3d.distributed import trace
+from edu3d.distributed import meter, trace
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
-from edu3d.plan import formulas as memory
 from edu3d.production.compare import world_size
 from edu3d.production.torch_impl import TorchTrainer
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import worker
-from edu3d.train.options import add_arguments, check_args, config_from_args, defaults
+from edu3d.train.options import check_args, config_from_args, defaults, from_flags
 from edu3d.train.trainer import Trainer
 
 #: strategy -> edu3d's code, PyTorch's API, the layout both run, and the knobs that map
@@ -125,7 +123,7 @@ def strategy_rows(name: str) -> list[tuple[str, str, str]]:
 def _held(params, grads, states) -> dict:
     """Bytes of the tensors this rank holds (DTensors: their local shard)."""
     local = lambda ts: [t.to_local() if isinstance(t, DTensor) else t for t in ts]  # noqa: E731
-    return memory.measure({"params": local(params), "grads": local(grads),
+    return meter.measure({"params": local(params), "grads": local(grads),
                            "optimizer": local(states)})
 
 
@@ -172,7 +170,7 @@ def side_by_side(mesh, names: list[str], steps: int = 4) -> list[dict]:
         argv = [*STRATEGIES[name]["argv"].split(), "--steps", str(steps)]
         row = {"name": name, "argv": " ".join(argv)}
         for impl in ("edu3d", "torch"):
-            args = add_arguments(argparse.ArgumentParser()).parse_args([*argv, "--impl", impl])
+            args = from_flags([*argv, "--impl", impl])
             config, _ = check_args(args)
             layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp)
             m = Mesh.build(layout)
@@ -246,7 +244,7 @@ def offload(mesh, steps: int = 4) -> dict:
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
         trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
         losses, secs = _steps(trainer, corpus, args, steps)
-        held = memory.measure(trainer.tensors())  # this rank; offloaded state under "host"
+        held = meter.measure(trainer.tensors())  # this rank; offloaded state under "host"
         shard = sum(u.shard_numel for u in trainer.par.zero.units) * 4
         out["offload" if off else "device"] = {
             "losses": losses, "step_s": _slowest(secs), "mem": held, "shard_bytes": shard,

@@ -29,7 +29,8 @@ from edu3d.distributed.mesh import Layout
 from edu3d.distributed.runtime import all_ok
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
-from edu3d.parallel.tp.layers import padded_size, shard
+from edu3d.model.shapes import padded_size
+from edu3d.parallel.tp.layers import shard
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.trainer import Trainer
 

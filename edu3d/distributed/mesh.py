@@ -15,7 +15,8 @@ After reading this file you should understand:
   global state.
 
 Nothing in this module imports torch until a :class:`Mesh` is built, so layouts can be
-checked before any process starts.
+checked before any process starts: torch comes in through imports inside functions, for the
+torch-free start-up of the launcher and of the ``edu3d`` command.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class Coord(NamedTuple):
     tp: int
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, smallest first (the degrees a count can be split into)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -92,7 +94,7 @@ class Layout:
         if config is not None:
             heads, layers = config.n_heads, config.n_layers
             if heads % self.tp:
-                ok = ", ".join(str(d) for d in _divisors(heads))
+                ok = ", ".join(str(d) for d in divisors(heads))
                 raise LayoutError(f"tp={self.tp} does not divide n_heads={heads}; choose {ok}")
             if self.pp * self.vpp > layers:
                 raise LayoutError(

@@ -15,12 +15,16 @@ After reading this file you should understand what every rank does before it can
 
 ``init`` also works outside torchrun: the process becomes a world of one, so the same code
 runs serially in a notebook.
+
+torch comes in through imports inside functions: the launcher imports this module (the
+environment and the teardown it shares with ranks) and must start without torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 from datetime import timedelta
 
@@ -64,8 +68,6 @@ def set_threads(n: int = 1) -> None:
 
 def seed_everything(seed: int) -> None:
     """Seed torch's global generators (edu3d's model and data use their own generators)."""
-    import random
-
     import torch
 
     random.seed(seed)

@@ -23,12 +23,16 @@ After reading this file you should understand the event schema that all of edu3d
 Each rank appends to ``trace-rank{R}.jsonl`` in the run folder as events finish (and keeps
 ``flight/rank{R}.json``, the operation it is in right now); :func:`load` merges them and
 :func:`to_chrome` exports Chrome trace JSON, which opens in https://ui.perfetto.dev.
+
+torch comes in through imports inside functions: the launcher merges and exports traces, and
+it must start without torch (``edu3d run`` costs what a bare torchrun costs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import time
 from pathlib import Path
@@ -49,8 +53,6 @@ class Flight:
     SIZE = 512
 
     def __init__(self, path: str | os.PathLike):
-        import mmap
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb+") as f:

@@ -52,6 +52,13 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block: qkv ``3d²+3d``, proj ``d²+d``, fc ``4d²+4d``, its proj
+        ``4d²+d``, two LayerNorms ``4d``."""
+        d = self.d_model
+        return 12 * d * d + 13 * d
+
 
 PRESETS = {
     "tiny": GPTConfig(n_layers=4, n_heads=4, d_model=64, seq_len=32, vocab_size=256),
@@ -226,8 +233,7 @@ def flops_per_token(config: GPTConfig) -> int:
     computed from the config, so this is cheap even for gpt2-small.
     """
     d, L = config.d_model, config.n_layers
-    per_layer = 12 * d * d + 13 * d  # qkv 3d^2+3d, proj d^2+d, fc 4d^2+4d, proj 4d^2+d, 2 LNs 4d
-    n = L * per_layer + 2 * d  # + ln_f
+    n = L * config.block_params + 2 * d  # + ln_f
     if not config.tie_weights:
         n += d * config.vocab_size  # lm_head
     return 6 * n + 12 * L * d * config.seq_len

@@ -5,7 +5,9 @@ width, heads (and grouped KV heads), MLP width and kind (GELU's two matrices, Sw
 three), norms, biases, vocabulary, and whether the head is tied to the embedding. The real
 models' shapes are the published ones (GPT-2 small/medium/large/XL, LLaMA-2 7B/13B/70B,
 GPT-3 175B) and their parameter counts match the papers' within 1% (tests/test_planner.py);
-the course's presets are :data:`edu3d.model.gpt.PRESETS`, counted exactly.
+the course's presets are :data:`edu3d.model.gpt.PRESETS`, counted exactly. Those come in
+through imports inside functions: :mod:`edu3d.model.gpt` imports torch, and ``edu3d plan``
+and ``edu3d train``'s checks before launch must start without it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,16 @@ def spec_from_config(config, name: str = "course") -> ModelSpec:
     """The shape of one of this course's :class:`~edu3d.model.gpt.GPTConfig` (any overrides)."""
     return ModelSpec(name, config.n_layers, config.d_model, config.n_heads, config.seq_len,
                      config.vocab_size, tied=config.tie_weights, course=True)
+
+
+def num_params_from_config(config) -> int:
+    """The parameter count of :class:`~edu3d.model.gpt.GPT` from its config, no model built."""
+    return spec_from_config(config).num_params()
+
+
+def padded_size(size: int, tp: int) -> int:
+    """``size`` rounded up to a multiple of ``tp`` (Megatron pads the vocabulary this way)."""
+    return -(-size // tp) * tp
 
 
 def _gpt2(name, layers, d, heads):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from edu3d.distributed.mesh import Mesh
+from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import Action, build, chunks, with_comms
@@ -39,7 +40,8 @@ from edu3d.parallel.zero.sharding import Zero, model_units
 
 @dataclass(frozen=True)
 class Plan:
-    """How to parallelize, beyond the mesh's degrees: ``edu3d train``'s options."""
+    """How to parallelize, beyond the mesh's degrees (the trainer fills it from ``edu3d
+    train``'s options: :func:`edu3d.train.trainer.plan_from`)."""
 
     sequence_parallel: bool = False
     tp_overlap: bool = False
@@ -55,17 +57,6 @@ class Plan:
     offload: bool = False
     compress: str | None = None
     recompute: str = "none"  # "selective" | "full": activation recomputation
-
-    @classmethod
-    def from_args(cls, args) -> "Plan":
-        """The plan from ``edu3d train``'s options (missing ones take their defaults)."""
-        m = (getattr(args, "microbatches", None) or getattr(args, "grad_accum", None)
-             or getattr(args, "pp", 1))  # a pipeline's default: pp micro-batches
-        names = {"sequence_parallel": "sp"}
-        kw = {f: getattr(args, names.get(f, f)) for f in cls.__dataclass_fields__
-              if hasattr(args, names.get(f, f)) and getattr(args, names.get(f, f)) is not None}
-        kw["microbatches"] = m
-        return cls(**kw)
 
 
 @dataclass
@@ -112,20 +103,17 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, compute=None):
     return stages, parts, actions[pp_rank]
 
 
-def apply_data_parallel(par: Parallel, args) -> None:
-    """DP (one of four gradient averagers) or ZeRO over this rank's own parameters."""
+def apply_data_parallel(par: Parallel, make_optimizer=None) -> None:
+    """DP (one of four gradient averagers) or ZeRO over this rank's own parameters; ZeRO
+    builds its optimizer over its shard with ``make_optimizer(decay, no_decay)``."""
     mesh, plan = par.mesh, par.plan
     if plan.zero:
         units = [u for s in sorted(par.stages)
                  for u in model_units(par.stages[s], _tied_in(par.stages[s], par.tied))]
-        par.zero = Zero(par.module, mesh.dp, plan.zero, args, prefetch=plan.prefetch,
+        par.zero = Zero(par.module, mesh.dp, plan.zero, make_optimizer, prefetch=plan.prefetch,
                         offload=plan.offload, units=units)
     elif mesh.size("dp") > 1:
-        hook = None
-        if plan.compress:
-            from edu3d.parallel.dp.compress import make_hook
-
-            hook = make_hook(plan.compress)
+        hook = make_hook(plan.compress) if plan.compress else None
         par.dp = DataParallel(par.module, mesh.dp, plan.dp_impl, plan.bucket_mb,
                               reverse_buckets=plan.reverse_buckets, comm_hook=hook)
 
@@ -137,9 +125,11 @@ def _tied_in(stage: PipelineStage, tied):
     return tied if tied is not None and any(t is tied for t in held) else None
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, args=None, compute=None) -> Parallel:
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
+                compute=None) -> Parallel:
     """Turn the full serial ``model`` (built from the same seed on every rank) into this
-    rank's piece of ``mesh``'s layout; ``args`` carries the optimizer options ZeRO needs."""
+    rank's piece of ``mesh``'s layout; ``make_optimizer(decay, no_decay)`` builds ZeRO's
+    optimizer over its shard (the trainer's rule)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     tie = bool(getattr(model.config, "tie_weights", False))
     if mesh.size("tp") > 1:
@@ -160,5 +150,5 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, args=None, compute=Non
         mesh.add_groups("embed")
         if par.is_first or par.is_last:
             par.tied = model.tok_emb.weight
-    apply_data_parallel(par, args)
+    apply_data_parallel(par, make_optimizer)
     return par

@@ -21,7 +21,7 @@ After reading this file you should understand:
   ``saved_tensors_hooks`` pair replaces every saved tensor by a placeholder; the region's
   inputs are saved by one no-op autograd node *outside* it, so whatever counts saved tensors
   (:class:`~edu3d.parallel.pp.engine.PipelineEngine`'s activation meter,
-  :func:`edu3d.plan.formulas.measure_activations`) sees exactly what is kept: the inputs. The first
+  :func:`edu3d.distributed.meter.measure_activations`) sees exactly what is kept: the inputs. The first
   placeholder unpacked in backward re-runs the region (and stops as soon as every saved
   tensor is back);
 * how it composes: it is applied **after tensor parallelism** (it wraps the parallel block,
@@ -40,7 +40,8 @@ After reading this file you should understand:
 
 Recomputation changes memory and time, never the numbers: the recomputed forward is the same
 deterministic arithmetic, so losses and gradients equal the run without it, bitwise on a CPU
-(``tests/test_recompute.py``). What it costs: ``edu3d bench recompute``.
+(``tests/test_recompute.py``). What it costs: ``edu3d bench recompute``; what a layer keeps
+in each mode: :func:`edu3d.plan.formulas.layer_activation_bytes`.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-
-from edu3d.plan import formulas as memory
 
 MODES = ("none", "selective", "full")
 
@@ -116,39 +115,3 @@ def recompute_mode(model: nn.Module) -> str:
     if hasattr(blocks[0].attn.core, "recomputed"):
         return "selective"
     return "none"
-
-
-def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                           mode: str = "none", value_bytes: int = 4) -> int:
-    """Exactly what one layer of edu3d's GPT saves for backward, in bytes (fp32 by default).
-
-    Korthikanti's term list for this model (no dropout, fused attention), in values:
-
-    ============================  ==========  ===========================================
-    saved for backward            values      under TP / SP
-    ============================  ==========  ===========================================
-    LayerNorm inputs (2)          ``2sbh``    whole on every TP rank; ``/t`` with SP
-    LayerNorm mean, 1/std (2x2)   ``4sb``     whole; ``/t`` with SP
-    QKV input, MLP input          ``2sbh``    whole; ``/t`` with SP (the column layer
-                                              keeps only its tokens and re-gathers them)
-    Q, K, V                       ``3sbh``    ``/t`` (heads)
-    attention output              ``sbh``     ``/t``; the same storage as the output
-                                              projection's input
-    log-sum-exp per head, token   ``asb``     ``/t``; the fused kernel's only trace of
-                                              the ``s x s`` softmax
-    GELU input, GELU output       ``8sbh``    ``/t`` (the GELU output is the MLP
-                                              projection's input)
-    ============================  ==========  ===========================================
-
-    ``none``: all of it, ``16sbh + 4sb + asb``. ``selective`` recomputes the attention core
-    from Q, K, V, which stay saved (they are its inputs), and its output stays too (the
-    output projection saves it): only the ``asb`` log-sum-exps go. ``full`` keeps the
-    block's input, ``sbh`` (``/t`` with SP). Korthikanti's 16-bit counts
-    (:func:`edu3d.plan.formulas.activation_bytes_per_layer`) have ``34sbh``, ``2sbh`` of it dropout
-    masks, and ``5as^2b`` for the unfused scores, softmax and its dropout that selective
-    recomputation removes: here a fused kernel never stored them.
-    """
-    if mode not in MODES:
-        raise ValueError(f"recompute={mode!r} is not one of {', '.join(MODES)}")
-    return memory.course_activation_bytes_per_layer(
-        s, b, h, a, t, sp, None if mode == "none" else mode, value_bytes)

@@ -188,7 +188,7 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
     parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp))
     sp = st.sp and t > 1
     if spec.course and st.precision == "fp32":
-        layer = memory.course_activation_bytes_per_layer(s, b, h, a, t, sp, rec)
+        layer = memory.layer_activation_bytes(s, b, h, a, t, sp, st.recompute)
         ids = 8 * st.global_batch * s  # a view into the global batch keeps its whole storage
         if t > 1:  # the vocabulary-parallel embedding keeps its local ids and mask
             first = 9 * s * b + 8 * s

@@ -1,4 +1,4 @@
-"""Memory per rank: measured from the tensors a rank holds, and predicted by the formulas.
+"""Memory per rank, predicted: every closed-form memory formula of the course.
 
 After reading this file you should understand the four categories every chart uses:
 
@@ -8,59 +8,25 @@ After reading this file you should understand the four categories every chart us
                plus an fp32 master copy of the weights in mixed precision (K = 12);
 ``activations`` what the forward pass saves for backward.
 
-The **measurement** counts storages, not tensors: views into one flat buffer (ZeRO's shards,
-DDP's gradient buckets) share a storage and are counted once, and a buffer freed by resizing
-its storage to zero (ZeRO-3 between uses) counts nothing. The **estimator** is the ZeRO
-paper's (Rajbhandari et al. 2019) with Ψ parameters, N data-parallel ranks and the bytes per
-element as parameters; with 2-byte weights and gradients and K = 12 it is DESIGN.md's
-``16Ψ``, ``4Ψ + KΨ/N``, ``2Ψ + (2+K)Ψ/N`` and ``(4+K)Ψ/N``. Any difference between the two
-comes from padding: each flat buffer is rounded up to a multiple of N.
+The **state** formula is the ZeRO paper's (Rajbhandari et al. 2019) with Ψ parameters, N
+data-parallel ranks and the bytes per element as parameters; with 2-byte weights and
+gradients and K = 12 it is DESIGN.md's ``16Ψ``, ``4Ψ + KΨ/N``, ``2Ψ + (2+K)Ψ/N`` and
+``(4+K)Ψ/N``. What a rank really holds is measured by :mod:`edu3d.distributed.meter`; any
+difference between the two comes from padding: each flat buffer is rounded up to a multiple
+of N.
 
-Activations have two estimators. :func:`activation_bytes_per_layer` is Korthikanti et al.'s
+Activations have three counts. :func:`activation_bytes_per_layer` is Korthikanti et al.'s
 (2022) count for a 16-bit GPT layer with dropout, generalized to a SwiGLU MLP and grouped
 KV heads (their defaults give the paper's ``sbh(34 + 5as/h)`` exactly); the planner uses it
-for real models. :func:`course_activation_bytes_per_layer` is the same term list for *this
-course's* layer in fp32 (no dropout, fused attention): it equals what autograd saves, byte
-for byte, so the planner can be checked against edu3d's own runs.
-
-This module imports torch only inside the measuring functions: the planner (``edu3d plan``)
-uses the formulas without it.
+for real models. :func:`layer_activation_bytes` is the same term list for *this course's*
+layer in fp32 (no dropout, fused attention): it equals what autograd saves, byte for byte,
+so the planner can be checked against edu3d's own runs. :func:`autocast_activation_bytes_per_layer`
+is that layer under ``torch.autocast``. No torch here: ``edu3d plan`` runs without it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
-
-if TYPE_CHECKING:
-    import torch
-
-CATEGORIES = ("params", "grads", "optimizer")
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (``seen`` is shared across calls so a
-    storage is counted in the first category that holds it)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        s = t.untyped_storage()
-        key = s.data_ptr()
-        if s.nbytes() == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += s.nbytes()
-    return total
-
-
-def measure(tensors_by_category: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Measured bytes per category, plus ``total`` (device memory); an optional ``"host"``
-    list (state offloaded to CPU memory) is reported separately, outside the total."""
-    seen: set = set()
-    out = {cat: storage_bytes(tensors_by_category.get(cat, []), seen) for cat in CATEGORIES}
-    out["total"] = sum(out.values())
-    if "host" in tensors_by_category:  # offloaded to CPU memory: reported, not in the total
-        out["host"] = storage_bytes(tensors_by_category["host"], seen)
-    return out
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def zero_bytes(psi: int, n: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
@@ -109,27 +75,43 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: b
     return (whole + split) / t if sp else whole + split / t
 
 
-def course_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
-                                      sp: bool = False, recompute: str | None = None,
-                                      value_bytes: int = 4) -> int:
-    """What autograd saves for one layer of this course's GPT (fp32, no dropout, fused
-    attention), in bytes: Korthikanti's term list, value for value.
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           mode: str = "none", value_bytes: int = 4) -> int:
+    """Exactly what one layer of edu3d's GPT saves for backward, in bytes (fp32 by default).
 
-    Per layer, in ``sbh`` values: LayerNorm inputs 2, QKV input 1, Q K V 3, attention output
-    1, MLP input 1, GELU input 4, MLP projection input 4 (16; the paper's 34 bytes less two
-    dropout masks, halved from bytes to values); plus ``4sb`` LayerNorm statistics (mean and
-    1/std twice) and ``asb`` log-sum-exps of the fused attention, which keeps no ``s x s``
-    matrix. Under TP the LayerNorm inputs and statistics and the QKV and MLP inputs (``4sbh +
-    4sb``) stay whole unless SP splits them too. ``recompute="full"`` keeps the block's input
-    (``sbh``, ``/t`` under SP); ``"selective"`` recomputes the attention core from Q, K, V,
-    which stay saved (they are its inputs), as does its output (the output projection's
-    input): only the ``asb`` log-sum-exps go. (The same count as
-    :func:`edu3d.parallel.recompute.layer_activation_bytes`, without torch.)
+    Korthikanti's term list for this model (no dropout, fused attention), in values:
+
+    ============================  ==========  ===========================================
+    saved for backward            values      under TP / SP
+    ============================  ==========  ===========================================
+    LayerNorm inputs (2)          ``2sbh``    whole on every TP rank; ``/t`` with SP
+    LayerNorm mean, 1/std (2x2)   ``4sb``     whole; ``/t`` with SP
+    QKV input, MLP input          ``2sbh``    whole; ``/t`` with SP (the column layer
+                                              keeps only its tokens and re-gathers them)
+    Q, K, V                       ``3sbh``    ``/t`` (heads)
+    attention output              ``sbh``     ``/t``; the same storage as the output
+                                              projection's input
+    log-sum-exp per head, token   ``asb``     ``/t``; the fused kernel's only trace of
+                                              the ``s x s`` softmax
+    GELU input, GELU output       ``8sbh``    ``/t`` (the GELU output is the MLP
+                                              projection's input)
+    ============================  ==========  ===========================================
+
+    ``mode`` is the recomputation (:mod:`edu3d.parallel.recompute`). ``none``: all of it,
+    ``16sbh + 4sb + asb``. ``selective`` recomputes the attention core from Q, K, V, which
+    stay saved (they are its inputs), and its output stays too (the output projection saves
+    it): only the ``asb`` log-sum-exps go. ``full`` keeps the block's input, ``sbh`` (``/t``
+    with SP). Korthikanti's 16-bit counts (:func:`activation_bytes_per_layer`) have
+    ``34sbh``, ``2sbh`` of it dropout masks, and ``5as^2b`` for the unfused scores, softmax
+    and its dropout that selective recomputation removes: here a fused kernel never stored
+    them. tests/test_recompute.py measures every case on the real modules.
     """
-    if recompute == "full":
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if mode == "full":
         return int(s * b * h * value_bytes / (t if sp else 1))
     whole = 4 * s * b * h + 4 * s * b
-    split = 12 * s * b * h + (0 if recompute == "selective" else a * s * b)
+    split = 12 * s * b * h + (0 if mode == "selective" else a * s * b)
     values = (whole + split) / t if sp else whole + split / t
     return int(round(values * value_bytes))
 
@@ -152,22 +134,3 @@ def autocast_activation_bytes_per_layer(s: int, b: int, h: int, a: int,
     fp32 = 2 * s * b * h + 4 * s * b + (0 if recompute == "selective" else a * s * b)
     half = 2 * s * b * h + 12 * s * b * h + 12 * h * h
     return 4 * fp32 + 2 * half
-
-
-def measure_activations(forward: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the distinct storages ``forward()`` saves for backward (parameters, and
-    whatever is in ``exclude``, left out): the activation memory held at the end of forward."""
-    import torch
-
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(saved.values())

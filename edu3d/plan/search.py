@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from edu3d.distributed.mesh import divisors
+from edu3d.plan.fit import gb
 from edu3d.plan.estimate import Setup, estimate, units
 from edu3d.model.shapes import ModelSpec
 
@@ -100,17 +102,13 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
     return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
                schedule: str = "1f1b", micro_batches=(1, 2, 4, 8)):
     """Every (dp, tp, pp, zero, recompute, micro-batch) choice the model and batch allow."""
-    for tp in _divisors(cl.gpus):
+    for tp in divisors(cl.gpus):
         if spec.n_heads % tp:
             continue
-        for pp in _divisors(cl.gpus // tp):
+        for pp in divisors(cl.gpus // tp):
             dp = cl.gpus // (tp * pp)
             if pp > spec.n_layers:
                 continue
@@ -142,10 +140,6 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
     return rows
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
-
-
 def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
     """The recommended layout (``rows[0]``) explained in words, against its neighbours."""
     best = rows[0]
@@ -157,8 +151,8 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
     def other(**change):
         return by_key.get(dataclasses.replace(st, **change))
 
-    out = [f"the model has {spec.num_params() / 1e9:.2f} B parameters: {_gb(state16)} of "
-           f"weights, gradients and Adam state at 16 bytes each, against {_gb(budget)} usable "
+    out = [f"the model has {spec.num_params() / 1e9:.2f} B parameters: {gb(state16)} of "
+           f"weights, gradients and Adam state at 16 bytes each, against {gb(budget)} usable "
            "per GPU, so its state must be cut"]
     out.append(f"tp={st.tp}: tensor parallelism {'inside one node' if st.tp <= cl.gpus_per_node else 'across nodes'} "
                f"({'NVLink' if st.tp <= cl.gpus_per_node else 'InfiniBand'}): it all-reduces "
@@ -167,8 +161,8 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                "tp=1: the layers are small enough not to need tensor parallelism")
     if st.pp > 1:
         out.append(f"pp={st.pp}: {spec.n_layers // st.pp} layers per stage bring the fullest "
-                   f"rank to {_gb(mem['total_bytes'])} (weights {_gb(mem['params_bytes'])}, "
-                   f"activations {_gb(mem['activations_bytes'])}); the bubble "
+                   f"rank to {gb(mem['total_bytes'])} (weights {gb(mem['params_bytes'])}, "
+                   f"activations {gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(st.pp - 1) / (st.microbatches + st.pp - 1):.1%} with "
                    f"m={st.microbatches} micro-batches of {st.micro_batch}")
     whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
@@ -184,7 +178,7 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
             out.append(
                 f"ZeRO-{st.zero}: shards the optimizer state"
                 f"{' and gradients' if st.zero >= 2 else ''}{' and weights' if st.zero == 3 else ''}"
-                f" over dp={st.dp}, {_gb(saved)} less per GPU"
+                f" over dp={st.dp}, {gb(saved)} less per GPU"
                 + ("" if z0 is None or z0["fits"] else " (without it: does not fit)")
                 + ("; ZeRO-1 moves the same bytes as plain DP (2Ψ)" if st.zero == 1 else "")
                 + ("; ZeRO-2/3 are not combined with pipelines" if st.pp > 1 else ""))
@@ -197,14 +191,14 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                    "TP all-reduces grows with the layers and micro-batches it runs")
     none = other(recompute="none")
     if st.recompute == "none":
-        out.append(f"no recomputation: activations ({_gb(mem['activations_bytes'])}) fit")
+        out.append(f"no recomputation: activations ({gb(mem['activations_bytes'])}) fit")
     else:
-        gap = (f"without it the fullest rank needs {_gb(none['memory']['total_bytes'])}"
+        gap = (f"without it the fullest rank needs {gb(none['memory']['total_bytes'])}"
                if none else "")
         fits = none is not None and none["fits"]
         out.append(f"{st.recompute} recomputation: {gap}"
                    + (" (fits, but a larger micro-batch or fewer stages pays more)" if fits
-                      else f", more than {_gb(budget)}")
+                      else f", more than {gb(budget)}")
                    + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"
                       " more compute" if none else ""))
     out.append(f"estimated step {tm['total']:.2f} s: compute {tm['compute']:.2f}, bubble "

@@ -34,6 +34,9 @@ Three ways to start it, all on 127.0.0.1 only:
 Each rank's DDP gets a *recording* communication hook: it performs DDP's default all-reduce
 (``allreduce_hook``: divide by the world size, all-reduce with SUM) and notes each bucket's
 bytes and parameters, so the run can say which collectives ran.
+
+Accelerate (and psutil, which it brings) come in through imports inside functions: they are
+optional libraries, absent from a plain edu3d install.
 """
 
 from __future__ import annotations
@@ -45,8 +48,21 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+from edu3d.distributed.runtime import loopback_ifname
+from edu3d.launch.agent import bind_stores_to_loopback
+from edu3d.model.gpt import GPT
+from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.optim import lr_at, make_optimizer, set_lr
+from edu3d.train.options import config_from_args, defaults
 
 CONFIG = Path(__file__).with_name("accelerate_cpu_2.yaml")
 
@@ -60,8 +76,6 @@ class _Recorder:
 
 def _recording_allreduce(state: _Recorder, bucket):
     """DDP's default hook (divide by world size, all-reduce SUM), noting what it sends."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     buf = bucket.buffer()
     state.calls.append({"step": state.step, "op": "all_reduce", "bucket": bucket.index(),
                         "bytes": buf.numel() * buf.element_size(),
@@ -73,15 +87,7 @@ def train(steps: int = 5, overrides: dict | None = None) -> dict | None:
     """Train on every rank of a started launch; rank 0 returns the run's summary:
     ``records`` (step, loss, grad_norm, lr, step_s), ``wrapped`` (what ``prepare`` made of
     the model and the optimizer), ``collectives`` (every bucket all-reduce), ``memory``."""
-    import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
-
-    from edu3d.train.data import SyntheticCorpus, shard_rows
-    from edu3d.model.gpt import GPT
-    from edu3d.train.optim import lr_at, make_optimizer, set_lr
-    from edu3d.train.options import config_from_args, defaults
-
     from accelerate.utils import DistributedDataParallelKwargs
 
     torch.set_num_threads(1)
@@ -165,12 +171,6 @@ def loopback_only():
     the loopback interface) and every TCPStore server this process hosts bound to
     127.0.0.1 (torchrun's static rendezvous would otherwise listen on all interfaces); both
     restored after."""
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
-
-    from edu3d.launch.agent import bind_stores_to_loopback
-    from edu3d.distributed.runtime import loopback_ifname
-
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     saved = (dist.TCPStore, c10d_rendezvous_backend.TCPStore, static_tcp_rendezvous.TCPStore)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -196,13 +196,8 @@ def notebook_launch(steps: int = 5, num_processes: int = 2, overrides: dict | No
     The ranks are forked from the kernel; a fork can inherit a lock another thread of the
     kernel held at that moment and hang. After ``timeout`` seconds the ranks this call
     started are killed (by pid) and :class:`TimeoutError` says so, instead of a hung cell."""
-    import threading
-
     import psutil
-    import torch
     from accelerate import notebook_launcher
-
-    import edu3d.train.data, edu3d.model.gpt, edu3d.train.optim  # noqa: F401,E401 (the ranks inherit them)
 
     # the ranks are forked from this process: import what each would otherwise import on its
     # own (AdamW's constructor pulls in torch._dynamo, seconds per rank on a busy CPU)

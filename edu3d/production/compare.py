@@ -26,6 +26,19 @@ import json
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.launch import launch
+from edu3d.model.gpt import GPT
+from edu3d.production.torch_impl import TorchTrainer
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import check_args, config_from_args, from_flags
+from edu3d.train.trainer import Trainer
+
 LAYOUTS = {
     "dp2": "--dp 2",
     "dp2 ZeRO-1": "--dp 2 --zero 1",
@@ -48,10 +61,9 @@ SERIAL_KEYS = ("model", "layers", "heads", "d_model", "seq", "vocab", "tie", "se
 _SERIAL: dict = {}
 
 
-def options(argv: list[str]) -> argparse.Namespace:
-    from edu3d.train.options import add_arguments, check_args
-
-    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+def options(argv: list[str]):
+    """``edu3d train``'s options of the command line ``argv``, checked."""
+    args = from_flags(argv)
     check_args(args)
     return args
 
@@ -66,9 +78,6 @@ def _run(trainers: list, corpus, args, steps: int) -> tuple[list, list]:
     """``steps`` steps of each trainer, alternating step by step (a busy machine slows both
     alike), each started together on every rank; per trainer its records and its step
     times, the slowest rank's."""
-    import torch
-    import torch.distributed as dist
-
     recs, secs = [[] for _ in trainers], [[] for _ in trainers]
     for s in range(1, steps + 1):
         x, y = corpus.batch(s, args.global_batch)
@@ -92,15 +101,6 @@ def _rel(a: float, b: float) -> float:
 def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     """One layout (every rank calls): torch vs serial with SGD and AdamW, and (``edu3d_too``)
     torch vs edu3d with AdamW, with step times."""
-    from edu3d.train.data import SyntheticCorpus
-    from edu3d.distributed.mesh import Layout, Mesh
-    from edu3d.model.gpt import GPT
-    from edu3d.train.optim import make_optimizer
-    from edu3d.train.options import config_from_args
-    from edu3d.production.torch_impl import TorchTrainer
-    from edu3d.train.loop import train_step
-    from edu3d.train.trainer import Trainer
-
     adam = options([*argv, "--impl", "torch"])
     sgd = options([*argv, "--impl", "torch", "--optimizer", "sgd", "--lr", "0.1"])
     layout = Layout(dp=adam.dp, tp=adam.tp, pp=adam.pp, vpp=adam.vpp)
@@ -165,8 +165,6 @@ def parity_many(mesh, argvs: list[list[str]], steps: int = 5, edu3d_too: bool = 
 def measure(names: list[str], steps: int = 5, edu3d_too: bool = True,
             timeout: float = 600) -> dict[str, dict]:
     """Run the named layouts (one launch per world size); results by name."""
-    from edu3d.launch import launch
-
     by_ws: dict[int, list[str]] = {}
     for n in names:
         by_ws.setdefault(world_size(LAYOUTS[n].split()), []).append(n)

@@ -17,6 +17,9 @@ minutes on a laptop). Where it is installed, this module runs it on CPU ranks ov
 ``--launch`` starts torchrun's agent with its stores bound to 127.0.0.1 and runs this module
 with ``--train`` on every rank: ZeRO stages 0-3 and stages 2-3 with ``offload_optimizer``,
 4 steps each; rank 0 writes the losses, the median step time and the bytes a rank holds.
+
+DeepSpeed comes in through imports inside functions: it is an optional library, absent from
+a plain edu3d install (``--print`` works without it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import run as torchrun
+
+from edu3d.model.gpt import GPT
+from edu3d.production.accelerate_train import loopback_only
+from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.optim import param_groups
+from edu3d.train.options import config_from_args, defaults
 
 MEASURED = Path(__file__).with_name("deepspeed_cpu_2.yaml")
 SPECS = ("0", "1", "2", "3", "2o", "3o")  # stage, and "o": offload_optimizer to the CPU
@@ -72,11 +85,12 @@ FIELDS = [
 ]
 
 
-def ds_config(args: argparse.Namespace, stage: int, offload: bool = False) -> dict:
-    """The ``ds_config`` that trains the run of ``args`` (``edu3d train``'s options) with
+def ds_config(args, stage: int, offload: bool = False) -> dict:
+    """The ``ds_config`` that trains the run of ``args`` (``edu3d train``'s options,
+    :class:`~edu3d.train.options.TrainOptions`) with
     ZeRO ``stage`` over ``args.dp`` ranks."""
     elements = int(args.bucket_mb * 2**20 / 4)  # fp32: DeepSpeed counts elements, DDP MB
-    m = getattr(args, "microbatches", None) or 1
+    m = args.microbatches or 1
     zero = {"stage": stage, "reduce_bucket_size": elements, "allgather_bucket_size": elements}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -96,14 +110,6 @@ def ds_config(args: argparse.Namespace, stage: int, offload: bool = False) -> di
 def run(specs=SPECS, steps: int = 4) -> list[dict]:
     """Every rank of a started torchrun: train edu3d's GPT with DeepSpeed for each spec."""
     import deepspeed
-    import torch
-    import torch.distributed as dist
-
-    from edu3d.train.data import SyntheticCorpus, shard_rows
-    from edu3d.model.gpt import GPT
-    from edu3d.train.optim import param_groups
-    from edu3d.train.options import config_from_args, defaults
-
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
@@ -155,22 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
     if args.print is not None:
-        from edu3d.train.options import defaults
-
         print(json.dumps(ds_config(defaults(dp=2), args.print, args.offload), indent=2))
     elif args.launch:
-        from torch.distributed import run as torchrun
-
-        from edu3d.production.accelerate_train import loopback_only
-
         with loopback_only():
             torchrun.main([f"--nproc-per-node={args.launch}", "--rdzv-backend=c10d",
                            "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1",
                            "-m", "edu3d.production.deepspeed_map", "--train"]
                           + (["--out", args.out] if args.out else []))
     elif args.train:
-        import torch.distributed as dist
-
         results = run()
         if dist.get_rank() == 0:
             text = json.dumps(results, indent=1)

@@ -11,58 +11,54 @@ to do instead.
 
 from __future__ import annotations
 
-import argparse
 
-
-def _opt(args: argparse.Namespace, name: str, default=None):
-    return getattr(args, name, default)
-
-
-def unsupported(args: argparse.Namespace) -> str | None:
-    """Why ``args`` cannot run on PyTorch's own APIs (the flag named), or None."""
+def unsupported(args) -> str | None:
+    """Why ``args`` (:class:`~edu3d.train.options.TrainOptions`) cannot run on PyTorch's own
+    APIs (the flag named), or None."""
     why = "--impl torch runs the layout on PyTorch's own APIs, which have "
-    if _opt(args, "dp_impl", "bucketed") != "bucketed":
+    if args.dp_impl != "bucketed":
         return (f"--dp-impl {args.dp_impl}: {why}one data-parallel averager, DDP's bucketed "
                 "all-reduce; drop --dp-impl (or use --impl edu3d to compare the four)")
-    if _opt(args, "compress"):
+    if args.compress:
         return (f"--compress {args.compress}: {why}no built-in gradient compression in this "
                 "bridge (DDP comm hooks are a separate API); drop --compress or use --impl edu3d")
-    if _opt(args, "prefetch"):
+    if args.prefetch:
         return (f"--prefetch: {why}FSDP2, which prefetches the next unit by itself; drop "
                 "--prefetch (or use --impl edu3d to see edu3d's prefetch)")
-    if _opt(args, "tp_overlap"):
+    if args.tp_overlap:
         return (f"--tp-overlap: {why}no overlapped tensor-parallel matmul on CPU (async TP "
                 "needs CUDA symmetric memory); drop --tp-overlap or use --impl edu3d")
-    if _opt(args, "offload"):
+    if args.offload:
         return (f"--offload: {why}FSDP2's CPUOffloadPolicy, which moves parameters and "
                 "gradients too, not only the optimizer state; drop --offload or use --impl edu3d")
-    if _opt(args, "partition", "uniform") != "uniform":
+    if args.partition != "uniform":
         return (f"--partition {args.partition}: the PyTorch pipeline is cut at edu3d's "
                 "uniform layer boundaries only; drop --partition or use --impl edu3d")
-    if _opt(args, "recompute", "none") == "selective":
+    if args.recompute == "selective":
         return ("--recompute selective: edu3d recomputes only the attention core, a method, "
                 "not a module PyTorch's checkpoint_wrapper can wrap; use --recompute full "
                 "(checkpoint_wrapper around each block) or --impl edu3d")
-    if _opt(args, "precision", "fp32") != "fp32":
+    if args.precision != "fp32":
         return (f"--precision {args.precision}: this bridge trains in fp32 only (edu3d's "
                 "autocast and loss scaler are not mapped onto FSDP2's MixedPrecisionPolicy "
                 "here); drop --precision or use --impl edu3d")
-    for flag in ("ckpt_dir", "resume", "save_every", "async_save", "max_restarts",
-                 "inject_fault"):
-        if _opt(args, flag):
-            name = "--" + flag.replace("_", "-")
+    for name, value in (("--ckpt-dir", args.ckpt_dir), ("--resume", args.resume),
+                        ("--save-every", args.save_every), ("--async-save", args.async_save),
+                        ("--max-restarts", args.max_restarts),
+                        ("--inject-fault", args.inject_fault)):
+        if value:
             return (f"{name}: edu3d's checkpoints and fault injection work on edu3d's "
                     "trainer, not on PyTorch's (that would be torch.distributed.checkpoint); "
                     f"drop {name} or use --impl edu3d")
-    pp, tp = _opt(args, "pp", 1) or 1, _opt(args, "tp", 1) or 1
-    tie = _opt(args, "tie")
+    pp, tp = args.pp, args.tp
+    tie = args.tie
     if tie is None:
-        tie = _opt(args, "model") == "gpt2-small"  # the preset that ties (edu3d.model.gpt.PRESETS)
+        tie = args.model == "gpt2-small"  # the preset that ties (edu3d.model.gpt.PRESETS)
     if tie and pp > 1:
         return ("--tie with --pp > 1: torch.distributed.pipelining gives each stage its own "
                 "module, with no embedding group to keep a tied matrix on two stages equal; "
                 "drop --tie or use --impl edu3d")
-    if _opt(args, "zero", 0) == 1 and (tp > 1 or pp > 1):
+    if args.zero == 1 and (tp > 1 or pp > 1):
         flag = "--tp" if tp > 1 else "--pp"
         return (f"--zero 1 with {flag} > 1: ZeroRedundancyOptimizer works beside DDP on plain "
                 "tensors, and beside TP or PP data parallelism is FSDP2's replicate, whose "

@@ -38,7 +38,12 @@ import logging
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -56,8 +61,6 @@ def _data_parallel(modules: dict, mesh, zero: int, layout: Layout) -> None:
     dp_mesh = mesh["dp"]
     for s, module in list(modules.items()):
         if zero >= 2:
-            from torch.distributed.fsdp import fully_shard
-
             for block in module.blocks.values():  # one FSDP unit per block, one for the rest
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
@@ -66,12 +69,8 @@ def _data_parallel(modules: dict, mesh, zero: int, layout: Layout) -> None:
             # (torch 2.13) its reducer fails its bucket rebuild, or with static_graph=True
             # averages wrong gradients (measured: 34% off the serial norm). FSDP2's
             # replicate does both right: what torchtitan uses beside TP and PP
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-
             replicate(module, mesh=dp_mesh)
         else:
-            from torch.nn.parallel import DistributedDataParallel
-
             modules[s] = DistributedDataParallel(module, process_group=dp_mesh.get_group())
 
 
@@ -87,8 +86,7 @@ class TorchTrainer:
         self.mesh = mesh if mesh is not None else Mesh(Layout(), 0, {})
         self.args = args
         layout = self.layout = self.mesh.layout
-        self.m = (getattr(args, "microbatches", None) or getattr(args, "grad_accum", None)
-                  or layout.pp)
+        self.m = args.microbatches or args.grad_accum or layout.pp
         self.device = next(model.parameters()).device
         self.distributed = layout.world_size > 1
         self.dmesh = None
@@ -97,14 +95,11 @@ class TorchTrainer:
                                           mesh_dim_names=("pp", "dp", "tp"))
         tie = model.lm_head.weight is model.tok_emb.weight
         if layout.tp > 1:
-            apply_tp(model, self.dmesh["tp"], bool(getattr(args, "sp", False)))
-        if getattr(args, "recompute", "none") == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
-                checkpoint_wrapper
-
+            apply_tp(model, self.dmesh["tp"], args.sp)
+        if args.recompute == "full":
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = checkpoint_wrapper(block)
-        v = chunks(args.schedule, max(getattr(args, "vpp", 1), layout.vpp)) if layout.pp > 1 else 1
+        v = chunks(args.schedule, max(args.vpp, layout.vpp)) if layout.pp > 1 else 1
         parts = partition(model.config, layout.pp, v)
         self.n_stages = len(parts)
         self.pp_index = self.mesh.index("pp")
@@ -112,7 +107,7 @@ class TorchTrainer:
         if tie and layout.pp == 1:  # one stage holds both uses: keep them one parameter
             stage = self.modules[0]
             stage.lm_head.weight = stage.tok_emb.weight
-        self.zero = getattr(args, "zero", 0) or 0
+        self.zero = args.zero
         if layout.dp > 1:
             _data_parallel(self.modules, self.dmesh, self.zero, layout)
         self.is_first = 0 in self.modules
@@ -127,8 +122,6 @@ class TorchTrainer:
     def _optimizer(self):
         groups = param_groups(self.params, self.args.weight_decay)
         if self.zero == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
             cls, kw = ((torch.optim.SGD, {}) if self.args.optimizer == "sgd" else
                        (torch.optim.AdamW, {"betas": (0.9, 0.95)}))
             return ZeroRedundancyOptimizer(groups, optimizer_class=cls, lr=self.args.lr,

@@ -36,7 +36,7 @@ class Report:
     steps: int  # replay rounds until every rank finished (a rough critical-path length)
 
 
-def _needs(a: Action, r: int, pp: int, last: int) -> list[tuple[int, Action]]:
+def needs_of(a: Action, r: int, pp: int, last: int) -> list[tuple[int, Action]]:
     """What must have happened (on which rank) before action ``a`` on rank ``r`` may run."""
     s, i = a.stage, a.mb
     if a.kind == "F":
@@ -63,7 +63,7 @@ def _needs(a: Action, r: int, pp: int, last: int) -> list[tuple[int, Action]]:
     raise ScheduleError(f"unknown action kind in {a}")
 
 
-def _key(a: Action) -> Action:
+def done_key(a: Action) -> Action:
     """A full backward ``B`` also provides what ``I`` provides (the input gradient)."""
     return Action(a.stage, "I", a.mb) if a.kind == "B" else a
 
@@ -117,9 +117,9 @@ def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1) -> Report:
         for r in range(pp):
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                if not all(_key(n) in done[q] for q, n in _needs(a, r, pp, last)):
+                if not all(done_key(n) in done[q] for q, n in needs_of(a, r, pp, last)):
                     break
-                done[r].add(_key(a))
+                done[r].add(done_key(a))
                 pos[r] += 1
                 progressed = True
                 if a.kind == "F":
@@ -129,7 +129,7 @@ def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1) -> Report:
                     live[r].discard((a.stage, a.mb))
         if not progressed:
             stuck = [f"rank {r} at {actions[r][pos[r]]} (waits for "
-                     f"{', '.join(str(n) for q, n in _needs(actions[r][pos[r]], r, pp, last) if _key(n) not in done[q])})"
+                     f"{', '.join(str(n) for q, n in needs_of(actions[r][pos[r]], r, pp, last) if done_key(n) not in done[q])})"
                      for r in range(pp) if pos[r] < len(actions[r])]
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     return Report(peak_in_flight=peak, steps=rounds)

@@ -40,12 +40,13 @@ def uniform(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 def layer_costs(config) -> tuple[float, list[float], float]:
     """Estimated training FLOPs per token of ``(embedding, each block, head)``.
 
-    A block costs ``6·12d² + 12·d·s`` (weights times 6, plus attention's ``QKᵀ`` and ``AV``,
-    see :func:`edu3d.model.gpt.flops_per_token`); the head ``6·d·V``; the embedding is a lookup,
-    counted as one pass over its output (``6d``) so it is not free.
+    A block costs 6 FLOPs per weight (``config.block_params``, about ``12d²``) plus
+    attention's ``12·d·s`` (``QKᵀ`` and ``AV``, see :func:`edu3d.model.gpt.flops_per_token`);
+    the head ``6·d·V``; the embedding is a lookup, counted as one pass over its output
+    (``6d``) so it is not free.
     """
     d, s, v = config.d_model, config.seq_len, config.vocab_size
-    block = 6 * (12 * d * d + 13 * d) + 12 * d * s
+    block = 6 * config.block_params + 12 * d * s
     return float(6 * d), [float(block)] * config.n_layers, float(6 * d * v + 6 * 2 * d)
 
 

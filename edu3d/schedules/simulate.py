@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edu3d.schedules.check import _key, _needs
+from edu3d.schedules.check import done_key, needs_of
 from edu3d.schedules.actions import Action
 
 
@@ -101,10 +101,10 @@ def simulate(actions: list[list[Action]], pp: int, costs: Costs | None = None,
         for r in range(pp):
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                needs = _needs(a, r, pp, last)
-                if not all(_key(n) in finished[q] for q, n in needs):
+                needs = needs_of(a, r, pp, last)
+                if not all(done_key(n) in finished[q] for q, n in needs):
                     break
-                ready = max([finished[q][_key(n)] for q, n in needs], default=0.0)
+                ready = max([finished[q][done_key(n)] for q, n in needs], default=0.0)
                 if a.kind.startswith("RECV"):
                     t0, t1 = clock[r], max(clock[r], ready + costs.p2p)
                 elif a.kind.startswith("SEND"):
@@ -113,7 +113,7 @@ def simulate(actions: list[list[Action]], pp: int, costs: Costs | None = None,
                     t0 = max(clock[r], ready)
                     t1 = t0 + costs.of(a)
                 clock[r] = t1
-                finished[r][_key(a)] = t1
+                finished[r][done_key(a)] = t1
                 pos[r] += 1
                 progressed = True
                 ev = {"rank": r, "lane": "compute" if a.is_compute else "comm",

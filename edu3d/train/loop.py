@@ -9,7 +9,10 @@ these records step by step, which is how the course proves it is the same comput
 
 :func:`loop` drives the one :class:`~edu3d.train.trainer.Trainer`, whatever the layout;
 :func:`serial_step` is written independently of it, on purpose: it is the reference the
-tests compare every layout with.
+tests compare every layout with. The run's options are a
+:class:`~edu3d.train.options.TrainOptions`; the command line is parsed in
+:mod:`edu3d.commands.train`, which also picks the trainer class (edu3d's
+:class:`~edu3d.train.trainer.Trainer`, or PyTorch's APIs for ``--impl torch``).
 
 Weight decay follows nanoGPT: it applies to matrices (and embeddings), not to biases or
 LayerNorm gains, which only shift and scale.
@@ -17,7 +20,7 @@ LayerNorm gains, which only shift and scale.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,42 +29,37 @@ import time
 
 import torch
 
+from edu3d.ckpt.checkpointer import Checkpointer
+from edu3d.ckpt.format import check_ckpt_dir, latest_step
+from edu3d.ckpt.format import steps as complete_steps
+from edu3d.launch.api import LaunchError, LaunchTimeout, launch
+from edu3d.model.gpt import GPT
+from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
 from edu3d.train.data import SyntheticCorpus
-from edu3d.model.gpt import GPT
-from edu3d.train.optim import make_optimizer  # noqa: F401 (re-exported for the chapters and tests)
 from edu3d.train.optim import clip_coef, lr_at, set_lr
+from edu3d.train.options import (TrainOptions, check_args, check_fit, config_from_args,
+                                 oversubscribed)
 from edu3d.train.trainer import Trainer
-from edu3d.train.options import (add_arguments, check_args, check_fit, config_from_args,
-                                 num_params_from_config, oversubscribed)
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Trainer.stats)
 
 
-def build_trainer(model: torch.nn.Module, mesh, args: argparse.Namespace) -> Trainer:
-    """The one :class:`~edu3d.train.trainer.Trainer`, for every layout (``mesh`` None: one process);
-    with ``--impl torch`` the same layout on PyTorch's own APIs
-    (:class:`edu3d.production.torch_impl.TorchTrainer`, the same interface)."""
-    if getattr(args, "impl", "edu3d") == "torch":
-        from edu3d.production.torch_impl import TorchTrainer
-
-        return TorchTrainer(model, mesh, args)
-    return Trainer(model, mesh, args)
-
-
-def worker(mesh, options: dict) -> list[dict]:
-    """What every rank of ``edu3d train --dp/--tp/--pp`` runs (called by the launcher)."""
-    args = argparse.Namespace(**options)
+def worker(mesh, options: dict, trainer_class=Trainer) -> list[dict]:
+    """What every rank of ``edu3d train --dp/--tp/--pp`` runs (called by the launcher):
+    ``options`` is :class:`~edu3d.train.options.TrainOptions` as a dict, ``trainer_class``
+    the one :class:`~edu3d.train.trainer.Trainer` (or ``--impl torch``'s, the same interface)."""
+    args = TrainOptions(**options)
     config = config_from_args(args)
     model = GPT(config, seed=args.seed)  # the full serial init: shards are cut from it
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = build_trainer(model, mesh, args)
+    trainer = trainer_class(model, mesh, args)
     return loop(trainer, corpus, args, out=sys.stdout if mesh.rank == 0 else None)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor | float,
-                  step: int, args: argparse.Namespace) -> float:
+                  step: int, args: TrainOptions) -> float:
     """Clip by a *given* total gradient norm, set the learning rate, update; returns the lr."""
     coef = clip_coef(grad_norm, args.clip)
     for p in params:
@@ -73,7 +71,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Ten
     return lr
 
 
-def serial_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
+def serial_step(model, optimizer, x, y, step: int, args: TrainOptions) -> dict:
     """The reference step: forward and backward on the whole global batch, the total
     gradient norm, clip, learning rate, update. Returns ``{"loss", "grad_norm"}``."""
     optimizer.zero_grad(set_to_none=True)
@@ -86,7 +84,7 @@ def serial_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> 
     return {"loss": loss.item(), "grad_norm": grad_norm.item()}
 
 
-def train_step(model, optimizer, x, y, step: int, args: argparse.Namespace) -> dict:
+def train_step(model, optimizer, x, y, step: int, args: TrainOptions) -> dict:
     """One serial step on the global batch ``(x, y)``, returned as a full record."""
     t0 = time.perf_counter()
     out = serial_step(model, optimizer, x, y, step, args)
@@ -98,7 +96,7 @@ def _record(step: int, out: dict, lr: float, tokens: int, seconds: float) -> dic
             "lr": lr, "tokens_per_s": tokens / seconds}
 
 
-def _emit(rec: dict, args: argparse.Namespace, out) -> None:
+def _emit(rec: dict, args: TrainOptions, out) -> None:
     if out is None:
         return
     if args.json:
@@ -141,7 +139,7 @@ def summary(records: list[dict], seconds: list[float]) -> str:
     return "\n".join(lines)
 
 
-def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -> list[dict]:
+def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list[dict]:
     """Feed global batch ``step`` to ``trainer.step`` for every step; record and print.
 
     With ``--ckpt-dir`` the state is saved as ``--save-every`` says (:mod:`edu3d.ckpt.format`),
@@ -151,15 +149,13 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
         print(f"{'step':>5} {'loss':>8} {'grad norm':>10} {'lr':>9} {'tok/s':>9}", file=out)
     records, seconds = [], []
     ckpt = None
-    if getattr(args, "ckpt_dir", None):
-        from edu3d.ckpt.checkpointer import Checkpointer
-
-        ckpt = Checkpointer(trainer, args)
+    if args.ckpt_dir:
+        ckpt = Checkpointer(trainer, args, config_from_args(args))
         if args.resume:
             records = ckpt.resume()  # the records of the steps the checkpoint holds
-    rank, attempt = trainer.mesh.rank, getattr(args, "attempt", 0)
+    rank = trainer.mesh.rank
     for step in range(len(records) + 1, args.steps + 1):
-        faults.maybe_inject(getattr(args, "inject_fault", None), rank, step, attempt)
+        faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
         x, y = corpus.batch(step, args.global_batch)
         t0 = time.perf_counter()
         result = trainer.step(x, y, step)
@@ -179,8 +175,6 @@ def loop(trainer, corpus: SyntheticCorpus, args: argparse.Namespace, out=None) -
             blocked = sum(r.get("ckpt_blocked_s", 0.0) for r in records[-len(seconds):])
             kept = ""
             if ckpt.keep:
-                from edu3d.ckpt.format import steps as complete_steps
-
                 kept = (f"; kept {', '.join(map(str, complete_steps(args.ckpt_dir)))} "
                         f"(--keep-last {ckpt.keep})")
             print(f"checkpoints: steps {', '.join(str(h['step']) for h in ckpt.history)} in "
@@ -196,20 +190,22 @@ def _describe(args, config, corpus) -> None:
           f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace, out=None) -> list[dict]:
-    """Train serially for ``args.steps`` steps; print to ``out`` (default: the current
-    ``sys.stdout``) and return one record per step."""
+def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
+    """Train for ``args.steps`` steps, serially or on ``args``' layout; print to ``out``
+    (default: the current ``sys.stdout``) and return one record per step. ``trainer_class``:
+    :class:`~edu3d.train.trainer.Trainer`, or one with its interface (``--impl torch``)."""
     out = out or sys.stdout
+    if args.impl == "torch" and trainer_class is Trainer:
+        raise ValueError("impl='torch' trains with PyTorch's own APIs: pass trainer_class="
+                         "edu3d.production.torch_impl.TorchTrainer (as edu3d train does)")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # the course's runs are multi-process; one thread each
     config, layout = check_args(args)
-    check_fit(config, layout, args)
+    check_fit(args)
     warning = oversubscribed(layout)
     if warning:
         print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
-    if getattr(args, "ckpt_dir", None):  # a bad checkpoint fails here, before any process
-        from edu3d.ckpt.format import check_ckpt_dir
-
+    if args.ckpt_dir:  # a bad checkpoint fails here, before any process
         step = check_ckpt_dir(args, config)
         if args.resume:
             print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
@@ -218,19 +214,17 @@ def run(args: argparse.Namespace, out=None) -> list[dict]:
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     _describe(args, config, corpus)
     if layout.world_size == 1:
-        return loop(build_trainer(GPT(config, seed=args.seed), None, args), corpus, args, out)
-    return _run_parallel(args, layout, out)
+        return loop(trainer_class(GPT(config, seed=args.seed), None, args), corpus, args, out)
+    return _run_parallel(args, layout, out, trainer_class)
 
 
-def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
+def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
     """Launch ``layout.world_size`` ranks; rank 0's stdout (the records) goes to ``out``
     untouched, everything else to stderr with its rank prefix.
 
     With ``--max-restarts N``, a rank that dies or hangs stops every rank and the run starts
     again from the newest complete checkpoint, up to N times (torchrun's elastic agent does
     the same with ``--max-restarts``); the records returned are then the whole run's."""
-    from edu3d.launch.api import LaunchError, LaunchTimeout, launch
-
     def echo(rank, stream, line):
         if rank == 0 and stream == "stdout":
             print(line, file=out, flush=True)
@@ -238,22 +232,19 @@ def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
             print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
     print(f"launching {layout.world_size} ranks ({layout})", file=sys.stderr, flush=True)
-    options = {k: v for k, v in vars(args).items() if not callable(v)}  # argparse's func
-    restarts = getattr(args, "max_restarts", 0) or 0
+    options = dataclasses.asdict(args)
+    restarts = args.max_restarts
     for attempt in range(restarts + 1):
         options["attempt"] = attempt
         try:
-            res = launch(worker, layout.world_size, args=(options,), layout=layout, echo=echo,
-                         timeout=args.timeout, name="train",
-                         heartbeat=getattr(args, "heartbeat", None))
+            res = launch(worker, layout.world_size, args=(options, trainer_class), layout=layout,
+                         echo=echo, timeout=args.timeout, name="train", heartbeat=args.heartbeat)
             return res.results[0]
         except LaunchTimeout:
             raise  # the whole run's time is spent: nothing to restart into
         except LaunchError as err:
             if attempt == restarts:
                 raise
-            from edu3d.ckpt.format import latest_step
-
             step = latest_step(args.ckpt_dir)
             where = f"the checkpoint of step {step}" if step else "the start (no checkpoint yet)"
             print(f"edu3d train: {str(err).splitlines()[0]}; restart {attempt + 1} of "
@@ -261,41 +252,3 @@ def _run_parallel(args: argparse.Namespace, layout, out) -> list[dict]:
                   flush=True)
             options["resume"] = True
     raise AssertionError("unreachable")
-
-
-def main_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Check the arguments and the memory they need (before any process starts), then
-    train. Exit codes: 2 bad options, 1 a rank failed, 124 timeout, 130 interrupted."""
-    from edu3d.launch.api import LaunchError, LaunchTimeout
-
-    try:
-        config, layout = check_args(args)
-        check_fit(config, layout, args)
-        if getattr(args, "ckpt_dir", None):
-            from edu3d.ckpt.format import check_ckpt_dir
-
-            check_ckpt_dir(args, config)  # a foreign, corrupted or used folder: before launch
-    except ValueError as err:
-        parser.error(str(err))
-    try:
-        run(args)
-    except LaunchTimeout as err:
-        print(f"edu3d train: --timeout {args.timeout:g} s: {err}", file=sys.stderr)
-        return 124
-    except LaunchError as err:
-        print(f"edu3d train: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("edu3d train: interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="edu3d train", description="Train the reference GPT on the synthetic corpus."))
-    return main_from_args(parser.parse_args(argv), parser)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -50,23 +50,12 @@ def optimizer_for(groups: list[dict], args) -> torch.optim.Optimizer | None:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
-def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
-    """AdamW's state for ``p``, created as before its first step (step 0, zero moments)
-    when absent: what a checkpoint is loaded into."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.tensor(0.0)  # AdamW's own scalar dtype (float32) on the CPU
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
 def lr_at(step: int, args) -> float:
     """The learning rate of ``step`` (1-based): warmup, then constant or cosine."""
-    warmup = getattr(args, "warmup", 0) or 0
+    warmup = args.warmup
     if warmup > 0 and step < warmup:
         return args.lr * step / warmup
-    if getattr(args, "lr_schedule", "constant") != "cosine":
+    if args.lr_schedule != "cosine":
         return args.lr
     span = max(1, args.steps - warmup)
     progress = min(1.0, max(0, step - warmup) / span)

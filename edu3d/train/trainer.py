@@ -27,21 +27,34 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from edu3d.plan import formulas as memory
 from edu3d.ckpt import reshard
-from edu3d.distributed import trace
+from edu3d.distributed import meter, trace
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
-from edu3d.train.optim import adam_state, clip_coef, lr_at, make_optimizer, set_lr
+from edu3d.train.optim import clip_coef, lr_at, make_optimizer, optimizer_for, set_lr
+from edu3d.train.options import TrainOptions
 from edu3d.parallel.grads import GradSync
+from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
 from edu3d.parallel.precision import Precision
 from edu3d.parallel.tp.layers import unshard
 
 
+def plan_from(options: TrainOptions) -> Plan:
+    """How :func:`~edu3d.parallel.parallelize.parallelize` cuts the model, from ``edu3d
+    train``'s options (a pipeline's default: pp micro-batches)."""
+    o = options
+    return Plan(sequence_parallel=o.sp, tp_overlap=o.tp_overlap, schedule=o.schedule,
+                microbatches=o.microbatches or o.grad_accum or o.pp, vpp=o.vpp,
+                partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
+                reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
+                compress=o.compress, recompute=o.recompute)
+
+
 class Trainer:
-    """Trains this rank's piece of ``model`` on ``mesh``'s layout with ``args``' options.
+    """Trains this rank's piece of ``model`` on ``mesh``'s layout with ``args``' options
+    (:class:`~edu3d.train.options.TrainOptions`).
 
     ``model`` is the full serial GPT, built from the same config and seed on every rank;
     ``mesh`` is ``None`` for one process. ``step(x, y, step)`` takes the *global* batch and
@@ -52,14 +65,14 @@ class Trainer:
     back-propagates (default ``loss / m``).
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: Mesh | None, args, *, compute=None,
-                 microbatch_loss=None):
+    def __init__(self, model: torch.nn.Module, mesh: Mesh | None, args: TrainOptions, *,
+                 compute=None, microbatch_loss=None):
         self.mesh = mesh if mesh is not None else Mesh(Layout(), 0, {})
-        self.args, self.plan = args, Plan.from_args(args)
-        self.par = parallelize(model, self.mesh, self.plan, args, compute)
+        self.args, self.plan = args, plan_from(args)
+        self.par = parallelize(model, self.mesh, self.plan, self._shard_optimizer, compute)
         self.grads = GradSync(self.par)
         device = next(model.parameters()).device
-        self.precision = Precision(getattr(args, "precision", "fp32") or "fp32", device.type,
+        self.precision = Precision(args.precision, device.type,
                                    world=self.mesh.layout.world_size > 1)
         self._microbatch_loss = microbatch_loss or scaled_loss
         self.engine = PipelineEngine(self.par.stages, self.par.actions, self.par.n_stages,
@@ -68,6 +81,11 @@ class Trainer:
         self.optimizer = None if self.par.zero else make_optimizer(self.par.module, args)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
         self._comm_seen: dict[str, float] = {}
+
+    def _shard_optimizer(self, decay: list, no_decay: list):
+        """ZeRO's optimizer over its shard's pieces: this run's rule and weight decay."""
+        return optimizer_for([{"params": decay, "weight_decay": self.args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], self.args)
 
     # ---- the schedule's hooks -----------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor, m: int) -> torch.Tensor:
@@ -137,7 +155,7 @@ class Trainer:
         activations its pipeline engine kept. ``comm_s``: this rank's seconds in communication
         since the last call, by group (``tp``, ``pp``, ``dp``, ...), from the trace: each
         collective from its start to its completion (an overlapped one counts whole)."""
-        held = memory.measure(self.tensors())
+        held = meter.measure(self.tensors())
         row = torch.tensor([held["params"], held["grads"], held["optimizer"],
                             self.engine.peak_activation_bytes], dtype=torch.float64)
         if self.mesh.layout.world_size > 1:  # bookkeeping: left out of the trace
@@ -251,7 +269,7 @@ class Trainer:
         return out
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds, by memory category (see :func:`edu3d.plan.formulas.measure`)."""
+        """The tensors this rank holds, by memory category (see :func:`edu3d.distributed.meter.measure`)."""
         if self.par.zero is not None:
             return self.par.zero.tensors()
         params = list(self.par.module.parameters())

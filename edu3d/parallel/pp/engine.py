@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from edu3d.distributed import trace
 from edu3d.schedules.actions import Action
@@ -271,8 +272,6 @@ class PipelineEngine:
         self._pass_grad_back(s, i, x, emb)
 
     def _backward_input(self, s: int, i: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_input
-
         emb, x, out, nbytes = self.saved[(s, i)]
         g = self._grad_out(s, i)
         _, groups = stage_backward_input([out], None if g is None else [g], [x],
@@ -281,8 +280,6 @@ class PipelineEngine:
         self._pass_grad_back(s, i, x, emb)
 
     def _backward_weight(self, s: int, i: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
         emb, x, groups, _ = self.saved.pop((s, i))
         params = self.stages[s].body_parameters()
         stage_backward_weight(iter(params), groups)

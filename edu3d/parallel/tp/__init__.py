@@ -9,7 +9,7 @@ grader) and :mod:`~edu3d.bench.bench_tp` (edu3d against PyTorch's DTensor TP).
 """
 
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                                      VocabParallelEmbedding, padded_size, shard, unshard,
+                                      VocabParallelEmbedding, shard, unshard,
                                       vocab_parallel_cross_entropy)
 from edu3d.parallel.tp.ops import (AllGatherReduceScatter, AllGatherSplit, AllReduceIdentity,
                                    IdentityAllReduce, ReduceScatterAllGather, SplitAllGather)
@@ -17,6 +17,6 @@ from edu3d.parallel.tp.apply import apply_tp, check_layout, partial_grad_names
 
 __all__ = ["AllGatherReduceScatter", "AllGatherSplit", "AllReduceIdentity", "ColumnParallelLinear",
            "IdentityAllReduce", "ReduceScatterAllGather", "RowParallelLinear", "SplitAllGather",
-           "VocabParallelEmbedding", "apply_tp", "check_layout", "padded_size",
+           "VocabParallelEmbedding", "apply_tp", "check_layout",
            "partial_grad_names", "shard", "unshard",
            "vocab_parallel_cross_entropy"]

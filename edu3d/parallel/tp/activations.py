@@ -8,7 +8,9 @@ After reading this file you should understand:
 * Korthikanti et al. (2022) count, per layer, in 16-bit: ``sbh(34 + 5as/h)`` serial,
   ``sbh(10 + 24/t + 5as/(ht))`` with TP (LayerNorm inputs, the QKV and MLP inputs stay
   whole on every rank: the ``10``), and ``sbh/t(34 + 5as/h)`` with TP+SP (everything split);
-* how that formula maps onto this course's model (:func:`model_activation_bytes`): 4-byte
+* how that formula maps onto this course's model
+  (:func:`edu3d.plan.formulas.layer_activation_bytes`; the paper's is
+  :func:`edu3d.plan.formulas.activation_bytes_per_layer`): 4-byte
   fp32 values instead of 2-byte ones (x2), no dropout (its two ``sbh`` masks and the
   ``as²b`` mask go), and fused attention, which keeps no ``s x s`` score matrix (the
   ``5as/h`` term) but one log-sum-exp per head and token. What remains is the paper's term
@@ -25,8 +27,9 @@ from collections import Counter
 import torch
 
 from edu3d.distributed import trace
-from edu3d.plan.formulas import measure_activations
+from edu3d.distributed.meter import measure_activations
 from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.tp.apply import apply_tp
 
 
 def saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -40,32 +43,8 @@ def saved_activation_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[in
     return measure_activations(forward, exclude=module.parameters()), out["y"]
 
 
-def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
-    """Activation bytes per layer, 16-bit, with dropout (Korthikanti et al. 2022, table 2)."""
-    if sp:
-        return s * b * h / t * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-def model_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                           value_bytes: int = 4) -> int:
-    """Korthikanti's count for this course's layer: fp32, no dropout, fused attention.
-
-    Values per layer, ``sbh`` units: LayerNorm inputs 2, QKV input 1, Q K V 3, attention
-    output (= ``proj`` input) 1, MLP input 1, GELU input 4, ``proj`` input 4 (= 16, the
-    paper's 34 bytes less the two dropout masks, halved to values); plus ``4sb`` LayerNorm
-    statistics and ``asb`` log-sum-exps. Under TP the 4 LayerNorm/QKV/MLP-input values stay
-    whole unless SP splits them too.
-    """
-    whole = 4 * s * b * h + 4 * s * b  # LN inputs, QKV and MLP inputs, LN statistics
-    split = 12 * s * b * h + a * s * b  # Q K V, proj input, GELU in/out, log-sum-exp
-    values = (whole + split) / t if sp else whole + split / t
-    return int(round(values * value_bytes))
-
-
-def _tp_block(config: GPTConfig, mesh, sp: bool, seed: int):
-    from edu3d.parallel.tp.apply import apply_tp
-
+def tp_block(config: GPTConfig, mesh, sp: bool, seed: int):
+    """Block 0 of the GPT of ``config`` and ``seed``, tensor-parallel over ``mesh``."""
     model = GPT(config, seed)
     apply_tp(model, mesh, sequence_parallel=sp)
     return model.blocks[0]
@@ -82,18 +61,16 @@ def block_input(config: GPTConfig, batch: int, mesh, sp: bool, seed: int = 0) ->
 
 
 def measure_layer(mesh, config: GPTConfig, batch: int, sp: bool, seed: int = 0) -> dict:
-    """Run one TP(+SP) layer on every rank: saved bytes vs both formulas."""
-    block = _tp_block(config, mesh, sp, seed)
+    """Run one TP(+SP) layer on every rank: the bytes it saved for backward (the formulas to
+    hold them against are :mod:`edu3d.plan.formulas`')."""
+    block = tp_block(config, mesh, sp, seed)
     measured, _ = saved_activation_bytes(block, block_input(config, batch, mesh, sp, seed))
-    s, b, h, a, t = config.seq_len, batch, config.d_model, config.n_heads, mesh.size("tp")
-    return {"tp": t, "sp": sp, "measured": measured,
-            "model_formula": model_activation_bytes(s, b, h, a, t, sp),
-            "korthikanti_16bit": korthikanti_bytes(s, b, h, a, t, sp)}
+    return {"tp": mesh.size("tp"), "sp": sp, "measured": measured}
 
 
 def block_collectives(mesh, config: GPTConfig, batch: int, sp: bool, seed: int = 0) -> dict:
     """The tp collectives of one layer's forward and backward, counted from the trace."""
-    block = _tp_block(config, mesh, sp, seed)
+    block = tp_block(config, mesh, sp, seed)
     x = block_input(config, batch, mesh, sp, seed)
     counts = {}
     with trace.use(trace.Recorder(mesh.rank)) as rec:

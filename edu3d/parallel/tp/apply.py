@@ -30,10 +30,10 @@ import functools
 import torch.nn as nn
 
 from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.model.shapes import padded_size
 from edu3d.parallel.tp import ops
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                                      VocabParallelEmbedding, padded_size,
-                                      vocab_parallel_cross_entropy)
+                                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
 
 def check_layout(layout: Layout, config, sequence_parallel: bool = False,

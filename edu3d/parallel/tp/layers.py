@@ -32,15 +32,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from edu3d.distributed import comm
+from edu3d.model.shapes import padded_size
 from edu3d.parallel.tp import ops
 
 
 # ---- cutting and gluing shards --------------------------------------------------------------
-def padded_size(size: int, tp: int) -> int:
-    """``size`` rounded up to a multiple of ``tp`` (Megatron pads the vocabulary this way)."""
-    return -(-size // tp) * tp
-
-
 def shard(full: torch.Tensor, dim: int, rank: int, tp: int, parts: int = 1,
           pad_to: int | None = None) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full`` along ``dim``.

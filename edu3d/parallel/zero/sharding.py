@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from edu3d.distributed import comm, trace
-from edu3d.train.optim import adam_state, optimizer_for
 from edu3d.parallel.dp.data_parallel import switched
+from edu3d.parallel.optim_state import adam_state
 
 STAGES = (1, 2, 3)
 
@@ -161,7 +161,7 @@ class Zero:
     with FSDP under pipelining; DeepSpeed refuses ZeRO-2/3 with pipelines).
     """
 
-    def __init__(self, model, group, stage: int, args, prefetch: bool = False,
+    def __init__(self, model, group, stage: int, make_optimizer, prefetch: bool = False,
                  offload: bool = False, units: list | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
@@ -190,7 +190,7 @@ class Zero:
                 u.shard_param = u.shard_param.clone()  # the only persistent copy
                 self._free(u)
             self._install_gather_hooks()
-        self.optimizer = self._make_optimizer(args)
+        self.optimizer = self._make_optimizer(make_optimizer)
 
     def no_sync(self):
         """Accumulate full gradients locally: no reduce-scatter (and no ZeRO-3 free)."""
@@ -201,7 +201,9 @@ class Zero:
         return switched(self, "reshard_after_forward", False)
 
     # ---- optimizer on shard views -----------------------------------------------------------
-    def _make_optimizer(self, args):
+    def _make_optimizer(self, make_optimizer):
+        """``make_optimizer(decay, no_decay)`` (the trainer's rule, AdamW or SGD) over the
+        shard's pieces; a piece decays when its full tensor is a matrix."""
         decay, no_decay = [], []
         for u in self.units:
             # offload: the optimizer works on a host copy of the shard (master weights,
@@ -216,8 +218,7 @@ class Zero:
                 piece.grad = grad[s:s + b - a]
                 u.opt_params.append(piece)
                 (decay if p.dim() >= 2 else no_decay).append(piece)
-        return optimizer_for([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], args)
+        return make_optimizer(decay, no_decay)
 
     # ---- stage 3: gather before use, free after ---------------------------------------------
     def _free(self, u: FlatUnit) -> None:
@@ -382,7 +383,7 @@ class Zero:
         return out
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds, by memory category (see :func:`edu3d.plan.formulas.measure`)."""
+        """The tensors this rank holds, by memory category (see :func:`edu3d.distributed.meter.measure`)."""
         params = [p for u in self.units for p in u.params] + [u.shard_param for u in self.units]
         grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
         grads += [u.shard_grad for u in self.units]

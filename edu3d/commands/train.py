@@ -1,0 +1,248 @@
+"""``edu3d train``: the command line of a training run, parsed once into typed options.
+
+After reading this file you should understand the road from a command line to ranks:
+
+1. argparse reads every flag, each with its range (:mod:`edu3d.commands.argtypes`) and
+   ``--inject-fault``'s little language (:func:`fault_spec`);
+2. the parsed namespace becomes one :class:`~edu3d.train.options.TrainOptions`
+   (:func:`options_from`): below this file nothing reads an ``argparse.Namespace``;
+3. every check that needs no process runs here, so a bad run is refused in a second with
+   what would work: the composition rules (:func:`~edu3d.train.options.check_args`), what
+   ``--impl torch`` cannot honour (:func:`edu3d.production.torch_check.unsupported`), the
+   memory (:func:`~edu3d.train.options.check_fit`, the planner's estimate) and the
+   checkpoint folder;
+4. ``--impl`` picks the trainer class: edu3d's :class:`~edu3d.train.trainer.Trainer`, or
+   :class:`~edu3d.production.torch_impl.TorchTrainer` (the same layout on PyTorch's own
+   APIs); :func:`edu3d.train.loop.run` trains with it, serially or on ``dp * tp * pp`` ranks.
+
+Exit codes: 2 bad options, 1 a rank failed, 124 timeout, 130 interrupted.
+
+The modules that need torch (the loop, the trainers, the checkpoint format) come in through
+imports inside functions: ``edu3d train --help`` and a refused run must start without
+torch, as the whole ``edu3d`` command does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edu3d.commands.argtypes import integer, non_negative_int, number, positive_int
+from edu3d.distributed.mesh import LayoutError
+from edu3d.launch.api import LaunchError, LaunchTimeout
+from edu3d.production.torch_check import unsupported
+from edu3d.train.options import (FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES, RECOMPUTE,
+                                 SCHEDULES, TrainOptions, check_args, check_fit, defaults)
+
+HELP = "train the reference GPT, serially or on a parallel layout"
+D = " (default: %(default)s)"  # argparse fills in each option's default in --help
+
+
+def fault_spec(text: str) -> dict:
+    """argparse type for ``--inject-fault rank=R,step=S[,kind=exit|kill|hang]``."""
+    usage = "rank=R,step=S[,kind=exit|kill|hang] (e.g. rank=1,step=3,kind=kill)"
+    spec: dict = {"kind": "exit"}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("rank", "step", "kind"):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
+        if key == "kind":
+            if value not in FAULT_KINDS:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
+            spec["kind"] = value
+        else:
+            spec[key] = (integer(1, "a step >= 1") if key == "step" else non_negative_int)(value)
+    if "rank" not in spec or "step" not in spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
+    return spec
+
+
+# ---- the options ---------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every option of ``edu3d train`` to ``parser``; help texts show the defaults."""
+    model = parser.add_argument_group("model (a preset; each override replaces one field)")
+    model.add_argument("--model", default="tiny", choices=PRESET_NAMES,
+                       help="preset" + D)
+    model.add_argument("--layers", type=positive_int, help="override the preset's n_layers")
+    model.add_argument("--heads", type=positive_int, help="override n_heads")
+    model.add_argument("--d-model", type=positive_int, help="override d_model")
+    model.add_argument("--seq", type=positive_int, help="override seq_len")
+    model.add_argument("--vocab", type=integer(MIN_VOCAB, f"an integer >= {MIN_VOCAB} (the "
+                                                          "corpus gives each token "
+                                                          f"{MIN_VOCAB} successors)"),
+                       help="override vocab_size (at least 4)")
+    model.add_argument("--tie", action="store_true", default=None,
+                       help="tie lm_head to the token embedding (default: the preset's choice)")
+    opt = parser.add_argument_group("training")
+    opt.add_argument("--steps", type=positive_int, default=60, help="training steps" + D)
+    opt.add_argument("--seed", type=non_negative_int, default=0,
+                     help="seeds the weights and the data" + D)
+    opt.add_argument("--lr", type=number(0, False, "3e-3"), default=3e-3,
+                     help="peak learning rate" + D)
+    opt.add_argument("--global-batch", type=positive_int, default=8,
+                     help="sequences per step, whatever the layout" + D)
+    opt.add_argument("--warmup", type=non_negative_int, default=0,
+                     help="steps of linear learning-rate warmup" + D)
+    opt.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                     help="after warmup: constant, or cosine decay to 10%% of --lr "
+                                    "at the last step" + D)
+    opt.add_argument("--weight-decay", type=number(0, True, "0.1"), default=0.1,
+                     help="AdamW weight decay on matrices" + D)
+    opt.add_argument("--clip", type=number(0, True, "1.0"), default=1.0,
+                     help="max global gradient norm; 0 disables" + D)
+    opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                     help="sgd is plain SGD, the honest check of gradient scale" + D)
+    opt.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="bf16: autocast, fp32 master weights; fp16: plus dynamic "
+                                    "loss scaling" + D)
+    par = parser.add_argument_group("parallelism (ranks = dp * tp * pp, launched with torchrun)")
+    par.add_argument("--dp", type=positive_int, default=1,
+                     help="data-parallel degree" + D)
+    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="ZeRO stage over the data-parallel group" + D)
+    par.add_argument("--microbatches", type=positive_int, default=None,
+                     help="micro-batches per step, for every layout: without --pp this is "
+                          "gradient accumulation (default: 1, or pp with --pp)")
+    par.add_argument("--grad-accum", type=positive_int, default=None,
+                     help="the same as --microbatches")
+    par.add_argument("--dp-impl", choices=("naive", "flat", "overlap", "bucketed"),
+                     default="bucketed", help="how gradients are averaged" + D)
+    par.add_argument("--bucket-mb", type=number(0, False, "25"), default=25.0,
+                     help="bucket size in MB for --dp-impl bucketed (PyTorch DDP's)" + D)
+    par.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
+    par.add_argument("--offload", action="store_true",
+                     help="ZeRO: keep the optimizer state (and its update) on the CPU")
+    par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,
+                     help="compress data-parallel gradients (lossy: losses drift from serial)")
+    par.add_argument("--tp", type=positive_int, default=1,
+                     help="tensor-parallel degree" + D)
+    par.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp)")
+    par.add_argument("--tp-overlap", action="store_true",
+                     help="overlap the input-gradient all-reduce with weight gradients")
+    par.add_argument("--pp", type=positive_int, default=1, help="pipeline stages" + D)
+    par.add_argument("--vpp", type=positive_int, default=1,
+                     help="model chunks per pipeline rank (interleaved)" + D)
+    par.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                     help="pipeline schedule" + D)
+    par.add_argument("--partition", choices=("uniform", "balanced"), default="uniform",
+                     help="how layers are cut into pipeline stages" + D)
+    par.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                     help="activation recomputation: full recomputes each block in backward "
+                          "(keeping its input), selective only the attention core" + D)
+    par.add_argument("--impl", choices=("edu3d", "torch"), default="edu3d",
+                     help="edu3d: edu3d's own mechanics; torch: the same layout on PyTorch's "
+                          "own APIs (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor TP, "
+                          "torch.distributed.pipelining)" + D)
+    par.add_argument("--timeout", type=number(0, False, "600"), default=600.0,
+                     help="seconds before a parallel run is killed" + D)
+    ck = parser.add_argument_group("checkpoints and failures")
+    ck.add_argument("--ckpt-dir", default=None,
+                    help="folder of sharded checkpoints (one sub-folder per saved step)")
+    ck.add_argument("--save-every", type=positive_int, default=None,
+                    help="save every K steps (default with --ckpt-dir: at the last step only)")
+    ck.add_argument("--keep-last", type=positive_int, default=None, metavar="K",
+                    help="keep only the newest K complete checkpoints: once a save is "
+                         "committed, older step folders are removed (default: keep all)")
+    ck.add_argument("--resume", action="store_true",
+                    help="continue from the newest complete checkpoint in --ckpt-dir, whatever "
+                         "layout wrote it")
+    ck.add_argument("--async-save", action="store_true",
+                    help="snapshot the state and write it in the background while training "
+                         "continues (at most one save in flight)")
+    ck.add_argument("--max-restarts", type=non_negative_int, default=0,
+                    help="when a rank dies or hangs, restart every rank from the last complete "
+                         "checkpoint, up to N times" + D)
+    ck.add_argument("--inject-fault", type=fault_spec, default=None,
+                    metavar="rank=R,step=S[,kind=exit|kill|hang]",
+                    help="make rank R die (exit, kill) or hang at step S, once (for tests and "
+                         "the course)")
+    ck.add_argument("--heartbeat", type=number(0, False, "20"), default=None,
+                    help="seconds without progress after which a rank counts as hung and is "
+                         "handled like a dead one (default: half the collective timeout)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per step and nothing else on stdout")
+    return parser
+
+
+def options_from(namespace: argparse.Namespace) -> TrainOptions:
+    """The parsed command line as :class:`~edu3d.train.options.TrainOptions` (argparse's own
+    entries, such as the subcommand's ``func``, left out)."""
+    return defaults(**{k: v for k, v in vars(namespace).items() if k in FIELDS})
+
+
+def parse(argv: list[str]) -> TrainOptions:
+    """``edu3d train``'s options from a command line (``SystemExit`` 2 on a bad flag)."""
+    return options_from(add_arguments(argparse.ArgumentParser(prog="edu3d train"))
+                        .parse_args(argv))
+
+
+def trainer_class(options: TrainOptions):
+    """The trainer ``--impl`` asks for (both build from the full serial model, the same way)."""
+    if options.impl == "torch":
+        from edu3d.production.torch_impl import TorchTrainer
+
+        return TorchTrainer
+    from edu3d.train.trainer import Trainer
+
+    return Trainer
+
+
+# ---- the command ---------------------------------------------------------------------------
+def add_subcommand(sub) -> argparse.ArgumentParser:
+    """Register ``train`` on ``edu3d``'s subcommands."""
+    p = sub.add_parser("train", help=HELP,
+                       description="Train the reference GPT on the synthetic corpus, serially "
+                                   "or on a parallel layout (dp * tp * pp ranks). With --json, "
+                                   "stdout holds exactly one JSON object per step.")
+    add_arguments(p)
+    p.set_defaults(func=lambda namespace: main_from_args(namespace, p))
+    return p
+
+
+def check(options: TrainOptions) -> None:
+    """Every check made before any process starts; raises ``ValueError`` saying what would
+    work (a foreign, corrupted or used checkpoint folder included)."""
+    config, _ = check_args(options)
+    problem = unsupported(options) if options.impl == "torch" else None
+    if problem:
+        raise LayoutError(problem)
+    check_fit(options)
+    if options.ckpt_dir:
+        from edu3d.ckpt.format import check_ckpt_dir
+
+        check_ckpt_dir(options, config)
+
+
+def main_from_args(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the options (before any process starts), then train."""
+    options = options_from(namespace)
+    try:
+        check(options)
+    except ValueError as err:
+        parser.error(str(err))
+    from edu3d.train.loop import run
+
+    try:
+        run(options, trainer_class=trainer_class(options))
+    except LaunchTimeout as err:
+        print(f"edu3d train: --timeout {options.timeout:g} s: {err}", file=sys.stderr)
+        return 124
+    except LaunchError as err:
+        print(f"edu3d train: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("edu3d train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="edu3d train", description="Train the reference GPT on the synthetic corpus."))
+    return main_from_args(parser.parse_args(argv), parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
