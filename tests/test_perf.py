@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from edu3d.course import ch10_performance as perf
-from edu3d.course.ch10_hangs import stack_lines
+from edu3d.course.ch10_performance_hangs import stack_lines
 from edu3d.widgets import perf as wp
 from edu3d.widgets.panels.ch10_performance import controls
 
@@ -126,10 +126,10 @@ def test_calibrate_fits_alpha_beta_and_the_serial_step():
 
 def test_stack_lines_leave_the_launchers_frames_out():
     v = {"traceback": "Python stack:\n  File \"/x/edu3d/launch/worker.py\", line 1 in _call\n"
-                      "  File \"/x/edu3d/course/ch10_hangs.py\", line 9 in skipped_collective\n"
+                      "  File \"/x/edu3d/course/ch10_performance_hangs.py\", line 9 in skipped_collective\n"
                       "  File \"<frozen runpy>\", line 88 in _run_code\n"}
     assert stack_lines(v) == [
-        "Python stack:", "  File \"/x/edu3d/course/ch10_hangs.py\", line 9 in skipped_collective"]
+        "Python stack:", "  File \"/x/edu3d/course/ch10_performance_hangs.py\", line 9 in skipped_collective"]
 
 
 # ---- the pictures -------------------------------------------------------------------------------

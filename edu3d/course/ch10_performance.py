@@ -18,7 +18,7 @@ real run of the one :class:`~edu3d.train.trainer.Trainer`:
   model, the pipeline bubble ``(p-1)/m`` of the compute, data-parallel traffic hidden
   under backward when overlap is on.
 
-The chapter's debugging half, the three classic hangs, is :mod:`edu3d.course.ch10_hangs`.
+The chapter's debugging half, the three classic hangs, is :mod:`edu3d.course.ch10_performance_hangs`.
 """
 
 from __future__ import annotations
