@@ -1,9 +1,47 @@
 """edu3d: 3D-parallel LLM training you can see.
 
-The package is deliberately light to import: nothing here imports torch, so the
-launcher (``edu3d run``) and the rank wrapper start as fast as a bare ``torchrun``.
-Import the modules you need (``from edu3d.distributed import mesh, runtime, comm``); learners' files
-write ``from edu3d import comm``, which this package hands the traced collectives for.
+The library is mechanics; the course is built on it; nothing in the library imports the
+course. Each folder is one concept, each module one idea (floors: a folder imports only
+folders listed below it; README's "How the package is organised" says the rules)::
+
+    edu3d/      __init__ cli         torch-free; ``from edu3d import comm``; the ``edu3d`` parser
+    commands/   run doctor train plan schedule ckpt generate grade bench run_folders course argtypes
+                                     one module per subcommand; the door to production/
+    widgets/    style timeline collectives mesh3d overlap zero tensor_split tp_layer pipeline threed memory_plan checkpoint production perf review
+                                     (``edu3d.widgets``, source in widgets/) charts: data in, figure out
+      panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch08_checkpoints ch09_in_production ch10_performance ch11_review
+                                     each chapter's knobs, on one Panel base
+    course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch07_memory_plan ch08_checkpoints ch09_in_production ch10_performance ch10_performance_hangs ch11_review grade_3d grade_reshard grading nbtools
+                                     what each chapter computes and runs; graders
+    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute bench_launch bench_gpu
+                                     edu3d timed against PyTorch's own implementations
+    production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
+                                     the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
+    train/      trainer loop options data optim faults
+                                     one Trainer for every layout; typed options
+    parallel/   parallelize grads precision recompute optim_state
+                                     the one place strategies compose; GradSync
+      dp/       data_parallel compress
+      zero/     sharding
+      tp/       ops layers apply activations
+      pp/       engine stage
+    ckpt/       format checkpointer reshard export
+                                     sharded checkpoints, resharding
+    plan/       formulas estimate search fit
+                                     every memory formula; the one estimator
+    launch/     api agent supervise worker procs runs heartbeat magic status
+                                     start, watch (one loop), end ranks; torch-free
+      warm/     pool zygote rank     warm ranks for notebook cells
+    distributed/  mesh runtime comm algorithms trace meter
+                                     what every rank uses
+    model/      gpt shapes           the serial reference GPT, model shapes
+    schedules/  actions check simulate partition
+                                     pipeline schedules as data
+
+The package is deliberately light to import: nothing here imports torch, so the launcher
+(``edu3d run``) and the rank wrapper start as fast as a bare ``torchrun``. Import the modules
+you need (``from edu3d.distributed import mesh, runtime``); learners' files write
+``from edu3d import comm``, which this package hands the traced collectives for.
 
 In a notebook, ``%load_ext edu3d`` registers the ``%%torchrun`` cell magic.
 
