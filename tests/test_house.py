@@ -5,20 +5,26 @@ bottom in one sitting, and trust that the library never depends on the course bu
 These rules keep it that way (DESIGN.md, "The shape of the package"):
 
 1. Folders name the concepts: the only loose modules in `edu3d/` are `__init__.py` and
-   `cli.py` (and `comm.py`, if it only re-exports `edu3d.dist`: learners write
+   `cli.py` (and `comm.py`, if it only re-exports `edu3d.distributed`: learners write
    `from edu3d import comm`).
-2. Imports go downwards, never round in a circle. The layers, bottom to top:
-       L0  dist, model                      what every rank uses; the serial reference
-       L1  parallel, ckpt, plan, launch     the mechanics (these four may import each other)
-       L2  train                            one Trainer
-       L3  bench, production, course        measured, bridged, taught
-       L4  commands, cli, edu3d             the `edu3d` command and the package's face
-       L5  widgets                          charts (data in, figure out) and panels (knobs)
-   and, named on their own because each is a promise: the core (L0-L2) never imports the
+2. Imports go downwards, never round in a circle, and never sideways. The floors, bottom
+   to top (a room is a folder of edu3d/, or a loose module; widgets/ is one room):
+       F1  distributed, model, schedules    what every rank uses; the serial reference;
+                                            pipeline schedules as data
+       F2  parallel, ckpt, plan, launch     the mechanics, each on its own
+       F3  train                            one Trainer
+       F4  production                       the same layouts on PyTorch's own APIs
+       F5  bench                            edu3d timed against production and torch
+       F6  course                           what the chapters compute and run
+       F7  commands, widgets, edu3d         one module per subcommand; charts and panels;
+                                            the package's face (`%load_ext edu3d`)
+       F8  cli                              the `edu3d` command's parser and dispatch
+   and, named on their own because each is a promise: the core (F1-F3) never imports the
    course, the widgets, production, bench or the commands; `production` is reached only
    through the commands (plus the few readers listed in PRODUCTION_DOORS); a chart never
    imports the course; the course never draws (ranks import it, and they have no plotly).
-   The graph is at most MAX_HEIGHT modules tall, so a chain of reasoning stays short.
+   The rooms' graph is at most MAX_HEIGHT floors tall (a room sits one floor above the
+   highest room it imports), so a reader climbs few floors from a command to a collective.
 3. No module reaches into another's private names (`from edu3d.x import _y`, `x._y`).
 4. No file is longer than MAX_LINES lines: one concept, read in one go.
 5. No file name repeats, so a name in a traceback is unambiguous; the one exception is a
@@ -28,7 +34,7 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
    imports inside functions says why in its docstring (the phrase "imports inside
    functions", then the reason, e.g. the launcher starts without importing torch).
 7. The core takes typed configuration: no `argparse` and no `getattr(args, ...)` in
-   dist, model, parallel, train, ckpt, plan or launch (see test_the_core_takes_typed_config
+   distributed, model, schedules, parallel, train, ckpt, plan or launch (see test_the_core_takes_typed_config
    for the launcher's own entry points).
 8. README's table and `edu3d/__init__.py`'s docstring show the real tree (formats in
    test_readme_table_lists_every_module and test_init_docstring_draws_the_tree).
@@ -58,21 +64,17 @@ ROOT = Path(os.environ.get("EDU3D_HOUSE_ROOT") or Path(__file__).resolve().paren
 
 LOOSE_ALLOWED = {"__init__.py", "cli.py"}
 LAYERS = {
-    "edu3d.dist": 0, "edu3d.model": 0,
+    "edu3d.distributed": 0, "edu3d.model": 0, "edu3d.schedules": 0,
     "edu3d.parallel": 1, "edu3d.ckpt": 1, "edu3d.plan": 1, "edu3d.launch": 1,
     "edu3d.train": 2,
-    "edu3d.bench": 3, "edu3d.production": 3, "edu3d.course": 3,
-    "edu3d.commands": 4, "edu3d.cli": 4, "edu3d": 4,
-    "edu3d.widgets": 5,
+    "edu3d.production": 3,
+    "edu3d.bench": 4,
+    "edu3d.course": 5,
+    "edu3d.commands": 6, "edu3d.widgets": 6, "edu3d": 6,
+    "edu3d.cli": 7,
 }
-_L1 = [p for p, layer in LAYERS.items() if layer == 1]
-SIDEWAYS = {  # (importer's package, imported package): allowed within one layer
-    *((a, b) for a in _L1 for b in _L1 if a != b),
-    ("edu3d.bench", "edu3d.production"),    # bench measures production
-    ("edu3d.course", "edu3d.production"),   # chapter 09 shows it (narrowed by PRODUCTION_DOORS)
-    ("edu3d.cli", "edu3d.commands"),        # the parser dispatches to a module per subcommand
-}
-CORE = ("edu3d.dist", "edu3d.model", "edu3d.parallel", "edu3d.train", "edu3d.ckpt",
+SIDEWAYS: set = set()  # (importer's package, imported package) allowed within one floor: none
+CORE = ("edu3d.distributed", "edu3d.model", "edu3d.schedules", "edu3d.parallel", "edu3d.train", "edu3d.ckpt",
         "edu3d.plan", "edu3d.launch")
 ABOVE_THE_CORE = ("edu3d.course", "edu3d.widgets", "edu3d.production", "edu3d.bench",
                   "edu3d.commands")
@@ -91,9 +93,10 @@ def _within(module: str, *prefixes: str) -> bool:
 
 def package_of(module: str) -> str:
     """The layer-table package of a module: `edu3d.parallel.tp.ops` -> `edu3d.parallel`.
-    The learners' door `edu3d.comm` belongs to `edu3d.dist`, whose `comm` it re-exports."""
+    The learners' door `edu3d.comm` belongs to `edu3d.distributed`, whose `comm` it
+    re-exports."""
     if module == "edu3d.comm":
-        return "edu3d.dist"
+        return "edu3d.distributed"
     return ".".join(module.split(".")[:2])
 
 
@@ -134,7 +137,7 @@ def _is_dist_reexport(house: House, module: str) -> bool:
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     imports = {id(i.node): i for i in house.imports(module)}
-    return bool(body) and all(id(s) in imports and _within(imports[id(s)].names[0], "edu3d.dist")
+    return bool(body) and all(id(s) in imports and _within(imports[id(s)].names[0], "edu3d.distributed")
                               for s in body)
 
 
@@ -146,7 +149,7 @@ def find_loose_modules(house: House) -> list[str]:
             continue
         if name == "comm.py" and _is_dist_reexport(house, m):
             continue
-        why = (" (comm.py may stay only as a re-export: nothing but imports from edu3d.dist)"
+        why = (" (comm.py may stay only as a re-export: nothing but imports from edu3d.distributed)"
                if name == "comm.py" else "")
         out.append(f"{mod.rel}:1: loose module; move it into the folder of its concept{why}")
     return out
@@ -210,8 +213,8 @@ def find_upward_imports(house: House) -> list[str]:
         if lt < ls or (lt == ls and (ps, pt) in SIDEWAYS):
             continue
         way = "sideways" if lt == ls else "upwards"
-        out.append(f"{house.where(e.source, e.line)}: {e.source} (L{ls}) imports {e.target} "
-                   f"(L{lt}), {way}" + (" (inside a function)" if e.local else ""))
+        out.append(f"{house.where(e.source, e.line)}: {e.source} (F{ls + 1}) imports {e.target} "
+                   f"(F{lt + 1}), {way}" + (" (inside a function)" if e.local else ""))
     return out
 
 
@@ -228,7 +231,7 @@ def find_core_importing_above(house: House) -> list[str]:
 
 def test_the_core_never_imports_course_widgets_production_bench_or_commands(house):
     check(find_core_importing_above(house),
-          "The library (dist, model, parallel, train, ckpt, plan, launch) is built on by the "
+          "The library (distributed, model, schedules, parallel, train, ckpt, plan, launch) is built on by the "
           "course, widgets, production, bench and commands, never the other way round:")
 
 
@@ -278,16 +281,43 @@ def test_the_course_never_draws(house):
           f"or edu3d.widgets:")
 
 
+def room_of(module: str) -> str:
+    """A room of the house: a top-level folder of edu3d/ (with all its subfolders), a loose
+    module, or widgets/ as a whole (`edu3d.widgets.panels.ch06_x` -> `edu3d.widgets`)."""
+    return package_of(module)
+
+
+def room_height(house: House) -> tuple[int, list[str]]:
+    """Floors of the rooms' graph: a room importing no other room is on floor 1, any other
+    room one floor above the highest room it imports. A cycle of rooms has no height (the
+    layer tests name it); it is cut here so the count stays defined."""
+    succ: dict[str, set[str]] = defaultdict(set)
+    for m, targets in house.graph.items():
+        succ[room_of(m)] |= {room_of(t) for t in targets} - {room_of(m)}
+    memo: dict[str, tuple[int, list[str]]] = {}
+
+    def floor(room: str, path: tuple[str, ...] = ()) -> tuple[int, list[str]]:
+        if room in memo:
+            return memo[room]
+        below = [floor(r, path + (room,)) for r in sorted(succ[room]) if r not in path]
+        best = max(below, key=lambda hc: hc[0], default=(0, []))
+        memo[room] = (best[0] + 1, [room, *best[1]])
+        return memo[room]
+
+    return max((floor(r) for r in sorted(set(map(room_of, house.graph)))),
+               key=lambda hc: hc[0], default=(0, []))
+
+
 def find_too_tall(house: House) -> list[str]:
-    height, chain = house.height()
+    height, chain = room_height(house)
     if height <= MAX_HEIGHT:
         return []
-    return [f"height {height}: " + "\n    -> ".join(chain)]
+    return [f"{height} floors: " + "\n    -> ".join(chain)]
 
 
-def test_the_import_graph_is_at_most_8_high(house):
-    check(find_too_tall(house), f"The longest chain of imports is over {MAX_HEIGHT} modules "
-                                f"(a module sits one above the highest module it imports):")
+def test_the_import_graph_is_at_most_8_floors_high(house):
+    check(find_too_tall(house), f"The rooms' import graph is over {MAX_HEIGHT} floors tall "
+                                f"(a room sits one floor above the highest room it imports):")
 
 
 # ---------------------------------------------------------------- 3. private names
@@ -416,7 +446,7 @@ def find_repeated_names(house: House) -> list[str]:
     for name, rels in sorted(by_name.items()):
         chapter = CHAPTER.fullmatch(name) and sorted(rels) == [f"edu3d/course/{name}",
                                                                f"widgets/panels/{name}"]
-        door = (sorted(rels) == ["edu3d/comm.py", "edu3d/dist/comm.py"]
+        door = (sorted(rels) == ["edu3d/comm.py", "edu3d/distributed/comm.py"]
                 and _is_dist_reexport(house, "edu3d.comm"))
         if len(rels) > 1 and not (chapter or door):
             out.append(f"{name}: " + ", ".join(f"{r}:1" for r in sorted(rels)))
@@ -427,7 +457,7 @@ def test_no_file_name_repeats(house):
     check(find_repeated_names(house),
           "File names repeated (only a chapter's chNN_topic.py may be in both edu3d/course/ "
           "and widgets/panels/, and the learners' door edu3d/comm.py may re-export "
-          "edu3d/dist/comm.py):")
+          "edu3d/distributed/comm.py):")
 
 
 def find_chapters_without_notebook(house: House) -> list[str]:
@@ -492,7 +522,7 @@ def find_namespace_config(house: House) -> list[str]:
 
 
 def test_the_core_takes_typed_config(house):
-    """The core (dist, model, parallel, train, ckpt, plan, launch) takes dataclasses; the
+    """The core (distributed, model, schedules, parallel, train, ckpt, plan, launch) takes dataclasses; the
     command converts its `argparse.Namespace` once. So no core module imports `argparse`
     or calls `getattr(args, ...)` (a `getattr` whose first argument is the name `args`).
 
@@ -581,14 +611,14 @@ def test_readme_table_lists_every_module(house):
         | Folder | Modules | What it holds |
         |---|---|---|
         | `edu3d/` | `__init__.py` `cli.py` | torch-free; the `edu3d` command |
-        | `edu3d/dist/` | `mesh.py` `runtime.py` `comm.py` | what every rank uses |
+        | `edu3d/distributed/` | `mesh.py` `runtime.py` `comm.py` | what every rank uses |
         | `edu3d/launch/warm/` | `pool.py` `zygote.py` `rank.py` | warm pools |
         | `widgets/panels/` | `panel.py` `ch01_collectives.py` | knobs |
 
     The first column holds the folder's path, backticked, ending in `/`; the second column
     its modules' file names, each backticked (`__init__.py` may be named or not). A module
     may instead have a row of its own, its full path in the first column
-    (`` `edu3d/dist/comm.py` ``). Rows for other paths (notebooks/, tests/) are ignored.
+    (`` `edu3d/distributed/comm.py` ``). Rows for other paths (notebooks/, tests/) are ignored.
     Every module must be listed, and everything listed must exist."""
     check(find_readme_differences(house), "README.md's table differs from the tree:")
 
@@ -641,7 +671,7 @@ def test_init_docstring_draws_the_tree(house):
     single spaces (`__init__` optional), then two or more spaces and a description:
 
         edu3d/       cli                          torch-free; `%load_ext edu3d`; the command
-          dist/      mesh runtime comm            what every rank uses
+          distributed/      mesh runtime comm            what every rank uses
           launch/    api agent supervise          start, watch and end ranks
             warm/    pool zygote rank             ranks forked warm
         widgets/     style collectives            charts: data in, a figure out
@@ -649,7 +679,7 @@ def test_init_docstring_draws_the_tree(house):
 
     A folder line indented under another is its subfolder; a line at the outermost level
     is under `edu3d/` unless it starts with `edu3d/` or `widgets/` (so a flat list of
-    `dist/`, `launch/warm/`, `widgets/panels/` works too). Only lines whose first word ends
+    `distributed/`, `launch/warm/`, `widgets/panels/` works too). Only lines whose first word ends
     in `/` are read; the rest of the docstring is prose."""
     check(find_docstring_differences(house), "edu3d/__init__.py's tree differs from the tree:")
 
@@ -696,7 +726,7 @@ GOOD = {
         """A toy edu3d.
 
             edu3d/        cli comm            the face, the command, the learners' door
-              dist/       comm                what every rank uses
+              distributed/       comm                what every rank uses
               model/      gpt                 the serial reference
               parallel/   dp                  data parallelism
               plan/       formulas            memory formulas
@@ -720,18 +750,17 @@ GOOD = {
             return agent
         ''',
     "edu3d/cli.py": "from edu3d.commands import train\n",
-    "edu3d/comm.py": '"""The learners\' door."""\nfrom edu3d.dist.comm import *  # noqa\n',
-    "edu3d/dist/__init__.py": "",
-    "edu3d/dist/comm.py": "def all_reduce(x):\n    return x\n",
+    "edu3d/comm.py": '"""The learners\' door."""\nfrom edu3d.distributed.comm import *  # noqa\n',
+    "edu3d/distributed/__init__.py": "",
+    "edu3d/distributed/comm.py": "def all_reduce(x):\n    return x\n",
     "edu3d/model/__init__.py": "",
     "edu3d/model/gpt.py": "class GPT:\n    pass\n",
     "edu3d/parallel/__init__.py": "",
-    "edu3d/parallel/dp.py": "from edu3d.dist import comm\nfrom edu3d.model import gpt\n"
-                            "from edu3d.plan import formulas\n",
+    "edu3d/parallel/dp.py": "from edu3d.distributed import comm\nfrom edu3d.model import gpt\n",
     "edu3d/plan/__init__.py": "",
     "edu3d/plan/formulas.py": "def memory(n):\n    return 16 * n\n",
     "edu3d/ckpt/__init__.py": "",
-    "edu3d/ckpt/format.py": "from edu3d.plan import formulas\n",
+    "edu3d/ckpt/format.py": "from edu3d.distributed import comm\n",
     "edu3d/launch/__init__.py": "",
     "edu3d/launch/agent.py": '''
         """The agent. Its imports inside functions keep its start torch-free."""
@@ -774,7 +803,7 @@ GOOD = {
         |---|---|---|
         | `edu3d/` | `__init__.py` `cli.py` | the face |
         | `edu3d/comm.py` | | the learners' door |
-        | `edu3d/dist/` | `comm.py` | every rank |
+        | `edu3d/distributed/` | `comm.py` | every rank |
         | `edu3d/model/` | `gpt.py` | the reference |
         | `edu3d/parallel/` | `dp.py` | data parallel |
         | `edu3d/plan/` | `formulas.py` | formulas |
@@ -794,7 +823,7 @@ GOOD = {
         ''',
     "pyproject.toml": '''
         [tool.setuptools]
-        packages = ["edu3d", "edu3d.dist", "edu3d.model", "edu3d.parallel", "edu3d.plan",
+        packages = ["edu3d", "edu3d.distributed", "edu3d.model", "edu3d.parallel", "edu3d.plan",
                     "edu3d.ckpt", "edu3d.launch", "edu3d.launch.warm", "edu3d.train",
                     "edu3d.production", "edu3d.bench", "edu3d.course", "edu3d.commands",
                     "edu3d.widgets", "edu3d.widgets.panels"]
@@ -830,12 +859,12 @@ def test_meta_the_good_toy_keeps_every_rule(tmp_path, finder):
 
 def test_meta_loose_modules(tmp_path):
     h = toy(tmp_path, {"edu3d/mesh.py": "X = 1\n",
-                       "edu3d/comm.py": "from edu3d.dist.comm import *\nX = 1\n"})
+                       "edu3d/comm.py": "from edu3d.distributed.comm import *\nX = 1\n"})
     found = find_loose_modules(h)
     assert len(found) == 2
     assert found[0].startswith("edu3d/comm.py:1: loose module") and "re-export" in found[0]
     assert found[1].startswith("edu3d/mesh.py:1: loose module")
-    assert find_repeated_names(h) == ["comm.py: edu3d/comm.py:1, edu3d/dist/comm.py:1"]
+    assert find_repeated_names(h) == ["comm.py: edu3d/comm.py:1, edu3d/distributed/comm.py:1"]
     assert find_repeated_names(toy(tmp_path / "good")) == []  # the re-export is no repeat
 
 
@@ -845,7 +874,8 @@ def test_meta_hidden_folders_hold_no_modules(tmp_path):
 
 
 def test_meta_cycles_count_function_level_imports(tmp_path):
-    h = toy(tmp_path, {"edu3d/plan/formulas.py": "def f():\n    from edu3d.ckpt import format\n"})
+    h = toy(tmp_path, {"edu3d/plan/formulas.py": "def f():\n    from edu3d.ckpt import format\n",
+                       "edu3d/ckpt/format.py": "from edu3d.plan import formulas\n"})
     assert find_cycles(h) == [
         "edu3d.ckpt.format <-> edu3d.plan.formulas",
         "    edu3d/ckpt/format.py:1: imports edu3d.plan.formulas",
@@ -866,21 +896,21 @@ def test_meta_packages_without_layer(tmp_path):
 
 
 def test_meta_upward_and_sideways_imports(tmp_path):
-    h = toy(tmp_path, {"edu3d/dist/comm.py": "def f():\n    from edu3d.train import trainer\n",
-                       "edu3d/model/gpt.py": "from ..dist import comm\n",
+    h = toy(tmp_path, {"edu3d/distributed/comm.py": "def f():\n    from edu3d.train import trainer\n",
+                       "edu3d/model/gpt.py": "from ..distributed import comm\n",
                        "edu3d/commands/train.py": "from edu3d import cli\n"})
     assert find_upward_imports(h) == [
-        "edu3d/commands/train.py:1: edu3d.commands.train (L4) imports edu3d.cli (L4), "
-        "sideways",
-        "edu3d/dist/comm.py:2: edu3d.dist.comm (L0) imports edu3d.train.trainer (L2), "
+        "edu3d/commands/train.py:1: edu3d.commands.train (F7) imports edu3d.cli (F8), "
+        "upwards",
+        "edu3d/distributed/comm.py:2: edu3d.distributed.comm (F1) imports edu3d.train.trainer (F3), "
         "upwards (inside a function)",
-        "edu3d/model/gpt.py:1: edu3d.model.gpt (L0) imports edu3d.dist.comm (L0), sideways"]
+        "edu3d/model/gpt.py:1: edu3d.model.gpt (F1) imports edu3d.distributed.comm (F1), sideways"]
 
 
 def test_meta_core_importing_above_it(tmp_path):
     h = toy(tmp_path, {
         "edu3d/train/trainer.py": "from edu3d.course import ch01_collectives\n",
-        "edu3d/comm.py": "from edu3d.dist.comm import *\nfrom edu3d import bench\n"})
+        "edu3d/comm.py": "from edu3d.distributed.comm import *\nfrom edu3d import bench\n"})
     assert find_core_importing_above(h) == [
         "edu3d/comm.py:2: edu3d.comm imports edu3d.bench",
         "edu3d/train/trainer.py:1: edu3d.train.trainer imports edu3d.course.ch01_collectives"]
@@ -919,26 +949,35 @@ def test_meta_the_course_never_draws(tmp_path):
 
 
 def _chain(n: int) -> dict[str, str]:
-    """edu3d.dist.m1 <- m2 <- ... <- mn, each importing the one below."""
-    return {f"edu3d/dist/m{i}.py": f"from edu3d.dist import m{i - 1}\n" if i > 1 else ""
+    """edu3d.distributed.m1 <- m2 <- ... <- mn, each importing the one below."""
+    return {f"edu3d/distributed/m{i}.py": f"from edu3d.distributed import m{i - 1}\n" if i > 1 else ""
             for i in range(1, n + 1)}
 
 
+def _rooms(n: int) -> dict[str, str]:
+    """Rooms edu3d.r1 <- r2 <- ... <- rn, each a folder whose module imports the room below;
+    a second module in r1 imports nothing, so rooms (not modules) are what is counted."""
+    files = {f"edu3d/r{i}/m.py": f"from edu3d.r{i - 1} import m\n" if i > 1 else ""
+             for i in range(1, n + 1)}
+    files["edu3d/r1/deep.py"] = "from edu3d.r1 import m\n"
+    return files
+
+
 def test_meta_height(tmp_path):
-    h = toy(tmp_path / "9", _chain(9))
-    assert h.height() == (9, [f"edu3d.dist.m{i}" for i in range(9, 0, -1)])
+    h = toy(tmp_path / "9", _rooms(9))
+    assert room_height(h) == (9, [f"edu3d.r{i}" for i in range(9, 0, -1)])
     found = find_too_tall(h)
-    assert len(found) == 1 and found[0].startswith("height 9: edu3d.dist.m9\n    -> edu3d.dist.m8")
-    assert find_too_tall(toy(tmp_path / "8", _chain(8))) == []
+    assert len(found) == 1 and found[0].startswith("9 floors: edu3d.r9\n    -> edu3d.r8")
+    assert find_too_tall(toy(tmp_path / "8", _rooms(8))) == []
 
 
 def test_meta_height_counts_a_cycle_as_one_step(tmp_path):
-    h = toy(tmp_path, {"edu3d/dist/a.py": "from edu3d.dist import b\n",
-                       "edu3d/dist/b.py": "def f():\n    from edu3d.dist import a\n",
-                       "edu3d/model/gpt.py": "from edu3d.dist import a\n"})
+    h = toy(tmp_path, {"edu3d/distributed/a.py": "from edu3d.distributed import b\n",
+                       "edu3d/distributed/b.py": "def f():\n    from edu3d.distributed import a\n",
+                       "edu3d/model/gpt.py": "from edu3d.distributed import a\n"})
     height, chain = h.height()
     # cli -> commands.train -> production.torch_impl -> trainer -> dp -> gpt -> a <-> b
-    assert height == 7 and chain[0] == "edu3d.cli" and chain[-1] == "edu3d.dist.a <-> edu3d.dist.b"
+    assert height == 7 and chain[0] == "edu3d.cli" and chain[-1] == "edu3d.distributed.a <-> edu3d.distributed.b"
 
 
 def test_meta_private_names(tmp_path):
@@ -1051,7 +1090,7 @@ def test_meta_readme_table(tmp_path):
 def test_meta_init_docstring_tree(tmp_path):
     init = GOOD["edu3d/__init__.py"]
     init = init.replace("warm/     pool ", "warm/     pool rank")
-    init = init.replace("dist/       comm    ", "dist/       comm x-y")
+    init = init.replace("distributed/       comm    ", "distributed/       comm x-y")
     init = init.replace("commands/   train", "tools/      x                   none\n"
                                             "              commands/   train")
     h = toy(tmp_path, {"edu3d/__init__.py": init, "widgets/panels/ch02_x.py": ""})
@@ -1070,7 +1109,7 @@ def test_meta_init_docstring_flat_tree(tmp_path):
         """Flat, in the order a reader meets it; prose lines are not read.
 
             edu3d/            cli comm        the face
-            dist/             comm            every rank
+            distributed/             comm            every rank
             model/            gpt             reference
             parallel/         dp              dp
             plan/             formulas        formulas
