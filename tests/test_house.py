@@ -38,7 +38,6 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
    for the launcher's own entry points).
 8. README's table and `edu3d/__init__.py`'s docstring show the real tree (formats in
    test_readme_table_lists_every_module and test_init_docstring_draws_the_tree).
-9. Every package is in pyproject.toml, so a regular install carries it.
 
 Each rule is a test on this checkout, or on another tree named by $EDU3D_HOUSE_ROOT
 (`EDU3D_HOUSE_ROOT=/path/to/edu3d python -m pytest tests/test_house.py`), and each checker is
@@ -52,7 +51,6 @@ import ast
 import os
 import re
 import textwrap
-import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -693,40 +691,6 @@ def test_init_docstring_draws_the_tree(house):
     check(find_docstring_differences(house), "edu3d/__init__.py's tree differs from the tree:")
 
 
-# ---------------------------------------------------------------- 9. installed as a whole
-
-def find_undeclared_packages(house: House) -> list[str]:
-    if not (house.root / "pyproject.toml").is_file():
-        return ["pyproject.toml:1: missing"]
-    text = (house.root / "pyproject.toml").read_text(encoding="utf-8")
-    tool = tomllib.loads(text).get("tool", {}).get("setuptools", {})
-    declared = set(tool.get("packages", []))
-    line = next((i + 1 for i, s in enumerate(text.splitlines()) if re.match(r"packages\s*=", s)),
-                1)
-    out = []
-    if tool.get("package-dir", {}).get("edu3d.widgets") != "widgets":
-        out.append('pyproject.toml:1: [tool.setuptools.package-dir] lacks "edu3d.widgets" = '
-                   '"widgets"')
-    packages = {}
-    for folder in tree_listing(house):
-        parts = folder.strip("/").split("/")
-        name = ".".join(["edu3d", *parts[1:]] if parts[0] == "edu3d" else ["edu3d", *parts])
-        packages[name] = folder
-        if not (house.root / folder / "__init__.py").is_file():
-            out.append(f"{folder}: holds modules but no __init__.py (a package's face)")
-        elif name not in declared:
-            out.append(f"{folder}__init__.py:1: {name} is not in pyproject.toml's "
-                       f"[tool.setuptools] packages (pyproject.toml:{line})")
-    out += [f"pyproject.toml:{line}: declares {name}, which has no folder"
-            for name in sorted(declared - set(packages))]
-    return out
-
-
-def test_every_package_is_installed(house):
-    check(find_undeclared_packages(house),
-          "A regular (non-editable) install carries only the packages pyproject.toml names:")
-
-
 # ====================================================================== meta-tests
 # A small tree that keeps every rule, then one break per rule: each checker must flag it.
 
@@ -846,8 +810,7 @@ FINDERS = [find_loose_modules, find_cycles, find_packages_without_layer, find_up
            find_core_importing_above, find_production_importers, find_charts_importing_course,
            find_course_drawing, find_too_tall, find_private_reaches, find_long_files,
            find_repeated_names, find_chapters_without_notebook, find_unexplained_local_imports,
-           find_namespace_config, find_readme_differences, find_docstring_differences,
-           find_undeclared_packages]
+           find_namespace_config, find_readme_differences, find_docstring_differences]
 
 
 
@@ -1140,15 +1103,3 @@ def test_meta_init_docstring_flat_tree(tmp_path):
         """
         '''
     assert find_docstring_differences(toy(tmp_path, {"edu3d/__init__.py": flat})) == []
-
-
-def test_meta_packages_in_pyproject(tmp_path):
-    pyproject = GOOD["pyproject.toml"].replace('"edu3d.launch.warm", ', '"edu3d.old", ')
-    pyproject = pyproject.replace('"edu3d.widgets" = "widgets"', "")
-    h = toy(tmp_path, {"pyproject.toml": pyproject, "edu3d/train/data/loader.py": ""})
-    assert find_undeclared_packages(h) == [
-        'pyproject.toml:1: [tool.setuptools.package-dir] lacks "edu3d.widgets" = "widgets"',
-        "edu3d/launch/warm/__init__.py:1: edu3d.launch.warm is not in pyproject.toml's "
-        "[tool.setuptools] packages (pyproject.toml:2)",
-        "edu3d/train/data/: holds modules but no __init__.py (a package's face)",
-        "pyproject.toml:2: declares edu3d.old, which has no folder"]
