@@ -7,10 +7,10 @@ The resolution rules are those of ../shared/tools/import_cycles.py:
 - the files of `edu3d/` are the modules `edu3d.*`, those of `widgets/` are `edu3d.widgets.*`
   (pyproject.toml installs `widgets/` as `edu3d.widgets`); `x/__init__.py` is the module `x`;
 - an imported name is resolved to the longest module prefix that exists: `from edu3d.launch
-  import worker` imports `edu3d.launch` and `edu3d.launch.worker`; `from edu3d.mesh import
-  Mesh` imports `edu3d.mesh`;
+  import worker` imports `edu3d.launch` and `edu3d.launch.worker`; `from edu3d.distributed.mesh import
+  Mesh` imports `edu3d.distributed.mesh`;
 - a module importing its own parent package's `__init__` (`from edu3d import comm` inside
-  `edu3d.dist`) does not count as importing that `__init__`: Python has run it already;
+  `edu3d.distributed`) does not count as importing that `__init__`: Python has run it already;
 - top-level and function-level imports count alike (both are dependencies a reader must know).
 """
 
@@ -47,8 +47,8 @@ class Module:
 
 @dataclass(frozen=True)
 class Import:
-    """One import statement, its names made absolute (`from .mesh import Mesh` in edu3d.dist
-    gives `edu3d.dist.mesh` and `edu3d.dist.mesh.Mesh`)."""
+    """One import statement, its names made absolute (`from .mesh import Mesh` in edu3d.distributed
+    gives `edu3d.distributed.mesh` and `edu3d.distributed.mesh.Mesh`)."""
     module: str                  # the importing module
     line: int
     names: tuple[str, ...]
