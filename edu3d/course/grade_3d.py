@@ -107,7 +107,7 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = No
     t.forward_backward(x, y)
     pieces = [GradPiece(name, g.detach(), par.specs.get(name) is None,
                         p is par.tied and not par.is_first)
-              for name, p, g in t.grads._grads()]
+              for name, p, g in t.grads.held()]
     group = mesh.group("mp")
     norm = _safe(norm_fn, pieces, tp_index, group)
     ok = (isinstance(norm, torch.Tensor) and norm.numel() == 1

@@ -59,7 +59,7 @@ class GradSync:
                 self.par.zero.zero_grad()
 
     # ---- after the last backward ------------------------------------------------------------
-    def _grads(self):
+    def held(self):
         """``(serial name, parameter, gradient this rank holds)``: full tensors, or slices
         of them under ZeRO."""
         if self.par.zero is not None:
@@ -86,10 +86,10 @@ class GradSync:
         elif self.par.zero is not None:
             self.par.zero.finish()
         if self.par.partial:
-            self._sum_over([g for n, _, g in self._grads() if n in self.par.partial],
+            self._sum_over([g for n, _, g in self.held() if n in self.par.partial],
                            self.mesh.group("tp"))
         if self.par.tied is not None:
-            self._sum_over([g for _, p, g in self._grads() if p is self.par.tied],
+            self._sum_over([g for _, p, g in self.held() if p is self.par.tied],
                            self.mesh.group("embed"))
 
     def _owned(self, name: str, p) -> bool:
@@ -101,7 +101,7 @@ class GradSync:
         """The serial model's total gradient norm (float32, the same on every rank)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for name, p, g in self._grads():
+        for name, p, g in self.held():
             if self._owned(name, p):
                 sq += g.detach().double().pow(2).sum()
         if self.par.zero is not None:  # slices of dp are distinct pieces too
