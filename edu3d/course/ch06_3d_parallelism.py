@@ -92,16 +92,6 @@ def axis_bytes(events: list[dict], step: int) -> dict[int, dict[str, float]]:
     return out
 
 
-def axis_counts(events: list[dict], step: int, rank: int) -> dict[tuple[str, str], int]:
-    """How many events of each (group, op) ``rank`` recorded in ``step`` (to explain a
-    difference between trace and formula)."""
-    out: dict[tuple[str, str], int] = {}
-    for ev in events:
-        if ev.get("step") == step and ev.get("rank") == rank and ev.get("lane") == "comm":
-            key = (ev.get("group"), ev["op"])
-            out[key] = out.get(key, 0) + 1
-    return out
-
 
 def axis_formulas(config, layout, m: int, *, stage: int, rank_params: int,
                   global_batch: int = 8, dtype_bytes: int = 4) -> dict[str, float]:

@@ -348,8 +348,3 @@ def check(key: str, answer):
     q = BANK[key]
     return grading.check(q.title, lambda: verify(key, answer),
                          hint=f"{q.why} (chapter {q.chapter[:2]}: notebooks/{q.chapter})")
-
-
-def answer_key() -> dict[str, object]:
-    """Every question's answer as edu3d computes it (what the notebook ships filled in)."""
-    return {q.key: q.truth() for q in QUESTIONS}
