@@ -90,6 +90,42 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group=None, *, async_op: 
                 t, group, async_op)
 
 
+def all_to_all(out: torch.Tensor, t: torch.Tensor, group=None, *, out_splits=None,
+               in_splits=None, async_op: bool = False):
+    """Rank i sends row block j of ``t`` (``in_splits[j]`` rows, along dim 0) to rank j, and
+    receives rank j's block for it into row block j of ``out`` (``out_splits[j]`` rows).
+    ``None`` splits: equal blocks. gloo runs this (``all_to_all_single``); the list form
+    ``all_to_all`` fails on gloo before torch 2.10. The bytes recorded are what this rank sends."""
+    return _run("all_to_all",
+                lambda a: dist.all_to_all_single(out, t, output_split_sizes=out_splits,
+                                                 input_split_sizes=in_splits, group=group,
+                                                 async_op=a),
+                t, group, async_op)
+
+
+class AllToAll(torch.autograd.Function):
+    """:func:`all_to_all` with a backward: the gradient travels back by the same exchange with
+    the splits swapped (what each rank received, it returns). ``AllToAll.apply(t, group,
+    out_splits, in_splits)``; splits are lists of row counts (``None``: equal blocks)."""
+
+    @staticmethod
+    def forward(ctx, t, group, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        rows = sum(out_splits) if out_splits is not None else t.shape[0]
+        out = t.new_empty((rows, *t.shape[1:]))
+        all_to_all(out, t.contiguous(), group, out_splits=out_splits, in_splits=in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        rows = sum(in_splits) if in_splits is not None else grad.shape[0]
+        back = grad.new_empty((rows, *grad.shape[1:]))
+        all_to_all(back, grad.contiguous(), ctx.group, out_splits=in_splits,
+                   in_splits=out_splits)
+        return back, None, None, None
+
+
 def broadcast(t: torch.Tensor, src: int, group=None, *, async_op: bool = False):
     """Copy global rank ``src``'s ``t`` into every rank's ``t``."""
     return _run("broadcast", lambda a: dist.broadcast(t, src=src, group=group, async_op=a),
