@@ -75,6 +75,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="override vocab_size (at least 4)")
     model.add_argument("--tie", action="store_true", default=None,
                        help="tie lm_head to the token embedding (default: the preset's choice)")
+    moe = parser.add_argument_group("mixture of experts (without --experts every MLP is dense)")
+    moe.add_argument("--experts", type=non_negative_int, default=0,
+                     help="routed experts per mixture-of-experts layer; 0: dense" + D)
+    moe.add_argument("--topk", type=positive_int, default=2,
+                     help="experts each token is sent to (gates renormalised over them when "
+                          "k > 1, as Mixtral does)" + D)
+    moe.add_argument("--moe-every", type=positive_int, default=1,
+                     help="block i is a mixture of experts when i %% N == 0" + D)
+    moe.add_argument("--shared-experts", type=non_negative_int, default=0,
+                     help="always-on experts every token goes through (DeepSeek)" + D)
+    moe.add_argument("--capacity-factor", type=number(0, True, "1.0"), default=0.0,
+                     help="each expert takes at most ceil(T*k/E*C) of a micro-batch's T "
+                          "tokens, the rest are dropped; 0: dropless" + D)
+    moe.add_argument("--aux-loss-coef", type=number(0, True, "1e-2"), default=1e-2,
+                     help="weight of the load-balancing loss E*sum(f_i*P_i)" + D)
+    moe.add_argument("--z-loss-coef", type=number(0, True, "1e-3"), default=0.0,
+                     help="weight of the router z-loss mean(logsumexp(logits)^2)" + D)
+    moe.add_argument("--balance", choices=("aux", "bias"), default="aux",
+                     help="bias: DeepSeek-V3's aux-loss-free balancing, a per-expert bias "
+                          "used only to choose experts, nudged after each step" + D)
     opt = parser.add_argument_group("training")
     opt.add_argument("--steps", type=positive_int, default=60, help="training steps" + D)
     opt.add_argument("--seed", type=non_negative_int, default=0,
@@ -97,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="bf16: autocast, fp32 master weights; fp16: plus dynamic "
                                     "loss scaling" + D)
-    par = parser.add_argument_group("parallelism (ranks = dp * tp * pp, launched with torchrun)")
+    par = parser.add_argument_group("parallelism (ranks = dp * cp * tp * pp, launched with "
+                                    "torchrun)")
     par.add_argument("--dp", type=positive_int, default=1,
                      help="data-parallel degree" + D)
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
@@ -116,6 +137,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="ZeRO: keep the optimizer state (and its update) on the CPU")
     par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,
                      help="compress data-parallel gradients (lossy: losses drift from serial)")
+    par.add_argument("--ep", type=positive_int, default=1,
+                     help="expert-parallel degree: the experts are shared out over groups of "
+                          "ep of the dp x cp ranks (adds no ranks)" + D)
+    par.add_argument("--cp", type=positive_int, default=1,
+                     help="context-parallel degree: each sequence is split over cp ranks" + D)
+    par.add_argument("--cp-impl", choices=("ring", "allgather", "ulysses"), default="ring",
+                     help="ring: K and V travel around the ranks; allgather: gathered once "
+                          "(Llama 3); ulysses: all-to-all from sequence to heads" + D)
+    par.add_argument("--cp-split", choices=("zigzag", "plain"), default="zigzag",
+                     help="zigzag: rank r holds chunks r and 2cp-1-r (balanced causal work); "
+                          "plain: contiguous quarters (imbalanced)" + D)
     par.add_argument("--tp", type=positive_int, default=1,
                      help="tensor-parallel degree" + D)
     par.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp)")

@@ -4,9 +4,14 @@ After reading this file you should understand what must happen to a rank's gradi
 its last micro-batch, and before the optimizer, for a 3D-parallel step to equal the serial
 one (Megatron's ``finalize_model_grads``):
 
-1. **data parallelism**: every dp replica saw other rows, so gradients are summed over dp
-   and divided by dp: DP's all-reduce (launched bucket by bucket during the last backward
-   and awaited here) or ZeRO's reduce-scatter (each rank keeps its slice);
+1. **data (and context) parallelism**: every dp replica saw other rows, every cp rank other
+   tokens of the same rows, so gradients are summed over ``dp x cp`` and divided by it:
+   DP's all-reduce (launched bucket by bucket during the last backward and awaited here) or
+   ZeRO's reduce-scatter (each rank keeps its slice). **Experts** under expert parallelism
+   are summed over the ranks that hold the same experts (``edp``) but divided by the same
+   ``dp x cp``: the all-to-all already brought every rank's tokens of the ``ep`` group to
+   them, so the two sums together cover all ``dp x cp`` ranks. Dividing by ``edp`` instead
+   trains too, ``ep`` times too fast on the experts: a bug several frameworks shipped;
 2. **sequence parallelism**: LayerNorm gains/biases and the row layers' biases saw only this
    rank's tokens, so their gradients are *partial*: summed over tp;
 3. **tied embeddings under pipelining**: the first stage's ``tok_emb.weight`` and the last
@@ -21,7 +26,10 @@ adds the squares of the gradients it *owns*: its TP shards; a TP-replicated tens
 index 0 only (counted t times it would be the classic wrong norm); the tied matrix on the
 first stage only; under ZeRO its own slices. One all-reduce of that one number over the
 ranks that hold distinct pieces (the model-parallel group, the whole world under ZeRO) gives
-the total. ``clip_grad_norm_`` cannot do this: it only sees what one rank holds.
+the total. Under expert parallelism the experts differ between ep ranks, so each number is
+counted where it is owned once (dense on the first ``dp x cp`` rank, an expert on the first
+of its ``edp`` ranks) and summed over the world. ``clip_grad_norm_`` cannot do this: it only
+sees what one rank holds.
 """
 
 from __future__ import annotations
@@ -42,29 +50,38 @@ class GradSync:
         self.par, self.mesh = par, par.mesh
         self.tp_index = self.mesh.index("tp")
         self.params = [p for p in par.module.parameters() if p.requires_grad]
+        self.expert_params = {p for p in self.params if par.names[p] in par.experts}
+        layout = self.mesh.layout
+        # under EP, who counts a replicated number in the norm (see the module docstring)
+        self.dense_owner = layout.ep == 1 or self.mesh.index("dpcp") == 0
+        self.expert_owner = layout.ep == 1 or self.mesh.index("edp") == 0
 
     # ---- during backward ----------------------------------------------------------------------
     def no_sync(self):
         """Accumulate locally: no dp communication inside (every backward but the last)."""
-        wrapper = self.par.dp or self.par.zero
-        return wrapper.no_sync() if wrapper is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for wrapper in self.par.wrappers:
+            stack.enter_context(wrapper.no_sync())
+        return stack
 
     def zero_grad(self) -> None:
-        if self.par.dp is not None:
-            self.par.dp.zero_grad()
-        else:
+        dps = [w for w in (self.par.dp, self.par.expert_dp) if w is not None]
+        for w in dps:
+            w.zero_grad()
+        if not dps:
             for p in self.params:
                 p.grad = None
-            if self.par.zero is not None:
-                self.par.zero.zero_grad()
+            for z in self.par.zeros:
+                z.zero_grad()
 
     # ---- after the last backward ------------------------------------------------------------
     def held(self):
         """``(serial name, parameter, gradient this rank holds)``: full tensors, or slices
         of them under ZeRO."""
-        if self.par.zero is not None:
-            for p, g in self.par.zero.grad_pieces():
-                yield self.par.names[p], p, g
+        if self.par.zeros:
+            for z in self.par.zeros:
+                for p, g in z.grad_pieces():
+                    yield self.par.names[p], p, g
         else:
             for p in self.params:
                 if p.grad is not None:
@@ -81,10 +98,8 @@ class GradSync:
 
     def finish(self) -> None:
         """Make every gradient this rank holds the serial model's (its slice of it)."""
-        if self.par.dp is not None:
-            self.par.dp.finish()
-        elif self.par.zero is not None:
-            self.par.zero.finish()
+        for wrapper in self.par.wrappers:
+            wrapper.finish()
         if self.par.partial:
             self._sum_over([g for n, _, g in self.held() if n in self.par.partial],
                            self.mesh.group("tp"))
@@ -95,6 +110,9 @@ class GradSync:
     def _owned(self, name: str, p) -> bool:
         if self.par.specs.get(name) is None and self.tp_index != 0:
             return False  # replicated over tp: counted on tp index 0 only
+        if not self.par.zeros and not (self.expert_owner if p in self.expert_params
+                                       else self.dense_owner):
+            return False  # under EP without ZeRO: one replica of each counts
         return not (p is self.par.tied and not self.par.is_first)  # tied copy: first stage
 
     def norm(self) -> torch.Tensor:
@@ -104,7 +122,7 @@ class GradSync:
         for name, p, g in self.held():
             if self._owned(name, p):
                 sq += g.detach().double().pow(2).sum()
-        if self.par.zero is not None:  # slices of dp are distinct pieces too
+        if self.par.zeros or self.mesh.layout.ep > 1:  # slices, experts: distinct pieces too
             comm.all_reduce(sq, None)
         elif self.mesh.size("mp") > 1:  # dp replicas hold equal gradients: tp x pp suffices
             comm.all_reduce(sq, self.mesh.group("mp"))
@@ -112,8 +130,9 @@ class GradSync:
 
     def scale_(self, coef: torch.Tensor) -> None:
         """Multiply every gradient this rank holds by ``coef`` (clipping, unscaling)."""
-        if self.par.zero is not None:
-            self.par.zero.scale_(coef)
+        if self.par.zeros:
+            for z in self.par.zeros:
+                z.scale_(coef)
             return
         for p in self.params:
             if p.grad is not None:

@@ -6,15 +6,23 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
 1. **tensor parallelism** is applied to the whole plain model: its linear layers and
    embedding become their parallel versions (serial parameter names kept), its loss the
    vocabulary-parallel one (:func:`~edu3d.parallel.tp.apply_tp`);
-2. **activation recomputation** wraps the blocks (``full``) or their attention cores
+2. **context and expert parallelism**, module swaps like TP's: CP gives every block's
+   attention core its ring / all-gather / Ulysses version and the position embedding this
+   rank's positions (:func:`~edu3d.parallel.cp.apply.apply_cp`; the trainer cuts the batch's
+   sequences the same way); EP keeps this rank's experts of every mixture-of-experts layer and
+   routes tokens to the others by all-to-all (:func:`~edu3d.parallel.ep.apply.apply_ep`);
+3. **activation recomputation** wraps the blocks (``full``) or their attention cores
    (``selective``), after TP so that it wraps the parallel block (a recomputed block repeats
    its TP forward communication) and before the cut, which keeps the wrapped blocks
    (:func:`~edu3d.parallel.recompute.apply_recompute`);
-3. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
+4. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
    (:func:`~edu3d.schedules.partition.partition`, :func:`~edu3d.parallel.pp.stage.split_model`);
    the schedule's action list for this rank is built alongside;
-4. **data parallelism or ZeRO** wraps what is left, the parameters this rank really holds
+5. **data parallelism or ZeRO** wraps what is left, the parameters this rank really holds
    (last, because it must see the final parameters: TP shards of this rank's stages only).
+   Dense parameters are averaged over every ``dp x cp`` rank; an expert's over the ranks
+   holding the same experts (``edp``), divided by the same ``dp x cp``: each of those ranks
+   routed its own tokens to every expert, so the sums cover all ``dp x cp`` ranks' tokens.
 
 Each step is a function a reader can call alone; :class:`Parallel` carries what the trainer
 and :mod:`edu3d.parallel.grads` need: the stages, the actions, the shard specs, the serial
@@ -25,11 +33,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from edu3d.distributed.mesh import Mesh
+from edu3d.model.moe import MoE
+from edu3d.parallel.cp.apply import apply_cp
+from edu3d.parallel.cp.zigzag import positions as cp_positions
 from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel
+from edu3d.parallel.ep.apply import apply_ep, expert_param_names
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
@@ -57,6 +70,8 @@ class Plan:
     offload: bool = False
     compress: str | None = None
     recompute: str = "none"  # "selective" | "full": activation recomputation
+    cp_impl: str = "ring"  # "allgather" | "ulysses": context parallelism's attention
+    cp_split: str = "zigzag"  # "plain": contiguous pieces of each sequence
 
 
 @dataclass
@@ -77,6 +92,19 @@ class Parallel:
     tied: nn.Parameter | None = None  # tied embedding split over first and last stage
     dp: DataParallel | None = None
     zero: Zero | None = None
+    experts: set = field(default_factory=set)  # serial names of expert weights (under EP)
+    expert_dp: DataParallel | None = None  # averages the experts over edp (ep > 1)
+    expert_zero: Zero | None = None
+
+    @property
+    def wrappers(self) -> list:
+        """The gradient averagers this rank runs: dense, then experts'."""
+        return [w for w in (self.dp, self.zero, self.expert_dp, self.expert_zero)
+                if w is not None]
+
+    @property
+    def zeros(self) -> list[Zero]:
+        return [z for z in (self.zero, self.expert_zero) if z is not None]
 
     @property
     def is_first(self) -> bool:
@@ -107,15 +135,45 @@ def apply_data_parallel(par: Parallel, make_optimizer=None) -> None:
     """DP (one of four gradient averagers) or ZeRO over this rank's own parameters; ZeRO
     builds its optimizer over its shard with ``make_optimizer(decay, no_decay)``."""
     mesh, plan = par.mesh, par.plan
+    layout = mesh.layout
+    n = layout.dp * layout.cp  # every dense gradient is averaged over dp x cp
+    is_expert = {p for p, name in par.names.items() if name in par.experts}
     if plan.zero:
         units = [u for s in sorted(par.stages)
                  for u in model_units(par.stages[s], _tied_in(par.stages[s], par.tied))]
-        par.zero = Zero(par.module, mesh.dp, plan.zero, make_optimizer, prefetch=plan.prefetch,
-                        offload=plan.offload, units=units)
-    elif mesh.size("dp") > 1:
+        dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
+        par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, make_optimizer,
+                        prefetch=plan.prefetch, offload=plan.offload,
+                        units=[u for u in dense if u[2]])
+        if is_expert:
+            par.expert_zero = Zero(par.module, mesh.group("edp"), plan.zero, make_optimizer,
+                                   offload=plan.offload, units=_expert_units(par, is_expert),
+                                   divisor=n)
+    elif n > 1:
         hook = make_hook(plan.compress) if plan.compress else None
-        par.dp = DataParallel(par.module, mesh.dp, plan.dp_impl, plan.bucket_mb,
-                              reverse_buckets=plan.reverse_buckets, comm_hook=hook)
+        par.dp = DataParallel(par.module, mesh.group("dpcp"), plan.dp_impl, plan.bucket_mb,
+                              reverse_buckets=plan.reverse_buckets, comm_hook=hook,
+                              params=[p for p in par.module.parameters() if p not in is_expert])
+        if is_expert:
+            par.expert_dp = DataParallel(par.module, mesh.group("edp"), plan.dp_impl,
+                                         plan.bucket_mb, reverse_buckets=plan.reverse_buckets,
+                                         params=[p for p in par.module.parameters()
+                                                 if p in is_expert], divisor=n)
+
+
+def _expert_units(par: Parallel, is_expert: set) -> list:
+    """ZeRO's units for the expert weights: one per expert MLP, in call order (their own
+    forward gathers them under ZeRO-3)."""
+    units = []
+    for module_name, module in par.module.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p in is_expert]
+        owner = module_name.rsplit(".", 1)[0]
+        if params:
+            if units and units[-1][0] == owner:
+                units[-1][2].extend(params)
+            else:
+                units.append((owner, [par.module.get_submodule(owner)], params))
+    return units
 
 
 def _tied_in(stage: PipelineStage, tied):
@@ -137,13 +195,25 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
                          overlap=plan.tp_overlap)
     else:
         specs = {n: None for n in shapes}
+    layout = mesh.layout
+    if layout.cp > 1:
+        cp_rank = mesh.index("cp")
+        apply_cp(model, mesh.group("cp"), cp_rank, layout.cp, plan.cp_impl, plan.cp_split)
+        here = cp_positions(model.config.seq_len, layout.cp, cp_rank, plan.cp_split)
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.seq_group = mesh.group("cp")  # its groups of tokens span the cp ranks
+            moe.positions = torch.tensor(here)
+    experts = set()
+    if layout.ep > 1:
+        experts = expert_param_names(model)
+        apply_ep(model, mesh.group("ep"), mesh.index("ep"), layout.ep)
     apply_recompute(model, plan.recompute)
     names = {p: n for n, p in model.named_parameters()}
     stages, parts, actions = apply_pipeline(model, mesh, plan, compute)
     n_stages = len(parts)
     par = Parallel(mesh, plan, stages, nn.ModuleDict({str(s): st for s, st in stages.items()}),
                    n_stages, parts, actions, specs, shapes, names,
-                   set(partial_grad_names(specs, plan.sequence_parallel)))
+                   set(partial_grad_names(specs, plan.sequence_parallel)), experts=experts)
     if tie and n_stages > 1:
         # first and last stage each keep a copy; their gradients are summed after the last
         # micro-batch over the "embed" group (Megatron's embedding group)

@@ -16,6 +16,12 @@ def unsupported(args) -> str | None:
     """Why ``args`` (:class:`~edu3d.train.options.TrainOptions`) cannot run on PyTorch's own
     APIs (the flag named), or None."""
     why = "--impl torch runs the layout on PyTorch's own APIs, which have "
+    for flag, value in (("--experts", args.experts), ("--cp", args.cp > 1),
+                        ("--ep", args.ep > 1)):
+        if value:
+            return (f"{flag}: this bridge maps edu3d's dense 3D layouts onto PyTorch's APIs; "
+                    "its context-parallel attention is CUDA-only and it has no public "
+                    f"mixture-of-experts layer; drop {flag} or use --impl edu3d")
     if args.dp_impl != "bucketed":
         return (f"--dp-impl {args.dp_impl}: {why}one data-parallel averager, DDP's bucketed "
                 "all-reduce; drop --dp-impl (or use --impl edu3d to compare the four)")

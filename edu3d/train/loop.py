@@ -34,6 +34,7 @@ from edu3d.ckpt.format import check_ckpt_dir, latest_step
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch
 from edu3d.model.gpt import GPT
+from edu3d.model.moe import set_aux_scale
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
 from edu3d.train.data import SyntheticCorpus
@@ -43,6 +44,7 @@ from edu3d.train.options import (TrainOptions, check_args, check_fit, config_fro
 from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
+MOE_KEYS = ("aux_loss", "z_loss", "tokens_per_expert", "dropped", "ep_tokens")  # --experts
 TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Trainer.stats)
 
 
@@ -71,23 +73,42 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Ten
     return lr
 
 
-def serial_step(model, optimizer, x, y, step: int, args: TrainOptions) -> dict:
+def serial_step(model, optimizer, x, y, step: int, args: TrainOptions,
+                microbatches: int = 1) -> dict:
     """The reference step: forward and backward on the whole global batch, the total
-    gradient norm, clip, learning rate, update. Returns ``{"loss", "grad_norm"}``."""
+    gradient norm, clip, learning rate, update. Returns ``{"loss", "grad_norm"}``.
+
+    A dense model gives the same step whatever ``microbatches`` is (the batch's rows in that
+    many equal pieces, each loss divided by their number). A mixture of experts does not:
+    its load-balancing loss and its capacity limit count the tokens of one forward, a
+    micro-batch. So the reference for a layout whose ranks each run ``b`` rows at a time
+    runs ``rows / b`` micro-batches (:func:`reference_microbatches`)."""
     optimizer.zero_grad(set_to_none=True)
-    _, loss = model(x, y)
-    loss.backward()
+    set_aux_scale(1.0 / microbatches)
+    total = 0.0
+    for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+        _, loss = model(xs, ys)
+        (loss / microbatches).backward()
+        total += loss.item() / microbatches
+    set_aux_scale(1.0)
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     clip_and_step(optimizer, params, grad_norm, step, args)
-    return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+    return {"loss": total, "grad_norm": grad_norm.item()}
 
 
-def train_step(model, optimizer, x, y, step: int, args: TrainOptions) -> dict:
+def reference_microbatches(args: TrainOptions) -> int:
+    """How many micro-batches the serial reference of ``args``' layout runs: one per
+    micro-batch of every data-parallel rank (what a mixture of experts' token groups need)."""
+    return args.dp * (args.microbatches or args.grad_accum or args.pp)
+
+
+def train_step(model, optimizer, x, y, step: int, args: TrainOptions,
+               microbatches: int = 1) -> dict:
     """One serial step on the global batch ``(x, y)``, returned as a full record."""
     t0 = time.perf_counter()
-    out = serial_step(model, optimizer, x, y, step, args)
+    out = serial_step(model, optimizer, x, y, step, args, microbatches)
     return _record(step, out, lr_at(step, args), x.numel(), time.perf_counter() - t0)
 
 
@@ -161,7 +182,8 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         result = trainer.step(x, y, step)
         seconds.append(time.perf_counter() - t0)
         rec = _record(step, result, lr_at(step, args), x.numel(), seconds[-1])
-        rec.update({k: result[k] for k in ("skipped", "loss_scale") if k in result})  # fp16
+        rec.update({k: result[k] for k in ("skipped", "loss_scale", *MOE_KEYS)
+                    if k in result})  # fp16, mixture of experts
         rec.update(trainer.stats())
         records.append(rec)
         if ckpt is not None:

@@ -32,6 +32,9 @@ from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CP_IMPLS = ("ring", "allgather", "ulysses")
+CP_SPLITS = ("zigzag", "plain")
+BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
 FAULT_KINDS = ("exit", "kill", "hang")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
@@ -50,6 +53,15 @@ class TrainOptions:
     seq: int | None = None
     vocab: int | None = None
     tie: bool | None = None
+    # ---- mixture of experts (0 experts: every block keeps its dense MLP) ----
+    experts: int = 0
+    topk: int = 2
+    moe_every: int = 1  # block i is a mixture of experts when i % moe_every == 0
+    shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek)
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 1e-2  # Switch/GShard load-balancing loss
+    z_loss_coef: float = 0.0  # router z-loss
+    balance: str = "aux"  # or "bias": DeepSeek-V3's aux-loss-free per-expert bias
     # ---- training ----
     steps: int = 60
     seed: int = 0  # seeds the weights and the data
@@ -71,6 +83,10 @@ class TrainOptions:
     prefetch: bool = False
     offload: bool = False
     compress: str | None = None
+    ep: int = 1  # experts shared out over groups of ep of the dp x cp ranks
+    cp: int = 1  # each sequence split over cp ranks (context parallelism)
+    cp_impl: str = "ring"  # or "allgather", "ulysses"
+    cp_split: str = "zigzag"  # or "plain" (shows causal attention's imbalance)
     tp: int = 1
     sp: bool = False
     tp_overlap: bool = False
@@ -95,6 +111,7 @@ class TrainOptions:
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
+    router_dtype: str = "fp32"  # "fp64": parity tests score routers in double (no near-tie flips)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainOptions))
@@ -133,12 +150,20 @@ def from_flags(argv: list[str]) -> TrainOptions:
 
 
 def config_from_args(options: TrainOptions):
-    """The model's :class:`~edu3d.model.gpt.GPTConfig`: the preset with the overrides."""
+    """The model's :class:`~edu3d.model.gpt.GPTConfig`: the preset with the overrides (and
+    the mixture of experts, when ``options.experts`` > 0)."""
     from edu3d.model.gpt import config_from
 
-    return config_from(options.model, layers=options.layers, heads=options.heads,
-                       d_model=options.d_model, seq=options.seq, vocab=options.vocab,
-                       tie=options.tie)
+    o = options
+    config = config_from(o.model, layers=o.layers, heads=o.heads, d_model=o.d_model,
+                         seq=o.seq, vocab=o.vocab, tie=o.tie)
+    if not o.experts:
+        return config
+    return dataclasses.replace(
+        config, n_experts=o.experts, topk=o.topk, moe_every=o.moe_every,
+        shared_experts=o.shared_experts, capacity_factor=o.capacity_factor,
+        aux_loss_coef=o.aux_loss_coef, z_loss_coef=o.z_loss_coef, balance=o.balance,
+        router_dtype=o.router_dtype)
 
 
 def resolve_microbatches(options: TrainOptions) -> int:
@@ -159,11 +184,13 @@ def check_args(options: TrainOptions):
     would work. (``--impl torch``'s own limits are checked by :mod:`edu3d.commands.train`.)
     """
     o = options
+    check_moe(o)
     config = config_from_args(o)
-    layout = Layout(dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp)
+    layout = Layout(dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep)
     m = resolve_microbatches(o)
     o.microbatches = o.grad_accum = m
     layout.validate(config=config, global_batch=o.global_batch, microbatches=m)
+    check_cp(o, config)
     if o.sp and o.tp == 1:
         raise LayoutError("--sp splits the sequence across the tensor-parallel group; "
                           "add --tp 2 (or more)")
@@ -206,6 +233,56 @@ def check_args(options: TrainOptions):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")
     return config, layout
+
+
+def check_moe(o: TrainOptions) -> None:
+    """The mixture-of-experts and expert-parallel rules (before the model is built)."""
+    if o.balance not in BALANCE:
+        raise LayoutError(f"--balance {o.balance!r}: choose one of {', '.join(BALANCE)}")
+    if not o.experts:
+        moe_only = [f for f, v in (("--ep", o.ep > 1), ("--shared-experts", o.shared_experts),
+                                   ("--capacity-factor", o.capacity_factor),
+                                   ("--balance bias", o.balance == "bias")) if v]
+        if moe_only:
+            raise LayoutError(f"{moe_only[0]} needs a mixture of experts: add --experts 4 "
+                              "(or another count)")
+        return
+    if not 1 <= o.topk <= o.experts:
+        raise LayoutError(f"--topk {o.topk}: each token picks 1 to --experts {o.experts} "
+                          "experts")
+    if o.moe_every < 1 or o.shared_experts < 0 or o.capacity_factor < 0:
+        raise LayoutError("--moe-every must be >= 1, --shared-experts and --capacity-factor "
+                          ">= 0 (0: dropless)")
+    if o.experts % o.ep:
+        ok = ", ".join(str(d) for d in range(1, o.experts + 1) if o.experts % d == 0)
+        raise LayoutError(f"--ep {o.ep} must divide --experts {o.experts} (each rank holds "
+                          f"experts/ep of them); choose ep in {ok}")
+    if o.sp:
+        raise LayoutError("--sp with --experts: the mixture-of-experts layer routes whole "
+                          "tokens and edu3d runs it on every tensor-parallel rank; drop --sp")
+
+
+def check_cp(o: TrainOptions, config) -> None:
+    """Context parallelism's rules: a sequence it can cut evenly, Ulysses' head limit."""
+    if o.cp_impl not in CP_IMPLS or o.cp_split not in CP_SPLITS:
+        raise LayoutError(f"--cp-impl {o.cp_impl} --cp-split {o.cp_split}: choose --cp-impl in "
+                          f"{', '.join(CP_IMPLS)} and --cp-split in {', '.join(CP_SPLITS)}")
+    if o.cp == 1:
+        return
+    chunks = 2 * o.cp if o.cp_split == "zigzag" else o.cp
+    if config.seq_len % chunks:
+        ok = [n for n in range(1, config.seq_len + 1)
+              if config.seq_len % (2 * n if o.cp_split == "zigzag" else n) == 0]
+        raise LayoutError(f"--cp {o.cp} --cp-split {o.cp_split} cuts each sequence into "
+                          f"{chunks} equal chunks, but --seq {config.seq_len} does not divide; "
+                          f"choose --cp in {', '.join(map(str, ok))}")
+    if o.sp:
+        raise LayoutError("--sp with --cp: both split the sequence; use one of them")
+    heads = config.n_heads // o.tp
+    if o.cp_impl == "ulysses" and heads % o.cp:
+        ok = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise LayoutError(f"--cp-impl ulysses gives each of the {o.cp} ranks whole heads, but "
+                          f"each tensor-parallel rank has {heads} head(s); choose --cp in {ok}")
 
 
 # ---- will it fit? ---------------------------------------------------------------------------

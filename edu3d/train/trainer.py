@@ -3,8 +3,8 @@
 After reading this file you should understand that a 3D-parallel step is the serial step
 with four things added, and nothing else:
 
-1. **the batch is cut**: each dp replica takes its rows of the global batch, and cuts them
-   into ``m`` micro-batches;
+1. **the batch is cut**: each dp replica takes its rows of the global batch (each cp rank
+   of it its pieces of those rows' sequences), and cuts them into ``m`` micro-batches;
 2. **the micro-batches run through a pipeline schedule**. With one stage (pp = 1) the
    schedule is plain gradient accumulation (``F0 B0 F1 B1 ...``), so there is no separate
    code path for it. Every backward but each stage's last runs without dp communication
@@ -18,6 +18,11 @@ with four things added, and nothing else:
 The loss printed is the global batch's mean, as the serial run prints it: it lives on the
 last stage, which sums its micro-batches' losses; an untraced all-reduce of that one number
 gives every rank the mean.
+
+A mixture of experts adds bookkeeping, not mechanics: each micro-batch's load-balancing
+terms reach backward scaled like its loss (:func:`edu3d.model.moe.set_aux_scale`), and after
+the step the routers' counts are summed over every rank (:meth:`Trainer.moe_step`) for the
+record and for DeepSeek-V3's bias balancing.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from edu3d.ckpt import reshard
+from edu3d.model.moe import MoE, set_aux_scale
+from edu3d.parallel.cp.apply import split_batch
 from edu3d.distributed import meter, trace
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
@@ -49,7 +56,8 @@ def plan_from(options: TrainOptions) -> Plan:
                 microbatches=o.microbatches or o.grad_accum or o.pp, vpp=o.vpp,
                 partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
                 reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
-                compress=o.compress, recompute=o.recompute)
+                compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
+                cp_split=o.cp_split)
 
 
 class Trainer:
@@ -78,9 +86,15 @@ class Trainer:
         self.engine = PipelineEngine(self.par.stages, self.par.actions, self.par.n_stages,
                                      self.mesh.ranks("pp"), self.mesh.groups.get("pp"),
                                      self.plan.microbatches, self._scaled, self._context)
-        self.optimizer = None if self.par.zero else make_optimizer(self.par.module, args)
+        self.optimizer = None if self.par.zeros else make_optimizer(self.par.module, args)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
+        self.cp_size = self.mesh.layout.cp
         self._comm_seen: dict[str, float] = {}
+        self.config = config = model.config
+        self.moe_layers = [i for i in range(config.n_layers)
+                           if getattr(config, "n_experts", 0) and i % config.moe_every == 0]
+        self.moe = {int(name.split(".")[-2]): m for name, m in self.par.module.named_modules()
+                    if isinstance(m, MoE)}  # serial layer number -> this rank's MoE layer
 
     def _shard_optimizer(self, decay: list, no_decay: list):
         """ZeRO's optimizer over its shard's pieces: this run's rule and weight decay."""
@@ -97,8 +111,9 @@ class Trainer:
         stack = contextlib.ExitStack()
         if action.kind == "F":
             stack.enter_context(self.precision.autocast())
-            if self.par.zero is not None and not last:
-                stack.enter_context(self.par.zero.keep_gathered())
+            if not last:
+                for z in self.par.zeros:
+                    stack.enter_context(z.keep_gathered())
         elif action.kind == "I" or not last:
             stack.enter_context(self.grads.no_sync())
         return stack
@@ -109,6 +124,11 @@ class Trainer:
         axes); returns that loss, the same on every rank."""
         xs = shard_rows(x, self.dp_index, self.dp_size)
         ys = shard_rows(y, self.dp_index, self.dp_size)
+        if self.cp_size > 1:  # this rank's pieces of every sequence
+            xs, ys = split_batch(xs, ys, self.cp_size, self.mesh.index("cp"),
+                                 self.args.cp_split)
+        if self.moe:  # the balancing terms reach backward scaled like the loss
+            set_aux_scale(float(self.precision.scale) / self.plan.microbatches)
         self.grads.zero_grad()
         losses = self.engine.run(microbatches(xs, ys, self.plan.microbatches))
         self.grads.finish()
@@ -119,7 +139,7 @@ class Trainer:
         total = torch.stack(losses).sum().reshape(1) if mine else torch.zeros(1, device=device)
         if self.mesh.layout.world_size > 1:  # a serial trainer inside a launch stays alone
             dist.all_reduce(total)  # bookkeeping, not training traffic: left out of the trace
-        return total[0] / (self.dp_size * self.plan.microbatches)
+        return total[0] / (self.dp_size * self.cp_size * self.plan.microbatches)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
         """One optimizer step on the global batch ``(x, y)``."""
@@ -135,13 +155,69 @@ class Trainer:
                     self.grads.scale_(clip_coef(norm, self.args.clip) / scale)
                     self._update(lr_at(step, self.args))
         out = {"loss": loss.item(), "grad_norm": norm.item()}
+        if self.moe_layers:
+            out.update(self.moe_step())
         if self.precision.mode == "fp16":
             out.update(skipped=skip, loss_scale=scale)
         return out
 
+    def moe_step(self) -> dict:
+        """After a step: the routers' statistics summed over every rank (collective), for the
+        record, and DeepSeek-V3's bias update from the step's global counts.
+
+        ``tokens_per_expert``: the first MoE layer's assignments to each expert, before any
+        capacity limit, over all ranks and micro-batches (they add up to tokens x topk);
+        ``dropped``: that layer's assignments the capacity limit dropped; ``aux_loss`` and
+        ``z_loss``: means over layers and micro-batches (the load-balancing loss is 1 at
+        perfect balance, E when every token picks the same experts); ``ep_tokens``: under
+        expert parallelism, tokens each rank of the first expert-parallel group sent to each
+        (row: sender, column: receiver), for the first MoE layer."""
+        n, experts = len(self.moe_layers), self.config.n_experts
+        ep = self.mesh.layout.ep
+        tp0 = self.mesh.index("tp") == 0
+        cp0 = self.cp_size == 1 or self.mesh.index("cp") == 0
+        first_group = ep > 1 and self.mesh.index("dpcp") < ep
+        counts = torch.zeros(n, experts, dtype=torch.float64)
+        dropped = torch.zeros(n, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64)  # aux sum, aux count, z sum, z count
+        matrix = torch.zeros(ep, ep, dtype=torch.float64)
+        for j, layer in enumerate(self.moe_layers):
+            if layer not in self.moe:
+                continue
+            st = self.moe[layer].take_stats()
+            if not tp0 or not st["forwards"]:
+                continue
+            counts[j] += st["counts"].double()
+            dropped[j] += st["dropped"]
+            if cp0:  # the group's aux loss is the same on every cp rank
+                sums[0] += st["aux"]
+                sums[1] += st["forwards"]
+            sums[2] += st["z"]
+            sums[3] += st["forwards"]
+            if j == 0 and first_group and st.get("matrix") is not None:
+                matrix[self.mesh.index("ep")] += st["matrix"].double()
+        flat = torch.cat([counts.view(-1), dropped, sums, matrix.view(-1)])
+        if self.mesh.layout.world_size > 1:  # bookkeeping: left out of the trace
+            dist.all_reduce(flat)
+        counts = flat[:n * experts].view(n, experts)
+        dropped, sums = flat[n * experts:n * experts + n], flat[n * experts + n:][:4]
+        if self.config.balance == "bias":
+            for j, layer in enumerate(self.moe_layers):
+                if layer in self.moe:
+                    self.moe[layer].update_bias(counts[j].to(self.moe[layer].expert_bias.device))
+        out = {"aux_loss": float(sums[0] / max(sums[1], 1)),
+               "z_loss": float(sums[2] / max(sums[3], 1)),
+               "tokens_per_expert": [int(c) for c in counts[0].tolist()],
+               "dropped": int(dropped[0])}
+        if ep > 1:
+            out["ep_tokens"] = [[int(v) for v in row]
+                                for row in flat[-ep * ep:].view(ep, ep).tolist()]
+        return out
+
     def _update(self, lr: float) -> None:
-        if self.par.zero is not None:
-            self.par.zero.step(lr)
+        if self.par.zeros:
+            for z in self.par.zeros:
+                z.step(lr)
         elif self.optimizer is not None:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
@@ -175,10 +251,12 @@ class Trainer:
         the placement in the full serial tensor (:mod:`edu3d.ckpt.reshard`), a 1-D view of the
         numbers here (write into it to load), and whether this rank is the piece's one writer.
         Parameters and AdamW's moments; ZeRO: the shard's pieces. One owner per number: a
-        TP-replicated tensor is written by tp index 0, a dp replica by dp index 0, the tied
+        TP-replicated tensor is written by tp index 0, a dp (or cp) replica by the first
+        ``dp x cp`` rank, an expert by the first rank holding it (``edp``), the tied
         embedding's copy on the last stage by the first stage only."""
         par, mesh = self.par, self.mesh
         tp_i, tp_n, pp_i = mesh.index("tp"), mesh.size("tp"), mesh.index("pp")
+        first = {False: mesh.index("dpcp") == 0, True: mesh.index("edp") == 0}
         slots = []
 
         def add(p, kind, view, window, owned):
@@ -190,26 +268,29 @@ class Trainer:
                                               tp_i, tp_n, window):
                 slots.append((place, view[s - start:e - start], owned))
 
-        if par.zero is None:
+        if not par.zeros:
             adam = isinstance(self.optimizer, torch.optim.AdamW)
             for p in par.module.parameters():
-                add(p, "param", p.data.view(-1), None, self.dp_index == 0)
+                mine = first[par.names[p] in par.experts]
+                add(p, "param", p.data.view(-1), None, mine)
                 if adam:
                     state = adam_state(self.optimizer, p)
                     for kind in ("exp_avg", "exp_avg_sq"):
-                        add(p, kind, state[kind].view(-1), None, self.dp_index == 0)
+                        add(p, kind, state[kind].view(-1), None, mine)
             return slots
-        for p, a, b, views in par.zero.state_pieces():
-            for kind, view, owned in views:
-                add(p, kind, view, (a, b), owned)
+        for z in par.zeros:
+            for p, a, b, views in z.state_pieces():
+                for kind, view, owned in views:
+                    add(p, kind, view, (a, b), owned)
         if par.zero.stage < 3:  # the full parameters every rank keeps: loaded, never written
             for p in par.module.parameters():
                 add(p, "param", p.data.view(-1), None, False)
         return slots
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        opt = self.par.zero.optimizer if self.par.zero is not None else self.optimizer
-        return [] if opt is None else [opt]
+        if self.par.zeros:
+            return [z.optimizer for z in self.par.zeros]
+        return [] if self.optimizer is None else [self.optimizer]
 
     @property
     def optimizer_step(self) -> int:
@@ -243,8 +324,8 @@ class Trainer:
         :meth:`forward_backward`), on every rank. Collective and untraced: for tests and
         charts, not for training."""
         par, mesh = self.par, self.mesh
-        if par.zero is not None:
-            local = {par.names[p]: t for p, t in par.zero.full_tensors(what).items()}
+        if par.zeros:
+            local = {par.names[p]: t for z in par.zeros for p, t in z.full_tensors(what).items()}
         else:
             local = {}
             for p in par.module.parameters():
@@ -254,7 +335,12 @@ class Trainer:
         out = {}
         for name, shape in par.shapes.items():
             owner = self._owner_pp(name)
-            if owner == pp_index:
+            if name in par.experts:  # held whole by one rank of each expert-parallel group
+                t = local[name].clone() if name in local else torch.empty(shape)
+                src = self._expert_owner(name)
+                if owner == pp_index:
+                    dist.broadcast(t, mesh.ranks("ep")[src], group=mesh.group("ep"))
+            elif owner == pp_index:
                 t, spec = local[name], par.specs.get(name)
                 if spec is not None and tp > 1:
                     parts = [torch.empty_like(t) for _ in range(tp)]
@@ -268,12 +354,22 @@ class Trainer:
             out[name] = t
         return out
 
+    def _expert_owner(self, name: str) -> int:
+        """The index, in its expert-parallel group, of the rank holding expert ``name``."""
+        expert = int(name.split(".experts.")[1].split(".")[0])
+        return expert // (self.config.n_experts // self.mesh.layout.ep)
+
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by memory category (see :func:`edu3d.distributed.meter.measure`)."""
-        if self.par.zero is not None:
-            return self.par.zero.tensors()
+        if self.par.zeros:
+            out: dict[str, list] = {}
+            for z in self.par.zeros:
+                for k, v in z.tensors().items():
+                    out.setdefault(k, []).extend(v)
+            return out
         params = list(self.par.module.parameters())
-        grads = [b.buffer for b in self.par.dp.buckets] if self.par.dp is not None else []
+        grads = [b.buffer for dp in (self.par.dp, self.par.expert_dp) if dp is not None
+                 for b in dp.buckets]
         grads += [p.grad for p in params if p.grad is not None]
         state = [] if self.optimizer is None else [
             t for s in self.optimizer.state.values() for t in s.values()

@@ -108,16 +108,22 @@ class DataParallel:
     last inside ``with dp.no_sync():``); ``dp.finish()``; then clip and step as usual.
     ``comm_hook(tensor, group) -> handle`` replaces the all-reduce of a bucket (compression,
     see :mod:`edu3d.parallel.dp.compress`); it must sum, :meth:`finish` divides by N.
+
+    ``params`` (default: all of ``model``'s) are the ones averaged, and ``divisor`` (default
+    N) what their sums are divided by: expert parallelism averages its experts' gradients
+    over the expert-data-parallel group but divides by the whole ``dp x cp`` size.
     """
 
     def __init__(self, model: torch.nn.Module, group=None, impl: str = "bucketed",
                  bucket_mb: float = 25.0, reverse_buckets: bool = True, comm_hook=None,
-                 broadcast: bool = True, first_bucket_mb: float | None = 1.0):
+                 broadcast: bool = True, first_bucket_mb: float | None = 1.0,
+                 params: list | None = None, divisor: int | None = None):
         if impl not in IMPLS:
             raise ValueError(f"dp impl {impl!r} is not one of {', '.join(IMPLS)}")
         self.model, self.group, self.impl = model, group, impl
-        self.n = dist.get_world_size(group)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.n = divisor or dist.get_world_size(group)
+        self.params = [p for p in (model.parameters() if params is None else params)
+                       if p.requires_grad]
         self.sync = True
         self.comm_hook = comm_hook
         self._pending: list = []  # (tensor, handle) of asynchronous all-reduces in flight
@@ -144,7 +150,7 @@ class DataParallel:
     def broadcast_parameters(self) -> None:
         """Start from the same weights everywhere: copy the group's first rank's parameters."""
         src = dist.get_process_group_ranks(self.group)[0] if self.group else 0
-        for p in self.model.parameters():
+        for p in self.params:
             comm.broadcast(p.data, src, self.group)
 
     def _attach_grad_views(self) -> None:

@@ -162,7 +162,7 @@ class Zero:
     """
 
     def __init__(self, model, group, stage: int, make_optimizer, prefetch: bool = False,
-                 offload: bool = False, units: list | None = None):
+                 offload: bool = False, units: list | None = None, divisor: int | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
@@ -170,12 +170,13 @@ class Zero:
         self.sync = True
         self.reshard_after_forward = True
         self.n = dist.get_world_size(group)
+        self.divisor = divisor or self.n  # experts: the whole dp x cp size (see grads.py)
         self.index = dist.get_group_rank(group, dist.get_rank()) if group else dist.get_rank()
         src = dist.get_process_group_ranks(group)[0] if group else 0
-        with torch.no_grad():
-            for p in model.parameters():
-                comm.broadcast(p.data, src, group)
         units = model_units(model) if units is None else units
+        with torch.no_grad():
+            for p in (p for _, _, ps in units for p in ps):
+                comm.broadcast(p.data, src, group)
         self.units = [FlatUnit(name, mods, ps, self.n, self.index) for name, mods, ps in units]
         self._unit_of = {p: u for u in self.units for p in u.params}
         if stage == 1:
@@ -318,7 +319,7 @@ class Zero:
                 flat = u.flat_grad.clone()
                 u.shard_grad.zero_()
                 self._reduce_scatter(u, flat)
-            u.shard_grad.div_(self.n)
+            u.shard_grad.div_(self.divisor)
 
     def grad_pieces(self):
         """``(param, view)``: this rank's slices of the reduced gradient, parameter by
