@@ -52,7 +52,8 @@ def test_merge_by_hand():
     out_a, out_b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 6.0]])
     lse_a, lse_b = torch.tensor([0.0]), torch.tensor([math.log(3.0)])  # weights 1/4 and 3/4
     out, lse = merge(out_a, lse_a, out_b, lse_b)
-    assert torch.allclose(out, torch.tensor([[2.5, 5.0]])) and torch.allclose(lse, torch.tensor([math.log(4.0)]))
+    assert torch.allclose(out, torch.tensor([[2.5, 5.0]]))
+    assert torch.allclose(lse, torch.tensor([math.log(4.0)]))
     out, lse = merge(out_a, torch.tensor([INF]), out_b, lse_b)  # a saw nothing: b wins
     assert torch.equal(out, out_b) and lse.item() == pytest.approx(math.log(3.0))
     out, lse = merge(out_a, torch.tensor([INF]), out_b, torch.tensor([INF]))  # nothing at all

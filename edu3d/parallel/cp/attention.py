@@ -98,6 +98,7 @@ def _blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, count: bool = True):
 
 def _ring(group) -> tuple[int, int, int]:
     """(size, global rank of the next rank, global rank of the previous one)."""
+    group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
     n = len(ranks)
