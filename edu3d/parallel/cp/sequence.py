@@ -1,0 +1,65 @@
+"""``apply_cp``: the serial GPT with its sequence cut over the ranks of a context-parallel group.
+
+After reading this file you should understand:
+
+* context parallelism changes only two things in the model: every block's attention core
+  (:func:`~edu3d.parallel.cp.attention.cp_core` replaces ``attn.core``, so the block's own
+  ``forward`` runs unchanged on this rank's tokens) and the position embedding, which must
+  look up this rank's *global* positions instead of ``0 .. T/cp - 1``;
+* every other layer (LayerNorm, MLP, the LM head, the loss) is per token, so it runs as is on
+  ``T/cp`` tokens: no communication outside attention;
+* each rank's loss is the mean over its own tokens; with equal token counts the mean of those
+  over the ``cp`` ranks is the serial loss, and the sum of the ranks' gradients divided by
+  ``cp`` is the serial gradient (K and V's gradients already travel back inside attention).
+  So the dense gradients are averaged over DP x CP together (DESIGN.md, "5D gradients");
+* :func:`split_batch` cuts the tokens and labels with the same split
+  (:mod:`~edu3d.parallel.cp.zigzag`), so a label stays with its token.
+
+Parameter names and tensors are untouched: a checkpoint or an optimizer sees the serial model.
+Apply it before a pipeline stage is cut (a stage keeps a reference to ``model.embed``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from edu3d.parallel.cp.attention import cp_core
+from edu3d.parallel.cp.zigzag import check, positions, split_tokens
+
+
+def apply_cp(model: nn.Module, group, cp_rank: int, cp: int, impl: str = "ring",
+             split: str = "zigzag") -> nn.Module:
+    """Make ``model`` (an edu3d GPT, tensor-parallel or not) work on rank ``cp_rank``'s
+    tokens of each ``config.seq_len`` sequence, its attention exchanging K and V over
+    ``group`` (``impl``: ring, allgather or ulysses). In place; returns ``model``."""
+    seq_len = model.config.seq_len
+    check(seq_len, cp, split)
+    heads = model.blocks[0].attn.n_heads if len(model.blocks) else cp
+    if impl == "ulysses" and heads % cp:
+        ok = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise ValueError(f"Ulysses splits this rank's {heads} heads over cp={cp} ranks; "
+                         f"choose cp in {ok} (or impl='ring' / 'allgather')")
+    mine = positions(seq_len, cp, cp_rank, split)
+    core = cp_core(impl, group, mine)
+    for block in model.blocks:
+        block.attn.core = core
+    pos = torch.tensor(mine, dtype=torch.long)
+
+    def embed(idx: torch.Tensor) -> torch.Tensor:
+        """This rank's token ids ``[B, seq_len/cp]`` -> residual stream, with the tokens'
+        global positions (replaces ``GPT.embed`` on this instance)."""
+        if idx.shape[1] != len(mine):
+            raise ValueError(f"cp rank {cp_rank} holds {len(mine)} of the {seq_len} tokens, "
+                             f"got {idx.shape[1]}; cut the batch with split_batch")
+        return model.tok_emb(idx) + model.pos_emb(pos.to(idx.device))
+
+    model.embed = embed
+    model.cp_positions = mine
+    return model
+
+
+def split_batch(x: torch.Tensor, y: torch.Tensor, cp: int, cp_rank: int,
+                split: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and labels of a ``[B, T]`` batch."""
+    return split_tokens(x, cp, cp_rank, split), split_tokens(y, cp, cp_rank, split)
