@@ -1,8 +1,8 @@
 """Context parallelism against the serial answer: the zigzag maps and the merge by hand, then
 one 4-rank launch (cp=4 on the world, cp=2 on [0,1] and [2,3]) checking ring, all-gather and
 Ulysses attention (forward and q, k, v gradients, both splits, fp32 and bf16) against full
-causal attention, and ``apply_cp`` on a tiny GPT against the serial model's loss and
-gradients."""
+causal attention, and ``apply_cp`` on a tiny GPT, alone and after ``apply_tp`` (tp=2 x cp=2),
+against the serial model's loss and gradients."""
 
 import functools
 import math
@@ -76,7 +76,7 @@ def test_block_split_in_two_merges_to_full_attention():
 
 @functools.lru_cache(maxsize=None)
 def _launched() -> list[dict]:
-    run = launch(all_checks, 4, layout=Layout(dp=4), timeout=120, name="cp")
+    run = launch(all_checks, 4, layout=Layout(dp=2, tp=2), timeout=120, name="cp")
     return [run.results[r] for r in range(4)]
 
 
@@ -115,6 +115,13 @@ def test_apply_cp_gpt_equals_serial():
         for key, r in res["gpt"].items():
             assert r["loss_err"] < TOL and r["grad_err"] < TOL, (rank, key, r)
             assert r["same_names"]
+
+
+def test_apply_cp_after_apply_tp_equals_serial():
+    """tp=2 (with and without sequence parallelism) x cp=2 on 4 ranks."""
+    for rank, res in enumerate(_launched()):
+        for key, r in res["tp_cp"].items():
+            assert r["loss_err"] < TOL and r["grad_err"] < TOL, (rank, key, r)
 
 
 def test_ulysses_refuses_a_degree_not_dividing_heads():
