@@ -12,8 +12,10 @@ import torch
 
 from edu3d.distributed.mesh import Layout
 from edu3d.launch import launch
-from edu3d.parallel.cp import (block_attention, check, merge, positions, split_tokens, unsplit,
-                               valid_seq_lens, work)
+from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.recompute import apply_recompute
+from edu3d.parallel.cp import (apply_cp, block_attention, check, merge, positions, split_tokens,
+                               unsplit, valid_seq_lens, work)
 from tests.workers_cp import all_checks
 
 TOL = 1e-5
@@ -127,3 +129,17 @@ def test_apply_cp_after_apply_tp_equals_serial():
 def test_ulysses_refuses_a_degree_not_dividing_heads():
     for res in _launched():
         assert "choose cp in 1, 3" in res["ulysses_refused"]
+
+
+def test_apply_cp_refusals_name_the_fix():
+    config = GPTConfig(n_layers=1, n_heads=4, d_model=16, seq_len=16, vocab_size=32)
+    with pytest.raises(ValueError, match="apply_cp first, then apply_recompute"):
+        apply_cp(apply_recompute(GPT(config), "selective"), None, 0, 2)
+    with pytest.raises(ValueError, match="choose cp in 1, 2, 4"):
+        apply_cp(GPT(config), None, 0, 8, impl="ulysses", split="plain")
+    with pytest.raises(ValueError, match="choose seq_len in"):
+        apply_cp(GPT(config), None, 0, 3)
+    model = apply_cp(GPT(config), None, 1, 2)
+    assert model.cp_positions == [4, 5, 6, 7, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="cut the batch with split_batch"):
+        model.embed(torch.zeros(1, 16, dtype=torch.long))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from edu3d.distributed import comm
 from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp import apply_tp, partial_grad_names, unshard
 from edu3d.parallel.cp import (IMPLS, apply_cp, cp_core, last_work, split_batch, split_tokens,
                                ulysses_attention)
@@ -64,9 +65,13 @@ def gpt_check(group, cp_rank: int, cp: int) -> dict:
     loss = serial(x, y)[1]
     loss.backward()
     out = {}
-    for impl, split in [("ring", "zigzag"), ("ring", "plain"), ("allgather", "zigzag"),
-                        ("ulysses", "zigzag")]:
+    for impl, split, recompute in [("ring", "zigzag", "none"), ("ring", "plain", "none"),
+                                   ("allgather", "zigzag", "none"),
+                                   ("ulysses", "zigzag", "none"),
+                                   ("ring", "zigzag", "selective"),
+                                   ("ulysses", "plain", "full")]:
         model = apply_cp(GPT(config, seed=0), group, cp_rank, cp, impl=impl, split=split)
+        apply_recompute(model, recompute)
         xs, ys = split_batch(x, y, cp, cp_rank, split)
         local = model(xs, ys)[1]
         local.backward()
@@ -79,7 +84,7 @@ def gpt_check(group, cp_rank: int, cp: int) -> dict:
             comm.all_reduce(grad, group)
             errs.append(_rel(grad / cp, sp.grad))
             names.append(name == sname)
-        out[f"{impl}/{split}"] = {"loss_err": errs[0], "grad_err": max(errs[1:]),
+        out[f"{impl}/{split}/{recompute}"] = {"loss_err": errs[0], "grad_err": max(errs[1:]),
                                   "same_names": all(names)}
     return out
 
