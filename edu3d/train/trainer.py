@@ -195,7 +195,7 @@ class Trainer:
             sums[2] += st["z"]
             sums[3] += st["forwards"]
             if j == 0 and first_group and st.get("matrix") is not None:
-                matrix[self.mesh.index("ep")] += st["matrix"].double()
+                matrix += st["matrix"].double()  # this rank's row; the others are 0
         flat = torch.cat([counts.view(-1), dropped, sums, matrix.view(-1)])
         if self.mesh.layout.world_size > 1:  # bookkeeping: left out of the trace
             dist.all_reduce(flat)
