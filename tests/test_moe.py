@@ -13,6 +13,7 @@ from edu3d.model.gpt import (GPT, MLP, PRESETS, GPTConfig, config_from, flops_pe
                              num_params)
 from edu3d.model.moe import (AuxLoss, MoE, active_params, capacity_keep, route, set_aux_scale,
                              total_params)
+from edu3d.parallel.ep import apply_ep, expert_param_names
 from tests.workers_moe import moe_checks
 
 
@@ -214,6 +215,17 @@ def test_moe_gpt_trains_a_step():
     loss.backward()
     assert model.blocks[1].mlp.router.weight.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_apply_ep_keeps_serial_names_and_refuses_uneven_splits():
+    cfg = GPTConfig(n_layers=2, n_experts=4, moe_every=2)
+    model = apply_ep(GPT(cfg), None, 1, 2)  # the group is used only in forward
+    names = expert_param_names(model)
+    assert "blocks.0.mlp.experts.2.fc.weight" in names and len(names) == 2 * 4
+    assert not any("experts.0" in n or "experts.1" in n for n, _ in model.named_parameters())
+    assert "blocks.0.mlp.router.weight" not in names
+    with pytest.raises(ValueError, match="4 experts do not split evenly over ep=3"):
+        apply_ep(GPT(cfg), None, 0, 3)
 
 
 # ---------------------------------------------------------------------- 4 ranks, one launch
