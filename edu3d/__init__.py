@@ -26,6 +26,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence
+      ep/       dispatch placement   expert parallelism
     ckpt/       format checkpointer reshard export
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit
@@ -35,7 +36,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       warm/     pool zygote rank     warm ranks for notebook cells
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
-    model/      gpt shapes           the serial reference GPT, model shapes
+    model/      gpt moe shapes       the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data
 

@@ -34,7 +34,7 @@ from edu3d.ckpt.format import check_ckpt_dir, latest_step
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch
 from edu3d.model.gpt import GPT
-from edu3d.model.moe import active_params, set_aux_scale, total_params
+from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
 from edu3d.train.data import SyntheticCorpus
@@ -95,6 +95,10 @@ def serial_step(model, optimizer, x, y, step: int, args: TrainOptions,
     grad_norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     clip_and_step(optimizer, params, grad_norm, step, args)
+    for layer in (m for m in model.modules() if isinstance(m, MoE)):
+        counts = layer.take_stats()["counts"]  # the step's assignments, every micro-batch
+        if layer.balance == "bias":
+            layer.update_bias(counts)
     return {"loss": total, "grad_norm": grad_norm.item()}
 
 

@@ -11,6 +11,9 @@ After reading this file you should understand:
   ``proj`` row; the token embedding and the LM head vocabulary-parallel (tied when the serial
   model ties them: the *same* shard parameter), and the loss is the vocabulary-parallel
   cross entropy, so no rank ever holds ``[tokens, vocab]`` logits;
+* a mixture-of-experts layer (:mod:`edu3d.model.moe`) is left whole on every tp rank: the
+  tokens it routes are the same on all of them, so each computes the same experts (expert
+  parallelism, not TP, shares its weights out);
 * with **sequence parallelism** the residual stream between the parallel regions is split
   along the sequence: LayerNorms run on ``s/t`` tokens, the position embedding is split in
   (``SplitAllGather``), and each column region (attention, MLP, LM head) starts with an
@@ -106,15 +109,19 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False,
         attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, parts=3, overlap=overlap, **sp)
         attn.proj = RowParallelLinear.from_linear(attn.proj, group, **sp)
         attn.n_heads = cfg.n_heads // t
+        p = f"blocks.{i}."
+        specs.update({p + "attn.qkv.weight": (0, 3, None), p + "attn.qkv.bias": (0, 3, None),
+                      p + "attn.proj.weight": (1, 1, None)})
+        if sequence_parallel:
+            _gather_sequence_before(attn, group)
+        if not hasattr(mlp, "fc"):
+            continue  # a mixture of experts: whole on every tp rank (its tokens are the same)
         mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, overlap=overlap, **sp)
         mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, **sp)
         if sequence_parallel:
-            _gather_sequence_before(attn, group)
             _gather_sequence_before(mlp, group)
-        p = f"blocks.{i}."
-        specs.update({p + "attn.qkv.weight": (0, 3, None), p + "attn.qkv.bias": (0, 3, None),
-                      p + "attn.proj.weight": (1, 1, None), p + "mlp.fc.weight": (0, 1, None),
-                      p + "mlp.fc.bias": (0, 1, None), p + "mlp.proj.weight": (1, 1, None)})
+        specs.update({p + "mlp.fc.weight": (0, 1, None), p + "mlp.fc.bias": (0, 1, None),
+                      p + "mlp.proj.weight": (1, 1, None)})
     return specs
 
 
