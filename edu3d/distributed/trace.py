@@ -290,14 +290,15 @@ def load(run_dir: str | os.PathLike) -> list[dict]:
 def wire_bytes(ev: dict) -> float:
     """Bytes this rank sends for a collective event, if run as a ring (the textbook cost).
 
-    all_reduce ``2(n-1)/n*S``; all_gather and reduce_scatter ``(n-1)/n*S``; broadcast and
-    send ``S``; everything else 0.
+    all_reduce ``2(n-1)/n*S``; all_gather and reduce_scatter ``(n-1)/n*S``; all_to_all
+    ``(n-1)/n*S`` (exact for equal blocks; an expert-parallel exchange's blocks are as uneven
+    as its routing); broadcast and send ``S``; everything else 0.
     """
     s, n = ev.get("bytes", 0), ev.get("n", 1)
     op = ev["op"]
     if op == "all_reduce":
         return 2 * (n - 1) / n * s
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * s
     if op in ("broadcast", "send"):
         return s

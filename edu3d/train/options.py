@@ -259,6 +259,10 @@ def check_moe(o: TrainOptions) -> None:
         ok = ", ".join(str(d) for d in range(1, o.experts + 1) if o.experts % d == 0)
         raise LayoutError(f"--ep {o.ep} must divide --experts {o.experts} (each rank holds "
                           f"experts/ep of them); choose ep in {ok}")
+    if o.balance == "bias" and o.ckpt_dir:
+        raise LayoutError("--balance bias with --ckpt-dir: the per-expert bias is a buffer, and "
+                          "edu3d's checkpoints hold parameters and optimizer state only, so a "
+                          "resumed run would restart it at 0; use --balance aux to checkpoint")
     if o.sp:
         raise LayoutError("--sp with --experts: the mixture-of-experts layer routes whole "
                           "tokens and edu3d runs it on every tensor-parallel rank; drop --sp")

@@ -1,0 +1,23 @@
+"""``edu3d bench ep`` and ``edu3d bench cp`` run, and their bytes are the formulas': the
+all-to-all's measured remote share of the token matrix against (EP-1)/EP, and the ring,
+all-gather and Ulysses bytes on the cp group exactly. (Times are reported, never asserted.)"""
+
+import pytest
+
+from edu3d.bench.bench_5d import run_cp_benchmark, run_ep_benchmark
+
+
+def test_bench_ep_bytes_against_formula():
+    row = run_ep_benchmark(nprocs=2, reps=1, json_out=True)["results"][0]
+    assert row["edu3d_s"] > 0 and row["reference_s"] > 0
+    assert 0 < row["a2a_share_of_step"] < 1
+    assert row["a2a_bytes"] == pytest.approx(row["a2a_bytes_formula"], rel=0.25)
+    assert row["remote_share"] == pytest.approx(row["remote_share_formula"], abs=0.2)
+
+
+def test_bench_cp_bytes_equal_formula():
+    rows = run_cp_benchmark(nprocs=2, reps=1, json_out=True)["results"]
+    assert [r["name"] for r in rows] == ["cp2 ring", "cp2 allgather", "cp2 ulysses"]
+    for r in rows:
+        assert r["cp_bytes"] == pytest.approx(r["cp_bytes_formula"], rel=1e-9), r["name"]
+        assert 0 < r["cp_share_of_step"] < 1
