@@ -188,7 +188,8 @@ class MoE(nn.Module):
         term = self.aux_coef * aux_local + self.z_coef * z
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = AuxLoss.apply(out, term)
-        self.record(counts, dropped, aux_value, float(z.detach()))
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self.record(counts, dropped, aux_value, float(z.detach()))
         return out.view(B, T, d)
 
     def capacity_mask(self, gate, expert, T, N) -> torch.Tensor:
