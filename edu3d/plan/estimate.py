@@ -22,7 +22,14 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   gathered weights) while its micro-batches run, so traffic does not grow with ``m``. The
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
-  at its start) and ZeRO's flat gradient of one unit before its reduce-scatter.
+  at its start) and ZeRO's flat gradient of one unit before its reduce-scatter;
+* **experts and context** (``world = dp·cp·tp·pp``; EP folds inside the ``dp·cp`` ranks):
+  a MoE block's routed experts are cut ``ep`` ways, whole on every tp rank, replicated over
+  the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
+  dense state over ``dp·cp``). CP gives each rank ``s/cp`` tokens of every sequence, so
+  every activation is divided by ``cp`` (its queries still see all ``s`` keys: the
+  ``5as²b`` term divides once). The bytes each rank sends per step, by axis, are
+  :func:`edu3d.plan.search.traffic`.
 
 The layout search and its cost model live in :mod:`edu3d.plan.search`, the command line
 (``edu3d plan``) in :mod:`edu3d.commands.plan`.
@@ -30,17 +37,21 @@ The layout search and its cost model live in :mod:`edu3d.plan.search`, the comma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from edu3d.distributed.mesh import divisors
 from edu3d.plan import formulas as memory
+from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import simulate
 from edu3d.model.shapes import ModelSpec, spec_from
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
+CP_IMPLS = ("ring", "allgather", "ulysses")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -62,10 +73,17 @@ class Setup:
     recompute: str = "none"
     precision: str = "fp32"
     optimizer: str = "adamw"
+    ep: int = 1  # expert parallelism, inside the dp*cp ranks
+    cp: int = 1  # context parallelism: each sequence cut cp ways
+    cp_impl: str = "ring"
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:  # the expert-data-parallel degree: ranks holding the same experts
+        return self.dp * self.cp // self.ep
 
     @property
     def global_batch(self) -> int:
@@ -79,8 +97,17 @@ def validate(spec: ModelSpec, st: Setup) -> None:
                          f"{spec.kv_heads} split or replicate evenly)")
     if st.pp * chunks(st.schedule, st.vpp) > spec.n_layers:
         raise ValueError(f"pp*vpp = {st.pp * st.vpp} stages for {spec.n_layers} layers")
-    if st.zero and st.dp == 1:
-        raise ValueError(f"ZeRO-{st.zero} shards over dp; use dp >= 2")
+    if st.zero and st.dp * st.cp == 1:
+        raise ValueError(f"ZeRO-{st.zero} shards over dp*cp; use dp*cp >= 2")
+    experts, dpc = as_moe(spec).experts, st.dp * st.cp
+    if st.ep > 1 and (not experts or experts % st.ep or dpc % st.ep):
+        raise ValueError(f"ep={st.ep} must divide experts={experts} and dp*cp={dpc}; choose ep "
+                         f"in {[e for e in divisors(dpc) if experts % e == 0] if experts else [1]}")
+    if spec.seq_len % st.cp:
+        raise ValueError(f"cp={st.cp} must divide seq={spec.seq_len}")
+    if st.cp_impl == "ulysses" and spec.n_heads % (st.cp * st.tp):
+        raise ValueError(f"ulysses: cp*tp = {st.cp * st.tp} must divide n_heads={spec.n_heads}"
+                         "; use --cp-impl ring or a smaller --cp")
     if st.sp and spec.seq_len % st.tp:
         raise ValueError(f"sequence parallelism: tp={st.tp} must divide seq={spec.seq_len}")
     if st.vpp > 1 and st.schedule != "interleaved":
@@ -90,6 +117,7 @@ def validate(spec: ModelSpec, st: Setup) -> None:
                          f"of pp={st.pp}")
     for name, value, ok in (("precision", st.precision, PRECISIONS),
                             ("recompute", st.recompute, RECOMPUTE),
+                            ("cp_impl", st.cp_impl, CP_IMPLS),
                             ("zero", st.zero, (0, 1, 2, 3))):
         if value not in ok:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
@@ -111,17 +139,22 @@ def _autocast(spec: ModelSpec, st: Setup) -> bool:
 
 
 # ---- parameters per rank -------------------------------------------------------------------------
-def units(spec: ModelSpec, st: Setup, pp_rank: int) -> list[tuple[str, list[tuple[int, bool]]]]:
+def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> list[tuple]:
     """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in the
-    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`)."""
-    t, h, v = st.tp, spec.d_model, chunks(st.schedule, st.vpp)
+    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`);
+    ``experts``: instead, each MoE block's ``E/ep`` routed experts (ZeRO shards them apart,
+    over the expert-data-parallel group)."""
+    t, h, v, spec = st.tp, spec.d_model, chunks(st.schedule, st.vpp), as_moe(spec)
     parts = uniform(spec.n_layers, st.pp * v)
     n_stages = len(parts)
     tok = (spec.vocab_rows(t) * h, True)
     norm = [(h, False)] * (2 if spec.norm == "layernorm" else 1)
-    layer = [(n, m) for _, n, m in spec.layer_tensors(t)]
     out = []
     for s in range(pp_rank, n_stages, st.pp):
+        if experts:
+            out += [(f"block{i}.experts", [(k, m) for _, k, m in spec.expert_tensors(st.ep)])
+                    for i in range(*parts[s]) if spec.is_moe(i)]
+            continue
         first, last = s == 0, s == n_stages - 1
         tied_here = spec.tied and (first or last)
         if tied_here and (n_stages > 1 or first):
@@ -131,7 +164,8 @@ def units(spec: ModelSpec, st: Setup, pp_rank: int) -> list[tuple[str, list[tupl
                                                   if spec.learned_pos else [])
             if emb:
                 out.append(("embed", emb))
-        out += [(f"block{i}", layer) for i in range(*parts[s])]
+        out += [(f"block{i}", [(n, m) for _, n, m in spec.block_tensors(i, t)])
+                for i in range(*parts[s])]
         if last:
             out.append(("head", norm + ([] if spec.tied else [tok])))
     return out
@@ -153,16 +187,25 @@ def _shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, int, 
 def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
-    optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step)."""
+    optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
+    units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
+    dense = _state(spec, st, units(spec, st, pp_rank), st.dp * st.cp, dp_index, at)
+    ex = units(spec, st, pp_rank, experts=True)
+    if not ex:
+        return dense
+    expert = _state(spec, st, ex, st.edp, dp_index % st.edp, at)
+    return {c: dense[c] + expert[c] for c in dense}
+
+
+def _state(spec: ModelSpec, st: Setup, us: list, n: int, dp_index: int, at: str) -> dict:
+    """:func:`state_per_rank` of the units ``us``, ZeRO sharding them over ``n`` ranks."""
     pb, gb, ob = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
     step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
-    us = units(spec, st, pp_rank)
     full = sum(k for _, u in us for k, _ in u)
     tensors = sum(len(u) for _, u in us)
-    if not st.zero:
+    if not st.zero or n == 1:
         return {"params": pb * full, "grads": gb * full,
                 "optimizer": ob * full + step_bytes * tensors * bool(ob)}
-    n = st.dp
     shards = [_shard(u, n, dp_index) for _, u in us]
     padded = sum(p for p, _, _ in shards)
     shard = sum(s for _, s, _ in shards)
@@ -182,8 +225,9 @@ def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
 
 # ---- activations per rank ------------------------------------------------------------------------
 def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
-    """Bytes one micro-batch keeps for backward on each global stage."""
+    """Bytes one micro-batch keeps for backward on each global stage (``/cp``)."""
     s, b, h, a, t = spec.seq_len, st.micro_batch, spec.d_model, spec.n_heads, st.tp
+    spec = as_moe(spec)
     rec = None if st.recompute == "none" else st.recompute
     parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp))
     sp = st.sp and t > 1
@@ -212,10 +256,17 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
         first = 0.0
         # final norm and head inputs (16-bit), fp32 logits for the loss (Korthikanti 4.3)
         last = 4 * s * b * h / (t if sp else 1) + 4 * s * b * spec.vocab_rows(t)
+    moe = layer  # a MoE block: the dense MLP half's count out, the MoE half's in
+    if spec.moe_layers and st.recompute != "full":
+        vb, drop = (4, False) if spec.course and st.precision == "fp32" else (2, not spec.course)
+        moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
+                                                  drop) / (t if sp else 1)
+        moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
     out = []
     for i, (lo, hi) in enumerate(parts):
-        out.append((hi - lo) * layer + (first if i == 0 else 0) +
-                   (last if i == len(parts) - 1 else 0))
+        n_moe = sum(spec.is_moe(j) for j in range(lo, hi))
+        out.append(((hi - lo - n_moe) * layer + n_moe * moe + (first if i == 0 else 0) +
+                    (last if i == len(parts) - 1 else 0)) / st.cp)
     return out
 
 
@@ -252,13 +303,20 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
 
     edu3d posts all of a step's receives at its start (one buffer per micro-batch, chunk and
     direction: see :class:`~edu3d.parallel.pp.engine.PipelineEngine`); Megatron keeps about
-    two per direction, which is what the planner assumes for real models."""
+    two per direction, which is what the planner assumes for real models. CP adds its K/V
+    buffers (ring: the chunk in flight and the next, ``2·2(s/cp)b·kv_h/t``; all-gather: the
+    gathered ``2sb·kv_h/t``), EP a dispatch and a combine buffer of ``k·(s/cp)·b·h``."""
     act = 4 if st.precision == "fp32" or _autocast(spec, st) else 2  # the residual stream
-    msg = act * st.micro_batch * spec.seq_len * spec.d_model / (st.tp if st.sp else 1)
+    tokens = st.micro_batch * spec.seq_len / st.cp
+    msg = act * tokens * spec.d_model / (st.tp if st.sp else 1)
     directions = (pp_rank > 0) + (pp_rank < st.pp - 1) if st.pp > 1 else 0
     v = chunks(st.schedule, st.vpp)
     buffers = st.microbatches * v if spec.course else 2
     out = directions * buffers * msg
+    kv = 2 * tokens * spec.d_model * spec.kv_heads / spec.n_heads / st.tp * act
+    out += {"ring": 2 * kv, "allgather": st.cp * kv}.get(st.cp_impl, 0) if st.cp > 1 else 0
+    if st.ep > 1:
+        out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
     if st.zero >= 2:
         _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
         out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank))
@@ -271,10 +329,8 @@ def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     everything the forward kept. With a large vocabulary this is the step's peak: on an H100,
     GPT-2-small in bf16, ``torch.cuda.max_memory_allocated`` rose exactly ``2sbV`` bytes above
     what was held when the loss's backward ran (``python -m edu3d.bench.bench_gpu``)."""
-    if pp_rank != st.pp - 1:
-        return 0.0
-    logit = 4 if st.precision == "fp32" else 2
-    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp))
+    logit = (4 if st.precision == "fp32" else 2) * (pp_rank == st.pp - 1)
+    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp)) / st.cp
 
 
 def activation_model(spec: ModelSpec, st: Setup) -> str:
@@ -295,7 +351,7 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     per_stage = []
     for r in range(st.pp):
         # ZeRO's shards differ by a few optimizer pieces between dp ranks: the fullest counts
-        indices = range(st.dp if st.zero and spec.course else 1)
+        indices = range(st.dp * st.cp if st.zero and spec.course else 1)
         worst = max((state_per_rank(spec, st, r, i, at) for i in indices),
                     key=lambda d: sum(d.values()))
         row = {"pp_rank": r, **worst, "activations": acts[r],
@@ -306,8 +362,15 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
-               num_params=spec.num_params(), activation_model=activation_model(spec, st))
+               num_params=spec.num_params(), activation_model=activation_model(spec, st),
+               active_params=as_moe(spec).active_params())
     return out
+
+
+def estimate_for(options, at: str = "peak") -> dict:
+    """The estimate of an ``edu3d train`` run's options (:class:`~edu3d.train.options.
+    TrainOptions`): what a measured run of the same layout is checked against."""
+    return estimate(*from_train_args(options), at=at)
 
 
 def from_train_args(args) -> tuple[ModelSpec, Setup]:
@@ -316,9 +379,22 @@ def from_train_args(args) -> tuple[ModelSpec, Setup]:
     spec = spec_from(args.model, n_layers=args.layers, n_heads=args.heads,
                      d_model=args.d_model, seq_len=args.seq, vocab_size=args.vocab,
                      tied=args.tie)
+    new = {k: _option(args, k, d) for k, d in NEW_OPTIONS.items()}  # TODO: args.k, landed
+    if new["experts"]:
+        spec = MoESpec(**dataclasses.asdict(spec), **{k: new[k] for k in list(NEW_OPTIONS)[:5]})
     m = args.microbatches or args.pp
     st = Setup(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, zero=args.zero,
                microbatches=m, micro_batch=args.global_batch // (args.dp * m),
                schedule=args.schedule, sp=args.sp, recompute=args.recompute,
-               precision=args.precision, optimizer=args.optimizer)
+               precision=args.precision, optimizer=args.optimizer,
+               **{k: new[k] for k in list(NEW_OPTIONS)[5:]})
     return spec, st
+
+
+NEW_OPTIONS = {"experts": 0, "topk": 2, "moe_every": 1, "shared_experts": 0,
+               "capacity_factor": 0.0, "ep": 1, "cp": 1, "cp_impl": "ring"}
+
+
+def _option(options, name: str, default):
+    """An option ``edu3d train`` is gaining (:data:`NEW_OPTIONS`), its default until then."""
+    return getattr(options, name, default)

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 
 from edu3d.distributed.mesh import divisors
 from edu3d.plan.fit import gb
+from edu3d.plan import formulas as memory
 from edu3d.plan.estimate import Setup, estimate, units
+from edu3d.plan.formulas import as_moe
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
@@ -71,15 +73,52 @@ class Cluster:
 
 
 def _flops_per_token(spec: ModelSpec) -> tuple[float, float]:
-    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters."""
-    n = spec.n_layers * sum(k for _, k, _ in spec.layer_tensors())
+    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters a token
+    uses (for a mixture of experts, the active ones: its ``k`` routed experts)."""
+    n = as_moe(spec).layer_params(active=True)
     return 6 * n + 12 * spec.n_layers * spec.d_model * spec.seq_len, n
 
 
-def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
-    """Seconds per step by part (``compute``, ``bubble``, ``tp``, ``pp``, ``dp``) and ``total``."""
+def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
+    """Bytes one rank sends per step, by axis, in 16-bit values; per-block terms times the
+    blocks of a pipeline rank on average (``L/p``) and the ``m`` micro-batches:
+
+    ``tp``  ring all-reduces of ``b·(s/cp)·h``, ``2(t-1)/t`` of it each: attention 2 and a
+            dense MLP 2 (forward and backward), one more each under full recomputation; a
+            MoE half none (it runs whole on every tp rank);
+    ``pp``  per micro-batch an activation forward and a gradient back, ``b·(s/cp)·h``
+            (``/t`` with SP);
+    ``dp``  once per step, ``2(N-1)/N`` (ZeRO-3: ``3(N-1)/N``) of the rank's dense 16-bit
+            gradients, ``N = dp·cp``; ``edp``: the routed experts' over ``dp·cp/ep``;
+    ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
+            recomputation: its forward runs again);
+    ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
+            full recomputation)."""
+    spec = as_moe(spec)
     L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, st.micro_batch, st.tp,
                            st.pp, st.microbatches)
+    full = st.recompute == "full"
+    msg = 2 * b * s * h / st.cp
+    calls = (3 if full else 2) * (2 * L - spec.moe_layers)
+    out = {"tp": calls * 2 * (t - 1) / t * msg / p * m if t > 1 else 0.0,
+           "pp": 2 * m * msg / (t if st.sp else 1) if p > 1 else 0.0}
+    factor = 3 if st.zero == 3 else 2
+    for axis, n, experts in (("dp", st.dp * st.cp, False), ("edp", st.edp, True)):
+        psi = max(sum(k for _, u in units(spec, st, r, experts) for k, _ in u) for r in range(p))
+        out[axis] = factor * (n - 1) / n * 2 * psi if n > 1 else 0.0
+    k = memory.routed_per_token(spec)
+    out["ep"] = (memory.ep_bytes(b * s // st.cp, k, h, st.ep) * (1.5 if full else 1)
+                 * spec.moe_layers / p * m)
+    redo = (4 / 3 if st.cp_impl == "ring" else 1.5) if full else 1
+    out["cp"] = (memory.cp_bytes(st.cp_impl, s, b, h, st.cp, h * spec.kv_heads // spec.n_heads,
+                                 t) * redo * L / p * m if st.cp > 1 else 0.0)
+    return out
+
+
+def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
+    """Seconds per step by part (``compute``, ``bubble``, and each axis of :func:`traffic`
+    over its links) and ``total``."""
+    L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, st.pp, st.microbatches
     per_token, n = _flops_per_token(spec)
     attn_fwd = 4 * L * h * s
     extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[st.recompute]
@@ -87,17 +126,12 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
     compute = tokens * (per_token + extra) / (st.gpus * cl.peak_tflops * 1e12 * cl.mfu)
     v = st.vpp if st.schedule == "interleaved" else 1
     bubble = compute * (p - 1) / (v * m) * (1 / 3 if st.schedule == "zb-h1" else 1)
-    node = cl.gpus_per_node
-    bw = lambda inside: (cl.intra_gbps if inside else cl.inter_gbps) * GB  # noqa: E731
-    msg = 2 * b * s * h  # 16-bit activations of one micro-batch
-    calls = 6 if st.recompute == "full" else 4
-    tp = (calls * 2 * (t - 1) / t * msg * (L / p) * m / bw(t <= node)) if t > 1 else 0.0
-    pp = (2 * m * msg / (t if st.sp else 1) / bw(t * st.dp * p <= node)) if p > 1 else 0.0
-    psi_rank = max(sum(k for _, u in units(spec, st, r) for k, _ in u) for r in range(p))
-    factor = 3 if st.zero == 3 else 2
-    dp = (factor * (st.dp - 1) / st.dp * 2 * psi_rank / bw(t * st.dp <= node)
-          if st.dp > 1 else 0.0)
-    out = {"compute": compute, "bubble": bubble, "tp": tp, "pp": pp, "dp": dp}
+    node, t, dpc = cl.gpus_per_node, st.tp, st.dp * st.cp
+    inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * st.ep,
+              "cp": t * st.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
+    out = {"compute": compute, "bubble": bubble}
+    for axis, sent in traffic(spec, st).items():
+        out[axis] = sent / ((cl.intra_gbps if inside[axis] <= node else cl.inter_gbps) * GB)
     out["total"] = sum(out.values())
     return out
 
