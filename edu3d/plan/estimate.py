@@ -28,17 +28,15 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
   dense state over ``dp·cp``). CP gives each rank ``s/cp`` tokens of every sequence, so
   every activation is divided by ``cp`` (its queries still see all ``s`` keys: the
-  ``5as²b`` term divides once). The bytes each rank sends per step, by axis, are
-  :func:`edu3d.plan.search.traffic`.
+  ``5as²b`` term divides once).
 
-The layout search and its cost model live in :mod:`edu3d.plan.search`, the command line
-(``edu3d plan``) in :mod:`edu3d.commands.plan`.
+The layout search, its cost model and the bytes each rank sends by axis (``traffic``) live
+in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.commands.plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -143,17 +141,35 @@ def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> li
     """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in the
     order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`);
     ``experts``: instead, each MoE block's ``E/ep`` routed experts (ZeRO shards them apart,
-    over the expert-data-parallel group)."""
+    over the expert-data-parallel group). Cached on what they depend on: do not change them."""
+    return _units(spec, _shape_of(st), pp_rank, experts)
+
+
+def held(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> int:
+    """Elements of :func:`units` (one tp rank's parameters of pipeline rank ``pp_rank``)."""
+    return _held(spec, _shape_of(st), pp_rank, experts)
+
+
+def _shape_of(st: Setup) -> Setup:
+    return Setup(tp=st.tp, pp=st.pp, vpp=st.vpp, schedule=st.schedule, ep=st.ep)
+
+
+@lru_cache(maxsize=4096)
+def _held(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool) -> int:
+    return sum(k for _, u in _units(spec, st, pp_rank, experts) for k, _ in u)
+
+
+@lru_cache(maxsize=4096)
+def _units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool) -> list[tuple]:
     t, h, v, spec = st.tp, spec.d_model, chunks(st.schedule, st.vpp), as_moe(spec)
     parts = uniform(spec.n_layers, st.pp * v)
     n_stages = len(parts)
     tok = (spec.vocab_rows(t) * h, True)
     norm = [(h, False)] * (2 if spec.norm == "layernorm" else 1)
-    out = []
+    out, routed = [], [(k, m) for _, k, m in spec.expert_tensors(st.ep)] if experts else []
     for s in range(pp_rank, n_stages, st.pp):
-        if experts:
-            out += [(f"block{i}.experts", [(k, m) for _, k, m in spec.expert_tensors(st.ep)])
-                    for i in range(*parts[s]) if spec.is_moe(i)]
+        if experts:  # one list for every block: a search builds thousands
+            out += [(f"block{i}.experts", routed) for i in range(*parts[s]) if spec.is_moe(i)]
             continue
         first, last = s == 0, s == n_stages - 1
         tied_here = spec.tied and (first or last)
@@ -171,56 +187,26 @@ def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> li
     return out
 
 
-def _shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, int, int]:
-    """ZeRO's flat buffer of ``unit``: (padded elements, shard elements, pieces in shard
-    ``index``: the parameters that overlap it, each its own optimizer tensors)."""
-    numel = sum(k for k, _ in unit)
-    padded = math.ceil(numel / n) * n
-    lo, hi = index * padded // n, (index + 1) * padded // n
-    pieces, off = 0, 0
-    for k, _ in unit:
-        pieces += max(off, lo) < min(off + k, hi)
-        off += k
-    return padded, padded // n, pieces
-
-
 def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
     units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
-    dense = _state(spec, st, units(spec, st, pp_rank), st.dp * st.cp, dp_index, at)
+    same = dataclasses.replace(st, microbatches=1 + (st.microbatches > 1 or st.pp > 1),
+                               micro_batch=1, recompute="none", sp=False)  # all it depends on
+    return dict(_state_of(spec, same, pp_rank, dp_index, at))
+
+
+@lru_cache(maxsize=4096)
+def _state_of(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int, at: str) -> dict:
+    zero = (st.zero, st.microbatches > 1 or st.pp > 1, at,  # edu3d reduces once per step
+            *state_bytes(st.precision, st.optimizer, _autocast(spec, st)))
+    dense = memory.zero_unit_bytes(units(spec, st, pp_rank), st.dp * st.cp, dp_index, *zero)
     ex = units(spec, st, pp_rank, experts=True)
     if not ex:
         return dense
-    expert = _state(spec, st, ex, st.edp, dp_index % st.edp, at)
+    expert = memory.zero_unit_bytes(ex, st.edp, dp_index % st.edp, *zero)
     return {c: dense[c] + expert[c] for c in dense}
-
-
-def _state(spec: ModelSpec, st: Setup, us: list, n: int, dp_index: int, at: str) -> dict:
-    """:func:`state_per_rank` of the units ``us``, ZeRO sharding them over ``n`` ranks."""
-    pb, gb, ob = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-    step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
-    full = sum(k for _, u in us for k, _ in u)
-    tensors = sum(len(u) for _, u in us)
-    if not st.zero or n == 1:
-        return {"params": pb * full, "grads": gb * full,
-                "optimizer": ob * full + step_bytes * tensors * bool(ob)}
-    shards = [_shard(u, n, dp_index) for _, u in us]
-    padded = sum(p for p, _, _ in shards)
-    shard = sum(s for _, s, _ in shards)
-    covered = sum(min(s, max(0, sum(k for k, _ in u) - dp_index * s))
-                  for (_, u), (_, s, _) in zip(us, shards))
-    optimizer = ob * covered + step_bytes * sum(p for _, _, p in shards)
-    biggest = max(p for p, _, _ in shards)
-    held_full = st.microbatches > 1 or st.pp > 1  # edu3d reduces once per step
-    params = pb * (padded if st.zero < 3 else shard)
-    grads = gb * (padded if st.zero < 2 else shard)
-    if at == "peak" and st.zero >= 2:
-        grads += gb * (padded if held_full else biggest)
-    if at == "peak" and st.zero == 3:
-        params += pb * (padded if held_full else 2 * biggest)  # gathered (and prefetched)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
 # ---- activations per rank ------------------------------------------------------------------------
@@ -319,7 +305,8 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
         out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
     if st.zero >= 2:
         _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-        out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank))
+        out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
+                        units(spec, st, pp_rank, experts=True))
     return out
 
 

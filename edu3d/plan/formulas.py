@@ -35,7 +35,9 @@ all-to-all and the context parallelism (CP) exchanges are :func:`ep_bytes` and
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from edu3d.model.shapes import ModelSpec
 
@@ -86,6 +88,49 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: b
     core = 0 if recompute == "selective" else 5 * a * s * s * b  # scores, softmax, mask
     split = attn_split + mlp_split + core
     return (whole + split) / t if sp else whole + split / t
+
+
+def flat_shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, int, int]:
+    """ZeRO's flat buffer of ``unit``: (padded elements, shard elements, pieces in shard
+    ``index``: the parameters that overlap it, each its own optimizer tensors)."""
+    numel = sum(k for k, _ in unit)
+    padded = math.ceil(numel / n) * n
+    lo, hi = index * padded // n, (index + 1) * padded // n
+    pieces, off = 0, 0
+    for k, _ in unit:
+        pieces += max(off, lo) < min(off + k, hi)
+        off += k
+    return padded, padded // n, pieces
+
+
+def zero_unit_bytes(us: list, n: int, dp_index: int, zero: int, held_full: bool, at: str,
+                    pb: int, gb: int, ob: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of the units ``us`` (``[(name, [(elements, is
+    a matrix)])]``) on rank ``dp_index`` of ``n`` under ZeRO stage ``zero``, byte for byte:
+    each unit a flat buffer (:func:`flat_shard`), ``pb gb ob`` bytes per element. ``at="peak"``
+    adds what ZeRO-2/3 hold during the step: the whole gradients (and gathered weights) when
+    ``held_full`` (micro-batches or stages: edu3d reduces once per step), else the biggest
+    unit's (ZeRO-3: two, the next one prefetched)."""
+    step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
+    full = sum(k for _, u in us for k, _ in u)
+    tensors = sum(len(u) for _, u in us)
+    if not zero or n == 1:
+        return {"params": pb * full, "grads": gb * full,
+                "optimizer": ob * full + step_bytes * tensors * bool(ob)}
+    shards = [flat_shard(u, n, dp_index) for _, u in us]
+    padded = sum(p for p, _, _ in shards)
+    shard = sum(s for _, s, _ in shards)
+    covered = sum(min(s, max(0, sum(k for k, _ in u) - dp_index * s))
+                  for (_, u), (_, s, _) in zip(us, shards))
+    optimizer = ob * covered + step_bytes * sum(p for _, _, p in shards)
+    biggest = max(p for p, _, _ in shards)
+    params = pb * (padded if zero < 3 else shard)
+    grads = gb * (padded if zero < 2 else shard)
+    if at == "peak" and zero >= 2:
+        grads += gb * (padded if held_full else biggest)
+    if at == "peak" and zero == 3:
+        params += pb * (padded if held_full else 2 * biggest)  # gathered (and prefetched)
+    return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -158,7 +203,8 @@ class MoESpec(ModelSpec):
     (``edu3d train``'s rule, plus DeepSeek-V3's first dense blocks). ``mla`` counts the
     parameters of multi-head latent attention, ``(q_rank, kv_rank, qk_nope, qk_rope, v_dim)``
     per head; activations and FLOPs still use standard attention of ``n_heads`` x
-    ``d_model``. ``experts=0`` is the dense model, counted exactly as its ModelSpec."""
+    ``d_model``. ``experts=0`` is the dense model, counted exactly as its ModelSpec. The
+    shapes are cached (the spec is frozen): read the lists they return, never change them."""
 
     experts: int = 0
     topk: int = 2
@@ -180,11 +226,13 @@ class MoESpec(ModelSpec):
     def moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.n_layers))
 
+    @lru_cache(maxsize=4096)  # a search asks the same shapes thousands of times
     def mlp_tensors(self, f: int, t: int = 1) -> list[tuple[str, int, bool]]:
         """One MLP of width ``f``, split ``t`` ways (the tail of ``layer_tensors``)."""
         whole = ModelSpec.layer_tensors(dataclasses.replace(self, d_ff=f), t)
         return whole[max(i for i, (n, _, _) in enumerate(whole) if n.startswith("ln2.")) + 1:]
 
+    @lru_cache(maxsize=4096)
     def layer_tensors(self, t: int = 1) -> list[tuple[str, int, bool]]:
         """A dense block (attention counted as MLA when ``mla`` is set)."""
         out = ModelSpec.layer_tensors(self, t)
@@ -199,6 +247,7 @@ class MoESpec(ModelSpec):
         ln1, ln2 = ([x for x in out if x[0].startswith(n)] for n in ("ln1.", "ln2."))
         return ln1 + att + ln2 + self.mlp_tensors(self.ff, t)
 
+    @lru_cache(maxsize=4096)
     def block_tensors(self, i: int, t: int = 1) -> list[tuple[str, int, bool]]:
         """Block ``i`` on one tp rank, its routed experts left out: a MoE block keeps its
         attention (split ``t`` ways), the router and the shared experts (whole on every tp
@@ -206,21 +255,24 @@ class MoESpec(ModelSpec):
         dense = self.layer_tensors(t)
         if not self.is_moe(i):
             return dense
-        out = dense[:len(dense) - len(self.mlp_tensors(self.ff, t))]
+        out = dense[:len(dense) - len(self.mlp_tensors(self.ff, t))]  # a copy
         out.append(("router.w", self.experts * self.d_model, True))
         for j in range(self.shared_experts):
             out += [(f"shared{j}.{n}", k, m) for n, k, m in self.mlp_tensors(self.e_ff)]
         return out
 
+    @lru_cache(maxsize=4096)
     def expert_tensors(self, ep: int = 1) -> list[tuple[str, int, bool]]:
         """The routed experts one rank holds in a MoE block: ``E/ep`` whole MLPs."""
         one = self.mlp_tensors(self.e_ff)
         return [(f"expert{e}.{n}", k, m) for e in range(self.experts // ep) for n, k, m in one]
 
+    @lru_cache(maxsize=4096)
     def expert_params(self) -> int:
         """Parameters of every routed expert of the model."""
         return self.moe_layers * sum(k for _, k, _ in self.expert_tensors())
 
+    @lru_cache(maxsize=4096)
     def num_params(self) -> int:
         """Total parameters: what memory holds."""
         head = self.d_model * (2 if self.norm == "layernorm" else 1)
@@ -228,6 +280,7 @@ class MoESpec(ModelSpec):
             self.seq_len * self.d_model if self.learned_pos else 0)
         return self.layer_params() + self.expert_params() + head + emb
 
+    @lru_cache(maxsize=4096)
     def layer_params(self, active: bool = False) -> int:
         """Parameters of the blocks without the routed experts (``active``: plus the ``k``
         each token uses): the ``N`` of ``6N`` FLOPs per token when ``active``."""

@@ -45,11 +45,12 @@ from dataclasses import dataclass
 from edu3d.distributed.mesh import divisors
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
-from edu3d.plan.estimate import Setup, estimate, units
+from edu3d.plan.estimate import Setup, estimate, held
 from edu3d.plan.formulas import as_moe
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
+CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
            "pp": 2 * m * msg / (t if st.sp else 1) if p > 1 else 0.0}
     factor = 3 if st.zero == 3 else 2
     for axis, n, experts in (("dp", st.dp * st.cp, False), ("edp", st.edp, True)):
-        psi = max(sum(k for _, u in units(spec, st, r, experts) for k, _ in u) for r in range(p))
+        psi = max(held(spec, st, r, experts) for r in range(p))
         out[axis] = factor * (n - 1) / n * 2 * psi if n > 1 else 0.0
     k = memory.routed_per_token(spec)
     out["ep"] = (memory.ep_bytes(b * s // st.cp, k, h, st.ep) * (1.5 if full else 1)
@@ -137,33 +138,43 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
 
 
 def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
-               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8)):
-    """Every (dp, tp, pp, zero, recompute, micro-batch) choice the model and batch allow."""
+               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8), cp_impl: str = "ring"):
+    """Every (dp, cp, ep, tp, pp, zero, recompute, micro-batch) choice the model and batch
+    allow. Cheaply: ``cp > 1`` only while each rank keeps at least ``CP_MIN_TOKENS`` of a
+    sequence, and ``ep > 1`` only for a mixture of experts (every ``ep`` dividing both
+    ``E`` and ``dp·cp``)."""
+    experts = as_moe(spec).experts
     for tp in divisors(cl.gpus):
         if spec.n_heads % tp:
             continue
         for pp in divisors(cl.gpus // tp):
-            dp = cl.gpus // (tp * pp)
             if pp > spec.n_layers:
                 continue
-            for b in micro_batches:
-                if global_batch % (dp * b):
+            for cp in divisors(cl.gpus // (tp * pp)):
+                if cp > 1 and (spec.seq_len % cp or spec.seq_len // cp < CP_MIN_TOKENS or
+                               cp_impl == "ulysses" and spec.n_heads % (cp * tp)):
                     continue
-                m = global_batch // (dp * b)
-                for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
-                    for rec in ("none", "selective", "full"):
-                        yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
-                                    micro_batch=b, schedule=schedule, sp=tp > 1,
-                                    recompute=rec, precision=precision)
+                dp = cl.gpus // (tp * pp * cp)
+                eps = [e for e in divisors(dp * cp) if experts % e == 0] if experts else [1]
+                for ep, b in ((e, b) for e in eps for b in micro_batches):
+                    if global_batch % (dp * b):
+                        continue
+                    m = global_batch // (dp * b)
+                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp * cp > 1 else (0,):
+                        for rec in ("none", "selective", "full"):
+                            yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
+                                        micro_batch=b, schedule=schedule, sp=tp > 1,
+                                        recompute=rec, precision=precision, ep=ep, cp=cp,
+                                        cp_impl=cp_impl)
 
 
 def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
-           precision: str = "bf16", schedule: str = "1f1b") -> list[dict]:
+           precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring") -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
     first: ``{"setup", "memory", "time", "fits"}``."""
     gb = global_batch or spec.global_batch
     rows = []
-    for st in candidates(spec, cl, gb, precision, schedule):
+    for st in candidates(spec, cl, gb, precision, schedule, cp_impl=cp_impl):
         try:
             mem = estimate(spec, st)
         except ValueError:
