@@ -50,6 +50,7 @@ from edu3d.plan.formulas import as_moe
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
+AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
 CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
 
 
@@ -210,6 +211,18 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                    f"activations {gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(st.pp - 1) / (st.microbatches + st.pp - 1):.1%} with "
                    f"m={st.microbatches} micro-batches of {st.micro_batch}")
+    moe = as_moe(spec)
+    if moe.experts:
+        ep1 = other(ep=1)
+        out.append(f"ep={st.ep}: each GPU holds {moe.experts // st.ep} of the {moe.experts} "
+                   f"experts of each MoE block, replicated over {st.edp} GPU(s) (ZeRO shards "
+                   f"them there); its all-to-alls send {traffic(spec, st)['ep'] / 1e9:.1f} GB "
+                   f"per step ({tm['ep']:.2f} s)" + ("" if ep1 is None else
+                   f"; with every expert on every GPU (ep=1) the fullest rank needs "
+                   f"{gb(ep1['memory']['total_bytes'])}"))
+    if st.cp > 1:
+        out.append(f"cp={st.cp} ({st.cp_impl}): each GPU keeps {spec.seq_len // st.cp} tokens "
+                   f"of a sequence, activations /{st.cp}, for {tm['cp']:.2f} s of K/V exchange")
     whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
     out.append(f"dp={st.dp}: {whom} a replica of the model; gradients are reduced "
                f"once per step ({tm['dp']:.2f} s)" if st.dp > 1 else
@@ -246,6 +259,6 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                       else f", more than {gb(budget)}")
                    + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"
                       " more compute" if none else ""))
-    out.append(f"estimated step {tm['total']:.2f} s: compute {tm['compute']:.2f}, bubble "
-               f"{tm['bubble']:.2f}, tp {tm['tp']:.2f}, pp {tm['pp']:.2f}, dp {tm['dp']:.2f}")
+    out.append(f"estimated step {tm['total']:.2f} s: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in tm.items() if k != "total" and (v or k in AXES)))
     return out
