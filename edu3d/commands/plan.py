@@ -212,16 +212,16 @@ def main_from_args(args) -> int:
     """``edu3d plan``: 0 when it fits (or nothing was asked to fit), 1 when it does not,
     2 for options that cannot work together."""
 
+    if args.gpus is not None and not any((args.dp, args.tp, args.pp)) and (args.ep or args.cp):
+        print("edu3d plan: --ep and --cp belong to a layout (with --dp/--tp/--pp); with --gpus "
+              "alone the search tries every ep and cp itself", file=sys.stderr)
+        return 2
     try:
         spec, st = setup_from_args(args)
     except ValueError as err:
         print(f"edu3d plan: {err}", file=sys.stderr)
         return 2
     searching = args.gpus is not None and not any((args.dp, args.tp, args.pp))
-    if searching and not (args.ep or 1) * (args.cp or 1) == 1:
-        print("edu3d plan: --ep and --cp belong to a layout (with --dp/--tp/--pp); with --gpus "
-              "alone the search tries every ep and cp itself", file=sys.stderr)
-        return 2
     mem_gb = args.gpu_mem or (80.0 if args.gpus else None)
     if args.gpus is not None and not searching and st.gpus != args.gpus:
         print(f"edu3d plan: dp*cp*tp*pp = {st.gpus} but --gpus {args.gpus}; give a layout whose "

@@ -194,7 +194,7 @@ def autocast_activation_bytes_per_layer(s: int, b: int, h: int, a: int,
     return 4 * fp32 + 2 * half
 
 
-# ---- mixture of experts: the shapes ---------------------------------------------------------------
+# ---- mixture of experts: the shapes ------------------------------------------------------------
 @dataclass(frozen=True)
 class MoESpec(ModelSpec):
     """A :class:`~edu3d.model.shapes.ModelSpec` whose MLPs are (partly) mixtures of experts.
@@ -299,7 +299,7 @@ def as_moe(spec: ModelSpec) -> MoESpec:
     return spec if isinstance(spec, MoESpec) else MoESpec(**dataclasses.asdict(spec))
 
 
-# ---- mixture of experts and context parallelism: bytes ---------------------------------------------
+# ---- mixture of experts and context parallelism: bytes -----------------------------------------
 def routed_per_token(spec: MoESpec) -> float:
     """Expert slots per token: ``k``, or with a capacity factor ``C`` the padded ``k·C``."""
     return spec.topk * spec.capacity_factor if spec.capacity_factor else spec.topk
