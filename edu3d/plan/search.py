@@ -215,8 +215,9 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
     if moe.experts:
         ep1 = other(ep=1)
         out.append(f"ep={st.ep}: each GPU holds {moe.experts // st.ep} of the {moe.experts} "
-                   f"experts of each MoE block, replicated over {st.edp} GPU(s) (ZeRO shards "
-                   f"them there); its all-to-alls send {traffic(spec, st)['ep'] / 1e9:.1f} GB "
+                   f"experts of each MoE block, " + (f"replicated over {st.edp} GPUs (ZeRO shards "
+                   "them there)" if st.edp > 1 else "on no other GPU of its pipeline stage")
+                   + f"; its all-to-alls send {traffic(spec, st)['ep'] / 1e9:.1f} GB "
                    f"per step ({tm['ep']:.2f} s)" + ("" if ep1 is None else
                    f"; with every expert on every GPU (ep=1) the fullest rank needs "
                    f"{gb(ep1['memory']['total_bytes'])}"))
