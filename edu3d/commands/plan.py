@@ -10,8 +10,13 @@ comes from:
 * ``edu3d plan --model llama2-70b --gpus 64 --gpu-mem 80`` ranks every layout of 64 GPUs by
   an estimated step time (:mod:`edu3d.plan.search`, whose docstring states the cost model)
   and explains the fastest one that fits;
-* ``--json`` prints one object: ``params_bytes`` ... ``total_bytes``, ``per_stage``, and with
-  ``--gpus`` a ``recommended`` layout with its ``reasons``.
+* ``--json`` prints one object: ``params_bytes`` ... ``total_bytes``, ``per_stage``,
+  ``traffic_bytes`` (what a rank sends per step, by axis), and with ``--gpus`` a
+  ``recommended`` layout with its ``reasons``;
+* mixtures of experts and long sequences: ``--experts --topk --moe-every --shared-experts
+  --expert-ffn`` make any model a MoE (or start from ``--model mixtral-8x7b`` /
+  ``deepseek-v3``, :data:`MOE_PRESETS`), ``--ep`` cuts its experts, ``--cp`` (``--cp-impl``)
+  its sequences: ``world = dp·cp·tp·pp``, EP inside the ``dp·cp`` ranks.
 
 Exit codes: 0, 1 when the layout (or every layout) does not fit, 2 for options that cannot
 work together. Nothing here imports torch.
@@ -26,16 +31,38 @@ import sys
 
 from edu3d.commands.argtypes import number, positive_int
 from edu3d.plan import search as plan_search
-from edu3d.plan.estimate import (CATEGORIES, PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes,
-                                 validate)
+from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, PRECISIONS, RECOMPUTE, Setup, estimate,
+                                 state_bytes, validate)
+from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
+
+
+def _moe(name, layers, d, heads, vocab, ff, batch, **moe):
+    return MoESpec(name, layers, d, heads, 4096, vocab, d_ff=ff, mlp="swiglu", norm="rmsnorm",
+                   bias=False, learned_pos=False, global_batch=batch, **moe)
+
+
+MOE_PRESETS = {  # published shapes; MOE_PUBLISHED: (total, active) parameters as reported
+    # Mixtral 8x7B (Jiang et al. 2024): 8 SwiGLU experts of 14336, top-2, GQA with 8 KV heads
+    "mixtral-8x7b": _moe("mixtral-8x7b", 32, 4096, 32, 32000, 14336, 1024, n_kv_heads=8,
+                         experts=8, topk=2),
+    # DeepSeek-V3 (2024): 3 dense blocks (MLP 18432), then 256 routed experts of 2048, top-8,
+    # plus 1 shared; its multi-head latent attention counted as MLA, modelled as standard
+    # attention (128 heads x 7168) for activations and FLOPs; 4096-token sequences, 15360 a step
+    "deepseek-v3": _moe("deepseek-v3", 61, 7168, 128, 129280, 18432, 15360, experts=256, topk=8,
+                        dense_first=3, shared_experts=1, expert_ff=2048,
+                        mla=(1536, 512, 128, 64, 128)),
+}
+MOE_PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek-v3": (671e9, 37e9)}
+MOE_FLAGS = ("experts", "topk", "moe_every", "shared_experts", "expert_ff", "capacity_factor")
 
 
 # ---- edu3d plan ----------------------------------------------------------------------------------
 def add_arguments(parser):
     """``edu3d plan``'s options."""
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", choices=PRESETS, help="a preset: the course's or a real model")
+    what.add_argument("--model", choices=(*PRESETS, *MOE_PRESETS),
+                      help="a preset: the course's or a real model")
     what.add_argument("--params", type=number(1e8, True, "7e9"),
                       help="a GPT-3-shaped model of about this many parameters")
     m = parser.add_argument_group("model overrides")
@@ -44,9 +71,20 @@ def add_arguments(parser):
                      ("--kv-heads", "n_kv_heads"), ("--ffn", "d_ff")):
         m.add_argument(flag, dest=kw, type=positive_int, help=f"override {kw}")
     m.add_argument("--tie", action="store_true", default=None, help="tie the head to the embedding")
+    moe = parser.add_argument_group("mixture of experts (any model; a MoE preset's by default)")
+    moe.add_argument("--experts", type=positive_int, help="routed experts per MoE block")
+    moe.add_argument("--topk", type=positive_int, help="experts per token (default 2)")
+    moe.add_argument("--moe-every", type=positive_int, help="block i is MoE iff i %% this == 0")
+    moe.add_argument("--shared-experts", type=int, help="always-on experts per MoE block")
+    moe.add_argument("--expert-ffn", dest="expert_ff", type=positive_int,
+                     help="an expert's MLP width (default: the dense MLP's)")
+    moe.add_argument("--capacity-factor", type=number(0, True, "1.25"),
+                     help="pad or drop to ceil(T·k/E·C) tokens per expert (default: none)")
     lay = parser.add_argument_group("layout (without --gpus, or to check one layout on them)")
-    for flag in ("--dp", "--tp", "--pp", "--vpp"):
+    for flag in ("--dp", "--tp", "--pp", "--vpp", "--ep", "--cp"):
         lay.add_argument(flag, type=positive_int, default=None, help=f"{flag[2:]} degree")
+    lay.add_argument("--cp-impl", choices=CP_IMPLS, default="ring",
+                     help="context parallelism: ring attention, all-gathered K/V, or Ulysses")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     lay.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
     lay.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch")
@@ -97,8 +135,12 @@ def setup_from_args(args) -> tuple[ModelSpec, Setup]:
     if args.params is not None:
         spec = dataclasses.replace(spec_for_params(args.params),
                                    **{k: v for k, v in over.items() if v is not None})
+    elif args.model in MOE_PRESETS:
+        spec = dataclasses.replace(MOE_PRESETS[args.model], **{
+            k: v for k, v in {**over, "tied": args.tie}.items() if v is not None})
     else:
         spec = spec_from(args.model, tied=args.tie, **over)
+    spec = moe_from_args(spec, args)
     dp, tp, pp = (getattr(args, k) or 1 for k in ("dp", "tp", "pp"))
     gb, m, b = args.global_batch, args.microbatches, args.micro_batch_size
     if m and b:
@@ -114,14 +156,34 @@ def setup_from_args(args) -> tuple[ModelSpec, Setup]:
     precision = args.precision or ("fp32" if spec.course else "bf16")
     st = Setup(dp=dp, tp=tp, pp=pp, vpp=args.vpp or 1, zero=args.zero, microbatches=m,
                micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
-               precision=precision, optimizer=args.optimizer)
+               precision=precision, optimizer=args.optimizer, ep=args.ep or 1,
+               cp=args.cp or 1, cp_impl=args.cp_impl)
     validate(spec, st)
     return spec, st
 
 
+def moe_from_args(spec: ModelSpec, args) -> ModelSpec:
+    """``spec`` with the mixture-of-experts options applied (``ValueError`` if they cannot
+    work: ``--topk`` above ``--experts``, experts options on a dense model)."""
+    given = {k: getattr(args, k) for k in MOE_FLAGS if getattr(args, k) is not None}
+    moe = dataclasses.replace(as_moe(spec), **given)
+    if not moe.experts and (given or (args.ep or 1) > 1):
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in given) or '--ep'} "
+                         f"need(s) a mixture of experts: add --experts E (e.g. --experts 8), "
+                         "or choose --model mixtral-8x7b or deepseek-v3")
+    if moe.experts and moe.topk > moe.experts:
+        raise ValueError(f"--topk {moe.topk} is more than the {moe.experts} experts; choose "
+                         f"--topk between 1 and {moe.experts}")
+    if moe.shared_experts < 0:
+        raise ValueError("--shared-experts must be 0 or more")
+    return moe if moe.experts else spec
+
+
 def describe(spec: ModelSpec, st: Setup) -> str:
     pb, gb, ob = state_bytes(st.precision, st.optimizer, spec.course)
-    return (f"dp={st.dp} tp={st.tp} pp={st.pp}" + (f" vpp={st.vpp}" if st.vpp > 1 else "")
+    return (f"dp={st.dp}" + (f" cp={st.cp} ({st.cp_impl})" if st.cp > 1 else "")
+            + f" tp={st.tp} pp={st.pp}" + (f" vpp={st.vpp}" if st.vpp > 1 else "")
+            + (f" ep={st.ep}" if st.ep > 1 else "")
             + f" ZeRO-{st.zero}, {st.microbatches} micro-batch(es) of {st.micro_batch} x "
             f"{spec.seq_len} tokens, {st.schedule}, recompute {st.recompute}, {st.precision} "
             f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.sp else ""))
@@ -150,6 +212,10 @@ def main_from_args(args) -> int:
     """``edu3d plan``: 0 when it fits (or nothing was asked to fit), 1 when it does not,
     2 for options that cannot work together."""
 
+    if args.gpus is not None and not any((args.dp, args.tp, args.pp)) and (args.ep or args.cp):
+        print("edu3d plan: --ep and --cp belong to a layout (with --dp/--tp/--pp); with --gpus "
+              "alone the search tries every ep and cp itself", file=sys.stderr)
+        return 2
     try:
         spec, st = setup_from_args(args)
     except ValueError as err:
@@ -158,15 +224,17 @@ def main_from_args(args) -> int:
     searching = args.gpus is not None and not any((args.dp, args.tp, args.pp))
     mem_gb = args.gpu_mem or (80.0 if args.gpus else None)
     if args.gpus is not None and not searching and st.gpus != args.gpus:
-        print(f"edu3d plan: dp*tp*pp = {st.gpus} but --gpus {args.gpus}; give a layout whose "
+        print(f"edu3d plan: dp*cp*tp*pp = {st.gpus} but --gpus {args.gpus}; give a layout whose "
               "product is the GPU count, or leave --dp/--tp/--pp out to search",
               file=sys.stderr)
         return 2
     cluster = plan_search.Cluster(args.gpus or st.gpus, mem_gb or 80.0, args.gpus_per_node,
                                   args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
     out = {"model": dataclasses.asdict(spec), "num_params": spec.num_params()}
+    moe = as_moe(spec)
     if searching:
-        rows = plan_search.search(spec, cluster, st.global_batch, st.precision, st.schedule)
+        rows = plan_search.search(spec, cluster, st.global_batch, st.precision, st.schedule,
+                                  st.cp_impl)
         if not rows or not rows[0]["fits"]:
             print(f"edu3d plan: no layout of {spec.name} fits {args.gpus} GPUs of {mem_gb:g} GB"
                   + (f" (the best needs {rows[0]['memory']['total_bytes'] / 1e9:.1f} GB)"
@@ -185,13 +253,16 @@ def main_from_args(args) -> int:
     est = estimate(spec, st)
     out.update(est)
     out["setup"] = _json_setup(st)
+    out["traffic_bytes"] = plan_search.traffic(spec, st)
     fits = None if mem_gb is None else est["total_bytes"] <= cluster.usable * mem_gb * 1e9
     out["fits"] = fits
     if args.json:
         print(json.dumps(out))
         return 0 if fits is not False else 1
-    print(f"{spec.name}: {spec.num_params() / 1e9:.3f} B parameters; activations: "
-          f"{est['activation_model']}")
+    print(f"{spec.name}: {spec.num_params() / 1e9:.3f} B parameters" + (
+        f" ({moe.active_params() / 1e9:.3f} B active: {moe.experts} experts, top-{moe.topk}, "
+        f"{moe.moe_layers} MoE blocks)" if moe.experts else "")
+        + f"; activations: {est['activation_model']}")
     if searching:
         print(f"cluster: {cluster.describe()}")
         print(f"{len(rows)} layouts, {sum(r['fits'] for r in rows)} fit; fastest first:")
@@ -210,6 +281,8 @@ def main_from_args(args) -> int:
     size = (f"{est['total_bytes'] / 1e9:.3f} GB" if est["total_bytes"] > 1e9 else
             f"{est['total_bytes'] / 1e6:.3f} MB")
     print(f"fullest: pp rank {est['fullest_pp_rank']}, {size}" + verdict)
+    print("sent per rank and step: " + ", ".join(
+        f"{axis} {v / 1e9:.2f} GB" for axis, v in out["traffic_bytes"].items() if v))
     return 0 if fits is not False else 1
 
 

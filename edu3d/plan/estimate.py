@@ -22,25 +22,34 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   gathered weights) while its micro-batches run, so traffic does not grow with ``m``. The
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
-  at its start) and ZeRO's flat gradient of one unit before its reduce-scatter.
+  at its start) and ZeRO's flat gradient of one unit before its reduce-scatter;
+* **experts and context** (``world = dp·cp·tp·pp``; EP folds inside the ``dp·cp`` ranks):
+  a MoE block's routed experts are cut ``ep`` ways, whole on every tp rank, replicated over
+  the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
+  dense state over ``dp·cp``). CP gives each rank ``s/cp`` tokens of every sequence, so
+  every activation is divided by ``cp`` (its queries still see all ``s`` keys: the
+  ``5as²b`` term divides once).
 
-The layout search and its cost model live in :mod:`edu3d.plan.search`, the command line
-(``edu3d plan``) in :mod:`edu3d.commands.plan`.
+The layout search, its cost model and the bytes each rank sends by axis (``traffic``) live
+in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.commands.plan`.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
+from edu3d.distributed.mesh import divisors
 from edu3d.plan import formulas as memory
+from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import simulate
 from edu3d.model.shapes import ModelSpec, spec_from
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
+CP_IMPLS = ("ring", "allgather", "ulysses")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -62,10 +71,17 @@ class Setup:
     recompute: str = "none"
     precision: str = "fp32"
     optimizer: str = "adamw"
+    ep: int = 1  # expert parallelism, inside the dp*cp ranks
+    cp: int = 1  # context parallelism: each sequence cut cp ways
+    cp_impl: str = "ring"
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:  # the expert-data-parallel degree: ranks holding the same experts
+        return self.dp * self.cp // self.ep
 
     @property
     def global_batch(self) -> int:
@@ -79,8 +95,17 @@ def validate(spec: ModelSpec, st: Setup) -> None:
                          f"{spec.kv_heads} split or replicate evenly)")
     if st.pp * chunks(st.schedule, st.vpp) > spec.n_layers:
         raise ValueError(f"pp*vpp = {st.pp * st.vpp} stages for {spec.n_layers} layers")
-    if st.zero and st.dp == 1:
-        raise ValueError(f"ZeRO-{st.zero} shards over dp; use dp >= 2")
+    if st.zero and st.dp * st.cp == 1:
+        raise ValueError(f"ZeRO-{st.zero} shards over dp*cp; use dp*cp >= 2")
+    experts, dpc = as_moe(spec).experts, st.dp * st.cp
+    if st.ep > 1 and (not experts or experts % st.ep or dpc % st.ep):
+        raise ValueError(f"ep={st.ep} must divide experts={experts} and dp*cp={dpc}; choose ep "
+                         f"in {[e for e in divisors(dpc) if experts % e == 0] if experts else [1]}")
+    if spec.seq_len % st.cp:
+        raise ValueError(f"cp={st.cp} must divide seq={spec.seq_len}")
+    if st.cp_impl == "ulysses" and spec.n_heads % (st.cp * st.tp):
+        raise ValueError(f"ulysses: cp*tp = {st.cp * st.tp} must divide n_heads={spec.n_heads}"
+                         "; use --cp-impl ring or a smaller --cp")
     if st.sp and spec.seq_len % st.tp:
         raise ValueError(f"sequence parallelism: tp={st.tp} must divide seq={spec.seq_len}")
     if st.vpp > 1 and st.schedule != "interleaved":
@@ -90,6 +115,7 @@ def validate(spec: ModelSpec, st: Setup) -> None:
                          f"of pp={st.pp}")
     for name, value, ok in (("precision", st.precision, PRECISIONS),
                             ("recompute", st.recompute, RECOMPUTE),
+                            ("cp_impl", st.cp_impl, CP_IMPLS),
                             ("zero", st.zero, (0, 1, 2, 3))):
         if value not in ok:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
@@ -111,17 +137,40 @@ def _autocast(spec: ModelSpec, st: Setup) -> bool:
 
 
 # ---- parameters per rank -------------------------------------------------------------------------
-def units(spec: ModelSpec, st: Setup, pp_rank: int) -> list[tuple[str, list[tuple[int, bool]]]]:
+def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> list[tuple]:
     """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in the
-    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`)."""
-    t, h, v = st.tp, spec.d_model, chunks(st.schedule, st.vpp)
+    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`);
+    ``experts``: instead, each MoE block's ``E/ep`` routed experts (ZeRO shards them apart,
+    over the expert-data-parallel group). Cached on what they depend on: do not change them."""
+    return _units(spec, _shape_of(st), pp_rank, experts)
+
+
+def held(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> int:
+    """Elements of :func:`units` (one tp rank's parameters of pipeline rank ``pp_rank``)."""
+    return _held(spec, _shape_of(st), pp_rank, experts)
+
+
+def _shape_of(st: Setup) -> Setup:
+    return Setup(tp=st.tp, pp=st.pp, vpp=st.vpp, schedule=st.schedule, ep=st.ep)
+
+
+@lru_cache(maxsize=4096)
+def _held(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool) -> int:
+    return sum(k for _, u in _units(spec, st, pp_rank, experts) for k, _ in u)
+
+
+@lru_cache(maxsize=4096)
+def _units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool) -> list[tuple]:
+    t, h, v, spec = st.tp, spec.d_model, chunks(st.schedule, st.vpp), as_moe(spec)
     parts = uniform(spec.n_layers, st.pp * v)
     n_stages = len(parts)
     tok = (spec.vocab_rows(t) * h, True)
     norm = [(h, False)] * (2 if spec.norm == "layernorm" else 1)
-    layer = [(n, m) for _, n, m in spec.layer_tensors(t)]
-    out = []
+    out, routed = [], [(k, m) for _, k, m in spec.expert_tensors(st.ep)] if experts else []
     for s in range(pp_rank, n_stages, st.pp):
+        if experts:  # one list for every block: a search builds thousands
+            out += [(f"block{i}.experts", routed) for i in range(*parts[s]) if spec.is_moe(i)]
+            continue
         first, last = s == 0, s == n_stages - 1
         tied_here = spec.tied and (first or last)
         if tied_here and (n_stages > 1 or first):
@@ -131,59 +180,40 @@ def units(spec: ModelSpec, st: Setup, pp_rank: int) -> list[tuple[str, list[tupl
                                                   if spec.learned_pos else [])
             if emb:
                 out.append(("embed", emb))
-        out += [(f"block{i}", layer) for i in range(*parts[s])]
+        out += [(f"block{i}", [(n, m) for _, n, m in spec.block_tensors(i, t)])
+                for i in range(*parts[s])]
         if last:
             out.append(("head", norm + ([] if spec.tied else [tok])))
     return out
 
 
-def _shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, int, int]:
-    """ZeRO's flat buffer of ``unit``: (padded elements, shard elements, pieces in shard
-    ``index``: the parameters that overlap it, each its own optimizer tensors)."""
-    numel = sum(k for k, _ in unit)
-    padded = math.ceil(numel / n) * n
-    lo, hi = index * padded // n, (index + 1) * padded // n
-    pieces, off = 0, 0
-    for k, _ in unit:
-        pieces += max(off, lo) < min(off + k, hi)
-        off += k
-    return padded, padded // n, pieces
-
-
 def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
-    optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step)."""
-    pb, gb, ob = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-    step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
-    us = units(spec, st, pp_rank)
-    full = sum(k for _, u in us for k, _ in u)
-    tensors = sum(len(u) for _, u in us)
-    if not st.zero:
-        return {"params": pb * full, "grads": gb * full,
-                "optimizer": ob * full + step_bytes * tensors * bool(ob)}
-    n = st.dp
-    shards = [_shard(u, n, dp_index) for _, u in us]
-    padded = sum(p for p, _, _ in shards)
-    shard = sum(s for _, s, _ in shards)
-    covered = sum(min(s, max(0, sum(k for k, _ in u) - dp_index * s))
-                  for (_, u), (_, s, _) in zip(us, shards))
-    optimizer = ob * covered + step_bytes * sum(p for _, _, p in shards)
-    biggest = max(p for p, _, _ in shards)
-    held_full = st.microbatches > 1 or st.pp > 1  # edu3d reduces once per step
-    params = pb * (padded if st.zero < 3 else shard)
-    grads = gb * (padded if st.zero < 2 else shard)
-    if at == "peak" and st.zero >= 2:
-        grads += gb * (padded if held_full else biggest)
-    if at == "peak" and st.zero == 3:
-        params += pb * (padded if held_full else 2 * biggest)  # gathered (and prefetched)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
+    units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
+    same = dataclasses.replace(st, microbatches=1 + (st.microbatches > 1 or st.pp > 1),
+                               micro_batch=1, recompute="none", sp=False)  # all it depends on
+    return dict(_state_of(spec, same, pp_rank, dp_index, at))
+
+
+@lru_cache(maxsize=4096)
+def _state_of(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int, at: str) -> dict:
+    zero = (st.zero, st.microbatches > 1 or st.pp > 1, at,  # edu3d reduces once per step
+            *state_bytes(st.precision, st.optimizer, _autocast(spec, st)))
+    dense = memory.zero_unit_bytes(units(spec, st, pp_rank), st.dp * st.cp, dp_index, *zero)
+    ex = units(spec, st, pp_rank, experts=True)
+    if not ex:
+        return dense
+    expert = memory.zero_unit_bytes(ex, st.edp, dp_index % st.edp, *zero)
+    return {c: dense[c] + expert[c] for c in dense}
 
 
 # ---- activations per rank ------------------------------------------------------------------------
 def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
-    """Bytes one micro-batch keeps for backward on each global stage."""
+    """Bytes one micro-batch keeps for backward on each global stage (``/cp``)."""
     s, b, h, a, t = spec.seq_len, st.micro_batch, spec.d_model, spec.n_heads, st.tp
+    spec = as_moe(spec)
     rec = None if st.recompute == "none" else st.recompute
     parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp))
     sp = st.sp and t > 1
@@ -212,10 +242,17 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
         first = 0.0
         # final norm and head inputs (16-bit), fp32 logits for the loss (Korthikanti 4.3)
         last = 4 * s * b * h / (t if sp else 1) + 4 * s * b * spec.vocab_rows(t)
+    moe = layer  # a MoE block: the dense MLP half's count out, the MoE half's in
+    if spec.moe_layers and st.recompute != "full":
+        vb, drop = (4, False) if spec.course and st.precision == "fp32" else (2, not spec.course)
+        moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
+                                                  drop) / (t if sp else 1)
+        moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
     out = []
     for i, (lo, hi) in enumerate(parts):
-        out.append((hi - lo) * layer + (first if i == 0 else 0) +
-                   (last if i == len(parts) - 1 else 0))
+        n_moe = sum(spec.is_moe(j) for j in range(lo, hi))
+        out.append(((hi - lo - n_moe) * layer + n_moe * moe + (first if i == 0 else 0) +
+                    (last if i == len(parts) - 1 else 0)) / st.cp)
     return out
 
 
@@ -252,16 +289,24 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
 
     edu3d posts all of a step's receives at its start (one buffer per micro-batch, chunk and
     direction: see :class:`~edu3d.parallel.pp.engine.PipelineEngine`); Megatron keeps about
-    two per direction, which is what the planner assumes for real models."""
+    two per direction, which is what the planner assumes for real models. CP adds its K/V
+    buffers (ring: the chunk in flight and the next, ``2·2(s/cp)b·kv_h/t``; all-gather: the
+    gathered ``2sb·kv_h/t``), EP a dispatch and a combine buffer of ``k·(s/cp)·b·h``."""
     act = 4 if st.precision == "fp32" or _autocast(spec, st) else 2  # the residual stream
-    msg = act * st.micro_batch * spec.seq_len * spec.d_model / (st.tp if st.sp else 1)
+    tokens = st.micro_batch * spec.seq_len / st.cp
+    msg = act * tokens * spec.d_model / (st.tp if st.sp else 1)
     directions = (pp_rank > 0) + (pp_rank < st.pp - 1) if st.pp > 1 else 0
     v = chunks(st.schedule, st.vpp)
     buffers = st.microbatches * v if spec.course else 2
     out = directions * buffers * msg
+    kv = 2 * tokens * spec.d_model * spec.kv_heads / spec.n_heads / st.tp * act
+    out += {"ring": 2 * kv, "allgather": st.cp * kv}.get(st.cp_impl, 0) if st.cp > 1 else 0
+    if st.ep > 1:
+        out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
     if st.zero >= 2:
         _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-        out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank))
+        out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
+                        units(spec, st, pp_rank, experts=True))
     return out
 
 
@@ -271,10 +316,8 @@ def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     everything the forward kept. With a large vocabulary this is the step's peak: on an H100,
     GPT-2-small in bf16, ``torch.cuda.max_memory_allocated`` rose exactly ``2sbV`` bytes above
     what was held when the loss's backward ran (``python -m edu3d.bench.bench_gpu``)."""
-    if pp_rank != st.pp - 1:
-        return 0.0
-    logit = 4 if st.precision == "fp32" else 2
-    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp))
+    logit = (4 if st.precision == "fp32" else 2) * (pp_rank == st.pp - 1)
+    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp)) / st.cp
 
 
 def activation_model(spec: ModelSpec, st: Setup) -> str:
@@ -295,7 +338,7 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     per_stage = []
     for r in range(st.pp):
         # ZeRO's shards differ by a few optimizer pieces between dp ranks: the fullest counts
-        indices = range(st.dp if st.zero and spec.course else 1)
+        indices = range(st.dp * st.cp if st.zero and spec.course else 1)
         worst = max((state_per_rank(spec, st, r, i, at) for i in indices),
                     key=lambda d: sum(d.values()))
         row = {"pp_rank": r, **worst, "activations": acts[r],
@@ -306,8 +349,15 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
-               num_params=spec.num_params(), activation_model=activation_model(spec, st))
+               num_params=spec.num_params(), activation_model=activation_model(spec, st),
+               active_params=as_moe(spec).active_params())
     return out
+
+
+def estimate_for(options, at: str = "peak") -> dict:
+    """The estimate of an ``edu3d train`` run's options (:class:`~edu3d.train.options.
+    TrainOptions`): what a measured run of the same layout is checked against."""
+    return estimate(*from_train_args(options), at=at)
 
 
 def from_train_args(args) -> tuple[ModelSpec, Setup]:
@@ -316,9 +366,22 @@ def from_train_args(args) -> tuple[ModelSpec, Setup]:
     spec = spec_from(args.model, n_layers=args.layers, n_heads=args.heads,
                      d_model=args.d_model, seq_len=args.seq, vocab_size=args.vocab,
                      tied=args.tie)
+    new = {k: _option(args, k, d) for k, d in NEW_OPTIONS.items()}  # TODO: args.k, landed
+    if new["experts"]:
+        spec = MoESpec(**dataclasses.asdict(spec), **{k: new[k] for k in list(NEW_OPTIONS)[:5]})
     m = args.microbatches or args.pp
     st = Setup(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, zero=args.zero,
                microbatches=m, micro_batch=args.global_batch // (args.dp * m),
                schedule=args.schedule, sp=args.sp, recompute=args.recompute,
-               precision=args.precision, optimizer=args.optimizer)
+               precision=args.precision, optimizer=args.optimizer,
+               **{k: new[k] for k in list(NEW_OPTIONS)[5:]})
     return spec, st
+
+
+NEW_OPTIONS = {"experts": 0, "topk": 2, "moe_every": 1, "shared_experts": 0,
+               "capacity_factor": 0.0, "ep": 1, "cp": 1, "cp_impl": "ring"}
+
+
+def _option(options, name: str, default):
+    """An option ``edu3d train`` is gaining (:data:`NEW_OPTIONS`), its default until then."""
+    return getattr(options, name, default)

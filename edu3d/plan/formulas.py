@@ -1,4 +1,5 @@
-"""Memory per rank, predicted: every closed-form memory formula of the course.
+"""Memory per rank, predicted: every closed-form memory formula of the course, and the
+shapes and traffic of the two axes that cut a model differently, experts and the sequence.
 
 After reading this file you should understand the four categories every chart uses:
 
@@ -22,9 +23,23 @@ for real models. :func:`layer_activation_bytes` is the same term list for *this 
 layer in fp32 (no dropout, fused attention): it equals what autograd saves, byte for byte,
 so the planner can be checked against edu3d's own runs. :func:`autocast_activation_bytes_per_layer`
 is that layer under ``torch.autocast``. No torch here: ``edu3d plan`` runs without it.
+
+**Mixture of experts** (:class:`MoESpec`): a MoE block keeps its attention and replaces
+the MLP by a router ``Linear(h, E)`` and ``E`` expert MLPs of width ``f_e``, of which each
+token uses ``k`` (plus the always-on shared experts). So a MoE model has *total* parameters
+(memory) and *active* ones (``6N`` FLOPs per token, N active). The expert parallelism (EP)
+all-to-all and the context parallelism (CP) exchanges are :func:`ep_bytes` and
+:func:`cp_bytes`; :func:`moe_mlp_activation_bytes` is what a MoE block's MLP half saves.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from edu3d.model.shapes import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -73,6 +88,49 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: b
     core = 0 if recompute == "selective" else 5 * a * s * s * b  # scores, softmax, mask
     split = attn_split + mlp_split + core
     return (whole + split) / t if sp else whole + split / t
+
+
+def flat_shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, int, int]:
+    """ZeRO's flat buffer of ``unit``: (padded elements, shard elements, pieces in shard
+    ``index``: the parameters that overlap it, each its own optimizer tensors)."""
+    numel = sum(k for k, _ in unit)
+    padded = math.ceil(numel / n) * n
+    lo, hi = index * padded // n, (index + 1) * padded // n
+    pieces, off = 0, 0
+    for k, _ in unit:
+        pieces += max(off, lo) < min(off + k, hi)
+        off += k
+    return padded, padded // n, pieces
+
+
+def zero_unit_bytes(us: list, n: int, dp_index: int, zero: int, held_full: bool, at: str,
+                    pb: int, gb: int, ob: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of the units ``us`` (``[(name, [(elements, is
+    a matrix)])]``) on rank ``dp_index`` of ``n`` under ZeRO stage ``zero``, byte for byte:
+    each unit a flat buffer (:func:`flat_shard`), ``pb gb ob`` bytes per element. ``at="peak"``
+    adds what ZeRO-2/3 hold during the step: the whole gradients (and gathered weights) when
+    ``held_full`` (micro-batches or stages: edu3d reduces once per step), else the biggest
+    unit's (ZeRO-3: two, the next one prefetched)."""
+    step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
+    full = sum(k for _, u in us for k, _ in u)
+    tensors = sum(len(u) for _, u in us)
+    if not zero or n == 1:
+        return {"params": pb * full, "grads": gb * full,
+                "optimizer": ob * full + step_bytes * tensors * bool(ob)}
+    shards = [flat_shard(u, n, dp_index) for _, u in us]
+    padded = sum(p for p, _, _ in shards)
+    shard = sum(s for _, s, _ in shards)
+    covered = sum(min(s, max(0, sum(k for k, _ in u) - dp_index * s))
+                  for (_, u), (_, s, _) in zip(us, shards))
+    optimizer = ob * covered + step_bytes * sum(p for _, _, p in shards)
+    biggest = max(p for p, _, _ in shards)
+    params = pb * (padded if zero < 3 else shard)
+    grads = gb * (padded if zero < 2 else shard)
+    if at == "peak" and zero >= 2:
+        grads += gb * (padded if held_full else biggest)
+    if at == "peak" and zero == 3:
+        params += pb * (padded if held_full else 2 * biggest)  # gathered (and prefetched)
+    return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -134,3 +192,167 @@ def autocast_activation_bytes_per_layer(s: int, b: int, h: int, a: int,
     fp32 = 2 * s * b * h + 4 * s * b + (0 if recompute == "selective" else a * s * b)
     half = 2 * s * b * h + 12 * s * b * h + 12 * h * h
     return 4 * fp32 + 2 * half
+
+
+# ---- mixture of experts: the shapes ------------------------------------------------------------
+@dataclass(frozen=True)
+class MoESpec(ModelSpec):
+    """A :class:`~edu3d.model.shapes.ModelSpec` whose MLPs are (partly) mixtures of experts.
+
+    Block ``i`` is MoE iff ``experts > 0``, ``i >= dense_first`` and ``i % moe_every == 0``
+    (``edu3d train``'s rule, plus DeepSeek-V3's first dense blocks). ``mla`` counts the
+    parameters of multi-head latent attention, ``(q_rank, kv_rank, qk_nope, qk_rope, v_dim)``
+    per head; activations and FLOPs still use standard attention of ``n_heads`` x
+    ``d_model``. ``experts=0`` is the dense model, counted exactly as its ModelSpec. The
+    shapes are cached (the spec is frozen): read the lists they return, never change them."""
+
+    experts: int = 0
+    topk: int = 2
+    moe_every: int = 1
+    dense_first: int = 0
+    shared_experts: int = 0
+    expert_ff: int | None = None  # default: the dense MLP's width
+    capacity_factor: float = 0.0  # 0: no capacity, every routed token is computed
+    mla: tuple[int, int, int, int, int] | None = None
+
+    @property
+    def e_ff(self) -> int:
+        return self.expert_ff or self.ff
+
+    def is_moe(self, i: int) -> bool:
+        return self.experts > 0 and i >= self.dense_first and i % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
+
+    @lru_cache(maxsize=4096)  # a search asks the same shapes thousands of times
+    def mlp_tensors(self, f: int, t: int = 1) -> list[tuple[str, int, bool]]:
+        """One MLP of width ``f``, split ``t`` ways (the tail of ``layer_tensors``)."""
+        whole = ModelSpec.layer_tensors(dataclasses.replace(self, d_ff=f), t)
+        return whole[max(i for i, (n, _, _) in enumerate(whole) if n.startswith("ln2.")) + 1:]
+
+    @lru_cache(maxsize=4096)
+    def layer_tensors(self, t: int = 1) -> list[tuple[str, int, bool]]:
+        """A dense block (attention counted as MLA when ``mla`` is set)."""
+        out = ModelSpec.layer_tensors(self, t)
+        if self.mla is None:
+            return out
+        qr, kvr, nope, rope, v = self.mla
+        h, a = self.d_model, self.n_heads
+        q = ([("q_a.w", h * qr, True), ("q_norm.w", qr, False), ("q_b.w", qr * a * (nope + rope)
+             // t, True)] if qr else [("q.w", h * a * (nope + rope) // t, True)])
+        att = q + [("kv_a.w", h * (kvr + rope), True), ("kv_norm.w", kvr, False),
+                   ("kv_b.w", kvr * a * (nope + v) // t, True), ("proj.w", a * v * h // t, True)]
+        ln1, ln2 = ([x for x in out if x[0].startswith(n)] for n in ("ln1.", "ln2."))
+        return ln1 + att + ln2 + self.mlp_tensors(self.ff, t)
+
+    @lru_cache(maxsize=4096)
+    def block_tensors(self, i: int, t: int = 1) -> list[tuple[str, int, bool]]:
+        """Block ``i`` on one tp rank, its routed experts left out: a MoE block keeps its
+        attention (split ``t`` ways), the router and the shared experts (whole on every tp
+        rank: the MoE half runs whole there on the same tokens)."""
+        dense = self.layer_tensors(t)
+        if not self.is_moe(i):
+            return dense
+        out = dense[:len(dense) - len(self.mlp_tensors(self.ff, t))]  # a copy
+        out.append(("router.w", self.experts * self.d_model, True))
+        for j in range(self.shared_experts):
+            out += [(f"shared{j}.{n}", k, m) for n, k, m in self.mlp_tensors(self.e_ff)]
+        return out
+
+    @lru_cache(maxsize=4096)
+    def expert_tensors(self, ep: int = 1) -> list[tuple[str, int, bool]]:
+        """The routed experts one rank holds in a MoE block: ``E/ep`` whole MLPs."""
+        one = self.mlp_tensors(self.e_ff)
+        return [(f"expert{e}.{n}", k, m) for e in range(self.experts // ep) for n, k, m in one]
+
+    @lru_cache(maxsize=4096)
+    def expert_params(self) -> int:
+        """Parameters of every routed expert of the model."""
+        return self.moe_layers * sum(k for _, k, _ in self.expert_tensors())
+
+    @lru_cache(maxsize=4096)
+    def num_params(self) -> int:
+        """Total parameters: what memory holds."""
+        head = self.d_model * (2 if self.norm == "layernorm" else 1)
+        emb = self.vocab_size * self.d_model * (1 if self.tied else 2) + (
+            self.seq_len * self.d_model if self.learned_pos else 0)
+        return self.layer_params() + self.expert_params() + head + emb
+
+    @lru_cache(maxsize=4096)
+    def layer_params(self, active: bool = False) -> int:
+        """Parameters of the blocks without the routed experts (``active``: plus the ``k``
+        each token uses): the ``N`` of ``6N`` FLOPs per token when ``active``."""
+        routed = active * self.moe_layers * self.topk * sum(
+            k for _, k, _ in self.mlp_tensors(self.e_ff))
+        return sum(k for i in range(self.n_layers) for _, k, _ in self.block_tensors(i)) + routed
+
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the ``E - k`` routed experts it skips."""
+        return self.num_params() - self.expert_params() + (self.layer_params(True)
+                                                           - self.layer_params())
+
+
+def as_moe(spec: ModelSpec) -> MoESpec:
+    """Any spec as a :class:`MoESpec` (a dense one has ``experts=0``)."""
+    return spec if isinstance(spec, MoESpec) else MoESpec(**dataclasses.asdict(spec))
+
+
+# ---- mixture of experts and context parallelism: bytes -----------------------------------------
+def routed_per_token(spec: MoESpec) -> float:
+    """Expert slots per token: ``k``, or with a capacity factor ``C`` the padded ``k·C``."""
+    return spec.topk * spec.capacity_factor if spec.capacity_factor else spec.topk
+
+
+def ep_bytes(tokens: int, k: float, h: int, ep: int, value_bytes: int = 2) -> float:
+    """Bytes one rank sends in the EP all-to-alls of one MoE block, forward and backward:
+    dispatch and combine each move ``(EP-1)/EP`` of ``T·k·h`` values, and backward moves
+    their gradients the same way (4 all-to-alls)."""
+    return 4 * (ep - 1) / ep * tokens * k * h * value_bytes
+
+
+def cp_bytes(impl: str, s: int, b: int, h: int, cp: int, kv_h: int | None = None, t: int = 1,
+             value_bytes: int = 2) -> float:
+    """Bytes one rank sends for context parallelism in one block, forward and backward;
+    ``kv_h`` is K's (and V's) width (``h`` without grouped KV heads), heads split ``t`` ways.
+
+    ``ring``: forward passes its K and V chunk (``2·(s/CP)·b·kv_h`` values) CP-1 times;
+    backward passes K and V round again and their gradients dK, dV with them, home at the
+    end: 3x the forward's. ``allgather``: all-gather K and V once forward (CP-1 chunks out),
+    reduce-scatter dK, dV backward: 2x. ``ulysses``: 4 all-to-alls (Q, K, V in, the output
+    back), each ``(CP-1)/CP`` of the rank's ``(s/CP)·b·width``; backward as many: 2x."""
+    kv = h if kv_h is None else kv_h
+    chunk = 2 * (s / cp) * b * kv / t
+    if impl == "ring":
+        values = 3 * (cp - 1) * chunk
+    elif impl == "allgather":
+        values = 2 * (cp - 1) * chunk
+    elif impl == "ulysses":
+        values = 2 * (cp - 1) / cp * (s / cp) * b * (2 * h + 2 * kv) / t
+    else:
+        raise ValueError(f"cp_impl={impl!r}: choose ring, allgather or ulysses")
+    return values * value_bytes
+
+
+def mlp_activation_bytes(s: int, b: int, h: int, f: int, t: int = 1, mlp: str = "gelu",
+                         value_bytes: int = 2, dropout: bool = True) -> float:
+    """What a dense MLP half saves: its input (whole on every tp rank), the hidden
+    activations (``2sbf`` values for GELU, ``4sbf`` for SwiGLU; split ``t`` ways) and the
+    dropout mask (1 byte per value, whole); Korthikanti's ``2 + 16 + 1`` sbh at ``f=4h``."""
+    hidden = s * b * f * (4 if mlp == "swiglu" else 2) / t
+    return value_bytes * (s * b * h + hidden) + dropout * s * b * h
+
+
+def moe_mlp_activation_bytes(spec: MoESpec, s: int, b: int, value_bytes: int = 2,
+                             dropout: bool = True) -> float:
+    """What a MoE block's MLP half saves, whole on every tp rank (balanced routing): its
+    input ``sbh``, the router's fp32 logits and probabilities ``2·sbE`` (4 bytes each), the
+    ``k`` dispatched copies of each token ``k·sbh``, each routed expert's hidden activations
+    for its ``k·sb`` tokens, the experts' outputs ``k·sbh`` (the gate weights' gradient needs
+    them), the shared experts' hidden activations and the dropout mask. With ``k = 1`` and
+    one expert of width ``f`` this is a dense MLP plus ``2·sbh`` and the router."""
+    h, k = spec.d_model, routed_per_token(spec)
+    hidden = s * b * spec.e_ff * (4 if spec.mlp == "swiglu" else 2) * (k + spec.shared_experts)
+    return (value_bytes * (s * b * h * (1 + 2 * k) + hidden) + 8 * s * b * spec.experts
+            + dropout * s * b * h)

@@ -44,10 +44,14 @@ from dataclasses import dataclass
 
 from edu3d.distributed.mesh import divisors
 from edu3d.plan.fit import gb
-from edu3d.plan.estimate import Setup, estimate, units
+from edu3d.plan import formulas as memory
+from edu3d.plan.estimate import Setup, estimate, held
+from edu3d.plan.formulas import as_moe
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
+AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
+CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
 
 
 @dataclass(frozen=True)
@@ -71,15 +75,52 @@ class Cluster:
 
 
 def _flops_per_token(spec: ModelSpec) -> tuple[float, float]:
-    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters."""
-    n = spec.n_layers * sum(k for _, k, _ in spec.layer_tensors())
+    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters a token
+    uses (for a mixture of experts, the active ones: its ``k`` routed experts)."""
+    n = as_moe(spec).layer_params(active=True)
     return 6 * n + 12 * spec.n_layers * spec.d_model * spec.seq_len, n
 
 
-def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
-    """Seconds per step by part (``compute``, ``bubble``, ``tp``, ``pp``, ``dp``) and ``total``."""
+def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
+    """Bytes one rank sends per step, by axis, in 16-bit values; per-block terms times the
+    blocks of a pipeline rank on average (``L/p``) and the ``m`` micro-batches:
+
+    ``tp``  ring all-reduces of ``b·(s/cp)·h``, ``2(t-1)/t`` of it each: attention 2 and a
+            dense MLP 2 (forward and backward), one more each under full recomputation; a
+            MoE half none (it runs whole on every tp rank);
+    ``pp``  per micro-batch an activation forward and a gradient back, ``b·(s/cp)·h``
+            (``/t`` with SP);
+    ``dp``  once per step, ``2(N-1)/N`` (ZeRO-3: ``3(N-1)/N``) of the rank's dense 16-bit
+            gradients, ``N = dp·cp``; ``edp``: the routed experts' over ``dp·cp/ep``;
+    ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
+            recomputation: its forward runs again);
+    ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
+            full recomputation)."""
+    spec = as_moe(spec)
     L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, st.micro_batch, st.tp,
                            st.pp, st.microbatches)
+    full = st.recompute == "full"
+    msg = 2 * b * s * h / st.cp
+    calls = (3 if full else 2) * (2 * L - spec.moe_layers)
+    out = {"tp": calls * 2 * (t - 1) / t * msg / p * m if t > 1 else 0.0,
+           "pp": 2 * m * msg / (t if st.sp else 1) if p > 1 else 0.0}
+    factor = 3 if st.zero == 3 else 2
+    for axis, n, experts in (("dp", st.dp * st.cp, False), ("edp", st.edp, True)):
+        psi = max(held(spec, st, r, experts) for r in range(p))
+        out[axis] = factor * (n - 1) / n * 2 * psi if n > 1 else 0.0
+    k = memory.routed_per_token(spec)
+    out["ep"] = (memory.ep_bytes(b * s // st.cp, k, h, st.ep) * (1.5 if full else 1)
+                 * spec.moe_layers / p * m)
+    redo = (4 / 3 if st.cp_impl == "ring" else 1.5) if full else 1
+    out["cp"] = (memory.cp_bytes(st.cp_impl, s, b, h, st.cp, h * spec.kv_heads // spec.n_heads,
+                                 t) * redo * L / p * m if st.cp > 1 else 0.0)
+    return out
+
+
+def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
+    """Seconds per step by part (``compute``, ``bubble``, and each axis of :func:`traffic`
+    over its links) and ``total``."""
+    L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, st.pp, st.microbatches
     per_token, n = _flops_per_token(spec)
     attn_fwd = 4 * L * h * s
     extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[st.recompute]
@@ -87,49 +128,54 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
     compute = tokens * (per_token + extra) / (st.gpus * cl.peak_tflops * 1e12 * cl.mfu)
     v = st.vpp if st.schedule == "interleaved" else 1
     bubble = compute * (p - 1) / (v * m) * (1 / 3 if st.schedule == "zb-h1" else 1)
-    node = cl.gpus_per_node
-    bw = lambda inside: (cl.intra_gbps if inside else cl.inter_gbps) * GB  # noqa: E731
-    msg = 2 * b * s * h  # 16-bit activations of one micro-batch
-    calls = 6 if st.recompute == "full" else 4
-    tp = (calls * 2 * (t - 1) / t * msg * (L / p) * m / bw(t <= node)) if t > 1 else 0.0
-    pp = (2 * m * msg / (t if st.sp else 1) / bw(t * st.dp * p <= node)) if p > 1 else 0.0
-    psi_rank = max(sum(k for _, u in units(spec, st, r) for k, _ in u) for r in range(p))
-    factor = 3 if st.zero == 3 else 2
-    dp = (factor * (st.dp - 1) / st.dp * 2 * psi_rank / bw(t * st.dp <= node)
-          if st.dp > 1 else 0.0)
-    out = {"compute": compute, "bubble": bubble, "tp": tp, "pp": pp, "dp": dp}
+    node, t, dpc = cl.gpus_per_node, st.tp, st.dp * st.cp
+    inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * st.ep,
+              "cp": t * st.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
+    out = {"compute": compute, "bubble": bubble}
+    for axis, sent in traffic(spec, st).items():
+        out[axis] = sent / ((cl.intra_gbps if inside[axis] <= node else cl.inter_gbps) * GB)
     out["total"] = sum(out.values())
     return out
 
 
 def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
-               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8)):
-    """Every (dp, tp, pp, zero, recompute, micro-batch) choice the model and batch allow."""
+               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8), cp_impl: str = "ring"):
+    """Every (dp, cp, ep, tp, pp, zero, recompute, micro-batch) choice the model and batch
+    allow. Cheaply: ``cp > 1`` only while each rank keeps at least ``CP_MIN_TOKENS`` of a
+    sequence, and ``ep > 1`` only for a mixture of experts (every ``ep`` dividing both
+    ``E`` and ``dp·cp``)."""
+    experts = as_moe(spec).experts
     for tp in divisors(cl.gpus):
         if spec.n_heads % tp:
             continue
         for pp in divisors(cl.gpus // tp):
-            dp = cl.gpus // (tp * pp)
             if pp > spec.n_layers:
                 continue
-            for b in micro_batches:
-                if global_batch % (dp * b):
+            for cp in divisors(cl.gpus // (tp * pp)):
+                if cp > 1 and (spec.seq_len % cp or spec.seq_len // cp < CP_MIN_TOKENS or
+                               cp_impl == "ulysses" and spec.n_heads % (cp * tp)):
                     continue
-                m = global_batch // (dp * b)
-                for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp > 1 else (0,):
-                    for rec in ("none", "selective", "full"):
-                        yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
-                                    micro_batch=b, schedule=schedule, sp=tp > 1,
-                                    recompute=rec, precision=precision)
+                dp = cl.gpus // (tp * pp * cp)
+                eps = [e for e in divisors(dp * cp) if experts % e == 0] if experts else [1]
+                for ep, b in ((e, b) for e in eps for b in micro_batches):
+                    if global_batch % (dp * b):
+                        continue
+                    m = global_batch // (dp * b)
+                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp * cp > 1 else (0,):
+                        for rec in ("none", "selective", "full"):
+                            yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
+                                        micro_batch=b, schedule=schedule, sp=tp > 1,
+                                        recompute=rec, precision=precision, ep=ep, cp=cp,
+                                        cp_impl=cp_impl)
 
 
 def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
-           precision: str = "bf16", schedule: str = "1f1b") -> list[dict]:
+           precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring") -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
     first: ``{"setup", "memory", "time", "fits"}``."""
     gb = global_batch or spec.global_batch
     rows = []
-    for st in candidates(spec, cl, gb, precision, schedule):
+    for st in candidates(spec, cl, gb, precision, schedule, cp_impl=cp_impl):
         try:
             mem = estimate(spec, st)
         except ValueError:
@@ -165,6 +211,19 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                    f"activations {gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(st.pp - 1) / (st.microbatches + st.pp - 1):.1%} with "
                    f"m={st.microbatches} micro-batches of {st.micro_batch}")
+    moe = as_moe(spec)
+    if moe.experts:
+        ep1 = other(ep=1)
+        out.append(f"ep={st.ep}: each GPU holds {moe.experts // st.ep} of the {moe.experts} "
+                   f"experts of each MoE block, " + (f"replicated over {st.edp} GPUs (ZeRO shards "
+                   "them there)" if st.edp > 1 else "on no other GPU of its pipeline stage")
+                   + f"; its all-to-alls send {traffic(spec, st)['ep'] / 1e9:.1f} GB "
+                   f"per step ({tm['ep']:.2f} s)" + ("" if ep1 is None else
+                   f"; with every expert on every GPU (ep=1) the fullest rank needs "
+                   f"{gb(ep1['memory']['total_bytes'])}"))
+    if st.cp > 1:
+        out.append(f"cp={st.cp} ({st.cp_impl}): each GPU keeps {spec.seq_len // st.cp} tokens "
+                   f"of a sequence, activations /{st.cp}, for {tm['cp']:.2f} s of K/V exchange")
     whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
     out.append(f"dp={st.dp}: {whom} a replica of the model; gradients are reduced "
                f"once per step ({tm['dp']:.2f} s)" if st.dp > 1 else
@@ -201,6 +260,6 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                       else f", more than {gb(budget)}")
                    + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"
                       " more compute" if none else ""))
-    out.append(f"estimated step {tm['total']:.2f} s: compute {tm['compute']:.2f}, bubble "
-               f"{tm['bubble']:.2f}, tp {tm['tp']:.2f}, pp {tm['pp']:.2f}, dp {tm['dp']:.2f}")
+    out.append(f"estimated step {tm['total']:.2f} s: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in tm.items() if k != "total" and (v or k in AXES)))
     return out
