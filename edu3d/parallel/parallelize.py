@@ -163,17 +163,21 @@ def apply_data_parallel(par: Parallel, make_optimizer=None) -> None:
 
 
 def _expert_units(par: Parallel, is_expert: set) -> list:
-    """ZeRO's units for the expert weights: one per expert MLP, in call order (their own
-    forward gathers them under ZeRO-3)."""
+    """ZeRO's units for the expert weights: one per mixture-of-experts layer, holding this
+    rank's experts of it, in call order (the experts' own forwards gather it under ZeRO-3)."""
     units = []
     for module_name, module in par.module.named_modules():
         params = [p for p in module.parameters(recurse=False) if p in is_expert]
-        owner = module_name.rsplit(".", 1)[0]
-        if params:
-            if units and units[-1][0] == owner:
-                units[-1][2].extend(params)
-            else:
-                units.append((owner, [par.module.get_submodule(owner)], params))
+        if not params:
+            continue
+        layer, _, rest = module_name.partition(".experts.")
+        expert = par.module.get_submodule(f"{layer}.experts.{rest.split('.')[0]}")
+        if units and units[-1][0] == layer:
+            units[-1][2].extend(params)
+            if units[-1][1][-1] is not expert:
+                units[-1][1].append(expert)
+        else:
+            units.append((layer, [expert], params))
     return units
 
 

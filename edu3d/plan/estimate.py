@@ -366,22 +366,14 @@ def from_train_args(args) -> tuple[ModelSpec, Setup]:
     spec = spec_from(args.model, n_layers=args.layers, n_heads=args.heads,
                      d_model=args.d_model, seq_len=args.seq, vocab_size=args.vocab,
                      tied=args.tie)
-    new = {k: _option(args, k, d) for k, d in NEW_OPTIONS.items()}  # TODO: args.k, landed
-    if new["experts"]:
-        spec = MoESpec(**dataclasses.asdict(spec), **{k: new[k] for k in list(NEW_OPTIONS)[:5]})
+    if args.experts:
+        spec = MoESpec(**dataclasses.asdict(spec), experts=args.experts, topk=args.topk,
+                       moe_every=args.moe_every, shared_experts=args.shared_experts,
+                       capacity_factor=args.capacity_factor)
     m = args.microbatches or args.pp
     st = Setup(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, zero=args.zero,
                microbatches=m, micro_batch=args.global_batch // (args.dp * m),
                schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=args.precision, optimizer=args.optimizer,
-               **{k: new[k] for k in list(NEW_OPTIONS)[5:]})
+               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl)
     return spec, st
-
-
-NEW_OPTIONS = {"experts": 0, "topk": 2, "moe_every": 1, "shared_experts": 0,
-               "capacity_factor": 0.0, "ep": 1, "cp": 1, "cp_impl": "ring"}
-
-
-def _option(options, name: str, default):
-    """An option ``edu3d train`` is gaining (:data:`NEW_OPTIONS`), its default until then."""
-    return getattr(options, name, default)
