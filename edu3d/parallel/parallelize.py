@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from edu3d.distributed.mesh import Mesh
 from edu3d.model.moe import MoE
-from edu3d.parallel.cp.apply import apply_cp
+from edu3d.parallel.cp.sequence import apply_cp
 from edu3d.parallel.cp.zigzag import positions as cp_positions
 from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel

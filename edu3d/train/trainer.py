@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from edu3d.ckpt import reshard
 from edu3d.model.moe import MoE, set_aux_scale
-from edu3d.parallel.cp.apply import split_batch
+from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import meter, trace
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
