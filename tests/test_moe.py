@@ -6,11 +6,19 @@ import math
 import pytest
 import torch
 
+from edu3d.distributed.mesh import Layout
+from edu3d.launch import launch
 from edu3d.model import moe as moe_mod
-from edu3d.model.gpt import GPT, PRESETS, GPTConfig, config_from, flops_per_token, num_params
+from edu3d.model.gpt import (GPT, MLP, PRESETS, GPTConfig, config_from, flops_per_token,
+                             num_params)
 from edu3d.model.moe import (AuxLoss, MoE, active_params, capacity_keep, route, set_aux_scale,
                              total_params)
-from edu3d.model.gpt import MLP
+from edu3d.parallel.ep import apply_ep, expert_param_names
+from tests.workers_moe import moe_checks
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
 
 
 def old_init(model, seed):
@@ -51,7 +59,8 @@ def test_moe_names_init_and_counts():
     assert "blocks.0.mlp.expert_bias" in model.state_dict()
     residual = 0.02 / math.sqrt(2 * cfg.n_layers)
     big = GPT(GPTConfig(n_layers=4, d_model=128, n_experts=2))
-    assert big.blocks[0].mlp.experts["1"].proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+    std = big.blocks[0].mlp.experts["1"].proj.weight.std().item()
+    assert std == pytest.approx(residual, rel=0.05)
     assert big.blocks[0].mlp.router.weight.std().item() == pytest.approx(0.02, rel=0.1)
     assert total_params(cfg) == num_params(model)
     assert total_params(cfg, exclude_embeddings=True) == num_params(model, exclude_embeddings=True)
@@ -193,15 +202,72 @@ def test_bias_mode_selects_with_bias_and_update_moves_it():
     layer(x)
     assert layer.take_stats()["counts"].tolist() == [0, 0, 6, 0]
     layer.update_bias(torch.tensor([0, 0, 6, 2]))
-    torch.testing.assert_close(layer.expert_bias, torch.tensor([0.1, 0.1, 0.4, 0.0]))  # mean 2: expert 3 stays
+    # mean 2: expert 3 stays where it was
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([0.1, 0.1, 0.4, 0.0]))
 
 
 def test_moe_gpt_trains_a_step():
     cfg = GPTConfig(n_layers=2, n_experts=4, topk=2, shared_experts=1, capacity_factor=1.25,
                     z_loss_coef=1e-3)
     model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen(0))
     _, loss = model(idx, idx)
     loss.backward()
     assert model.blocks[1].mlp.router.weight.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_apply_ep_keeps_serial_names_and_refuses_uneven_splits():
+    cfg = GPTConfig(n_layers=2, n_experts=4, moe_every=2)
+    model = apply_ep(GPT(cfg), None, 1, 2)  # the group is used only in forward
+    names = expert_param_names(model)
+    assert "blocks.0.mlp.experts.2.fc.weight" in names and len(names) == 2 * 4
+    assert not any("experts.0" in n or "experts.1" in n for n, _ in model.named_parameters())
+    assert "blocks.0.mlp.router.weight" not in names
+    with pytest.raises(ValueError, match="4 experts do not split evenly over ep=3"):
+        apply_ep(GPT(cfg), None, 0, 3)
+
+
+# ---------------------------------------------------------------------- 4 ranks, one launch
+@pytest.fixture(scope="module")
+def ranks():
+    run = launch(moe_checks, 4, layout=Layout(dp=4), timeout=120, name="moe", echo=False)
+    return [run.results[r] for r in range(4)]
+
+
+def test_dispatch_then_combine_is_exact(ranks):
+    for res in ranks:
+        for key in ("identity2", "identity4"):
+            assert res[key] == {"exact": True, "grad": True, "rows": True}, key
+
+
+@pytest.mark.parametrize("case", ["ep2 cap0.0", "ep4 cap0.0", "ep2 cap1.0", "ep4 cap1.0",
+                                  "ep4 aux only"])
+def test_expert_parallel_equals_serial(ranks, case):
+    """Outputs and input gradients per rank; each expert's gradient on its owner equals the
+    serial gradient summed over the group's tokens; the router's and shared experts'
+    gradients summed over the group equal serial's (so the dense average over D is right)."""
+    ep = 4 if case.startswith("ep4") else 2
+    for r, res in enumerate(ranks):
+        got = res[case]
+        for key in ("out", "dx", "experts", "replicated"):
+            assert got[key] < 1e-5, (r, key, got[key])
+        first = (r % ep) * 8 // ep
+        assert got["held"] == [str(e) for e in range(first, first + 8 // ep)]
+        assert got["names"][0] == f"mlp.experts.{first}.fc.bias"
+        assert got["matrix_row_sum"] == got["kept"]
+        assert got["router_grad"] > 0
+    if "cap1.0" in case:
+        assert any(res[case]["kept"] < 24 for res in ranks)  # something was dropped
+
+
+@pytest.mark.parametrize("case", ["cp2 cap0.0", "cp2 cap1.0"])
+def test_sequence_group_equals_serial(ranks, case):
+    """Two ranks holding zigzag halves of the same sequences: outputs, the aux value and
+    the dropped count equal serial's; gradients averaged over the two equal serial's."""
+    for res in ranks:
+        got = res[case]
+        assert got["out"] < 1e-5 and got["params"] < 1e-6 and got["dx"] < 1e-6, got
+        assert got["aux"] < 1e-12
+        assert got["dropped"][0] == got["dropped"][1]
+    assert ranks[0]["cp2 cap1.0"]["dropped"][0] > 0
