@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import ch12_mixture_of_experts as moe
-from edu3d.widgets.moe import capacity_chart, token_matrix
+from edu3d.widgets.experts import capacity_chart, token_matrix
 from edu3d.widgets.panels.panel import Panel
 from edu3d.widgets.timeline import step_events, timeline_figure
 
