@@ -1,0 +1,105 @@
+"""Chapter 12 and exercise 12: the grader is honest both ways and catches the classic
+mistakes; the chapter's measurements agree with their formulas.
+
+* solutions pass every check of :mod:`edu3d.course.grade_moe`; the untouched stubs fail every
+  check (``NotImplementedError``); per-token shares, top-1-only counts, gate means, a detached
+  loss, a floor capacity, index-order drops and reversed ties each fail, naming the case;
+* the chapter's serial runs: every step routes ``T·k`` assignments, dropless drops nothing,
+  ``C = 0.5`` drops half or more, the capacity formula; one ep=2 launch: dispatch carries
+  exactly ``T·k·h·4`` bytes per MoE layer on each rank, the token matrix rows add up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from edu3d.course import ch12_mixture_of_experts as moe
+from edu3d.course import grade_moe, grading
+
+CHECKS = (grade_moe.check_loss_value, grade_moe.check_loss_grad, grade_moe.check_capacity)
+
+
+def test_solutions_pass_every_check():
+    sol = grading.load("moe_routing", solutions=True)
+    for check in CHECKS:
+        assert check(sol)
+
+
+def test_stubs_fail_every_check():
+    stub = grading.load("moe_routing", solutions=False)
+    for check in CHECKS:
+        with pytest.raises(NotImplementedError):
+            check(stub)
+
+
+def test_grader_catches_the_classic_mistakes():
+    from types import SimpleNamespace
+
+    sol = grading.load("moe_routing", solutions=True)
+
+    def per_token(probs, idx, E):  # share per token: k times too large
+        return E * (torch.bincount(idx.flatten(), minlength=E).float() / len(idx)
+                    * probs.mean(0)).sum()
+
+    def gate_mean(probs, idx, E):  # P_i from the chosen gates only
+        n, k = idx.shape
+        f = torch.bincount(idx.flatten(), minlength=E).float() / (n * k)
+        p = torch.zeros(E).index_add(0, idx.flatten(), probs.gather(1, idx).flatten()) / n
+        return E * (f * p).sum()
+
+    def detached(probs, idx, E):
+        return sol.load_balancing_loss(probs.detach(), idx, E)
+
+    def floor_cap(gates, idx, E, C):
+        n, k = gates.shape
+        c = math.floor(n * k / E * C)
+        return sol.capacity_keep(gates, idx, E, c / (n * k / E))
+
+    def by_index(gates, idx, E, C):
+        return sol.capacity_keep(torch.ones_like(gates), idx, E, C)
+
+    def ties_high(gates, idx, E, C):
+        return sol.capacity_keep(gates.flip(0), idx.flip(0), E, C).flip(0)
+
+    for fn, check, msg in (
+            (per_token, grade_moe.check_loss_value, r"k=2: your loss is 2\.01"),
+            (gate_mean, grade_moe.check_loss_value, r"k=1: your loss is"),
+            (detached, grade_moe.check_loss_grad, "has no gradient")):
+        with pytest.raises(AssertionError, match=msg):
+            check(SimpleNamespace(load_balancing_loss=fn))
+    for fn, msg in ((floor_cap, r"C=1.25: expert 0 keeps 6 of its 8 assignments, edu3d keeps 7"),
+                    (by_index, "not the right assignments"),
+                    (ties_high, "not the right assignments")):
+        with pytest.raises(AssertionError, match=msg):
+            grade_moe.check_capacity(SimpleNamespace(capacity_keep=fn))
+
+
+def test_capacity_formula_and_runs():
+    assert [moe.capacity(256, 2, 4, c) for c in (0.5, 1.0, 1.25, 1.1)] == [64, 128, 160, 141]
+    runs = moe.capacity_runs(4, (0.0, 0.5))
+    assert all(r["dropped"] == 0 for r in runs[0.0])
+    assert all(r["dropped"] >= 256 for r in runs[0.5])
+    assert all(sum(r["tokens_per_expert"]) == 512 for r in runs[0.0])
+
+
+def test_balance_metrics():
+    assert moe.imbalance([128, 128, 128, 128]) == 1.0 and moe.imbalance([512, 0, 0, 0]) == 4.0
+    assert moe.switch_loss([1, 1, 1, 1], [0.25] * 4, 2) == pytest.approx(1.0)
+    assert moe.leaving_share([[3, 1], [1, 3]]) == pytest.approx(0.25)
+
+
+def test_expert_parallel_bytes_match_the_formula():
+    run = moe.launch_ep(2, steps=2)
+    events = moe.label_a2a(run.events(), 4)
+    f = moe.a2a_formula(128, 2, 32, 2, moe_layers=2)
+    got = moe.a2a_bytes(events, 2)
+    assert set(got) == {0, 1}
+    for row in got.values():
+        assert row["dispatch"] == f["sent"] and row["combine (bwd)"] == f["sent"]
+        assert row["counts"] == 2 * 4 * 8  # 2 MoE layers, forward only: E int64 counts each
+    rec = next(r for r in run.results if r["rank"] == 0)["records"][1]
+    assert all(sum(row) == 128 * 2 for row in rec["ep_tokens"])
+    assert sorted(r["experts"] for r in run.results) == [[0, 1], [2, 3]]
