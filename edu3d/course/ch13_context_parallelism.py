@@ -185,9 +185,15 @@ def ring_steps(events: list[dict], step: int = 1) -> list[dict]:
         rows.setdefault((ev["rank"], ev.get("phase", "forward")), []).append(ev)
     out = []
     for (rank, phase), sends in sorted(rows.items()):
+        per_step = 2 if phase == "forward" else 3  # K,V then positions (then dK,dV)
+        last = per_step * (len(sends) // per_step)
         for i, ev in enumerate(sends):
-            out.append({"rank": rank, "phase": phase, "send": i, "peer": ev["peer"],
-                        "bytes": ev["bytes"], "t0": ev["t0"], "t1": ev["t1"]})
+            step_i, kind = i // per_step, ("K,V", "positions", "dK,dV")[i % per_step]
+            if i >= last:  # backward's last step: only the sums travel, home
+                kind = "dK,dV"
+            out.append({"rank": rank, "phase": phase, "send": i, "ring_step": step_i,
+                        "kind": kind, "peer": ev["peer"], "bytes": ev["bytes"],
+                        "t0": ev["t0"], "t1": ev["t1"]})
     return out
 
 
@@ -247,14 +253,16 @@ def impl_formulas(seq_len: int, cp: int, hidden: int, batch: int = 1,
                   value_bytes: int = VALUE_BYTES) -> dict[str, dict[str, float]]:
     """Bytes one rank sends per attention layer, forward and backward (the formulas of
     DESIGN.md, with this code's extras: the ring also passes each block's positions, 8 bytes
-    a token, and sends its dK, dV ``cp`` times, the last bringing them home)."""
+    a token, re-sends K, V in backward and sends its dK, dV ``cp`` times, the last bringing
+    them home; all-gather and Ulysses gather the positions once)."""
     kv = 2 * batch * seq_len // cp * hidden * value_bytes  # one rank's K and V
     pos = seq_len // cp * 8
     ring_f = (cp - 1) * (kv + pos)
     a2a = (cp - 1) / cp * 4 * batch * seq_len * hidden / cp * value_bytes
+    gathered = (cp - 1) * pos  # all-gather and Ulysses gather every rank's positions once
     return {"ring": {"forward": ring_f, "backward": ring_f + (cp * kv if cp > 1 else 0)},
-            "allgather": {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv},
-            "ulysses": {"forward": a2a, "backward": a2a}}
+            "allgather": {"forward": (cp - 1) * kv + gathered, "backward": (cp - 1) * kv},
+            "ulysses": {"forward": a2a + gathered, "backward": a2a}}
 
 
 def ulysses_degrees(heads: int) -> list[int]:
@@ -277,7 +285,7 @@ def _layer_bytes(config: GPTConfig, group, cp_rank: int, cp: int, impl: str, bat
 
 
 def activation_sweep(mesh, seq_lens=(32, 64, 128), batch: int = 1, d_model: int = 32,
-                     heads: int = 4, impls=("ring", "allgather")) -> list[dict]:
+                     heads: int = 4, impls=("ring",)) -> list[dict]:
     """Bytes one layer saves for backward on this rank, for each sequence length, cp in
     1, 2, 4 (the launched ranks) and each impl, with the formula at ``s/cp``."""
     groups = _groups(mesh)
@@ -295,6 +303,16 @@ def activation_sweep(mesh, seq_lens=(32, 64, 128), batch: int = 1, d_model: int 
                              "formula": layer_activation_bytes(s // cp, batch, d_model,
                                                                heads)})
     return rows
+
+
+def ring_extra_bytes(row: dict, batch: int = 1, d_model: int = 32) -> int:
+    """What ring attention saves beyond the formula for a sweep row: its fp32 output in the
+    ``[b, heads, s/cp, hd]`` layout (the projection saves its own copy in ``[b, s/cp, h]``)
+    and the positions of its tokens, 8 bytes each. 0 for the serial layer."""
+    if row["cp"] == 1:
+        return 0
+    t = row["seq_len"] // row["cp"]
+    return batch * t * d_model * VALUE_BYTES + 8 * t
 
 
 def playbook_scale(cps=(1, 2, 4, 8, 16), tp: int = 1, model: dict | None = None) -> list[dict]:
