@@ -25,6 +25,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       zero/     sharding
       tp/       ops layers apply activations
       pp/       engine stage
+      cp/       zigzag attention sequence
     ckpt/       format checkpointer reshard export
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit

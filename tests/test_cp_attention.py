@@ -1,8 +1,8 @@
 """Context parallelism against the serial answer: the zigzag maps and the merge by hand, then
 one 4-rank launch (cp=4 on the world, cp=2 on [0,1] and [2,3]) checking ring, all-gather and
 Ulysses attention (forward and q, k, v gradients, both splits, fp32 and bf16) against full
-causal attention, and ``apply_cp`` on a tiny GPT against the serial model's loss and
-gradients."""
+causal attention, and ``apply_cp`` on a tiny GPT, alone and after ``apply_tp`` (tp=2 x cp=2),
+against the serial model's loss and gradients."""
 
 import functools
 import math
@@ -12,8 +12,10 @@ import torch
 
 from edu3d.distributed.mesh import Layout
 from edu3d.launch import launch
-from edu3d.parallel.cp import (block_attention, check, merge, positions, split_tokens, unsplit,
-                               valid_seq_lens, work)
+from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.recompute import apply_recompute
+from edu3d.parallel.cp import (apply_cp, block_attention, check, merge, positions, split_tokens,
+                               unsplit, valid_seq_lens, work)
 from tests.workers_cp import all_checks
 
 TOL = 1e-5
@@ -76,7 +78,7 @@ def test_block_split_in_two_merges_to_full_attention():
 
 @functools.lru_cache(maxsize=None)
 def _launched() -> list[dict]:
-    run = launch(all_checks, 4, layout=Layout(dp=4), timeout=120, name="cp")
+    run = launch(all_checks, 4, layout=Layout(dp=2, tp=2), timeout=120, name="cp")
     return [run.results[r] for r in range(4)]
 
 
@@ -117,6 +119,27 @@ def test_apply_cp_gpt_equals_serial():
             assert r["same_names"]
 
 
+def test_apply_cp_after_apply_tp_equals_serial():
+    """tp=2 (with and without sequence parallelism) x cp=2 on 4 ranks."""
+    for rank, res in enumerate(_launched()):
+        for key, r in res["tp_cp"].items():
+            assert r["loss_err"] < TOL and r["grad_err"] < TOL, (rank, key, r)
+
+
 def test_ulysses_refuses_a_degree_not_dividing_heads():
     for res in _launched():
         assert "choose cp in 1, 3" in res["ulysses_refused"]
+
+
+def test_apply_cp_refusals_name_the_fix():
+    config = GPTConfig(n_layers=1, n_heads=4, d_model=16, seq_len=16, vocab_size=32)
+    with pytest.raises(ValueError, match="apply_cp first, then apply_recompute"):
+        apply_cp(apply_recompute(GPT(config), "selective"), None, 0, 2)
+    with pytest.raises(ValueError, match="choose cp in 1, 2, 4"):
+        apply_cp(GPT(config), None, 0, 8, impl="ulysses", split="plain")
+    with pytest.raises(ValueError, match="choose seq_len in"):
+        apply_cp(GPT(config), None, 0, 3)
+    model = apply_cp(GPT(config), None, 1, 2)
+    assert model.cp_positions == [4, 5, 6, 7, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="cut the batch with split_batch"):
+        model.embed(torch.zeros(1, 16, dtype=torch.long))

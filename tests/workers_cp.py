@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from edu3d.distributed import comm
 from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.parallel.recompute import apply_recompute
+from edu3d.parallel.tp import apply_tp, partial_grad_names, unshard
 from edu3d.parallel.cp import (IMPLS, apply_cp, cp_core, last_work, split_batch, split_tokens,
                                ulysses_attention)
 
@@ -63,9 +65,13 @@ def gpt_check(group, cp_rank: int, cp: int) -> dict:
     loss = serial(x, y)[1]
     loss.backward()
     out = {}
-    for impl, split in [("ring", "zigzag"), ("ring", "plain"), ("allgather", "zigzag"),
-                        ("ulysses", "zigzag")]:
+    for impl, split, recompute in [("ring", "zigzag", "none"), ("ring", "plain", "none"),
+                                   ("allgather", "zigzag", "none"),
+                                   ("ulysses", "zigzag", "none"),
+                                   ("ring", "zigzag", "selective"),
+                                   ("ulysses", "plain", "full")]:
         model = apply_cp(GPT(config, seed=0), group, cp_rank, cp, impl=impl, split=split)
+        apply_recompute(model, recompute)
         xs, ys = split_batch(x, y, cp, cp_rank, split)
         local = model(xs, ys)[1]
         local.backward()
@@ -78,8 +84,45 @@ def gpt_check(group, cp_rank: int, cp: int) -> dict:
             comm.all_reduce(grad, group)
             errs.append(_rel(grad / cp, sp.grad))
             names.append(name == sname)
-        out[f"{impl}/{split}"] = {"loss_err": errs[0], "grad_err": max(errs[1:]),
+        out[f"{impl}/{split}/{recompute}"] = {"loss_err": errs[0], "grad_err": max(errs[1:]),
                                   "same_names": all(names)}
+    return out
+
+
+def tp_cp_check(mesh) -> dict:
+    """TP (tp group, with and without SP) then CP (the dp group as the cp group) on the tiny
+    GPT: loss and full gradients (shards glued, summed over cp, / cp) against serial."""
+    config = GPTConfig(n_layers=2, n_heads=4, d_model=32, seq_len=16, vocab_size=64)
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, 64, (2, 16), generator=g) for _ in range(2))
+    serial = GPT(config, seed=0)
+    loss = serial(x, y)[1]
+    loss.backward()
+    ref = dict(serial.named_parameters())
+    cp, cp_rank, out = mesh.size("dp"), mesh.index("dp"), {}
+    for sp in (False, True):
+        for impl in ("ring", "ulysses"):
+            model = GPT(config, seed=0)
+            specs = apply_tp(model, mesh.tp, sequence_parallel=sp)
+            apply_cp(model, mesh.dp, cp_rank, cp, impl=impl)
+            local = model(*split_batch(x, y, cp, cp_rank, "zigzag"))[1]
+            local.backward()
+            total = local.detach().clone()
+            comm.all_reduce(total, mesh.dp)
+            errs = [abs(float(total) / cp - float(loss)) / abs(float(loss))]
+            partial = set(partial_grad_names(specs, sp))
+            for name, p in model.named_parameters():
+                grad = p.grad.clone()
+                if name in partial:
+                    comm.all_reduce(grad, mesh.tp)
+                comm.all_reduce(grad, mesh.dp)
+                if specs[name] is not None:
+                    dim, parts, size = specs[name]
+                    shards = [torch.empty_like(grad) for _ in range(mesh.size("tp"))]
+                    dist.all_gather(shards, grad.contiguous(), group=mesh.tp)
+                    grad = unshard(shards, dim, parts, size)
+                errs.append(_rel(grad / cp, ref[name].grad))
+            out[f"sp={sp}/{impl}"] = {"loss_err": errs[0], "grad_err": max(errs[1:])}
     return out
 
 
@@ -91,6 +134,7 @@ def all_checks(mesh) -> dict:
         res["bf16"][cp] = attention_checks(group, cp_rank, cp, torch.bfloat16)
     group, cp_rank = groups[2]
     res["gpt"] = gpt_check(group, cp_rank, 2)
+    res["tp_cp"] = tp_cp_check(mesh)
     try:  # 3 heads over cp=4: refused before any exchange, on every rank alike
         t = torch.zeros(1, 3, 4, 2)
         ulysses_attention(t, t, t, torch.arange(4), dist.group.WORLD)

@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="compress data-parallel gradients (lossy: losses drift from serial)")
     par.add_argument("--ep", type=positive_int, default=1,
                      help="expert-parallel degree: the experts are shared out over groups of "
-                          "ep of the dp x cp ranks (adds no ranks)" + D)
+                          "ep of the dp x cp ranks (adds no ranks; alone, --ep N means --dp N "
+                          "--ep N)" + D)
     par.add_argument("--cp", type=positive_int, default=1,
                      help="context-parallel degree: each sequence is split over cp ranks" + D)
     par.add_argument("--cp-impl", choices=("ring", "allgather", "ulysses"), default="ring",

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edu3d.model.moe import MoE, active_params
+
 
 @dataclass
 class GPTConfig:
@@ -33,6 +35,18 @@ class GPTConfig:
     seq_len: int = 32
     vocab_size: int = 256
     tie_weights: bool = False  # lm_head reuses the token embedding matrix (GPT-2 does)
+    # Mixture of experts (edu3d.model.moe); n_experts = 0 keeps every block's dense MLP.
+    n_experts: int = 0          # routed experts per MoE layer
+    topk: int = 2               # experts each token is sent to
+    moe_every: int = 1          # block i is MoE iff i % moe_every == 0 (Megatron's moe_layer_freq)
+    shared_experts: int = 0     # always-on experts every token also goes through (DeepSeek)
+    capacity_factor: float = 0.0  # 0: dropless; C > 0: each expert takes ceil(N*k/E*C)
+    aux_loss_coef: float = 1e-2   # Switch/GShard load-balancing loss weight
+    z_loss_coef: float = 0.0      # ST-MoE router z-loss weight
+    balance: str = "aux"        # "aux" (loss only) or "bias" (DeepSeek-V3 selection bias)
+    bias_rate: float = 1e-3     # step of the "bias" balancer's update
+    norm_topk: bool = True      # renormalise the k gates to sum to 1 (when k > 1)
+    router_dtype: str = "fp32"  # "fp32" or "fp64" (parity tests: near-ties do not flip)
 
     def __post_init__(self):
         for name in ("n_layers", "n_heads", "d_model", "seq_len", "vocab_size"):
@@ -43,6 +57,35 @@ class GPTConfig:
             ok = ", ".join(str(h) for h in range(1, self.d_model + 1) if self.d_model % h == 0)
             raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
                              f"choose one of {ok}")
+        self.check_moe()
+
+    def check_moe(self) -> None:
+        """The mixture-of-experts fields, checked with a message that says what to change."""
+        for name in ("n_experts", "shared_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0")
+        for name in ("topk", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.n_experts and self.topk > self.n_experts:
+            raise ValueError(f"topk={self.topk} is more than n_experts={self.n_experts}: a "
+                             f"token cannot pick more experts than there are")
+        if self.capacity_factor < 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be >= 0 "
+                             f"(0 means dropless)")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0 or self.bias_rate < 0:
+            raise ValueError("aux_loss_coef, z_loss_coef and bias_rate must be >= 0")
+        if self.balance not in ("aux", "bias"):
+            raise ValueError(f"balance={self.balance!r}: choose 'aux' (the loss alone) or "
+                             f"'bias' (DeepSeek-V3's selection bias)")
+        if self.router_dtype not in ("fp32", "fp64"):
+            raise ValueError(f"router_dtype={self.router_dtype!r}: choose 'fp32' or 'fp64'")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture of experts instead of the dense MLP."""
+        return self.n_experts > 0 and layer % self.moe_every == 0
 
     @property
     def d_ff(self) -> int:
@@ -129,14 +172,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer layer, pre-LayerNorm: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """One transformer layer, pre-LayerNorm: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
 
-    def __init__(self, config: GPTConfig):
+    In a mixture-of-experts model (``config.n_experts > 0``) block ``layer``'s ``mlp`` is a
+    :class:`~edu3d.model.moe.MoE` when ``config.is_moe_layer(layer)``; it keeps the name
+    ``mlp`` so everything that walks the blocks finds it where the dense MLP was."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config, MLP) if config.is_moe_layer(layer) else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -151,7 +198,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -164,9 +211,11 @@ class GPT(nn.Module):
 
         Weights ~ N(0, 0.02); the two projections that write into the residual stream
         (``attn.proj``, ``mlp.proj``) get std ``0.02 / sqrt(2 * n_layers)`` so the stream's
-        variance does not grow with depth (GPT-2 paper, section 2.3). Biases 0, LayerNorm
-        gains 1. A tied ``lm_head.weight`` is the embedding, which ``named_parameters``
-        yields once.
+        variance does not grow with depth (GPT-2 paper, section 2.3); so do the experts' and
+        shared experts' ``proj`` in an MoE layer, whose router is N(0, 0.02) like any other
+        weight. Biases 0, LayerNorm gains 1. A tied ``lm_head.weight`` is the embedding,
+        which ``named_parameters`` yields once. A dense model draws exactly what it drew
+        before MoE existed (it has no new parameters, so the same names in the same order).
         """
         g = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
@@ -175,7 +224,8 @@ class GPT(nn.Module):
                 p.zero_()
             elif p.dim() == 1:  # LayerNorm gain
                 p.fill_(1.0)
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")) or (
+                    name.endswith("proj.weight") and (".experts." in name or ".shared." in name)):
                 p.normal_(0.0, residual_std, generator=g)
             else:
                 p.normal_(0.0, 0.02, generator=g)
@@ -230,10 +280,9 @@ def flops_per_token(config: GPTConfig) -> int:
     ``N`` is the non-embedding parameter count: each weight does one multiply-add (2 FLOPs)
     per token forward and twice that backward, hence 6N. Attention adds ``QK^T`` and ``AV``,
     ``2·2·h·s`` FLOPs per token and layer forward, times 3 for forward + backward. ``N`` is
-    computed from the config, so this is cheap even for gpt2-small.
+    computed from the config, so this is cheap even for gpt2-small. For a mixture of experts
+    ``N`` is the *active* parameters (:func:`edu3d.model.moe.active_params`): a token runs
+    the router, its top-k experts and the shared ones, not all E experts.
     """
-    d, L = config.d_model, config.n_layers
-    n = L * config.block_params + 2 * d  # + ln_f
-    if not config.tie_weights:
-        n += d * config.vocab_size  # lm_head
-    return 6 * n + 12 * L * d * config.seq_len
+    n = active_params(config, exclude_embeddings=True)
+    return 6 * n + 12 * config.n_layers * config.d_model * config.seq_len

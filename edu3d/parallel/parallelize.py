@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from edu3d.distributed import comm
 from edu3d.distributed.mesh import Mesh
 from edu3d.model.moe import MoE
-from edu3d.parallel.cp.apply import apply_cp
+from edu3d.parallel.cp.sequence import apply_cp
 from edu3d.parallel.cp.zigzag import positions as cp_positions
 from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel
-from edu3d.parallel.ep.apply import apply_ep, expert_param_names
+from edu3d.parallel.ep.placement import apply_ep, expert_param_names
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
@@ -203,6 +204,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.seq_group = mesh.group("cp")  # its groups of tokens span the cp ranks
             moe.positions = torch.tensor(here)
+            moe.collectives = comm  # traced
     experts = set()
     if layout.ep > 1:
         experts = expert_param_names(model)

@@ -34,7 +34,7 @@ from edu3d.ckpt.format import check_ckpt_dir, latest_step
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch
 from edu3d.model.gpt import GPT
-from edu3d.model.moe import set_aux_scale
+from edu3d.model.moe import active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
 from edu3d.train.data import SyntheticCorpus
@@ -207,7 +207,11 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
 
 
 def _describe(args, config, corpus) -> None:
-    print(f"{args.model} {config}: {num_params_from_config(config):,} parameters; loss at "
+    params = f"{num_params_from_config(config):,} parameters"
+    if getattr(config, "n_experts", 0):
+        params = (f"{total_params(config):,} parameters, {active_params(config):,} active per "
+                  "token")
+    print(f"{args.model} {config}: {params}; loss at "
           f"init ~ ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
           f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
 

@@ -184,6 +184,8 @@ def check_args(options: TrainOptions):
     would work. (``--impl torch``'s own limits are checked by :mod:`edu3d.commands.train`.)
     """
     o = options
+    if o.ep > 1 and o.dp * o.cp == 1:
+        o.dp = o.ep  # --ep N alone: N data-parallel ranks to fold the experts into
     check_moe(o)
     config = config_from_args(o)
     layout = Layout(dp=o.dp, tp=o.tp, pp=o.pp, vpp=o.vpp, cp=o.cp, ep=o.ep)
@@ -207,7 +209,7 @@ def check_args(options: TrainOptions):
     if o.schedule == "interleaved" and o.pp > 1 and m % o.pp:
         raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches {m} "
                           f"must be a multiple of --pp {o.pp}")
-    if o.zero and o.dp == 1:
+    if o.zero and o.dp * o.cp == 1:
         raise LayoutError(f"--zero {o.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")
     if o.offload and not o.zero:

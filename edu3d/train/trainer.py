@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from edu3d.ckpt import reshard
 from edu3d.model.moe import MoE, set_aux_scale
-from edu3d.parallel.cp.apply import split_batch
+from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import meter, trace
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
@@ -195,7 +195,7 @@ class Trainer:
             sums[2] += st["z"]
             sums[3] += st["forwards"]
             if j == 0 and first_group and st.get("matrix") is not None:
-                matrix[self.mesh.index("ep")] += st["matrix"].double()
+                matrix += st["matrix"].double()  # this rank's row; the others are 0
         flat = torch.cat([counts.view(-1), dropped, sums, matrix.view(-1)])
         if self.mesh.layout.world_size > 1:  # bookkeeping: left out of the trace
             dist.all_reduce(flat)

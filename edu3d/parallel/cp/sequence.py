@@ -16,7 +16,8 @@ After reading this file you should understand:
   (:mod:`~edu3d.parallel.cp.zigzag`), so a label stays with its token.
 
 Parameter names and tensors are untouched: a checkpoint or an optimizer sees the serial model.
-Apply it before a pipeline stage is cut (a stage keeps a reference to ``model.embed``).
+Order: ``apply_tp``, then ``apply_cp``, then recomputation (it wraps the core set here), then
+the pipeline cut (a stage keeps a reference to ``model.embed``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def apply_cp(model: nn.Module, group, cp_rank: int, cp: int, impl: str = "ring",
         ok = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
         raise ValueError(f"Ulysses splits this rank's {heads} heads over cp={cp} ranks; "
                          f"choose cp in {ok} (or impl='ring' / 'allgather')")
+    if any(hasattr(b.attn.core, "recomputed") or hasattr(b.forward, "recomputed")
+           for b in model.blocks):
+        raise ValueError("apply_cp replaces attn.core, which recomputation has wrapped: "
+                         "apply_cp first, then apply_recompute")
     mine = positions(seq_len, cp, cp_rank, split)
     core = cp_core(impl, group, mine)
     for block in model.blocks:
