@@ -120,22 +120,25 @@ def merge_figure(demo: dict):
     return fig
 
 
-def exchange_figure(measured: dict, formulas: dict, step_ms: dict | None = None,
+def exchange_figure(measured: dict | None, formulas: dict, step_ms: dict | None = None,
                     cp: int = 4):
-    """Bytes per rank per attention layer for each impl, measured and formula (ghost)."""
+    """Bytes per rank per attention layer for each impl in ``formulas`` (ghost), measured
+    beside them when ``measured`` is given."""
     impls = list(formulas)
     fig = go.Figure()
     for phase, color, offset in (("forward", style.SEND, -0.4), ("backward", style.OLIVE, 0.0)):
         fig.add_bar(x=impls, y=[formulas[i][phase] / 1024 for i in impls],
                     name=f"{phase} (formula)", width=0.4, offset=offset,
                     marker={"color": style.rgba(color, style.GHOST_OPACITY)})
-        fig.add_bar(x=impls, y=[measured[i][phase] / 1024 for i in impls],
-                    name=f"{phase} (measured)", width=0.26, offset=offset + 0.07,
-                    marker={"color": color})
+        if measured:
+            fig.add_bar(x=impls, y=[measured[i][phase] / 1024 for i in impls],
+                        name=f"{phase} (measured)", width=0.26, offset=offset + 0.07,
+                        marker={"color": color})
     take = "Ulysses sends least per rank (4 all-to-alls of s·h/cp), ring and all-gather " \
            "the same K,V"
     if step_ms:
-        take += "; step " + ", ".join(f"{i} {step_ms[i]:.0f} ms" for i in impls)
+        take += "; fwd+bwd " + ", ".join(f"{i} {step_ms[i]:.0f} ms" for i in impls
+                                         if i in step_ms)
     style.frame(fig, f"What one rank sends per attention layer, cp={cp}", take,
                 x="attention implementation (cp group)", y="sent (KiB)", height=400)
     fig.update_layout(barmode="overlay")

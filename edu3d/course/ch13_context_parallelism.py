@@ -20,7 +20,9 @@ After reading this file you should know where each of the chapter's numbers come
 * :func:`activation_sweep` (a launch target) measures what one layer of the GPT saves for
   backward under CP, against :func:`edu3d.plan.formulas.layer_activation_bytes` at
   ``s/cp``; :func:`playbook_scale` puts the same law at Llama 3 8B's size and 128k tokens;
-* :func:`capstone` trains a five-axis layout with the one Trainer beside the serial model.
+* the capstone, a four-axis layout with experts, lives in
+  :mod:`edu3d.course.ch13_capstone`; the panels' runs are :func:`work_run` and
+  :func:`exchange_run`.
 """
 
 from __future__ import annotations
@@ -33,13 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from edu3d.course import lesson_args
 from edu3d.distributed import trace
 from edu3d.distributed.meter import measure_activations
 from edu3d.distributed.trace import wire_bytes
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.cp import (IMPLS, apply_cp, block_attention, cp_core, last_work, merge,
-                               positions, split_tokens, work)
+                               positions, split_tokens)
 from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
 
 SPLITS = ("zigzag", "plain")
@@ -330,3 +331,40 @@ def playbook_scale(cps=(1, 2, 4, 8, 16), tp: int = 1, model: dict | None = None)
         rows.append({"cp": cp, "tp": tp, "per_layer_gb": per_layer / 1e9,
                      "total_gb": per_layer * m["layers"] / 1e9})
     return rows
+
+
+# ---------------------------------------------------------------- the panels' runs
+
+def work_run(mesh, seq_len: int = 32, split: str = "zigzag") -> int:
+    """The ring's counter on this rank for cp = the launched world (a panel's run)."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, _ = lesson_tensors(seq_len=seq_len)
+    mine = [split_tokens(t, cp, rank, split, dim=2) for t in (q, k, v)]
+    cp_core("ring", dist.group.WORLD, positions(seq_len, cp, rank, split))(*mine)
+    return last_work()["computed"]
+
+
+def exchange_run(mesh, seq_len: int = 32, heads: int = 4, impls=IMPLS) -> dict:
+    """One traced forward and backward of each impl over the launched world (steps 2, 3, 4
+    of the trace, for :func:`impl_bytes`), and its median time over 3 more."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(cp)), group_desc="cp")  # named "cp" in the trace
+    tensors = lesson_tensors(seq_len=seq_len, heads=heads)
+    mine = lambda t: split_tokens(t, cp, rank, "zigzag", dim=2)  # noqa: E731
+    rec, out = trace.current(), {}
+    for step, impl in enumerate(IMPLS, start=2):
+        if impl not in impls:
+            continue
+        times = []
+        for i in range(4):
+            local = [mine(t).requires_grad_() for t in tensors[:3]]
+            dist.barrier()
+            t0 = time.perf_counter()
+            with trace.use(rec if i == 0 else trace.NullRecorder()):
+                with trace.current().context(step=step, case=impl, phase="forward"):
+                    y = cp_core(impl, group, positions(seq_len, cp, rank))(*local)
+                with trace.current().context(step=step, case=impl, phase="backward"):
+                    y.backward(mine(tensors[3]))
+            times.append(time.perf_counter() - t0)
+        out[impl] = 1e3 * statistics.median(times[1:])
+    return out
