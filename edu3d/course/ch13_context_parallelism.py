@@ -21,7 +21,7 @@ After reading this file you should know where each of the chapter's numbers come
   backward under CP, against :func:`edu3d.plan.formulas.layer_activation_bytes` at
   ``s/cp``; :func:`playbook_scale` puts the same law at Llama 3 8B's size and 128k tokens;
 * the capstone, a four-axis layout with experts, lives in
-  :mod:`edu3d.course.ch13_capstone`; the panels' runs are :func:`work_run` and
+  :mod:`edu3d.course.ch13_context_parallelism_capstone`; the panels' runs are :func:`work_run` and
   :func:`exchange_run`.
 """
 
