@@ -1,0 +1,75 @@
+"""Chapter 13's capstone: four parallel axes and a mixture of experts, one loss curve.
+
+After reading this file you should know what the capstone run does and how its loss is
+proven: :func:`capstone` trains ``edu3d train --dp 2 --cp 2 --pp 2 --experts 4 --topk 2
+--ep 2`` (8 ranks: data, context and pipeline parallel, the experts shared out over pairs of
+the ``dp x cp`` ranks) with the one :class:`~edu3d.train.trainer.Trainer`, and on every rank
+the serial GPT on the same batches, micro-batch by micro-batch as the layout's data ranks
+see them (a mixture of experts routes per group of tokens, so the reference must group them
+alike; the routers score in float64 so a near-tie cannot flip between the two).
+:func:`group_bytes` reads the bytes each group moved in one step from the trace.
+"""
+
+from __future__ import annotations
+
+from edu3d.course.ch13_context_parallelism import cp_wire_bytes
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Layout
+from edu3d.model.gpt import GPT
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import reference_microbatches, train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.options import TrainOptions, check_args, config_from_args, from_flags
+from edu3d.train.trainer import Trainer
+
+CAPSTONE = ["--dp", "2", "--cp", "2", "--pp", "2", "--experts", "4", "--topk", "2",
+            "--ep", "2", "--router-dtype", "fp64"]
+
+
+def capstone_options(argv: list[str]) -> TrainOptions:
+    """``edu3d train``'s options from a command line written as data, checked."""
+    args = from_flags(argv)
+    check_args(args)
+    return args
+
+
+def capstone_layout(argv: list[str]) -> Layout:
+    a = capstone_options(argv)
+    return Layout(dp=a.dp, tp=a.tp, pp=a.pp, vpp=a.vpp, cp=a.cp, ep=a.ep)
+
+
+def capstone(mesh, argv: list[str] = tuple(CAPSTONE), steps: int = 3) -> dict:
+    """Train ``steps`` AdamW steps of the layout ``argv`` with the one Trainer and, untraced,
+    the serial GPT on the same batches (micro-batch by micro-batch as the layout's data
+    ranks see them, so a mixture of experts routes the same token groups). Returns this
+    rank's coordinates, both loss curves, the step's bytes per group and the memory of the
+    fullest rank (``Trainer.stats``)."""
+    args = capstone_options(list(argv))
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    serial = GPT(config, seed=args.seed)
+    optimizer = make_optimizer(serial, args)
+    m = reference_microbatches(args)
+    rec = trace.current()
+    losses, serial_losses = [], []
+    for s in range(1, steps + 1):
+        x, y = corpus.batch(s, args.global_batch)
+        with rec.context(step=s):
+            losses.append(trainer.step(x, y, s)["loss"])
+        with trace.use(trace.NullRecorder()):  # the reference is not part of the run's trace
+            serial_losses.append(train_step(serial, optimizer, x, y, s, args, m)["loss"])
+    stats = trainer.stats()
+    return {"rank": mesh.rank, "coord": dict(mesh.coord._asdict()), "losses": losses,
+            "serial_losses": serial_losses, "mem_bytes": stats["mem_bytes"],
+            "comm_s": stats["comm_s"], "params": sum(p.numel() for p in serial.parameters())}
+
+
+def group_bytes(events: list[dict], step: int, rank: int = 0) -> dict[str, float]:
+    """Bytes ``rank`` sent in ``step``, by group (tp, cp, dpcp, ep, ...), from the trace."""
+    out: dict[str, float] = {}
+    for ev in events:
+        if ev.get("step") == step and ev.get("rank") == rank and ev.get("lane") == "comm":
+            out[ev.get("group", "world")] = out.get(ev.get("group", "world"), 0.0) + \
+                cp_wire_bytes(ev)
+    return out

@@ -1,0 +1,130 @@
+"""The grader of exercise 13 (``exercises/cp_merge.py``): the log-sum-exp merge and the zigzag
+split, against :mod:`edu3d.parallel.cp` on cases the learner does not see.
+
+After reading this file you should know what each check proves and which classic mistake it
+catches (each raises ``AssertionError`` with one line naming the failing case):
+
+* :func:`check_merge`: partial results over two key blocks merge into the library's answer
+  (random rows, fp32 and bf16 inputs, an fp32 result). Averaging the two outputs fails here;
+* :func:`check_merge_is_safe`: a row whose block hid every key (``lse = -inf``, output 0),
+  a row that saw nothing in either block, and log-sum-exps in the hundreds (``e^lse``
+  overflows fp32) all stay finite and exact. Forgetting the ``-inf`` rows gives ``nan``;
+* :func:`check_positions`: every rank of cp = 1 .. 8 and several lengths holds the
+  library's zigzag positions, in order. The plain split, or the mirror chunk one off
+  (``2cp - r``), fails here;
+* :func:`check_ring`: both functions together rebuild full causal attention on 4 simulated
+  ranks, each merging the blocks of every rank's keys in ring order from an empty start
+  (output 0, ``lse = -inf``). Pure tensor arithmetic in one process: each check takes
+  milliseconds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from edu3d.parallel.cp import block_attention, merge, positions
+
+INF = float("-inf")
+TOL = 1e-5
+
+
+def _partials(seed: int, shape=(2, 3, 5, 4), dtype=torch.float32, lse_scale: float = 2.0):
+    g = torch.Generator().manual_seed(seed)
+    out_a, out_b = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    lse_a, lse_b = (lse_scale * torch.randn(shape[:-1], generator=g) for _ in range(2))
+    return out_a, lse_a, out_b, lse_b
+
+
+def _compare(name: str, got, want) -> None:
+    out, lse = got
+    w_out, w_lse = want
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32, \
+        f"{name}: merge returned {out.dtype} and {lse.dtype}; it must compute in fp32"
+    assert tuple(out.shape) == tuple(w_out.shape) and tuple(lse.shape) == tuple(w_lse.shape), \
+        f"{name}: shapes {tuple(out.shape)}, {tuple(lse.shape)}; expected " \
+        f"{tuple(w_out.shape)}, {tuple(w_lse.shape)}"
+    bad = int(out.isnan().sum() + lse.isnan().sum())
+    assert not bad, f"{name}: {bad} nan values in the merged result"
+    err = float((out - w_out).abs().max())
+    assert err <= TOL * (1 + float(w_out.abs().max())), \
+        f"{name}: the merged output is off by up to {err:.3g}"
+    finite = torch.isfinite(w_lse)
+    assert torch.equal(torch.isfinite(lse), finite), \
+        f"{name}: the merged lse is -inf exactly where a row saw no key in either block"
+    diff = torch.where(finite, lse - w_lse, torch.zeros_like(lse)).abs().max()
+    scale = torch.where(finite, w_lse, torch.zeros_like(lse)).abs().max()
+    assert float(diff) <= TOL * (1 + float(scale)), f"{name}: the merged lse is wrong"
+
+
+def check_merge(mod) -> bool:
+    for seed, dtype in ((0, torch.float32), (1, torch.float32), (2, torch.bfloat16)):
+        parts = _partials(seed, dtype=dtype)
+        want = merge(*parts)
+        _compare(f"random rows ({str(dtype).split('.')[-1]} outputs)", mod.merge(*parts), want)
+    # two partial results of real attention merge into attention over both blocks
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    p = torch.arange(6)
+    a = block_attention(q, k[..., :3, :], v[..., :3, :], p, p[:3], 0.5)
+    b = block_attention(q, k[..., 3:, :], v[..., 3:, :], p, p[3:], 0.5)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    got = mod.merge(*a, *b)
+    err = float((got[0] - full).abs().max())
+    assert err <= 1e-5, f"two halves of causal attention merged differ from full attention " \
+                        f"by {err:.3g}"
+    return True
+
+
+def check_merge_is_safe(mod) -> bool:
+    out_a, lse_a, out_b, lse_b = _partials(4)
+    lse_a[..., 0] = INF  # block a hid every key of query 0
+    out_a[..., 0, :] = 0
+    lse_b[..., 1] = INF  # block b hid every key of query 1
+    out_b[..., 1, :] = 0
+    _compare("a row one block hid completely", mod.merge(out_a, lse_a, out_b, lse_b),
+             merge(out_a, lse_a, out_b, lse_b))
+    lse_a[..., 2] = lse_b[..., 2] = INF  # query 2 saw nothing at all so far
+    out_a[..., 2, :] = out_b[..., 2, :] = 0
+    got = mod.merge(out_a, lse_a, out_b, lse_b)
+    _compare("a row that saw no key in either block", got, merge(out_a, lse_a, out_b, lse_b))
+    big = _partials(5, lse_scale=1.0)
+    big = (big[0], big[1] + 300.0, big[2], big[3] + 300.0)  # e^300 overflows fp32
+    _compare("log-sum-exps around 300", mod.merge(*big), merge(*big))
+    return True
+
+
+CASES = [(s, cp) for cp in range(1, 9) for s in (2 * cp, 4 * cp, 6 * cp) if s <= 64] + [(64, 4)]
+
+
+def check_positions(mod) -> bool:
+    for seq_len, cp in CASES:
+        for rank in range(cp):
+            got = list(mod.zigzag_positions(seq_len, cp, rank))
+            want = positions(seq_len, cp, rank, "zigzag")
+            assert got == want, f"seq_len={seq_len}, cp={cp}, rank {rank}: expected " \
+                                f"{want}, got {got}"
+    return True
+
+
+def check_ring(mod, seq_len: int = 32, cp: int = 4) -> bool:
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, seq_len, 4, generator=g) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    held = [torch.tensor(list(mod.zigzag_positions(seq_len, cp, r))) for r in range(cp)]
+    assert sorted(torch.cat(held).tolist()) == list(range(seq_len)), \
+        f"the {cp} ranks' positions do not cover 0 .. {seq_len - 1} exactly once"
+    scale = q.shape[-1] ** -0.5
+    for r in range(cp):
+        mine = held[r]
+        out = torch.zeros(2, 2, len(mine), 4)
+        lse = torch.full((2, 2, len(mine)), INF)
+        for step in range(cp):  # the ring: at step i rank r holds rank (r - i)'s keys
+            src = held[(r - step) % cp]
+            part = block_attention(q[..., mine, :], k[..., src, :], v[..., src, :], mine, src,
+                                   scale)
+            out, lse = mod.merge(out, lse, *part)
+        err = float((out - full[..., mine, :]).abs().max())
+        assert err <= 1e-5, f"rank {r} of cp={cp}: ring attention built with your merge " \
+                            f"differs from full attention by {err:.3g}"
+    return True

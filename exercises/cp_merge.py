@@ -1,0 +1,39 @@
+"""Exercise 13: the two pieces of arithmetic context parallelism stands on.
+
+* **The merge.** Ring attention never sees the whole score row of a query at once: each step
+  gives it the attention over one block of keys only, as an output normalised over that
+  block and the block's log-sum-exp ``lse`` (the log of the softmax denominator). Two such
+  partial results over disjoint key blocks must combine into *exactly* the attention over
+  both blocks, as if the softmax had seen every key. Work in fp32 whatever the inputs are,
+  and stay finite where a query saw no key at all in a block: its ``lse`` is ``-inf`` and
+  its output 0 (the causal mask hides whole blocks), and a query may see nothing in either.
+  Large ``lse`` values must not overflow.
+* **The zigzag split.** Under a causal mask the plain split (rank ``r`` holds the ``r``-th
+  ``1/cp`` of the sequence) gives the last rank far more work than the first. Zigzag cuts
+  the sequence into ``2·cp`` equal chunks and gives each rank one early chunk and one late
+  chunk, so every rank does the same work. Rank ``r``'s tokens are its two chunks, in
+  order, by their *global* positions.
+
+Run the checks in ``exercises/13_context_parallel.ipynb``.
+"""
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Combine two partial attention results for the same queries.
+
+    ``out_a, out_b``: ``[..., T, hd]`` outputs, each normalised over its own key block;
+    ``lse_a, lse_b``: ``[..., T]`` their log-sum-exps (``-inf`` where the query saw nothing).
+    Returns ``(out, lse)`` over both blocks, in fp32."""
+    raise NotImplementedError(
+        "hint: each partial output is a softmax-weighted average over its own block; the "
+        "merged one weighs each by the share of the total softmax denominator its block "
+        "holds (the denominators are exp(lse)); compute the new lse first and use it to "
+        "keep every exponent <= 0, and give a row whose new lse is -inf an output of 0")
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
+    """The global positions of the tokens rank ``rank`` of ``cp`` holds under the zigzag
+    split, in its local order (``seq_len`` a multiple of ``2 * cp``)."""
+    raise NotImplementedError(
+        "hint: cut 0 .. seq_len-1 into 2*cp equal chunks; rank r takes one chunk from the "
+        "front half and its mirror image from the back half, front one first")

@@ -1,0 +1,35 @@
+"""Exercise 13: the two pieces of arithmetic context parallelism stands on (reference
+solution).
+
+* **The merge.** ``lse = log(e^lse_a + e^lse_b)`` (``torch.logaddexp``: stable, and ``-inf``
+  when both are), ``out = e^(lse_a - lse)·out_a + e^(lse_b - lse)·out_b``: each block's
+  output weighed by its share of the whole softmax denominator. Every exponent is <= 0, so
+  nothing overflows; where ``lse`` is ``-inf`` the reference is 0 instead, so the weights
+  are ``e^-inf = 0`` and the output 0, never ``nan``.
+* **The zigzag split.** ``2·cp`` chunks of ``seq_len / (2·cp)`` tokens; rank ``r`` holds
+  chunks ``r`` and ``2·cp - 1 - r``.
+"""
+
+import torch
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Combine two partial attention results for the same queries.
+
+    ``out_a, out_b``: ``[..., T, hd]`` outputs, each normalised over its own key block;
+    ``lse_a, lse_b``: ``[..., T]`` their log-sum-exps (``-inf`` where the query saw nothing).
+    Returns ``(out, lse)`` over both blocks, in fp32."""
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a - ref).unsqueeze(-1)
+    wb = torch.exp(lse_b - ref).unsqueeze(-1)
+    return wa * out_a.float() + wb * out_b.float(), lse
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
+    """The global positions of the tokens rank ``rank`` of ``cp`` holds under the zigzag
+    split, in its local order (``seq_len`` a multiple of ``2 * cp``)."""
+    size = seq_len // (2 * cp)
+    chunks = (rank, 2 * cp - 1 - rank)
+    return [p for c in chunks for p in range(c * size, (c + 1) * size)]
