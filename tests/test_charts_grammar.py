@@ -211,6 +211,31 @@ BUILDERS.update({
 })
 
 
+def _ch13():
+    from edu3d.course import ch13_context_parallelism as ch13
+
+    return ch13
+
+
+BUILDERS.update({
+    "context.score_blocks_figure": lambda m: m.score_blocks_figure(
+        _ch13().owner_map(16, 2, "plain"), 2, "plain", [36, 100], [48, 112], [48, 112]),
+    "context.ring_steps_figure": lambda m: m.ring_steps_figure(
+        [{"rank": r, "phase": p, "ring_step": 0, "kind": k, "peer": (r + 1) % 2, "bytes": 8,
+          "t0": 3.3e6 + 10 * i, "t1": 3.3e6 + 10 * i + 5}
+         for i, (r, p, k) in enumerate([(0, "forward", "K,V"), (1, "forward", "positions"),
+                                        (0, "backward", "dK,dV")])], 2),
+    "context.merge_figure": lambda m: m.merge_figure(_ch13().merge_demo()),
+    "context.exchange_figure": lambda m: m.exchange_figure(
+        _ch13().impl_formulas(32, 4, 32), _ch13().impl_formulas(32, 4, 32),
+        {"ring": 20.0, "allgather": 12.0, "ulysses": 12.5}, cp=4),
+    "context.activation_figure": lambda m: m.activation_figure(
+        [{"seq_len": s, "cp": c, "measured": 1000 * s // c, "formula": 1000 * s // c}
+         for s in (32, 64) for c in (1, 2)]),
+    "context.scale_figure": lambda m: m.scale_figure(_ch13().playbook_scale()),
+})
+
+
 def _prod_row(name):
     mem = {"params": 4000, "grads": 4000, "optimizer": 8000}
     return {"name": name, "edu3d_losses": [5.5, 5.4], "torch_losses": [5.5, 5.4],
