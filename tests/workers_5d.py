@@ -55,7 +55,6 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
     x, y = corpus.batch(1, sgd.global_batch)
     serial = GPT(config, seed=sgd.seed)
-    opt = make_optimizer(serial, sgd)
     first = train_step(serial, torch.optim.SGD(serial.parameters(), lr=0.0), x, y, 1, sgd, m)
     grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
     serial = GPT(config, seed=sgd.seed)

@@ -102,7 +102,7 @@ def cp_worker(mesh, reps: int) -> list[dict]:
     x, y = corpus.batch(1, n)
     s, h, b, L = config.seq_len, config.d_model, n, config.n_layers
     formula = {"ring": L * 4 * (2 * (n - 1) + 2 * (2 * n - 1)) * b * s // n * h
-               + L * 8 * (s // n) * (2 * (n - 1) + 0),
+               + L * 8 * (s // n) * 2 * (n - 1),  # positions travel with K, V both ways
                "allgather": L * 4 * 2 * (n - 1) / n * 2 * b * s * h,
                "ulysses": L * 4 * 2 * (n - 1) / n * 4 * b * s / n * h}
     rows = []

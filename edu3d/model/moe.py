@@ -265,7 +265,7 @@ def _count(config, active: bool, exclude_embeddings: bool) -> int:
     d, L = config.d_model, config.n_layers
     n = L * (config.block_params - _mlp_params(d)) + 2 * d  # attention, LayerNorms, ln_f
     for layer in range(L):
-        if config.n_experts and layer % config.moe_every == 0:
+        if config.is_moe_layer(layer):
             routed = config.topk if active else config.n_experts
             n += config.n_experts * d + (routed + config.shared_experts) * _mlp_params(d)
         else:

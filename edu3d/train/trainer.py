@@ -91,8 +91,7 @@ class Trainer:
         self.cp_size = self.mesh.layout.cp
         self._comm_seen: dict[str, float] = {}
         self.config = config = model.config
-        self.moe_layers = [i for i in range(config.n_layers)
-                           if getattr(config, "n_experts", 0) and i % config.moe_every == 0]
+        self.moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
         self.moe = {int(name.split(".")[-2]): m for name, m in self.par.module.named_modules()
                     if isinstance(m, MoE)}  # serial layer number -> this rank's MoE layer
 

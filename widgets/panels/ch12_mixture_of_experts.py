@@ -70,9 +70,8 @@ class CapacityControls(Panel):
         return self.runs[c]
 
     def knobs(self) -> dict:
-        return {"factor": w.SelectionSlider(options=sorted(self.runs),
-                                            value=self.state["factor"],
-                                            description="capacity C")}
+        return {"factor": w.Dropdown(options=sorted(self.runs), value=self.state["factor"],
+                                     description="capacity C")}
 
 
 class ExpertParallelControls(Panel):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import ch13_context_parallelism as ch13
-from edu3d.parallel.cp import IMPLS, positions, work
+from edu3d.parallel.cp import IMPLS, check, positions, work
 from edu3d.widgets.context import (exchange_figure, merge_figure, scale_figure,
                                    score_blocks_figure)
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel, choices
@@ -38,10 +38,10 @@ class BlockControls(Panel):
 
     def problem(self) -> str | None:
         s = self.state
-        chunks = 2 * s["cp"] if s["split"] == "zigzag" else s["cp"]
-        if s["seq_len"] % chunks:
-            return f"seq_len={s['seq_len']} does not cut into {chunks} equal chunks: " \
-                   f"choose another seq_len or cp"
+        try:
+            check(s["seq_len"], s["cp"], s["split"])
+        except ValueError as exc:
+            return f"{exc} (or another cp)"
         return None
 
     def redraw(self, **changes) -> None:
