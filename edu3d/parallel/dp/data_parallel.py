@@ -12,7 +12,8 @@ obvious to the one PyTorch's ``DistributedDataParallel`` uses:
     it once: one latency instead of hundreds, but still after backward has finished.
 ``overlap``
     a ``post_accumulate_grad`` hook launches an asynchronous all-reduce for each parameter as
-    soon as its gradient is ready, while backward continues on earlier layers.
+    soon as its gradient is ready (and those of the parameters registered after it: the
+    launch order below), while backward continues on earlier layers.
 ``bucketed``
     the parameters are grouped into buckets of about ``bucket_mb`` MB in *reverse*
     registration order (backward produces the last layer's gradients first), one dtype per
@@ -173,11 +174,12 @@ class DataParallel:
         if impl == "bucketed":
             self.buckets = make_buckets(self.params, bucket_mb, reverse_buckets,
                                         first_bucket_mb)
-        units = self.buckets if impl == "bucketed" else [
-            Bucket([p], None, index=i, offsets=[0]) for i, p in enumerate(reversed(self.params))
-        ] if impl == "overlap" else []
-        self._units = units
-        self._unit_of = {p: (u, off) for u in units for p, off in zip(u.params, u.offsets)}
+        self._units = self.buckets  # what launches during backward, in this order
+        if impl == "overlap":
+            self._units = [Bucket([p], None, index=i, offsets=[0])
+                           for i, p in enumerate(reversed(self.params))]
+        self._unit_of = {p: (u, off) for u in self._units
+                         for p, off in zip(u.params, u.offsets)}
         # every version watches the gradients arrive: it must know which parameters got one
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.params]
@@ -339,9 +341,7 @@ class DataParallel:
         return {p for p, f in zip(self.params, flags.tolist()) if f}
 
     def _unused_message(self, unused: list) -> str:
-        missing = {id(p) for p in unused}
-        names = [self.names.get(p, f"parameter {i}") for i, p in enumerate(self.params)
-                 if id(p) in missing]
+        names = [self.names.get(p, f"a parameter of shape {tuple(p.shape)}") for p in unused]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         rank = dist.get_rank()
         return (f"rank {rank}: {len(unused)} parameter(s) got no gradient in this step: "
