@@ -52,7 +52,7 @@ def test_a_report_becomes_one_measurement_per_number():
     assert got["step", "step_s"].ratio == pytest.approx(0.8)
     assert got["step", "tokens_per_s"].ratio == pytest.approx(1.25)
     assert got["step", "comm_share_dp"].reference_value is None
-    assert got["step", "comm_share_dp"].ratio is None
+    assert got["step", "comm_share_dp"].ratio is None and got["step", "step_s"].reference == "torch"
     assert got["step", "step_s"].layout == "dp4" and got["launch", "step_s"].layout == "1 rank"
     assert all(m.world_size == 4 and m.benchmark == "fake" for m in rows)
 
@@ -65,7 +65,7 @@ def test_the_command_appends_rows_and_writes_the_header_once(fake, tmp_path, cap
     head, *body = csv_rows(path)
     assert tuple(head) == records.COLUMNS == (
         "date", "git_commit", "machine", "torch_version", "benchmark", "case", "layout",
-        "world_size", "metric", "value", "reference_value", "ratio")
+        "world_size", "metric", "value", "reference", "reference_value", "ratio")
     assert len(body) == 8 and head not in body
     rows = records.read(path)
     assert [r["world_size"] for r in rows] == [1] * 4 + [2] * 4
@@ -123,9 +123,15 @@ def test_plot_draws_only_the_panels_it_has_data_for(tmp_path):
     assert any(list(line.get_xdata()) == [1.0, 1.0] for line in ratio.lines)  # the 1.0 line
     assert "%" in fig.axes[2].get_xlabel() and "tokens/s" in fig.axes[0].get_xlabel()
 
-    only_one_size = kept(tmp_path, fake_benchmark(2), name="one.csv")
+    baseline = {"benchmark": "cp", "world_size": 2, "layout": "cp2", "results": [
+        {"name": "cp2 ring", "edu3d_s": 0.2, "reference": "dp2, whole sequences",
+         "reference_s": 0.1, "ratio": 2.0, "tokens": 512, "comm_share": {"cp": 0.5}}]}
+    only_one_size = kept(tmp_path, fake_benchmark(2), baseline, name="one.csv")
     titles = [ax.get_title() for ax in plot.figure(records.read(only_one_size)).axes]
     assert plot.TITLES["scaling"] not in titles and plot.TITLES["ratio"] in titles
+    ratio = plot.figure(records.read(only_one_size)).axes[-1]  # PyTorch's references only
+    assert {t.get_text() for t in ratio.get_yticklabels()} == {
+        "dp2 · fake · step", "1 rank (2 ranks) · fake · launch"}
 
 
 def test_plot_command_writes_a_png(tmp_path, capsys):

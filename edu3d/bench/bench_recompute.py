@@ -41,7 +41,7 @@ CONFIG = GPTConfig(n_layers=4, n_heads=8, d_model=256, seq_len=128, vocab_size=2
 REFERENCE = {
     "none": "the same blocks, no recomputation",
     "selective": "torch.utils.checkpoint.create_selective_checkpoint_contexts (SDPA recomputed)",
-    "full": "checkpoint_wrapper(CheckpointImpl.NO_REENTRANT) per block",
+    "full": "torch checkpoint_wrapper(CheckpointImpl.NO_REENTRANT) per block",
 }
 
 

@@ -8,7 +8,9 @@ says and where each column comes from:
   repetition, the reference's beside it), ``tokens_per_s`` when the row knows its tokens,
   ``mfu`` and ``tflops`` when it carries them (``mfu`` and ``reference_mfu``), and one
   ``comm_share_<group>`` per process group it traced (the share of edu3d's step with that
-  group's operation in flight; no reference). ``ratio`` is always ``value / reference value``:
+  group's operation in flight; no reference). ``reference`` names what edu3d was timed
+  against (PyTorch's implementation, or a baseline such as data parallelism for ``cp``);
+  ``ratio`` is always ``value / reference value``:
   below 1 is faster for ``step_s``, above 1 is faster for ``tokens_per_s``;
 * **where it ran** (:func:`context`): the date (UTC), the git commit of the edu3d that ran
   (``git rev-parse`` where edu3d is a checkout, ``-dirty`` when tracked files differ,
@@ -44,7 +46,7 @@ except ImportError:  # Windows: no advisory locks; appends are still whole rows
     fcntl = None
 
 COLUMNS = ("date", "git_commit", "machine", "torch_version", "benchmark", "case", "layout",
-           "world_size", "metric", "value", "reference_value", "ratio")
+           "world_size", "metric", "value", "reference", "reference_value", "ratio")
 # metric -> (the row's key for edu3d's value, its key for the reference's value)
 METRICS = {"step_s": ("edu3d_s", "reference_s"),
            "tokens_per_s": ("tokens_per_s", "reference_tokens_per_s"),
@@ -68,6 +70,7 @@ class Measurement:
     metric: str
     value: float
     reference_value: float | None = None
+    reference: str = ""  # what the reference is (PyTorch's implementation, or a baseline)
 
     @property
     def ratio(self) -> float | None:
@@ -88,7 +91,8 @@ def measurements(rep: dict) -> list[Measurement]:
             if row.get(mine) is not None:
                 ref = row.get(theirs)
                 out.append(Measurement(**where, metric=metric, value=float(row[mine]),
-                                       reference_value=None if ref is None else float(ref)))
+                                       reference_value=None if ref is None else float(ref),
+                                       reference="" if ref is None else row.get("reference", "")))
         for group, share in sorted((row.get("comm_share") or {}).items()):
             out.append(Measurement(**where, metric=COMM_SHARE + group, value=float(share)))
     return out
@@ -179,7 +183,7 @@ def append(path: str | os.PathLike, rows: list[Measurement], where: dict | None 
     check_appendable(path)
     where = context() if where is None else where
     lines = [[where[c] for c in COLUMNS[:4]] +
-             [m.benchmark, m.case, m.layout, m.world_size, m.metric, repr(m.value),
+             [m.benchmark, m.case, m.layout, m.world_size, m.metric, repr(m.value), m.reference,
               "" if m.reference_value is None else repr(m.reference_value),
               "" if m.ratio is None else repr(m.ratio)] for m in rows]
     with Path(path).open("a", newline="") as f:
