@@ -57,7 +57,7 @@ def add_subcommand(sub) -> None:
     p.add_argument("--csv", metavar="FILE",
                    help="also append one row per measurement to FILE (the header once, when "
                         "FILE is new): date, git commit, machine, torch version, benchmark, "
-                        "case, layout, world size, metric, value, reference value, ratio")
+                        "case, layout, world size, metric, value, reference, its value, ratio")
     p.add_argument("-o", "--output", metavar="OUT",
                    help="plot: the picture to write (.png, .svg or .pdf; default FILE.png)")
     p.set_defaults(func=main_from_args)
