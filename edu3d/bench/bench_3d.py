@@ -60,7 +60,7 @@ import dataclasses
 
 import torch
 
-from edu3d.bench.harness import interleaved_medians, report, result
+from edu3d.bench.harness import comm_shares, interleaved_medians, layout_name, report, result
 from edu3d.distributed.mesh import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
@@ -150,11 +150,14 @@ def worker(mesh, reps: int = 3, warmup: int = 1) -> dict | None:
         times = interleaved_medians({"edu3d": lambda: ours.step(x, y, next(mine)),
                                      "torch": lambda: theirs.step(x, y, next(its))},
                                     reps=reps, warmup=warmup, group=mesh.groups["world"])
+        share = comm_shares(lambda: ours.step(x, y, next(mine)))
         dp = "fully_shard(reshard_after_forward=False)" if zero else "replicate (FSDP2)"
         rows.append(result(f"dp2-tp2-pp2 1f1b{' zero1' if zero else ''}", times["edu3d"],
-                           REFERENCE.format(dp=dp), times["torch"], max_grad_rel_diff=diff,
+                           REFERENCE.format(dp=dp), times["torch"], tokens=x.numel(),
+                           comm_share=share, max_grad_rel_diff=diff,
                            microbatches=MICROBATCHES, global_batch=GLOBAL_BATCH, **MODEL))
-    return report("3d", mesh.layout.world_size, rows) if mesh.rank == 0 else None
+    return (report("3d", mesh.layout.world_size, rows, layout_name(**LAYOUT))
+            if mesh.rank == 0 else None)
 
 
 def run_benchmark(nprocs: int = 8, reps: int = 3, json_out: bool = False, **_) -> dict:

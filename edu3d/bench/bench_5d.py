@@ -26,10 +26,8 @@ interleaved, medians, :mod:`edu3d.bench.harness`):
 
 from __future__ import annotations
 
-import time
-
-from edu3d.bench.harness import interleaved_medians, progress, report, result
-from edu3d.distributed import trace
+from edu3d.bench.harness import (comm_busy, interleaved_medians, layout_name, progress, report,
+                                 result, traced)
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
@@ -50,29 +48,6 @@ def _trainer(**options):
     return Trainer(GPT(config, seed=0), Mesh.build(layout), args), corpus, config
 
 
-def _traced_step(trainer, x, y) -> tuple[list[dict], float, dict]:
-    """One step recorded in memory: its events, its seconds, its record."""
-    rec = trace.Recorder(trace.current().rank)
-    with trace.use(rec):
-        t0 = time.perf_counter()
-        out = trainer.step(x, y, 1)
-        seconds = time.perf_counter() - t0
-    return rec.events, seconds, out
-
-
-def _comm(events: list[dict], group: str) -> tuple[float, float]:
-    """(bytes sent on the wire, seconds with at least one of ``group``'s operations in
-    flight) in ``events``: overlapping sends and receives count once, so the share of the
-    step stays a share."""
-    mine = sorted((e for e in events if e.get("lane") == "comm" and e.get("group") == group),
-                  key=lambda e: e["t0"])
-    busy, end = 0.0, float("-inf")
-    for e in mine:
-        busy += max(0.0, e["t1"] - max(e["t0"], end))
-        end = max(end, e["t1"])
-    return sum(trace.wire_bytes(e) for e in mine), busy / 1e6
-
-
 def ep_worker(mesh, reps: int) -> list[dict]:
     n = mesh.layout.world_size
     global_batch = 2 * n
@@ -81,8 +56,8 @@ def ep_worker(mesh, reps: int) -> list[dict]:
     x, y = corpus.batch(1, global_batch)
     times = interleaved_medians({"moe": lambda: moe.step(x, y, 1),
                                  "dense": lambda: dense.step(x, y, 1)}, reps)
-    events, seconds, out = _traced_step(moe, x, y)
-    sent, a2a_s = _comm(events, "ep")
+    events, seconds, out = traced(lambda: moe.step(x, y, 1))
+    sent, a2a_s = comm_busy(events, "ep")
     T, k, h = global_batch // n * config.seq_len, config.topk, config.d_model
     layers = config.n_layers  # every block is an MoE layer
     rows = 4 * T * k * layers  # dispatch + combine, forward + backward
@@ -90,7 +65,8 @@ def ep_worker(mesh, reps: int) -> list[dict]:
     remote = sum(v for i, row in enumerate(matrix) for j, v in enumerate(row) if i != j)
     share = remote / max(sum(map(sum, matrix)), 1)
     return [result(f"ep{n} moe e8 top1", times["moe"], "dense, same active params, dp only",
-                   times["dense"], a2a_bytes=sent, a2a_bytes_formula=rows * h * 4 * (n - 1) / n,
+                   times["dense"], tokens=global_batch * config.seq_len,
+                   comm_share={"ep": a2a_s / seconds}, a2a_bytes=sent, a2a_bytes_formula=rows * h * 4 * (n - 1) / n,
                    remote_share=share, remote_share_formula=(n - 1) / n,
                    a2a_share_of_step=a2a_s / seconds)]
 
@@ -110,10 +86,11 @@ def cp_worker(mesh, reps: int) -> list[dict]:
         ours, _, _ = _trainer(**base, cp=n, cp_impl=impl)
         times = interleaved_medians({impl: lambda: ours.step(x, y, 1),
                                      "dp": lambda: dense.step(x, y, 1)}, reps)
-        events, seconds, _ = _traced_step(ours, x, y)
-        sent, cp_s = _comm(events, "cp")
+        events, seconds, _ = traced(lambda: ours.step(x, y, 1))
+        sent, cp_s = comm_busy(events, "cp")
         rows.append(result(f"cp{n} {impl}", times[impl], f"dp{n}, whole sequences",
-                           times["dp"], cp_bytes=sent, cp_bytes_formula=formula[impl],
+                           times["dp"], tokens=n * s, comm_share={"cp": cp_s / seconds},
+                           cp_bytes=sent, cp_bytes_formula=formula[impl],
                            cp_share_of_step=cp_s / seconds))
     return rows
 
@@ -123,7 +100,7 @@ def run_ep_benchmark(nprocs: int = 4, reps: int = 5, json_out: bool = False) -> 
     progress(f"expert parallelism on {nprocs} ranks")
     run = launch(ep_worker, nprocs, args=(reps,), layout=Layout(dp=nprocs), timeout=600,
                  echo=not json_out, name="bench-ep")
-    return report("ep", nprocs, run.results[0])
+    return report("ep", nprocs, run.results[0], layout=layout_name(dp=nprocs, ep=nprocs))
 
 
 def run_cp_benchmark(nprocs: int = 4, reps: int = 5, json_out: bool = False) -> dict:
@@ -131,4 +108,4 @@ def run_cp_benchmark(nprocs: int = 4, reps: int = 5, json_out: bool = False) -> 
     progress(f"context parallelism on {nprocs} ranks, sequence {CP_SEQ}")
     run = launch(cp_worker, nprocs, args=(reps,), layout=Layout(dp=nprocs), timeout=600,
                  echo=not json_out, name="bench-cp")
-    return report("cp", nprocs, run.results[0])
+    return report("cp", nprocs, run.results[0], layout=layout_name(cp=nprocs))

@@ -57,26 +57,33 @@ def _timed(mine, ref, x, y, reps: int) -> dict:
                                       "ref": lambda: ref.step(x, y, 1)}, reps=reps)
 
 
+def _row(name: str, mine, ref, x, y, reps: int, reference: str, **extra) -> dict:
+    """Both sides timed, then one traced step of edu3d's for its communication share."""
+    t = _timed(mine, ref, x, y, reps)
+    share = bench.comm_shares(lambda: mine.step(x, y, 1))
+    return bench.result(name, t["edu3d"], reference, t["ref"], tokens=x.numel(),
+                        comm_share=share, **extra)
+
+
 def dp_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 5,
               bucket_mb: float = 25.0):
     args, config, x, y = _setup(model, global_batch, bucket_mb=bucket_mb)
-    t = _timed(*_trainers(mesh, config, args), x, y, reps)
-    rows = [bench.result(f"bucketed DDP step ({model})", t["edu3d"], DDP, t["ref"],
-                         goal=1.05)]
-    return bench.report("dp", mesh.size("dp"), rows) if dist.get_rank() == 0 else None
+    rows = [_row(f"bucketed DDP step ({model})", *_trainers(mesh, config, args), x, y, reps,
+                 DDP, goal=1.05)]
+    return (bench.report("dp", mesh.size("dp"), rows, bench.layout_name(dp=mesh.size("dp")))
+            if dist.get_rank() == 0 else None)
 
 
 def zero_worker(mesh, model: str = "small", global_batch: int = 16, reps: int = 5):
     args, config, x, y = _setup(model, global_batch)
-    rows = []
-    # ZeRO-1 against ZeroRedundancyOptimizer (wrapping DDP, its intended use)
-    t = _timed(*_trainers(mesh, config, args, zero=1), x, y, reps)
-    rows.append(bench.result(f"ZeRO-1 step ({model})", t["edu3d"], ZERO_OPT, t["ref"]))
-    # ZeRO-3 against FSDP2 (one unit per block plus the root)
-    t = _timed(*_trainers(mesh, config, args, zero=3), x, y, reps)
-    rows.append(bench.result(f"ZeRO-3 step ({model})", t["edu3d"], FSDP2, t["ref"],
-                             goal=1.25))
-    return bench.report("zero", mesh.size("dp"), rows) if dist.get_rank() == 0 else None
+    rows = [  # ZeRO-1 against ZeroRedundancyOptimizer (wrapping DDP, its intended use)
+        _row(f"ZeRO-1 step ({model})", *_trainers(mesh, config, args, zero=1), x, y, reps,
+             ZERO_OPT),
+        # ZeRO-3 against FSDP2 (one unit per block plus the root)
+        _row(f"ZeRO-3 step ({model})", *_trainers(mesh, config, args, zero=3), x, y, reps,
+             FSDP2, goal=1.25)]
+    return (bench.report("zero", mesh.size("dp"), rows, bench.layout_name(dp=mesh.size("dp")))
+            if dist.get_rank() == 0 else None)
 
 
 def _run(worker, name: str, nprocs: int, json_out: bool, opts: dict) -> dict:

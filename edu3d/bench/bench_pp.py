@@ -56,10 +56,12 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
               for a, b in zip(ours.par.module.parameters(), theirs.params))
     err_t = torch.tensor([err], dtype=torch.float64)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
+    share = bench.comm_shares(edu3d_step)  # after the comparison: it adds to the gradients
     if mesh.rank != 0:
         return None
-    return bench.report("pp", pp, [bench.result(
-        "1f1b", times["edu3d"], REFERENCE, times["torch"], microbatches=m, layers=layers,
+    return bench.report("pp", pp, layout=bench.layout_name(pp=pp), results=[bench.result(
+        "1f1b", times["edu3d"], REFERENCE, times["torch"], tokens=x.numel(), comm_share=share,
+        microbatches=m, layers=layers,
         d_model=d_model, seq=seq, rows_per_microbatch=rows,
         max_grad_rel_diff=float(err_t.item()))])
 

@@ -29,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
                                                                          checkpoint_wrapper)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from edu3d.bench.harness import interleaved_medians, report, result
+from edu3d.bench.harness import interleaved_medians, layout_name, report, result
 from edu3d.distributed.mesh import Layout
 from edu3d.distributed.meter import measure_activations
 from edu3d.launch import launch
@@ -41,7 +41,7 @@ CONFIG = GPTConfig(n_layers=4, n_heads=8, d_model=256, seq_len=128, vocab_size=2
 REFERENCE = {
     "none": "the same blocks, no recomputation",
     "selective": "torch.utils.checkpoint.create_selective_checkpoint_contexts (SDPA recomputed)",
-    "full": "checkpoint_wrapper(CheckpointImpl.NO_REENTRANT) per block",
+    "full": "torch checkpoint_wrapper(CheckpointImpl.NO_REENTRANT) per block",
 }
 
 
@@ -106,9 +106,11 @@ def recompute_benchmark(mesh, reps: int = 7, batch: int = 4, config: GPTConfig =
     for m in MODES:
         ours, theirs = times[f"{m}/edu3d"], times[f"{m}/torch"]
         rows.append(result(f"{config.n_layers} blocks {m}", ours, REFERENCE[m], theirs,
+                           tokens=batch * config.seq_len,
                            slowdown=ours / times["none/edu3d"],
                            saved_bytes_per_layer=saved_bytes(sides[(m, True)][0], x)))
-    return report("recompute", mesh.layout.world_size, rows) if mesh.rank == 0 else None
+    return (report("recompute", mesh.layout.world_size, rows, layout_name(tp=mesh.size("tp")))
+            if mesh.rank == 0 else None)
 
 
 def run_benchmark(nprocs: int = 1, reps: int = 7, json_out: bool = False, **_) -> dict:

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from edu3d.bench.harness import interleaved_medians, report, result
+from edu3d.bench.harness import comm_shares, interleaved_medians, layout_name, report, result
 from edu3d.distributed.mesh import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, GPTConfig
@@ -82,18 +82,21 @@ def tp_benchmark(mesh, sp: bool = False, reps: int = 10, batch: int = 4,
     times = interleaved_medians({"edu3d": lambda: step(ours, x_ours),
                                  "dtensor": lambda: step(theirs, x_theirs)},
                                 reps=reps, warmup=2, group=mesh.tp)
+    share = comm_shares(lambda: step(ours, x_ours))
     if mesh.rank != 0:
         return None
     name = f"{config.n_layers} blocks{' sp' if sp else ''}{' overlap' if overlap else ''}"
     reference = ("torch.distributed.tensor.parallel (ColwiseParallel/RowwiseParallel"
                  + (", SequenceParallel)" if sp else ")"))
-    return result(name, times["edu3d"], reference, times["dtensor"], max_abs_diff=diff)
+    return result(name, times["edu3d"], reference, times["dtensor"],
+                  tokens=batch * config.seq_len, comm_share=share, max_abs_diff=diff)
 
 
 def bench_all(mesh, reps: int) -> dict | None:
     rows = [tp_benchmark(mesh, sp, reps, overlap=overlap)
             for sp, overlap in ((False, False), (False, True), (True, False))]
-    return report("tp", mesh.layout.world_size, rows) if mesh.rank == 0 else None
+    return (report("tp", mesh.layout.world_size, rows, layout_name(tp=mesh.size("tp")))
+            if mesh.rank == 0 else None)
 
 
 def run_benchmark(nprocs: int = 2, reps: int = 10, json_out: bool = False, **_) -> dict:

@@ -10,10 +10,17 @@ After reading this file you should understand how edu3d measures speed honestly:
   over ranks after);
 * results are reported as ``ratio = edu3d_s / reference_s`` in one JSON shape::
 
-    {"benchmark": "dp", "world_size": 4,
+    {"benchmark": "dp", "world_size": 4, "layout": "dp4",
      "results": [{"name": "bucketed", "edu3d_s": 0.012, "reference":
                   "torch.nn.parallel.DistributedDataParallel", "reference_s": 0.011,
-                  "ratio": 1.09}]}
+                  "ratio": 1.09, "tokens": 2048, "tokens_per_s": 170666.7,
+                  "reference_tokens_per_s": 186181.8, "comm_share": {"dp": 0.31}}]}
+
+  ``tokens`` (what one timed repetition processes, all ranks together) gives both sides'
+  tokens/s; ``comm_share`` is the share of one traced edu3d step (rank 0's) with an
+  operation of each process group in flight (:func:`comm_shares`). A row may name its own
+  ``layout``. :mod:`edu3d.bench.records` turns every report into rows of a CSV that a user
+  keeps (``edu3d bench NAME --csv FILE``), and :mod:`edu3d.bench.plot` draws that CSV;
 
 Benchmarks are commands (``edu3d bench NAME``), never timed tests: a test's pass or fail must
 not depend on how busy the machine is.
@@ -39,6 +46,8 @@ import statistics
 import sys
 import time
 from typing import Callable
+
+from edu3d.distributed import trace
 
 
 def progress(message: str) -> None:
@@ -84,14 +93,61 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int = 5, war
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def result(name: str, edu3d_s: float, reference: str, reference_s: float, **extra) -> dict:
-    """One row of a benchmark report."""
-    return {"name": name, "edu3d_s": edu3d_s, "reference": reference,
-            "reference_s": reference_s, "ratio": edu3d_s / reference_s, **extra}
+def traced(fn: Callable[[], object]) -> tuple[list[dict], float, object]:
+    """``fn()`` once, recorded in memory: its trace events, its seconds, what it returned."""
+    rec = trace.Recorder(trace.current().rank)
+    with trace.use(rec):
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+    return rec.events, seconds, out
 
 
-def report(benchmark: str, world_size: int, results: list[dict]) -> dict:
-    return {"benchmark": benchmark, "world_size": world_size, "results": results}
+def comm_busy(events: list[dict], group: str) -> tuple[float, float]:
+    """(bytes sent on the wire, seconds with at least one of ``group``'s operations in
+    flight) in ``events``: overlapping sends and receives count once, so the share of the
+    step stays a share."""
+    mine = sorted((e for e in events if e.get("lane") == "comm" and e.get("group") == group),
+                  key=lambda e: e["t0"])
+    busy, end = 0.0, float("-inf")
+    for e in mine:
+        busy += max(0.0, e["t1"] - max(e["t0"], end))
+        end = max(end, e["t1"])
+    return sum(trace.wire_bytes(e) for e in mine), busy / 1e6
+
+
+def comm_shares(fn: Callable[[], object]) -> dict[str, float]:
+    """For one traced call of ``fn`` (a training step), the share of its time that each
+    process group seen had an operation in flight (this rank's view; communication hidden
+    under compute counts too)."""
+    events, seconds, _ = traced(fn)
+    groups = sorted({e["group"] for e in events if e.get("lane") == "comm" and "group" in e})
+    return {g: comm_busy(events, g)[1] / seconds for g in groups}
+
+
+def layout_name(**axes: int) -> str:
+    """``dp2-tp2-pp2`` from axis sizes (axes of size 1 left out; ``1 rank`` if all are)."""
+    return "-".join(f"{k}{v}" for k, v in axes.items() if v > 1) or "1 rank"
+
+
+def result(name: str, edu3d_s: float, reference: str, reference_s: float,
+           tokens: int | None = None, **extra) -> dict:
+    """One row of a benchmark report; with ``tokens`` (per timed repetition, all ranks
+    together) both sides' tokens/s too."""
+    row = {"name": name, "edu3d_s": edu3d_s, "reference": reference,
+           "reference_s": reference_s, "ratio": edu3d_s / reference_s}
+    if tokens:
+        row.update(tokens=tokens, tokens_per_s=tokens / edu3d_s,
+                   reference_tokens_per_s=tokens / reference_s)
+    return {**row, **extra}
+
+
+def report(benchmark: str, world_size: int, results: list[dict],
+           layout: str | None = None) -> dict:
+    """A benchmark's report: its rows, the ranks it ran on, and the layout (``dp4``) each
+    row ran on unless the row names its own."""
+    return {"benchmark": benchmark, "world_size": world_size,
+            "layout": layout or f"{world_size} ranks", "results": results}
 
 
 def format_table(rep: dict) -> str:
