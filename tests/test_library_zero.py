@@ -19,7 +19,6 @@
 import functools
 
 import pytest
-import torch
 import torch.nn as nn
 
 from edu3d.launch import launch
