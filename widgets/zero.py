@@ -35,7 +35,7 @@ FIRST_SHARDED_STAGE = {"optimizer": 1, "grads": 2, "params": 3}
 def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 1,
                         menu: bool = True):
     """``units``: ``(name, numel, padded)`` per flat unit, in order (see
-    :class:`edu3d.parallel.zero.sharding.FlatUnit`). ``menu``: the figure's own dropdown through the
+    :class:`edu3d.parallel.zero.flat_unit.FlatUnit`). ``menu``: the figure's own dropdown through the
     stages (off in a control panel, whose stage knob redraws the figure)."""
     starts, pos = [], 0
     for _, _, padded in units:

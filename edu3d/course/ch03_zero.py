@@ -3,7 +3,7 @@
 After reading this file you should know where every bar of chapter 03's panel comes from.
 Each knob setting (stage, N) has a **prediction** computed in this process in milliseconds:
 :func:`zero_units` (the flat units and their padding to a multiple of N, as
-:class:`edu3d.parallel.zero.sharding.FlatUnit` builds them) and :func:`zero_prediction` (the
+:class:`edu3d.parallel.zero.flat_unit.FlatUnit` builds them) and :func:`zero_prediction` (the
 paper's formula :func:`edu3d.plan.formulas.zero_bytes`, the planner's exact count
 :func:`edu3d.plan.estimate.state_per_rank`, and the traffic per step 2Ψ / 3Ψ). The button's
 run is chapter 02's :func:`edu3d.course.ch02_data_parallel.compare_versions` at that stage,
@@ -22,7 +22,7 @@ from edu3d.course.ch02_data_parallel import traffic_per_step
 from edu3d.distributed import trace
 from edu3d.model.gpt import GPT, config_from
 from edu3d.model.shapes import spec_from_config
-from edu3d.parallel.zero.sharding import model_units
+from edu3d.parallel.zero.units import model_units
 from edu3d.plan import estimate as plan_memory
 from edu3d.plan.formulas import zero_bytes
 from edu3d.train.data import SyntheticCorpus, shard_rows

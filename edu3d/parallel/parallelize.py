@@ -49,7 +49,8 @@ from edu3d.schedules.actions import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
-from edu3d.parallel.zero.sharding import Zero, model_units
+from edu3d.parallel.zero.sharding import Zero
+from edu3d.parallel.zero.units import model_units
 
 
 @dataclass(frozen=True)
@@ -132,24 +133,29 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, compute=None):
     return stages, parts, actions[pp_rank]
 
 
-def apply_data_parallel(par: Parallel, make_optimizer=None) -> None:
-    """DP (one of four gradient averagers) or ZeRO over this rank's own parameters; ZeRO
-    builds its optimizer over its shard with ``make_optimizer(decay, no_decay)``."""
+def apply_data_parallel(par: Parallel, optimizer=None) -> None:
+    """DP (one of four gradient averagers) or ZeRO over this rank's own parameters. ZeRO's
+    optimizer over a list of parameters is ``Zero(..., **optimizer(params))``: its
+    ``optimizer_class``, ``params`` (or param groups) and defaults (the trainer's rule);
+    ``None``: :class:`Zero`'s default, AdamW over all of them."""
     mesh, plan = par.mesh, par.plan
     layout = mesh.layout
     n = layout.dp * layout.cp  # every dense gradient is averaged over dp x cp
     is_expert = {p for p, name in par.names.items() if name in par.experts}
+    options = optimizer or (lambda params: {})
     if plan.zero:
         units = [u for s in sorted(par.stages)
                  for u in model_units(par.stages[s], _tied_in(par.stages[s], par.tied))]
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
-        par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, make_optimizer,
-                        prefetch=plan.prefetch, offload=plan.offload,
-                        units=[u for u in dense if u[2]])
+        dense = [u for u in dense if u[2]]
+        par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, prefetch=plan.prefetch,
+                        offload=plan.offload, units=dense,
+                        **options([p for _, _, ps in dense for p in ps]))
         if is_expert:
-            par.expert_zero = Zero(par.module, mesh.group("edp"), plan.zero, make_optimizer,
-                                   offload=plan.offload, units=_expert_units(par, is_expert),
-                                   divisor=n)
+            experts = _expert_units(par, is_expert)
+            par.expert_zero = Zero(par.module, mesh.group("edp"), plan.zero,
+                                   offload=plan.offload, units=experts, divisor=n,
+                                   **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
         hook = make_hook(plan.compress) if plan.compress else None
         par.dp = DataParallel(par.module, mesh.group("dpcp"), plan.dp_impl, plan.bucket_mb,
@@ -188,11 +194,11 @@ def _tied_in(stage: PipelineStage, tied):
     return tied if tied is not None and any(t is tied for t in held) else None
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
                 compute=None) -> Parallel:
     """Turn the full serial ``model`` (built from the same seed on every rank) into this
-    rank's piece of ``mesh``'s layout; ``make_optimizer(decay, no_decay)`` builds ZeRO's
-    optimizer over its shard (the trainer's rule)."""
+    rank's piece of ``mesh``'s layout; ``optimizer(params)`` gives ZeRO's optimizer
+    arguments for ``params`` (see :func:`apply_data_parallel`)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     tie = bool(getattr(model.config, "tie_weights", False))
     if mesh.size("tp") > 1:
@@ -226,5 +232,5 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
         mesh.add_groups("embed")
         if par.is_first or par.is_last:
             par.tied = model.tok_emb.weight
-    apply_data_parallel(par, make_optimizer)
+    apply_data_parallel(par, optimizer)
     return par

@@ -9,7 +9,7 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   per parameter (16-bit weights and gradients; fp32 master weights and Adam's two moments,
   the ZeRO paper's K = 12); fp32 training 4 + 4 + 8. ZeRO shards the optimizer state
   (stage 1), then the gradients (2), then the weights (3) over the dp ranks, each unit's
-  flat buffer padded to a multiple of dp (:mod:`edu3d.parallel.zero.sharding`);
+  flat buffer padded to a multiple of dp (:mod:`edu3d.parallel.zero.flat_unit`);
 * **the activations**: bytes per layer and micro-batch from :mod:`edu3d.plan.formulas`
   (Korthikanti et al. 2022 for real models in 16-bit; the exact fp32 count for this course's
   GPT), times the layers of the stage, plus the first stage's token ids and the last
@@ -139,7 +139,7 @@ def _autocast(spec: ModelSpec, st: Setup) -> bool:
 # ---- parameters per rank -------------------------------------------------------------------------
 def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> list[tuple]:
     """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in the
-    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.sharding.model_units`);
+    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.units.model_units`);
     ``experts``: instead, each MoE block's ``E/ep`` routed experts (ZeRO shards them apart,
     over the expert-data-parallel group). Cached on what they depend on: do not change them."""
     return _units(spec, _shape_of(st), pp_rank, experts)

@@ -39,15 +39,22 @@ def make_optimizer(params, args) -> torch.optim.Optimizer | None:
     return optimizer_for(param_groups(params, args.weight_decay), args)
 
 
+def optimizer_kwargs(args) -> dict:
+    """The rule of ``args`` as a class and its defaults: ``{"optimizer_class", "lr", ...}``
+    (what :class:`~edu3d.parallel.zero.sharding.Zero` takes, with the groups)."""
+    if args.optimizer == "sgd":
+        return {"optimizer_class": torch.optim.SGD, "lr": args.lr}
+    return {"optimizer_class": torch.optim.AdamW, "lr": args.lr, "betas": (0.9, 0.95)}
+
+
 def optimizer_for(groups: list[dict], args) -> torch.optim.Optimizer | None:
-    """The rule of ``args`` (AdamW or SGD) over ready-made parameter groups (ZeRO's shard
-    pieces, whose decay follows the full tensor's shape); ``None`` for no groups."""
+    """The rule of ``args`` (AdamW or SGD) over ready-made parameter groups; ``None`` for
+    no groups."""
     groups = [g for g in groups if g["params"]]
     if not groups:
         return None
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    kwargs = optimizer_kwargs(args)
+    return kwargs.pop("optimizer_class")(groups, **kwargs)
 
 
 def lr_at(step: int, args) -> float:

@@ -38,7 +38,8 @@ from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import meter, trace
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
-from edu3d.train.optim import clip_coef, lr_at, make_optimizer, optimizer_for, set_lr
+from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwargs,
+                               param_groups, set_lr)
 from edu3d.train.options import TrainOptions
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.optim_state import adam_state
@@ -95,10 +96,10 @@ class Trainer:
         self.moe = {int(name.split(".")[-2]): m for name, m in self.par.module.named_modules()
                     if isinstance(m, MoE)}  # serial layer number -> this rank's MoE layer
 
-    def _shard_optimizer(self, decay: list, no_decay: list):
-        """ZeRO's optimizer over its shard's pieces: this run's rule and weight decay."""
-        return optimizer_for([{"params": decay, "weight_decay": self.args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], self.args)
+    def _shard_optimizer(self, params: list) -> dict:
+        """ZeRO's optimizer for ``params``: this run's rule, decay on matrices only."""
+        return {**optimizer_kwargs(self.args),
+                "params": param_groups(params, self.args.weight_decay)}
 
     # ---- the schedule's hooks -----------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor, m: int) -> torch.Tensor:

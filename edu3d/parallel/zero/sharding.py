@@ -3,9 +3,9 @@
 After reading this file you should understand where each byte of training state lives
 (Rajbhandari et al. 2019; formulas in DESIGN.md, measured in :mod:`edu3d.plan.formulas`):
 
-* the model is cut into **units** (the embeddings, each transformer block, the head). Each
-  unit's parameters are laid end to end in one **flat buffer**, padded to a multiple of N, and
-  rank ``r`` owns the contiguous slice ``[r·P/N, (r+1)·P/N)`` of it: its **shard**;
+* the model is cut into **units** (:mod:`edu3d.parallel.zero.units`: the embeddings, each
+  block, the head, for any model), each laid out in a padded **flat buffer** of which rank
+  ``r`` owns a contiguous **shard** (:mod:`edu3d.parallel.zero.flat_unit`);
 * **stage 1** shards the optimizer state. Backward fills full gradients as usual; then each
   unit's gradient buffer is *reduce-scattered* (rank r receives the sum of its slice), the
   optimizer steps only the owned slice, and the updated slices are *all-gathered* back into
@@ -18,24 +18,30 @@ After reading this file you should understand where each byte of training state 
   They are all-gathered before its forward, freed after it, gathered again before its
   backward, and freed once its gradients are reduce-scattered. Traffic 3Ψ (two all-gathers,
   one reduce-scatter); ``prefetch=True`` starts gathering the next unit while the current one
-  computes;
+  computes. Outside forward and backward a parameter is an empty tensor (shape ``(0,)``, as
+  in FSDP); ``model.state_dict()`` gathers full tensors (collective: every rank calls it);
 * ``offload=True`` (any stage) keeps the optimizer's work in host memory: the shard's fp32
   master copy, its gradient and the Adam moments live on the CPU, the step runs there, and
-  only the updated shard is copied back (ZeRO-Offload, Ren et al. 2021). On a GPU that moves
-  ``16Ψ/N`` bytes per rank off the device; on a CPU-only machine it is the same memory.
+  only the updated shard is copied back (ZeRO-Offload, Ren et al. 2021).
 
 Memory per rank in fp32 (4-byte params and grads, 8 bytes of Adam moments; K=8):
 stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
 
-The optimizer is the serial loop's own (AdamW or SGD, decay on matrices only) applied to
-views of the shard, one per parameter piece the shard contains, so every element is updated
-by exactly the arithmetic the serial model uses. Gradients are summed and divided by N here,
-never averaged by the backend (``ReduceOp.AVG`` is broken on gloo).
+The optimizer is any ``torch.optim`` class, built like ``ZeroRedundancyOptimizer``'s
+(``optimizer_class``, ``params`` or param groups, ``**defaults``) over *views of the shard*,
+one per parameter piece it contains, in the group of its parameter: every element is updated
+by exactly the arithmetic the same optimizer does on one process. The gradient hooks use the
+gradient autograd hands them, so ``model.zero_grad()`` or ``zero.zero_grad()`` (either
+``set_to_none``), before forward or after the step, trains the same. A parameter is stepped
+only if it received a gradient (``p.grad is None`` means skip, as in torch): with
+``find_unused_parameters=True`` the ranks agree by summing a mask of who received one;
+without it a missing gradient is an error. Gradients are summed and divided by N here, never
+averaged by the backend (``ReduceOp.AVG`` is broken on gloo).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -43,155 +49,70 @@ import torch.distributed as dist
 from edu3d.distributed import comm, trace
 from edu3d.parallel.dp.data_parallel import switched
 from edu3d.parallel.optim_state import adam_state
+from edu3d.parallel.zero.flat_unit import FlatUnit
+from edu3d.parallel.zero.gathering import Gathering
+from edu3d.parallel.zero.units import model_units
 
 STAGES = (1, 2, 3)
 
 
-class FlatUnit:
-    """One unit's parameters as a padded flat buffer, and this rank's shard of it."""
-
-    def __init__(self, name: str, modules: list, params: list, n: int, index: int):
-        self.name, self.modules, self.params = name, modules, params
-        self.numel = sum(p.numel() for p in params)
-        self.padded = math.ceil(self.numel / n) * n
-        self.shard_numel = self.padded // n
-        self.lo, self.hi = index * self.shard_numel, (index + 1) * self.shard_numel
-        self.offsets = []
-        off = 0
-        for p in params:
-            self.offsets.append(off)
-            off += p.numel()
-        p0 = params[0]
-        self.flat_param = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
-        with torch.no_grad():
-            for p, o in zip(params, self.offsets):
-                self.flat_param[o:o + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.flat_param[o:o + p.numel()].view_as(p)
-        self.shard_param = self.flat_param[self.lo:self.hi]
-        self.flat_grad: torch.Tensor | None = None
-        self.shard_grad = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
-        self.ready = 0
-        self.reduced = False  # stages 2-3: reduce-scattered in this step's last backward
-        self.gathered = True
-        self.pending = None  # an asynchronous all-gather in flight (prefetch)
-
-    def pieces(self):
-        """``(param, start, end, at)``: elements ``[start, end)`` of ``param`` (flattened)
-        lie in this rank's shard, beginning at offset ``at`` of the shard."""
-        for p, o in zip(self.params, self.offsets):
-            a, b = max(o, self.lo), min(o + p.numel(), self.hi)
-            if a < b:
-                yield p, a - o, b - o, a - self.lo
-
-    def flatten_grads(self) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.shard_grad.dtype, device=self.shard_grad.device)
-        for p, o in zip(self.params, self.offsets):
-            flat[o:o + p.numel()].copy_(p.grad.reshape(-1))
-        return flat
-
-
-def _units_of(pieces: list[tuple[str, list]], tied=None) -> list[tuple[str, list, list]]:
-    """``(name, modules, params)`` per unit from ``(name, modules)`` in call order.
-
-    A parameter belongs to the first unit whose modules hold it. A ``tied`` parameter (the
-    embedding shared with the LM head) is a unit of its own, whose modules are every module
-    that uses it: so the first and the last pipeline stage shard it identically, and their
-    shards of its gradient can simply be added up.
-    """
-    units, seen = [], {id(tied)} if tied is not None else set()
-    if tied is not None:
-        users = [m for _, mods in pieces for m in mods
-                 if any(p is tied for p in m.parameters(recurse=False))]
-        units.append(("tied", users, [tied]))
-    for name, modules in pieces:
-        params = []
-        for p in (p for m in modules for p in m.parameters()):
-            if id(p) not in seen and p.requires_grad:
-                seen.add(id(p))
-                params.append(p)
-        kept = [m for m in modules if any(any(p is q for q in params) for p in m.parameters())]
-        if params:
-            units.append((name, kept, params))
-    return units
-
-
-def model_units(model, tied=None) -> list[tuple[str, list, list]]:
-    """``(name, modules in call order, parameters)`` per unit: embeddings, each block, head.
-
-    ``model`` is edu3d's GPT or one of its pipeline stages (``blocks`` a list or a dict keyed
-    by the serial layer number); any other module is one unit. An embedding that ``model``
-    itself ties to its LM head is found here; ``tied`` names one tied across pipeline stages.
-    """
-    tok, head = (getattr(getattr(model, m, None), "weight", None) for m in ("tok_emb", "lm_head"))
-    if tied is None and tok is not None and tok is head:
-        tied = tok
-    pieces = []
-    if hasattr(model, "tok_emb"):
-        pieces.append(("embed", [model.tok_emb, model.pos_emb]))
-    if hasattr(model, "blocks"):
-        items = model.blocks.items() if isinstance(model.blocks, torch.nn.ModuleDict) \
-            else enumerate(model.blocks)
-        pieces += [(f"block{i}", [b]) for i, b in items]
-    if hasattr(model, "lm_head"):
-        pieces.append(("head", [model.ln_f, model.lm_head]))
-    if not pieces:
-        return [("model", [model], [p for p in model.parameters() if p.requires_grad])]
-    return _units_of(pieces, tied)
-
-
 class Zero:
-    """Shards a model's optimizer state (stage 1), gradients (2) and parameters (3) over
-    ``group``. Drive it like :class:`~edu3d.parallel.dp.data_parallel.DataParallel`: ``zero_grad()``,
-    forward/backward per micro-batch (all but each unit's last backward inside
-    :meth:`no_sync`), ``finish()``; then ``scale_(coef)`` by the clipping coefficient of the
-    global norm and ``step(lr)``.
+    """Shards ``model``'s optimizer state (stage 1), gradients (2) and parameters (3) over
+    ``group`` (``None``: the world), with ``optimizer_class(groups, **defaults)`` over the
+    shard. ``params`` (default: every unit parameter) is what torch optimizers take: tensors
+    or param groups (dicts), each group's settings applying to its parameters' pieces.
+
+    The loop, on any model at any stage: ``zero.zero_grad()``, forward, backward,
+    ``zero.finish()``, ``zero.step()`` (the optimizer's own learning rates; ``step(lr)`` first
+    sets every group's to ``lr``). Between ``finish`` and ``step``, :meth:`scale_` multiplies the
+    sharded gradients (clipping). ZeRO-1's gradients stay in ``p.grad`` until zeroed, as in
+    torch; stages 2-3 move them into the shard, which ``step()`` consumes.
 
     ``units`` (``(name, modules, params)``, see :func:`model_units`) defaults to the model's;
     a pipeline rank passes the units of its own stages.
 
-    **With micro-batches** (gradient accumulation or a pipeline) gradients are not
-    reduce-scattered per micro-batch: inside :meth:`no_sync` they accumulate in full ``.grad``
-    tensors and are reduced once, in each unit's last backward (stages 2 and 3) or in
-    :meth:`finish` (stage 1). Stage 3 gathers a unit once for the forwards of a step and
-    frees it after the stage's last forward (:attr:`reshard_after_forward`), gathers it again
-    for the backwards and frees it after its reduce-scatter: traffic stays ``3Ψ`` per step
-    whatever the number of micro-batches. The price is memory: between a unit's first
-    forward and its last backward the full parameters of the rank's stages and their full
-    gradients stay resident, like ZeRO-1 plus the gathered weights (torchtitan does the same
-    with FSDP under pipelining; DeepSpeed refuses ZeRO-2/3 with pipelines).
+    **With micro-batches** (gradient accumulation or a pipeline) gradients accumulate in full
+    ``.grad`` tensors inside :meth:`no_sync` and are reduced once, in each unit's last
+    backward (stages 2 and 3) or in :meth:`finish` (stage 1). Stage 3 gathers a unit once for
+    the forwards of a step and frees it after the stage's last forward
+    (:meth:`keep_gathered`), gathers it again for the backwards and frees it after its
+    reduce-scatter: traffic stays ``3Ψ`` per step whatever the number of micro-batches.
     """
 
-    def __init__(self, model, group, stage: int, make_optimizer, prefetch: bool = False,
-                 offload: bool = False, units: list | None = None, divisor: int | None = None):
+    def __init__(self, model, group=None, stage: int = 1, *, optimizer_class=torch.optim.AdamW,
+                 params=None, prefetch: bool = False, offload: bool = False,
+                 units: list | None = None, divisor: int | None = None,
+                 find_unused_parameters: bool = False, **defaults):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
-        self.offload = offload
+        self.offload, self.find_unused = offload, find_unused_parameters
         self.sync = True
-        self.reshard_after_forward = True
         self.n = dist.get_world_size(group)
         self.divisor = divisor or self.n  # experts: the whole dp x cp size (see grads.py)
         self.index = dist.get_group_rank(group, dist.get_rank()) if group else dist.get_rank()
         src = dist.get_process_group_ranks(group)[0] if group else 0
         units = model_units(model) if units is None else units
+        self.names = {p: n for n, p in model.named_parameters()}
         with torch.no_grad():
             for p in (p for _, _, ps in units for p in ps):
                 comm.broadcast(p.data, src, group)
         self.units = [FlatUnit(name, mods, ps, self.n, self.index) for name, mods, ps in units]
-        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._where = {p: (u, i) for u in self.units for i, p in enumerate(u.params)}
+        if len(self._where) != sum(len(u.params) for u in self.units):
+            raise ValueError("a parameter is in two ZeRO units")
+        self.got = {p: False for p in self._where}  # received a gradient this step
+        self.stepped = set(self._where)  # the parameters the last finish() lets step
+        self._next = None  # find_unused, stages 2-3: the next unit to reduce, in order
+        self._consumed = False  # stages 2-3: step() used the shard gradients
         if stage == 1:
             for u in self.units:
                 u.flat_grad = torch.zeros_like(u.flat_param)
                 u.shard_grad = u.flat_grad[u.lo:u.hi]
-        else:
-            for p in self._unit_of:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        if stage == 3:
-            for u in self.units:
-                u.shard_param = u.shard_param.clone()  # the only persistent copy
-                self._free(u)
-            self._install_gather_hooks()
-        self.optimizer = self._make_optimizer(make_optimizer)
+        for p in self._where:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.gathering = Gathering(model, self.units, group, prefetch) if stage == 3 else None
+        self.optimizer = self._make_optimizer(self._groups(params), optimizer_class, defaults)
 
     def no_sync(self):
         """Accumulate full gradients locally: no reduce-scatter (and no ZeRO-3 free)."""
@@ -199,121 +120,155 @@ class Zero:
 
     def keep_gathered(self):
         """ZeRO-3: leave units gathered after this forward (more micro-batches follow)."""
-        return switched(self, "reshard_after_forward", False)
+        if self.gathering is None:
+            return contextlib.nullcontext()
+        return switched(self.gathering, "reshard_after_forward", False)
 
     # ---- optimizer on shard views -----------------------------------------------------------
-    def _make_optimizer(self, make_optimizer):
-        """``make_optimizer(decay, no_decay)`` (the trainer's rule, AdamW or SGD) over the
-        shard's pieces; a piece decays when its full tensor is a matrix."""
-        decay, no_decay = [], []
+    def _groups(self, params) -> list[dict]:
+        """``params`` as torch optimizers take it, checked to be unit parameters."""
+        params = list(self._where) if params is None else list(params)
+        groups = [dict(g) for g in params] if params and isinstance(params[0], dict) \
+            else [{"params": params}]
+        seen = set()
+        for g in groups:
+            ps = g["params"]
+            g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            for p in g["params"]:
+                if p not in self._where or p in seen:
+                    raise ValueError(f"parameter {self.names.get(p, tuple(p.shape))} is "
+                                     f"{'in two groups' if p in seen else 'in no ZeRO unit'}")
+                seen.add(p)
+        return groups
+
+    def _make_optimizer(self, groups: list[dict], optimizer_class, defaults: dict):
+        """``optimizer_class`` over the shard's pieces, each in its parameter's group."""
+        group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
+        pieces: list[list] = [[] for _ in groups]
         for u in self.units:
             # offload: the optimizer works on a host copy of the shard (master weights,
             # gradient, moments in CPU memory); only the shard itself stays on the device
             u.host_param = u.shard_param.detach().to("cpu", copy=True) if self.offload else None
-            u.host_grad = torch.zeros(u.shard_numel) if self.offload else None
+            u.host_grad = torch.zeros(u.shard_numel, dtype=u.shard_grad.dtype) \
+                if self.offload else None
             param = u.host_param if self.offload else u.shard_param
             grad = u.host_grad if self.offload else u.shard_grad
-            u.opt_params = []  # the optimizer's parameter for each of u.pieces(), in order
+            u.opt_params, u.opt_grads = [], []  # per u.pieces(): optimizer param (or None)
             for p, a, b, s in u.pieces():
                 piece = torch.nn.Parameter(param[s:s + b - a], requires_grad=False)
                 piece.grad = grad[s:s + b - a]
-                u.opt_params.append(piece)
-                (decay if p.dim() >= 2 else no_decay).append(piece)
-        return make_optimizer(decay, no_decay)
-
-    # ---- stage 3: gather before use, free after ---------------------------------------------
-    def _free(self, u: FlatUnit) -> None:
-        u.flat_param.untyped_storage().resize_(0)
-        u.gathered = False
-        self._mark_resident()
-
-    def _mark_resident(self) -> None:
-        """Record the bytes of parameters this rank holds right now (the ZeRO-3 sawtooth)."""
-        full = sum(u.flat_param.untyped_storage().nbytes() for u in self.units)
-        shards = sum(u.shard_param.untyped_storage().nbytes() for u in self.units)
-        trace.current().mark_memory("params", params=full + shards)
-
-    def _start_gather(self, u: FlatUnit, async_op: bool):
-        u.flat_param.untyped_storage().resize_(u.padded * u.flat_param.element_size())
-        with trace.current().context(chunk=self.units.index(u)):
-            return comm.all_gather(u.flat_param, u.shard_param, self.group, async_op=async_op)
-
-    def _gather(self, u: FlatUnit) -> None:
-        if u.pending is not None:
-            u.pending.wait()
-            u.pending = None
-        elif not u.gathered:
-            self._start_gather(u, async_op=False)
-        else:
-            return
-        u.gathered = True
-        self._mark_resident()
-
-    def _prefetch(self, i: int) -> None:
-        if self.prefetch and 0 <= i < len(self.units):
-            u = self.units[i]
-            if not u.gathered and u.pending is None:
-                u.pending = self._start_gather(u, async_op=True)
-
-    def _install_gather_hooks(self) -> None:
-        for i, u in enumerate(self.units):
-            def before_forward(module, inputs, u=u, i=i):
-                self._gather(u)
-                self._prefetch(i + 1)
-
-            def after_forward(module, inputs, output, u=u, i=i):
-                if module is u.modules[-1] and self.reshard_after_forward:
-                    self._free(u)
-                if isinstance(output, torch.Tensor) and output.requires_grad:
-                    output.register_hook(lambda grad, u=u, i=i: self._before_backward(u, i))
-
-            for m in u.modules:
-                m.register_forward_pre_hook(before_forward)
-                m.register_forward_hook(after_forward)
-
-    def _before_backward(self, u: FlatUnit, i: int) -> None:
-        self._gather(u)
-        self._prefetch(i - 1)
+                i = group_of.get(p)
+                u.opt_params.append(None if i is None else piece)
+                u.opt_grads.append(piece.grad)
+                if i is not None:
+                    pieces[i].append(piece)
+        return optimizer_class([{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
+                                for g, ps in zip(groups, pieces)], **defaults)
 
     # ---- gradients ----------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients: ``p.grad = None`` (or zeros, which torch optimizers
+        then step: decay, moments), and the sharded gradients zeroed."""
         for u in self.units:
             u.shard_grad.zero_()
-            u.ready = 0
-            if u.flat_grad is not None:
+            u.ready.clear()
+            if u.flat_grad is not None and not set_to_none:
                 u.flat_grad.zero_()
-                for p, o in zip(u.params, u.offsets):
-                    p.grad = u.flat_grad[o:o + p.numel()].view_as(p)
+            for i, p in enumerate(u.params):
+                self.got[p] = not set_to_none
+                keep = u.flat_grad is not None and not set_to_none
+                p.grad = u.grad_view(i) if keep else None
+        self._next, self._consumed = None, False
 
     def _reduce_scatter(self, u: FlatUnit, flat: torch.Tensor) -> None:
+        if self._consumed:  # the first reduction after a step starts from zero
+            for v in self.units:
+                v.shard_grad.zero_()
+            self._consumed = False
         out = torch.empty_like(u.shard_grad)
         with trace.current().context(chunk=self.units.index(u)):
             comm.reduce_scatter(out, flat, self.group)
         u.shard_grad += out
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        """Stages 2 and 3: once a unit's gradients are complete, keep only this rank's slice."""
+        """The gradient autograd just accumulated into ``p.grad`` (whatever tensor that is).
+        Stage 1: kept in the flat gradient buffer. Stages 2 and 3: once a unit's gradients
+        are complete, only this rank's slice is kept."""
+        u, i = self._where[p]
+        self.got[p] = True
+        if self.stage == 1:
+            view = u.grad_view(i)
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+            return
         if not self.sync:
             return
-        u = self._unit_of[p]
-        u.ready += 1
-        if u.ready < len(u.params):
+        u.ready.add(i)
+        if not self.find_unused:
+            if len(u.ready) == len(u.params):
+                self._reduce(u)
             return
-        u.ready = 0
+        if self._next is None:  # the first gradient of this backward
+            self._next = len(self.units) - 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        while self._next >= 0 and len(self.units[self._next].ready) == len(self.units[self._next].params):
+            self._reduce(self.units[self._next])
+            self._next -= 1
+
+    def _end_of_backward(self) -> None:
+        """find_unused, stages 2-3: reduce every unit left, in the same order on every rank
+        (its unused parameters count zero)."""
+        while self._next is not None and self._next >= 0:
+            self._reduce(self.units[self._next])
+            self._next -= 1
+        self._next = None
+
+    def _reduce(self, u: FlatUnit) -> None:
+        u.ready.clear()
         u.reduced = True
         self._reduce_scatter(u, u.flatten_grads())
         for q in u.params:
             q.grad = None
-        if self.stage == 3:
-            self._free(u)
+        if self.gathering is not None:
+            self.gathering.free(u)
+
+    def _agree_on_stepped(self) -> None:
+        """Which parameters step: those with a gradient on some rank (summed mask), or, without
+        find_unused_parameters, all of them, after checking that every one got a gradient."""
+        params = list(self._where)
+        if self.find_unused:
+            mask = torch.tensor([self.got[p] for p in params], dtype=torch.int32)
+            comm.all_reduce(mask, self.group)
+            self.stepped = {p for p, m in zip(params, mask.tolist()) if m}
+            return
+        missing = [self.names.get(p, tuple(p.shape)) for p in params if not self.got[p]]
+        if missing:
+            raise RuntimeError(f"ZeRO-{self.stage}: parameters {missing[:4]} received no "
+                               "gradient this step (unused in forward?): pass "
+                               "Zero(..., find_unused_parameters=True)")
+        self.stepped = set(params)
 
     def finish(self) -> None:
         """After the last backward: every rank's shard holds the average gradient of its slice."""
+        if self.stage == 1:
+            for u in self.units:
+                for i, p in enumerate(u.params):
+                    self.got[p] = p.grad is not None
+                    view = u.grad_view(i)
+                    if p.grad is None:
+                        view.zero_()  # stale numbers of an earlier step
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                        p.grad = view
+        self._agree_on_stepped()
         for u in self.units:
             if self.stage > 1 and not u.reduced:
-                raise RuntimeError(
-                    f"ZeRO-{self.stage}: unit {u.name} was never reduce-scattered: was its "
-                    "last backward run inside no_sync(), or a parameter unused?")
+                if not self.find_unused:
+                    raise RuntimeError(
+                        f"ZeRO-{self.stage}: unit {u.name} was never reduce-scattered: was its "
+                        "last backward run inside no_sync()?")
+                self._reduce(u)  # gradients accumulated inside no_sync, or none at all
             u.reduced = False
             if self.stage == 1:
                 flat = u.flat_grad.clone()
@@ -333,15 +288,20 @@ class Zero:
         for u in self.units:
             u.shard_grad.mul_(coef.to(u.shard_grad.dtype))
 
-    def step(self, lr: float) -> None:
-        """Update this rank's slices; stages 1-2 then all-gather the full parameters."""
+    def step(self, lr: float | None = None) -> None:
+        """Update this rank's slices of the parameters that received a gradient; stages 1-2
+        then all-gather the full parameters. ``lr`` overrides every group's learning rate."""
         if self.offload:
             for u in self.units:
                 u.host_grad.copy_(u.shard_grad)
-        if self.optimizer is not None:
+        if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            self.optimizer.step()
+        for u in self.units:  # torch optimizers skip a parameter whose .grad is None
+            for (p, *_), piece, grad in zip(u.pieces(), u.opt_params, u.opt_grads):
+                if piece is not None:
+                    piece.grad = grad if p in self.stepped else None
+        self.optimizer.step()
         if self.offload:
             for u in self.units:
                 u.shard_param.copy_(u.host_param)
@@ -349,6 +309,10 @@ class Zero:
             for i, u in enumerate(self.units):
                 with trace.current().context(chunk=i):
                     comm.all_gather(u.flat_param, u.shard_param.clone(), self.group)
+        if self.stage > 1:  # the sharded gradients are consumed (p.grad is long gone)
+            self._consumed = True
+            for p in self.got:
+                self.got[p] = False
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_pieces(self):
@@ -364,7 +328,7 @@ class Zero:
                 views = [("param", u.shard_param[at:at + b - a], True)]
                 if self.offload:
                     views.append(("param", u.host_param[at:at + b - a], False))
-                if adam:
+                if adam and piece is not None:
                     state = adam_state(self.optimizer, piece)
                     views += [(kind, state[kind], True) for kind in ("exp_avg", "exp_avg_sq")]
                 yield p, a, b, views
@@ -379,18 +343,18 @@ class Zero:
             parts = [torch.empty_like(shard) for _ in range(self.n)]
             dist.all_gather(parts, shard.contiguous(), group=self.group)
             flat = torch.cat(parts)
-            for p, o in zip(u.params, u.offsets):
-                out[p] = flat[o:o + p.numel()].view(p.shape).clone()
+            for p, o, v in zip(u.params, u.offsets, u.views):
+                out[p] = flat[o:o + v.numel()].view(v.shape).clone()
         return out
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by memory category (see :func:`edu3d.distributed.meter.measure`)."""
-        params = [p for u in self.units for p in u.params] + [u.shard_param for u in self.units]
+        params = [u.flat_param for u in self.units] + [u.shard_param for u in self.units]
         grads = [p.grad for u in self.units for p in u.params if p.grad is not None]
         grads += [u.shard_grad for u in self.units]
-        state = [] if self.optimizer is None else [
-            t for s in self.optimizer.state.values() for t in s.values()
-            if isinstance(t, torch.Tensor)]
+        grads += [u.flat_grad for u in self.units if u.flat_grad is not None]
+        state = [t for s in self.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
         if self.offload:
             host = state + [u.host_param for u in self.units] + [u.host_grad for u in self.units]
             return {"params": params, "grads": grads, "optimizer": [], "host": host}
