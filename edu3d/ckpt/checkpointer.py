@@ -33,10 +33,11 @@ mistaken for this one's.
 
 **resume()**: read the newest manifest (or ``--resume-step N``'s), refuse it if it belongs
 to another run (model, seed, global batch, optimizer settings), then fill every piece this
-rank now holds (:meth:`~edu3d.train.trainer.Trainer.checkpoint_slots`) from the saved pieces that overlap it,
-whatever layout wrote them (:mod:`edu3d.ckpt.reshard`), set the optimizer's step count and the
-fp16 loss scale, and return the records the checkpoint kept. Training then goes on with step
-``step + 1``: its learning rate and its batch are functions of the step alone.
+rank now holds (:meth:`~edu3d.train.trainer.Trainer.checkpoint_slots`) from the saved pieces
+that overlap it, whatever layout wrote them (:mod:`edu3d.ckpt.reshard`), set the optimizer's
+step count and the fp16 loss scale, and return the records the checkpoint kept. Training then
+goes on with step ``step + 1``: its learning rate and its batch are functions of the step
+alone.
 """
 
 from __future__ import annotations
