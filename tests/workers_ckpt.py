@@ -124,3 +124,34 @@ def sync_save_is_committed(mesh, ckpt_dir: str, manifest_delay_s: float = 1.0) -
     records = [{"step": 1, **trainer.step(x, y, 1)}]
     ckpt.save(1, records)
     return (step_dir(ckpt_dir, 1) / MANIFEST).is_file()
+
+
+def save_on_a_slow_disk(mesh, ckpt_dir: str, slow_rank: int, stall_s: float) -> bool:
+    """One step on dp=world, then a synchronous save in which ``slow_rank``'s first fsync
+    takes ``stall_s`` seconds (a slow disk: the process sleeps in a system call)."""
+    import os
+    import time
+
+    from edu3d.distributed import trace
+
+    world = mesh.layout.world_size
+    args = options(["--dp", str(world), "--global-batch", str(2 * world), "--layers", "2",
+                    "--steps", "1", "--ckpt-dir", ckpt_dir])
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = _trainer(args)
+    ckpt = Checkpointer(trainer, args, config)
+    x, y = corpus.batch(1, args.global_batch)
+    with trace.current().context(step=1):
+        records = [{"step": 1, **trainer.step(x, y, 1)}]
+    if mesh.rank == slow_rank:
+        fsync = os.fsync
+
+        def slow(fd):
+            print("fsync stalls", flush=True)
+            time.sleep(stall_s)
+            fsync(fd)
+
+        os.fsync = slow
+    ckpt.save(1, records)
+    return True

@@ -11,12 +11,18 @@ After reading this file you should understand one save and one resume, seen from
    step's record); the parameters may change as soon as it returns;
 3. write ``rank-R.pt``, then its receipt ``rank-R.json`` (sha256, size, pieces), each
    through :func:`~edu3d.ckpt.format.write_atomic`;
-4. rank 0 waits until every rank's receipt for *this* save is on disk, then writes
-   ``manifest.json``: from that moment the folder is a checkpoint. With ``--keep-last K``
-   rank 0 then removes all but the newest K (:func:`~edu3d.ckpt.format.prune`);
+4. rank 0 waits until every rank's receipt for *this* save is on disk (a synchronous save:
+   a barrier), then writes ``manifest.json``: from that moment the folder is a checkpoint.
+   With ``--keep-last K`` rank 0 then removes all but the newest K
+   (:func:`~edu3d.ckpt.format.prune`);
 5. (synchronous save) a barrier: no rank goes on to the next step before the checkpoint
    is committed, so a rank that dies in that step is restarted from this one. (Without it,
    a rank could die in the next step while rank 0 was still writing the manifest.)
+
+Every collective here goes through :mod:`edu3d.distributed.comm`, and a synchronous write
+is a ``ckpt_write`` span: the flight record shows a rank waiting in the barrier as waiting,
+and one stuck writing to a slow disk as ``in ckpt_write``, so the heartbeat
+(:mod:`edu3d.launch.heartbeat`) blames the slow disk's rank, never one that waits for it.
 
 Under ``--async-save`` steps 3 and 4 run in a background thread and step 5 is skipped. The
 thread uses no collective on purpose: a second thread must never enter the trainer's process
@@ -25,12 +31,13 @@ the others are done from their receipts. A receipt carries a token the ranks agr
 the run started, so a receipt left by an earlier, killed run in the same folder is never
 mistaken for this one's.
 
-**resume()**: read the newest manifest, refuse it if it belongs to another run (model,
-seed, global batch, optimizer settings), then fill every piece this rank now holds
-(:meth:`~edu3d.train.trainer.Trainer.checkpoint_slots`) from the saved pieces that overlap it,
-whatever layout wrote them (:mod:`edu3d.ckpt.reshard`), set the optimizer's step count and the
-fp16 loss scale, and return the records the checkpoint kept. Training then goes on with step
-``step + 1``: its learning rate and its batch are functions of the step alone.
+**resume()**: read the newest manifest (or ``--resume-step N``'s), refuse it if it belongs
+to another run (model, seed, global batch, optimizer settings), then fill every piece this
+rank now holds (:meth:`~edu3d.train.trainer.Trainer.checkpoint_slots`) from the saved pieces
+that overlap it, whatever layout wrote them (:mod:`edu3d.ckpt.reshard`), set the optimizer's
+step count and the fp16 loss scale, and return the records the checkpoint kept. Training then
+goes on with step ``step + 1``: its learning rate and its batch are functions of the step
+alone.
 """
 
 from __future__ import annotations
@@ -44,13 +51,12 @@ import time
 import uuid
 
 import torch
-import torch.distributed as dist
 
 from edu3d.ckpt import reshard
-from edu3d.distributed import trace
-from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, differences,
-                               latest_step, load_pieces, prune, read_file, read_manifest, step_dir,
-                               write_atomic)
+from edu3d.distributed import comm, trace
+from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, check_continues,
+                               load_pieces, prune, read_file, read_manifest, resume_from,
+                               step_dir, write_atomic)
 
 
 class Checkpointer:
@@ -67,10 +73,9 @@ class Checkpointer:
         self.background = args.async_save
         self.rank, self.world = trainer.mesh.rank, trainer.mesh.layout.world_size
         self.timeout = float(args.timeout)
-        token = [uuid.uuid4().hex]
+        self.token = uuid.uuid4().hex
         if self.world > 1:  # every rank's receipts carry rank 0's token
-            dist.broadcast_object_list(token, src=0)
-        self.token = token[0]
+            self.token = comm.broadcast_object(self.token, src=0)
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.written: tuple | None = None  # (step, t0, t1) of the last write, trace clock
@@ -94,31 +99,44 @@ class Checkpointer:
         writes, ``background: true`` when a thread did them); also kept in ``history``."""
         rec = trace.current()
         t0 = rec.now()
-        self._save(step, records)
+        with rec.context(step=step):
+            write = self._save(step, records)
         t1 = rec.now()
         rec.record("compute", "ckpt_blocked", t0, t1, step=step)
         self.history.append({"step": step, "blocked": (t0, t1)})
-        if not self.background:
-            self._trace_write()
+        if write is not None:
+            self.history[-1]["write"] = write
 
-    def _save(self, step: int, records: list[dict]) -> None:
+    def _save(self, step: int, records: list[dict]) -> tuple | None:
+        """The save; returns a synchronous write's ``(t0, t1)``."""
         self.wait()
         folder = step_dir(self.root, step)
+        if folder.is_symlink():  # writing through it would overwrite another folder's files
+            raise CheckpointError(f"{folder} is a symbolic link: a checkpoint is written only "
+                                  "into its own folder; remove the link")
         folder.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:  # an older run's manifest here would vouch for files we replace
             (folder / MANIFEST).unlink(missing_ok=True)
         if self.world > 1:
-            dist.barrier()
+            comm.barrier()
         job = self.snapshot(step, records)
         self.written = None
         if self.background:
             self.thread = threading.Thread(target=self._write_logged, args=(job,),
                                            name=f"ckpt-step-{step}", daemon=True)
             self.thread.start()
-        else:
-            self.write(job)
+            return None
+        rec = trace.current()
+        t0 = rec.now()
+        with rec.span("compute", "ckpt_write", step=step, background=False):
+            self.write_rank(job)
+            if self.world > 1:  # every receipt is on disk: no polling
+                comm.barrier()
+            if self.rank == 0:
+                self.write_manifest(job)
             if self.world > 1:  # rank 0 has written the manifest: a synchronous save is
-                dist.barrier()  # committed on every rank when it returns (as DCP's save)
+                comm.barrier()  # committed on every rank when it returns (as DCP's save)
+        return t0, rec.now()
 
     def snapshot(self, step: int, records: list[dict]) -> dict:
         """CPU copies of what this rank owns, and (rank 0) the manifest's contents."""
@@ -167,6 +185,12 @@ class Checkpointer:
             self.written = None
 
     def _write(self, job: dict) -> None:
+        self.write_rank(job)
+        if self.rank == 0:
+            self.write_manifest(job)
+
+    def write_rank(self, job: dict) -> None:
+        """This rank's file, then its receipt."""
         folder = step_dir(self.root, job["step"])
         name = f"rank-{self.rank:05d}"
         buf = io.BytesIO()
@@ -177,8 +201,6 @@ class Checkpointer:
                    "file": f"{name}.pt", "sha256": hashlib.sha256(data).hexdigest(),
                    "bytes": len(data), "pieces": job["pieces"]}
         write_atomic(folder / f"{name}.json", json.dumps(receipt).encode())
-        if self.rank == 0:
-            self.write_manifest(job)
 
     def write_manifest(self, job: dict) -> None:
         """Once every rank's receipt of this save is on disk: the manifest, last."""
@@ -191,7 +213,8 @@ class Checkpointer:
                     rec = json.loads((folder / f"rank-{r:05d}.json").read_text())
                 except (OSError, ValueError):
                     continue
-                if rec.get("token") == self.token and rec.get("step") == job["step"]:
+                if (rec.get("token") == self.token and rec.get("step") == job["step"]
+                        and rec.get("file") == f"rank-{r:05d}.pt"):
                     receipts[r] = rec
             if len(receipts) < self.world:
                 if time.monotonic() > deadline:
@@ -205,7 +228,7 @@ class Checkpointer:
                              for _, rec in sorted(receipts.items())}
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
         if self.keep:  # committed: now the older checkpoints may go (--keep-last)
-            prune(self.root, self.keep)
+            prune(self.root, self.keep, upto=job["step"])
 
     def _write_logged(self, job: dict) -> None:
         try:
@@ -228,17 +251,15 @@ class Checkpointer:
 
     # ---- resuming -------------------------------------------------------------------------------
     def resume(self, step: int | None = None) -> list[dict]:
-        """Load the newest complete checkpoint (or ``step``'s) into the trainer, whatever
+        """Load the checkpoint of ``step`` (default: ``--resume-step``, else the newest
+        complete one, :func:`~edu3d.ckpt.format.resume_from`) into the trainer, whatever
         layout wrote it; returns its records ([] when there is none)."""
         self.wait()
-        step = latest_step(self.root) if step is None else step
+        step = resume_from(self.args) if step is None else step
         if not step:
             return []
         manifest = read_manifest(self.root, step)
-        diff = differences(manifest, self.config, self.args)
-        if diff:
-            raise CheckpointError(f"{step_dir(self.root, step) / MANIFEST} belongs to another "
-                                  "run: " + "; ".join(diff))
+        check_continues(manifest, self.config, self.args)
         self.load(manifest)
         return manifest["records"]
 
@@ -251,6 +272,11 @@ class Checkpointer:
             by_key.setdefault((place["name"], place["kind"]), []).append((place, view))
         with torch.no_grad():
             for key, mine in by_key.items():  # one full tensor at a time
+                shape = saved[key][0][0]["shape"]
+                if shape != mine[0][0]["shape"]:
+                    raise CheckpointError(f"{folder / MANIFEST}: {key[0]} ({key[1]}) is saved "
+                                          f"with shape {shape}, the model's is "
+                                          f"{mine[0][0]['shape']}")
                 values, seen = reshard.place_all(saved[key])
                 for place, view in mine:
                     if not reshard.read(seen, place).all():
@@ -265,7 +291,11 @@ class Checkpointer:
             prec.skipped = saved_prec["skipped"]
         if manifest["layout"] == self.layout():  # the same ranks: their random states too
             name = f"rank-{self.rank:05d}.pt"
-            rng = read_file(folder, name, manifest["files"][name])["rng"]
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
+            rng = read_file(folder, name, manifest["files"][name]).get("rng")
+            try:
+                torch.set_rng_state(rng["torch"])
+                if "cuda" in rng and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(rng["cuda"])
+            except (TypeError, KeyError, RuntimeError) as err:
+                raise CheckpointError(f"{folder / name}: its random state is not one torch "
+                                      f"can restore ({err})") from None

@@ -3,9 +3,10 @@ whose command line is :mod:`edu3d.commands.ckpt`).
 
 After reading this file you should understand how a checkpoint leaves edu3d:
 
-* ``edu3d ckpt show DIR`` prints what a folder holds: the complete steps, the folders that
-  are not checkpoints (no manifest), the layout that wrote the newest one, and each rank's
-  file with its pieces;
+* ``edu3d ckpt show DIR`` prints what a folder holds: the complete steps (each one's files
+  checked: present, sha256, loadable weights-only; a damaged one is listed as damaged, with
+  what is wrong), the folders that are not checkpoints (no manifest), the layout that wrote
+  the newest one, and each rank's file with its pieces;
 * ``edu3d ckpt export DIR OUT`` assembles every parameter's full tensor from the shards
   (:func:`edu3d.ckpt.format.full_state`) and writes **one file** that plain ``torch.load``
   reads: ``{"config": {...}, "step": 40, "model": state_dict}``, so
@@ -23,13 +24,15 @@ parameter along dimension 0 for that reason.) Assembling first sidesteps the que
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from edu3d.ckpt.format import CheckpointError, full_state, read_manifest, step_dir, steps
+from edu3d.ckpt.format import (CheckpointError, full_state, read_manifest, step_dir, steps,
+                               verify)
 from edu3d.model.gpt import GPT, GPTConfig
 
 
@@ -42,40 +45,83 @@ def state_dict(ckpt_dir, step: int | None = None) -> tuple[dict, dict]:
         raise CheckpointError(f"{ckpt_dir}: no saved pieces of {sorted(missing)}")
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if params[name].shape != p.shape:
+                raise CheckpointError(f"{ckpt_dir}: {name} is saved with shape "
+                                      f"{list(params[name].shape)}, the model's is "
+                                      f"{list(p.shape)}")
             p.copy_(params[name])
     return manifest, model.state_dict()
 
 
 def export(ckpt_dir, out, step: int | None = None, fmt: str = "torch") -> Path:
     """Write one consolidated checkpoint (``fmt`` ``"torch"``: one file; ``"dcp"``: a DCP
-    folder); returns its path."""
-    manifest, sd = state_dict(ckpt_dir, step)
+    folder); returns its path. An ``out`` that cannot be written is one ``CheckpointError``
+    line, checked before the shards are read."""
     out = Path(out)
-    if fmt == "dcp":
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"config": manifest["config"], "step": manifest["step"], "model": sd}, out)
+    _check_out(out, fmt)
+    manifest, sd = state_dict(ckpt_dir, step)
+    try:
+        if fmt == "dcp":
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"config": manifest["config"], "step": manifest["step"], "model": sd}, out)
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"cannot write {out}: {getattr(err, 'strerror', None) or err}"
+                              ) from None
     return out
 
 
-def describe(ckpt_dir, step: int | None = None) -> str:
-    """What ``edu3d ckpt show`` prints."""
+def _check_out(out: Path, fmt: str) -> None:
+    """Refuse an export target that cannot be written: an existing folder for one file,
+    an existing file for a DCP folder, or a path under a file or an unwritable folder."""
+    if fmt == "torch" and out.is_dir():
+        raise CheckpointError(f"{out} is a folder; give a file name, e.g. {out / 'model.pt'}")
+    if fmt == "dcp" and out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; --format dcp writes a folder")
+    probe = out if fmt == "dcp" and out.is_dir() else out.parent
+    while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor
+        probe = probe.parent
+    if not probe.is_dir():
+        raise CheckpointError(f"cannot write {out}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out}: {probe} is not writable")
+
+
+def describe(ckpt_dir, step: int | None = None, check: bool = True) -> tuple[str, list[str]]:
+    """What ``edu3d ckpt show`` prints, and the problems found, one line per damaged
+    checkpoint. ``check``: every complete checkpoint's files are read and verified
+    (:func:`~edu3d.ckpt.format.verify`); without it the text says they were not."""
     root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such folder" if not root.exists() else
+                              f"{root} is not a folder (a checkpoint folder holds step-N ones)")
     done = steps(root)
     partial = sorted(d.name for d in root.glob("step-*") if d.is_dir() and
                      d.name[5:].isdigit() and int(d.name[5:]) not in done)
-    lines = [f"{root}: complete checkpoints at steps {', '.join(map(str, done)) or 'none'}"]
+    problems, bad = [], []
+    for s in done if check else []:
+        try:
+            verify(root, s)
+        except CheckpointError as err:
+            problems.append(str(err))
+            bad.append(s)
+    good = [s for s in done if s not in bad]
+    how = "files verified" if check else "files NOT verified (--no-verify)"
+    lines = [f"{root}: complete checkpoints at steps {', '.join(map(str, good)) or 'none'} "
+             f"({how})"]
+    if bad:
+        lines.append(f"damaged, never loaded: steps {', '.join(map(str, bad))}")
     if partial:
         lines.append(f"not checkpoints (no manifest, never loaded): {', '.join(partial)}")
-    if not done:
-        return "\n".join(lines)
-    m = read_manifest(root, step)
+    if (step is None and not good) or step in bad:
+        return "\n".join(lines), problems
+    m = read_manifest(root, step if step is not None else good[-1])
     lay = m["layout"]
     lines.append(f"step {m['step']} written by dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
-                 f" vpp={lay['vpp']} zero={lay['zero']} ({lay['world_size']} ranks); model "
+                 f" vpp={lay['vpp']} zero={lay.get('zero')} ({lay['world_size']} ranks); model "
                  + " ".join(f"{k}={v}" for k, v in m["config"].items()))
     lines.append(f"optimizer {m['options']['optimizer']}, {m['optimizer_step']} updates; "
                  f"{len(m['records'])} records kept; {m['data_position']}")
@@ -87,4 +133,4 @@ def describe(ckpt_dir, step: int | None = None) -> str:
         what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "nothing it alone owns"
         lines.append(f"  {folder.name}/{name}  {info['bytes'] / 2**10:8.1f} KiB  sha256 "
                      f"{info['sha256'][:12]}  pieces: {what}")
-    return "\n".join(lines)
+    return "\n".join(lines), problems

@@ -33,33 +33,29 @@ checkpoint with files missing.
 the step (:func:`edu3d.train.optim.lr_at`), and so is the data: batch ``s`` is
 ``corpus.batch(s)``, whatever the layout, so the step *is* the data position. The random
 state of each rank is restored too when the layout is the same (the model has no dropout, so
-nothing depends on it yet). Loading is :func:`torch.load` with ``weights_only=True`` of files
-whose sha256 matches the manifest.
+nothing depends on it yet).
+
+**A checkpoint folder is untrusted input** (:mod:`edu3d.ckpt.untrusted`): only the names
+edu3d writes are opened, inside the step folder, regular files only; the manifest's schema is
+checked before any field is used; a shard is loaded weights-only once its sha256 matches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
 import json
 import os
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import torch
 
 from edu3d.ckpt import reshard
-
-FORMAT = "edu3d-checkpoint/1"
-MANIFEST = "manifest.json"
-# options that change the computation: a checkpoint continues only a run that agrees on them
-MUST_MATCH = ("seed", "global_batch", "optimizer", "lr", "weight_decay", "clip", "warmup",
-              "lr_schedule")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, corrupted, or of another run."""
+from edu3d.ckpt.untrusted import (FORMAT, MANIFEST, MUST_MATCH,  # noqa: F401 (re-exported)
+                                  CheckpointError, check_manifest, damaged, read_file,
+                                  read_inside)
 
 
 def step_dir(root, step: int) -> Path:
@@ -68,14 +64,41 @@ def step_dir(root, step: int) -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """The one place a checkpoint's bytes reach the disk: a temporary name, fsync, rename
-    over ``path``, fsync of the folder. A reader sees the old file or the whole new one."""
+    over ``path``, fsync of the folder. A reader sees the old file or the whole new one. A
+    failed write (a full disk) raises ``OSError`` naming ``path`` and removes the temporary."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.unlink(missing_ok=True)  # a killed save's leftover, or a planted link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"cannot write checkpoint file {path}: "
+                      f"{err.strerror or err}") from err
     _fsync_folder(path.parent)
+
+
+def check_writable(ckpt_dir) -> None:
+    """Raise ``CheckpointError`` (one line) unless this process can create files in
+    ``ckpt_dir``, or create ``ckpt_dir`` itself: checked before any rank starts."""
+    path = Path(ckpt_dir).absolute()
+    probe = path
+    while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor
+        probe = probe.parent
+    if not probe.is_dir():
+        raise CheckpointError(f"--ckpt-dir {ckpt_dir}: {probe} is not a folder; choose a "
+                              "folder you can write")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        what = "it" if probe == path else f"its existing parent {probe}"
+        raise CheckpointError(f"--ckpt-dir {ckpt_dir}: cannot write in {what} "
+                              f"({err.strerror or err}); choose a folder you can write") from None
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -87,26 +110,29 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def _step_folders(root: Path) -> dict[int, Path]:
-    """Every ``step-N`` folder of ``root``, complete or not, by step."""
+def _step_folders(root: Path, links: bool = True) -> dict[int, Path]:
+    """Every ``step-N`` folder of ``root``, complete or not, by step; a symbolic link to a
+    folder only with ``links`` (readers list it, then refuse it: :func:`read_inside`)."""
     if not root.is_dir():
         return {}
     return {int(d.name[5:]): d for d in root.glob("step-*")
-            if d.is_dir() and d.name[5:].isdigit()}
+            if d.is_dir() and (links or not d.is_symlink()) and d.name[5:].isdigit()}
 
 
-def prune(root, keep: int) -> list[int]:
+def prune(root, keep: int, upto: int | None = None) -> list[int]:
     """Keep the newest ``keep`` complete checkpoints of ``root`` and remove the older ones
     (torchtitan's ``keep_latest_k``), with any folder a killed save left (no manifest) older
     than the newest; returns the removed steps. Called by rank 0 right after a manifest is
     written, so the newest checkpoint is the one just committed and no save is in flight.
     Each folder loses its manifest first (fsynced): from then on it is not a checkpoint, so a
     removal cut short leaves debris that is never loaded, not a checkpoint with files missing.
+    ``upto`` (the step just committed): checkpoints past it, which a run resumed with
+    ``--resume-step`` finds, are neither counted nor removed.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
-    done = steps(root)
+    done = [s for s in steps(root) if upto is None or s <= upto]
     if not done:
         return []
     old = set(done[:-keep]) if len(done) > keep else set()
@@ -114,6 +140,8 @@ def prune(root, keep: int) -> list[int]:
             if step < done[-1] and step not in done}
     for step in sorted(old):
         folder = step_dir(root, step)
+        if folder.is_symlink():  # never remove anything through a link
+            continue
         (folder / MANIFEST).unlink(missing_ok=True)
         _fsync_folder(folder)
         shutil.rmtree(folder)
@@ -121,10 +149,19 @@ def prune(root, keep: int) -> list[int]:
 
 
 # ---- reading ----------------------------------------------------------------------------------
+def _regular(path: Path) -> bool:
+    """Is ``path`` a regular file itself (``lstat``: a symbolic link is not)?"""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def steps(root) -> list[int]:
-    """The steps of ``root`` that have a manifest (complete checkpoints), oldest first."""
+    """The steps of ``root`` that have a manifest (complete checkpoints), oldest first (a
+    step folder that is a symbolic link is listed, and refused when read)."""
     return sorted(step for step, d in _step_folders(Path(root)).items()
-                  if (d / MANIFEST).is_file())
+                  if _regular(d / MANIFEST))
 
 
 def latest_step(root) -> int:
@@ -134,46 +171,35 @@ def latest_step(root) -> int:
 
 
 def read_manifest(root, step: int | None = None) -> dict:
-    """The manifest of ``step`` (default: the newest), checked for its format."""
+    """The manifest of ``step`` (default: the newest), checked (:func:`check_manifest`)."""
+    if root is None or not Path(root).is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint folder")
     step = latest_step(root) if step is None else step
-    path = step_dir(root, step) / MANIFEST
-    if not step or not path.is_file():
+    folder = step_dir(root, step)
+    path = folder / MANIFEST
+    if not step or not folder.is_dir() or not (path.is_file() or path.is_symlink()):
         which = f"of step {step} " if step else ""
+        done = steps(root)
+        have = f" (complete: steps {', '.join(map(str, done))})" if done else ""
         raise CheckpointError(f"no complete checkpoint {which}in {root} (a complete one has "
-                              f"{MANIFEST})")
+                              f"{MANIFEST}){have}")
+    raw = read_inside(folder, MANIFEST)
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def _checked_bytes(path: Path, info: dict) -> bytes:
-    """The bytes of ``path`` if its sha256 is the one the manifest lists."""
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing (the manifest lists it)")
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != info["sha256"]:
-        raise CheckpointError(f"{path} is corrupted: its sha256 is {digest[:12]}..., the "
-                              f"manifest says {info['sha256'][:12]}... ({len(data)} bytes, "
-                              f"expected {info['bytes']})")
-    return data
-
-
-def read_file(folder: Path, name: str, info: dict) -> dict:
-    """One rank's file, its sha256 checked against the manifest, loaded weights-only."""
-    return torch.load(io.BytesIO(_checked_bytes(folder / name, info)), weights_only=True)
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise damaged(path, f"not valid JSON ({err})") from None
+    except RecursionError:
+        raise damaged(path, "not valid JSON (nested too deep)") from None
+    return check_manifest(manifest, path, step)
 
 
 def verify(root, step: int | None = None) -> dict:
-    """Read the manifest and check every file it lists (present, sha256); returns it."""
+    """Read the manifest and every file it lists (:func:`read_file`: present, sha256,
+    weights-only, pieces); returns the manifest."""
     manifest = read_manifest(root, step)
     folder = step_dir(root, manifest["step"])
     for name, info in manifest["files"].items():
-        _checked_bytes(folder / name, info)
+        read_file(folder, name, info)
     return manifest
 
 
@@ -191,33 +217,71 @@ def differences(manifest: dict, config, args) -> list[str]:
     if args.lr_schedule == "cosine" and manifest["steps"] != args.steps:
         diff.append(f"--steps: checkpoint {manifest['steps']}, this run {args.steps} (the "
                     "cosine schedule depends on the run's length)")
-    if manifest["step"] > args.steps:
-        diff.append(f"the checkpoint is of step {manifest['step']}, past --steps {args.steps}")
     return diff
+
+
+def _complete(root) -> str:
+    done = steps(root)
+    return f"complete: steps {', '.join(map(str, done))}" if done else "no complete checkpoint"
+
+
+def resume_from(args) -> int:
+    """The step a run with ``--resume`` continues from (0: none): ``--resume-step N``, else
+    the newest complete checkpoint. A restart after a failure (``--max-restarts``: attempt
+    1 and on) takes the newest not past ``--steps``: the run's own last save, or one of the
+    same computation that an earlier run left (the options that change it must match)."""
+    done = steps(args.ckpt_dir)
+    resume_step = args.resume_step
+    if args.attempt:
+        done = [s for s in done if s <= args.steps]
+    elif resume_step:
+        return resume_step
+    return done[-1] if done else 0
+
+
+def check_continues(manifest: dict, config, args) -> None:
+    """Raise ``CheckpointError`` unless the run ``args`` can continue ``manifest``'s step:
+    not past ``--steps``, and the same model and options (:func:`differences`)."""
+    step, root = manifest["step"], args.ckpt_dir
+    if step > args.steps:
+        if args.resume_step and not args.attempt:
+            raise CheckpointError(f"--resume-step {step} is past --steps {args.steps}: pass "
+                                  f"--steps above {step}, or an earlier --resume-step "
+                                  f"({_complete(root)})")
+        raise CheckpointError(f"the newest checkpoint in {root} is step {step}, past --steps "
+                              f"{args.steps}: pass --steps above {step} to continue it, or "
+                              f"--resume-step N to continue an older one ({_complete(root)})")
+    diff = differences(manifest, config, args)
+    if diff:
+        raise CheckpointError(f"{step_dir(root, step) / MANIFEST} belongs to another "
+                              "run: " + "; ".join(diff))
 
 
 def check_resume(args, config) -> int:
     """Before any process starts: the step ``--resume`` will continue from (0: none), after
-    checking that checkpoint's files and that it belongs to this run."""
-    step = latest_step(args.ckpt_dir)
+    checking that checkpoint's files (:func:`verify`) and that this run can continue it."""
+    step = resume_from(args)
     if not step:
         return 0
-    manifest = verify(args.ckpt_dir, step)
-    diff = differences(manifest, config, args)
-    if diff:
-        raise CheckpointError(f"{step_dir(args.ckpt_dir, step) / MANIFEST} belongs to another "
-                              "run: " + "; ".join(diff))
+    if step not in steps(args.ckpt_dir):
+        raise CheckpointError(f"--resume-step {step}: no complete checkpoint of step {step} in "
+                              f"{args.ckpt_dir} ({_complete(args.ckpt_dir)})")
+    manifest = read_manifest(args.ckpt_dir, step)
+    check_continues(manifest, config, args)
+    verify(args.ckpt_dir, step)
     return step
 
 
 def check_ckpt_dir(args, config) -> int:
     """``edu3d train``'s checks of ``--ckpt-dir`` before any process starts; returns the step
-    the run starts after. With ``--resume``: the newest checkpoint's, checked
+    the run starts after. The folder must be writable (:func:`check_writable`). With
+    ``--resume`` (or ``--resume-step``): the checkpoint it continues, checked
     (:func:`check_resume`). Without: the folder must hold no checkpoint, or a restart after a
     failure would resume from a step of some earlier run."""
     if not args.ckpt_dir:
         return 0
-    if args.resume:
+    check_writable(args.ckpt_dir)
+    if args.resume or args.resume_step:
         return check_resume(args, config)
     done = steps(args.ckpt_dir)
     if done:
@@ -266,5 +330,5 @@ def full_state(root, step: int | None = None) -> tuple[dict, dict[str, torch.Ten
     saved = load_pieces(folder, manifest, wanted)
     try:
         return manifest, {n: reshard.assemble(n, saved[(n, "param")]) for n in names}
-    except ValueError as err:
+    except (ValueError, RuntimeError, IndexError) as err:
         raise CheckpointError(f"{folder}: {err}") from None

@@ -22,6 +22,9 @@ def add_subcommand(sub) -> None:
     shw = acts.add_parser("show", help="the steps, layout and files of a checkpoint folder")
     shw.add_argument("dir")
     shw.add_argument("--step", type=int, default=None, help="default: the newest")
+    shw.add_argument("--no-verify", dest="verify", action="store_false",
+                     help="do not read the files to check their sha256 (faster; the output "
+                          "says they were not checked)")
     shw.set_defaults(func=show_command)
     exp = acts.add_parser("export", help="one consolidated file that torch.load and the "
                                          "serial GPT read")
@@ -35,13 +38,17 @@ def add_subcommand(sub) -> None:
 
 
 def show_command(args) -> int:
-    """``edu3d ckpt show DIR``: what a checkpoint folder holds (exit code 2 when unreadable)."""
+    """``edu3d ckpt show DIR``: what a checkpoint folder holds; exit code 2 when it cannot be
+    read or a checkpoint in it is damaged (one line per damaged checkpoint on stderr)."""
     try:
-        print(export.describe(args.dir, args.step))
+        text, problems = export.describe(args.dir, args.step, check=args.verify)
     except CheckpointError as err:
         print(f"edu3d ckpt show: {err}", file=sys.stderr)
         return 2
-    return 0
+    print(text)
+    for line in problems:
+        print(f"edu3d ckpt show: {line}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def export_command(args) -> int:

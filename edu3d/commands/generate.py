@@ -22,6 +22,7 @@ past half of ``seq_len``, repeats it.
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import torch
@@ -96,16 +97,18 @@ def parse_prompt(text: str, vocab_size: int) -> list[int]:
 
 
 def main_from_args(args) -> int:
-    try:  # every check before any process starts
+    try:  # every check before any process starts; the checkpoint is read (and checked) here
+        if not math.isfinite(args.temperature) or args.temperature < 0:
+            raise ValueError(f"--temperature {args.temperature:g}: give a finite number >= 0 "
+                             "(0: greedy; above 0: sample from softmax(logits/T))")
+        if args.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens}: give a count >= 0")
         manifest = read_manifest(args.ckpt, args.step)
         config = GPTConfig(**manifest["config"])
         prompt = parse_prompt(args.prompt, config.vocab_size)
         layout = Layout(tp=args.tp)
         layout.validate(config=config)
-        if args.temperature < 0:
-            raise ValueError("--temperature must be >= 0 (0: greedy)")
-        if args.max_new_tokens < 0:
-            raise ValueError("--max-new-tokens must be >= 0")
+        model = load_model(args.ckpt, None, manifest["step"])  # every shard, verified
     except (CheckpointError, LayoutError, ValueError) as err:
         print(f"edu3d generate: {err}", file=sys.stderr)
         return 2
@@ -113,8 +116,7 @@ def main_from_args(args) -> int:
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                "seed": args.seed}
     if args.tp == 1:
-        tokens = generate(load_model(args.ckpt, None, manifest["step"]), prompt,
-                          args.max_new_tokens, args.temperature, args.seed)
+        tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.seed)
     else:
         try:
             tokens = launch(worker, args.tp, args=(options,), layout=layout, echo=False,
@@ -141,7 +143,7 @@ def add_subcommand(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default: 1)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to add (default: 16)")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy (default); above 0: sample from softmax(logits/T)")
+                   help="0: greedy (default); above 0 (finite): sample from softmax(logits/T)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (default: 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds, with --tp (120)")
     p.add_argument("--json", action="store_true",

@@ -148,3 +148,15 @@ def barrier(group=None) -> None:
     rec = trace.current()
     with rec.span("comm", "barrier", group=group_name(group), n=dist.get_world_size(group)):
         dist.barrier(group=group)
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """Global rank ``src``'s ``obj`` (any picklable value), returned on every rank: a
+    traced ``broadcast_object_list`` of one element (its size in bytes is unknown until it
+    arrives, so the event has none)."""
+    box = [obj]
+    rec = trace.current()
+    with rec.span("comm", "broadcast_object", group=group_name(group),
+                  n=dist.get_world_size(group), peer=src):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

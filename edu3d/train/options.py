@@ -102,6 +102,7 @@ class TrainOptions:
     save_every: int | None = None
     keep_last: int | None = None
     resume: bool = False
+    resume_step: int | None = None  # continue this step's checkpoint (implies resume)
     async_save: bool = False
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"}
@@ -218,11 +219,17 @@ def check_args(options: TrainOptions):
     if o.prefetch and o.zero != 3:
         raise LayoutError("--prefetch gathers ZeRO-3's parameters early; add --zero 3")
     needs_dir = [flag for flag, value in (("--resume", o.resume), ("--save-every", o.save_every),
+                                          ("--resume-step", o.resume_step),
                                           ("--keep-last", o.keep_last),
                                           ("--async-save", o.async_save),
                                           ("--max-restarts", o.max_restarts)) if value]
     if needs_dir and not o.ckpt_dir:
         raise LayoutError(f"{needs_dir[0]} works on checkpoints; add --ckpt-dir DIR")
+    if o.resume_step is not None:
+        if isinstance(o.resume_step, bool) or not isinstance(o.resume_step, int) \
+                or o.resume_step < 1:
+            raise LayoutError(f"--resume-step {o.resume_step!r} must be a step >= 1")
+        o.resume = True  # --resume-step N is --resume from step N
     fault = o.inject_fault
     if fault is not None:
         if fault["rank"] >= layout.world_size:
