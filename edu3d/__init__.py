@@ -27,7 +27,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       pp/       engine stage
       cp/       zigzag attention sequence
       ep/       dispatch placement   expert parallelism
-    ckpt/       format checkpointer reshard export
+    ckpt/       format checkpointer reshard export untrusted
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit
                                      every memory formula; the one estimator

@@ -268,6 +268,9 @@ def main_from_args(namespace: argparse.Namespace, parser: argparse.ArgumentParse
     except LaunchError as err:
         print(f"edu3d train: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # a serial run's save that failed (disk full): the file is named
+        print(f"edu3d train: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("edu3d train: interrupted", file=sys.stderr)
         return 130

@@ -49,7 +49,7 @@ STRATEGIES = {
                    'accelerator.clip_grad_norm_; DeepSpeed "gradient_clipping": 1.0')],
     },
     "ZeRO-1": {
-        "argv": "--dp 2 --zero 1", "edu3d": "edu3d.parallel.zero.sharding.ZeRO(stage=1)",
+        "argv": "--dp 2 --zero 1", "edu3d": "edu3d.parallel.zero.sharding.Zero(stage=1)",
         "torch": "torch.distributed.optim.ZeroRedundancyOptimizer over DDP",
         "accelerate": "DeepSpeedPlugin(zero_stage=1)",
         "deepspeed": '"zero_optimization": {"stage": 1}',
@@ -59,7 +59,7 @@ STRATEGIES = {
                    'DeepSpeed "offload_optimizer": {"device": "cpu"}')],
     },
     "ZeRO-2": {
-        "argv": "--dp 2 --zero 2", "edu3d": "edu3d.parallel.zero.sharding.ZeRO(stage=2)",
+        "argv": "--dp 2 --zero 2", "edu3d": "edu3d.parallel.zero.sharding.Zero(stage=2)",
         "torch": "fully_shard(module, reshard_after_forward=False)  (FSDP2)",
         "accelerate": "FullyShardedDataParallelPlugin(sharding_strategy=SHARD_GRAD_OP)",
         "deepspeed": '"zero_optimization": {"stage": 2}',
@@ -69,7 +69,7 @@ STRATEGIES = {
                    "DeepSpeed reduce_bucket_size, allgather_bucket_size")],
     },
     "ZeRO-3": {
-        "argv": "--dp 2 --zero 3", "edu3d": "edu3d.parallel.zero.sharding.ZeRO(stage=3) (+ --prefetch)",
+        "argv": "--dp 2 --zero 3", "edu3d": "edu3d.parallel.zero.sharding.Zero(stage=3) (+ --prefetch)",
         "torch": "fully_shard(module, reshard_after_forward=True)  (FSDP2)",
         "accelerate": "FullyShardedDataParallelPlugin(sharding_strategy=FULL_SHARD)",
         "deepspeed": '"zero_optimization": {"stage": 3}',

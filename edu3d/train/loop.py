@@ -30,7 +30,7 @@ import time
 import torch
 
 from edu3d.ckpt.checkpointer import Checkpointer
-from edu3d.ckpt.format import check_ckpt_dir, latest_step
+from edu3d.ckpt.format import check_ckpt_dir, resume_from
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch
 from edu3d.model.gpt import GPT
@@ -275,7 +275,7 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
         except LaunchError as err:
             if attempt == restarts:
                 raise
-            step = latest_step(args.ckpt_dir)
+            step = resume_from(dataclasses.replace(args, attempt=attempt + 1))
             where = f"the checkpoint of step {step}" if step else "the start (no checkpoint yet)"
             print(f"edu3d train: {str(err).splitlines()[0]}; restart {attempt + 1} of "
                   f"{restarts}: every rank starts again from {where}", file=sys.stderr,
