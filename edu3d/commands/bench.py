@@ -13,7 +13,7 @@ import importlib
 import json
 
 from edu3d.bench.harness import format_table
-from edu3d.commands.argtypes import positive_int
+from edu3d.commands.argtypes import count, ranks
 
 HELP = "benchmark edu3d against PyTorch's own implementations"
 BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
@@ -36,9 +36,9 @@ def add_subcommand(sub) -> None:
                        description="Time edu3d and the PyTorch implementation side by side in "
                                    "one process tree; medians of interleaved repetitions.")
     p.add_argument("name", choices=sorted(BENCHMARKS), help="what to time")
-    p.add_argument("-n", "--nprocs", type=positive_int, default=None,
+    p.add_argument("-n", "--nprocs", type=ranks, default=None,
                    help="ranks (default: per benchmark)")
-    p.add_argument("--reps", type=positive_int, default=None,
+    p.add_argument("--reps", type=count, default=None,
                    help="repetitions (default: per benchmark)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (progress still goes to stderr)")
