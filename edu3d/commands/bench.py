@@ -22,7 +22,7 @@ import sys
 
 from edu3d.bench import records
 from edu3d.bench.harness import format_table, progress
-from edu3d.commands.argtypes import positive_int
+from edu3d.commands.argtypes import count, ranks
 
 HELP = "benchmark edu3d against PyTorch's own implementations"
 BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report dict"
@@ -48,9 +48,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("name", choices=sorted(BENCHMARKS) + ["plot"],
                    help="what to time, or plot: draw a CSV written with --csv")
     p.add_argument("file", nargs="?", metavar="FILE", help="plot: the CSV to draw")
-    p.add_argument("-n", "--nprocs", type=positive_int, default=None,
+    p.add_argument("-n", "--nprocs", type=ranks, default=None,
                    help="ranks (default: per benchmark)")
-    p.add_argument("--reps", type=positive_int, default=None,
+    p.add_argument("--reps", type=count, default=None,
                    help="repetitions (default: per benchmark)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (progress still goes to stderr)")

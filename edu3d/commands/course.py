@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from edu3d.commands.argtypes import positive_int
+from edu3d.commands.argtypes import between
 
 HELP = "open the course in JupyterLab"
 COURSE_ROOT = Path(__file__).resolve().parents[2]  # holds notebooks/ and exercises/
@@ -26,7 +26,7 @@ def add_subcommand(sub) -> None:
                                    "Options edu3d does not know are passed to JupyterLab "
                                    "(e.g. --ServerApp.token=SECRET).")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser")
-    p.add_argument("--port", type=positive_int, default=None,
+    p.add_argument("--port", type=between(1, 65535), default=None,
                    help="port to serve on (default: JupyterLab's, 8888 or the next free one)")
     p.add_argument("--ip", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; "

@@ -17,6 +17,7 @@ import platform
 import time
 
 from edu3d import __version__
+from edu3d.commands.argtypes import seconds
 from edu3d.launch.api import LaunchError, launch
 
 HELP = "check the installation and a 2-rank gloo run"
@@ -25,7 +26,7 @@ HELP = "check the installation and a 2-rank gloo run"
 def add_subcommand(sub) -> None:
     """Register ``doctor`` on ``edu3d``'s subcommands."""
     d = sub.add_parser("doctor", help=HELP)
-    d.add_argument("--timeout", type=float, default=120.0,
+    d.add_argument("--timeout", type=seconds("120"), default=120.0,
                    help="seconds allowed for the smoke run (default: %(default)s)")
     d.set_defaults(func=main_from_args)
 

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edu3d.commands.argtypes import seconds
 from edu3d.course.grading import ROOT
 from edu3d.course.nbtools import notebook_client
 
@@ -306,7 +307,7 @@ def add_subcommand(sub) -> None:
                             "DIR/exercises/*.py) instead of exercises/; a module missing "
                             "there is graded as the untouched stub")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, default=240,
+    p.add_argument("--timeout", type=seconds("240"), default=240,
                    help="seconds per cell (default: %(default)s)")
     p.set_defaults(func=main)
 

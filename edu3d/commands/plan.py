@@ -29,10 +29,10 @@ import dataclasses
 import json
 import sys
 
-from edu3d.commands.argtypes import number, positive_int
+from edu3d.commands.argtypes import between, number
 from edu3d.plan import search as plan_search
-from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, PRECISIONS, RECOMPUTE, Setup, estimate,
-                                 state_bytes, validate)
+from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
+                                 PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
 
@@ -55,6 +55,12 @@ MOE_PRESETS = {  # published shapes; MOE_PUBLISHED: (total, active) parameters a
 }
 MOE_PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek-v3": (671e9, 37e9)}
 MOE_FLAGS = ("experts", "topk", "moe_every", "shared_experts", "expert_ff", "capacity_factor")
+MAX_PARAMS = 1e13  # ten trillion: beyond any published model (the search answers in seconds)
+WIDE = 2**20  # the most of any width, sequence length, vocabulary or batch the planner takes
+SHAPE = {"n_layers": between(1, MAX_LAYERS), "n_heads": between(1, 2**14),
+         "d_model": between(1, WIDE), "seq_len": between(1, WIDE),
+         "vocab_size": between(1, WIDE * 16), "n_kv_heads": between(1, 2**14),
+         "d_ff": between(1, WIDE)}
 
 
 # ---- edu3d plan ----------------------------------------------------------------------------------
@@ -63,32 +69,37 @@ def add_arguments(parser):
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", choices=(*PRESETS, *MOE_PRESETS),
                       help="a preset: the course's or a real model")
-    what.add_argument("--params", type=number(1e8, True, "7e9"),
+    what.add_argument("--params", type=number(1e8, True, "7e9", MAX_PARAMS),
                       help="a GPT-3-shaped model of about this many parameters")
     m = parser.add_argument_group("model overrides")
     for flag, kw in (("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-model", "d_model"),
                      ("--seq", "seq_len"), ("--vocab", "vocab_size"),
                      ("--kv-heads", "n_kv_heads"), ("--ffn", "d_ff")):
-        m.add_argument(flag, dest=kw, type=positive_int, help=f"override {kw}")
+        m.add_argument(flag, dest=kw, type=SHAPE[kw], help=f"override {kw}")
     m.add_argument("--tie", action="store_true", default=None, help="tie the head to the embedding")
     moe = parser.add_argument_group("mixture of experts (any model; a MoE preset's by default)")
-    moe.add_argument("--experts", type=positive_int, help="routed experts per MoE block")
-    moe.add_argument("--topk", type=positive_int, help="experts per token (default 2)")
-    moe.add_argument("--moe-every", type=positive_int, help="block i is MoE iff i %% this == 0")
-    moe.add_argument("--shared-experts", type=int, help="always-on experts per MoE block")
-    moe.add_argument("--expert-ffn", dest="expert_ff", type=positive_int,
+    moe.add_argument("--experts", type=between(1, MAX_EXPERTS),
+                     help="routed experts per MoE block")
+    moe.add_argument("--topk", type=between(1, MAX_EXPERTS), help="experts per token (default 2)")
+    moe.add_argument("--moe-every", type=between(1, MAX_LAYERS),
+                     help="block i is MoE iff i %% this == 0")
+    moe.add_argument("--shared-experts", type=between(0, MAX_EXPERTS),
+                     help="always-on experts per MoE block")
+    moe.add_argument("--expert-ffn", dest="expert_ff", type=between(1, WIDE),
                      help="an expert's MLP width (default: the dense MLP's)")
-    moe.add_argument("--capacity-factor", type=number(0, True, "1.25"),
+    moe.add_argument("--capacity-factor", type=number(0, True, "1.25", 1024),
                      help="pad or drop to ceil(T·k/E·C) tokens per expert (default: none)")
     lay = parser.add_argument_group("layout (without --gpus, or to check one layout on them)")
     for flag in ("--dp", "--tp", "--pp", "--vpp", "--ep", "--cp"):
-        lay.add_argument(flag, type=positive_int, default=None, help=f"{flag[2:]} degree")
+        lay.add_argument(flag, type=between(1, MAX_GPUS), default=None,
+                         help=f"{flag[2:]} degree")
     lay.add_argument("--cp-impl", choices=CP_IMPLS, default="ring",
                      help="context parallelism: ring attention, all-gathered K/V, or Ulysses")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
-    lay.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
-    lay.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch")
-    lay.add_argument("--global-batch", type=positive_int,
+    lay.add_argument("--microbatches", type=between(1, WIDE), help="micro-batches per step")
+    lay.add_argument("--micro-batch-size", type=between(1, WIDE),
+                     help="sequences per micro-batch")
+    lay.add_argument("--global-batch", type=between(1, WIDE * 16),
                      help="sequences per step (default: the preset's published batch; 8 for "
                           "the course's models, as edu3d train)")
     lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
@@ -100,17 +111,18 @@ def add_arguments(parser):
                           "for the course's models, bf16 otherwise")
     lay.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     cl = parser.add_argument_group("cluster and cost model (with --gpus, the layout search)")
-    cl.add_argument("--gpus", type=positive_int, help="GPUs to plan for: search every layout")
-    cl.add_argument("--gpu-mem", type=number(0, False, "80"), default=None,
+    cl.add_argument("--gpus", type=between(1, MAX_GPUS),
+                    help="GPUs to plan for: search every layout")
+    cl.add_argument("--gpu-mem", type=number(0, False, "80", 1e6), default=None,
                     help="GB per GPU (default with --gpus: 80)")
-    cl.add_argument("--gpus-per-node", type=positive_int, default=8)
-    cl.add_argument("--peak-tflops", type=number(0, False, "989"), default=989.0)
-    cl.add_argument("--mfu", type=number(0, False, "0.45"), default=0.45)
-    cl.add_argument("--intra-gbps", type=number(0, False, "300"), default=300.0,
+    cl.add_argument("--gpus-per-node", type=between(1, MAX_GPUS), default=8)
+    cl.add_argument("--peak-tflops", type=number(0, False, "989", 1e9), default=989.0)
+    cl.add_argument("--mfu", type=number(0, False, "0.45", 1), default=0.45)
+    cl.add_argument("--intra-gbps", type=number(0, False, "300", 1e9), default=300.0,
                     help="GB/s inside a node (NVLink)")
-    cl.add_argument("--inter-gbps", type=number(0, False, "25"), default=25.0,
+    cl.add_argument("--inter-gbps", type=number(0, False, "25", 1e9), default=25.0,
                     help="GB/s per GPU across nodes (InfiniBand)")
-    cl.add_argument("--top", type=positive_int, default=8, help="layouts listed")
+    cl.add_argument("--top", type=between(1, 10**6), default=8, help="layouts listed")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return parser
 
@@ -233,8 +245,12 @@ def main_from_args(args) -> int:
     out = {"model": dataclasses.asdict(spec), "num_params": spec.num_params()}
     moe = as_moe(spec)
     if searching:
-        rows = plan_search.search(spec, cluster, st.global_batch, st.precision, st.schedule,
-                                  st.cp_impl)
+        try:
+            rows = plan_search.search(spec, cluster, st.global_batch, st.precision,
+                                      st.schedule, st.cp_impl)
+        except ValueError as err:
+            print(f"edu3d plan: {err}", file=sys.stderr)
+            return 2
         if not rows or not rows[0]["fits"]:
             print(f"edu3d plan: no layout of {spec.name} fits {args.gpus} GPUs of {mem_gb:g} GB"
                   + (f" (the best needs {rows[0]['memory']['total_bytes'] / 1e9:.1f} GB)"

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from edu3d.commands.argtypes import positive_int
+from edu3d.commands.argtypes import ranks, seconds
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch
 
 HELP = "run a script or module on N ranks"
@@ -33,9 +33,9 @@ def add_subcommand(sub) -> None:
                        description="Run a script (or -m module) on N ranks through torchrun. "
                                    "Output is prefixed by rank; the first failing rank ends "
                                    "the run with its traceback and exit code 1.")
-    p.add_argument("-n", "--nprocs", type=positive_int, default=2,
+    p.add_argument("-n", "--nprocs", type=ranks, default=2,
                    help="ranks on this node (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=seconds("600"), default=None,
                    help="kill the run after this many seconds (default: no limit)")
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module name")
     for opt in PASSTHROUGH:

@@ -8,6 +8,7 @@ but the newest N.
 
 from __future__ import annotations
 
+from edu3d.commands.argtypes import MAX_COUNT, integer
 from edu3d.launch import runs
 
 HELP = "list or clean run folders ($EDU3D_RUNS, default ./runs)"
@@ -17,5 +18,6 @@ def add_subcommand(sub) -> None:
     """Register ``runs`` on ``edu3d``'s subcommands."""
     r = sub.add_parser("runs", help=HELP)
     r.add_argument("action", choices=("list", "clean"), help="list them, or remove them")
-    r.add_argument("--keep", type=int, default=0, help="clean: keep the newest N (default 0)")
+    r.add_argument("--keep", type=integer(0, "an integer >= 0", MAX_COUNT), default=0,
+                   help="clean: keep the newest N (default 0)")
     r.set_defaults(func=lambda args: runs.main(args.action, args.keep))

@@ -18,7 +18,9 @@ import argparse
 import json
 import sys
 
-from edu3d.commands.argtypes import positive_int
+from edu3d.commands.argtypes import integer
+
+POSITIVE = "a positive integer (1, 2, 3 ...)"
 from edu3d.schedules.check import ScheduleError, check
 from edu3d.schedules.actions import SCHEDULES, build, chunks, format_torch
 from edu3d.schedules.simulate import Costs, bubble_formula, simulate
@@ -40,10 +42,11 @@ TEXTS = {"description": DESCRIPTION, "epilog": EPILOG,
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--name", required=True, choices=SCHEDULES, help="schedule")
-    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=positive_int, required=True,
+    parser.add_argument("--pp", type=integer(1, POSITIVE, 32), required=True,
+                        help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=integer(1, POSITIVE, 128), required=True,
                         help="micro-batches per step")
-    parser.add_argument("--vpp", type=positive_int, default=1,
+    parser.add_argument("--vpp", type=integer(1, POSITIVE, 4), default=1,
                         help="chunks per rank, interleaved only (default: %(default)s)")
     parser.add_argument("--format", choices=("torch", "table", "json"), default="torch",
                         help="output (default: %(default)s)")

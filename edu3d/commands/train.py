@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edu3d.commands.argtypes import integer, non_negative_int, number, positive_int
+from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
+                                     number, ranks, seconds)
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
@@ -35,6 +36,8 @@ from edu3d.train.options import (FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES, R
                                  SCHEDULES, TrainOptions, check_args, check_fit, defaults)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
+POSITIVE = "a positive integer (1, 2, 3 ...)"
+WIDE = 2**20  # the most of any width, sequence or batch (the fit check refuses sooner)
 D = " (default: %(default)s)"  # argparse fills in each option's default in --help
 
 
@@ -65,52 +68,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model = parser.add_argument_group("model (a preset; each override replaces one field)")
     model.add_argument("--model", default="tiny", choices=PRESET_NAMES,
                        help="preset" + D)
-    model.add_argument("--layers", type=positive_int, help="override the preset's n_layers")
-    model.add_argument("--heads", type=positive_int, help="override n_heads")
-    model.add_argument("--d-model", type=positive_int, help="override d_model")
-    model.add_argument("--seq", type=positive_int, help="override seq_len")
+    model.add_argument("--layers", type=integer(1, POSITIVE, 1024),
+                       help="override the preset's n_layers")
+    model.add_argument("--heads", type=integer(1, POSITIVE, 2**14), help="override n_heads")
+    model.add_argument("--d-model", type=integer(1, POSITIVE, WIDE), help="override d_model")
+    model.add_argument("--seq", type=integer(1, POSITIVE, WIDE), help="override seq_len")
     model.add_argument("--vocab", type=integer(MIN_VOCAB, f"an integer >= {MIN_VOCAB} (the "
                                                           "corpus gives each token "
-                                                          f"{MIN_VOCAB} successors)"),
+                                                          f"{MIN_VOCAB} successors)", 16 * WIDE),
                        help="override vocab_size (at least 4)")
     model.add_argument("--tie", action="store_true", default=None,
                        help="tie lm_head to the token embedding (default: the preset's choice)")
     moe = parser.add_argument_group("mixture of experts (without --experts every MLP is dense)")
-    moe.add_argument("--experts", type=non_negative_int, default=0,
+    moe.add_argument("--experts", type=integer(0, "an integer >= 0", 4096), default=0,
                      help="routed experts per mixture-of-experts layer; 0: dense" + D)
-    moe.add_argument("--topk", type=positive_int, default=2,
+    moe.add_argument("--topk", type=integer(1, POSITIVE, 4096), default=2,
                      help="experts each token is sent to (gates renormalised over them when "
                           "k > 1, as Mixtral does)" + D)
-    moe.add_argument("--moe-every", type=positive_int, default=1,
+    moe.add_argument("--moe-every", type=integer(1, POSITIVE, 1024), default=1,
                      help="block i is a mixture of experts when i %% N == 0" + D)
-    moe.add_argument("--shared-experts", type=non_negative_int, default=0,
+    moe.add_argument("--shared-experts", type=integer(0, "an integer >= 0", 4096), default=0,
                      help="always-on experts every token goes through (DeepSeek)" + D)
-    moe.add_argument("--capacity-factor", type=number(0, True, "1.0"), default=0.0,
+    moe.add_argument("--capacity-factor", type=number(0, True, "1.0", 1024), default=0.0,
                      help="each expert takes at most ceil(T*k/E*C) of a micro-batch's T "
                           "tokens, the rest are dropped; 0: dropless" + D)
-    moe.add_argument("--aux-loss-coef", type=number(0, True, "1e-2"), default=1e-2,
+    moe.add_argument("--aux-loss-coef", type=number(0, True, "1e-2", 1e3), default=1e-2,
                      help="weight of the load-balancing loss E*sum(f_i*P_i)" + D)
-    moe.add_argument("--z-loss-coef", type=number(0, True, "1e-3"), default=0.0,
+    moe.add_argument("--z-loss-coef", type=number(0, True, "1e-3", 1e3), default=0.0,
                      help="weight of the router z-loss mean(logsumexp(logits)^2)" + D)
     moe.add_argument("--balance", choices=("aux", "bias"), default="aux",
                      help="bias: DeepSeek-V3's aux-loss-free balancing, a per-expert bias "
                           "used only to choose experts, nudged after each step" + D)
     opt = parser.add_argument_group("training")
-    opt.add_argument("--steps", type=positive_int, default=60, help="training steps" + D)
-    opt.add_argument("--seed", type=non_negative_int, default=0,
+    opt.add_argument("--steps", type=count, default=60, help="training steps" + D)
+    opt.add_argument("--seed", type=integer(0, "an integer >= 0", MAX_SEED), default=0,
                      help="seeds the weights and the data" + D)
     opt.add_argument("--lr", type=number(0, False, "3e-3"), default=3e-3,
                      help="peak learning rate" + D)
-    opt.add_argument("--global-batch", type=positive_int, default=8,
+    opt.add_argument("--global-batch", type=integer(1, POSITIVE, WIDE), default=8,
                      help="sequences per step, whatever the layout" + D)
-    opt.add_argument("--warmup", type=non_negative_int, default=0,
+    opt.add_argument("--warmup", type=integer(0, "an integer >= 0", MAX_COUNT), default=0,
                      help="steps of linear learning-rate warmup" + D)
     opt.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                      help="after warmup: constant, or cosine decay to 10%% of --lr "
                                     "at the last step" + D)
-    opt.add_argument("--weight-decay", type=number(0, True, "0.1"), default=0.1,
+    opt.add_argument("--weight-decay", type=number(0, True, "0.1", 1e3), default=0.1,
                      help="AdamW weight decay on matrices" + D)
-    opt.add_argument("--clip", type=number(0, True, "1.0"), default=1.0,
+    opt.add_argument("--clip", type=number(0, True, "1.0", 1e9), default=1.0,
                      help="max global gradient norm; 0 disables" + D)
     opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                      help="sgd is plain SGD, the honest check of gradient scale" + D)
@@ -119,29 +123,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                     "loss scaling" + D)
     par = parser.add_argument_group("parallelism (ranks = dp * cp * tp * pp, launched with "
                                     "torchrun)")
-    par.add_argument("--dp", type=positive_int, default=1,
+    par.add_argument("--dp", type=ranks, default=1,
                      help="data-parallel degree" + D)
     par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                      help="ZeRO stage over the data-parallel group" + D)
-    par.add_argument("--microbatches", type=positive_int, default=None,
+    par.add_argument("--microbatches", type=integer(1, POSITIVE, WIDE), default=None,
                      help="micro-batches per step, for every layout: without --pp this is "
                           "gradient accumulation (default: 1, or pp with --pp)")
-    par.add_argument("--grad-accum", type=positive_int, default=None,
+    par.add_argument("--grad-accum", type=integer(1, POSITIVE, WIDE), default=None,
                      help="the same as --microbatches")
     par.add_argument("--dp-impl", choices=("naive", "flat", "overlap", "bucketed"),
                      default="bucketed", help="how gradients are averaged" + D)
-    par.add_argument("--bucket-mb", type=number(0, False, "25"), default=25.0,
+    par.add_argument("--bucket-mb", type=number(0, False, "25", 1e6), default=25.0,
                      help="bucket size in MB for --dp-impl bucketed (PyTorch DDP's)" + D)
     par.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
     par.add_argument("--offload", action="store_true",
                      help="ZeRO: keep the optimizer state (and its update) on the CPU")
     par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,
                      help="compress data-parallel gradients (lossy: losses drift from serial)")
-    par.add_argument("--ep", type=positive_int, default=1,
+    par.add_argument("--ep", type=ranks, default=1,
                      help="expert-parallel degree: the experts are shared out over groups of "
                           "ep of the dp x cp ranks (adds no ranks; alone, --ep N means --dp N "
                           "--ep N)" + D)
-    par.add_argument("--cp", type=positive_int, default=1,
+    par.add_argument("--cp", type=ranks, default=1,
                      help="context-parallel degree: each sequence is split over cp ranks" + D)
     par.add_argument("--cp-impl", choices=("ring", "allgather", "ulysses"), default="ring",
                      help="ring: K and V travel around the ranks; allgather: gathered once "
@@ -149,13 +153,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--cp-split", choices=("zigzag", "plain"), default="zigzag",
                      help="zigzag: rank r holds chunks r and 2cp-1-r (balanced causal work); "
                           "plain: contiguous quarters (imbalanced)" + D)
-    par.add_argument("--tp", type=positive_int, default=1,
+    par.add_argument("--tp", type=ranks, default=1,
                      help="tensor-parallel degree" + D)
     par.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp)")
     par.add_argument("--tp-overlap", action="store_true",
                      help="overlap the input-gradient all-reduce with weight gradients")
-    par.add_argument("--pp", type=positive_int, default=1, help="pipeline stages" + D)
-    par.add_argument("--vpp", type=positive_int, default=1,
+    par.add_argument("--pp", type=ranks, default=1, help="pipeline stages" + D)
+    par.add_argument("--vpp", type=integer(1, POSITIVE, 1024), default=1,
                      help="model chunks per pipeline rank (interleaved)" + D)
     par.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                      help="pipeline schedule" + D)
@@ -168,14 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="edu3d: edu3d's own mechanics; torch: the same layout on PyTorch's "
                           "own APIs (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor TP, "
                           "torch.distributed.pipelining)" + D)
-    par.add_argument("--timeout", type=number(0, False, "600"), default=600.0,
+    par.add_argument("--timeout", type=seconds("600"), default=600.0,
                      help="seconds before a parallel run is killed" + D)
     ck = parser.add_argument_group("checkpoints and failures")
     ck.add_argument("--ckpt-dir", default=None,
                     help="folder of sharded checkpoints (one sub-folder per saved step)")
-    ck.add_argument("--save-every", type=positive_int, default=None,
+    ck.add_argument("--save-every", type=count, default=None,
                     help="save every K steps (default with --ckpt-dir: at the last step only)")
-    ck.add_argument("--keep-last", type=positive_int, default=None, metavar="K",
+    ck.add_argument("--keep-last", type=count, default=None, metavar="K",
                     help="keep only the newest K complete checkpoints: once a save is "
                          "committed, older step folders are removed (default: keep all)")
     ck.add_argument("--resume", action="store_true",
@@ -187,14 +191,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--async-save", action="store_true",
                     help="snapshot the state and write it in the background while training "
                          "continues (at most one save in flight)")
-    ck.add_argument("--max-restarts", type=non_negative_int, default=0,
+    ck.add_argument("--max-restarts", type=integer(0, "an integer >= 0", 1000), default=0,
                     help="when a rank dies or hangs, restart every rank from the last complete "
                          "checkpoint, up to N times" + D)
     ck.add_argument("--inject-fault", type=fault_spec, default=None,
                     metavar="rank=R,step=S[,kind=exit|kill|hang]",
                     help="make rank R die (exit, kill) or hang at step S, once (for tests and "
                          "the course)")
-    ck.add_argument("--heartbeat", type=number(0, False, "20"), default=None,
+    ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
     parser.add_argument("--json", action="store_true",

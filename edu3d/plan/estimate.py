@@ -40,9 +40,8 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from edu3d.distributed.mesh import divisors
 from edu3d.plan import formulas as memory
-from edu3d.plan.formulas import MoESpec, as_moe
+from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import simulate
@@ -52,6 +51,8 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient"
 CP_IMPLS = ("ring", "allgather", "ulysses")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
+MAX_GPUS, MAX_LAYERS, MAX_EXPERTS = 2**20, 1024, 4096  # what the estimator takes (so that
+MAX_REPLAY = 8192  # it answers in a second): interleaved replays of pp=32 x vpp=2 at most
 
 
 # ---- the layout --------------------------------------------------------------------------------
@@ -90,6 +91,13 @@ class Setup:
 
 def validate(spec: ModelSpec, st: Setup) -> None:
     """Raise ``ValueError`` saying what to change when ``st`` cannot run ``spec``."""
+    if not 1 <= spec.n_layers <= MAX_LAYERS or as_moe(spec).experts > MAX_EXPERTS:
+        raise ValueError(f"{spec.n_layers} layers, {as_moe(spec).experts} experts: the planner "
+                         f"takes 1 to {MAX_LAYERS} layers, 0 to {MAX_EXPERTS} experts")
+    replay = 2 * min(st.microbatches, 2 * st.pp) * st.pp * st.vpp
+    if st.gpus > MAX_GPUS or st.schedule == "interleaved" and replay > MAX_REPLAY:
+        raise ValueError(f"{st.gpus} GPUs, interleaved replay of {replay} actions: the planner"
+                         f" takes 1 to {MAX_GPUS} GPUs, {MAX_REPLAY} actions (pp=32 x vpp=2)")
     if spec.n_heads % st.tp or spec.kv_heads % st.tp and st.tp % spec.kv_heads:
         raise ValueError(f"tp={st.tp} must divide n_heads={spec.n_heads} (and KV heads "
                          f"{spec.kv_heads} split or replicate evenly)")
@@ -192,9 +200,12 @@ def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
     units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
-    same = dataclasses.replace(st, microbatches=1 + (st.microbatches > 1 or st.pp > 1),
-                               micro_batch=1, recompute="none", sp=False)  # all it depends on
-    return dict(_state_of(spec, same, pp_rank, dp_index, at))
+    return dict(_state_of(spec, _state_setup(st), pp_rank, dp_index, at))
+
+
+def _state_setup(st: Setup) -> Setup:  # all the model's state depends on
+    return dataclasses.replace(st, microbatches=1 + (st.microbatches > 1 or st.pp > 1),
+                               micro_batch=1, recompute="none", sp=False)
 
 
 @lru_cache(maxsize=4096)
@@ -256,21 +267,14 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
     return out
 
 
-def _replayed(schedule: str, pp: int, m: int) -> int:
-    """How many micro-batches to replay: the steady state of 1F1B and ZB-H1 is reached by
-    ``p`` micro-batches, interleaved's by ``2p`` (a test checks both against the full
-    replay), and a replay grows with ``m``; GPipe holds every micro-batch, so its peak is ``m``."""
-    if schedule == "gpipe":
-        return m
-    return min(m, 2 * pp if schedule == "interleaved" else pp)
-
-
 @lru_cache(maxsize=512)
 def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
-    """The most micro-batches each pipeline rank keeps alive, from replaying the schedule."""
-    if schedule == "gpipe":
-        return (m,) * pp
-    replay = _replayed(schedule, pp, m)
+    """The most micro-batches each pipeline rank keeps alive: what a replay gives (tests check),
+    in closed form where there is one, as a replay costs ``p²``: GPipe ``m``, 1F1B ``min(m,
+    p-r)`` on rank ``r``, ZB-H1 ``min(m, p)`` (deferred weight gradients keep their inputs)."""
+    if schedule in ("gpipe", "1f1b") or schedule == "zb-h1" and not m % max(1, m // pp):
+        return tuple(min(m, {"gpipe": m, "1f1b": pp - r}.get(schedule, pp)) for r in range(pp))
+    replay = m if schedule == "zb-h1" else min(m, 2 * pp)  # zb-h1: its build names the error
     return tuple(simulate(build(schedule, pp, replay, chunks(schedule, vpp)), pp).peak_in_flight)
 
 
@@ -280,7 +284,7 @@ def activations_per_rank(spec: ModelSpec, st: Setup) -> list[float]:
     v = chunks(st.schedule, st.vpp)
     if v == 1:
         return [n * a for n, a in zip(in_flight(st.schedule, st.pp, st.microbatches), per_stage)]
-    actions = build(st.schedule, st.pp, _replayed(st.schedule, st.pp, st.microbatches), v)
+    actions = build(st.schedule, st.pp, min(st.microbatches, 2 * st.pp), v)  # interleaved
     return list(simulate(actions, st.pp, activation_bytes=per_stage).peak_activation_bytes)
 
 
@@ -305,9 +309,14 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
         out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
     if st.zero >= 2:
         _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-        out += gb * max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
-                        units(spec, st, pp_rank, experts=True))
+        out += gb * _biggest_unit(spec, _shape_of(st), pp_rank)
     return out
+
+
+@lru_cache(maxsize=4096)
+def _biggest_unit(spec: ModelSpec, st: Setup, pp_rank: int) -> int:
+    return max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
+               units(spec, st, pp_rank, experts=True))
 
 
 def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
@@ -330,18 +339,30 @@ def activation_model(spec: ModelSpec, st: Setup) -> str:
 
 
 # ---- the estimate --------------------------------------------------------------------------------
+@lru_cache(maxsize=1024)
+def _fullest_states(spec: ModelSpec, st: Setup, at: str) -> tuple[dict, ...]:
+    """Each pipeline rank's state on its fullest dp rank (ZeRO's shards differ by a few optimizer
+    pieces): rank 0 or one in :func:`~edu3d.plan.formulas.shard_starts` (experts': per ``edp``)."""
+    out, n, edp = [], st.dp * st.cp, st.edp
+    for r in range(st.pp):
+        weigh = {0}  # for real models, rank 0 stands for all
+        if st.zero and spec.course:
+            weigh |= memory.shard_starts(units(spec, st, r), n) | {
+                i + k * edp for i in memory.shard_starts(units(spec, st, r, True), edp)
+                for k in range(n // edp)}
+        out.append(max((dict(_state_of(spec, st, r, i, at)) for i in sorted(weigh) if i < n),
+                       key=lambda d: sum(d.values())))
+    return tuple(out)
+
+
 def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     """Bytes per rank by category for every pipeline rank (``per_stage``), and the most loaded
     one's at the top level (``params_bytes`` ... ``total_bytes``)."""
     validate(spec, st)
     acts = activations_per_rank(spec, st)
-    per_stage = []
+    per_stage, states = [], _fullest_states(spec, _state_setup(st), at)
     for r in range(st.pp):
-        # ZeRO's shards differ by a few optimizer pieces between dp ranks: the fullest counts
-        indices = range(st.dp * st.cp if st.zero and spec.course else 1)
-        worst = max((state_per_rank(spec, st, r, i, at) for i in indices),
-                    key=lambda d: sum(d.values()))
-        row = {"pp_rank": r, **worst, "activations": acts[r],
+        row = {"pp_rank": r, **states[r], "activations": acts[r],
                "comm": comm_per_rank(spec, st, r) if at == "peak" else 0.0,
                "transient": transient_per_rank(spec, st, r) if at == "peak" else 0.0}
         row["total"] = sum(row[c] for c in CATEGORIES)

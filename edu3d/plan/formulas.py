@@ -103,6 +103,27 @@ def flat_shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, i
     return padded, padded // n, pieces
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, smallest first, found up to ``√n`` (a billion takes no time)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def shard_starts(us: list, n: int) -> set[int]:
+    """The ZeRO ranks (of ``n``) whose shard of some unit in ``us`` has a tensor starting
+    strictly inside it. Every other rank holds at most one piece of each unit and no more of
+    its state than rank 0, so the fullest rank is rank 0 or one of these: a planner over a
+    million ranks weighs a few hundred instead of all."""
+    out = set()
+    for _, u in us:
+        size, off = math.ceil(sum(k for k, _ in u) / n), 0
+        for k, _ in u[:-1]:
+            off += k
+            if size and off % size:
+                out.add(off // size)
+    return out
+
+
 def zero_unit_bytes(us: list, n: int, dp_index: int, zero: int, held_full: bool, at: str,
                     pb: int, gb: int, ob: int) -> dict[str, float]:
     """Weights, gradients and optimizer state of the units ``us`` (``[(name, [(elements, is
@@ -112,18 +133,26 @@ def zero_unit_bytes(us: list, n: int, dp_index: int, zero: int, held_full: bool,
     ``held_full`` (micro-batches or stages: edu3d reduces once per step), else the biggest
     unit's (ZeRO-3: two, the next one prefetched)."""
     step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
-    full = sum(k for _, u in us for k, _ in u)
+    numel: dict[int, int] = {}  # a MoE stage repeats one expert list per block: count it once
+    for _, u in us:
+        if id(u) not in numel:
+            numel[id(u)] = sum(k for k, _ in u)
+    full = sum(numel[id(u)] for _, u in us)
     tensors = sum(len(u) for _, u in us)
     if not zero or n == 1:
         return {"params": pb * full, "grads": gb * full,
                 "optimizer": ob * full + step_bytes * tensors * bool(ob)}
-    shards = [flat_shard(u, n, dp_index) for _, u in us]
-    padded = sum(p for p, _, _ in shards)
-    shard = sum(s for _, s, _ in shards)
-    covered = sum(min(s, max(0, sum(k for k, _ in u) - dp_index * s))
-                  for (_, u), (_, s, _) in zip(us, shards))
-    optimizer = ob * covered + step_bytes * sum(p for _, _, p in shards)
-    biggest = max(p for p, _, _ in shards)
+    seen: dict[int, tuple] = {}
+    for _, u in us:
+        if id(u) not in seen:
+            sh = flat_shard(u, n, dp_index)
+            seen[id(u)] = (*sh, min(sh[1], max(0, numel[id(u)] - dp_index * sh[1])))
+    shards = [seen[id(u)] for _, u in us]
+    padded = sum(p for p, _, _, _ in shards)
+    shard = sum(s for _, s, _, _ in shards)
+    covered = sum(c for _, _, _, c in shards)
+    optimizer = ob * covered + step_bytes * sum(p for _, _, p, _ in shards)
+    biggest = max(p for p, _, _, _ in shards)
     params = pb * (padded if zero < 3 else shard)
     grads = gb * (padded if zero < 2 else shard)
     if at == "peak" and zero >= 2:

@@ -40,18 +40,19 @@ at most ``usable`` of the GPU's memory (the rest: CUDA context, allocator fragme
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
-from edu3d.distributed.mesh import divisors
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
-from edu3d.plan.estimate import Setup, estimate, held
-from edu3d.plan.formulas import as_moe
+from edu3d.plan.estimate import MAX_GPUS, Setup, estimate, held
+from edu3d.plan.formulas import as_moe, divisors
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
 AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
 CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
+MAX_WORK = 2_500_000  # layouts x layers x (1 + experts/64) one search weighs: a few seconds
 
 
 @dataclass(frozen=True)
@@ -173,9 +174,20 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
            precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring") -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
     first: ``{"setup", "memory", "time", "fits"}``."""
+    if not 1 <= cl.gpus <= MAX_GPUS:
+        raise ValueError(f"{cl.gpus} GPUs: the search takes 1 to {MAX_GPUS}")
     gb = global_batch or spec.global_batch
+    # an estimate costs about a microsecond per layer, and per 64 experts of a layer
+    most = int(MAX_WORK / (spec.n_layers * (1 + as_moe(spec).experts / 64)))
+    every = list(itertools.islice(candidates(spec, cl, gb, precision, schedule,
+                                             cp_impl=cp_impl), most + 1))
+    if len(every) > most:
+        raise ValueError(f"{cl.gpus} GPUs allow more than {most} layouts of {spec.name} (the "
+                         f"search weighs at most {MAX_WORK:,} layouts x layers x (1 + "
+                         "experts/64)); give one layout (--dp --tp --pp) to weigh it alone, "
+                         "or fewer GPUs")
     rows = []
-    for st in candidates(spec, cl, gb, precision, schedule, cp_impl=cp_impl):
+    for st in every:
         try:
             mem = estimate(spec, st)
         except ValueError:

@@ -1,0 +1,190 @@
+"""Every number on edu3d's command lines is checked before any work (issue 29, item 14).
+
+A systematic table of bad command lines, run in this process through ``edu3d.cli.main``:
+each must exit 2 with one line on stderr that names the flag and its range, no traceback,
+nothing launched. Then the planner's bounds: the largest inputs it accepts answer in
+seconds (CPU time, so a loaded machine does not make the test flaky), the work a search
+does is capped, and Ctrl-C ends it with exit code 130.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edu3d import cli
+from edu3d.commands import argtypes
+from edu3d.launch import api as launch_api
+from edu3d.plan import search as plan_search
+from edu3d.plan.estimate import MAX_GPUS, MAX_LAYERS, in_flight
+from edu3d.schedules.actions import build
+from edu3d.schedules.simulate import simulate
+
+PLAN = ["plan", "--model", "llama2-7b"]
+# (command line, the flag, a text the one line must hold: the range)
+BAD = [
+    (["plan", "--params", "1e300"], "--params", "<= 1e+13"),
+    (["plan", "--params", "nan"], "--params", "<= 1e+13"),
+    (["plan", "--params", "inf"], "--params", "<= 1e+13"),
+    (["plan", "--params", "1e7"], "--params", ">= 1e+08"),
+    (PLAN + ["--gpus", "1000000000"], "--gpus", f"from 1 to {MAX_GPUS}"),
+    (PLAN + ["--gpus", "0"], "--gpus", f"from 1 to {MAX_GPUS}"),
+    (PLAN + ["--gpus", "-8"], "--gpus", f"from 1 to {MAX_GPUS}"),
+    (PLAN + ["--layers", "1000000000"], "--layers", f"from 1 to {MAX_LAYERS}"),
+    (PLAN + ["--experts", "100000"], "--experts", "from 1 to 4096"),
+    (PLAN + ["--shared-experts", "-1"], "--shared-experts", "from 0 to 4096"),
+    (PLAN + ["--dp", "99999999999"], "--dp", f"from 1 to {MAX_GPUS}"),
+    (PLAN + ["--seq", "1e9"], "--seq", "from 1 to"),
+    (PLAN + ["--gpu-mem", "nan"], "--gpu-mem", "> 0 and <= 1e+06"),
+    (PLAN + ["--gpu-mem", "-80"], "--gpu-mem", "> 0 and <= 1e+06"),
+    (PLAN + ["--mfu", "1.5"], "--mfu", "> 0 and <= 1"),
+    (PLAN + ["--mfu", "inf"], "--mfu", "> 0 and <= 1"),
+    (PLAN + ["--inter-gbps", "nan"], "--inter-gbps", "> 0 and <="),
+    (PLAN + ["--capacity-factor", "-1"], "--capacity-factor", ">= 0 and <= 1024"),
+    (["train", "--timeout", "nan"], "--timeout", "> 0 and <= 604800"),
+    (["train", "--timeout", "1e300"], "--timeout", "> 0 and <= 604800"),
+    (["train", "--heartbeat", "inf"], "--heartbeat", "> 0 and <= 604800"),
+    (["train", "--steps", "10000000000"], "--steps", "at most 1000000000"),
+    (["train", "--layers", "1000000000"], "--layers", "at most 1024"),
+    (["train", "--dp", "1000000"], "--dp", "at most 1024"),
+    (["train", "--seed", "-1"], "--seed", "an integer >= 0"),
+    (["train", "--seed", str(2**64)], "--seed", f"at most {2**32 - 1}"),
+    (["train", "--bucket-mb", "1e300"], "--bucket-mb", "<= 1e+06"),
+    (["train", "--clip", "nan"], "--clip", ">= 0 and <= 1e+09"),
+    (["train", "--aux-loss-coef", "-1"], "--aux-loss-coef", ">= 0 and <= 1000"),
+    (["train", "--max-restarts", "-1"], "--max-restarts", "an integer >= 0"),
+    (["train", "--global-batch", "9" * 5000], "--global-batch", "a positive integer"),
+    (["run", "--timeout", "nan", "x.py"], "--timeout", "> 0 and <= 604800"),
+    (["run", "--timeout", "-1", "x.py"], "--timeout", "> 0 and <= 604800"),
+    (["run", "-n", "1000000", "x.py"], "--nprocs", "at most 1024"),
+    (["run", "-n", "0", "x.py"], "--nprocs", "a positive integer"),
+    (["bench", "pp", "-n", "100000"], "--nprocs", "at most 1024"),
+    (["bench", "pp", "--reps", "0"], "--reps", "a positive integer"),
+    (["schedule", "--name", "1f1b", "--pp", "1000000", "-m", "4"], "--pp", "at most 32"),
+    (["schedule", "--name", "1f1b", "--pp", "4", "-m", "1000000000"], "--microbatches",
+     "at most 128"),
+    (["schedule", "--name", "interleaved", "--pp", "4", "-m", "8", "--vpp", "1000"], "--vpp",
+     "at most 4"),
+    (["course", "--port", "70000"], "--port", "from 1 to 65535"),
+    (["course", "--port", "-1"], "--port", "from 1 to 65535"),
+    (["grade", "--timeout", "nan"], "--timeout", "> 0 and <= 604800"),
+    (["doctor", "--timeout", "inf"], "--timeout", "> 0 and <= 604800"),
+    (["runs", "clean", "--keep", "-1"], "--keep", "an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("argv,flag,bound", BAD, ids=[" ".join(b[0])[:60] for b in BAD])
+def test_a_bad_number_is_one_line_with_its_range(argv, flag, bound, capsys, monkeypatch):
+    monkeypatch.setattr(launch_api, "launch", lambda *a, **k: pytest.fail("launched"))
+    started = time.process_time()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"argument {flag}" in lines[0] or f"/{flag}" in lines[0], err
+    assert bound in lines[0], err
+    assert len(lines[0]) < 300, err  # a 5000-digit number is not echoed whole
+    assert time.process_time() - started < 2, "refused before any work"
+
+
+def test_the_types_accept_their_edges():
+    assert argtypes.seconds("600")("604800") == 604800
+    assert argtypes.between(1, 8)("8") == 8 and argtypes.between(0, 8)("0") == 0
+    assert argtypes.number(0, False, "1", 1)("1") == 1.0
+    for bad in ("nan", "inf", "-inf", "0", "604801", "1e400", "", "ten"):
+        with pytest.raises(Exception, match="must be a finite number > 0 and <= 604800"):
+            argtypes.seconds("600")(bad)
+
+
+# ---- the planner answers any accepted input in seconds ----------------------------------------
+LARGEST = [  # the largest inputs edu3d plan accepts, and the costliest search (DeepSeek-V3)
+    ["--params", "1e13", "--gpus", str(MAX_GPUS)],
+    ["--params", "1e13", "--gpus", "65536"],
+    ["--model", "deepseek-v3", "--gpus", "16384"],
+    ["--model", "deepseek-v3", "--gpus", str(MAX_GPUS)],
+    ["--model", "llama2-70b", "--gpus", "720720"],  # 240 divisors
+    ["--model", "deepseek-v3", "--gpus", "65536", "--layers", "64", "--experts", "4096"],
+    ["--model", "llama2-7b", "--gpus", "1024", "--global-batch", "16777216", "--layers", "1024",
+     "--heads", "16384", "--d-model", "1048576", "--schedule", "interleaved"],
+    ["--model", "llama2-7b", "--layers", "1024", "--pp", "1024", "--microbatches", "1048576",
+     "--global-batch", "1048576", "--schedule", "zb-h1"],
+    ["--model", "llama2-7b", "--layers", "1024", "--pp", "32", "--vpp", "2", "--microbatches",
+     "1024", "--global-batch", "1024", "--schedule", "interleaved"],
+    ["--model", "tiny", "--dp", str(MAX_GPUS), "--zero", "1", "--global-batch", str(MAX_GPUS)],
+]
+
+
+@pytest.mark.parametrize("argv", LARGEST, ids=[" ".join(a)[:50] for a in LARGEST])
+def test_the_largest_accepted_inputs_answer_in_seconds(argv, capsys):
+    """CPU seconds of this process (not wall time: other work on the machine does not count);
+    the bound is generous, a search is capped at ``MAX_WORK`` layouts x layers (about 2 s)."""
+    started = time.process_time()
+    code = cli.main(["plan", *argv, "--json"])
+    spent = time.process_time() - started
+    err = capsys.readouterr().err
+    assert code in (0, 1, 2) and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) <= 1, err
+    assert spent < 5, (argv, spent)
+
+
+def test_a_search_weighs_a_bounded_number_of_layouts(monkeypatch):
+    """Deterministic: however many layouts the GPUs allow, the search estimates at most
+    ``MAX_WORK / (layers x (1 + experts/64))`` of them, or refuses in one line."""
+    from edu3d.commands.plan import MOE_PRESETS
+
+    weighed = []
+    real = plan_search.estimate
+    monkeypatch.setattr(plan_search, "estimate", lambda *a, **k: weighed.append(1) or real(*a, **k))
+    spec = MOE_PRESETS["deepseek-v3"]
+    rows = plan_search.search(spec, plan_search.Cluster(16384))
+    most = plan_search.MAX_WORK / (spec.n_layers * (1 + spec.experts / 64))
+    assert rows and len(weighed) <= most
+    with pytest.raises(ValueError, match=r"GPUs allow more than \d+ layouts"):
+        plan_search.search(spec, plan_search.Cluster(16384), global_batch=2**24)
+    with pytest.raises(ValueError, match="the search takes 1 to"):
+        plan_search.search(spec, plan_search.Cluster(10**9))
+
+
+def test_divisors_of_a_billion_are_found_at_once():
+    started = time.process_time()
+    ds = plan_search.divisors(10**9)
+    assert time.process_time() - started < 0.5
+    assert ds == sorted(ds) and len(ds) == 100 and all(10**9 % d == 0 for d in ds)
+
+
+def test_in_flight_closed_forms_equal_the_replay():
+    for name, pp, m in itertools.product(("gpipe", "1f1b", "zb-h1"), range(1, 9), range(1, 20)):
+        try:
+            replay = simulate(build(name, pp, m), pp).peak_in_flight
+        except ValueError as err:  # ZB-H1 groups micro-batches: the estimate refuses the same
+            with pytest.raises(ValueError, match=str(err)[:30]):
+                in_flight(name, pp, m)
+            continue
+        assert list(in_flight(name, pp, m)) == replay, (name, pp, m)
+
+
+def test_ctrl_c_interrupts_the_planner():
+    """SIGINT during a search: exit 130, one line, no traceback (the child gets Python's own
+    SIGINT handler even where this test runs with SIGINT ignored, as a background job)."""
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from edu3d.cli import main; sys.exit(main(sys.argv[1:]))")
+    p = subprocess.Popen([sys.executable, "-c", code, "plan", "--model", "deepseek-v3",
+                          "--gpus", "16384"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    try:
+        _, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("Ctrl-C did not end edu3d plan")
+    if p.returncode == 0:
+        pytest.skip("the search finished before the signal came")
+    assert p.returncode == 130 and err.strip() == "edu3d plan: interrupted", err
