@@ -185,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in --ckpt-dir, whatever "
                          "layout wrote it")
-    ck.add_argument("--resume-step", type=positive_int, default=None, metavar="N",
+    ck.add_argument("--resume-step", type=count, default=None, metavar="N",
                     help="continue from the checkpoint of step N rather than the newest "
                          "(implies --resume; as edu3d generate --step)")
     ck.add_argument("--async-save", action="store_true",
