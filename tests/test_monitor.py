@@ -99,3 +99,25 @@ def test_nobody_watching_costs_one_write_per_rank():
     assert all(r["step"] == 6 and r["window_steps"] == 6 for r in records)
     assert not live.watch_file(run.run_dir).exists()
     assert live.slowest(records) == 0
+
+
+def test_a_reader_never_takes_half_a_record(tmp_path):
+    """A writer process rewrites its record as fast as it can; every record read whole."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "status" / "rank0.json"
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from edu3d.launch import live\n"
+        f"f = live.StatusFile(Path({str(path)!r}))\n"
+        "for i in range(30000): f.write({'a': i, 'pad': 'x' * (i % 997), 'b': i})\n")])
+    seen = set()
+    try:
+        while writer.poll() is None or not seen:
+            rec = live.read_status(path)
+            if rec is not None:
+                assert rec["a"] == rec["b"] and len(rec["pad"]) == rec["a"] % 997
+                seen.add(rec["a"])
+    finally:
+        writer.kill()
+    assert len(seen) > 1

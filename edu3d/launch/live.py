@@ -8,8 +8,8 @@ ranks nothing when nobody watches:
   its run folder (:mod:`edu3d.train.publish`): its coordinates, the step it reached, the mean
   step time and tokens/s since its last record, the milliseconds per step it spent in each
   group's collectives (from the trace), and its memory (CUDA's allocator on a GPU, the
-  tensors it holds on a CPU). Each record replaces the last in one atomic rename, so a reader
-  never sees half a file;
+  tensors it holds on a CPU). Each record overwrites the last in a memory map behind a
+  sequence lock, so a reader never takes half a record (:class:`StatusFile`);
 * a rank publishes **only while someone watches**: a watcher touches ``status/watching`` at
   every refresh (:func:`touch_watch`); a rank looks at that file's age at most every
   :data:`PUBLISH_S` seconds, one ``stat`` and no write while it is absent or stale. Whatever
@@ -30,6 +30,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import time
@@ -69,13 +70,51 @@ def watched(run_dir: Path) -> bool:
         return False
 
 
-def write(run_dir: Path, rank: int, record: dict) -> None:
-    """Replace rank ``rank``'s status record, atomically (temporary file, then rename)."""
-    path = status_file(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+class StatusFile:
+    """One rank's status record, rewritten in place: a fixed-size memory map (as the flight
+    record, :class:`edu3d.distributed.trace.Flight`), so a record costs a memory copy, not a
+    file system's rename (which on ext4 waits for the data to reach the disk: milliseconds).
+
+    A reader must never take half of one record and half of the next for a record. The
+    header is a **sequence lock**: the writer makes the counter odd, copies the record, makes
+    it even again; a reader keeps what it read only if the counter was even and unchanged
+    around its read (:func:`read_status`). Layout: counter (8 bytes), length (4), JSON."""
+
+    SIZE = 4096
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb+") as f:
+            f.truncate(self.SIZE)
+            self._map = mmap.mmap(f.fileno(), self.SIZE)
+        self.seq = 0
+
+    def write(self, record: dict) -> None:
+        data = json.dumps(record).encode()[: self.SIZE - 12]
+        self.seq += 1  # odd: a write is under way
+        self._map[0:8] = self.seq.to_bytes(8, "little")
+        self._map[8:12 + len(data)] = len(data).to_bytes(4, "little") + data
+        self.seq += 1  # even: the record is whole
+        self._map[0:8] = self.seq.to_bytes(8, "little")
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def read_status(path: Path, tries: int = 3) -> dict | None:
+    """The record in a :class:`StatusFile`, or None (none yet, or a write kept racing us)."""
+    try:
+        with open(path, "rb") as f:
+            for _ in range(tries):
+                raw = os.pread(f.fileno(), StatusFile.SIZE, 0)
+                again = os.pread(f.fileno(), 8, 0)
+                seq = int.from_bytes(raw[:8], "little")
+                if seq % 2 == 0 and raw[:8] == again:
+                    size = int.from_bytes(raw[8:12], "little")
+                    return json.loads(raw[12:12 + size]) if size else None
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def ranks_of(run_dir: Path) -> int:
@@ -116,9 +155,8 @@ def read(run_dir: Path, nprocs: int | None = None) -> list[dict]:
     failed = {p.stem for p in (run_dir / "errors").glob("rank*.json")}
     out = []
     for r in range(nprocs):
-        try:
-            rec = json.loads(status_file(run_dir, r).read_text())
-        except (OSError, ValueError):
+        rec = read_status(status_file(run_dir, r))
+        if rec is None:
             continue
         rec["age_s"] = max(time.time() - rec.get("t", time.time()), 0.0)
         if f"rank{r}" in failed:

@@ -89,6 +89,7 @@ class Publisher:
         now = time.monotonic()
         self.run, self.window = Span(now), Span(now)
         self.next_look, self.step, self.writes = now + live.PUBLISH_S, 0, 0
+        self.file = live.StatusFile(live.status_file(self.run_dir, self.rank))
 
     @classmethod
     def for_run(cls, trainer, steps: int) -> "Publisher | None":
@@ -125,10 +126,11 @@ class Publisher:
         util = gpu_utilisation()
         if util is not None:
             record["gpu_util"] = util
-        live.write(self.run_dir, self.rank, record)
+        self.file.write(record)
         self.writes += 1
 
     def close(self) -> None:
         """The last record: the whole run's averages, written whether or not anyone watches."""
         if self.run.steps:
             self.publish(self.run, time.monotonic(), done=True)
+        self.file.close()
