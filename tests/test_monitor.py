@@ -121,3 +121,26 @@ def test_a_reader_never_takes_half_a_record(tmp_path):
     finally:
         writer.kill()
     assert len(seen) > 1
+
+
+def test_on_a_terminal_the_table_is_redrawn_in_place(tmp_path):
+    """Synthetic records (no ranks): a terminal gets the table in ANSI codes, the slowest row
+    in reverse video, and each refresh first erases the lines the last one drew."""
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for rank, (step_ms, dp_ms) in enumerate([(210.0, 200.0), (211.0, 2.0)]):
+        f = live.StatusFile(live.status_file(tmp_path, rank))
+        f.write({"rank": rank, "coords": {"pp": 0, "dp": rank, "tp": 0}, "step": 3,
+                 "steps": 9, "step_ms": step_ms, "tokens_per_s": 1200.0,
+                 "comm_ms": {"dp": dp_ms}, "memory": {"kind": "tensors", "bytes": 2 ** 20},
+                 "t": 0.0, "done": False})
+    screen = Tty()
+    view = live.Terminal(tmp_path, 2, screen)
+    assert live.watched(tmp_path)  # the ranks would publish now
+    view.refresh()
+    first = screen.getvalue()
+    assert "\x1b[1;7m" in first and "*1" in first and "95%" in first and "1.00" in first
+    view.refresh()
+    assert f"\x1b[{view.drawn}F\x1b[J" in screen.getvalue()[len(first):]

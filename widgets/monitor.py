@@ -46,9 +46,9 @@ def table_html(records: list[dict], title: str = "") -> str:
         tds = "".join(f"<td style='padding:0 8px;text-align:right'>{html.escape(c)}</td>"
                       for c in row)
         lines.append(f"<tr{style}>{tds}</tr>")
-    legend = live.render(records).splitlines()[-1]
+    legend = "<br>".join(map(html.escape, live.render(records).splitlines()[-2:]))
     return (f"{head}<table style='font-family:monospace;border-collapse:collapse'>"
-            f"{''.join(lines)}</table><small>{html.escape(legend)}</small>")
+            f"{''.join(lines)}</table><small>{legend}</small>")
 
 
 class LiveMonitor:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ WATCH_S = 5.0  # a watch file older than this means nobody watches any more
 STALE_S = 2.0  # a record older than this: show what the flight record says instead
 AXES = ("dp", "cp", "dpcp", "tp", "pp", "ep", "edp", "world")  # column order of the shares
 MIB = 2 ** 20
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # an escape sequence takes no column
 
 
 # ---- the files ------------------------------------------------------------------------------
@@ -242,12 +245,10 @@ def render(records: list[dict], title: str = "", ansi: bool = False) -> str:
             text = f"\x1b[1;7m{text}\x1b[0m"
         lines.append(text)
     cuda = any((r.get("memory") or {}).get("kind") == "cuda" for r in records)
-    lines.append(("memory: CUDA allocated/reserved" if cuda else
-                  "memory: CPU: tracked tensors (parameters, gradients, optimizer state, "
-                  "peak activations)")
-                 + "; busy = step - communication"
-                 + (f"; * rank {slow}: the slowest, the others wait for it" if slow is not None
-                    else ""))
+    lines.append("memory: CUDA allocated/reserved" if cuda else
+                 "memory: CPU: tracked tensors (params, grads, optimizer, peak activations)")
+    lines.append("busy = step - communication" + (
+        f"; * rank {slow}: the slowest, the others wait for it" if slow is not None else ""))
     return "\n".join(lines)
 
 
@@ -311,7 +312,8 @@ class Terminal:
             self.erase()
             text = render(records, self.title(), ansi=True)
             self.out.write(text + "\n")
-            self.drawn = text.count("\n") + 1
+            cols = max(shutil.get_terminal_size().columns, 20)  # a long line wraps
+            self.drawn = sum(max(1, -(-len(ANSI.sub("", x)) // cols)) for x in text.split("\n"))
         else:
             key = [(r["rank"], r.get("step"), r.get("t")) for r in records]
             if records and key != self.key:
