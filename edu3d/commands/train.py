@@ -42,21 +42,29 @@ D = " (default: %(default)s)"  # argparse fills in each option's default in --he
 
 
 def fault_spec(text: str) -> dict:
-    """argparse type for ``--inject-fault rank=R,step=S[,kind=exit|kill|hang]``."""
-    usage = "rank=R,step=S[,kind=exit|kill|hang] (e.g. rank=1,step=3,kind=kill)"
+    """argparse type for ``--inject-fault rank=R,step=S[,kind=exit|kill|hang]`` and
+    ``rank=R,kind=slow[,step=S][,seconds=X]`` (a straggler from step S on, default 1)."""
+    usage = ("rank=R,step=S[,kind=exit|kill|hang] or rank=R,kind=slow[,step=S][,seconds=X] "
+             "(e.g. rank=1,step=3,kind=kill)")
     spec: dict = {"kind": "exit"}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in ("rank", "step", "kind"):
+        if not sep or key not in ("rank", "step", "kind", "seconds"):
             raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
         if key == "kind":
             if value not in FAULT_KINDS:
                 raise argparse.ArgumentTypeError(
                     f"{text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
             spec["kind"] = value
+        elif key == "seconds":
+            spec["seconds"] = number(0, False, "0.2")(value)
         else:
             spec[key] = (integer(1, "a step >= 1") if key == "step" else non_negative_int)(value)
+    if spec["kind"] == "slow":
+        spec.setdefault("step", 1)
+    elif "seconds" in spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds= is the sleep of kind=slow only")
     if "rank" not in spec or "step" not in spec:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
     return spec
@@ -195,14 +203,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="when a rank dies or hangs, restart every rank from the last complete "
                          "checkpoint, up to N times" + D)
     ck.add_argument("--inject-fault", type=fault_spec, default=None,
-                    metavar="rank=R,step=S[,kind=exit|kill|hang]",
-                    help="make rank R die (exit, kill) or hang at step S, once (for tests and "
-                         "the course)")
+                    metavar="rank=R,step=S[,kind=exit|kill|hang|slow][,seconds=X]",
+                    help="make rank R die (exit, kill) or hang at step S, once, or sleep X s "
+                         "(default 0.2) before every step from S on (slow: a straggler); for "
+                         "tests and the course")
     ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
+    parser.add_argument("--monitor", action="store_true",
+                        help="a live table of every rank on stderr (step time, tokens/s, "
+                             "communication share per axis, memory; the slowest rank "
+                             "highlighted), refreshed twice a second; another terminal can "
+                             "watch with 'edu3d top RUN'")
     return parser
 
 
@@ -244,7 +258,10 @@ def add_subcommand(sub) -> argparse.ArgumentParser:
 def check(options: TrainOptions) -> None:
     """Every check made before any process starts; raises ``ValueError`` saying what would
     work (a foreign, corrupted or used checkpoint folder included)."""
-    config, _ = check_args(options)
+    config, layout = check_args(options)
+    if options.monitor and layout.world_size == 1:
+        raise LayoutError("--monitor watches the ranks of a parallel run; add --dp 2 (or "
+                          "another layout), or drop --monitor (a serial run prints its progress)")
     problem = unsupported(options) if options.impl == "torch" else None
     if problem:
         raise LayoutError(problem)

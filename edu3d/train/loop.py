@@ -32,13 +32,15 @@ import torch
 from edu3d.ckpt.checkpointer import Checkpointer
 from edu3d.ckpt.format import check_ckpt_dir, resume_from
 from edu3d.ckpt.format import steps as complete_steps
-from edu3d.launch.api import LaunchError, LaunchTimeout, launch
+from edu3d.launch import live
+from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
+from edu3d.train.publish import Publisher
 from edu3d.train.options import (TrainOptions, check_args, check_fit, config_from_args,
                                  oversubscribed)
 from edu3d.train.trainer import Trainer
@@ -179,6 +181,7 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         if args.resume:
             records = ckpt.resume()  # the records of the steps the checkpoint holds
     rank = trainer.mesh.rank
+    status = Publisher.for_run(trainer, args.steps)  # for a live monitor; None when serial
     for step in range(len(records) + 1, args.steps + 1):
         faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
         x, y = corpus.batch(step, args.global_batch)
@@ -193,6 +196,10 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         if ckpt is not None:
             ckpt.after_step(step, records)  # saves when due; may add the time it blocked
         _emit(rec, args, out)
+        if status is not None:
+            status.after_step(step, x.numel())
+    if status is not None:
+        status.close()
     if ckpt is not None:
         ckpt.close()  # waits for an asynchronous save still in flight
     if out is not None and not args.json and seconds:  # the steps this process ran
@@ -266,9 +273,11 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
     restarts = args.max_restarts
     for attempt in range(restarts + 1):
         options["attempt"] = attempt
+        view = live.Terminal(new_run_dir("train"), layout.world_size) if args.monitor else None
+        shown = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
             res = launch(worker, layout.world_size, args=(options, trainer_class), layout=layout,
-                         echo=echo, timeout=args.timeout, name="train", heartbeat=args.heartbeat)
+                         timeout=args.timeout, name="train", heartbeat=args.heartbeat, **shown)
             return res.results[0]
         except LaunchTimeout:
             raise  # the whole run's time is spent: nothing to restart into
@@ -281,4 +290,7 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
                   f"{restarts}: every rank starts again from {where}", file=sys.stderr,
                   flush=True)
             options["resume"] = True
+        finally:
+            if view is not None:
+                view.close()  # the last table, also after a failure
     raise AssertionError("unreachable")

@@ -36,7 +36,7 @@ CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
-FAULT_KINDS = ("exit", "kill", "hang")
+FAULT_KINDS = ("exit", "kill", "hang", "slow")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
 MIN_VOCAB = 4  # edu3d.train.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
 
@@ -105,10 +105,11 @@ class TrainOptions:
     resume_step: int | None = None  # continue this step's checkpoint (implies resume)
     async_save: bool = False
     max_restarts: int = 0
-    inject_fault: dict | None = None  # {"rank", "step", "kind"}
+    inject_fault: dict | None = None  # {"rank", "step", "kind"[, "seconds": kind slow]}
     heartbeat: float | None = None
     # ---- output ----
     json: bool = False
+    monitor: bool = False  # a live table of every rank under the output (edu3d.launch.live)
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
@@ -235,7 +236,7 @@ def check_args(options: TrainOptions):
         if fault["rank"] >= layout.world_size:
             raise LayoutError(f"--inject-fault rank={fault['rank']}: this layout has ranks "
                               f"0..{layout.world_size - 1}")
-        if fault["step"] > o.steps:
+        if fault.get("step", 1) > o.steps:
             raise LayoutError(f"--inject-fault step={fault['step']}: the run has only "
                               f"{o.steps} steps")
     if o.compress and (o.zero or o.dp == 1):
