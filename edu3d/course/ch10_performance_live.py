@@ -23,13 +23,14 @@ from edu3d.train import loop
 from edu3d.train.options import check_args
 
 
-def slow_rank_run(run_dir: str | Path, slow_rank: int = 1, seconds: float = 0.2,
+def slow_rank_run(run_dir: str | Path, slow_rank: int | None = 1, seconds: float = 0.2,
                   steps: int = 10, timeout: float = 120) -> list[dict]:
-    """Train ``steps`` steps of dp2 with rank ``slow_rank`` sleeping ``seconds`` before each,
-    in ``run_dir``; returns every rank's final status record (:func:`edu3d.launch.live.read`)."""
-    options = lesson_args(layers=2, dp=2, steps=steps, json=True,
-                          inject_fault={"rank": slow_rank, "step": 1, "kind": "slow",
-                                        "seconds": seconds})
+    """Train ``steps`` steps of dp2 with rank ``slow_rank`` sleeping ``seconds`` before each
+    (``None``: no straggler), in ``run_dir``; returns every rank's final status record
+    (:func:`edu3d.launch.live.read`)."""
+    fault = (None if slow_rank is None else
+             {"rank": slow_rank, "step": 1, "kind": "slow", "seconds": seconds})
+    options = lesson_args(layers=2, dp=2, steps=steps, json=True, inject_fault=fault)
     check_args(options)
     launch(loop.worker, 2, args=(dataclasses.asdict(options),), layout=Layout(dp=2),
            run_dir=run_dir, echo=False, timeout=timeout, name="ch10-live")
@@ -47,3 +48,32 @@ def verdict(records: list[dict], seconds: float) -> dict:
             "comm_share": {r: live.comm_total_ms(rec) / rec["step_ms"]
                            for r, rec in by_rank.items()},
             "all_wait": all(rec["step_ms"] >= 1e3 * seconds for rec in records)}
+
+
+def budget(records: list[dict]) -> dict[int, dict]:
+    """Each rank's measured step as chapter 10's budget rows (ms): ``compute`` (its own work,
+    the sleep included), ``exposed`` = ``comm`` (time in collectives: waiting, then moving)."""
+    rows = {}
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        comm = live.comm_total_ms(rec)
+        rows[rec["rank"]] = {"compute": live.busy_ms(rec), "exposed": comm, "idle": 0.0,
+                             "comm": comm, "step": rec["step_ms"]}
+    return rows
+
+
+def predict(records: list[dict], recorded_rank: int | None, recorded_seconds: float,
+            slow_rank: int | None, seconds: float) -> dict[int, dict]:
+    """A straggler's effect predicted from a recorded run (made with ``recorded_rank``
+    sleeping ``recorded_seconds``): every rank's own work is what it measured less the sleep
+    it was given; the all-reduce's transfer is the least any rank spent in communication (the
+    straggler's: nobody left to wait for). With rank ``slow_rank`` sleeping ``seconds``, the
+    step is the slowest rank's work plus that transfer, and every other rank waits out the
+    difference in its all-reduce."""
+    measured = budget(records)
+    sleep = {r: 1e3 * recorded_seconds if r == recorded_rank else 0.0 for r in measured}
+    work = {r: b["compute"] - sleep[r] for r, b in measured.items()}
+    transfer = min(b["comm"] for b in measured.values())
+    busy = {r: work[r] + (1e3 * seconds if r == slow_rank else 0.0) for r in work}
+    step = max(busy.values()) + transfer
+    return {r: {"compute": busy[r], "exposed": step - busy[r], "idle": 0.0,
+                "comm": step - busy[r], "step": step} for r in busy}
