@@ -31,8 +31,8 @@ from edu3d.commands.argtypes import integer, non_negative_int, number, positive_
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
-from edu3d.train.options import (FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES, RECOMPUTE,
-                                 SCHEDULES, TrainOptions, check_args, check_fit, defaults)
+from edu3d.train.options import (ATTENTION, FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES,
+                                 RECOMPUTE, SCHEDULES, TrainOptions, check_args, check_fit, defaults)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
 D = " (default: %(default)s)"  # argparse fills in each option's default in --help
@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                           "corpus gives each token "
                                                           f"{MIN_VOCAB} successors)"),
                        help="override vocab_size (at least 4)")
+    model.add_argument("--vocab-pad", type=positive_int, default=1, metavar="N",
+                       help="pad the vocabulary's tables to a multiple of N (64: GPU-friendly "
+                            "shapes); the padding logits are -inf, the loss unchanged" + D)
     model.add_argument("--tie", action="store_true", default=None,
                        help="tie lm_head to the token embedding (default: the preset's choice)")
     moe = parser.add_argument_group("mixture of experts (without --experts every MLP is dense)")
@@ -194,8 +197,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--heartbeat", type=number(0, False, "20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    fast = parser.add_argument_group("fast path (the same numbers, computed faster)")
+    fast.add_argument("--attn", choices=ATTENTION, default="sdpa",
+                      help="sdpa: F.scaled_dot_product_attention (flash kernels on a GPU); "
+                           "explicit: softmax(QK^T)V with the scores as a tensor" + D)
+    fast.add_argument("--compile", action="store_true",
+                      help="torch.compile each block (inductor; needs a C++ compiler on CPU)")
+    fast.add_argument("--no-tf32", action="store_true",
+                      help="keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)")
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per step and nothing else on stdout")
+                        help="print one JSON object per logged step and nothing else on stdout")
+    parser.add_argument("--log-every", type=positive_int, default=1, metavar="K",
+                        help="read the loss and print a record every K steps (reading it waits "
+                             "for the device)" + D)
     return parser
 
 

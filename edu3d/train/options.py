@@ -36,6 +36,7 @@ CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
 FAULT_KINDS = ("exit", "kill", "hang")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
 MIN_VOCAB = 4  # edu3d.train.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
@@ -53,6 +54,7 @@ class TrainOptions:
     seq: int | None = None
     vocab: int | None = None
     tie: bool | None = None
+    vocab_pad: int = 1  # the vocabulary's tables padded to a multiple of this (64 on a GPU)
     # ---- mixture of experts (0 experts: every block keeps its dense MLP) ----
     experts: int = 0
     topk: int = 2
@@ -106,8 +108,13 @@ class TrainOptions:
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"}
     heartbeat: float | None = None
+    # ---- the fast path (edu3d.train.trainer; GPU speed, the same numbers) ----
+    attn: str = "sdpa"  # or "explicit": the attention scores as a tensor
+    compile: bool = False  # torch.compile each block (inductor)
+    no_tf32: bool = False  # keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)
     # ---- output ----
     json: bool = False
+    log_every: int = 1  # read the loss (a host synchronisation) every K steps; records at those
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
@@ -156,7 +163,7 @@ def config_from_args(options: TrainOptions):
 
     o = options
     config = config_from(o.model, layers=o.layers, heads=o.heads, d_model=o.d_model,
-                         seq=o.seq, vocab=o.vocab, tie=o.tie)
+                         seq=o.seq, vocab=o.vocab, tie=o.tie, vocab_pad=o.vocab_pad)
     if not o.experts:
         return config
     return dataclasses.replace(

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from edu3d.ckpt import reshard
+from edu3d.model.gpt import set_attention
 from edu3d.model.moe import MoE, set_aux_scale
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import meter, trace
@@ -77,6 +78,7 @@ class Trainer:
                  compute=None, microbatch_loss=None):
         self.mesh = mesh if mesh is not None else Mesh(Layout(), 0, {})
         self.args, self.plan = args, plan_from(args)
+        set_attention(model, args.attn)
         self.par = parallelize(model, self.mesh, self.plan, self._shard_optimizer, compute)
         self.grads = GradSync(self.par)
         device = next(model.parameters()).device
