@@ -89,3 +89,61 @@ def test_tp2_padded_vocabulary_and_explicit_attention_match_serial():
     for rec in res[:2]:  # gradients of the same model, either attention
         for name, g in serial["grads"].items():
             assert torch.allclose(rec["grads"][name], g, atol=1e-6), name
+
+
+# ---- the optimizer's kernel, TF32, the deferred read ---------------------------------------
+def test_adamw_runs_over_tensor_lists_on_cpu():
+    from edu3d.train.optim import make_optimizer
+
+    opt = make_optimizer(GPT(config_from()), defaults())
+    assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_adamw_is_fused_and_tf32_is_on_unless_asked_off():
+    from edu3d.train.optim import make_optimizer
+    from edu3d.train.trainer import Trainer
+
+    model = GPT(config_from()).cuda()
+    assert make_optimizer(model, defaults()).defaults["fused"] is True
+    Trainer(model, None, defaults())
+    assert torch.backends.cuda.matmul.allow_tf32
+    Trainer(GPT(config_from()).cuda(), None, defaults(no_tf32=True))
+    assert not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_the_loss_is_read_only_at_logged_steps():
+    from edu3d.train.trainer import Trainer
+
+    trainer = Trainer(GPT(config_from()), None, defaults())
+    out = trainer.step(*SyntheticCorpus(256, 32).batch(1, 8), 1, read=False)
+    assert isinstance(out["loss"], torch.Tensor) and isinstance(out["grad_norm"], torch.Tensor)
+    every = run(defaults(steps=6, json=True), out=io.StringIO())
+    third = run(defaults(steps=7, log_every=3, json=True), out=io.StringIO())
+    assert [r["step"] for r in third] == [3, 6, 7]  # and the last step
+    for r in third[:2]:
+        assert r["loss"] == every[r["step"] - 1]["loss"] and r["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(log_every=2, ckpt_dir="/tmp/x"), "use --log-every 1 with --ckpt-dir"),
+    (dict(attn="flash"), "choose one of sdpa, explicit"),
+])
+def test_fast_path_refusals(flags, message):
+    from edu3d.distributed.mesh import LayoutError
+    from edu3d.train.options import check_args
+
+    with pytest.raises(LayoutError, match=message):
+        check_args(defaults(**flags))
+
+
+def test_compile_without_a_compiler_is_refused_before_launch(monkeypatch, capsys):
+    from edu3d.commands.train import main
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["--compile", "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--compile needs a C++ compiler" in err and "install g++" in err

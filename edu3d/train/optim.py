@@ -5,6 +5,7 @@ shares with the serial run, which is why a parallel run can reproduce it number 
 
 * **the rule**: AdamW (betas 0.9, 0.95) or plain SGD, with weight decay on matrices and
   embeddings only, not on biases or LayerNorm gains, which only shift and scale (nanoGPT);
+  AdamW runs fused on a GPU, over tensor lists elsewhere (:func:`kernel_for`);
 * **the schedule**: linear warmup from ``lr/warmup`` at step 1 to ``lr`` at step ``warmup``,
   then ``constant`` or ``cosine`` decay to ``lr/10`` at the last step;
 * **clipping**: ``torch.nn.utils.clip_grad_norm_`` computes the norm of the gradients *it
@@ -47,7 +48,16 @@ def optimizer_for(groups: list[dict], args) -> torch.optim.Optimizer | None:
         return None
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **kernel_for(groups))
+
+
+def kernel_for(groups: list[dict]) -> dict:
+    """AdamW's implementation for where the parameters live: ``fused=True`` (one kernel
+    for every tensor) when they are all on a GPU, ``foreach=True`` (one operation per step
+    of the rule, over the list of tensors) elsewhere: the same arithmetic as the loop over
+    tensors, with far fewer Python calls."""
+    devices = {p.device.type for g in groups for p in g["params"]}
+    return {"fused": True} if devices == {"cuda"} else {"foreach": True}
 
 
 def lr_at(step: int, args) -> float:

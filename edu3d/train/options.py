@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import typing
 from dataclasses import dataclass
 
@@ -241,7 +242,30 @@ def check_args(options: TrainOptions):
     if o.compress and (o.zero or o.dp == 1):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")
+    check_fast_path(o)
     return config, layout
+
+
+def check_fast_path(o: TrainOptions) -> None:
+    """The fast path's rules: a known attention, a C++ compiler for ``--compile`` (inductor
+    writes and compiles C++ on a CPU), one record per step where checkpoints keep them."""
+    if o.attn not in ATTENTION:
+        raise LayoutError(f"--attn {o.attn!r}: choose one of {', '.join(ATTENTION)}")
+    if o.log_every < 1:
+        raise LayoutError(f"--log-every {o.log_every}: must be a positive integer")
+    if o.log_every > 1 and o.ckpt_dir:
+        raise LayoutError(f"--log-every {o.log_every} with --ckpt-dir: a checkpoint keeps every "
+                          "step's record; use --log-every 1 with --ckpt-dir")
+    if o.compile and not compiler():
+        raise LayoutError("--compile needs a C++ compiler for torch.compile's inductor (none of "
+                          "$CXX, c++, g++, clang++ is on PATH): install g++ (apt-get install "
+                          "g++) or drop --compile")
+
+
+def compiler() -> str | None:
+    """The C++ compiler inductor would use, or None (``$CXX`` first, as inductor reads it)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else []
+    return next((p for p in map(shutil.which, names + ["c++", "g++", "clang++"]) if p), None)
 
 
 def check_moe(o: TrainOptions) -> None:

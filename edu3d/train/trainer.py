@@ -81,7 +81,10 @@ class Trainer:
         set_attention(model, args.attn)
         self.par = parallelize(model, self.mesh, self.plan, self._shard_optimizer, compute)
         self.grads = GradSync(self.par)
-        device = next(model.parameters()).device
+        self.device = device = next(model.parameters()).device
+        if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (Ampere and later)
+            torch.backends.cuda.matmul.allow_tf32 = not args.no_tf32
+            torch.backends.cudnn.allow_tf32 = not args.no_tf32
         self.precision = Precision(args.precision, device.type,
                                    world=self.mesh.layout.world_size > 1)
         self._microbatch_loss = microbatch_loss or scaled_loss
@@ -123,6 +126,8 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the global batch's mean loss (each rank its pieces, fixed across
         axes); returns that loss, the same on every rank."""
+        if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async copy
+            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
         xs = shard_rows(x, self.dp_index, self.dp_size)
         ys = shard_rows(y, self.dp_index, self.dp_size)
         if self.cp_size > 1:  # this rank's pieces of every sequence
@@ -142,8 +147,11 @@ class Trainer:
             dist.all_reduce(total)  # bookkeeping, not training traffic: left out of the trace
         return total[0] / (self.dp_size * self.cp_size * self.plan.microbatches)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
-        """One optimizer step on the global batch ``(x, y)``."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int, read: bool = True) -> dict:
+        """One optimizer step on the global batch ``(x, y)``. ``read=False`` leaves
+        ``loss`` and ``grad_norm`` as tensors on the device: reading a number waits for the
+        device to finish (a host synchronisation), so the loop reads them only at the steps
+        it logs (``--log-every``)."""
         rec = trace.current()
         with rec.context(step=step):
             loss = self.forward_backward(x, y)
@@ -155,7 +163,9 @@ class Trainer:
                 if not skip:
                     self.grads.scale_(clip_coef(norm, self.args.clip) / scale)
                     self._update(lr_at(step, self.args))
-        out = {"loss": loss.item(), "grad_norm": norm.item()}
+        out = {"loss": loss.detach(), "grad_norm": norm.detach()}
+        if read:
+            out = {k: v.item() for k, v in out.items()}
         if self.moe_layers:
             out.update(self.moe_step())
         if self.precision.mode == "fp16":
