@@ -26,3 +26,19 @@ def variants(mesh, layout: dict, runs: list[dict], steps: int = 3, grads: bool =
                          for s in range(1, steps + 1)]
         out.append(rec)
     return out
+
+
+def compile_layouts(mesh, layouts: list[dict], common: dict, steps: int = 2):
+    """For each layout (its axes and options, e.g. ``{"pp": 2}``): the losses of ``steps``
+    steps eager and compiled. One launch for every layout: each builds its own mesh over
+    the same ranks."""
+    from edu3d.distributed.mesh import Layout, Mesh
+
+    out = []
+    for layout in layouts:
+        axes = {k: v for k, v in layout.items() if k in ("dp", "tp", "pp", "cp")}
+        here = Mesh.build(Layout(**axes), mesh.rank)
+        got = [variants(here, {**common, **layout}, [{"compile": c}], steps, grads=False)[0]
+               ["losses"] for c in (False, True)]
+        out.append(got)
+    return out

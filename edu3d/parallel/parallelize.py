@@ -31,6 +31,7 @@ name of every parameter, and the DP/ZeRO wrapper.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,7 @@ class Plan:
     recompute: str = "none"  # "selective" | "full": activation recomputation
     cp_impl: str = "ring"  # "allgather" | "ulysses": context parallelism's attention
     cp_split: str = "zigzag"  # "plain": contiguous pieces of each sequence
+    compile: bool = False  # torch.compile each block's forward (after recomputation)
 
 
 @dataclass
@@ -188,6 +190,19 @@ def _tied_in(stage: PipelineStage, tied):
     return tied if tied is not None and any(t is tied for t in held) else None
 
 
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each block's ``forward``, as torchtitan compiles per block: after
+    TP, CP, EP and recomputation have rewritten the block (so the compiled code is theirs)
+    and before the pipeline cut and ZeRO, whose module hooks stay *outside* the compiled
+    code (they gather and free parameters, which a graph cannot capture). Every block runs
+    the same code on its own parameters, so one compiled graph serves them all."""
+    # each traced collective reads the clock: dynamo runs it eagerly between two graphs
+    warnings.filterwarnings("ignore", message=".*does not know how to trace the builtin "
+                            "`time.perf_counter_ns")
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
+
+
 def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
                 compute=None) -> Parallel:
     """Turn the full serial ``model`` (built from the same seed on every rank) into this
@@ -214,6 +229,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, make_optimizer=None,
         experts = expert_param_names(model)
         apply_ep(model, mesh.group("ep"), mesh.index("ep"), layout.ep)
     apply_recompute(model, plan.recompute)
+    if plan.compile:
+        apply_compile(model)
     names = {p: n for n, p in model.named_parameters()}
     stages, parts, actions = apply_pipeline(model, mesh, plan, compute)
     n_stages = len(parts)

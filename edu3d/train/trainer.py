@@ -58,7 +58,7 @@ def plan_from(options: TrainOptions) -> Plan:
                 partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
                 reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
                 compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
-                cp_split=o.cp_split)
+                cp_split=o.cp_split, compile=o.compile)
 
 
 class Trainer:
