@@ -27,6 +27,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "recompute": "edu3d.bench.bench_recompute:run_benchmark",
     "ep": "edu3d.bench.bench_5d:run_ep_benchmark",
     "cp": "edu3d.bench.bench_5d:run_cp_benchmark",
+    "overhead": "edu3d.bench.bench_overhead:run_benchmark",
 }
 
 
