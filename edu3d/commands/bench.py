@@ -28,6 +28,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "ep": "edu3d.bench.bench_5d:run_ep_benchmark",
     "cp": "edu3d.bench.bench_5d:run_cp_benchmark",
     "overhead": "edu3d.bench.bench_overhead:run_benchmark",
+    "mfu": "edu3d.bench.bench_mfu:run_benchmark",
 }
 
 
