@@ -107,6 +107,8 @@ class Trainer:
 
     # ---- the schedule's hooks -----------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor, m: int) -> torch.Tensor:
+        if m == 1 and self._microbatch_loss is scaled_loss:  # loss / 1: skip the operation
+            return self.precision.scale_loss(loss)
         return self.precision.scale_loss(self._microbatch_loss(loss, m))
 
     def _context(self, action, last: bool):
@@ -141,6 +143,8 @@ class Trainer:
         return self._global_loss(losses, xs.device)
 
     def _global_loss(self, losses: list, device) -> torch.Tensor:
+        if self.mesh.layout.world_size == 1 and len(losses) == 1:  # serial: nothing to add
+            return losses[0]
         mine = self.par.is_last and self.mesh.index("tp") == 0 and losses
         total = torch.stack(losses).sum().reshape(1) if mine else torch.zeros(1, device=device)
         if self.mesh.layout.world_size > 1:  # a serial trainer inside a launch stays alone
@@ -159,9 +163,10 @@ class Trainer:
                 scale = self.precision.scale
                 scaled_norm = self.grads.norm()
                 skip = self.precision.update(scaled_norm)
-                norm = scaled_norm / scale
+                norm = scaled_norm / scale if scale != 1.0 else scaled_norm
                 if not skip:
-                    self.grads.scale_(clip_coef(norm, self.args.clip) / scale)
+                    coef = clip_coef(norm, self.args.clip)
+                    self.grads.scale_(coef / scale if scale != 1.0 else coef)
                     self._update(lr_at(step, self.args))
         out = {"loss": loss.detach(), "grad_norm": norm.detach()}
         if read:
