@@ -32,8 +32,8 @@ from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_ne
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
-from edu3d.train.options import (FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES, RECOMPUTE,
-                                 SCHEDULES, TrainOptions, check_args, check_fit, defaults)
+from edu3d.train.options import (ATTENTION, FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES,
+                                 RECOMPUTE, SCHEDULES, TrainOptions, check_args, check_fit, defaults)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
 POSITIVE = "a positive integer (1, 2, 3 ...)"
@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                           "corpus gives each token "
                                                           f"{MIN_VOCAB} successors)", 16 * WIDE),
                        help="override vocab_size (at least 4)")
+    model.add_argument("--vocab-pad", type=integer(1, POSITIVE, 1 << 16), default=1, metavar="N",
+                       help="pad the vocabulary's tables to a multiple of N (64: GPU-friendly "
+                            "shapes); the padding logits are -inf, the loss unchanged" + D)
     model.add_argument("--tie", action="store_true", default=None,
                        help="tie lm_head to the token embedding (default: the preset's choice)")
     moe = parser.add_argument_group("mixture of experts (without --experts every MLP is dense)")
@@ -210,6 +213,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    fast = parser.add_argument_group("fast path (the same numbers, computed faster)")
+    fast.add_argument("--attn", choices=ATTENTION, default="sdpa",
+                      help="sdpa: F.scaled_dot_product_attention (flash kernels on a GPU); "
+                           "explicit: softmax(QK^T)V with the scores as a tensor" + D)
+    fast.add_argument("--compile", action="store_true",
+                      help="torch.compile each block (inductor; needs a C++ compiler on CPU)")
+    fast.add_argument("--no-tf32", action="store_true",
+                      help="keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
     parser.add_argument("--monitor", action="store_true",
@@ -217,6 +228,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "communication share per axis, memory; the slowest rank "
                              "highlighted), refreshed twice a second; another terminal can "
                              "watch with 'edu3d top RUN'")
+    parser.add_argument("--log-every", type=count, default=1, metavar="K",
+                        help="read the loss and print a record every K steps (reading it waits "
+                             "for the device)" + D)
     return parser
 
 

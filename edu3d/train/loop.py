@@ -167,7 +167,9 @@ def summary(records: list[dict], seconds: list[float]) -> str:
 
 
 def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list[dict]:
-    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print.
+    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print
+    every ``--log-every`` steps (and the last): between two, the loss stays on the device and
+    nothing waits for it; a record's ``tokens_per_s`` covers the steps since the previous one.
 
     With ``--ckpt-dir`` the state is saved as ``--save-every`` says (:mod:`edu3d.ckpt.format`),
     and ``--resume`` starts after the newest complete checkpoint with the records it kept, so
@@ -182,13 +184,22 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
             records = ckpt.resume()  # the records of the steps the checkpoint holds
     rank = trainer.mesh.rank
     status = Publisher.for_run(trainer, args.steps)  # for a live monitor; None when serial
+    deferred = isinstance(trainer, Trainer)  # its step can leave the loss on the device
+    spent, steps_since = 0.0, 0  # since the last logged step
     for step in range(len(records) + 1, args.steps + 1):
         faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
         x, y = corpus.batch(step, args.global_batch)
+        due = step % args.log_every == 0 or step == args.steps
         t0 = time.perf_counter()
-        result = trainer.step(x, y, step)
-        seconds.append(time.perf_counter() - t0)
-        rec = _record(step, result, lr_at(step, args), x.numel(), seconds[-1])
+        result = trainer.step(x, y, step, read=False) if deferred and not due else \
+            trainer.step(x, y, step)
+        spent += time.perf_counter() - t0  # a GPU's queued work is waited for when due
+        steps_since += 1
+        if not due:
+            continue
+        seconds.append(spent)
+        rec = _record(step, result, lr_at(step, args), x.numel() * steps_since, spent)
+        spent, steps_since = 0.0, 0
         rec.update({k: result[k] for k in ("skipped", "loss_scale", *MOE_KEYS)
                     if k in result})  # fp16, mixture of experts
         rec.update(trainer.stats())

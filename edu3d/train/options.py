@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import typing
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
 FAULT_KINDS = ("exit", "kill", "hang", "slow")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
 MIN_VOCAB = 4  # edu3d.train.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
@@ -53,6 +55,7 @@ class TrainOptions:
     seq: int | None = None
     vocab: int | None = None
     tie: bool | None = None
+    vocab_pad: int = 1  # the vocabulary's tables padded to a multiple of this (64 on a GPU)
     # ---- mixture of experts (0 experts: every block keeps its dense MLP) ----
     experts: int = 0
     topk: int = 2
@@ -107,9 +110,14 @@ class TrainOptions:
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"[, "seconds": kind slow]}
     heartbeat: float | None = None
+    # ---- the fast path (edu3d.train.trainer; GPU speed, the same numbers) ----
+    attn: str = "sdpa"  # or "explicit": the attention scores as a tensor
+    compile: bool = False  # torch.compile each block (inductor)
+    no_tf32: bool = False  # keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)
     # ---- output ----
     json: bool = False
     monitor: bool = False  # a live table of every rank under the output (edu3d.launch.live)
+    log_every: int = 1  # read the loss (a host synchronisation) every K steps; records at those
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
@@ -158,7 +166,7 @@ def config_from_args(options: TrainOptions):
 
     o = options
     config = config_from(o.model, layers=o.layers, heads=o.heads, d_model=o.d_model,
-                         seq=o.seq, vocab=o.vocab, tie=o.tie)
+                         seq=o.seq, vocab=o.vocab, tie=o.tie, vocab_pad=o.vocab_pad)
     if not o.experts:
         return config
     return dataclasses.replace(
@@ -242,7 +250,30 @@ def check_args(options: TrainOptions):
     if o.compress and (o.zero or o.dp == 1):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")
+    check_fast_path(o)
     return config, layout
+
+
+def check_fast_path(o: TrainOptions) -> None:
+    """The fast path's rules: a known attention, a C++ compiler for ``--compile`` (inductor
+    writes and compiles C++ on a CPU), one record per step where checkpoints keep them."""
+    if o.attn not in ATTENTION:
+        raise LayoutError(f"--attn {o.attn!r}: choose one of {', '.join(ATTENTION)}")
+    if o.log_every < 1:
+        raise LayoutError(f"--log-every {o.log_every}: must be a positive integer")
+    if o.log_every > 1 and o.ckpt_dir:
+        raise LayoutError(f"--log-every {o.log_every} with --ckpt-dir: a checkpoint keeps every "
+                          "step's record; use --log-every 1 with --ckpt-dir")
+    if o.compile and not compiler():
+        raise LayoutError("--compile needs a C++ compiler for torch.compile's inductor (none of "
+                          "$CXX, c++, g++, clang++ is on PATH): install g++ (apt-get install "
+                          "g++) or drop --compile")
+
+
+def compiler() -> str | None:
+    """The C++ compiler inductor would use, or None (``$CXX`` first, as inductor reads it)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else []
+    return next((p for p in map(shutil.which, names + ["c++", "g++", "clang++"]) if p), None)
 
 
 def check_moe(o: TrainOptions) -> None:
