@@ -26,11 +26,11 @@ into measurements, and how well the guesses ranked:
   progress, and a candidate that fails loses only itself: the next launch goes on from the
   one after it;
 * **the grade**: Spearman's rank correlation between predicted and measured step times
-  (:func:`spearman`: 1 = the model ordered them perfectly, 0 = no better than chance, ties
-  averaged), and the candidate it misranked most. Where it is wrong, the reasons are what the
-  model leaves out: per-message latency and per-operation overhead (which small
-  micro-batches and tensor parallelism's 4 all-reduces per layer pay), overlap, and, on CPU,
-  ranks sharing cores.
+  (:mod:`edu3d.bench.ranking`: 1 = the model ordered them perfectly, 0 = no better than
+  chance, ties averaged), and the candidate it misranked most. Where it is wrong, the
+  reasons are what the model leaves out: per-message latency and per-operation overhead
+  (which small micro-batches and tensor parallelism's 4 all-reduces per layer pay),
+  overlap, and, on CPU, ranks sharing cores.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from edu3d.train.options import (PRESET_NAMES, TrainOptions, check_args, config_
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import loop
 from edu3d.train.trainer import Trainer
+from edu3d.bench.ranking import grade
 
 CPU = {"peak_tflops": 0.05, "mfu": 0.3, "intra_gbps": 1.0}  # one core's fp32 rate; gloo on loopback
 MARK = "@tune "  # rank 0's report lines, read by :func:`measure`
@@ -184,10 +185,17 @@ def plan(base: TrainOptions, gpus: int, gpu_mem_gb: float | None = None, top: in
         raise ValueError(f"--gpu-mem {cluster.gpu_mem_gb:g}: no layout of {spec.name} fits "
                          f"{gpus} rank(s) of {cluster.gpu_mem_gb:g} GB (the smallest needs "
                          f"{need / 1e9:.4f} GB); raise --gpu-mem or --gpus")
+    def bucketed(r) -> bool:  # plain data parallelism: its gradients go in buckets
+        return r["setup"].zero == 0 and r["setup"].dp * r["setup"].cp > 1
+
+    picked = pick(fitting, top)
+    if len(bucket_mb) > 1 and not any(map(bucketed, picked)):  # sizes asked for: try them
+        picked = [r for r in fitting if r in picked or r is next(filter(bucketed, fitting),
+                                                                  None)]
     out, skipped = [], []
-    for r in pick(fitting, top):
+    for r in picked:
         st = r["setup"]
-        sizes = bucket_mb if st.zero == 0 and st.dp * st.cp > 1 else (None,)
+        sizes = bucket_mb if bucketed(r) else (None,)
         for size in sizes:
             name = label(st, size if len(bucket_mb) > 1 else None)
             try:
@@ -209,43 +217,64 @@ def plan(base: TrainOptions, gpus: int, gpu_mem_gb: float | None = None, top: in
 
 
 # ---- the launched ranks ------------------------------------------------------------------------
+class OnDevice:
+    """The corpus with its batches on this rank's GPU (pinned, copied without waiting)."""
+
+    def __init__(self, corpus: SyntheticCorpus):
+        self.corpus = corpus
+
+    def batch(self, step: int, rows: int):
+        return tuple(t.pin_memory().to(runtime.device(), non_blocking=True)
+                     for t in self.corpus.batch(step, rows))
+
+
 def worker(mesh, runs: list[dict], warmup: int, first: int = 0) -> None:
     """Launch target: candidates ``first, first+1, ...`` of ``runs`` (options as dicts), one
     after another on these ranks; rank 0 prints one ``@tune`` JSON line as each starts and
     ends (median step of the slowest rank after ``warmup`` steps, the fullest rank's peak)."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     meshes = {mesh.layout: mesh}
-    for i in range(first, len(runs)):
-        args = TrainOptions(**runs[i])
-        layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp,
-                        ep=args.ep)
-        if layout not in meshes:
-            meshes[layout] = Mesh.build(layout)
-        if mesh.rank == 0:
-            print(MARK + json.dumps({"start": i}), flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        config = config_from_args(args)
-        trainer = Trainer(GPT(config, seed=args.seed), meshes[layout], args)
-        records = loop(trainer, SyntheticCorpus(config.vocab_size, config.seq_len,
-                                                seed=args.seed), args)
-        tokens = args.global_batch * config.seq_len
-        seconds = torch.tensor([tokens / r["tokens_per_s"] for r in records],
-                               dtype=torch.float64, device=runtime.device())
-        peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else
-                             float(records[-1]["mem_bytes"]["total"])],
-                            dtype=torch.float64, device=runtime.device())
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # bookkeeping: the slowest rank's
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        step_s = statistics.median(seconds.tolist()[warmup:])
-        if mesh.rank == 0:
-            print(MARK + json.dumps({
-                "done": i, "step_s": step_s, "tokens_per_s": tokens / step_s,
-                "peak_bytes": int(peak.item()), "steps_timed": len(records) - warmup,
-                "loss": records[-1]["loss"]}), flush=True)
-        del trainer, records
-        gc.collect()
+    try:
+        for i in range(first, len(runs)):
+            measure_one(i, TrainOptions(**runs[i]), meshes, warmup, cuda)
+    finally:
+        for m in meshes.values():
+            if m is not mesh:
+                m.release()  # no group may outlive the process group
+
+
+def measure_one(i: int, args: TrainOptions, meshes: dict, warmup: int, cuda: bool) -> None:
+    """Candidate ``i`` on these ranks (its mesh built once per layout, kept in ``meshes``)."""
+    layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep)
+    if layout not in meshes:
+        meshes[layout] = Mesh.build(layout)
+    rank = dist.get_rank()
+    if rank == 0:
+        print(MARK + json.dumps({"start": i}), flush=True)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = Trainer(GPT(config, seed=args.seed).to(runtime.device()), meshes[layout],
+                      args)
+    records = loop(trainer, OnDevice(corpus) if cuda else corpus, args)
+    tokens = args.global_batch * config.seq_len
+    seconds = torch.tensor([tokens / r["tokens_per_s"] for r in records],
+                           dtype=torch.float64, device=runtime.device())
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else
+                         float(records[-1]["mem_bytes"]["total"])],
+                        dtype=torch.float64, device=runtime.device())
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # bookkeeping: the slowest rank's
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_s = statistics.median(seconds.tolist()[warmup:])
+    if rank == 0:
+        print(MARK + json.dumps({
+            "done": i, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "peak_bytes": int(peak.item()), "steps_timed": len(records) - warmup,
+            "loss": records[-1]["loss"]}), flush=True)
+    del trainer, records
+    gc.collect()
 
 
 def measure(candidates: list[dict], gpus: int, warmup: int,
@@ -285,52 +314,6 @@ def measure(candidates: list[dict], gpus: int, warmup: int,
             first = now["i"] + 1
 
 
-# ---- the grade ----------------------------------------------------------------------------------
-def ranks(xs: list[float]) -> list[float]:
-    """1-based ranks of ``xs`` (smallest first), ties given the mean of their ranks."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    out = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged);
-    NaN when either side has fewer than two distinct values."""
-    if len(xs) != len(ys):
-        raise ValueError(f"{len(xs)} predictions for {len(ys)} measurements")
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx) if rx else 0.0, sum(ry) / len(ry) if ry else 0.0
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var else math.nan
-
-
-def grade(candidates: list[dict], budget_bytes: float | None) -> dict:
-    """Ranks, correlation, the winner (the fastest measured that fits ``budget_bytes``) and
-    the most misranked candidate, from the measured ones."""
-    done = [c for c in candidates if "measured" in c]
-    pred = [c["predicted_step_s"] for c in done]
-    meas = [c["measured"]["step_s"] for c in done]
-    for c, p, m in zip(done, ranks(pred), ranks(meas)):
-        c["predicted_rank"], c["measured_rank"] = p, m
-        c["fits"] = budget_bytes is None or c["measured"]["peak_bytes"] <= budget_bytes
-    rho = spearman(pred, meas) if len(done) > 1 else math.nan
-    fitting = [c for c in done if c["fits"]]
-    winner = min(fitting, key=lambda c: c["measured"]["step_s"]) if fitting else None
-    worst = max(done, key=lambda c: abs(c["predicted_rank"] - c["measured_rank"]),
-                default=None)
-    return {"spearman": rho, "winner": winner["label"] if winner else None,
-            "misranked": worst["label"] if worst else None}
-
-
 def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, steps: int = 3,
          top: int = 8, warmup: int = 1, global_batch: int = 8, bucket_mb=(25.0,),
          progress: Callable[[str], None] | None = None, timeout: float = 600,
@@ -358,41 +341,6 @@ def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, st
             device == "cuda" else "tracked tensors (weights, grads, optimizer, peak "
             "activations)", "warmup": warmup, "steps": steps,
             "global_batch": global_batch, **planned, **grade(planned["candidates"], budget)}
-
-
-# ---- the table -----------------------------------------------------------------------------------
-def _mb(n: float) -> str:
-    return f"{n / 2**20:.2f}"
-
-
-def format_table(rep: dict) -> str:
-    """The report as text: one row per candidate (the planner's order), the winner and the
-    cost model's grade."""
-    rows = [f"{'#':>2} {'candidate':<34} {'pred ms':>8} {'pred MiB':>8} {'meas ms':>8} "
-            f"{'tok/s':>9} {'peak MiB':>8} {'rank p/m':>9}"]
-    for i, c in enumerate(rep["candidates"], start=1):
-        m = c.get("measured")
-        meas = (f"{m['step_s'] * 1e3:>8.1f} {m['tokens_per_s']:>9,.0f} {_mb(m['peak_bytes']):>8} "
-                f"{c['predicted_rank']:>4g}/{c['measured_rank']:<4g}" if m else
-                f"  failed: {c.get('error', 'not run')}")
-        win = " <- winner" if c["label"] == rep["winner"] else ""
-        rows.append(f"{i:>2} {c['label']:<34} {c['predicted_step_s'] * 1e3:>8.2f} "
-                    f"{_mb(c['predicted_bytes']):>8} {meas}{win}")
-    for s in rep["skipped"]:
-        rows.append(f"   {s['label']:<34} skipped: {s['reason']}")
-    rho = rep["spearman"]
-    rows.append(f"memory measured: {rep['memory_measured']}; times: median of {rep['steps']} "
-                f"step(s) after {rep['warmup']} warm-up, slowest rank")
-    rows.append(f"winner: {rep['winner'] or 'none fits'}")
-    rows.append("cost model's ranking against the measured one: Spearman rho = "
-                + ("undefined (fewer than two distinct values)" if math.isnan(rho) else
-                   f"{rho:+.2f} (1: same order, 0: unrelated, -1: reversed)"))
-    worst = next((c for c in rep["candidates"] if c["label"] == rep["misranked"]), None)
-    if worst is not None:
-        rows.append(f"misranked most: {worst['label']}: predicted #{worst['predicted_rank']:g}, "
-                    f"measured #{worst['measured_rank']:g} of "
-                    f"{sum('measured' in c for c in rep['candidates'])}")
-    return "\n".join(rows)
 
 
 def main_progress(line: str) -> None:

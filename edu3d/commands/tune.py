@@ -10,7 +10,8 @@ prints:
 * then a table: the planner's step time and memory beside the measured median step, tokens/s
   and peak memory; the winner (the fastest whose peak fits ``--gpu-mem``); and the grade of
   the planner's cost model: Spearman's rank correlation of predicted against measured step
-  times, and the candidate it misranked most. ``--json`` prints the whole report instead;
+  times, and the candidate it misranked most (:mod:`edu3d.bench.ranking`). ``--json``
+  prints the whole report instead;
 * bad input (an unknown model, more ranks than this machine hosts, ``--gpu-mem 0``) is
   refused in one line, exit code 2, before any rank starts.
 
@@ -85,7 +86,7 @@ def _finite(value):
 
 
 def main_from_args(args) -> int:
-    from edu3d.bench import autotune
+    from edu3d.bench import autotune, ranking
 
     overrides = {k: getattr(args, k) for k in ("layers", "heads", "d_model", "seq", "vocab",
                                                "experts", "topk") if getattr(args, k)}
@@ -102,6 +103,6 @@ def main_from_args(args) -> int:
         rep["spearman"] = _finite(rep["spearman"])
         print(json.dumps(rep))
     else:
-        print(autotune.format_table(rep))
+        print(ranking.format_table(rep))
     return 0 if rep["winner"] else 1
 
