@@ -146,3 +146,35 @@ def test_a_failing_candidate_loses_only_itself():
     assert any("2/3" in line and "failed" in line for line in lines), lines
     grade = ranking.grade(cands, None)
     assert grade["winner"] in (cands[0]["label"], cands[2]["label"])
+
+
+# ---- the chapter's chart and control, from a recorded report -------------------------------------
+def test_every_knob_position_redraws_the_chart():
+    from edu3d.course.ch07_memory_tune import METRICS, describe, points
+    from edu3d.widgets.panels.ch07_memory import tune_controls
+    from edu3d.widgets.tuning import VIEWS, tune_figure
+    from tests.test_charts_grammar import tune_report
+
+    rep = tune_report()
+    ctl = tune_controls(rep)
+    seen = set()
+    for metric in METRICS:
+        for view in VIEWS:
+            for who in [None, *ctl.labels()]:
+                ctl.redraw(metric=metric, view=view, candidate=who)
+                fig = ctl.figure
+                assert fig is not None and ctl.message, (metric, view, who)
+                seen.add(fig.to_json())
+                assert (who is None) or who in ctl.message
+    assert len(seen) == len(METRICS) * len(VIEWS) * (1 + len(ctl.labels()))  # all differ
+    pts = points(rep, "step time")
+    assert pts["labels"] == ["dp2 zero1", "dp1 tp2", "dp1 pp2"]  # the failed one is left out
+    assert pts["spearman"] == pytest.approx(ranking.spearman([1.6, 1.64, 1.73], [25, 240, 26]))
+    assert pts["misranked"] == "dp1 tp2" and pts["winner"] == "dp2 zero1"
+    assert "Spearman ρ = +0.50" in tune_figure(pts).layout.title.text
+    assert "failed: RankError" in describe(rep, "dp2 zero3")
+    assert "rerun alone: edu3d train --dp 2 --zero 0" in describe(rep, "dp2 zero1")
+    ctl.redraw(candidate="not a candidate")  # a stale choice after a new tuning: none
+    assert ctl.state["candidate"] is None
+    with pytest.raises(ValueError):
+        points(rep, "nope")
