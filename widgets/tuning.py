@@ -26,6 +26,10 @@ from edu3d.widgets import style
 VIEWS = ("values", "ranks")
 
 
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2g}x"
+
+
 def tune_figure(pts: dict, view: str = "values", highlight: str | None = None):
     """Predicted against measured ``pts["metric"]`` per candidate, in ``view`` (``values``
     on log axes, or ``ranks``), with the diagonal of a perfect model."""
@@ -64,7 +68,7 @@ def tune_figure(pts: dict, view: str = "values", highlight: str | None = None):
         takeaway = (f"On the diagonal: ranked right. Furthest from it: {pts['misranked']}.")
     else:
         ratios = [y / x for x, y in zip(xs, ys) if x > 0]
-        takeaway = (f"Measured {min(ratios):.2g}x to {max(ratios):.2g}x the prediction; "
+        takeaway = (f"Measured {_times(min(ratios))} to {_times(max(ratios))} the prediction; "
                     "the order is what the correlation grades." if ratios else "")
     where = f"{pts['world_size']} ranks on {pts['device']}"
     style.frame(fig, f"Predicted vs measured {metric}, {len(xs)} candidates on {where}: "

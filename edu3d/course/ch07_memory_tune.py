@@ -3,7 +3,7 @@
 After reading this file you should know where the chapter's last table and chart come from:
 
 * :func:`run` is ``edu3d tune`` at the chapter's size (:data:`SETTINGS`: the tiny model cut
-  to 2 layers of width 32, 2 ranks, 6 candidates, 1 warm-up and 2 timed steps each, all in
+  to 2 layers of width 32, 2 ranks, 6 candidates, 1 warm-up and 3 timed steps each, all in
   one launch): :func:`edu3d.bench.autotune.tune`, whose report the chapter keeps;
 * :func:`points` turns a report into what the chart draws for one metric, step time or
   peak memory: the planner's value and the measured one per candidate, their ranks (ties
@@ -23,7 +23,7 @@ import math
 from edu3d.bench import autotune
 from edu3d.bench.ranking import ranks, spearman
 
-SETTINGS = dict(model="tiny", gpus=2, top=6, steps=2, warmup=1, layers=2, d_model=32, seq=32)
+SETTINGS = dict(model="tiny", gpus=2, top=6, steps=3, warmup=1, layers=2, d_model=32, seq=32)
 METRICS = {  # name -> (predicted key, measured key, scale, unit)
     "step time": ("predicted_step_s", "step_s", 1e3, "ms"),
     "peak memory": ("predicted_bytes", "peak_bytes", 1 / 2**20, "MiB"),
