@@ -49,6 +49,7 @@ SUBCOMMANDS = {  # name -> (help line, module with add_subcommand), in --help's 
     "schedule": ("print a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1) as data",
                  "edu3d.commands.schedule"),
     "bench": ("benchmark edu3d against PyTorch's own implementations", "edu3d.commands.bench"),
+    "tune": ("measure the planner's best layouts; keep the fastest", "edu3d.commands.tune"),
     "runs": ("list or clean run folders ($EDU3D_RUNS, default ./runs)",
              "edu3d.commands.run_folders"),
     "top": ("watch a run's ranks live: step time, tokens/s, communication, memory",
