@@ -111,7 +111,7 @@ class Pool:
         self.jobs = 0  # jobs submitted so far
         self.broken = False
         self.busy = False  # a job is running (another launch meanwhile runs cold)
-        (self.dir / "env.json").write_text(json.dumps(self.env))
+        write_atomic(self.dir / "env.json", json.dumps(self.env))
         self.zygote = None  # the fork server the ranks are forked from (edu3d.launch.warm.zygote)
         agent_env = self.env
         if zygote.enabled(self.env):
@@ -124,7 +124,7 @@ class Pool:
             agent_env = {**self.env, "EDU3D_ZYGOTE": sock}
         entry = "edu3d.launch.warm.rank" if self.zygote is None else "edu3d.launch.warm.zygote"  # the stub
         cmd = procs.torchrun_command(nprocs, [str(self.dir)], entry=entry)
-        (self.dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+        write_atomic(self.dir / "command.json", json.dumps({"argv": cmd, "nprocs": nprocs,
                                                            "run_id": self.id}))
         self.proc, self.pipes = procs.start(cmd, agent_env)
 
@@ -308,7 +308,7 @@ def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: 
         if not 0 < nprocs <= p.nprocs:
             raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
         job = Job(p, nprocs)
-        (run_dir / "command.json").write_text(json.dumps({
+        write_atomic(run_dir / "command.json", json.dumps({
             "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": job.n,
             "pool_ranks": p.nprocs}))
         env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
