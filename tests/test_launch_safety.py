@@ -143,3 +143,37 @@ def test_the_launchers_state_files_go_through_write_atomic(tmp_path, monkeypatch
     written.clear()
     launch(work.world_sum, 2, timeout=120, echo=False, pool=True)
     assert {"env.json", "command.json", "current"} <= set(written), written
+
+
+# ---- no abort at process exit ---------------------------------------------------------------------
+def test_short_dp_and_zero_runs_end_without_an_abort(tmp_path):
+    """Five 2-rank DP + ZeRO-1 runs on gloo whose ranks end as a user's own script does (the
+    interpreter's teardown, no ``os._exit``): every rank exits 0, none prints "terminate
+    called", and when the teardown begins the process group is gone (edu3d's exit hook left
+    it and collected what held its groups, so no gloo thread works into the teardown)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "tests.workers_launch_safety", "5",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                        "GLOO_SOCKET_IFNAME": runtime_ifname()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    codes = [line.split() for line in out.stdout.splitlines()]
+    assert len(codes) == 10 and all(c[2] == "0" for c in codes), out.stdout
+    for err in sorted(tmp_path.glob("r*.err")):
+        text = err.read_text()
+        assert "terminate called" not in text, (err.name, text[-2000:])
+        assert "at teardown: initialized=False" in text, (err.name, text[-2000:])
+    # and through the launcher (its ranks end with os._exit): no abort text, every result back
+    for _ in range(3):
+        res = launch(work.dp_and_zero_steps, 2, timeout=120, echo=False, pool=False)
+        assert not any("terminate called" in line for _, _, line in res.output)
+        assert res.results[0] == res.results[1]
+
+
+def runtime_ifname() -> str:
+    from edu3d.distributed.runtime import loopback_ifname
+
+    return loopback_ifname()
