@@ -50,6 +50,7 @@ from edu3d.launch.procs import (LaunchError, LaunchTimeout, RankError, RankHung,
                                 child_environment, kill_run, torchrun_command)
 from edu3d.launch.runs import RunsError, new_run_dir
 from edu3d.launch.warm import pool as pools
+from edu3d.launch.worker import write_atomic
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "RankHung", "RunResult",
            "RunsError", "child_environment", "kill_run", "new_run_dir", "torchrun_command"]
@@ -154,7 +155,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if echo is True and not procs.in_kernel():
         print(f"edu3d: run folder {run_dir}", file=sys.stderr, flush=True)
     if payload:
-        (run_dir / "call-args.pkl").write_bytes(payload)
+        write_atomic(run_dir / "call-args.pkl", payload)
 
     child_env = child_environment(env, torchrun_args, _import_root(target))
     rid = uuid.uuid4().hex  # in every process's environment: how kill_run knows its own
@@ -163,7 +164,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if not torchrun_args:
         warm = pools.acquire(nprocs, child_env, pool, env)
     if warm is None:
-        (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+        write_atomic(run_dir / "command.json", json.dumps({"argv": cmd, "nprocs": nprocs,
                                                             "run_id": rid}))
 
     if progress is None:

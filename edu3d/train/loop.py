@@ -266,15 +266,41 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
     return _run_parallel(args, layout, out, trainer_class)
 
 
+def _json_record(line: str) -> dict | None:
+    """A ``--json`` step record printed by rank 0, or None for any other line."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+
 def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
     """Launch ``layout.world_size`` ranks; rank 0's stdout (the records) goes to ``out``
     untouched, everything else to stderr with its rank prefix.
 
     With ``--max-restarts N``, a rank that dies or hangs stops every rank and the run starts
     again from the newest complete checkpoint, up to N times (torchrun's elastic agent does
-    the same with ``--max-restarts``); the records returned are then the whole run's."""
+    the same with ``--max-restarts``); the records returned are then the whole run's.
+
+    With ``--json`` each step reaches ``out`` once, as it happens: a restart replays the steps
+    between its checkpoint and the failure, and a replayed step already printed is not printed
+    again. Recovery is exact, so the record printed is the recovered one; were a replayed loss
+    ever different, stderr says so (holding records back until a checkpoint commits them
+    would print nothing for minutes on a run that saves rarely)."""
+    shown: dict[int, float] = {}  # --json: step -> loss of the records printed so far
+
     def echo(rank, stream, line):
         if rank == 0 and stream == "stdout":
+            rec = _json_record(line) if args.json else None
+            if rec is not None and rec["step"] in shown:
+                if str(rec["loss"]) != str(shown[rec["step"]]):  # (NaN equals NaN here)
+                    print(f"edu3d train: step {rec['step']} replayed after the restart with "
+                          f"loss {rec['loss']!r}, not {shown[rec['step']]!r} as printed",
+                          file=sys.stderr, flush=True)
+                return
+            if rec is not None:
+                shown[rec["step"]] = rec["loss"]
             print(line, file=out, flush=True)
         else:
             print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
