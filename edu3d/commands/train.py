@@ -28,6 +28,7 @@ import argparse
 import sys
 
 from edu3d.commands.argtypes import integer, non_negative_int, number, positive_int
+from edu3d.commands.run import add_node_arguments
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
@@ -194,6 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--heartbeat", type=number(0, False, "20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    add_node_arguments(parser)  # edu3d run's: the same flags, one command per node
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
     return parser

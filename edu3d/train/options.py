@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass
 
 from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
 
@@ -106,6 +107,16 @@ class TrainOptions:
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"}
     heartbeat: float | None = None
+    # ---- nodes: torchrun's multi-node options (edu3d run's), None when not given ----
+    nnodes: int | None = None  # one edu3d train per node, each running world/nnodes ranks
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
     # ---- output ----
     json: bool = False
     # ---- not flags: what the course and the restart loop set ----
@@ -234,7 +245,25 @@ def check_args(options: TrainOptions):
     if o.compress and (o.zero or o.dp == 1):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")
+    check_nodes(o, layout)
     return config, layout
+
+
+def node_options(o: TrainOptions) -> dict:
+    """The run's multi-node options by name, for :func:`edu3d.launch.api.node_args`."""
+    return {k: v for k, v in dataclasses.asdict(o).items() if k in NODE_OPTIONS}
+
+
+def check_nodes(o: TrainOptions, layout: Layout) -> None:
+    """The world shared out over ``--nnodes`` nodes: evenly, a node rank among them, and no
+    ``--max-restarts`` (each node's command would restart on its own)."""
+    try:
+        node_args(layout.world_size, **node_options(o))
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    if (o.nnodes or 1) > 1 and o.max_restarts:
+        raise LayoutError(f"--max-restarts {o.max_restarts} with --nnodes {o.nnodes}: each "
+                          "node's edu3d train would restart on its own; drop --max-restarts")
 
 
 def check_moe(o: TrainOptions) -> None:
