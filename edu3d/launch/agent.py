@@ -12,7 +12,7 @@ After reading this file you should understand the two things edu3d adds to torch
   without a Python error (``os._exit``, a segfault, ``kill -9``) is the cause of its
   partners' lost connections: the launcher needs these records to name it
   (:func:`edu3d.launch.procs.first_failure`).
-* **with several nodes, each node learns the others' failures** (:func:`share_failures`):
+* **with several nodes, each node learns the others' failures** (:class:`SharedFailures`):
   every agent publishes the causes its own run folder holds (a rank's Python error, a death)
   in the rendezvous store all agents share, and copies the other nodes' into its run
   folder. The launcher on a node whose ranks only lost their connections then names the rank
@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 from edu3d.launch import procs, runs
 from edu3d.launch.worker import write_atomic
 
-__all__ = ["bind_stores_to_loopback", "share_failures", "main"]
+__all__ = ["bind_stores_to_loopback", "SharedFailures", "main"]
 
 
 def bind_stores_to_loopback() -> None:
@@ -181,60 +181,72 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None,
 FAILURES = "edu3d/failures"  # in the store the nodes share: how many failures were published
 
 
-def share_failures(run_dir: Path, store, node: int, every_s: float = 0.05) -> Callable[[], None]:
+class SharedFailures:
     """Tell the other nodes about the failures caused on this node, and write theirs into
     ``run_dir`` as their node wrote them (``errors/rank{R}.json`` or ``exits/rank{R}.json``),
     from a thread that looks every ``every_s``. ``store``: a store every node's agent reaches
-    (the rendezvous'). Only causes travel (:func:`edu3d.launch.runs.failures`): a rank that
-    lost its connection, or one its agent stopped, is a consequence on any node. Returns
-    ``publish()``, which publishes at once (the agent calls it when it wrote a death down:
-    the launcher soon kills this agent, and the others must learn of it before)."""
-    lock, known, seen = threading.Lock(), set(), [0]  # ranks published or received
+    (the one the ranks meet in). Only causes travel (:func:`edu3d.launch.runs.failures`): a
+    rank that lost its connection, or one its agent stopped, is a consequence on any node.
+    :meth:`publish` publishes at once (the agent calls it when it wrote a death down: the
+    launcher soon kills this agent, and the others must learn of it before); :meth:`close`
+    stops the thread before the agent exits (a thread left inside a store call when the
+    process ends aborts it: "terminate called without an active exception")."""
 
-    def publish() -> None:
-        with lock:
-            for cause in runs.failures(run_dir)[0]:
+    def __init__(self, run_dir: Path, store, node: int, every_s: float = 0.05):
+        self.run_dir, self.store, self.node = run_dir, store, node
+        self.lock, self.known, self.seen = threading.Lock(), set(), 0  # ranks sent or received
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, args=(every_s,), name="edu3d-nodes",
+                                       daemon=True)
+        self.thread.start()
+
+    def publish(self) -> None:
+        with self.lock:
+            for cause in runs.failures(self.run_dir)[0]:
                 rank = cause["rank"]
-                kind = "errors" if (run_dir / "errors" / f"rank{rank}.json").exists() else "exits"
+                erred = (self.run_dir / "errors" / f"rank{rank}.json").exists()
+                kind = "errors" if erred else "exits"
                 try:
-                    text = (run_dir / kind / f"rank{rank}.json").read_text()
+                    text = (self.run_dir / kind / f"rank{rank}.json").read_text()
                 except OSError:
                     continue
-                if rank not in known:
-                    known.add(rank)
-                    n = store.add(FAILURES, 1)
-                    store.set(f"{FAILURES}/{n}", json.dumps(
-                        {"node": node, "rank": rank, "kind": kind, "text": text}))
+                if rank not in self.known:
+                    self.known.add(rank)
+                    n = self.store.add(FAILURES, 1)
+                    self.store.set(f"{FAILURES}/{n}", json.dumps(
+                        {"node": self.node, "rank": rank, "kind": kind, "text": text}))
 
-    def receive() -> None:
-        with lock:
-            while seen[0] < store.add(FAILURES, 0):
-                key = f"{FAILURES}/{seen[0] + 1}"
-                if not store.check([key]):
+    def receive(self) -> None:
+        with self.lock:
+            while self.seen < self.store.add(FAILURES, 0):
+                key = f"{FAILURES}/{self.seen + 1}"
+                if not self.store.check([key]):
                     return  # counted but not yet written: next time
-                seen[0] += 1
-                msg = json.loads(store.get(key))
-                path = run_dir / msg["kind"] / f"rank{msg['rank']}.json"
-                if msg["node"] != node and msg["rank"] not in known and not path.exists():
-                    known.add(msg["rank"])
+                self.seen += 1
+                msg = json.loads(self.store.get(key))
+                path = self.run_dir / msg["kind"] / f"rank{msg['rank']}.json"
+                if msg["node"] != self.node and msg["rank"] not in self.known and not path.exists():
+                    self.known.add(msg["rank"])
                     write_atomic(path, msg["text"])
 
-    def watch() -> None:
-        while True:
+    def _watch(self, every_s: float) -> None:
+        while not self.stopped.is_set():
             try:
-                publish()
-                receive()
+                self.publish()
+                self.receive()
             except Exception:  # the store's host is gone: the run is over on every node
                 return
-            time.sleep(every_s)
+            self.stopped.wait(every_s)
 
-    threading.Thread(target=watch, name="edu3d-nodes", daemon=True).start()
-    return publish
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=timeout_s)
 
 
 def _share_failures_after_rendezvous(run_dir: Path, started: list) -> None:
-    """Once torchrun's rendezvous found several nodes, :func:`share_failures` through a
-    connection of our own to the store the ranks meet in, scoped to this rendezvous."""
+    """Once torchrun's rendezvous found several nodes, share their failures
+    (:class:`SharedFailures`) through a connection of our own to the store the ranks meet
+    in, scoped to this rendezvous."""
     import torch.distributed as dist
     from torch.distributed.elastic.agent.server import api as server
 
@@ -244,9 +256,9 @@ def _share_failures_after_rendezvous(run_dir: Path, started: list) -> None:
         rendezvous(self, worker_group)
         if worker_group.group_world_size > 1 and not started:
             client = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
-                                   is_master=False, timeout=timedelta(seconds=10))
+                                   is_master=False, timeout=timedelta(seconds=5))
             scope = f"edu3d/{worker_group.spec.rdzv_handler.get_run_id()}/"
-            started.append(share_failures(run_dir, dist.PrefixStore(scope, client),
+            started.append(SharedFailures(run_dir, dist.PrefixStore(scope, client),
                                           worker_group.group_rank))
 
     server.SimpleElasticAgent._rendezvous = sharing
@@ -295,13 +307,13 @@ def main(argv: Sequence[str]) -> None:
     pooled = bool(os.environ.get("EDU3D_POOL_ID"))
     job = (lambda: _pool_job_dir(run_dir)) if pooled else (lambda: None)
     _keep_rank_popens()
-    shared: list = []  # publish() of share_failures, once a rendezvous found several nodes
+    shared: list = []  # SharedFailures, once a rendezvous found several nodes
     _share_failures_after_rendezvous(run_dir, shared)
 
     def tell_the_nodes() -> None:
         try:
             if shared:
-                shared[0]()
+                shared[0].publish()
         except Exception:  # the store's host is gone: nobody is left to tell
             pass
 
@@ -340,6 +352,8 @@ def main(argv: Sequence[str]) -> None:
         run.main(list(argv))
     finally:  # every rank has ended: let the last deaths be written before the agent goes
         finish_exits(2.0)
+        while shared:  # its store connection is closed here, not at the interpreter's exit
+            shared.pop().close()
         if orphaned():  # torchrun saw its ranks die before the watchdog saw the launcher go
             leave()
 
