@@ -29,6 +29,7 @@ import sys
 
 from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
                                      number, ranks, seconds)
+from edu3d.commands.run import add_node_arguments
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
@@ -221,6 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="torch.compile each block (inductor; needs a C++ compiler on CPU)")
     fast.add_argument("--no-tf32", action="store_true",
                       help="keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)")
+    add_node_arguments(parser)  # edu3d run's: the same flags, one command per node
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
     parser.add_argument("--monitor", action="store_true",

@@ -33,7 +33,7 @@ from edu3d.ckpt.checkpointer import Checkpointer
 from edu3d.ckpt.format import check_ckpt_dir, resume_from
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch import live
-from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir
+from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, node_args
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
@@ -42,7 +42,7 @@ from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
 from edu3d.train.publish import Publisher
 from edu3d.train.options import (TrainOptions, check_args, check_fit, config_from_args,
-                                 oversubscribed)
+                                 node_options, oversubscribed)
 from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
@@ -313,8 +313,10 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
         view = live.Terminal(new_run_dir("train"), layout.world_size) if args.monitor else None
         shown = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
-            res = launch(worker, layout.world_size, args=(options, trainer_class), layout=layout,
-                         timeout=args.timeout, name="train", heartbeat=args.heartbeat, **shown)
+            res = launch(worker, layout.world_size // (args.nnodes or 1),  # ranks on this node
+                         args=(options, trainer_class), layout=layout,
+                         timeout=args.timeout, name="train", heartbeat=args.heartbeat,
+                         torchrun_args=node_args(**node_options(args)), **shown)
             return res.results[0]
         except LaunchTimeout:
             raise  # the whole run's time is spent: nothing to restart into

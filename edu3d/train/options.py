@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass
 
 from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
 
@@ -114,6 +115,16 @@ class TrainOptions:
     attn: str = "sdpa"  # or "explicit": the attention scores as a tensor
     compile: bool = False  # torch.compile each block (inductor)
     no_tf32: bool = False  # keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)
+    # ---- nodes: torchrun's multi-node options (edu3d run's), None when not given ----
+    nnodes: int | None = None  # one edu3d train per node, each running world/nnodes ranks
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
     # ---- output ----
     json: bool = False
     monitor: bool = False  # a live table of every rank under the output (edu3d.launch.live)
@@ -251,6 +262,7 @@ def check_args(options: TrainOptions):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")
     check_fast_path(o)
+    check_nodes(o, layout)
     return config, layout
 
 
@@ -274,6 +286,23 @@ def compiler() -> str | None:
     """The C++ compiler inductor would use, or None (``$CXX`` first, as inductor reads it)."""
     names = [os.environ["CXX"]] if os.environ.get("CXX") else []
     return next((p for p in map(shutil.which, names + ["c++", "g++", "clang++"]) if p), None)
+
+
+def node_options(o: TrainOptions) -> dict:
+    """The run's multi-node options by name, for :func:`edu3d.launch.api.node_args`."""
+    return {k: v for k, v in dataclasses.asdict(o).items() if k in NODE_OPTIONS}
+
+
+def check_nodes(o: TrainOptions, layout: Layout) -> None:
+    """The world shared out over ``--nnodes`` nodes: evenly, a node rank among them, and no
+    ``--max-restarts`` (each node's command would restart on its own)."""
+    try:
+        node_args(layout.world_size, **node_options(o))
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    if (o.nnodes or 1) > 1 and o.max_restarts:
+        raise LayoutError(f"--max-restarts {o.max_restarts} with --nnodes {o.nnodes}: each "
+                          "node's edu3d train would restart on its own; drop --max-restarts")
 
 
 def check_moe(o: TrainOptions) -> None:
