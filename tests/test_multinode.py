@@ -29,12 +29,6 @@ TRAIN = ["train", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "3", "--json
          "--layers", "2", "--d-model", "32", "--seq", "16"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _warm_ranks_for_the_module():
-    """This file starts `edu3d` commands, which start their own ranks: no warm pool here
-    (the conftest's fixture of this name would start an 8-rank one)."""
-    yield
-
 
 def _env(tmp_path: Path, name: str) -> dict:
     (tmp_path / "tmp").mkdir(exist_ok=True)
