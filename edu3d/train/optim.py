@@ -66,7 +66,10 @@ def kernel_for(groups: list[dict]) -> dict:
     for every tensor) when they are all on a GPU, ``foreach=True`` (one operation per step
     of the rule, over the list of tensors) elsewhere: the same arithmetic as the loop over
     tensors, with far fewer Python calls."""
-    devices = {p.device.type for g in groups for p in g["params"]}
+    params = [p for g in groups for p in g["params"]]
+    if any(type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor for p in params):
+        return {}  # DTensors (--impl torch): torch's own choice, per-tensor over mixed kinds
+    devices = {p.device.type for p in params}
     return {"fused": True} if devices == {"cuda"} else {"foreach": True}
 
 
