@@ -103,12 +103,6 @@ def flat_shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, i
     return padded, padded // n, pieces
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, smallest first, found up to ``√n`` (a billion takes no time)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
 def shard_starts(us: list, n: int) -> set[int]:
     """The ZeRO ranks (of ``n``) whose shard of some unit in ``us`` has a tensor starting
     strictly inside it. Every other rank holds at most one piece of each unit and no more of
