@@ -7,6 +7,7 @@ Each is graded (exit 1, the other checks scored) and its hints say what happened
   after it in that cell say they did not run, and the next cells still run and pass;
 * ``group_members`` calls ``os._exit(3)``: the first cell's 11 checks pass, the running check
   says "exited with code 3" and the line, every check after it says it could not run;
+* ``coords_of`` swallows the interrupt: its kernel is stopped at twice the limit and named;
 * the scoring of a setup cell that timed out (no kernel): every later failure says so.
 
 Exercise 00 is the cheapest notebook (its setup imports no torch); the live check of its last
@@ -39,6 +40,14 @@ LOOPS = '''def coords_of(rank, dp, tp, pp):
     while True:
         pass
 ''' + GROUPS
+SWALLOWS = '''def coords_of(rank, dp, tp, pp):
+    while True:
+        try:
+            while True:
+                pass
+        except KeyboardInterrupt:
+            pass
+''' + GROUPS
 EXITS = '''import os
 
 
@@ -51,12 +60,12 @@ def group_members(rank, dim, dp, tp, pp):
 '''
 
 
-def graded(tmp_path, name: str, code: str) -> dict:
+def graded(tmp_path, name: str, code: str, limit: int = LIMIT) -> dict:
     sub = tmp_path / name
     sub.mkdir()
     (sub / "ranks.py").write_text(code)
     code, out, err = edu3d_grade("00", "--submission", str(sub), "--json", "--timeout",
-                                 str(LIMIT), env={"EDU3D_RUNS": str(tmp_path / "runs")},
+                                 str(limit), env={"EDU3D_RUNS": str(tmp_path / "runs")},
                                  timeout=300)
     assert code == 1, err
     return json.loads(out)["exercises"]["00_ranks"]
@@ -92,6 +101,18 @@ def test_a_submission_that_exits_is_named_with_its_code_and_line(tmp_path):
         "did not run: the cell stopped in check 'group_members(5, 'dp', dp=2, tp=2, pp=2) == "
         "[5, 7]' (the submission's kernel exited with code 3, at exits/ranks.py:9 in "
         "group_members)") for f in rest), rest
+
+
+def test_a_submission_that_ignores_the_interrupt_is_stopped_and_named(tmp_path):
+    r = graded(tmp_path, "deaf", SWALLOWS, limit=5)
+    assert r["passed"] == 0 and r["total"] == 19, r
+    first, *rest = r["failures"]
+    assert re.fullmatch(r"the submission timed out and ignored the interrupt at 5 s \(the limit "
+                        r"per cell, --timeout\): its kernel was stopped at 15 s, at "
+                        r"deaf/ranks.py:[345] in coords_of \(this check was running\)",
+                        first["hint"]), first
+    assert rest[-1]["hint"].startswith("could not run: the submission timed out and ignored "
+                                       "the interrupt at 5 s"), rest[-1]
 
 
 def test_a_setup_cell_that_timed_out_is_named_by_every_later_failure():

@@ -7,7 +7,7 @@ not simply pass or fail:
   a cell still running then is interrupted and its error becomes :data:`TIMED_OUT`, naming
   the limit and the innermost frame of the learner's file (``alice/ranks.py:3 in coords_of``,
   read from the ``KeyboardInterrupt`` traceback); the cells after it still run. A submission
-  that swallows the interrupt has its kernel killed at twice the limit;
+  that swallows the interrupt has its kernel stopped at twice the limit;
 * a kernel that dies (``os._exit``, a crash, that kill) leaves :data:`EXITED` in the cell it
   was running, with the exit code (or signal) and, where Python could write one, its last
   frame: an IPython startup file makes ``os._exit`` and fatal signals dump the stack
@@ -87,7 +87,8 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
 
     A cell still running after ``timeout`` s is interrupted (its output becomes a
     :data:`TIMED_OUT` error naming the limit and the innermost frame of ``graded`` files);
-    one that ignores the interrupt has its kernel killed at twice the limit. A kernel that
+    one that ignores the interrupt has its kernel stopped at twice the limit (SIGABRT, so it
+    says where). A kernel that
     dies (``os._exit``, a crash, that kill) leaves an :data:`EXITED` error with its exit code
     and last frame in the cell it was running, and the cells after it do not run. The
     kernel's own console output (not the cells') goes to ``cwd/kernel.log``."""
@@ -104,9 +105,15 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
                              resources={"metadata": {"path": str(cwd)}})
     now: dict = {}  # the cell running: index, start, watchdog, the kernel's process
 
+    def stop_kernel():  # SIGABRT first: faulthandler writes where it was; then SIGKILL
+        now["killed"] = True
+        now["kernel"].send_signal(signal.SIGABRT)
+        last = threading.Timer(5, lambda: now["kernel"].poll() is None and now["kernel"].kill())
+        last.daemon = True
+        last.start()
+
     def started(cell, cell_index):
-        killer = threading.Timer(2 * timeout + 5, lambda: (now.update(killed=True),
-                                                          now["kernel"].kill()))
+        killer = threading.Timer(2 * timeout + 5, stop_kernel)
         killer.daemon = True
         now.update(index=cell_index, t0=time.monotonic(), killer=killer,
                    kernel=client.km.provisioner.process)
@@ -121,8 +128,8 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
             where = last_frame("\n".join(err[-1].get("traceback", [])) if err else "", graded)
             cell.outputs = [o for o in cell.outputs if o.get("output_type") != "error"] + [
                 {"output_type": "error", "ename": TIMED_OUT, "traceback": [],
-                 "evalue": f"the submission timed out: still running after {timeout:g} s (the limit per "
-                           "cell, --timeout)" + (f", at {where}" if where else "")}]
+                 "evalue": f"the submission timed out: still running after {timeout:g} s "
+                           "(the limit per cell, --timeout)" + (f", at {where}" if where else "")}]
 
     client.on_cell_execute, client.on_cell_executed = started, finished
     log = cwd / "kernel.log"
@@ -134,8 +141,8 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
             now["killer"].cancel()
         kernel = now.get("kernel")
         code = kernel.poll() if kernel is not None else None
-        what = (f"still running {2 * timeout + 5:g} s after it started, it ignored the "
-                f"interrupt at {timeout:g} s (--timeout) and its kernel was killed"
+        what = (f"the submission timed out and ignored the interrupt at {timeout:g} s (the "
+                f"limit per cell, --timeout): its kernel was stopped at {2 * timeout + 5:g} s"
                 if now.get("killed") else exit_words(code) if code is not None else
                 f"the kernel stopped: {type(err).__name__}: "
                 + (str(err).strip().splitlines() or [""])[0])
@@ -143,7 +150,7 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
         where = last_frame(dump, graded)
         last = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()
                 and "without encryption" not in ln]
-        what += (f", at {where}" if where else ", no stack (os._exit prints none)"
+        what += (f", at {where}" if where else ", where: no Python stack left"
                  if code is not None and code >= 0 and not now.get("killed") else "") + (
             f" (its last words: {last[-1].strip()[:200]})" if last else "")
         index = now.get("index")

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from edu3d.plan import formulas as memory
-from edu3d.distributed.mesh import divisors
-from edu3d.plan.formulas import MoESpec, as_moe
+from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import simulate

@@ -46,8 +46,7 @@ from dataclasses import dataclass
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
 from edu3d.plan.estimate import MAX_GPUS, Setup, estimate, held
-from edu3d.distributed.mesh import divisors
-from edu3d.plan.formulas import as_moe
+from edu3d.plan.formulas import as_moe, divisors
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
