@@ -14,6 +14,7 @@
     edu3d bench pp --json               edu3d vs PyTorch, side by side
     edu3d grade [EXERCISE ...] --json   grade the exercises, a score table
     edu3d runs list                     the run folders launches left
+    edu3d top [RUN]                     a run's ranks live: step time, communication, memory
     edu3d course                        open the course in JupyterLab
 
 Each subcommand is a module of :mod:`edu3d.commands` with ``add_subcommand(sub)``
@@ -48,8 +49,11 @@ SUBCOMMANDS = {  # name -> (help line, module with add_subcommand), in --help's 
     "schedule": ("print a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1) as data",
                  "edu3d.commands.schedule"),
     "bench": ("benchmark edu3d against PyTorch's own implementations", "edu3d.commands.bench"),
+    "tune": ("measure the planner's best layouts; keep the fastest", "edu3d.commands.tune"),
     "runs": ("list or clean run folders ($EDU3D_RUNS, default ./runs)",
              "edu3d.commands.run_folders"),
+    "top": ("watch a run's ranks live: step time, tokens/s, communication, memory",
+            "edu3d.commands.top"),
     "course": ("open the course in JupyterLab", "edu3d.commands.course"),
 }
 

@@ -9,7 +9,7 @@ from edu3d.launch.warm import pool
 # ranks through warm pools (edu3d.launch.warm.pool), the path every notebook cell takes: the same
 # results and errors, without importing torch again in every rank of every launch.
 COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_zygote", "test_cli",
-        "test_failures", "test_browser", "test_browser_exercises"}
+        "test_failures", "test_browser", "test_browser_exercises", "test_multinode"}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -57,6 +57,7 @@ def _warm_ranks(request):
 SLOWEST_FIRST = (
     "tests/test_browser.py",            # 362: every chapter in Chromium
     "tests/test_browser_exercises.py",  # 122: every exercise in Chromium
+    "tests/test_multinode.py",          # 60 idle (160 loaded): two 4-rank nodes, twice
     "tests/test_launch_hardening.py",   # 66
     "tests/test_failures.py",           # 60
     "tests/test_grading.py",            # 60: edu3d grade on every untouched stub

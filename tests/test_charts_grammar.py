@@ -264,6 +264,34 @@ BUILDERS.update({
 })
 
 
+def tune_report() -> dict:
+    """An ``edu3d tune`` report (:mod:`edu3d.bench.autotune`) of 4 candidates, one failed."""
+    from edu3d.bench.ranking import grade
+
+    cands = [{"label": label, "predicted_step_s": pred, "predicted_bytes": 7e5 + 1e4 * i,
+              "predicted_parts_s": {"compute": pred * 0.9, "dp": pred * 0.1},
+              "command": f"edu3d train --dp 2 --zero {i}"} for i, (label, pred) in enumerate(
+                  (("dp2 zero1", 1.6e-3), ("dp1 tp2", 1.64e-3), ("dp1 pp2", 1.73e-3),
+                   ("dp2 zero3", 1.8e-3)))]
+    for c, meas, peak in zip(cands, (0.025, 0.24, 0.026), (6.6e5, 4.2e5, 4.7e5)):
+        c["measured"] = {"step_s": meas, "tokens_per_s": 256 / meas, "peak_bytes": peak,
+                         "steps_timed": 2, "loss": 5.5}
+    cands[3]["error"] = "RankError: rank 1 failed"
+    return {"candidates": cands, "skipped": [], "world_size": 2, "device": "cpu",
+            **grade(cands, None)}
+
+
+def _tune_points(metric="step time"):
+    from edu3d.course.ch07_memory_tune import points
+
+    return points(tune_report(), metric)
+
+
+BUILDERS.update({
+    "tuning.tune_figure": lambda m: m.tune_figure(_tune_points(), "values", "dp1 tp2"),
+})
+
+
 def figure_functions() -> list[str]:
     names = []
     for info in pkgutil.iter_modules(widgets_pkg.__path__):

@@ -143,6 +143,23 @@ def test_max_restarts_recovers_with_the_same_records(tmp_path, monkeypatch, capf
     _assert_nothing_left(tmp_path / "runs")
 
 
+def test_json_shows_each_step_once_across_a_restart(tmp_path, monkeypatch, capfd, uninterrupted):
+    """The checkpoint is of step 2 and rank 0 printed step 3 before rank 1 hung at step 4:
+    the restart replays step 3, and ``--json``'s reader still sees steps 1..4 once each, with
+    the values of the uninterrupted run."""
+    monkeypatch.setenv("EDU3D_RUNS", str(tmp_path / "runs"))
+    out = io.StringIO()
+    args = _train_args(tmp_path, ckpt_dir=str(tmp_path / "ckpt"), save_every=2, max_restarts=1,
+                       inject_fault={"rank": 1, "step": 4, "kind": "hang"}, heartbeat=2.0)
+    records = train.run(args, out=out)
+    err = capfd.readouterr().err
+    assert "restart 1 of 1: every rank starts again from the checkpoint of step 2" in err, err
+    printed = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["step"] for r in printed] == [1, 2, 3, 4], out.getvalue()
+    assert _same(printed, uninterrupted) and _same(records, uninterrupted)
+    assert "replayed" not in err  # the replayed step 3 equals the one printed
+
+
 # ---- a kill in the middle of writing a checkpoint ----------------------------------------------
 @pytest.fixture(scope="module")
 def serial_reference(tmp_path_factory):

@@ -313,9 +313,12 @@ def test_interrupted_cell_shows_one_line(monkeypatch):
 
 
 def test_runs_list_and_clean(tmp_path):
+    from edu3d.launch import runs
+
     base = tmp_path / "runs"
-    for i in range(3):
+    for i in range(3):  # folders edu3d made carry its marker (tests/test_launch_safety.py)
         (base / f"run{i}").mkdir(parents=True)
+        (base / f"run{i}" / runs.MARKER).write_text("")
         (base / f"run{i}" / "command.json").write_text("{}")
         os.utime(base / f"run{i}" / "command.json", (1000 + i, 1000 + i))
     env = {"EDU3D_RUNS": str(base)}

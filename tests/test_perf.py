@@ -12,6 +12,7 @@ import pytest
 from edu3d.course import ch10_performance as perf
 from edu3d.course.ch10_performance_hangs import stack_lines
 from edu3d.widgets import perf as wp
+from edu3d.course.ch10_performance_live import predict as predict_straggler
 from edu3d.widgets.panels.ch10_performance import controls
 
 
@@ -190,6 +191,30 @@ def test_controls_redraw_at_once_and_build_the_widget():
     assert isinstance(first, w.Dropdown)
     first.value = "tp2"
     assert ctl.state["layout"] == "tp2" and "tp2" in ctl.budget_fig.layout.title.text
+
+
+def test_straggler_panel_predicts_every_knob_position_from_the_recorded_run():
+    from edu3d.widgets.panels.ch10_performance import Straggler
+
+    # a recorded dp2 run, rank 1 sleeping 0.2 s: 20 ms of own work each, a 3 ms transfer
+    records = [{"rank": 0, "step_ms": 223.0, "comm_ms": {"dp": 203.0}},
+               {"rank": 1, "step_ms": 223.0, "comm_ms": {"dp": 3.0}}]
+    ctl = Straggler(records, slow_rank=1, seconds=0.2)
+    titles = set()
+    for rank in (None, 0, 1):
+        for seconds in Straggler.SECONDS:
+            ctl.redraw(slow_rank=rank, seconds=seconds)
+            titles.add(ctl.straggler_fig.layout.title.text)
+            steps = {b["step"] for b in predict_straggler(records, 1, 0.2, rank,
+                                                            seconds).values()}
+            assert len(steps) == 1  # every rank's step is the same: they wait for each other
+            want = 23.0 + (1e3 * seconds if rank is not None else 0.0)
+            assert steps.pop() == pytest.approx(want)
+    assert len(titles) == 1 + 2 * len(Straggler.SECONDS)  # every position drew its own figure
+    box = ctl.widget
+    assert "edu3d-controls" in box._dom_classes
+    box.children[0].children[0].value = 0
+    assert ctl.state["slow_rank"] == 0 and "rank 0 sleeping" in ctl.straggler_fig.layout.title.text
 
 
 # ---- real runs: a profiled and timed 2-rank launch beside a hang -------------------------------

@@ -36,6 +36,8 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "recompute": "edu3d.bench.bench_recompute:run_benchmark",
     "ep": "edu3d.bench.bench_5d:run_ep_benchmark",
     "cp": "edu3d.bench.bench_5d:run_cp_benchmark",
+    "overhead": "edu3d.bench.bench_overhead:run_benchmark",
+    "mfu": "edu3d.bench.bench_mfu:run_benchmark",
 }
 PLOT = "edu3d.bench.plot:draw"  # edu3d bench plot FILE -o OUT: (csv, out) -> panel titles
 

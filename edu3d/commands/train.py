@@ -29,11 +29,12 @@ import sys
 
 from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
                                      number, ranks, seconds)
+from edu3d.commands.run import add_node_arguments
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
-from edu3d.train.options import (FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES, RECOMPUTE,
-                                 SCHEDULES, TrainOptions, check_args, check_fit, defaults)
+from edu3d.train.options import (ATTENTION, FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES,
+                                 RECOMPUTE, SCHEDULES, TrainOptions, check_args, check_fit, defaults)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
 POSITIVE = "a positive integer (1, 2, 3 ...)"
@@ -42,21 +43,29 @@ D = " (default: %(default)s)"  # argparse fills in each option's default in --he
 
 
 def fault_spec(text: str) -> dict:
-    """argparse type for ``--inject-fault rank=R,step=S[,kind=exit|kill|hang]``."""
-    usage = "rank=R,step=S[,kind=exit|kill|hang] (e.g. rank=1,step=3,kind=kill)"
+    """argparse type for ``--inject-fault rank=R,step=S[,kind=exit|kill|hang]`` and
+    ``rank=R,kind=slow[,step=S][,seconds=X]`` (a straggler from step S on, default 1)."""
+    usage = ("rank=R,step=S[,kind=exit|kill|hang] or rank=R,kind=slow[,step=S][,seconds=X] "
+             "(e.g. rank=1,step=3,kind=kill)")
     spec: dict = {"kind": "exit"}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in ("rank", "step", "kind"):
+        if not sep or key not in ("rank", "step", "kind", "seconds"):
             raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
         if key == "kind":
             if value not in FAULT_KINDS:
                 raise argparse.ArgumentTypeError(
                     f"{text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
             spec["kind"] = value
+        elif key == "seconds":
+            spec["seconds"] = number(0, False, "0.2")(value)
         else:
             spec[key] = (integer(1, "a step >= 1") if key == "step" else non_negative_int)(value)
+    if spec["kind"] == "slow":
+        spec.setdefault("step", 1)
+    elif "seconds" in spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds= is the sleep of kind=slow only")
     if "rank" not in spec or "step" not in spec:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {usage}")
     return spec
@@ -77,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                           "corpus gives each token "
                                                           f"{MIN_VOCAB} successors)", 16 * WIDE),
                        help="override vocab_size (at least 4)")
+    model.add_argument("--vocab-pad", type=integer(1, POSITIVE, 1 << 16), default=1, metavar="N",
+                       help="pad the vocabulary's tables to a multiple of N (64: GPU-friendly "
+                            "shapes); the padding logits are -inf, the loss unchanged" + D)
     model.add_argument("--tie", action="store_true", default=None,
                        help="tie lm_head to the token embedding (default: the preset's choice)")
     moe = parser.add_argument_group("mixture of experts (without --experts every MLP is dense)")
@@ -185,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in --ckpt-dir, whatever "
                          "layout wrote it")
-    ck.add_argument("--resume-step", type=positive_int, default=None, metavar="N",
+    ck.add_argument("--resume-step", type=count, default=None, metavar="N",
                     help="continue from the checkpoint of step N rather than the newest "
                          "(implies --resume; as edu3d generate --step)")
     ck.add_argument("--async-save", action="store_true",
@@ -195,14 +207,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="when a rank dies or hangs, restart every rank from the last complete "
                          "checkpoint, up to N times" + D)
     ck.add_argument("--inject-fault", type=fault_spec, default=None,
-                    metavar="rank=R,step=S[,kind=exit|kill|hang]",
-                    help="make rank R die (exit, kill) or hang at step S, once (for tests and "
-                         "the course)")
+                    metavar="rank=R,step=S[,kind=exit|kill|hang|slow][,seconds=X]",
+                    help="make rank R die (exit, kill) or hang at step S, once, or sleep X s "
+                         "(default 0.2) before every step from S on (slow: a straggler); for "
+                         "tests and the course")
     ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    fast = parser.add_argument_group("fast path (the same numbers, computed faster)")
+    fast.add_argument("--attn", choices=ATTENTION, default="sdpa",
+                      help="sdpa: F.scaled_dot_product_attention (flash kernels on a GPU); "
+                           "explicit: softmax(QK^T)V with the scores as a tensor" + D)
+    fast.add_argument("--compile", action="store_true",
+                      help="torch.compile each block (inductor; needs a C++ compiler on CPU)")
+    fast.add_argument("--no-tf32", action="store_true",
+                      help="keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)")
+    add_node_arguments(parser)  # edu3d run's: the same flags, one command per node
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per step and nothing else on stdout")
+    parser.add_argument("--monitor", action="store_true",
+                        help="a live table of every rank on stderr (step time, tokens/s, "
+                             "communication share per axis, memory; the slowest rank "
+                             "highlighted), refreshed twice a second; another terminal can "
+                             "watch with 'edu3d top RUN'")
+    parser.add_argument("--log-every", type=count, default=1, metavar="K",
+                        help="read the loss and print a record every K steps (reading it waits "
+                             "for the device)" + D)
     return parser
 
 
@@ -244,7 +274,10 @@ def add_subcommand(sub) -> argparse.ArgumentParser:
 def check(options: TrainOptions) -> None:
     """Every check made before any process starts; raises ``ValueError`` saying what would
     work (a foreign, corrupted or used checkpoint folder included)."""
-    config, _ = check_args(options)
+    config, layout = check_args(options)
+    if options.monitor and layout.world_size == 1:
+        raise LayoutError("--monitor watches the ranks of a parallel run; add --dp 2 (or "
+                          "another layout), or drop --monitor (a serial run prints its progress)")
     problem = unsupported(options) if options.impl == "torch" else None
     if problem:
         raise LayoutError(problem)

@@ -16,13 +16,23 @@ After reading this file you should understand what every rank does before it can
 ``init`` also works outside torchrun: the process becomes a world of one, so the same code
 runs serially in a notebook.
 
+A process that never calls :func:`shutdown` (a user's own script under torchrun, a notebook's
+world of one) leaves its process group at exit anyway, while the interpreter is still whole
+(:func:`leave_at_exit`, an ``atexit`` hook): gloo's worker threads live as long as their group,
+and one that drops the last reference to a tensor Python had let go of needs the interpreter;
+during its teardown that aborts the process ("terminate called without an active exception").
+Ranks edu3d's launcher starts end with ``os._exit`` after their results are written, so they
+never reach that teardown.
+
 torch comes in through imports inside functions: the launcher imports this module (the
 environment and the teardown it shares with ranks) and must start without torch.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import os
 import random
 import socket
@@ -32,6 +42,7 @@ from edu3d.distributed import trace
 from edu3d.distributed.mesh import Layout, Mesh
 
 DEFAULT_TIMEOUT_S = 60.0
+_LIVE: dict = {}  # the mesh of the last init in this process, for leave_at_exit
 
 
 def timeout_seconds(timeout_s: float | None = None) -> float:
@@ -120,6 +131,9 @@ def init(layout: Layout | None = None, *, backend: str | None = None,
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = layout or Layout(dp=world)
     mesh = Mesh.build(layout, rank)
+    if "hooked" not in _LIVE:
+        atexit.register(leave_at_exit)
+    _LIVE.update(hooked=True, mesh=mesh)
 
     trace_dir = trace_dir or os.environ.get("EDU3D_RUN_DIR")
     if trace_dir:
@@ -142,6 +156,18 @@ def shutdown(mesh: Mesh | None = None) -> None:
     trace.set_current(trace.NullRecorder())
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_at_exit() -> None:
+    """``atexit``: :func:`shutdown` if the process group is still up, then collect the garbage
+    that holds groups (a wrapper's hooks form cycles), so that their gloo threads end now,
+    not during the interpreter's teardown."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        shutdown(_LIVE.get("mesh"))
+    _LIVE.pop("mesh", None)
+    gc.collect()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,13 @@ After reading this file you should understand the two things edu3d adds to torch
   without a Python error (``os._exit``, a segfault, ``kill -9``) is the cause of its
   partners' lost connections: the launcher needs these records to name it
   (:func:`edu3d.launch.procs.first_failure`).
+* **with several nodes, each node learns the others' failures** (:class:`SharedFailures`):
+  every agent publishes the causes its own run folder holds (a rank's Python error, a death)
+  in the rendezvous store all agents share, and copies the other nodes' into its run
+  folder. The launcher on a node whose ranks only lost their connections then names the rank
+  that died on another node, as it would on one node;
+* **torchrun's log folder is inside the run folder** (``torchelastic/``): torchrun would
+  otherwise make a ``torchelastic_*`` folder in ``$TMPDIR`` for every run and never remove it.
 
 An agent that serves a warm pool (``EDU3D_POOL_ID``, :mod:`edu3d.launch.warm.pool`) also writes
 both records into the current job's run folder, and leaves (removing the pool's folder) when
@@ -38,7 +45,7 @@ from typing import Callable, Sequence
 from edu3d.launch import procs, runs
 from edu3d.launch.worker import write_atomic
 
-__all__ = ["bind_stores_to_loopback", "main"]
+__all__ = ["bind_stores_to_loopback", "SharedFailures", "main"]
 
 
 def bind_stores_to_loopback() -> None:
@@ -60,7 +67,11 @@ def bind_stores_to_loopback() -> None:
             if is_master and master_listen_fd is None:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("127.0.0.1", port))
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError as err:  # another node on this machine hosts it: torchrun
+                    sock.close()  # tries again as a client on a RuntimeError (not OSError)
+                    raise RuntimeError(f"cannot host a store on 127.0.0.1:{port}: {err}") from None
                 sock.listen(4096)
                 port, master_listen_fd = sock.getsockname()[1], sock.detach()
             super().__init__(host_name, port, world_size, is_master, timeout,
@@ -118,12 +129,13 @@ def _exit_of(pid: int, wait_s: float = 5.0) -> dict | None:
     return {"code": info.si_status} if info.si_code == os.CLD_EXITED else {"signal": info.si_status}
 
 
-def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None
-                  ) -> Callable[[float], None]:
+def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None,
+                  then: Callable[[], None] = lambda: None) -> Callable[[float], None]:
     """Write ``exits/rank{R}.json`` the moment a rank's process ends: exit code or signal and
     the time (:func:`_exit_of`), from a thread per rank. The agent is the ranks' parent, the
     only process the kernel tells how a rank ended. ``also()``: a second run folder to write
-    it to (a warm pool's current job, :mod:`edu3d.launch.warm.pool`). Returns
+    it to (a warm pool's current job, :mod:`edu3d.launch.warm.pool`); ``then()`` is called
+    once it is written (the other nodes are told at once). Returns
     ``finish(timeout_s)``, which the agent calls before it exits: its threads are daemons,
     and a death not yet written when the agent ends would be lost."""
     seen: set = set()
@@ -141,6 +153,7 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None
         text = json.dumps({"rank": rank, "pid": pid, "time_ns": time.time_ns(), **how})
         for folder in dict.fromkeys(d for d in (run_dir, also()) if d is not None):
             write_atomic(folder / "exits" / f"rank{rank}.json", text)
+        then()
 
     def scan() -> None:
         last_new = time.monotonic()
@@ -163,6 +176,92 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None
 
     threading.Thread(target=scan, name="edu3d-exits", daemon=True).start()
     return finish
+
+
+FAILURES = "edu3d/failures"  # in the store the nodes share: how many failures were published
+
+
+class SharedFailures:
+    """Tell the other nodes about the failures caused on this node, and write theirs into
+    ``run_dir`` as their node wrote them (``errors/rank{R}.json`` or ``exits/rank{R}.json``),
+    from a thread that looks every ``every_s``. ``store``: a store every node's agent reaches
+    (the one the ranks meet in). Only causes travel (:func:`edu3d.launch.runs.failures`): a
+    rank that lost its connection, or one its agent stopped, is a consequence on any node.
+    :meth:`publish` publishes at once (the agent calls it when it wrote a death down: the
+    launcher soon kills this agent, and the others must learn of it before); :meth:`close`
+    stops the thread before the agent exits (a thread left inside a store call when the
+    process ends aborts it: "terminate called without an active exception")."""
+
+    def __init__(self, run_dir: Path, store, node: int, every_s: float = 0.05):
+        self.run_dir, self.store, self.node = run_dir, store, node
+        self.lock, self.known, self.seen = threading.Lock(), set(), 0  # ranks sent or received
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, args=(every_s,), name="edu3d-nodes",
+                                       daemon=True)
+        self.thread.start()
+
+    def publish(self) -> None:
+        with self.lock:
+            for cause in runs.failures(self.run_dir)[0]:
+                rank = cause["rank"]
+                erred = (self.run_dir / "errors" / f"rank{rank}.json").exists()
+                kind = "errors" if erred else "exits"
+                try:
+                    text = (self.run_dir / kind / f"rank{rank}.json").read_text()
+                except OSError:
+                    continue
+                if rank not in self.known:
+                    self.known.add(rank)
+                    n = self.store.add(FAILURES, 1)
+                    self.store.set(f"{FAILURES}/{n}", json.dumps(
+                        {"node": self.node, "rank": rank, "kind": kind, "text": text}))
+
+    def receive(self) -> None:
+        with self.lock:
+            while self.seen < self.store.add(FAILURES, 0):
+                key = f"{FAILURES}/{self.seen + 1}"
+                if not self.store.check([key]):
+                    return  # counted but not yet written: next time
+                self.seen += 1
+                msg = json.loads(self.store.get(key))
+                path = self.run_dir / msg["kind"] / f"rank{msg['rank']}.json"
+                if msg["node"] != self.node and msg["rank"] not in self.known and not path.exists():
+                    self.known.add(msg["rank"])
+                    write_atomic(path, msg["text"])
+
+    def _watch(self, every_s: float) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.publish()
+                self.receive()
+            except Exception:  # the store's host is gone: the run is over on every node
+                return
+            self.stopped.wait(every_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=timeout_s)
+
+
+def _share_failures_after_rendezvous(run_dir: Path, started: list) -> None:
+    """Once torchrun's rendezvous found several nodes, share their failures
+    (:class:`SharedFailures`) through a connection of our own to the store the ranks meet
+    in, scoped to this rendezvous."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server import api as server
+
+    rendezvous = server.SimpleElasticAgent._rendezvous
+
+    def sharing(self, worker_group) -> None:
+        rendezvous(self, worker_group)
+        if worker_group.group_world_size > 1 and not started:
+            client = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
+                                   is_master=False, timeout=timedelta(seconds=5))
+            scope = f"edu3d/{worker_group.spec.rdzv_handler.get_run_id()}/"
+            started.append(SharedFailures(run_dir, dist.PrefixStore(scope, client),
+                                          worker_group.group_rank))
+
+    server.SimpleElasticAgent._rendezvous = sharing
 
 
 def _pool_job_dir(pool_dir: Path) -> Path | None:
@@ -194,8 +293,9 @@ def _remove_pool_folder(pool_dir: Path, finish_exits: Callable[[float], None]) -
 
 
 def main(argv: Sequence[str]) -> None:
-    """torchrun's agent plus: stores on loopback (single node) and a record of how each
-    rank ended, with the time the agent began stopping the others (``exits/teardown``).
+    """torchrun's agent plus: stores on loopback (single node, or nodes on loopback), a
+    record of how each rank ended, with the time the agent began stopping the others
+    (``exits/teardown``), shared with the other nodes, and its log folder in the run folder.
     An agent serving a warm pool (``EDU3D_POOL_ID``) also writes both to the current job's
     run folder, and leaves when the launcher (the notebook's kernel) disappears."""
     if os.environ.get("EDU3D_LOOPBACK") == "1":
@@ -207,7 +307,17 @@ def main(argv: Sequence[str]) -> None:
     pooled = bool(os.environ.get("EDU3D_POOL_ID"))
     job = (lambda: _pool_job_dir(run_dir)) if pooled else (lambda: None)
     _keep_rank_popens()
-    finish_exits = _record_exits(run_dir, job)
+    shared: list = []  # SharedFailures, once a rendezvous found several nodes
+    _share_failures_after_rendezvous(run_dir, shared)
+
+    def tell_the_nodes() -> None:
+        try:
+            if shared:
+                shared[0].publish()
+        except Exception:  # the store's host is gone: nobody is left to tell
+            pass
+
+    finish_exits = _record_exits(run_dir, job, tell_the_nodes)
     close = api.PContext.close
 
     def close_noting_teardown(self, *args, **kwargs):
@@ -236,10 +346,14 @@ def main(argv: Sequence[str]) -> None:
                     os._exit(3)
 
         threading.Thread(target=watch, name="edu3d-agent-watchdog", daemon=True).start()
+    if not any(a.startswith(("--log-dir", "--log_dir")) for a in argv):
+        argv = [f"--log-dir={run_dir / 'torchelastic'}", *argv]  # not a folder in $TMPDIR
     try:
         run.main(list(argv))
     finally:  # every rank has ended: let the last deaths be written before the agent goes
         finish_exits(2.0)
+        while shared:  # its store connection is closed here, not at the interpreter's exit
+            shared.pop().close()
         if orphaned():  # torchrun saw its ranks die before the watchdog saw the launcher go
             leave()
 

@@ -20,7 +20,10 @@ and how edu3d keeps that safe:
   hang is reported with what every rank was doing (its flight record);
 * a rank that stops making progress while the others wait for it is named within the
   ``heartbeat`` (default: half the collective timeout, :mod:`edu3d.launch.heartbeat`), with its
-  Python stack, and handled like a death: :class:`RankHung`.
+  Python stack, and handled like a death: :class:`RankHung`;
+* several nodes (``torchrun_args=node_args(nnodes=2, rdzv_endpoint=...)``, one launch per
+  node, ``nprocs`` ranks each) meet where the user says, and on loopback unless the user
+  names another address (:func:`node_args`, :func:`loopback_only`).
 
 The launcher itself never imports torch, so ``edu3d run`` adds almost nothing to torchrun.
 In a notebook's kernel the ranks are kept warm between launches (:mod:`edu3d.launch.warm.pool`):
@@ -42,6 +45,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edu3d.distributed.runtime import loopback_ifname
 from edu3d.launch import heartbeat as hb
 from edu3d.launch import procs, runs, supervise
 # the errors and the result a run ends with, and the process helpers, live in edu3d.launch.procs
@@ -50,9 +54,63 @@ from edu3d.launch.procs import (LaunchError, LaunchTimeout, RankError, RankHung,
                                 child_environment, kill_run, torchrun_command)
 from edu3d.launch.runs import RunsError, new_run_dir
 from edu3d.launch.warm import pool as pools
+from edu3d.launch.worker import write_atomic
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "RankHung", "RunResult",
-           "RunsError", "child_environment", "kill_run", "new_run_dir", "torchrun_command"]
+           "RunsError", "child_environment", "kill_run", "new_run_dir", "torchrun_command",
+           "NODE_OPTIONS", "node_args", "loopback_only"]
+
+# torchrun's multi-node options, as keyword names (edu3d run and edu3d train take them all)
+NODE_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf",
+                "master_addr", "master_port", "local_addr")
+_HOSTS = ("rdzv_endpoint", "master_addr", "local_addr")  # the options that name an address
+
+
+def node_args(world_size: int | None = None, **given) -> list[str]:
+    """torchrun's multi-node options from their values (``None``: not given), e.g.
+    ``node_args(nnodes=2, rdzv_endpoint="127.0.0.1:29400")`` is ``["--nnodes=2",
+    "--rdzv-endpoint=127.0.0.1:29400"]``; ``[]`` for one node with nothing else said.
+    Raises ``ValueError`` (one line) for a node rank outside the nodes, a port outside
+    1..65535, or a ``world_size`` the nodes cannot share evenly."""
+    unknown = sorted(set(given) - set(NODE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown node option(s) {', '.join(unknown)}; they are "
+                        f"{', '.join(NODE_OPTIONS)}")
+    nnodes, rank, port = given.get("nnodes") or 1, given.get("node_rank"), given.get("master_port")
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"--nnodes {nnodes!r}: must be a positive integer (edu3d's worlds "
+                         "have a fixed size)")
+    if rank is not None and not 0 <= rank < nnodes:
+        raise ValueError(f"--node-rank {rank}: with --nnodes {nnodes} the nodes are numbered "
+                         f"0..{nnodes - 1}")
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise ValueError(f"--master-port {port}: must be a port number 1..65535")
+    if world_size is not None and world_size % nnodes:
+        raise ValueError(f"{world_size} ranks cannot be shared evenly by --nnodes {nnodes}: "
+                         f"choose a number of nodes that divides {world_size}")
+    if nnodes == 1 and all(given.get(k) is None for k in NODE_OPTIONS if k != "nnodes"):
+        return []
+    return [f"--{k.replace('_', '-')}={given[k]}" for k in NODE_OPTIONS if given.get(k) is not None]
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def loopback_only(torchrun_args: Sequence[str]) -> bool:
+    """True when every address ``torchrun_args`` names (the rendezvous endpoint's host, the
+    master's, the local one) is a loopback address, or none is named: torchrun's own default
+    (``--master-addr 127.0.0.1``) is loopback too. Then every store and every gloo socket of
+    the run listen on loopback alone, as a single node's do; an address the user names outside
+    loopback (a real second machine) is the user's request to listen there."""
+    for arg in torchrun_args:
+        name, _, value = arg.partition("=")
+        if name.lstrip("-").replace("-", "_") in _HOSTS and value:
+            host = value.rsplit(":", 1)[0] if name.endswith("endpoint") and ":" in value else value
+            if not _is_loopback(host):
+                return False
+    return True
 
 
 def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir: Path):
@@ -146,7 +204,11 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     label = name or (getattr(target, "__name__", None) or Path(os.fspath(target)).stem)
     run_dir = Path(run_dir).resolve() if run_dir else new_run_dir(label, create=False)
     worker_argv, payload = _worker_args(target, module, args, kwargs, layout, init, run_dir)
-    cmd = torchrun_command(nprocs, worker_argv, torchrun_args)
+    # nodes on this machine: stores, gloo and the address each node advertises on loopback
+    multinode_loopback = not procs.single_node(torchrun_args) and loopback_only(torchrun_args)
+    advertise = ["--local-addr=127.0.0.1"] if multinode_loopback and not any(
+        a.startswith(("--local-addr", "--local_addr")) for a in torchrun_args) else []
+    cmd = torchrun_command(nprocs, worker_argv, [*torchrun_args, *advertise])
     try:
         runs.prepare(run_dir)  # also clears what an earlier run left in a reused folder
     except RunsError as err:
@@ -154,16 +216,19 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if echo is True and not procs.in_kernel():
         print(f"edu3d: run folder {run_dir}", file=sys.stderr, flush=True)
     if payload:
-        (run_dir / "call-args.pkl").write_bytes(payload)
+        write_atomic(run_dir / "call-args.pkl", payload)
 
     child_env = child_environment(env, torchrun_args, _import_root(target))
+    if multinode_loopback:
+        child_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
+        child_env["EDU3D_LOOPBACK"] = "1"
     rid = uuid.uuid4().hex  # in every process's environment: how kill_run knows its own
     child_env.update(EDU3D_RUN_DIR=str(run_dir), EDU3D_RUN_ID=rid)
     warm = None
     if not torchrun_args:
         warm = pools.acquire(nprocs, child_env, pool, env)
     if warm is None:
-        (run_dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+        write_atomic(run_dir / "command.json", json.dumps({"argv": cmd, "nprocs": nprocs,
                                                             "run_id": rid}))
 
     if progress is None:

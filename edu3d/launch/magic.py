@@ -28,6 +28,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from edu3d.launch.api import LaunchError, launch, new_run_dir
 from edu3d.launch.runs import RunsError
+from edu3d.launch.worker import write_atomic
 
 
 class Interrupted(KeyboardInterrupt):
@@ -60,7 +61,7 @@ class TorchrunMagics(Magics):
         except RunsError as err:
             raise LaunchError(str(err)) from None
         script = run_dir / "cell.py"
-        script.write_text(cell)
+        write_atomic(script, cell)
         try:
             self.shell.user_ns["_torchrun"] = launch(script, args.nprocs, timeout=args.timeout,
                                                      run_dir=run_dir, progress=True,

@@ -8,7 +8,8 @@ loop that watches either) share.
 * stopping them: :func:`kill_run` (each pid checked to be the run's before it is signalled);
 * how a run ended, read from its run folder: :func:`first_failure` (the failure that caused
   the others), the error a run raises (:func:`rank_error`, :func:`hung_error`,
-  :func:`timeout_error`) and the ranks' return values (:func:`read_results`).
+  :func:`timeout_error`) and the ranks' return values (:func:`read_results`);
+* a warm pool's processes, found by the pool's id in their environment (:func:`pool_pids`).
 
 Like the launcher, this module never imports torch. It keeps one of its
 imports inside functions, IPython's (:func:`in_kernel`, asked only where ``ipykernel`` is
@@ -340,3 +341,19 @@ def read_results(run_dir: Path, nprocs: int) -> list:
         f = run_dir / "results" / f"rank{r}.pkl"
         results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
     return results
+
+
+def pool_pids(pool_id: str) -> list[int]:
+    """Every process whose environment carries ``EDU3D_POOL_ID=pool_id``: the agent, the
+    zygote, the stubs and the ranks (to check that nothing was left behind, or to add up
+    what a pool costs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"EDU3D_POOL_ID={pool_id}".encode() in env:
+                found.append(int(entry.name))
+    return found

@@ -9,7 +9,12 @@ After reading this file you should understand what a run folder holds and its li
 * the files that describe *a* run's state (pids, errors, exits, done, flight) are cleared when
   a folder is reused, so a new run is never judged by an old run's error;
 * only the newest ``$EDU3D_KEEP_RUNS`` folders (default 50) are kept; ``edu3d runs list`` and
-  ``edu3d runs clean`` show and remove them by hand.
+  ``edu3d runs clean`` show and remove them by hand. A run folder is one edu3d created: it
+  holds the marker :data:`MARKER`, written when the folder is made. A folder that merely holds
+  a ``command.json`` is never listed, pruned or removed;
+* the launcher trusts what it reads there (``results/*.pkl`` are unpickled), so the runs
+  folder must be the user's own and not writable by every user (unless it has the sticky
+  bit, as ``/tmp``): anything else is refused in one line (:func:`check_private`).
 
 Nothing here imports torch.
 """
@@ -21,12 +26,14 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import time
 import uuid
 from pathlib import Path
 
 DEFAULT_KEEP = 50
+MARKER = ".edu3d-run"  # written into every run folder edu3d creates, and only there
 # per-run state: stale copies from an earlier run in the same folder would mislead the launcher
 STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results", "stacks")
 
@@ -54,6 +61,21 @@ def _usable(path: Path) -> Path:
     return path
 
 
+def check_private(path: Path, what: str = "run folder base") -> None:
+    """Refuse (:class:`RunsError`, one line) a folder of another user, or one every user may
+    write to without the sticky bit: another user could plant the pickles the launcher
+    loads, or swap a run's folder."""
+    st = path.stat()
+    fix = "set EDU3D_RUNS to a folder of your own, e.g. EDU3D_RUNS=$HOME/edu3d-runs"
+    if st.st_uid != os.getuid():
+        raise RunsError(f"{what} {path} belongs to user id {st.st_uid}, not to you "
+                        f"({os.getuid()}): edu3d loads the pickles its ranks leave there; {fix}")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise RunsError(f"{what} {path} is writable by every user (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}, no sticky bit): edu3d loads the pickles "
+                        f"its ranks leave there; chmod o-w {path}, or {fix}")
+
+
 def new_run_dir(name: str = "run", create: bool = True) -> Path:
     """A fresh folder under :func:`base` for one run's files (older ones beyond
     ``$EDU3D_KEEP_RUNS`` are removed when it is created)."""
@@ -66,18 +88,32 @@ def new_run_dir(name: str = "run", create: bool = True) -> Path:
 
 
 def prepare(path: Path) -> None:
-    """Create ``path`` (checked) and clear any state an earlier run left in it."""
+    """Create ``path`` (checked; marked as edu3d's when this call creates it) and clear any
+    state an earlier run left in it. Under the runs folder both must be private
+    (:func:`check_private`)."""
     _usable(path.parent)
+    in_base = path.parent.resolve() == base().resolve()
+    if in_base:
+        check_private(path.parent)
     try:
-        path.mkdir(exist_ok=True)
+        path.mkdir()
+        created = True
+    except FileExistsError:
+        created = False
     except OSError as err:
         raise RunsError(f"cannot create run folder {path} ({err.strerror}); choose another "
                         "run_dir, or set EDU3D_RUNS to a writable folder") from None
+    if not path.is_dir():
+        raise RunsError(f"run folder {path} is not a folder; choose another run_dir")
+    check_private(path, "run folder")
+    if created:
+        (path / MARKER).write_text("made by edu3d's launcher: `edu3d runs clean` may remove "
+                                   "this folder\n")
     for sub in STATE_DIRS:
         shutil.rmtree(path / sub, ignore_errors=True)
     for old in path.glob("trace-rank*.jsonl"):
         old.unlink(missing_ok=True)
-    if path.parent.resolve() == base().resolve():
+    if in_base:
         prune(keep_runs(), protect=path)
 
 
@@ -95,14 +131,18 @@ def keep_runs() -> int:
 
 
 def list_runs(root: Path | None = None) -> list[Path]:
-    """Run folders under ``root``, oldest first (a run folder has a ``command.json``)."""
+    """Run folders under ``root`` (folders edu3d made: they hold :data:`MARKER`; never a
+    link), oldest first by their last run's ``command.json``."""
     root = root or base()
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         try:  # another process may prune a folder between listing and reading it
-            found.append(((p / "command.json").stat().st_mtime, p.name, p))
+            if p.is_symlink() or not (p / MARKER).is_file():
+                continue
+            stamp = p / "command.json" if (p / "command.json").exists() else p / MARKER
+            found.append((stamp.stat().st_mtime, p.name, p))
         except (FileNotFoundError, NotADirectoryError):
             continue
     return [p for _, _, p in sorted(found)]
@@ -258,9 +298,19 @@ def main(action: str, keep: int = 0) -> int:
     if keep < 0:
         print(f"edu3d runs clean: --keep {keep}: must be 0 or more", file=sys.stderr)
         return 2
+    if base().is_dir():
+        try:
+            check_private(base())
+        except RunsError as err:
+            print(f"edu3d runs clean: {err}", file=sys.stderr)
+            return 2
     found = list_runs()
     doomed = found[:max(len(found) - keep, 0)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
-    print(f"removed {len(doomed)} run folder(s) under {base().resolve()}, kept {len(found) - len(doomed)}")
+    others = [p for p in base().iterdir() if p.is_dir() and p not in found] \
+        if base().is_dir() else []
+    print(f"removed {len(doomed)} run folder(s) under {base().resolve()}, kept "
+          f"{len(found) - len(doomed)}" + (f"; left alone {len(others)} folder(s) edu3d did "
+                                           f"not make (no {MARKER})" if others else ""))
     return 0

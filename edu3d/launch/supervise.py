@@ -41,7 +41,9 @@ Two kinds of run go through :func:`watch`. Where they differ, a cold run
 
 A job object (``job``) has ``before`` (the lines the pool said before the job, from
 :func:`chatter`) and ``closed`` (pipes that closed meanwhile), ``keep(rank, stream, text)``
-(the text to keep, or None to drop the line), ``finished(ranks_done)`` and ``leave()``.
+(the text to keep, or None to drop the line), ``finished(ranks_done)``, ``leave()``, and
+``server_death(output)``: None while the pool's fork server lives, else the error's text (a
+rank's death is then a consequence, never the cause).
 
 Like the rest of the launcher, this module never imports torch.
 """
@@ -128,8 +130,8 @@ def watch(proc: subprocess.Popen, pipes: procs.Pipes, run_dir: Path, nprocs: int
             if job is None:
                 if closed >= 2 and proc.poll() is not None:
                     break  # over; its exit code says how
-            elif closed >= 2 or proc.poll() is not None:
-                break  # the pool's agent ended in the middle of a job: a failure
+            elif closed >= 2 or proc.poll() is not None or job.server_death([]):
+                break  # the pool's agent or fork server ended in the middle of a job
             done = ranks_done(run_dir)
             if job is not None and job.finished(done):
                 finished = True
@@ -154,12 +156,15 @@ def watch(proc: subprocess.Popen, pipes: procs.Pipes, run_dir: Path, nprocs: int
     if failure is None and (finished if job is not None else proc.returncode == 0):
         return RunResult(run_dir, nprocs, time.monotonic() - start,
                          procs.read_results(run_dir, nprocs), output)
-    if failure is None and job is not None:  # the agent ended: let its exit records and its
-        try:  # report arrive
+    death = job.server_death(output) if job is not None else None
+    if failure is None and job is not None and death is None:  # the agent ended: let its
+        try:  # exit records and its report arrive
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
     kill()
+    if death is not None:  # no rank is to blame: their partner process is gone
+        raise procs.LaunchError(death)
     pipes.join()
     drain(0.0)
     raise procs.rank_error(run_dir, nprocs, failure, output)

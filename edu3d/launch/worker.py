@@ -155,11 +155,20 @@ def stack_on_signal(run_dir: Path, rank: int) -> None:
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write atomically (temporary file, then rename): a reader never sees half a file."""
+    """Write atomically: a temporary file of this process's own, flushed to disk (fsync),
+    then renamed over ``path``. A reader (the launcher, another process) sees the old file or
+    the whole new one, never half of it, even after a crash; on an error the temporary goes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def user_traceback(err: BaseException) -> str:

@@ -35,6 +35,7 @@ class GPTConfig:
     seq_len: int = 32
     vocab_size: int = 256
     tie_weights: bool = False  # lm_head reuses the token embedding matrix (GPT-2 does)
+    vocab_pad: int = 1  # the tables get padded_vocab rows, a multiple of this (64: GPU tiles)
     # Mixture of experts (edu3d.model.moe); n_experts = 0 keeps every block's dense MLP.
     n_experts: int = 0          # routed experts per MoE layer
     topk: int = 2               # experts each token is sent to
@@ -49,7 +50,7 @@ class GPTConfig:
     router_dtype: str = "fp32"  # "fp32" or "fp64" (parity tests: near-ties do not flip)
 
     def __post_init__(self):
-        for name in ("n_layers", "n_heads", "d_model", "seq_len", "vocab_size"):
+        for name in ("n_layers", "n_heads", "d_model", "seq_len", "vocab_size", "vocab_pad"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -88,6 +89,14 @@ class GPTConfig:
         return self.n_experts > 0 and layer % self.moe_every == 0
 
     @property
+    def padded_vocab(self) -> int:
+        """Rows of the token embedding and the LM head: ``vocab_size`` rounded up to a
+        multiple of ``vocab_pad`` (nanoGPT's 50,257 -> 50,304). The extra rows are never a
+        token: their logits are -inf (:meth:`GPT.head`), so they never win and the loss is
+        the unpadded model's."""
+        return -(-self.vocab_size // self.vocab_pad) * self.vocab_pad
+
+    @property
     def d_ff(self) -> int:
         return 4 * self.d_model
 
@@ -114,12 +123,12 @@ PRESETS = {
 
 def config_from(preset: str = "tiny", *, layers: int | None = None, heads: int | None = None,
                 d_model: int | None = None, seq: int | None = None, vocab: int | None = None,
-                tie: bool | None = None) -> GPTConfig:
+                tie: bool | None = None, vocab_pad: int | None = None) -> GPTConfig:
     """A preset with some fields overridden (``None`` keeps the preset's value)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     overrides = {"n_layers": layers, "n_heads": heads, "d_model": d_model, "seq_len": seq,
-                 "vocab_size": vocab, "tie_weights": tie}
+                 "vocab_size": vocab, "tie_weights": tie, "vocab_pad": vocab_pad}
     return dataclasses.replace(PRESETS[preset],
                                **{k: v for k, v in overrides.items() if v is not None})
 
@@ -132,6 +141,8 @@ class CausalSelfAttention(nn.Module):
     parallelism relies on this layout: giving each rank whole heads means cutting the same
     head range out of q, k and v.
     """
+
+    kind = "sdpa"  # or "explicit" (:func:`set_attention`)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -153,9 +164,38 @@ class CausalSelfAttention(nn.Module):
         ``T^2``. It is a method of its own so that selective recomputation
         (:mod:`edu3d.parallel.recompute`) can recompute exactly this in backward.
 
-        PyTorch's fused kernel never materialises the ``T x T`` scores: it keeps q, k, v,
-        its output and one log-sum-exp per head and token for backward."""
+        PyTorch's fused kernel (flash or memory-efficient attention on a GPU) never
+        materialises the ``T x T`` scores: it keeps q, k, v, its output and one log-sum-exp
+        per head and token for backward. ``kind == "explicit"`` computes the same numbers the
+        textbook way (:func:`explicit_attention`)."""
+        if self.kind == "explicit":
+            return explicit_attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(QK^T / sqrt(hd) + causal mask) V`` written out: the ``[B, heads, T, T]``
+    scores exist as a tensor (a chapter can show them), the softmax in fp32. Equal to
+    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (tests/test_fast_path.py)."""
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32)
+    return probs.to(v.dtype) @ v
+
+
+ATTENTION = ("sdpa", "explicit")
+
+
+def set_attention(model: nn.Module, kind: str) -> None:
+    """Every attention layer of ``model`` computes its core with ``kind``: ``"sdpa"`` (the
+    fused kernel, the default) or ``"explicit"`` (the scores as a tensor). The weights and
+    the numbers do not change, only how they are computed."""
+    if kind not in ATTENTION:
+        raise ValueError(f"attention {kind!r}: choose one of {', '.join(ATTENTION)}")
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            m.kind = kind
 
 
 class MLP(nn.Module):
@@ -196,11 +236,11 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = 0):
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.tok_emb = nn.Embedding(config.padded_vocab, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
         self.init_weights(seed)
@@ -216,11 +256,17 @@ class GPT(nn.Module):
         weight. Biases 0, LayerNorm gains 1. A tied ``lm_head.weight`` is the embedding,
         which ``named_parameters`` yields once. A dense model draws exactly what it drew
         before MoE existed (it has no new parameters, so the same names in the same order).
+        A padded vocabulary draws the real rows of its tables exactly as the unpadded model
+        does and sets the padding rows to 0: the same model, whatever ``vocab_pad``.
         """
         g = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        vocab = self.config.vocab_size
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
+            if name in ("tok_emb.weight", "lm_head.weight"):
+                p.zero_()
+                p[:vocab].normal_(0.0, 0.02, generator=g)
+            elif name.endswith("bias"):
                 p.zero_()
             elif p.dim() == 1:  # LayerNorm gain
                 p.fill_(1.0)
@@ -240,8 +286,19 @@ class GPT(nn.Module):
         return self.tok_emb(idx) + self.pos_emb(pos)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Residual stream ``[B, T, d]`` -> logits ``[B, T, vocab]``."""
-        return self.lm_head(self.ln_f(x))
+        """Residual stream ``[B, T, d]`` -> logits ``[B, T, padded_vocab]``; the padding
+        columns (``vocab_pad`` > 1) are -inf, so they never win an argmax or a sample and add
+        nothing to the softmax: the loss and the gradients are the unpadded model's, and the
+        padding rows of ``lm_head`` get no gradient. (Under tensor parallelism each rank's
+        logits are its columns; the vocabulary-parallel loss masks the same columns.)"""
+        logits = self.lm_head(self.ln_f(x))
+        if logits.shape[-1] == self.config.padded_vocab > self.config.vocab_size:
+            logits = logits.masked_fill(self.padding_columns(logits.device), float("-inf"))
+        return logits
+
+    def padding_columns(self, device) -> torch.Tensor:
+        """``[padded_vocab]`` booleans, True for the columns that are no token."""
+        return torch.arange(self.config.padded_vocab, device=device) >= self.config.vocab_size
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over the tokens whose target is not -100.

@@ -271,9 +271,9 @@ def _count(config, active: bool, exclude_embeddings: bool) -> int:
         else:
             n += _mlp_params(d)
     if not config.tie_weights:
-        n += d * config.vocab_size  # lm_head
+        n += d * config.padded_vocab  # lm_head
     if not exclude_embeddings:
-        n += (config.vocab_size + config.seq_len) * d
+        n += (config.padded_vocab + config.seq_len) * d
     return n
 
 

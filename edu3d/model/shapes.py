@@ -87,7 +87,7 @@ def _course(name: str, tie: bool | None = None) -> ModelSpec:
 def spec_from_config(config, name: str = "course") -> ModelSpec:
     """The shape of one of this course's :class:`~edu3d.model.gpt.GPTConfig` (any overrides)."""
     return ModelSpec(name, config.n_layers, config.d_model, config.n_heads, config.seq_len,
-                     config.vocab_size, tied=config.tie_weights, course=True)
+                     config.padded_vocab, tied=config.tie_weights, course=True)
 
 
 def num_params_from_config(config) -> int:

@@ -119,9 +119,9 @@ class GradSync:
         """The serial model's total gradient norm (float32, the same on every rank)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         sq = torch.zeros(1, dtype=torch.float64, device=device)
-        for name, p, g in self.held():
-            if self._owned(name, p):
-                sq += g.detach().double().pow(2).sum()
+        owned = [g.detach() for name, p, g in self.held() if self._owned(name, p)]
+        if owned:  # one kernel per step of the sum, not four per tensor
+            sq += torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float64)).square().sum()
         if self.par.zeros or self.mesh.layout.ep > 1:  # slices, experts: distinct pieces too
             comm.all_reduce(sq, None)
         elif self.mesh.size("mp") > 1:  # dp replicas hold equal gradients: tp x pp suffices
@@ -134,6 +134,6 @@ class GradSync:
             for z in self.par.zeros:
                 z.scale_(coef)
             return
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))

@@ -31,6 +31,7 @@ name of every parameter, and the DP/ZeRO wrapper.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,7 @@ class Plan:
     recompute: str = "none"  # "selective" | "full": activation recomputation
     cp_impl: str = "ring"  # "allgather" | "ulysses": context parallelism's attention
     cp_split: str = "zigzag"  # "plain": contiguous pieces of each sequence
+    compile: bool = False  # torch.compile each block's forward (after recomputation)
 
 
 @dataclass
@@ -194,6 +196,29 @@ def _tied_in(stage: PipelineStage, tied):
     return tied if tied is not None and any(t is tied for t in held) else None
 
 
+def apply_compile(model: nn.Module, ends: bool = True) -> None:
+    """``torch.compile`` each block's ``forward``, as torchtitan compiles per block: after
+    TP, CP, EP and recomputation have rewritten the block (so the compiled code is theirs)
+    and before the pipeline cut and ZeRO, whose module hooks stay *outside* the compiled
+    code (they gather and free parameters, which a graph cannot capture). Every block runs
+    the same code on its own parameters, so one compiled graph serves them all.
+
+    With ``ends`` the model's own ``head`` and ``loss`` are compiled too (the padding mask,
+    the fp32 upcast and the cross entropy over the vocabulary fuse into a few passes over
+    the logits instead of one per operation). The trainer asks for it only where the ends
+    are plain: not under TP (its vocabulary-parallel loss communicates) nor ZeRO-3 (its
+    hooks sit on ``ln_f`` and ``lm_head``, which ``head`` calls)."""
+    # each traced collective reads the clock: dynamo runs it eagerly between two graphs
+    warnings.filterwarnings("ignore", message=".*does not know how to trace the builtin "
+                            "`time.perf_counter_ns")
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
+    for name in ("head", "loss") if ends else ():
+        fn = getattr(model, name)
+        if getattr(fn, "__func__", None) is getattr(type(model), name, None):  # its own code
+            setattr(model, name, torch.compile(fn))
+
+
 def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
                 compute=None) -> Parallel:
     """Turn the full serial ``model`` (built from the same seed on every rank) into this
@@ -220,6 +245,8 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
         experts = expert_param_names(model)
         apply_ep(model, mesh.group("ep"), mesh.index("ep"), layout.ep)
     apply_recompute(model, plan.recompute)
+    if plan.compile:
+        apply_compile(model, ends=mesh.size("tp") == 1 and plan.zero != 3)
     names = {p: n for n, p in model.named_parameters()}
     stages, parts, actions = apply_pipeline(model, mesh, plan, compute)
     n_stages = len(parts)

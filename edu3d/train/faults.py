@@ -1,7 +1,7 @@
-"""Failures on purpose: ``edu3d train --inject-fault rank=R,step=S[,kind=exit|kill|hang]``.
+"""Failures on purpose: ``edu3d train --inject-fault rank=R,step=S[,kind=exit|kill|hang|slow]``.
 
 After reading this file you should understand the three ways a rank stops that a long run has
-to survive, and how the course makes each happen on cue:
+to survive, the one way it lags, and how the course makes each happen on cue:
 
 ``exit``  the rank raises a Python error at the start of step S (a bug, an out-of-memory):
           the launcher reports it with that rank's traceback;
@@ -9,10 +9,17 @@ to survive, and how the course makes each happen on cue:
           error at all, only an exit status the launcher names;
 ``hang``  the rank stops making progress and stays alive (a deadlock, a stuck device): the
           others wait for it in their next collective, and only the launcher's heartbeat
-          watch can tell it apart from a slow step.
+          watch can tell it apart from a slow step;
+``slow``  the rank sleeps ``seconds`` (default :data:`SLOW_SECONDS`) before every step from S
+          on (S defaults to 1): a straggler (a throttled GPU, a busy neighbour on its node).
+          Every other rank waits for it in its next collective, so every rank's step takes
+          as long; what gives the straggler away is that it is the one that does *not* wait
+          (``edu3d train --monitor`` highlights it, :mod:`edu3d.launch.live`).
 
-The fault fires in the first attempt only: after ``--max-restarts`` brings the run back from
-its last checkpoint, step S runs normally, as it would after a real, one-off failure.
+The three failures fire in the first attempt only: after ``--max-restarts`` brings the run
+back from its last checkpoint, step S runs normally, as it would after a real, one-off
+failure. A slow rank is no failure (nothing restarts because of it): it stays slow in every
+attempt, as a slow machine would.
 """
 
 from __future__ import annotations
@@ -22,16 +29,25 @@ import signal
 import sys
 import time
 
+SLOW_SECONDS = 0.2  # kind=slow's default sleep per step
+
 
 class InjectedFault(RuntimeError):
     """The error ``kind=exit`` raises on its rank."""
 
 
 def maybe_inject(spec: dict | None, rank: int, step: int, attempt: int = 0) -> None:
-    """Fail as ``spec`` says if this is its rank and step, in the first attempt."""
-    if spec is None or attempt or spec["rank"] != rank or spec["step"] != step:
+    """Fail (or lag) as ``spec`` says if this is its rank and step: a failure at step S of
+    the first attempt, a slow rank at every step from S on."""
+    if spec is None or spec["rank"] != rank:
         return
     kind = spec.get("kind", "exit")
+    if kind == "slow":
+        if step >= spec.get("step", 1):
+            time.sleep(spec.get("seconds", SLOW_SECONDS))
+        return
+    if attempt or spec["step"] != step:
+        return
     print(f"edu3d: injecting a fault on rank {rank} at step {step}: {kind}", file=sys.stderr,
           flush=True)
     if kind == "kill":

@@ -32,15 +32,17 @@ import torch
 from edu3d.ckpt.checkpointer import Checkpointer
 from edu3d.ckpt.format import check_ckpt_dir, resume_from
 from edu3d.ckpt.format import steps as complete_steps
-from edu3d.launch.api import LaunchError, LaunchTimeout, launch
+from edu3d.launch import live
+from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, node_args
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
+from edu3d.train.publish import Publisher
 from edu3d.train.options import (TrainOptions, check_args, check_fit, config_from_args,
-                                 oversubscribed)
+                                 node_options, oversubscribed)
 from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
@@ -165,7 +167,9 @@ def summary(records: list[dict], seconds: list[float]) -> str:
 
 
 def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list[dict]:
-    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print.
+    """Feed global batch ``step`` to ``trainer.step`` for every step; record and print
+    every ``--log-every`` steps (and the last): between two, the loss stays on the device and
+    nothing waits for it; a record's ``tokens_per_s`` covers the steps since the previous one.
 
     With ``--ckpt-dir`` the state is saved as ``--save-every`` says (:mod:`edu3d.ckpt.format`),
     and ``--resume`` starts after the newest complete checkpoint with the records it kept, so
@@ -179,13 +183,23 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         if args.resume:
             records = ckpt.resume()  # the records of the steps the checkpoint holds
     rank = trainer.mesh.rank
+    status = Publisher.for_run(trainer, args.steps)  # for a live monitor; None when serial
+    deferred = isinstance(trainer, Trainer)  # its step can leave the loss on the device
+    spent, steps_since = 0.0, 0  # since the last logged step
     for step in range(len(records) + 1, args.steps + 1):
         faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
         x, y = corpus.batch(step, args.global_batch)
+        due = step % args.log_every == 0 or step == args.steps
         t0 = time.perf_counter()
-        result = trainer.step(x, y, step)
-        seconds.append(time.perf_counter() - t0)
-        rec = _record(step, result, lr_at(step, args), x.numel(), seconds[-1])
+        result = trainer.step(x, y, step, read=False) if deferred and not due else \
+            trainer.step(x, y, step)
+        spent += time.perf_counter() - t0  # a GPU's queued work is waited for when due
+        steps_since += 1
+        if not due:
+            continue
+        seconds.append(spent)
+        rec = _record(step, result, lr_at(step, args), x.numel() * steps_since, spent)
+        spent, steps_since = 0.0, 0
         rec.update({k: result[k] for k in ("skipped", "loss_scale", *MOE_KEYS)
                     if k in result})  # fp16, mixture of experts
         rec.update(trainer.stats())
@@ -193,6 +207,10 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         if ckpt is not None:
             ckpt.after_step(step, records)  # saves when due; may add the time it blocked
         _emit(rec, args, out)
+        if status is not None:
+            status.after_step(step, x.numel())
+    if status is not None:
+        status.close()
     if ckpt is not None:
         ckpt.close()  # waits for an asynchronous save still in flight
     if out is not None and not args.json and seconds:  # the steps this process ran
@@ -248,15 +266,41 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
     return _run_parallel(args, layout, out, trainer_class)
 
 
+def _json_record(line: str) -> dict | None:
+    """A ``--json`` step record printed by rank 0, or None for any other line."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+
 def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
     """Launch ``layout.world_size`` ranks; rank 0's stdout (the records) goes to ``out``
     untouched, everything else to stderr with its rank prefix.
 
     With ``--max-restarts N``, a rank that dies or hangs stops every rank and the run starts
     again from the newest complete checkpoint, up to N times (torchrun's elastic agent does
-    the same with ``--max-restarts``); the records returned are then the whole run's."""
+    the same with ``--max-restarts``); the records returned are then the whole run's.
+
+    With ``--json`` each step reaches ``out`` once, as it happens: a restart replays the steps
+    between its checkpoint and the failure, and a replayed step already printed is not printed
+    again. Recovery is exact, so the record printed is the recovered one; were a replayed loss
+    ever different, stderr says so (holding records back until a checkpoint commits them
+    would print nothing for minutes on a run that saves rarely)."""
+    shown: dict[int, float] = {}  # --json: step -> loss of the records printed so far
+
     def echo(rank, stream, line):
         if rank == 0 and stream == "stdout":
+            rec = _json_record(line) if args.json else None
+            if rec is not None and rec["step"] in shown:
+                if str(rec["loss"]) != str(shown[rec["step"]]):  # (NaN equals NaN here)
+                    print(f"edu3d train: step {rec['step']} replayed after the restart with "
+                          f"loss {rec['loss']!r}, not {shown[rec['step']]!r} as printed",
+                          file=sys.stderr, flush=True)
+                return
+            if rec is not None:
+                shown[rec["step"]] = rec["loss"]
             print(line, file=out, flush=True)
         else:
             print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
@@ -266,9 +310,13 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
     restarts = args.max_restarts
     for attempt in range(restarts + 1):
         options["attempt"] = attempt
+        view = live.Terminal(new_run_dir("train"), layout.world_size) if args.monitor else None
+        shown = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
-            res = launch(worker, layout.world_size, args=(options, trainer_class), layout=layout,
-                         echo=echo, timeout=args.timeout, name="train", heartbeat=args.heartbeat)
+            res = launch(worker, layout.world_size // (args.nnodes or 1),  # ranks on this node
+                         args=(options, trainer_class), layout=layout,
+                         timeout=args.timeout, name="train", heartbeat=args.heartbeat,
+                         torchrun_args=node_args(**node_options(args)), **shown)
             return res.results[0]
         except LaunchTimeout:
             raise  # the whole run's time is spent: nothing to restart into
@@ -281,4 +329,7 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
                   f"{restarts}: every rank starts again from {where}", file=sys.stderr,
                   flush=True)
             options["resume"] = True
+        finally:
+            if view is not None:
+                view.close()  # the last table, also after a failure
     raise AssertionError("unreachable")

@@ -5,6 +5,7 @@ shares with the serial run, which is why a parallel run can reproduce it number 
 
 * **the rule**: AdamW (betas 0.9, 0.95) or plain SGD, with weight decay on matrices and
   embeddings only, not on biases or LayerNorm gains, which only shift and scale (nanoGPT);
+  AdamW runs fused on a GPU, over tensor lists elsewhere (:func:`kernel_for`);
 * **the schedule**: linear warmup from ``lr/warmup`` at step 1 to ``lr`` at step ``warmup``,
   then ``constant`` or ``cosine`` decay to ``lr/10`` at the last step;
 * **clipping**: ``torch.nn.utils.clip_grad_norm_`` computes the norm of the gradients *it
@@ -54,7 +55,19 @@ def optimizer_for(groups: list[dict], args) -> torch.optim.Optimizer | None:
     if not groups:
         return None
     kwargs = optimizer_kwargs(args)
-    return kwargs.pop("optimizer_class")(groups, **kwargs)
+    cls = kwargs.pop("optimizer_class")
+    if cls is torch.optim.AdamW:
+        kwargs.update(kernel_for(groups))
+    return cls(groups, **kwargs)
+
+
+def kernel_for(groups: list[dict]) -> dict:
+    """AdamW's implementation for where the parameters live: ``fused=True`` (one kernel
+    for every tensor) when they are all on a GPU, ``foreach=True`` (one operation per step
+    of the rule, over the list of tensors) elsewhere: the same arithmetic as the loop over
+    tensors, with far fewer Python calls."""
+    devices = {p.device.type for g in groups for p in g["params"]}
+    return {"fused": True} if devices == {"cuda"} else {"foreach": True}
 
 
 def lr_at(step: int, args) -> float:

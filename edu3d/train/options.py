@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import typing
 from dataclasses import dataclass
 
 from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
 
@@ -36,7 +38,8 @@ CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
-FAULT_KINDS = ("exit", "kill", "hang")
+ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
+FAULT_KINDS = ("exit", "kill", "hang", "slow")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
 MIN_VOCAB = 4  # edu3d.train.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
 
@@ -53,6 +56,7 @@ class TrainOptions:
     seq: int | None = None
     vocab: int | None = None
     tie: bool | None = None
+    vocab_pad: int = 1  # the vocabulary's tables padded to a multiple of this (64 on a GPU)
     # ---- mixture of experts (0 experts: every block keeps its dense MLP) ----
     experts: int = 0
     topk: int = 2
@@ -105,10 +109,26 @@ class TrainOptions:
     resume_step: int | None = None  # continue this step's checkpoint (implies resume)
     async_save: bool = False
     max_restarts: int = 0
-    inject_fault: dict | None = None  # {"rank", "step", "kind"}
+    inject_fault: dict | None = None  # {"rank", "step", "kind"[, "seconds": kind slow]}
     heartbeat: float | None = None
+    # ---- the fast path (edu3d.train.trainer; GPU speed, the same numbers) ----
+    attn: str = "sdpa"  # or "explicit": the attention scores as a tensor
+    compile: bool = False  # torch.compile each block (inductor)
+    no_tf32: bool = False  # keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)
+    # ---- nodes: torchrun's multi-node options (edu3d run's), None when not given ----
+    nnodes: int | None = None  # one edu3d train per node, each running world/nnodes ranks
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
     # ---- output ----
     json: bool = False
+    monitor: bool = False  # a live table of every rank under the output (edu3d.launch.live)
+    log_every: int = 1  # read the loss (a host synchronisation) every K steps; records at those
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
@@ -157,7 +177,7 @@ def config_from_args(options: TrainOptions):
 
     o = options
     config = config_from(o.model, layers=o.layers, heads=o.heads, d_model=o.d_model,
-                         seq=o.seq, vocab=o.vocab, tie=o.tie)
+                         seq=o.seq, vocab=o.vocab, tie=o.tie, vocab_pad=o.vocab_pad)
     if not o.experts:
         return config
     return dataclasses.replace(
@@ -235,13 +255,54 @@ def check_args(options: TrainOptions):
         if fault["rank"] >= layout.world_size:
             raise LayoutError(f"--inject-fault rank={fault['rank']}: this layout has ranks "
                               f"0..{layout.world_size - 1}")
-        if fault["step"] > o.steps:
+        if fault.get("step", 1) > o.steps:
             raise LayoutError(f"--inject-fault step={fault['step']}: the run has only "
                               f"{o.steps} steps")
     if o.compress and (o.zero or o.dp == 1):
         raise LayoutError("--compress hooks plain data parallelism's gradient buckets: use it "
                           "with --dp 2 (or more) and without --zero")
+    check_fast_path(o)
+    check_nodes(o, layout)
     return config, layout
+
+
+def check_fast_path(o: TrainOptions) -> None:
+    """The fast path's rules: a known attention, a C++ compiler for ``--compile`` (inductor
+    writes and compiles C++ on a CPU), one record per step where checkpoints keep them."""
+    if o.attn not in ATTENTION:
+        raise LayoutError(f"--attn {o.attn!r}: choose one of {', '.join(ATTENTION)}")
+    if o.log_every < 1:
+        raise LayoutError(f"--log-every {o.log_every}: must be a positive integer")
+    if o.log_every > 1 and o.ckpt_dir:
+        raise LayoutError(f"--log-every {o.log_every} with --ckpt-dir: a checkpoint keeps every "
+                          "step's record; use --log-every 1 with --ckpt-dir")
+    if o.compile and not compiler():
+        raise LayoutError("--compile needs a C++ compiler for torch.compile's inductor (none of "
+                          "$CXX, c++, g++, clang++ is on PATH): install g++ (apt-get install "
+                          "g++) or drop --compile")
+
+
+def compiler() -> str | None:
+    """The C++ compiler inductor would use, or None (``$CXX`` first, as inductor reads it)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else []
+    return next((p for p in map(shutil.which, names + ["c++", "g++", "clang++"]) if p), None)
+
+
+def node_options(o: TrainOptions) -> dict:
+    """The run's multi-node options by name, for :func:`edu3d.launch.api.node_args`."""
+    return {k: v for k, v in dataclasses.asdict(o).items() if k in NODE_OPTIONS}
+
+
+def check_nodes(o: TrainOptions, layout: Layout) -> None:
+    """The world shared out over ``--nnodes`` nodes: evenly, a node rank among them, and no
+    ``--max-restarts`` (each node's command would restart on its own)."""
+    try:
+        node_args(layout.world_size, **node_options(o))
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    if (o.nnodes or 1) > 1 and o.max_restarts:
+        raise LayoutError(f"--max-restarts {o.max_restarts} with --nnodes {o.nnodes}: each "
+                          "node's edu3d train would restart on its own; drop --max-restarts")
 
 
 def check_moe(o: TrainOptions) -> None:

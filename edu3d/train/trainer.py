@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from edu3d.ckpt import reshard
+from edu3d.model.gpt import set_attention
 from edu3d.model.moe import MoE, set_aux_scale
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import meter, trace
@@ -58,7 +59,7 @@ def plan_from(options: TrainOptions) -> Plan:
                 partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
                 reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
                 compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
-                cp_split=o.cp_split)
+                cp_split=o.cp_split, compile=o.compile)
 
 
 class Trainer:
@@ -78,9 +79,13 @@ class Trainer:
                  compute=None, microbatch_loss=None):
         self.mesh = mesh if mesh is not None else Mesh(Layout(), 0, {})
         self.args, self.plan = args, plan_from(args)
+        set_attention(model, args.attn)
         self.par = parallelize(model, self.mesh, self.plan, self._shard_optimizer, compute)
         self.grads = GradSync(self.par)
-        device = next(model.parameters()).device
+        self.device = device = next(model.parameters()).device
+        if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (Ampere and later)
+            torch.backends.cuda.matmul.allow_tf32 = not args.no_tf32
+            torch.backends.cudnn.allow_tf32 = not args.no_tf32
         self.precision = Precision(args.precision, device.type,
                                    world=self.mesh.layout.world_size > 1)
         self._microbatch_loss = microbatch_loss or scaled_loss
@@ -103,6 +108,8 @@ class Trainer:
 
     # ---- the schedule's hooks -----------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor, m: int) -> torch.Tensor:
+        if m == 1 and self._microbatch_loss is scaled_loss:  # loss / 1: skip the operation
+            return self.precision.scale_loss(loss)
         return self.precision.scale_loss(self._microbatch_loss(loss, m))
 
     def _context(self, action, last: bool):
@@ -122,6 +129,8 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the global batch's mean loss (each rank its pieces, fixed across
         axes); returns that loss, the same on every rank."""
+        if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async copy
+            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
         xs = shard_rows(x, self.dp_index, self.dp_size)
         ys = shard_rows(y, self.dp_index, self.dp_size)
         if self.cp_size > 1:  # this rank's pieces of every sequence
@@ -135,14 +144,19 @@ class Trainer:
         return self._global_loss(losses, xs.device)
 
     def _global_loss(self, losses: list, device) -> torch.Tensor:
+        if self.mesh.layout.world_size == 1 and len(losses) == 1:  # serial: nothing to add
+            return losses[0]
         mine = self.par.is_last and self.mesh.index("tp") == 0 and losses
         total = torch.stack(losses).sum().reshape(1) if mine else torch.zeros(1, device=device)
         if self.mesh.layout.world_size > 1:  # a serial trainer inside a launch stays alone
             dist.all_reduce(total)  # bookkeeping, not training traffic: left out of the trace
         return total[0] / (self.dp_size * self.cp_size * self.plan.microbatches)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
-        """One optimizer step on the global batch ``(x, y)``."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int, read: bool = True) -> dict:
+        """One optimizer step on the global batch ``(x, y)``. ``read=False`` leaves
+        ``loss`` and ``grad_norm`` as tensors on the device: reading a number waits for the
+        device to finish (a host synchronisation), so the loop reads them only at the steps
+        it logs (``--log-every``)."""
         rec = trace.current()
         with rec.context(step=step):
             loss = self.forward_backward(x, y)
@@ -150,11 +164,14 @@ class Trainer:
                 scale = self.precision.scale
                 scaled_norm = self.grads.norm()
                 skip = self.precision.update(scaled_norm)
-                norm = scaled_norm / scale
+                norm = scaled_norm / scale if scale != 1.0 else scaled_norm
                 if not skip:
-                    self.grads.scale_(clip_coef(norm, self.args.clip) / scale)
+                    coef = clip_coef(norm, self.args.clip)
+                    self.grads.scale_(coef / scale if scale != 1.0 else coef)
                     self._update(lr_at(step, self.args))
-        out = {"loss": loss.item(), "grad_norm": norm.item()}
+        out = {"loss": loss.detach(), "grad_norm": norm.detach()}
+        if read:
+            out = {k: v.item() for k, v in out.items()}
         if self.moe_layers:
             out.update(self.moe_step())
         if self.precision.mode == "fp16":

@@ -1,4 +1,4 @@
-"""Chapter 07's panel: the planner's bytes per pipeline rank for any model and layout.
+"""Chapter 07's panels: the planner's bytes per pipeline rank, and the auto-tuner's grade.
 
 After reading this file you should know what the knobs change: a model (the course's
 presets or a real one), the sequence length, micro-batch size and count, dp/tp/pp, ZeRO
@@ -8,16 +8,24 @@ stage, recomputation, precision, schedule and the GPU's memory redraw the estima
 (:func:`edu3d.course.ch07_memory_plan.run`, 8 ranks at most, fp32) and puts the measured bars
 beside the estimate. Without a frontend (nbval, exported HTML) the default figure is drawn
 statically (:attr:`Controls.figure`).
+
+:class:`TuneControls` redraws a recorded ``edu3d tune`` report
+(:mod:`edu3d.course.ch07_memory_tune`, drawn by :func:`edu3d.widgets.tuning.tune_figure`):
+the metric (step time or peak memory), the view (values or ranks) and one candidate to
+single out, whose prediction by part and measurement the message spells out; "tune again"
+runs the tuning live and redraws from the new report.
 """
 
 from __future__ import annotations
 
 import ipywidgets as w
 
+from edu3d.course import ch07_memory_tune as tuning
 from edu3d.course.ch07_memory_plan import options, run
 from edu3d.model.shapes import PRESETS, spec_from
 from edu3d.plan.estimate import Setup, estimate, from_train_args, validate
 from edu3d.widgets.memory_plan import stage_bars
+from edu3d.widgets.tuning import VIEWS, tune_figure
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel
 
 DEFAULT = dict(model="tiny", seq=None, micro_batch=2, microbatches=2, dp=2, tp=1, pp=2,
@@ -150,3 +158,65 @@ def controls(default: dict | None = None) -> Controls:
     """The chapter's planner controls; display ``controls().widget`` in JupyterLab, or the
     static ``figure`` without a frontend."""
     return Controls(default)
+
+
+class TuneControls(Panel):
+    """A recorded tuning, redrawn: the metric, the view, one candidate singled out; the
+    button tunes again (live) and redraws from the new report."""
+
+    title = "The auto-tuner: the planner's prediction against the clock"
+    button = "tune again"
+    tooltip = "run every candidate again on 2 ranks (about 20 s) and redraw"
+    knob_rows = (("metric", "view", "candidate"),)
+    FIGURES = ("figure",)
+
+    def __init__(self, report: dict, default: dict | None = None):
+        super().__init__({"metric": "step time", "view": "values", "candidate": None,
+                          **(default or {})})
+        self.report = report
+        self.figure = None
+        self.redraw()
+
+    def labels(self) -> list[str]:
+        return [c["label"] for c in self.report["candidates"] if "measured" in c]
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        s = self.state
+        if s["candidate"] not in self.labels():
+            s["candidate"] = None
+        pts = tuning.points(self.report, s["metric"])
+        self.figure = tune_figure(pts, s["view"], s["candidate"])
+        self.say(tuning.describe(self.report, s["candidate"]) if s["candidate"] else
+                 f"winner: {pts['winner']}; misranked most on {s['metric']}: "
+                 f"{pts['misranked']}")
+
+    def run(self):
+        """Tune again, live, at the chapter's size; redraw from the new report."""
+        self.say("tuning: every candidate on 2 ranks, one after another ...")
+        try:
+            self.report = self.result = tuning.run()
+        except ValueError as err:
+            self.say(f"the tuning could not run: {err}")
+            return None
+        if self._knobs:
+            self._knobs["candidate"].options = [("none", None), *self.labels()]
+        self.redraw()
+        return self.report
+
+    def knobs(self) -> dict:
+        s = self.state
+        return {
+            "metric": w.Dropdown(options=list(tuning.METRICS), value=s["metric"],
+                                 description="metric"),
+            "view": w.ToggleButtons(options=list(VIEWS), value=s["view"], description="view"),
+            "candidate": w.Dropdown(options=[("none", None), *self.labels()],
+                                    value=s["candidate"], description="candidate",
+                                    layout={"width": "420px"}),
+        }
+
+
+def tune_controls(report: dict, default: dict | None = None) -> TuneControls:
+    """The chapter's tuning controls over ``report``; ``tune_controls(r).widget`` in
+    JupyterLab, the static ``figure`` without a frontend."""
+    return TuneControls(report, default)

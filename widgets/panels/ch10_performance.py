@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ipywidgets as w
 
+from edu3d.course import ch10_performance_live as watched
 from edu3d.course.ch10_performance import predict, run_layout
+from edu3d.launch.runs import new_run_dir
 from edu3d.widgets import style
 from edu3d.widgets.panels.panel import Panel
 from edu3d.widgets.perf import budget_figure, prediction_figure
@@ -100,3 +102,71 @@ def controls(costs: dict | None = None, measured: dict | None = None,
     """The chapter's control panel; display ``controls(...).widget`` in JupyterLab, or the
     static ``budget_fig`` / ``layouts_fig`` without a frontend."""
     return Controls(costs, measured, default)
+
+
+class Straggler(Panel):
+    """Which rank is slow and by how much -> every rank's step predicted at once from the
+    chapter's recorded run (:func:`edu3d.course.ch10_performance_live.predict`); "run it"
+    trains dp2 with that straggler and draws the measurement over the prediction."""
+
+    RANKS = (("no straggler", None), ("rank 0", 0), ("rank 1", 1))
+    SECONDS = (0.05, 0.1, 0.2, 0.4)
+    FIGURES = ("straggler_fig",)
+
+    def __init__(self, records: list[dict], slow_rank: int | None = 1, seconds: float = 0.2):
+        super().__init__({"slow_rank": slow_rank, "seconds": seconds})
+        self.records, self.recorded = records, (slow_rank, seconds)
+        self.live: dict | None = None
+        self.redraw()
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        key = (self.state["slow_rank"], self.state["seconds"])
+        pred = watched.predict(self.records, *self.recorded, *key)
+        rows = {f"rank {r} (predicted)": b for r, b in pred.items()}
+        live = bool(self.live) and self.live["key"] == key
+        if live:
+            rows.update({f"rank {r} (measured)": b for r, b in self.live["budget"].items()})
+        who = "no straggler" if key[0] is None else f"rank {key[0]} sleeping {key[1]:g} s"
+        step = max(b["step"] for b in pred.values())
+        waits = [r for r, b in pred.items() if b["comm"] > 0.5 * b["step"]]
+        self.straggler_fig = budget_figure(
+            rows, ghosts=tuple(n for n in rows if n.endswith("(predicted)")) if live else (),
+            title=f"dp2 with {who}: each rank's step, its own work and its time in the "
+                  "all-reduce",
+            takeaway=f"predicted step {step:.0f} ms for every rank; "
+                     + (f"rank {', '.join(map(str, waits))} waits most of it"
+                        if waits else "nobody waits long")
+                     + (f"; measured {max(b['step'] for b in self.live['budget'].values()):.0f}"
+                        " ms" if live else "; press 'run it' to measure"))
+        self.show()
+
+    def run(self, steps: int = 6, timeout: float = 120):
+        """Train dp2 with the chosen straggler and draw the measurement over the prediction."""
+        key = (self.state["slow_rank"], self.state["seconds"])
+        self.say("training dp2 for a few steps ...")
+        records = watched.slow_rank_run(new_run_dir("ch10-straggler"), key[0], key[1], steps,
+                                        timeout)
+        if len(records) < 2:
+            return self.refuse("the run left no status records: run it again")
+        self.live = self.result = {"key": key, "budget": watched.budget(records)}
+        slowest = watched.verdict(records, key[1])["slowest"]
+        self.message = f"measured: the monitor's slowest rank is {slowest}"
+        self.redraw()
+        return self.live
+
+    def knobs(self) -> dict:
+        s = self.state
+        return {
+            "slow_rank": w.Dropdown(options=list(self.RANKS), value=s["slow_rank"],
+                                    description="straggler"),
+            "seconds": w.Dropdown(options=[(f"{x:g} s", x) for x in self.SECONDS],
+                                  value=s["seconds"], description="its sleep"),
+        }
+
+
+def straggler_controls(records: list[dict], slow_rank: int | None = 1,
+                       seconds: float = 0.2) -> Straggler:
+    """Section 7's panel, predicted from ``records`` (a run with ``slow_rank`` sleeping
+    ``seconds``); display ``.widget`` in JupyterLab, or the static ``straggler_fig``."""
+    return Straggler(records, slow_rank, seconds)

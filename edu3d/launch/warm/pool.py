@@ -13,8 +13,7 @@ saves most of it without changing what a run sees:
   (:mod:`edu3d.launch.warm.zygote`, which imported torch) fork the real rank, and lives and dies with
   it (``EDU3D_POOL_FORK=0``: every rank imports torch itself). A job is what a launch would
   have run: a script, a module or a function call, its run folder and its environment.
-  Each job gets a **fresh
-  process group** (``init_process_group`` meets in ``job{N}/`` of the agent's store) and its
+  Each job gets a **fresh process group** (``init_process_group`` meets in ``job{N}/`` of the agent's store) and its
   **own run folder**: errors, results, done markers, pids, stacks, flight records and trace
   land exactly where a cold run puts them, so :class:`~edu3d.launch.api.RunResult`,
   ``run.events()``, hang reports and heartbeats work unchanged. After the job every rank
@@ -37,6 +36,8 @@ saves most of it without changing what a run sees:
   during a job raises exactly what a cold run raises (:class:`~edu3d.launch.api.RankError`
   naming the rank, :class:`~edu3d.launch.api.LaunchTimeout`, :class:`~edu3d.launch.api.RankHung`,
   ``KeyboardInterrupt``), and the whole pool is killed; the next launch starts a fresh one.
+  A fork server that dies mid-job is named as such (a :class:`~edu3d.launch.api.LaunchError`
+  saying how it died), not as the death of the rank whose stub noticed first.
 * **it dies with the kernel.** A clean exit shuts the pools down (``atexit``); if the kernel
   is killed, the agent and every rank notice that ``EDU3D_LAUNCHER_PID`` is gone and exit.
 
@@ -79,7 +80,7 @@ from pathlib import Path
 from typing import Callable
 
 from edu3d.launch import procs, runs, supervise
-from edu3d.launch.procs import RunResult
+from edu3d.launch.procs import RunResult, pool_pids  # (pool_pids: part of this API too)
 from edu3d.launch.warm import zygote
 from edu3d.launch.warm.rank import SENTINEL
 from edu3d.launch.worker import write_atomic
@@ -110,7 +111,7 @@ class Pool:
         self.jobs = 0  # jobs submitted so far
         self.broken = False
         self.busy = False  # a job is running (another launch meanwhile runs cold)
-        (self.dir / "env.json").write_text(json.dumps(self.env))
+        write_atomic(self.dir / "env.json", json.dumps(self.env))
         self.zygote = None  # the fork server the ranks are forked from (edu3d.launch.warm.zygote)
         agent_env = self.env
         if zygote.enabled(self.env):
@@ -123,7 +124,7 @@ class Pool:
             agent_env = {**self.env, "EDU3D_ZYGOTE": sock}
         entry = "edu3d.launch.warm.rank" if self.zygote is None else "edu3d.launch.warm.zygote"  # the stub
         cmd = procs.torchrun_command(nprocs, [str(self.dir)], entry=entry)
-        (self.dir / "command.json").write_text(json.dumps({"argv": cmd, "nprocs": nprocs,
+        write_atomic(self.dir / "command.json", json.dumps({"argv": cmd, "nprocs": nprocs,
                                                            "run_id": self.id}))
         self.proc, self.pipes = procs.start(cmd, agent_env)
 
@@ -307,7 +308,7 @@ def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: 
         if not 0 < nprocs <= p.nprocs:
             raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
         job = Job(p, nprocs)
-        (run_dir / "command.json").write_text(json.dumps({
+        write_atomic(run_dir / "command.json", json.dumps({
             "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": job.n,
             "pool_ranks": p.nprocs}))
         env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
@@ -369,25 +370,21 @@ class Job:
     def leave(self) -> None:
         """The agent stops writing the ranks' exits into this job's run folder."""
         try:
-            (self.pool.dir / "current").write_text("")
+            write_atomic(self.pool.dir / "current", "")
         except OSError:
             pass
 
-
-def pool_pids(pool_id: str) -> list[int]:
-    """Every process whose environment carries ``EDU3D_POOL_ID=pool_id``: the agent, the
-    zygote, the stubs and the ranks (to check that nothing was left behind, or to add up
-    what a pool costs)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"EDU3D_POOL_ID={pool_id}".encode() in env:
-                found.append(int(entry.name))
-    return found
+    def server_death(self, output: list) -> str | None:
+        """The error of a job whose fork server died, or None if it lives. A stub says so
+        (:data:`~edu3d.launch.warm.zygote.ENDED`) a moment before the zygote can be reaped:
+        then it is given a second."""
+        z = self.pool.zygote
+        said = z is not None and any(zygote.ENDED in text for _, _, text in output)
+        try:
+            return None if z is None else zygote.death(z.wait(timeout=1.0 if said else 0.0),
+                                                       self.pool.dir, self.n)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 __all__ = ["Pool", "Job", "acquire", "disable", "enable", "pool_pids", "pools", "prewarm",

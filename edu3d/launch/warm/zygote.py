@@ -48,8 +48,10 @@ import time
 from edu3d.launch.procs import running
 from edu3d.launch.runs import belongs_to
 from edu3d.launch.warm import rank as pool_rank
+from edu3d.launch.worker import PREFIX_FMT
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+ENDED = "the pool's fork server ended"  # what a stub says when the zygote is gone
 MAX_MESSAGE = 1 << 20  # a rank's request: its environment, argv and working folder
 
 
@@ -221,7 +223,7 @@ def stub(path: str, argv: list[str], connect_s: float = 120.0) -> None:
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     reply = _receive(conn)
     if reply is None or "pid" not in reply:
-        _die("the pool's fork server ended before it started this rank" + _zygote_log(path))
+        _die(f"{ENDED} before it started this rank" + _zygote_log(path))
     pid = reply["pid"]
 
     def forward(sig, _frame):
@@ -242,7 +244,7 @@ def stub(path: str, argv: list[str], connect_s: float = 120.0) -> None:
     if reply is None or "status" not in reply:  # the zygote is gone: so goes the rank
         if _ours(pid):
             _kill(pid)
-        _die("the pool's fork server ended while this rank ran" + _zygote_log(path))
+        _die(f"{ENDED} while this rank ran" + _zygote_log(path))
     status = reply["status"]
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -274,8 +276,22 @@ def _zygote_log(path: str) -> str:
     return f"; its output:\n{tail}" if tail else ""
 
 
+def death(returncode: int, pool_dir, job: int) -> str:
+    """What the launcher says when the zygote of the pool in ``pool_dir`` ended (``returncode``:
+    its ``Popen.returncode``) during job ``job``; no rank is to blame."""
+    how = f"exited with code {returncode}" if returncode >= 0 else \
+        f"killed by signal {signal.Signals(-returncode).name}"
+    return (f"the warm pool's fork server died ({how}) while job {job} ran: every rank of the "
+            "pool was stopped, and the next launch starts a fresh pool"
+            + _zygote_log(os.path.join(pool_dir, "zygote.sock")))
+
+
 def _die(message: str) -> None:
-    print(f"edu3d: {message}", file=sys.stderr, flush=True)
+    """Say why on stderr, as the rank would (with its prefix: the launcher keeps a rank's
+    lines, and shows them with its error), and exit 1."""
+    prefix = PREFIX_FMT.format(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else ""
+    print("".join(f"{prefix}edu3d: {line}\n" for line in message.splitlines()), end="",
+          file=sys.stderr, flush=True)
     os._exit(1)
 
 

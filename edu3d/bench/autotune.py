@@ -1,0 +1,347 @@
+"""``edu3d tune``: the planner's best layouts, each run for a few steps, and the cost model graded.
+
+After reading this file you should understand how an auto-tuner turns the planner's guesses
+into measurements, and how well the guesses ranked:
+
+* **candidates** come from the planner (:func:`edu3d.plan.search.search`): every layout
+  ``dp x tp x pp`` (``cp``, ``ep`` where the model has them) of the world size, ZeRO stage,
+  micro-batch size and count, and recomputation, ranked by its predicted step time. The top
+  of that list is usually one layout in a dozen near-identical variants, so :func:`pick`
+  takes the best row of every layout first, then of every ZeRO stage, micro-batch size and
+  recomputation of those layouts: the tuner compares choices, not copies. With several
+  ``bucket_mb`` sizes, every data-parallel candidate without ZeRO is tried at each (the
+  cost model overlaps nothing, so it cannot tell bucket sizes apart: a tie);
+* **this machine's cost model**: on GPUs the planner's cluster (H100 figures, one node of
+  ``N``); on CPU the same formulas with a core's rate and gloo's loopback bandwidth
+  (:data:`CPU`), rough figures on purpose: the ranking is what is graded;
+* **measurement**: every candidate runs on the same ``N`` ranks, one after another, in
+  **one launch** (start-up paid once): each builds its mesh's process groups
+  (:meth:`~edu3d.distributed.mesh.Mesh.build`, reused by the candidates of the same layout),
+  the library's :class:`~edu3d.train.trainer.Trainer` and :func:`edu3d.train.loop.loop`, as
+  ``edu3d train`` does; the first ``warmup`` steps are dropped, a step's time is its slowest
+  rank's, and the candidate's time is the median step. Memory is the fullest rank's peak:
+  CUDA's ``max_memory_allocated`` on a GPU, the tracked tensors (weights, gradients,
+  optimizer state, and the step's peak of activations: ``Trainer.stats``) on CPU. Rank 0
+  reports each candidate as it finishes (one ``@tune`` JSON line), so the parent prints
+  progress, and a candidate that fails loses only itself: the next launch goes on from the
+  one after it;
+* **the grade**: Spearman's rank correlation between predicted and measured step times
+  (:mod:`edu3d.bench.ranking`: 1 = the model ordered them perfectly, 0 = no better than
+  chance, ties averaged), and the candidate it misranked most. Where it is wrong, the
+  reasons are what the model leaves out: per-message latency and per-operation overhead
+  (which small micro-batches and tensor parallelism's 4 all-reduces per layer pay),
+  overlap, and, on CPU, ranks sharing cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from edu3d.distributed import runtime
+from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.launch import LaunchError, launch
+from edu3d.model.gpt import GPT
+from edu3d.plan import fit
+from edu3d.plan import search as plan_search
+from edu3d.plan.estimate import from_train_args
+from edu3d.train.options import (PRESET_NAMES, TrainOptions, check_args, config_from_args,
+                                 defaults)
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import loop
+from edu3d.train.trainer import Trainer
+from edu3d.bench.ranking import grade
+
+CPU = {"peak_tflops": 0.05, "mfu": 0.3, "intra_gbps": 1.0}  # one core's fp32 rate; gloo on loopback
+MARK = "@tune "  # rank 0's report lines, read by :func:`measure`
+RANKS_PER_CORE = 4  # beyond this, ranks mostly wait for a core (train.options.oversubscribed)
+
+
+# ---- the machine -------------------------------------------------------------------------------
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def gpu_count() -> int:
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def max_ranks() -> int:
+    """The most ranks this machine hosts: one per GPU, or a few per CPU core."""
+    return max(gpu_count() if fit.on_gpus(1) else 0, RANKS_PER_CORE * cores())
+
+
+def cluster_for(gpus: int, gpu_mem_gb: float | None = None) -> plan_search.Cluster:
+    """The cost model's machine: ``gpus`` ranks on one node; the planner's H100 figures on
+    GPUs, :data:`CPU`'s on CPU; memory per rank ``gpu_mem_gb`` (default 80 GB on a GPU, the
+    available host memory shared by the ranks on CPU)."""
+    if fit.on_gpus(gpus):
+        return plan_search.Cluster(gpus, gpu_mem_gb or 80.0, gpus_per_node=gpus)
+    if gpu_mem_gb is None:
+        gpu_mem_gb = (fit.available_memory() or 8e9) / gpus / 1e9
+    return plan_search.Cluster(gpus, gpu_mem_gb, gpus_per_node=gpus, usable=1.0, **CPU)
+
+
+def check_request(model: str, gpus: int, gpu_mem_gb: float | None = None, steps: int = 3,
+                  top: int = 8, warmup: int = 1) -> None:
+    """Refuse (``ValueError``, one line) what cannot be tuned here, before any process."""
+    if model not in PRESET_NAMES:
+        raise ValueError(f"--model {model!r}: edu3d tune trains the course's GPTs; choose one "
+                         f"of {', '.join(PRESET_NAMES)}")
+    limit = max_ranks()
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= limit:
+        raise ValueError(f"--gpus {gpus}: this machine hosts 1 to {limit} ranks ("
+                         f"{gpu_count() or 'no'} GPU{'' if gpu_count() == 1 else 's'}, "
+                         f"{cores()} CPU core{'' if cores() == 1 else 's'})")
+    if gpu_mem_gb is not None and not (math.isfinite(gpu_mem_gb) and gpu_mem_gb > 0):
+        raise ValueError(f"--gpu-mem {gpu_mem_gb}: must be a number of GB > 0 (e.g. 80)")
+    for flag, value, low in (("--steps", steps, 1), ("--top", top, 1), ("--warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{flag} {value}: must be an integer >= {low}")
+
+
+# ---- the candidates ------------------------------------------------------------------------------
+def layout_key(st) -> tuple:
+    return (st.dp, st.tp, st.pp, st.cp, st.ep)
+
+
+def pick(rows: list[dict], top: int) -> list[dict]:
+    """Up to ``top`` of the planner's ``rows`` (best first), varied: the best row of each
+    layout, then, in turns, the best row that brings a layout a ZeRO stage, a micro-batch
+    size or a recomputation it does not have yet, then the rest in the planner's order;
+    returned in the planner's order."""
+    chosen: list[int] = []
+    turns = [lambda st: (layout_key(st), st.zero), lambda st: (layout_key(st), st.micro_batch),
+             lambda st: (layout_key(st), st.recompute)]
+
+    def first_new(key) -> int | None:
+        seen = {key(rows[i]["setup"]) for i in chosen}
+        return next((i for i, r in enumerate(rows)
+                     if i not in chosen and key(r["setup"]) not in seen), None)
+
+    for key in [layout_key] * top + turns * top + [lambda st: st] * top:
+        i = first_new(key) if len(chosen) < top else None
+        if i is not None:
+            chosen.append(i)
+    return [rows[i] for i in sorted(chosen)]
+
+
+def label(st, bucket_mb: float | None = None) -> str:
+    """``dp2 tp1 pp1 zero1 m2x2 rec none`` (micro-batches x their size; cp/ep when used)."""
+    axes = f"dp{st.dp} tp{st.tp} pp{st.pp}" + "".join(
+        f" {k}{v}" for k, v in (("cp", st.cp), ("ep", st.ep)) if v > 1)
+    return (f"{axes} zero{st.zero} m{st.microbatches}x{st.micro_batch} rec {st.recompute}"
+            + (f" bucket {bucket_mb:g}MB" if bucket_mb is not None else ""))
+
+
+def options_for(base: TrainOptions, st, steps: int, bucket_mb: float) -> TrainOptions:
+    """``edu3d train``'s options that run the planner's setup ``st`` (checked)."""
+    args = dataclasses.replace(
+        base, dp=st.dp, tp=st.tp, pp=st.pp, cp=st.cp, ep=st.ep, zero=st.zero,
+        microbatches=st.microbatches, grad_accum=None, sp=st.sp, recompute=st.recompute,
+        schedule=st.schedule, precision=st.precision, bucket_mb=bucket_mb, steps=steps,
+        json=True)
+    check_args(args)
+    return args
+
+
+def train_command(args: TrainOptions) -> str:
+    """The ``edu3d train`` command line that runs ``args`` (the options that differ from the
+    defaults), so a learner can rerun one candidate alone."""
+    out = ["edu3d train"]
+    for key, value in dataclasses.asdict(args).items():
+        if key in ("json", "grad_accum") or value == getattr(TrainOptions, key, None):
+            continue
+        flag = "--" + key.replace("_", "-")
+        out.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float)
+                   else f"{flag} {value}")
+    return " ".join(out)
+
+
+def plan(base: TrainOptions, gpus: int, gpu_mem_gb: float | None = None, top: int = 8,
+         steps: int = 4, bucket_mb=(25.0,)) -> dict:
+    """The candidates to run: ``{"cluster", "candidates": [...], "skipped": [...]}``; each
+    candidate has its label, setup, the planner's step time and bytes, and the options."""
+    cluster = cluster_for(gpus, gpu_mem_gb)
+    precision = "bf16" if fit.on_gpus(gpus) else "fp32"
+    spec, _ = from_train_args(base)
+    rows = plan_search.search(spec, cluster, base.global_batch, precision, "1f1b",
+                              base.cp_impl)
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        need = min((r["memory"]["total_bytes"] for r in rows), default=0.0)
+        raise ValueError(f"--gpu-mem {cluster.gpu_mem_gb:g}: no layout of {spec.name} fits "
+                         f"{gpus} rank(s) of {cluster.gpu_mem_gb:g} GB (the smallest needs "
+                         f"{need / 1e9:.4f} GB); raise --gpu-mem or --gpus")
+    def bucketed(r) -> bool:  # plain data parallelism: its gradients go in buckets
+        return r["setup"].zero == 0 and r["setup"].dp * r["setup"].cp > 1
+
+    picked = pick(fitting, top)
+    if len(bucket_mb) > 1 and not any(map(bucketed, picked)):  # sizes asked for: try them
+        picked = [r for r in fitting if r in picked or r is next(filter(bucketed, fitting),
+                                                                  None)]
+    out, skipped = [], []
+    for r in picked:
+        st = r["setup"]
+        sizes = bucket_mb if bucketed(r) else (None,)
+        for size in sizes:
+            name = label(st, size if len(bucket_mb) > 1 else None)
+            try:
+                args = options_for(base, st, steps, size or base.bucket_mb)
+                if not fit.on_gpus(gpus):
+                    fit.check_fit(spec, st)  # the ranks share this host's memory
+            except (LayoutError, ValueError) as err:
+                skipped.append({"label": name, "reason": str(err).splitlines()[0]})
+                continue
+            out.append({"label": name, "setup": dataclasses.asdict(st),
+                        "bucket_mb": size, "predicted_step_s": r["time"]["total"],
+                        "predicted_parts_s": {k: v for k, v in r["time"].items()
+                                              if k != "total"},
+                        "predicted_bytes": r["memory"]["total_bytes"],
+                        "planner_fits": r["fits"], "command": train_command(args),
+                        "options": dataclasses.asdict(args)})
+    return {"cluster": dataclasses.asdict(cluster), "candidates": out, "skipped": skipped,
+            "layouts_searched": len(rows)}
+
+
+# ---- the launched ranks ------------------------------------------------------------------------
+class OnDevice:
+    """The corpus with its batches on this rank's GPU (pinned, copied without waiting)."""
+
+    def __init__(self, corpus: SyntheticCorpus):
+        self.corpus = corpus
+
+    def batch(self, step: int, rows: int):
+        return tuple(t.pin_memory().to(runtime.device(), non_blocking=True)
+                     for t in self.corpus.batch(step, rows))
+
+
+def worker(mesh, runs: list[dict], warmup: int, first: int = 0) -> None:
+    """Launch target: candidates ``first, first+1, ...`` of ``runs`` (options as dicts), one
+    after another on these ranks; rank 0 prints one ``@tune`` JSON line as each starts and
+    ends (median step of the slowest rank after ``warmup`` steps, the fullest rank's peak)."""
+    cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+    meshes = {mesh.layout: mesh}
+    try:
+        for i in range(first, len(runs)):
+            measure_one(i, TrainOptions(**runs[i]), meshes, warmup, cuda)
+    finally:
+        for m in meshes.values():
+            if m is not mesh:
+                m.release()  # no group may outlive the process group
+
+
+def measure_one(i: int, args: TrainOptions, meshes: dict, warmup: int, cuda: bool) -> None:
+    """Candidate ``i`` on these ranks (its mesh built once per layout, kept in ``meshes``)."""
+    layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep)
+    if layout not in meshes:
+        meshes[layout] = Mesh.build(layout)
+    rank = dist.get_rank()
+    if rank == 0:
+        print(MARK + json.dumps({"start": i}), flush=True)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    config = config_from_args(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    trainer = Trainer(GPT(config, seed=args.seed).to(runtime.device()), meshes[layout],
+                      args)
+    records = loop(trainer, OnDevice(corpus) if cuda else corpus, args)
+    tokens = args.global_batch * config.seq_len
+    seconds = torch.tensor([tokens / r["tokens_per_s"] for r in records],
+                           dtype=torch.float64, device=runtime.device())
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else
+                         float(records[-1]["mem_bytes"]["total"])],
+                        dtype=torch.float64, device=runtime.device())
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # bookkeeping: the slowest rank's
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_s = statistics.median(seconds.tolist()[warmup:])
+    if rank == 0:
+        print(MARK + json.dumps({
+            "done": i, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "peak_bytes": int(peak.item()), "steps_timed": len(records) - warmup,
+            "loss": records[-1]["loss"]}), flush=True)
+    del trainer, records
+    gc.collect()
+
+
+def measure(candidates: list[dict], gpus: int, warmup: int,
+            progress: Callable[[str], None] | None = None, timeout: float = 600) -> None:
+    """Run every candidate on ``gpus`` ranks (filling in ``measured`` or ``error``); one
+    launch, and one more after each candidate that fails."""
+    runs = [c["options"] for c in candidates]
+    n, first = len(runs), 0
+    say = progress or (lambda line: None)
+    while first < n:
+        now = {"i": first}
+
+        def echo(rank, stream, line):
+            if rank == 0 and line.startswith(MARK):
+                event = json.loads(line[len(MARK):])
+                if "start" in event:
+                    now["i"] = event["start"]
+                    return
+                c = candidates[event.pop("done")]
+                c["measured"] = event
+                say(f"candidate {now['i'] + 1}/{n}: {c['label']} ... "
+                    f"{event['step_s'] * 1e3:.1f} ms/step, {event['tokens_per_s']:,.0f} tokens/s")
+
+        try:
+            launch(worker, gpus, args=(runs, warmup, first), layout=Layout(dp=gpus),
+                   timeout=timeout, echo=echo, name="tune")
+            return
+        except LaunchError as err:
+            c = candidates[now["i"]]
+            if "measured" in c:  # it finished; what failed came after it
+                now["i"] += 1
+                if now["i"] == n:
+                    return
+                c = candidates[now["i"]]
+            c["error"] = str(err).splitlines()[0]
+            say(f"candidate {now['i'] + 1}/{n}: {c['label']} ... failed: {c['error']}")
+            first = now["i"] + 1
+
+
+def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, steps: int = 3,
+         top: int = 8, warmup: int = 1, global_batch: int = 8, bucket_mb=(25.0,),
+         progress: Callable[[str], None] | None = None, timeout: float = 600,
+         **model_overrides) -> dict:
+    """Plan, run and grade: the report ``edu3d tune --json`` prints. ``model_overrides``:
+    ``edu3d train``'s model options (``layers``, ``d_model``, ``seq``, ``experts`` ...)."""
+    check_request(model, gpus, gpu_mem_gb, steps, top, warmup)
+    base = defaults(model=model, global_batch=global_batch, **model_overrides)
+    check_args(base)
+    planned = plan(base, gpus, gpu_mem_gb, top, warmup + steps, tuple(bucket_mb))
+    if not planned["candidates"]:
+        raise ValueError(f"no layout of {model} runs on {gpus} rank(s) here: "
+                         + "; ".join(s["reason"] for s in planned["skipped"][:2]))
+    device = "cuda" if fit.on_gpus(gpus) else "cpu"
+    if progress:
+        progress(f"{len(planned['candidates'])} candidates of {planned['layouts_searched']} "
+                 f"layouts, {gpus} rank(s) on {device}, {warmup} warm-up + {steps} timed "
+                 "steps each")
+    measure(planned["candidates"], gpus, warmup, progress, timeout)
+    budget = (cluster_for(gpus, gpu_mem_gb).usable * gpu_mem_gb * 1e9
+              if gpu_mem_gb is not None else None)
+    config = config_from_args(base)
+    return {"model": model, "config": dataclasses.asdict(config), "world_size": gpus,
+            "device": device, "memory_measured": "cuda max_memory_allocated" if
+            device == "cuda" else "tracked tensors (weights, grads, optimizer, peak "
+            "activations)", "warmup": warmup, "steps": steps,
+            "global_batch": global_batch, **planned, **grade(planned["candidates"], budget)}
+
+
+def main_progress(line: str) -> None:
+    print(f"tune: {line}", file=sys.stderr, flush=True)
