@@ -5,7 +5,7 @@ course. Each folder is one concept, each module one idea (floors: a folder impor
 folders listed below it; README's "How the package is organised" says the rules)::
 
     edu3d/      __init__ cli         torch-free; ``from edu3d import comm``; the ``edu3d`` parser
-    commands/   run doctor train plan schedule ckpt generate grade bench tune run_folders top course argtypes
+    commands/   run doctor train plan schedule ckpt generate grade grade_kernel bench tune run_folders top course argtypes
                                      one module per subcommand; the door to production/
     widgets/    style timeline collectives mesh3d overlap zero tensor_split tp_layer pipeline threed memory_plan checkpoint production perf review context experts monitor tuning
                                      (``edu3d.widgets``, source in widgets/) charts: data in, figure out

@@ -19,6 +19,8 @@ import pytest
 
 from edu3d import cli
 from edu3d.commands import argtypes
+from edu3d.commands import ckpt, generate  # noqa: F401 - their torch import is not timed below
+from edu3d.distributed import mesh
 from edu3d.launch import api as launch_api
 from edu3d.plan import search as plan_search
 from edu3d.plan.estimate import MAX_GPUS, MAX_LAYERS, in_flight
@@ -75,6 +77,18 @@ BAD = [
     (["grade", "--timeout", "nan"], "--timeout", "> 0 and <= 604800"),
     (["doctor", "--timeout", "inf"], "--timeout", "> 0 and <= 604800"),
     (["runs", "clean", "--keep", "-1"], "--keep", "an integer >= 0"),
+    (["generate", "--timeout", "nan"], "--timeout", "> 0 and <= 604800"),
+    (["generate", "--timeout", "-5"], "--timeout", "> 0 and <= 604800"),
+    (["generate", "--tp", "0"], "--tp", "a positive integer"),
+    (["generate", "--tp", "1000000"], "--tp", "at most 1024"),
+    (["generate", "--max-new-tokens", "-1"], "--max-new-tokens", "from 0 to 100000"),
+    (["generate", "--max-new-tokens", "10000000000"], "--max-new-tokens", "from 0 to 100000"),
+    (["generate", "--step", "-3"], "--step", "a step number >= 0"),
+    (["generate", "--step", "x"], "--step", "a step number >= 0"),
+    (["generate", "--seed", "-1"], "--seed", "an integer >= 0"),
+    (["generate", "--seed", str(2**64)], "--seed", f"at most {2**32 - 1}"),
+    (["ckpt", "show", "d", "--step", "-1"], "--step", "a step number >= 0"),
+    (["ckpt", "export", "d", "o", "--step", "1e3"], "--step", "a step number >= 0"),
 ]
 
 
@@ -153,10 +167,14 @@ def test_a_search_weighs_a_bounded_number_of_layouts(monkeypatch):
 
 
 def test_divisors_of_a_billion_are_found_at_once():
+    """One function, the mesh's (a Layout's error lists them too), which the planner uses."""
+    assert plan_search.divisors is mesh.divisors
     started = time.process_time()
-    ds = plan_search.divisors(10**9)
+    ds = mesh.divisors(10**9)
     assert time.process_time() - started < 0.5
     assert ds == sorted(ds) and len(ds) == 100 and all(10**9 % d == 0 for d in ds)
+    assert all(mesh.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+               for n in range(1, 300))
 
 
 def test_in_flight_closed_forms_equal_the_replay():

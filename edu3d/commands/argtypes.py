@@ -19,6 +19,7 @@ WEEK = 7 * 24 * 3600  # the longest timeout any edu3d command accepts, in second
 MAX_RANKS = 1024  # ranks one node may start (edu3d run -n, edu3d bench -n)
 MAX_COUNT = 10**9  # steps, repetitions, checkpoints kept ...: beyond any real run
 MAX_SEED = 2**32 - 1  # what every seeded generator (torch, the data) accepts
+MAX_NEW_TOKENS = 100_000  # edu3d generate: a course model's continuation, in seconds
 
 
 def integer(minimum: int, what: str, maximum: int | None = None):
@@ -80,3 +81,5 @@ count = integer(1, "a positive integer (1, 2, 3 ...)", MAX_COUNT)
 count.__doc__ = "argparse type for counts with a ceiling (steps, repetitions ...)."
 ranks = integer(1, "a positive integer (1, 2, 3 ...)", MAX_RANKS)
 ranks.__doc__ = "argparse type for the ranks one node starts."
+step_number = integer(0, "a step number >= 0", MAX_COUNT)
+step_number.__doc__ = "argparse type for a checkpoint's step (edu3d generate/ckpt --step)."

@@ -11,6 +11,7 @@ import sys
 
 from edu3d.ckpt import export
 from edu3d.ckpt.format import CheckpointError
+from edu3d.commands.argtypes import step_number
 
 
 def add_subcommand(sub) -> None:
@@ -21,7 +22,7 @@ def add_subcommand(sub) -> None:
     acts = p.add_subparsers(dest="action", required=True)
     shw = acts.add_parser("show", help="the steps, layout and files of a checkpoint folder")
     shw.add_argument("dir")
-    shw.add_argument("--step", type=int, default=None, help="default: the newest")
+    shw.add_argument("--step", type=step_number, default=None, help="default: the newest")
     shw.add_argument("--no-verify", dest="verify", action="store_false",
                      help="do not read the files to check their sha256 (faster; the output "
                           "says they were not checked)")
@@ -30,7 +31,7 @@ def add_subcommand(sub) -> None:
                                          "serial GPT read")
     exp.add_argument("dir")
     exp.add_argument("out")
-    exp.add_argument("--step", type=int, default=None, help="default: the newest")
+    exp.add_argument("--step", type=step_number, default=None, help="default: the newest")
     exp.add_argument("--format", choices=("torch", "dcp"), default="torch",
                      help="torch: one file {config, step, model}; dcp: a folder written by "
                           "torch.distributed.checkpoint.save")

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from edu3d.ckpt.export import state_dict
 from edu3d.ckpt.format import CheckpointError, read_manifest
+from edu3d.commands.argtypes import (MAX_NEW_TOKENS, MAX_SEED, between, integer, ranks, seconds,
+                                     step_number)
 from edu3d.distributed.mesh import Layout, LayoutError
 from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPT, GPTConfig
@@ -101,8 +103,6 @@ def main_from_args(args) -> int:
         if not math.isfinite(args.temperature) or args.temperature < 0:
             raise ValueError(f"--temperature {args.temperature:g}: give a finite number >= 0 "
                              "(0: greedy; above 0: sample from softmax(logits/T))")
-        if args.max_new_tokens < 0:
-            raise ValueError(f"--max-new-tokens {args.max_new_tokens}: give a count >= 0")
         manifest = read_manifest(args.ckpt, args.step)
         config = GPTConfig(**manifest["config"])
         prompt = parse_prompt(args.prompt, config.vocab_size)
@@ -138,14 +138,18 @@ def add_subcommand(sub) -> None:
                     "corpus is synthetic token ids, so the prompt is token ids (\"3 17 42\") "
                     "and the output is the new token ids, space-separated.")
     p.add_argument("--ckpt", required=True, help="checkpoint folder (edu3d train --ckpt-dir)")
-    p.add_argument("--step", type=int, default=None, help="which step (default: the newest)")
+    p.add_argument("--step", type=step_number, default=None,
+                   help="which step (default: the newest)")
     p.add_argument("--prompt", required=True, help="token ids, e.g. \"3 17 42\"")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default: 1)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to add (default: 16)")
+    p.add_argument("--tp", type=ranks, default=1, help="tensor-parallel ranks (default: 1)")
+    p.add_argument("--max-new-tokens", type=between(0, MAX_NEW_TOKENS), default=16,
+                   help="tokens to add (default: 16)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); above 0 (finite): sample from softmax(logits/T)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed (default: 0)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds, with --tp (120)")
+    p.add_argument("--seed", type=integer(0, "an integer >= 0", MAX_SEED), default=0,
+                   help="the sampling seed (default: 0)")
+    p.add_argument("--timeout", type=seconds("120"), default=120.0,
+                   help="seconds, with --tp (120)")
     p.add_argument("--json", action="store_true",
                    help="print {\"step\", \"prompt\", \"tokens\"} as one JSON object")
     p.set_defaults(func=main_from_args)

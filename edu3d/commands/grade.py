@@ -14,7 +14,12 @@ After reading this file you should know how a score is made:
   ``# NBVAL_CHECK_OUTPUT`` cells, each ``FAIL`` with the hint printed under it. The committed
   notebook (outputs of the solutions) names each cell's checks in order, so a line that is
   not the cell's next check is ignored, and a cell that stops on an error counts its missing
-  checks as failed, with the error's one-line reason.
+  checks as failed, with the error's one-line reason;
+* a submission that loops past ``--timeout`` or kills its kernel (``os._exit``, a crash) is
+  named as such (:mod:`edu3d.commands.grade_kernel`): the check that was running gets the
+  limit or the exit code and the line of the learner's file, the checks after it in its
+  cell say they did not run; after a timeout the next cells still run, after a dead kernel
+  they cannot, and each says so.
 
 ``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--json]`` prints a score table
 (or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import sys
 import tempfile
@@ -38,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edu3d.commands.argtypes import seconds
+from edu3d.commands.grade_kernel import EXITED, STOPPED, TIMED_OUT, execute, kernel_env
 from edu3d.course.grading import ROOT
-from edu3d.course.nbtools import notebook_client
 
 EXERCISES = ROOT / "exercises"
 MARK = "# NBVAL_CHECK_OUTPUT"
@@ -134,14 +138,20 @@ def committed_titles(cell) -> list[str]:
 def error_reason(output) -> str:
     """One line for a cell's error output: ``NameError: name 'x' is not defined``."""
     value = (output.get("evalue") or "").strip().splitlines()
+    if output.get("ename") in (TIMED_OUT, EXITED, STOPPED) and value:
+        return value[0]  # the grader's own words
     text = f"{output.get('ename', 'error')}: {value[0]}" if value else output.get("ename", "")
     return text if len(text) <= 300 else text[:300] + " ..."
 
 
-def score_cell(cell, titles: list[str], earlier_error: str | None) -> dict:
-    """Verdicts of one executed checked cell against its committed ``titles``."""
+def score_cell(cell, titles: list[str], earlier_error: str | None,
+               earlier_stop: bool = False) -> dict:
+    """Verdicts of one executed checked cell against its committed ``titles``. A cell the
+    grader stopped (a timeout, a dead kernel) blames the check that was running and says so
+    for the checks after it; ``earlier_stop``: ``earlier_error`` stopped an earlier cell,
+    and every failure here says so too."""
     verdicts: list[list] = []  # [passed, title, hint]
-    last_hint, error, shown = None, None, 0
+    last_hint, error, shown, stop = None, None, 0, None
     for out in cell.get("outputs", []):
         kind = out.get("output_type")
         if kind == "stream":
@@ -159,26 +169,33 @@ def score_cell(cell, titles: list[str], earlier_error: str | None) -> dict:
                         open_fail[0][2] = hint
         elif kind == "error":
             error = error_reason(out)
+            stop = error if out.get("ename") in (TIMED_OUT, EXITED) else None
         else:
             shown += 1  # a displayed value under a checked cell: not a verdict
     if error and earlier_error:
         error = f"{error} (after an earlier cell failed: {earlier_error})"
     missing = error or earlier_error or "the check did not run"
+    running = titles[len(verdicts)] if len(verdicts) < len(titles) else None
+    after = f" (after an earlier cell {earlier_error})" if earlier_stop else ""
     checks = []
     for i, title in enumerate(titles):
         if i < len(verdicts):
             ok, printed, hint = verdicts[i]
             checks.append({"check": printed, "passed": ok,
-                           "hint": None if ok else hint or "no hint printed"})
+                           "hint": None if ok else (hint or "no hint printed") + after})
+        elif stop:
+            checks.append({"check": title, "passed": False, "hint": f"{stop} (this check was "
+                           "running)" if title == running else f"did not run: the cell stopped "
+                           f"in check '{running}' ({stop})"})
         else:
             checks.append({"check": title, "passed": False, "hint": missing})
-    return {"checks": checks, "error": error, "shown": shown,
+    return {"checks": checks, "error": error, "shown": shown, "running": running,
             "hints": sum(v[2] is not None for v in verdicts)}
 
 
 def score(ran, committed) -> dict:
     """Per checked cell and in total: checks passed, failures with their hints."""
-    cells, earlier = [], None
+    cells, earlier, stop = [], None, False
     ran_checked = dict(checked_cells(ran))
     for i, cell in enumerate(ran.cells):
         if cell.cell_type != "code":
@@ -187,9 +204,13 @@ def score(ran, committed) -> dict:
             errs = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
             if errs and earlier is None:
                 earlier = error_reason(errs[0])
+                stop = errs[0].get("ename") in (TIMED_OUT, EXITED)
+                if stop:
+                    first = (cell.source.strip().splitlines() or [""])[0][:80]
+                    earlier = f"(cell {i}: {first}) {earlier}"
             continue
         cells.append({"cell": i, **score_cell(cell, committed_titles(committed.cells[i]),
-                                              earlier)})
+                                              earlier, stop)})
     checks = [c for cell in cells for c in cell["checks"]]
     return {"passed": sum(c["passed"] for c in checks), "total": len(checks),
             "failures": [{"check": c["check"], "hint": c["hint"]} for c in checks
@@ -200,51 +221,25 @@ def score(ran, committed) -> dict:
 
 
 # ---- running a notebook ------------------------------------------------------------------------
-def kernel_env(solutions: bool, submission: Path | None, runs: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("EDU3D_SUBMISSION",)}
-    env.update(EDU3D_SOLUTIONS="1" if solutions else "0", OMP_NUM_THREADS="1",
-               EDU3D_RUNS=str(runs), EDU3D_PROGRESS="0", PYTHONDONTWRITEBYTECODE="1")
-    if submission is not None:
-        env["EDU3D_SUBMISSION"] = str(submission)
-    return env
-
-
-def execute(nb, env: dict[str, str], cwd: Path, timeout: float) -> str | None:
-    """Run ``nb`` in place in a fresh kernel started in ``cwd``; None, or why the run stopped
-    early (a dead kernel). Cells that raise are recorded and the next ones still run. The
-    kernel's own console output (not the cells') goes to ``cwd/kernel.log``."""
-    for cell in nb.cells:  # no committed output may stand in for one the run did not produce
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    client = notebook_client(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                             interrupt_on_timeout=True,
-                             resources={"metadata": {"path": str(cwd)}})
-    log = cwd / "kernel.log"
-    try:
-        with open(log, "w") as console:
-            client.execute(env=env, stdout=console, stderr=console)
-    except Exception as err:  # noqa: BLE001 - a dead kernel fails what had not run yet
-        why = (str(err).strip().splitlines() or [""])[0]
-        last = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        return (f"the kernel stopped: {type(err).__name__}" + (f": {why}" if why else "")
-                + (f" (its last words: {last[-1].strip()[:200]})" if last else ""))
-    return None
-
-
 def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None = None,
               timeout: float = 240) -> dict:
     """Score one exercise notebook (see the module docstring)."""
     committed = _read(ex.path)
     ran = copy.deepcopy(committed)
+    graded = [submission or EXERCISES, ROOT / "solutions"]
     with tempfile.TemporaryDirectory(prefix="edu3d-grade-") as tmp:
         runs, cwd = Path(tmp) / "runs", Path(tmp) / "work"
         runs.mkdir()
         cwd.mkdir()
-        stopped = execute(ran, kernel_env(solutions, submission, runs), cwd, timeout)
-    if stopped:  # cells the kernel never ran fail with that reason
+        stopped = execute(ran, kernel_env(solutions, submission, runs), cwd, timeout, graded)
+    if stopped:  # cells the kernel never ran fail with that reason, naming where it died
+        died = [score_cell(c, committed_titles(committed.cells[i]), None)["running"]
+                for i, c in checked_cells(ran) if any(o.get("ename") == EXITED
+                                                      for o in c.get("outputs", []))]
+        stopped += f", check '{died[0]}'" if died and died[0] else ""
         for i, cell in checked_cells(ran):
-            if not cell.get("outputs"):
-                cell.outputs = [{"output_type": "error", "ename": "KernelStopped",
+            if cell.execution_count is None and not cell.get("outputs"):
+                cell.outputs = [{"output_type": "error", "ename": STOPPED,
                                  "evalue": stopped, "traceback": []}]
     out = {"notebook": f"exercises/{ex.path.name}", "modules": list(ex.modules), **score(
         ran, committed)}

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from edu3d.distributed.mesh import divisors  # noqa: F401 - the planner takes the mesh's
 from edu3d.model.shapes import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -101,12 +102,6 @@ def flat_shard(unit: list[tuple[int, bool]], n: int, index: int) -> tuple[int, i
         pieces += max(off, lo) < min(off + k, hi)
         off += k
     return padded, padded // n, pieces
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, smallest first, found up to ``√n`` (a billion takes no time)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def shard_starts(us: list, n: int) -> set[int]:
