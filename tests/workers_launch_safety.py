@@ -39,12 +39,12 @@ def dp_and_zero_steps(mesh, steps: int = 2):
         dp.finish()
         opt.step()
     model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    zero = Zero(model2, mesh.dp, 1, lambda decay, rest: torch.optim.SGD([*decay, *rest], lr=0.1))
+    zero = Zero(model2, mesh.dp, 1, optimizer_class=torch.optim.SGD, lr=0.1)
     for _ in range(steps):
         zero.zero_grad()
         model2(torch.randn(4, 8)).pow(2).mean().backward()
         zero.finish()
-        zero.step(0.1)
+        zero.step()
     with torch.no_grad():
         return float(sum(p.sum() for m in (model, model2) for p in m.parameters()))
 

@@ -311,12 +311,12 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
     for attempt in range(restarts + 1):
         options["attempt"] = attempt
         view = live.Terminal(new_run_dir("train"), layout.world_size) if args.monitor else None
-        shown = view.launch_options(echo) if view is not None else {"echo": echo}
+        echoing = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
             res = launch(worker, layout.world_size // (args.nnodes or 1),  # ranks on this node
                          args=(options, trainer_class), layout=layout,
                          timeout=args.timeout, name="train", heartbeat=args.heartbeat,
-                         torchrun_args=node_args(**node_options(args)), **shown)
+                         torchrun_args=node_args(**node_options(args)), **echoing)
             return res.results[0]
         except LaunchTimeout:
             raise  # the whole run's time is spent: nothing to restart into
