@@ -12,6 +12,7 @@ alike; the routers score in float64 so a near-tie cannot flip between the two).
 
 from __future__ import annotations
 
+from edu3d.course.ch07_memory_plan import options as checked_options
 from edu3d.course.ch13_context_parallelism import cp_wire_bytes
 from edu3d.distributed import trace
 from edu3d.distributed.mesh import Layout
@@ -19,23 +20,16 @@ from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import reference_microbatches, train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import TrainOptions, check_args, config_from_args, from_flags
+from edu3d.train.options import check_args, config_from_args, from_flags
 from edu3d.train.trainer import Trainer
 
 CAPSTONE = ["--dp", "2", "--cp", "2", "--pp", "2", "--experts", "4", "--topk", "2",
             "--ep", "2", "--router-dtype", "fp64"]
 
 
-def capstone_options(argv: list[str]) -> TrainOptions:
-    """``edu3d train``'s options from a command line written as data, checked."""
-    args = from_flags(argv)
-    check_args(args)
-    return args
-
-
 def capstone_layout(argv: list[str]) -> Layout:
-    a = capstone_options(argv)
-    return Layout(dp=a.dp, tp=a.tp, pp=a.pp, vpp=a.vpp, cp=a.cp, ep=a.ep)
+    """The 5D layout ``argv`` asks for, as ``edu3d train``'s checks build it."""
+    return check_args(from_flags(argv))[1]
 
 
 def capstone(mesh, argv: list[str] = tuple(CAPSTONE), steps: int = 3) -> dict:
@@ -44,7 +38,7 @@ def capstone(mesh, argv: list[str] = tuple(CAPSTONE), steps: int = 3) -> dict:
     ranks see them, so a mixture of experts routes the same token groups). Returns this
     rank's coordinates, both loss curves, the step's bytes per group and the memory of the
     fullest rank (``Trainer.stats``)."""
-    args = capstone_options(list(argv))
+    args = checked_options(list(argv))
     config = config_from_args(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
     trainer = Trainer(GPT(config, seed=args.seed), mesh, args)

@@ -195,6 +195,8 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
             trainer.step(x, y, step)
         spent += time.perf_counter() - t0  # a GPU's queued work is waited for when due
         steps_since += 1
+        if status is not None:
+            status.after_step(step, x.numel())  # every step: the monitor counts steps, tokens
         if not due:
             continue
         seconds.append(spent)
@@ -207,8 +209,6 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         if ckpt is not None:
             ckpt.after_step(step, records)  # saves when due; may add the time it blocked
         _emit(rec, args, out)
-        if status is not None:
-            status.after_step(step, x.numel())
     if status is not None:
         status.close()
     if ckpt is not None:

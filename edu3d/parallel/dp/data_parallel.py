@@ -63,6 +63,16 @@ from edu3d.distributed import comm, trace
 IMPLS = ("naive", "flat", "overlap", "bucketed")
 
 
+def used_by_any_rank(params: list, used, group) -> set:
+    """The parameters of ``params`` that some rank of ``group`` gave a gradient this step
+    (``used``: this rank's, anything supporting ``in``): one summed mask of flags, on the
+    parameters' device (NCCL reduces only device tensors)."""
+    device = params[0].device if params else "cpu"
+    flags = torch.tensor([p in used for p in params], dtype=torch.int32, device=device)
+    comm.all_reduce(flags, group)
+    return {p for p, f in zip(params, flags.tolist()) if f}
+
+
 @contextlib.contextmanager
 def switched(obj, name: str, value):
     """``obj.name = value`` inside the block, the old value restored after (even on error)."""
@@ -334,11 +344,7 @@ class DataParallel:
 
     def _globally_used(self) -> set:
         """The parameters some rank of the group gave a gradient this step."""
-        device = self.params[0].device if self.params else "cpu"
-        flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32,
-                             device=device)
-        comm.all_reduce(flags, self.group)
-        return {p for p, f in zip(self.params, flags.tolist()) if f}
+        return used_by_any_rank(self.params, self.used, self.group)
 
     def _unused_message(self, unused: list) -> str:
         names = [self.names.get(p, f"a parameter of shape {tuple(p.shape)}") for p in unused]

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from edu3d.distributed import comm, trace
-from edu3d.parallel.dp.data_parallel import switched
+from edu3d.parallel.dp.data_parallel import switched, used_by_any_rank
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.zero.flat_unit import FlatUnit
 from edu3d.parallel.zero.gathering import Gathering
@@ -238,9 +238,8 @@ class Zero:
         find_unused_parameters, all of them, after checking that every one got a gradient."""
         params = list(self._where)
         if self.find_unused:
-            mask = torch.tensor([self.got[p] for p in params], dtype=torch.int32)
-            comm.all_reduce(mask, self.group)
-            self.stepped = {p for p, m in zip(params, mask.tolist()) if m}
+            self.stepped = used_by_any_rank(params, {p for p in params if self.got[p]},
+                                            self.group)
             return
         missing = [self.names.get(p, tuple(p.shape)) for p in params if not self.got[p]]
         if missing:
