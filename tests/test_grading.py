@@ -24,15 +24,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from edu3d.course import nbtools
 from edu3d.course import grading
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "exercises").glob("*.ipynb"))
-MARK = "# NBVAL_CHECK_OUTPUT"
 
 
 def checked(nb) -> list:
-    return [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(MARK)]
+    return [c for c in nb.cells if nbtools.is_checked(c)]
 
 
 def stdout_lines(cell, name: str = "stdout") -> list[str]:

@@ -20,11 +20,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from edu3d.course import nbtools
 from edu3d.course import ch11_review as review
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "11_review.ipynb"
-MARK = "# NBVAL_CHECK_OUTPUT"
 
 
 def shipped_answers() -> dict[str, object]:
@@ -35,7 +35,7 @@ def shipped_answers() -> dict[str, object]:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        if cell.source.startswith(MARK):
+        if nbtools.is_checked(cell):
             key, var = cell.source.split("review.check(")[1].rstrip(")").split(", ")
             keys[key.strip("'\"")] = var
         elif re.search(r"^q\d+ = ", cell.source, re.M):
@@ -60,7 +60,7 @@ def test_the_shipped_answers_pass_and_the_committed_outputs_say_so(capsys):
     assert not err and all(line.startswith("PASS ") for line in out.splitlines())
     nb = nbformat.read(NOTEBOOK, as_version=4)
     committed = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells
-                 if c.cell_type == "code" and c.source.startswith(MARK)]
+                 if nbtools.is_checked(c)]
     assert committed == [f"PASS {q.title}\n" for q in review.QUESTIONS]
 
 

@@ -11,7 +11,7 @@ After reading this file you should know how a score is made:
   graded as the untouched stub, so its checks fail). Nothing from ``DIR`` runs except the
   exercise modules the notebooks import, and nothing is written into it;
 * the checks are the ``PASS``/``FAIL`` lines :func:`edu3d.course.grading.check` prints in the
-  ``# NBVAL_CHECK_OUTPUT`` cells, each ``FAIL`` with the hint printed under it. The committed
+  checked cells (tag ``nbval-check-output``), each ``FAIL`` with the hint printed under it. The committed
   notebook (outputs of the solutions) names each cell's checks in order, so a line that is
   not the cell's next check is ignored, and a cell that stops on an error counts its missing
   checks as failed, with the error's one-line reason;
@@ -43,6 +43,7 @@ from pathlib import Path
 
 from edu3d.commands.argtypes import seconds
 from edu3d.commands.grade_kernel import EXITED, STOPPED, TIMED_OUT, execute, kernel_env
+from edu3d.course import nbtools
 from edu3d.course.grading import ROOT
 
 EXERCISES = ROOT / "exercises"
@@ -125,7 +126,7 @@ def submission_folder(folder: str | Path, modules: set[str]) -> Path:
 # ---- scoring one executed notebook -------------------------------------------------------------
 def checked_cells(nb) -> list[tuple[int, object]]:
     return [(i, c) for i, c in enumerate(nb.cells)
-            if c.cell_type == "code" and c.source.startswith(MARK)]
+            if nbtools.is_checked(c)]
 
 
 def committed_titles(cell) -> list[str]:

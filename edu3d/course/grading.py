@@ -15,7 +15,7 @@ After reading this file you should understand how an exercise notebook is graded
   ``EDU3D_SOLUTIONS=1`` wins over it.
 * :func:`check` runs one test and prints exactly one line, ``PASS <title>`` or
   ``FAIL <title>`` — nothing else, no timings or addresses. The notebook stores the ``PASS``
-  lines, and nbval (``--nbval-lax``, cells marked ``# NBVAL_CHECK_OUTPUT``) compares them:
+  lines, and nbval (``--nbval-lax``, cells tagged ``nbval-check-output``) compares them:
   with solutions every check passes; with the untouched stubs every check fails.
 * A failure adds exactly one hint line on stderr (which nbval does not see in a passing run):
   the stub's own hint while a function still raises ``NotImplementedError``, else the

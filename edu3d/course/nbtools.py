@@ -1,8 +1,9 @@
 """Keeping the course's notebooks gradeable: ``python -m edu3d.course.nbtools refresh|strip NB...``.
 
 nbval compares a cell's new output with the output stored in the notebook, but only for
-cells that were executed when saved (an ``execution_count``) and that are marked
-``# NBVAL_CHECK_OUTPUT``. So a committed notebook must store exactly:
+cells that were executed when saved (an ``execution_count``) and that carry the cell tag
+``nbval-check-output`` (JupyterLab's property inspector shows tags; the learner sees no
+test plumbing in the cell itself). So a committed notebook must store exactly:
 
 * for checked cells, the output of a clean run with the reference solutions
   (``EDU3D_SOLUTIONS=1``) and its execution count;
@@ -10,7 +11,8 @@ cells that were executed when saved (an ``execution_count``) and that are marked
   full of timings would only bloat the repository.
 
 ``refresh`` executes a notebook top to bottom in its own folder and stores it that way;
-``strip`` only removes outputs (checked cells keep theirs). ``check`` reports notebooks
+``strip`` only removes outputs (checked cells keep theirs); ``retag`` moves the legacy
+in-source marker into the tag. ``check`` reports notebooks
 that break the rule (the test suite runs it on every notebook).
 """
 
@@ -26,11 +28,31 @@ from queue import Empty
 import nbformat
 from nbclient import NotebookClient
 
-MARK = "# NBVAL_CHECK_OUTPUT"
+TAG = "nbval-check-output"  # the cell tag nbval --nbval-lax compares
+MARK = "# NBVAL_CHECK_OUTPUT"  # nbval's older in-source marker, still honoured
 
 
 def is_checked(cell) -> bool:
-    return cell.cell_type == "code" and cell.source.lstrip().startswith(MARK)
+    """Whether nbval compares this cell's output: the ``nbval-check-output`` tag (how the
+    course marks its cells) or the legacy ``# NBVAL_CHECK_OUTPUT`` first line."""
+    if cell.cell_type != "code":
+        return False
+    return TAG in cell.get("metadata", {}).get("tags", []) or cell.source.lstrip().startswith(MARK)
+
+
+def retag(nb) -> int:
+    """Move every legacy ``# NBVAL_CHECK_OUTPUT`` first line into the cell tag, in place
+    (outputs and counts untouched: the comment never printed anything). Returns how many."""
+    moved = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.lstrip().startswith(MARK):
+            body = cell.source.lstrip()[len(MARK):]
+            cell.source = body[1:] if body.startswith("\n") else body
+            tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+            if TAG not in tags:
+                tags.append(TAG)
+            moved += 1
+    return moved
 
 
 def strip(nb) -> None:
@@ -47,6 +69,9 @@ def problems(nb) -> list[str]:
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
+        if cell.source.lstrip().startswith(MARK):
+            out.append(f"cell {i}: shows the test marker {MARK!r} to the learner; "
+                       "tag the cell instead (`python -m edu3d.course.nbtools retag`)")
         if is_checked(cell):
             if not cell.outputs or cell.execution_count is None:
                 out.append(f"cell {i}: checked cell stores no output/execution count, so "
@@ -147,7 +172,7 @@ def refresh(path: Path, timeout: int = 600) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edu3d.course.nbtools", description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=("refresh", "strip", "check"))
+    p.add_argument("action", choices=("refresh", "strip", "check", "retag"))
     p.add_argument("notebooks", nargs="+", type=Path)
     a = p.parse_args(argv)
 
@@ -155,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in a.notebooks:
         if a.action == "refresh":
             refresh(path)
-        elif a.action == "strip":
+        elif a.action in ("strip", "retag"):
             nb = nbformat.read(path, as_version=4)
-            strip(nb)
+            strip(nb) if a.action == "strip" else retag(nb)
             nbformat.write(nb, path)
         for msg in problems(nbformat.read(path, as_version=4)):
             bad += 1
