@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from edu3d.distributed.mesh import LayoutError
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.documents import DocumentCorpus
-from edu3d.train.options import TrainOptions, resolve_microbatches
 
 MODES = ("fixed", "pad", "bucket", "tokens", "pack")
 BUCKET_STEPS = 8  # bucket: the documents of this many steps are sorted together
@@ -132,8 +132,49 @@ def collate(rows: list[list[torch.Tensor]], length: int, packed: bool):
     return x, y, (doc if packed else None)
 
 
+def check_options(o, config) -> None:
+    """``--batching``'s rules: what each mode needs, and the axes it does not compose with
+    (refused rather than trained with a silently wrong loss)."""
+    if o.batching not in MODES:
+        raise LayoutError(f"--batching {o.batching!r}: choose one of {', '.join(MODES)}")
+    doc_flags = [f for f, v in (("--max-tokens", o.max_tokens is not None),
+                                ("--doc-mean", o.doc_mean is not None),
+                                ("--doc-sigma", o.doc_sigma != 0.8)) if v]
+    if o.batching == "fixed":
+        if doc_flags:
+            raise LayoutError(f"{doc_flags[0]} shapes the documents of --batching pad, "
+                              "bucket, tokens or pack; add one (fixed has equal sequences)")
+        return
+    if o.max_tokens is not None and o.batching != "tokens":
+        raise LayoutError(f"--max-tokens fills micro-batches of --batching tokens; use it "
+                          f"with that, not --batching {o.batching}")
+    if o.max_tokens is not None and o.max_tokens < config.seq_len:
+        raise LayoutError(f"--max-tokens {o.max_tokens} is less than seq_len="
+                          f"{config.seq_len}: the longest document would fit nowhere; use "
+                          f">= {config.seq_len}")
+    if o.doc_mean is not None and not 1 <= o.doc_mean <= config.seq_len:
+        raise LayoutError(f"--doc-mean {o.doc_mean:g}: a mean document length in 1.."
+                          f"{config.seq_len} (seq_len)")
+    if not 0 <= o.doc_sigma <= 4:
+        raise LayoutError(f"--doc-sigma {o.doc_sigma:g}: a spread in 0..4")
+    flag = f"--batching {o.batching}"
+    refused = [(o.cp > 1, "--cp", "its zigzag cut would need each document's mask and "
+                                  "positions split with it"),
+               (o.pp > 1 and o.batching != "pack", "--pp", "a pipeline sends fixed shapes; "
+                                                           "use --batching pack"),
+               (o.sp, "--sp", "sequence parallelism splits a fixed sequence"),
+               (o.experts > 0, "--experts", "the load-balancing loss counts tokens per "
+                                            "micro-batch"),
+               (o.impl == "torch", "--impl torch", "only edu3d's trainer takes documents"),
+               (o.compile, "--compile", "every new length would compile again")]
+    for bad, knob, why in refused:
+        if bad:
+            raise LayoutError(f"{flag} with {knob} is not supported ({why}); drop {knob} "
+                              "or use --batching fixed")
+
+
 # ---- building a step's batch ------------------------------------------------------------------
-def make_corpus(args: TrainOptions, config) -> SyntheticCorpus | DocumentCorpus:
+def make_corpus(args, config) -> SyntheticCorpus | DocumentCorpus:
     """The run's corpus: equal sequences (``fixed``) or documents (every other mode)."""
     if args.batching == "fixed":
         return SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
@@ -141,13 +182,13 @@ def make_corpus(args: TrainOptions, config) -> SyntheticCorpus | DocumentCorpus:
                           mean=args.doc_mean, sigma=args.doc_sigma)
 
 
-def global_batch(corpus, args: TrainOptions, step: int) -> tuple:
+def global_batch(corpus, args, step: int) -> tuple:
     """Global batch ``step`` as the trainer takes it: ``(x, y)`` tensors (``fixed``), or
     ``(StepBatch, None)``. The same whatever the layout, except ``tokens`` mode, whose
     step fills ``dp x micro-batches`` slots (as fairseq's ``--max-tokens`` per GPU)."""
     if args.batching == "fixed":
         return corpus.batch(step, args.global_batch)
-    slots = args.dp * resolve_microbatches(args)
+    slots = args.dp * (args.microbatches or args.grad_accum or args.pp)  # as check_args
     return step_batch(corpus, args.batching, step, args.global_batch, slots,
                       args.max_tokens), None
 

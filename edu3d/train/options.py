@@ -269,49 +269,10 @@ def check_args(options: TrainOptions):
                           "with --dp 2 (or more) and without --zero")
     check_fast_path(o)
     check_nodes(o, layout)
-    check_batching(o, config)
+    from edu3d.train.batching import check_options  # needs torch, as config_from_args
+
+    check_options(o, config)
     return config, layout
-
-
-def check_batching(o: TrainOptions, config) -> None:
-    """``--batching``'s rules: what each mode needs, and the axes it does not compose with
-    (refused rather than trained with a silently wrong loss)."""
-    if o.batching not in BATCHING:
-        raise LayoutError(f"--batching {o.batching!r}: choose one of {', '.join(BATCHING)}")
-    doc_flags = [f for f, v in (("--max-tokens", o.max_tokens is not None),
-                                ("--doc-mean", o.doc_mean is not None),
-                                ("--doc-sigma", o.doc_sigma != 0.8)) if v]
-    if o.batching == "fixed":
-        if doc_flags:
-            raise LayoutError(f"{doc_flags[0]} shapes the documents of --batching pad, "
-                              "bucket, tokens or pack; add one (fixed has equal sequences)")
-        return
-    if o.max_tokens is not None and o.batching != "tokens":
-        raise LayoutError(f"--max-tokens fills micro-batches of --batching tokens; use it "
-                          f"with that, not --batching {o.batching}")
-    if o.max_tokens is not None and o.max_tokens < config.seq_len:
-        raise LayoutError(f"--max-tokens {o.max_tokens} is less than seq_len="
-                          f"{config.seq_len}: the longest document would fit nowhere; use "
-                          f">= {config.seq_len}")
-    if o.doc_mean is not None and not 1 <= o.doc_mean <= config.seq_len:
-        raise LayoutError(f"--doc-mean {o.doc_mean:g}: a mean document length in 1.."
-                          f"{config.seq_len} (seq_len)")
-    if not 0 <= o.doc_sigma <= 4:
-        raise LayoutError(f"--doc-sigma {o.doc_sigma:g}: a spread in 0..4")
-    flag = f"--batching {o.batching}"
-    refused = [(o.cp > 1, "--cp", "its zigzag cut would need each document's mask and "
-                                  "positions split with it"),
-               (o.pp > 1 and o.batching != "pack", "--pp", "a pipeline sends fixed shapes; "
-                                                           "use --batching pack"),
-               (o.sp, "--sp", "sequence parallelism splits a fixed sequence"),
-               (o.experts > 0, "--experts", "the load-balancing loss counts tokens per "
-                                            "micro-batch"),
-               (o.impl == "torch", "--impl torch", "only edu3d's trainer takes documents"),
-               (o.compile, "--compile", "every new length would compile again")]
-    for bad, knob, why in refused:
-        if bad:
-            raise LayoutError(f"{flag} with {knob} is not supported ({why}); drop {knob} "
-                              "or use --batching fixed")
 
 
 def check_fast_path(o: TrainOptions) -> None:
