@@ -33,7 +33,7 @@ from edu3d.commands.run import add_node_arguments
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
-from edu3d.train.options import (ATTENTION, FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES,
+from edu3d.train.options import (ATTENTION, BATCHING, FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES,
                                  RECOMPUTE, SCHEDULES, TrainOptions, check_args, check_fit, defaults)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
@@ -214,6 +214,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    docs = parser.add_argument_group("documents of different lengths (edu3d.train.batching)")
+    docs.add_argument("--batching", choices=BATCHING, default="fixed",
+                      help="fixed: equal sequences; pad: documents padded to the longest of "
+                           "each micro-batch; bucket: sorted by length first; tokens: each "
+                           "micro-batch filled to --max-tokens; pack: several documents per "
+                           "sequence, kept apart by the mask" + D)
+    docs.add_argument("--max-tokens", type=integer(1, POSITIVE, WIDE * 64), default=None,
+                      help="--batching tokens: rows x longest document per micro-batch "
+                           "(default: seq x global-batch / (dp x micro-batches))")
+    docs.add_argument("--doc-mean", type=number(1, True, "8", WIDE), default=None,
+                      help="mean document length, log-normal (default: a quarter of seq)")
+    docs.add_argument("--doc-sigma", type=number(0, True, "0.8", 4), default=0.8,
+                      help="spread of the document lengths (std of their log)" + D)
     fast = parser.add_argument_group("fast path (the same numbers, computed faster)")
     fast.add_argument("--attn", choices=ATTENTION, default="sdpa",
                       help="sdpa: F.scaled_dot_product_attention (flash kernels on a GPU); "

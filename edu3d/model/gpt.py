@@ -9,7 +9,12 @@ After reading this file you should understand:
 * the initial weights depend only on ``(config, seed)``: they are drawn from a private
   ``torch.Generator`` in ``named_parameters()`` order, never from the global RNG. That is what
   lets a parallel run cut its shards out of exactly the weights the serial run starts from;
-* how many parameters the model has and how many FLOPs one training token costs.
+* how many parameters the model has and how many FLOPs one training token costs;
+* how several documents share one packed sequence (``--batching pack``): ``doc`` gives each
+  token its document, and :func:`document_mask` lets a token attend only to earlier tokens
+  *of its own document* (a block-diagonal causal mask) while :func:`document_positions`
+  restarts the positions at each document's first token. Without ``doc`` nothing changes:
+  the plain causal kernel, positions ``0..T-1``.
 
 There is no parallel code here, and no dropout (parity tests need determinism).
 """
@@ -150,15 +155,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         # [B, T, heads * hd] -> [B, heads, T, hd]: the heads attend independently.
         q, k, v = (t.view(B, T, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = self.core(q, k, v)
+        y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         """The attention core, ``softmax(QK^T / sqrt(hd) + causal mask) V`` per head, on
         ``[B, heads, T, hd]`` tensors: the only part of the layer whose work grows with
         ``T^2``. It is a method of its own so that selective recomputation
@@ -167,21 +173,48 @@ class CausalSelfAttention(nn.Module):
         PyTorch's fused kernel (flash or memory-efficient attention on a GPU) never
         materialises the ``T x T`` scores: it keeps q, k, v, its output and one log-sum-exp
         per head and token for backward. ``kind == "explicit"`` computes the same numbers the
-        textbook way (:func:`explicit_attention`)."""
+        textbook way (:func:`explicit_attention`). ``mask`` (``[B, 1, T, T]``, True where a
+        query may see a key, :func:`document_mask`) replaces the causal mask for packed
+        documents."""
         if self.kind == "explicit":
-            return explicit_attention(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return explicit_attention(q, k, v, mask)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(QK^T / sqrt(hd) + causal mask) V`` written out: the ``[B, heads, T, T]``
     scores exist as a tensor (a chapter can show them), the softmax in fp32. Equal to
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (tests/test_fast_path.py)."""
+    ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (tests/test_fast_path.py);
+    ``mask`` (True: may attend) replaces the causal one."""
     T = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32)
+    hidden = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1) if mask is None \
+        else ~mask
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1, dtype=torch.float32)
     return probs.to(v.dtype) @ v
+
+
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document ids -> ``[B, 1, T, T]`` booleans, True where query ``i`` may attend
+    to key ``j``: ``j <= i`` and both in the same document. Block-diagonal and causal, so no
+    token sees another document (every row keeps at least its own diagonal: no empty
+    softmax, even for padding, which is a document of its own)."""
+    T = doc.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def document_positions(doc: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document ids -> ``[B, T]`` positions that restart at 0 where a document
+    starts: a packed document sees the positions it would alone."""
+    B, T = doc.shape
+    index = torch.arange(T, device=doc.device).expand(B, T)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 ATTENTION = ("sdpa", "explicit")
@@ -225,8 +258,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model)
         self.mlp = MoE(config, MLP) if config.is_moe_layer(layer) else MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + (self.attn(self.ln1(x)) if mask is None else self.attn(self.ln1(x), mask))
         return x + self.mlp(self.ln2(x))
 
 
@@ -276,13 +309,14 @@ class GPT(nn.Module):
             else:
                 p.normal_(0.0, 0.02, generator=g)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, T]`` -> residual stream ``[B, T, d]`` (token + position embedding)."""
+    def embed(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids ``[B, T]`` -> residual stream ``[B, T, d]`` (token + position embedding;
+        with ``doc``, positions restart at each document, :func:`document_positions`)."""
         T = idx.shape[1]
         if T > self.config.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than seq_len="
                              f"{self.config.seq_len}; crop it or build the model with seq={T}")
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if doc is None else document_positions(doc)
         return self.tok_emb(idx) + self.pos_emb(pos)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,12 +341,15 @@ class GPT(nn.Module):
         cross entropy (each rank then holds only some of the vocabulary's logits)."""
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                doc: torch.Tensor | None = None):
         """Returns ``(logits, loss)``; ``loss`` is the mean cross-entropy over all tokens
-        (targets equal to -100 are ignored), or ``None`` without targets."""
-        x = self.embed(idx)
+        (targets equal to -100 are ignored), or ``None`` without targets. ``doc`` (``[B, T]``
+        document ids) packs several documents per row: none sees another."""
+        x = self.embed(idx, doc)
+        mask = None if doc is None else document_mask(doc)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         logits = self.head(x)
         if targets is None:
             return logits, None

@@ -25,8 +25,9 @@ SUCCESSOR_PROBS = torch.tensor([8.0, 4.0, 2.0, 1.0]) / 15.0
 STEP_ENTROPY = float(-(SUCCESSOR_PROBS * SUCCESSOR_PROBS.log()).sum())  # 1.14 nats per Markov step
 
 
-def _seed(*parts: int) -> int:
-    """A 64-bit seed from integers: distinct ``(seed, step)`` pairs get unrelated streams."""
+def stream_seed(*parts: int | str) -> int:
+    """A 64-bit seed from integers (and names): distinct ``(seed, step)`` pairs get unrelated
+    streams."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # manual_seed wants < 2**63
 
@@ -46,7 +47,7 @@ class SyntheticCorpus:
             raise ValueError(f"seq_len={seq_len} must be a positive integer")
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.period = (seq_len + 2) // 2
-        g = torch.Generator().manual_seed(_seed(seed))
+        g = torch.Generator().manual_seed(stream_seed(seed))
         # k sorted draws from [0, V-k], plus 0..k-1, are k distinct tokens; then shuffle which
         # of them gets which probability.
         starts = torch.randint(0, vocab_size - SUCCESSORS + 1, (vocab_size, SUCCESSORS),
@@ -68,16 +69,22 @@ class SyntheticCorpus:
 
     def batch(self, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` int64 ``[global_batch, seq_len]``, ``y`` is ``x`` shifted left by one."""
-        g = torch.Generator().manual_seed(_seed(self.seed, step, global_batch))
-        walk = torch.empty(global_batch, self.period, dtype=torch.long)
-        walk[:, 0] = torch.randint(0, self.vocab_size, (global_batch,), generator=g)
-        # Inverse-CDF sampling: which successor (0..k-1) does each uniform draw fall on?
-        u = torch.rand(global_batch, self.period, generator=g)
-        choice = torch.searchsorted(self._cum_probs, u).clamp_(max=SUCCESSORS - 1)
-        for t in range(1, self.period):
-            walk[:, t] = self.successors[walk[:, t - 1], choice[:, t]]
+        g = torch.Generator().manual_seed(stream_seed(self.seed, step, global_batch))
+        walk = self.walks(global_batch, self.period, g)
         tokens = torch.cat([walk, walk], dim=1)[:, : self.seq_len + 1]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+    def walks(self, count: int, length: int, g: torch.Generator) -> torch.Tensor:
+        """``[count, length]`` Markov walks on the chain, drawn from generator ``g``."""
+        walk = torch.empty(count, length, dtype=torch.long)
+        walk[:, 0] = torch.randint(0, self.vocab_size, (count,), generator=g)
+        # Inverse-CDF sampling: which successor (0..k-1) does each uniform draw fall on?
+        u = torch.rand(count, length, generator=g)
+        choice = torch.searchsorted(self._cum_probs, u).clamp_(max=SUCCESSORS - 1)
+        for t in range(1, length):
+            walk[:, t] = self.successors[walk[:, t - 1], choice[:, t]]
+        return walk
 
 
 def shard_rows(t: torch.Tensor, index: int, count: int) -> torch.Tensor:

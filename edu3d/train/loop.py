@@ -38,6 +38,7 @@ from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train import faults
+from edu3d.train.batching import batch_tokens, global_batch, make_corpus
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
 from edu3d.train.publish import Publisher
@@ -57,7 +58,7 @@ def worker(mesh, options: dict, trainer_class=Trainer) -> list[dict]:
     args = TrainOptions(**options)
     config = config_from_args(args)
     model = GPT(config, seed=args.seed)  # the full serial init: shards are cut from it
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    corpus = make_corpus(args, config)
     trainer = trainer_class(model, mesh, args)
     return loop(trainer, corpus, args, out=sys.stdout if mesh.rank == 0 else None)
 
@@ -185,23 +186,25 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
     rank = trainer.mesh.rank
     status = Publisher.for_run(trainer, args.steps)  # for a live monitor; None when serial
     deferred = isinstance(trainer, Trainer)  # its step can leave the loss on the device
-    spent, steps_since = 0.0, 0  # since the last logged step
+    spent, steps_since, tokens = 0.0, 0, 0  # since the last logged step
     for step in range(len(records) + 1, args.steps + 1):
         faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
-        x, y = corpus.batch(step, args.global_batch)
+        x, y = global_batch(corpus, args, step)  # y is None under --batching
         due = step % args.log_every == 0 or step == args.steps
         t0 = time.perf_counter()
         result = trainer.step(x, y, step, read=False) if deferred and not due else \
             trainer.step(x, y, step)
         spent += time.perf_counter() - t0  # a GPU's queued work is waited for when due
-        steps_since += 1
+        steps_since, tokens = steps_since + 1, tokens + batch_tokens(x)
         if status is not None:
-            status.after_step(step, x.numel())  # every step: the monitor counts steps, tokens
+            status.after_step(step, batch_tokens(x))  # every step: the monitor counts steps, tokens
         if not due:
             continue
         seconds.append(spent)
-        rec = _record(step, result, lr_at(step, args), x.numel() * steps_since, spent)
-        spent, steps_since = 0.0, 0
+        rec = _record(step, result, lr_at(step, args), tokens, spent)
+        spent, steps_since, tokens = 0.0, 0, 0
+        if y is None:  # --batching: the share of computed positions that were padding
+            rec["pad_waste"] = x.waste(args.dp * args.microbatches)
         rec.update({k: result[k] for k in ("skipped", "loss_scale", *MOE_KEYS)
                     if k in result})  # fp16, mixture of experts
         rec.update(trainer.stats())
@@ -259,7 +262,7 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
             print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
                   f"edu3d train: no complete checkpoint in {args.ckpt_dir}: starting at step 1",
                   file=sys.stderr, flush=True)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    corpus = make_corpus(args, config)
     _describe(args, config, corpus)
     if layout.world_size == 1:
         return loop(trainer_class(GPT(config, seed=args.seed), None, args), corpus, args, out)

@@ -38,6 +38,7 @@ CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
+BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.MODES; a test checks
 ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
 FAULT_KINDS = ("exit", "kill", "hang", "slow")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
@@ -111,6 +112,11 @@ class TrainOptions:
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"[, "seconds": kind slow]}
     heartbeat: float | None = None
+    # ---- documents of different lengths (edu3d.train.batching) ----
+    batching: str = "fixed"  # or "pad", "bucket", "tokens", "pack"
+    max_tokens: int | None = None  # tokens: each micro-batch's rows x longest at most this
+    doc_mean: float | None = None  # mean document length (None: a quarter of seq_len)
+    doc_sigma: float = 0.8  # spread: the standard deviation of the length's logarithm
     # ---- the fast path (edu3d.train.trainer; GPU speed, the same numbers) ----
     attn: str = "sdpa"  # or "explicit": the attention scores as a tensor
     compile: bool = False  # torch.compile each block (inductor)
@@ -263,6 +269,9 @@ def check_args(options: TrainOptions):
                           "with --dp 2 (or more) and without --zero")
     check_fast_path(o)
     check_nodes(o, layout)
+    from edu3d.train.batching import check_options  # needs torch, as config_from_args
+
+    check_options(o, config)
     return config, layout
 
 

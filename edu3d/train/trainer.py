@@ -37,6 +37,7 @@ from edu3d.model.gpt import set_attention
 from edu3d.model.moe import MoE, set_aux_scale
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import meter, trace
+from edu3d.train.batching import StepBatch
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwargs,
@@ -129,19 +130,24 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the global batch's mean loss (each rank its pieces, fixed across
         axes); returns that loss, the same on every rank."""
-        if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async copy
-            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
-        xs = shard_rows(x, self.dp_index, self.dp_size)
-        ys = shard_rows(y, self.dp_index, self.dp_size)
-        if self.cp_size > 1:  # this rank's pieces of every sequence
-            xs, ys = split_batch(xs, ys, self.cp_size, self.mesh.index("cp"),
-                                 self.args.cp_split)
+        m = self.plan.microbatches
+        if isinstance(x, StepBatch):  # --batching: documents, cut and weighted by tokens
+            batch = x.microbatches(self.dp_index, self.dp_size, m, self.device)
+        else:
+            if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async
+                x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
+            xs = shard_rows(x, self.dp_index, self.dp_size)
+            ys = shard_rows(y, self.dp_index, self.dp_size)
+            if self.cp_size > 1:  # this rank's pieces of every sequence
+                xs, ys = split_batch(xs, ys, self.cp_size, self.mesh.index("cp"),
+                                     self.args.cp_split)
+            batch = microbatches(xs, ys, m)
         if self.moe:  # the balancing terms reach backward scaled like the loss
-            set_aux_scale(float(self.precision.scale) / self.plan.microbatches)
+            set_aux_scale(float(self.precision.scale) / m)
         self.grads.zero_grad()
-        losses = self.engine.run(microbatches(xs, ys, self.plan.microbatches))
+        losses = self.engine.run(batch)
         self.grads.finish()
-        return self._global_loss(losses, xs.device)
+        return self._global_loss(losses, self.device)
 
     def _global_loss(self, losses: list, device) -> torch.Tensor:
         if self.mesh.layout.world_size == 1 and len(losses) == 1:  # serial: nothing to add

@@ -12,9 +12,11 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import ch02_data_parallel as ch02
+from edu3d.course import ch02_data_parallel_batching as ch02b
 from edu3d.course import lesson_args
 from edu3d.train.options import config_from_args
 from edu3d.widgets.overlap import bucket_timeline_figure
+from edu3d.widgets.packing import batching_figure
 from edu3d.widgets.panels.panel import Panel
 from edu3d.widgets.timeline import step_events
 
@@ -92,3 +94,45 @@ def bucket_controls(default: dict | None = None) -> BucketControls:
     """Chapter 02's panel; display ``.widget`` in JupyterLab, or ``.timeline_fig`` without
     one."""
     return BucketControls(default)
+
+
+# ---- the last section: documents of different lengths (edu3d.train.batching) ----------------
+MODE_CHOICES = ("all", "fixed", "pad", "bucket", "tokens", "pack")
+
+
+class BatchingControls(Panel):
+    """Mean, spread and mode -> the lengths and pad's formula; run -> measured modes."""
+
+    DEFAULT = {"mean": 8.0, "sigma": 0.8, "mode": "all"}
+    FIGURES = ("fig",)
+    title = "documents of different lengths"
+
+    def __init__(self, default: dict | None = None, results: list[dict] | None = None):
+        super().__init__({**self.DEFAULT, **(default or {})})
+        self.results = results or []
+        self.redraw()
+
+    def knobs(self) -> dict:
+        s = self.state
+        return {"mean": w.FloatSlider(value=s["mean"], min=2, max=24, step=1,
+                                      description="mean length"),
+                "sigma": w.FloatSlider(value=s["sigma"], min=0, max=1.5, step=0.1,
+                                       description="spread σ"),
+                "mode": w.Dropdown(options=MODE_CHOICES, value=s["mode"], description="mode")}
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        s = self.state
+        self.hist = ch02b.length_histogram(s["mean"], s["sigma"])
+        self.formula = ch02b.formula_waste(s["mean"], s["sigma"])
+        shown = [r for r in self.results if s["mode"] in ("all", r["mode"])]
+        self.fig = batching_figure(self.hist, shown, self.formula)
+        self.say("")
+
+    def run(self):
+        s = self.state
+        modes = ch02b.MODES if s["mode"] == "all" else (s["mode"],)
+        self.say(f"training {', '.join(modes)} for a few steps ...")
+        self.results = ch02b.measure_modes(s["mean"], s["sigma"], modes)
+        self.redraw()
+        return self.results

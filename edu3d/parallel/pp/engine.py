@@ -225,7 +225,11 @@ class PipelineEngine:
     # ---- compute ----------------------------------------------------------------------------
     def _forward(self, s: int, i: int) -> None:
         stage = self.stages[s]
-        x_mb, y_mb = self.batch[i]
+        # (x, y), or (x, y, doc, weight) under --batching (edu3d.train.batching): packed
+        # documents' ids, and the weight that makes the loss a mean over the global batch's tokens
+        x_mb, y_mb, *more = self.batch[i]
+        doc, weight = more or (None, None)
+        extra = () if doc is None else (doc,)
         # every micro-batch of a stage saves the same tensors: count them once (the hook is a
         # Python call per saved tensor, too slow to leave on)
         shape = (s, tuple(x_mb.shape))
@@ -233,15 +237,17 @@ class PipelineEngine:
         with self.meter if measure else contextlib.nullcontext():
             emb = None
             if stage.is_first and self.split_backward:
-                emb = stage.embed(x_mb)
+                emb = stage.embed(x_mb, *extra)
                 x = emb.detach().requires_grad_()
             elif stage.is_first:
-                x = stage.embed(x_mb)
+                x = stage.embed(x_mb, *extra)
             else:
                 x = self.inputs.pop((s, i)).requires_grad_()
-            out = stage(x)
+            out = stage(x, *extra)
             if stage.is_last:
                 loss = stage.loss(out, y_mb)
+                if weight is not None:
+                    loss = loss * weight
                 self.losses.append(loss.detach())
                 out = self.microbatch_loss(loss, self.m)
         if measure:

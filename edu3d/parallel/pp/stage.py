@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from edu3d.model.gpt import document_mask
+
 
 class PipelineStage(nn.Module):
     """Layers ``[first_layer, end_layer)`` of ``model``, plus embedding / head at the ends."""
@@ -40,10 +42,12 @@ class PipelineStage(nn.Module):
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
             self.head, self.loss = model.head, model.loss
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Residual stream in, residual stream (or, on the last stage, logits) out."""
+    def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual stream in, residual stream (or, on the last stage, logits) out; ``doc``:
+        the packed documents' ids (every stage builds their mask from them)."""
+        mask = None if doc is None else document_mask(doc)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.head(x) if self.is_last else x
 
     def embedding_parameters(self) -> list[nn.Parameter]:
