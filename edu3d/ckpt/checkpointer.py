@@ -54,7 +54,8 @@ import torch
 
 from edu3d.ckpt import reshard
 from edu3d.distributed import comm, trace
-from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, check_continues,
+from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, MUST_MATCH_LATER, CheckpointError,
+                               check_continues,
                                load_pieces, prune, read_file, read_manifest, resume_from,
                                step_dir, write_atomic)
 
@@ -155,7 +156,7 @@ class Checkpointer:
             job["manifest"] = {
                 "format": FORMAT, "step": step, "steps": self.args.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: getattr(self.args, k) for k in MUST_MATCH},
+                "options": {k: getattr(self.args, k) for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},

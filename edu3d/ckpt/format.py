@@ -54,8 +54,8 @@ import torch
 
 from edu3d.ckpt import reshard
 from edu3d.ckpt.untrusted import (FORMAT, MANIFEST, MUST_MATCH,  # noqa: F401 (re-exported)
-                                  CheckpointError, check_manifest, damaged, read_file,
-                                  read_inside)
+                                  MUST_MATCH_LATER, CheckpointError, check_manifest, damaged,
+                                  read_file, read_inside)
 
 
 def step_dir(root, step: int) -> Path:
@@ -211,7 +211,8 @@ def differences(manifest: dict, config, args) -> list[str]:
         if mine.get(k) != v:
             diff.append(f"model {k}: checkpoint {v}, this run {mine.get(k)}")
     options = vars(args)  # edu3d train's options (a dataclass); a key it lacks differs too
-    for k, v in manifest["options"].items():
+    saved = {**MUST_MATCH_LATER, **manifest["options"]}
+    for k, v in saved.items():
         if options.get(k) != v:
             diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {options.get(k)}")
     if args.lr_schedule == "cosine" and manifest["steps"] != args.steps:

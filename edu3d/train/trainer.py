@@ -42,6 +42,7 @@ from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwargs,
                                param_groups, set_lr)
 from edu3d.train.options import TrainOptions
+from edu3d.parallel.freeze import patterns
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
@@ -59,7 +60,7 @@ def plan_from(options: TrainOptions) -> Plan:
                 partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
                 reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
                 compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
-                cp_split=o.cp_split, compile=o.compile)
+                cp_split=o.cp_split, compile=o.compile, freeze=patterns(o.freeze))
 
 
 class Trainer:
@@ -290,7 +291,7 @@ class Trainer:
             for p in par.module.parameters():
                 mine = first[par.names[p] in par.experts]
                 add(p, "param", p.data.view(-1), None, mine)
-                if adam:
+                if adam and p.requires_grad:  # a frozen parameter has no optimizer state
                     state = adam_state(self.optimizer, p)
                     for kind in ("exp_avg", "exp_avg_sq"):
                         add(p, kind, state[kind].view(-1), None, mine)
@@ -299,8 +300,10 @@ class Trainer:
             for p, a, b, views in z.state_pieces():
                 for kind, view, owned in views:
                     add(p, kind, view, (a, b), owned)
-        if par.zero.stage < 3:  # the full parameters every rank keeps: loaded, never written
-            for p in par.module.parameters():
+        for p in par.module.parameters():
+            if not p.requires_grad:  # frozen: in no ZeRO unit, whole on every rank, written once
+                add(p, "param", p.data.view(-1), None, first[par.names[p] in par.experts])
+            elif par.zero.stage < 3:  # the full parameters every rank keeps: loaded, not written
                 add(p, "param", p.data.view(-1), None, False)
         return slots
 
@@ -343,6 +346,8 @@ class Trainer:
         par, mesh = self.par, self.mesh
         if par.zeros:
             local = {par.names[p]: t for z in par.zeros for p, t in z.full_tensors(what).items()}
+            local.update({par.names[p]: p.detach() if what == "param" else torch.zeros_like(p)
+                          for p in par.module.parameters() if not p.requires_grad})  # frozen
         else:
             local = {}
             for p in par.module.parameters():
