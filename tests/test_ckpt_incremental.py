@@ -92,6 +92,13 @@ def test_keep_last_removes_only_blobs_no_kept_manifest_names(tmp_path):
     assert emb and all((ck / "blobs" / s).is_file() for s in emb)  # written by step 1, kept
 
 
+def test_ckpt_show_prints_the_references(saved, capsys):
+    code, out = _show(saved, capsys)
+    assert code == 0 and "complete checkpoints at steps 1, 2 (files verified)" in out.out
+    assert "incremental: refers to" in out.out and "were already there" in out.out
+    assert "step-000002/rank-00000" in out.out and "written by this save" in out.out
+
+
 def _edit(ck, step, fn):
     path = ckfmt.step_dir(ck, step) / ckfmt.MANIFEST
     m = json.loads(path.read_text())

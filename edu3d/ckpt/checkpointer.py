@@ -156,7 +156,8 @@ class Checkpointer:
         if self.rank == 0:
             prec = self.trainer.precision
             job["manifest"] = {
-                "format": FORMAT_BLOBS if self.store else FORMAT, "step": step, "steps": self.args.steps,
+                "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
+                "steps": self.args.steps,
                 "config": dataclasses.asdict(self.config),
                 "options": {k: getattr(self.args, k) for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,

@@ -154,13 +154,15 @@ def _references(root: Path, m: dict) -> list[str]:
         size.update({r["sha256"]: r["bytes"] for r in [*info["blobs"], *info["rng"].values()]})
     new = {s for info in m["files"].values() for s in info["written"]}
     wrote = sum(size[s] for s in new if s in size)
-    out = [f"incremental: refers to {len(size)} blobs in {root / BLOBS} ({sum(size.values()) / 2**10:.1f} KiB); this save "
-           f"wrote {len(new)} of them ({wrote / 2**10:.1f} KiB), the other "
-           f"{len(size) - len(new)} ({(sum(size.values()) - wrote) / 2**10:.1f} KiB) were "
+    total = sum(size.values())
+    out = [f"incremental: refers to {len(size)} blobs in {root / BLOBS} ({total / 2**10:.1f} "
+           f"KiB); this save wrote {len(new)} of them ({wrote / 2**10:.1f} KiB), the other "
+           f"{len(size) - len(new)} ({(total - wrote) / 2**10:.1f} KiB) were "
            "already there, written by earlier saves"]
     folder = root / BLOBS
     if folder.is_dir() and not folder.is_symlink():
         held = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()]
-        out.append(f"{BLOBS}/ holds {len(held)} files ({sum(p.stat().st_size for p in held) / 2**10:.1f} KiB) "
-                   "for every complete checkpoint here")
+        kib = sum(p.stat().st_size for p in held) / 2**10
+        out.append(f"{BLOBS}/ holds {len(held)} files ({kib:.1f} KiB) for every complete "
+                   "checkpoint here")
     return out

@@ -35,6 +35,13 @@ the step (:func:`edu3d.train.optim.lr_at`), and so is the data: batch ``s`` is
 state of each rank is restored too when the layout is the same (the model has no dropout, so
 nothing depends on it yet).
 
+**Incremental checkpoints** (``--incremental``, :mod:`edu3d.ckpt.blobs`): a rank's pieces are
+content-addressed blobs in ``DIR/blobs/<sha256>`` shared by every save whose bytes are the same,
+and ``files`` lists per rank ``rank-R`` with each piece's blob reference (format
+``edu3d-checkpoint/2``); a save writes only blobs that are not there yet, a reader reads only
+the blobs of the pieces it needs (:func:`load_pieces`), and after each commit the blobs no
+complete manifest names are removed (:func:`collect_blobs`).
+
 **A checkpoint folder is untrusted input** (:mod:`edu3d.ckpt.untrusted`): only the names
 edu3d writes are opened, inside the step folder, regular files only; the manifest's schema is
 checked before any field is used; a shard is loaded weights-only once its sha256 matches.

@@ -17,7 +17,12 @@ generate``) goes through, each failure one :class:`CheckpointError` line naming 
 * **the shards**: sha256 and size as the manifest says, then ``torch.load(weights_only=True)``
   (a pickle that would run code is refused; torch's advice to retry with
   ``weights_only=False``, which would run it, is not repeated), then its pieces checked
-  against the manifest's entry (:func:`read_file`).
+  against the manifest's entry (:func:`read_file`);
+* **the blobs** of an incremental checkpoint (:func:`read_blob`): a reference is 64 hex digits
+  naming a file of the root's ``blobs/`` folder, so it can never escape the checkpoint; the
+  blob is a regular file whose size and sha256 are the reference's, read as raw numbers of an
+  allowed dtype (nothing is unpickled); a missing or corrupted blob is one line naming the
+  blob, the tensor and the manifest that refers to it.
 """
 
 from __future__ import annotations
