@@ -48,7 +48,7 @@ def _numbers(records):
 
 def test_frozen_embeddings_are_written_once_and_resume_is_bitwise(tmp_path):
     ck = tmp_path / "ck"
-    full = _run(ck, "--incremental", "--save-every", "1", *EMB)
+    full = _run(ck, "--incremental", "--save-every", "1", "--async-save", *EMB)
     first, later = _manifest(ck, 1)["incremental"], [_manifest(ck, s)["incremental"]
                                                      for s in (2, 3, 4)]
     trainable = PARAMS_L2 - EMB_NUMEL
@@ -90,6 +90,16 @@ def test_keep_last_removes_only_blobs_no_kept_manifest_names(tmp_path):
     emb = [info["blobs"][i]["sha256"] for info in _manifest(ck, 5)["files"].values()
            for i, p in enumerate(info["pieces"]) if p["name"] == "tok_emb.weight"]
     assert emb and all((ck / "blobs" / s).is_file() for s in emb)  # written by step 1, kept
+
+
+def test_blobs_stay_when_a_manifest_cannot_be_read(saved):
+    """What a damaged manifest refers to is unknown: the garbage collection removes nothing
+    (it would otherwise delete the blobs a repaired manifest needs)."""
+    before = sorted(p.name for p in (saved / "blobs").iterdir())
+    (ckfmt.step_dir(saved, 1) / ckfmt.MANIFEST).write_text("{not json")
+    (saved / "blobs" / ("0" * 64)).write_bytes(b"orphan")
+    assert ckfmt.collect_blobs(saved) is None
+    assert sorted(p.name for p in (saved / "blobs").iterdir()) == sorted(before + ["0" * 64])
 
 
 def test_ckpt_show_prints_the_references(saved, capsys):

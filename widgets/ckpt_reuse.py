@@ -42,5 +42,7 @@ def saved_bytes(results: dict[str, dict], takeaway: str | None = None) -> go.Fig
     fig.update_layout(barmode="stack", legend={"orientation": "h", "y": -0.18})
     style.frame(fig, "Bytes per incremental save, measured", takeaway, height=440)
     fig.update_yaxes(title_text="KiB per save", row=1, col=1)
+    if takeaway:  # room between the takeaway line and the panels' titles
+        fig.update_layout(margin={"t": 105})
     fig.update_annotations(font={"size": 12})
     return fig
