@@ -224,3 +224,19 @@ def test_dp2_rank_killed_mid_blob_then_resume_and_reshard_through_references(tmp
                                     [*BASE, "--tp", "2", "--incremental", *EMB]]),
                  timeout=300, name="blobreshard", echo=False).results[0]
     assert len(out) == 2 and all(r["param_err"] == 0 and r["kept"] == 3 for r in out)
+
+
+def test_the_panel_draws_written_and_reused_bars_and_names_a_bad_glob():
+    from edu3d.widgets.panels.ch08_checkpoints import incremental_controls
+
+    def case(written, reused, frozen):
+        return {"saves": [{"step": 1, "written": written + reused, "reused": 0},
+                          {"step": 2, "written": written, "reused": reused}],
+                "frozen_params": frozen, "params": 100}
+    ctl = incremental_controls({"every parameter trains": case(300, 0, 0),
+                                "embeddings frozen": case(150, 50, 50)})
+    assert [t.name for t in ctl.bytes_fig.data][:2] == ["written by this save",
+                                                       "reused (written by an earlier save)"]
+    assert "embeddings frozen: 50%" in ctl.bytes_fig.layout.title.text
+    ctl.redraw(globs="nope.*")
+    assert ctl.run() is None and "--freeze 'nope.*' matches no parameter" in ctl.message

@@ -388,7 +388,8 @@ class Trainer:
             for z in self.par.zeros:
                 for k, v in z.tensors().items():
                     out.setdefault(k, []).extend(v)
-            return out
+            frozen = [p for p in self.par.module.parameters() if not p.requires_grad]
+            return {**out, "params": out.get("params", []) + frozen}  # frozen: whole, in no unit
         params = list(self.par.module.parameters())
         grads = [b.buffer for dp in (self.par.dp, self.par.expert_dp) if dp is not None
                  for b in dp.buckets]
