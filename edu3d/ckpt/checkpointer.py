@@ -53,9 +53,11 @@ import uuid
 import torch
 
 from edu3d.ckpt import reshard
+from edu3d.ckpt.blobs import BlobStore
 from edu3d.distributed import comm, trace
-from edu3d.ckpt.format import (FORMAT, MANIFEST, MUST_MATCH, CheckpointError, check_continues,
-                               load_pieces, prune, read_file, read_manifest, resume_from,
+from edu3d.ckpt.format import (FORMAT, FORMAT_BLOBS, MANIFEST, MUST_MATCH, MUST_MATCH_LATER,
+                               CheckpointError, check_continues, collect_blobs, load_pieces,
+                               prune, rank_entry, read_file, read_manifest, resume_from,
                                step_dir, write_atomic)
 
 
@@ -71,6 +73,7 @@ class Checkpointer:
         self.every = args.save_every
         self.keep = args.keep_last
         self.background = args.async_save
+        self.store = BlobStore(self.root, trainer.mesh.rank) if args.incremental else None
         self.rank, self.world = trainer.mesh.rank, trainer.mesh.layout.world_size
         self.timeout = float(args.timeout)
         self.token = uuid.uuid4().hex
@@ -153,9 +156,10 @@ class Checkpointer:
         if self.rank == 0:
             prec = self.trainer.precision
             job["manifest"] = {
-                "format": FORMAT, "step": step, "steps": self.args.steps,
+                "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
+                "steps": self.args.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: getattr(self.args, k) for k in MUST_MATCH},
+                "options": {k: getattr(self.args, k) for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},
@@ -190,9 +194,25 @@ class Checkpointer:
             self.write_manifest(job)
 
     def write_rank(self, job: dict) -> None:
-        """This rank's file, then its receipt."""
+        """This rank's file (``--incremental``: its blobs), then its receipt."""
         folder = step_dir(self.root, job["step"])
         name = f"rank-{self.rank:05d}"
+        if self.store is not None:
+            refs, written = [], []
+            for t in job["data"]:
+                ref, new = self.store.put(t)
+                refs.append(ref)
+                written += [ref["sha256"]] if new else []
+            rng = {}
+            for k, t in job["rng"].items():
+                rng[k], new = self.store.put(t)
+                written += [rng[k]["sha256"]] if new else []
+            self.store.sync()  # every blob durable before the receipt that names them
+            receipt = {"token": self.token, "step": job["step"], "rank": self.rank,
+                       "file": name, "pieces": job["pieces"], "blobs": refs, "rng": rng,
+                       "written": written}
+            write_atomic(folder / f"{name}.json", json.dumps(receipt).encode())
+            return
         buf = io.BytesIO()
         torch.save({k: job[k] for k in ("step", "pieces", "data", "rng")}, buf)
         data = buf.getvalue()
@@ -214,7 +234,7 @@ class Checkpointer:
                 except (OSError, ValueError):
                     continue
                 if (rec.get("token") == self.token and rec.get("step") == job["step"]
-                        and rec.get("file") == f"rank-{r:05d}.pt"):
+                        and rec.get("file") == rank_entry(job["manifest"], r)):
                     receipts[r] = rec
             if len(receipts) < self.world:
                 if time.monotonic() > deadline:
@@ -223,12 +243,17 @@ class Checkpointer:
                                           f"{self.timeout:g} s; no manifest written")
                 time.sleep(0.005)
         manifest = dict(job["manifest"])
-        manifest["files"] = {rec["file"]: {k: rec[k] for k in ("rank", "sha256", "bytes",
-                                                                "pieces")}
+        keys = ("rank", "pieces", "blobs", "rng", "written") if self.store else \
+            ("rank", "sha256", "bytes", "pieces")
+        manifest["files"] = {rec["file"]: {k: rec[k] for k in keys}
                              for _, rec in sorted(receipts.items())}
+        if self.store is not None:
+            manifest["incremental"] = reuse(manifest)
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
         if self.keep:  # committed: now the older checkpoints may go (--keep-last)
             prune(self.root, self.keep, upto=job["step"])
+        if self.store is not None:  # blobs no kept manifest names (and a killed save's)
+            collect_blobs(self.root)
 
     def _write_logged(self, job: dict) -> None:
         try:
@@ -290,7 +315,7 @@ class Checkpointer:
             prec.scale, prec.good_steps = saved_prec["scale"], saved_prec["good_steps"]
             prec.skipped = saved_prec["skipped"]
         if manifest["layout"] == self.layout():  # the same ranks: their random states too
-            name = f"rank-{self.rank:05d}.pt"
+            name = rank_entry(manifest, self.rank)
             rng = read_file(folder, name, manifest["files"][name]).get("rng")
             try:
                 torch.set_rng_state(rng["torch"])
@@ -299,3 +324,16 @@ class Checkpointer:
             except (TypeError, KeyError, RuntimeError) as err:
                 raise CheckpointError(f"{folder / name}: its random state is not one torch "
                                       f"can restore ({err})") from None
+
+
+def reuse(manifest: dict) -> dict:
+    """An incremental save's bytes: ``"bytes"`` the distinct blobs its manifest names,
+    ``"written"`` those this save wrote, ``"reused"`` those earlier saves had written."""
+    size, written = {}, set()
+    for info in manifest["files"].values():
+        for ref in [*info["blobs"], *info["rng"].values()]:
+            size[ref["sha256"]] = ref["bytes"]
+        written.update(info["written"])
+    total, new = sum(size.values()), sum(size[s] for s in written if s in size)
+    return {"bytes": total, "written": new, "reused": total - new, "blobs": len(size),
+            "blobs_written": len(written)}

@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from edu3d.ckpt.format import (CheckpointError, full_state, read_manifest, step_dir, steps,
-                               verify)
+from edu3d.ckpt.format import (FORMAT_BLOBS, CheckpointError, full_state, read_manifest,
+                               step_dir, steps, verify)
+from edu3d.ckpt.untrusted import BLOBS
 from edu3d.model.gpt import GPT, GPTConfig
 
 
@@ -126,11 +127,42 @@ def describe(ckpt_dir, step: int | None = None, check: bool = True) -> tuple[str
     lines.append(f"optimizer {m['options']['optimizer']}, {m['optimizer_step']} updates; "
                  f"{len(m['records'])} records kept; {m['data_position']}")
     folder = step_dir(root, m["step"])
+    if m["format"] == FORMAT_BLOBS:
+        lines += _references(root, m)
     for name, info in m["files"].items():
         kinds: dict[str, int] = {}
         for p in info["pieces"]:
             kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
         what = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "nothing it alone owns"
+        if m["format"] == FORMAT_BLOBS:
+            refs = [*info["blobs"], *info["rng"].values()]
+            new = set(info["written"])
+            wrote = sum(r["bytes"] for r in refs if r["sha256"] in new)
+            lines.append(f"  {folder.name}/{name}  {sum(r['bytes'] for r in refs) / 2**10:8.1f}"
+                         f" KiB in {len(refs)} blobs, {wrote / 2**10:.1f} KiB written by this "
+                         f"save  pieces: {what}")
+            continue
         lines.append(f"  {folder.name}/{name}  {info['bytes'] / 2**10:8.1f} KiB  sha256 "
                      f"{info['sha256'][:12]}  pieces: {what}")
     return "\n".join(lines), problems
+
+
+def _references(root: Path, m: dict) -> list[str]:
+    """What an incremental checkpoint refers to in ``blobs/``, and what else is there."""
+    size: dict = {}
+    for info in m["files"].values():
+        size.update({r["sha256"]: r["bytes"] for r in [*info["blobs"], *info["rng"].values()]})
+    new = {s for info in m["files"].values() for s in info["written"]}
+    wrote = sum(size[s] for s in new if s in size)
+    total = sum(size.values())
+    out = [f"incremental: refers to {len(size)} blobs in {root / BLOBS} ({total / 2**10:.1f} "
+           f"KiB); this save wrote {len(new)} of them ({wrote / 2**10:.1f} KiB), the other "
+           f"{len(size) - len(new)} ({(total - wrote) / 2**10:.1f} KiB) were "
+           "already there, written by earlier saves"]
+    folder = root / BLOBS
+    if folder.is_dir() and not folder.is_symlink():
+        held = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()]
+        kib = sum(p.stat().st_size for p in held) / 2**10
+        out.append(f"{BLOBS}/ holds {len(held)} files ({kib:.1f} KiB) for every complete "
+                   "checkpoint here")
+    return out

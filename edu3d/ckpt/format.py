@@ -35,6 +35,13 @@ the step (:func:`edu3d.train.optim.lr_at`), and so is the data: batch ``s`` is
 state of each rank is restored too when the layout is the same (the model has no dropout, so
 nothing depends on it yet).
 
+**Incremental checkpoints** (``--incremental``, :mod:`edu3d.ckpt.blobs`): a rank's pieces are
+content-addressed blobs in ``DIR/blobs/<sha256>`` shared by every save whose bytes are the same,
+and ``files`` lists per rank ``rank-R`` with each piece's blob reference (format
+``edu3d-checkpoint/2``); a save writes only blobs that are not there yet, a reader reads only
+the blobs of the pieces it needs (:func:`load_pieces`), and after each commit the blobs no
+complete manifest names are removed (:func:`collect_blobs`).
+
 **A checkpoint folder is untrusted input** (:mod:`edu3d.ckpt.untrusted`): only the names
 edu3d writes are opened, inside the step folder, regular files only; the manifest's schema is
 checked before any field is used; a shard is loaded weights-only once its sha256 matches.
@@ -53,9 +60,10 @@ from pathlib import Path
 import torch
 
 from edu3d.ckpt import reshard
-from edu3d.ckpt.untrusted import (FORMAT, MANIFEST, MUST_MATCH,  # noqa: F401 (re-exported)
-                                  CheckpointError, check_manifest, damaged, read_file,
-                                  read_inside)
+from edu3d.ckpt.blobs import remove_unreferenced
+from edu3d.ckpt.untrusted import (FORMAT, FORMAT_BLOBS,  # noqa: F401 (re-exported)
+                                  MANIFEST, MUST_MATCH, MUST_MATCH_LATER, CheckpointError,
+                                  check_manifest, damaged, read_blob, read_file, read_inside)
 
 
 def step_dir(root, step: int) -> Path:
@@ -211,7 +219,8 @@ def differences(manifest: dict, config, args) -> list[str]:
         if mine.get(k) != v:
             diff.append(f"model {k}: checkpoint {v}, this run {mine.get(k)}")
     options = vars(args)  # edu3d train's options (a dataclass); a key it lacks differs too
-    for k, v in manifest["options"].items():
+    saved = {**MUST_MATCH_LATER, **manifest["options"]}
+    for k, v in saved.items():
         if options.get(k) != v:
             diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {options.get(k)}")
     if args.lr_schedule == "cosine" and manifest["steps"] != args.steps:
@@ -291,32 +300,69 @@ def check_ckpt_dir(args, config) -> int:
     return 0
 
 
-def files_needed(folder: Path, manifest: dict, wanted: list[dict]) -> list[str]:
-    """The files of a checkpoint holding a piece that overlaps one of the ``wanted``
-    placements (:func:`edu3d.ckpt.reshard.overlaps`): the only ones a loading rank reads."""
+def rank_entry(manifest: dict, rank: int) -> str:
+    """The name of rank ``rank``'s entry in ``manifest["files"]``: its file ``rank-R.pt``,
+    or, in an incremental checkpoint, ``rank-R`` (its pieces are blobs)."""
+    return f"rank-{rank:05d}" + ("" if manifest["format"] == FORMAT_BLOBS else ".pt")
+
+
+def pieces_needed(folder: Path, manifest: dict, wanted: list[dict]) -> list[tuple]:
+    """``(entry, index, placement)`` of every saved piece that overlaps one of the
+    ``wanted`` placements (:func:`edu3d.ckpt.reshard.overlaps`): all a loading rank reads."""
     index: dict = {}
     for fname, info in manifest["files"].items():
-        for place in info["pieces"]:
-            index.setdefault((place["name"], place["kind"]), []).append((fname, place))
-    files = set()
+        for i, place in enumerate(info["pieces"]):
+            index.setdefault((place["name"], place["kind"]), []).append((fname, i, place))
+    found: dict = {}
     for want in wanted:
         saved = index.get((want["name"], want["kind"]), [])
         if not saved:
             raise CheckpointError(f"{folder / MANIFEST}: no file holds {want['name']} "
                                   f"({want['kind']})")
-        files.update(f for f, place in saved if reshard.overlaps(place, want))
-    return sorted(files)
+        found.update({(f, i): place for f, i, place in saved if reshard.overlaps(place, want)})
+    return [(f, i, place) for (f, i), place in sorted(found.items())]
+
+
+def files_needed(folder: Path, manifest: dict, wanted: list[dict]) -> list[str]:
+    """The files (rank entries) holding a piece that overlaps one of the ``wanted``
+    placements: the only ones a loading rank reads."""
+    return sorted({f for f, _, _ in pieces_needed(folder, manifest, wanted)})
 
 
 def load_pieces(folder: Path, manifest: dict, wanted: list[dict]) -> dict:
     """The saved pieces that overlap the ``wanted`` placements, by ``(name, kind)``: only the
-    files holding one are read."""
+    files holding one are read (in an incremental checkpoint only those pieces' blobs)."""
     out: dict = {}
+    if manifest["format"] == FORMAT_BLOBS:
+        for fname, i, place in pieces_needed(folder, manifest, wanted):
+            what = f"{place['name']} ({place['kind']}) of {fname}"
+            data = read_blob(folder.parent, manifest["files"][fname]["blobs"][i], what,
+                             folder / MANIFEST)
+            out.setdefault((place["name"], place["kind"]), []).append((place, data))
+        return out
     for fname in files_needed(folder, manifest, wanted):
         content = read_file(folder, fname, manifest["files"][fname])
         for place, data in zip(content["pieces"], content["data"]):
             out.setdefault((place["name"], place["kind"]), []).append((place, data))
     return out
+
+
+def collect_blobs(root) -> tuple[int, int] | None:
+    """Remove the blobs of ``root`` that no complete checkpoint's manifest names (after
+    ``--keep-last`` removed older manifests, or debris of a killed save); returns ``(files,
+    bytes)`` removed, or ``None`` when some manifest cannot be read: then what it refers to
+    is unknown and nothing is removed. Called by rank 0 once a save is committed, when no
+    save is in flight."""
+    referenced: set[str] = set()
+    for step in steps(root):
+        try:
+            manifest = read_manifest(root, step)
+        except CheckpointError:
+            return None
+        if manifest["format"] == FORMAT_BLOBS:
+            for info in manifest["files"].values():
+                referenced.update(r["sha256"] for r in [*info["blobs"], *info["rng"].values()])
+    return remove_unreferenced(root, referenced)
 
 
 def full_state(root, step: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:

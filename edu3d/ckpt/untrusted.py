@@ -17,7 +17,12 @@ generate``) goes through, each failure one :class:`CheckpointError` line naming 
 * **the shards**: sha256 and size as the manifest says, then ``torch.load(weights_only=True)``
   (a pickle that would run code is refused; torch's advice to retry with
   ``weights_only=False``, which would run it, is not repeated), then its pieces checked
-  against the manifest's entry (:func:`read_file`).
+  against the manifest's entry (:func:`read_file`);
+* **the blobs** of an incremental checkpoint (:func:`read_blob`): a reference is 64 hex digits
+  naming a file of the root's ``blobs/`` folder, so it can never escape the checkpoint; the
+  blob is a regular file whose size and sha256 are the reference's, read as raw numbers of an
+  allowed dtype (nothing is unpickled); a missing or corrupted blob is one line naming the
+  blob, the tensor and the manifest that refers to it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,18 @@ MANIFEST = "manifest.json"
 # options that change the computation: a checkpoint continues only a run that agrees on them
 MUST_MATCH = ("seed", "global_batch", "optimizer", "lr", "weight_decay", "clip", "warmup",
               "lr_schedule")
+# options added later, that change the computation too: absent from an older manifest means
+# the default (a checkpoint from before --freeze trained every parameter)
+MUST_MATCH_LATER = {"freeze": None}
 RANK_FILE = re.compile(r"rank-\d{5}\.pt")  # the only names a manifest may list
+# --incremental (edu3d.ckpt.blobs): a rank's entry is a list of blobs, each named by its
+# sha256 in the checkpoint root's blobs/ folder: a reference is 64 hex digits, never a path
+FORMAT_BLOBS = "edu3d-checkpoint/2"
+RANK_KEY = re.compile(r"rank-\d{5}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+BLOBS = "blobs"
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 # the manifest's fields and their JSON types (int: a JSON integer, never true/false)
 SCHEMA = {"step": int, "steps": int, "files": dict, "config": dict, "options": dict,
           "layout": dict, "optimizer_step": int, "precision": dict, "records": list,
@@ -56,10 +72,12 @@ class CheckpointError(ValueError):
 def read_inside(folder: Path, name: str) -> bytes:
     """The bytes of ``folder/name`` if it is a file edu3d writes there: ``name`` is
     ``manifest.json`` or ``rank-NNNNN.pt`` (no folder part, so nothing outside ``folder``),
-    ``folder`` is no symbolic link, and the file is a regular one (a link is refused, not
-    followed: ``O_NOFOLLOW``; a FIFO or a device is refused without blocking)."""
+    or a sha256 in a ``blobs`` folder; ``folder`` is no symbolic link, and the file is a
+    regular one (a link is refused, not followed: ``O_NOFOLLOW``; a FIFO or a device is
+    refused without blocking)."""
     path = folder / str(name)
-    if not isinstance(name, str) or not (name == MANIFEST or RANK_FILE.fullmatch(name)):
+    blob = folder.name == BLOBS and isinstance(name, str) and SHA256.fullmatch(name)
+    if not isinstance(name, str) or not (name == MANIFEST or RANK_FILE.fullmatch(name) or blob):
         raise CheckpointError(f"{folder / MANIFEST} lists {name!r}: not a file edu3d writes "
                               "(rank-NNNNN.pt in the checkpoint's own folder); refused")
     if folder.is_symlink():
@@ -111,8 +129,9 @@ def check_manifest(manifest, path: Path, step: int) -> dict:
     has its type and sense; else one :class:`CheckpointError` line naming the field."""
     if not isinstance(manifest, dict):
         raise damaged(path, f"holds a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("format") != FORMAT:
-        raise damaged(path, f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("format") not in (FORMAT, FORMAT_BLOBS):
+        raise damaged(path, f"format {manifest.get('format')!r}, expected {FORMAT!r} or "
+                            f"{FORMAT_BLOBS!r}")
     for key, kind in SCHEMA.items():
         if key not in manifest:
             raise damaged(path, f"no {key!r}")
@@ -143,6 +162,8 @@ def check_manifest(manifest, path: Path, step: int) -> dict:
                                                    for r in manifest["records"]):
         raise damaged(path, f"'records' holds {len(manifest['records'])} entries, not one "
                             f"object per step up to {step}")
+    if manifest["format"] == FORMAT_BLOBS:
+        return _check_blob_entries(manifest, path)
     shapes: dict = {}
     for name, info in manifest["files"].items():
         if not RANK_FILE.fullmatch(name):
@@ -160,6 +181,69 @@ def check_manifest(manifest, path: Path, step: int) -> dict:
                 raise damaged(path, f"pieces of {p['name']} ({p['kind']}) disagree on its "
                                     f"shape: {shapes[(p['name'], p['kind'])]} and {p['shape']}")
     return manifest
+
+
+def _is_ref(ref) -> bool:
+    """A blob reference: ``{"sha256": 64 hex digits, "bytes": n >= 0, "dtype": known}``."""
+    return (isinstance(ref, dict) and isinstance(ref.get("sha256"), str)
+            and bool(SHA256.fullmatch(ref["sha256"])) and _is_int(ref.get("bytes"))
+            and ref["bytes"] >= 0 and ref.get("dtype") in DTYPES)
+
+
+def _check_blob_entries(manifest: dict, path: Path) -> dict:
+    """An incremental manifest's ``files``: per rank ``rank-NNNNN``, its pieces, one blob
+    reference per piece whose size is the piece's, and its random state's blob."""
+    shapes: dict = {}
+    for name, info in manifest["files"].items():
+        if not (RANK_KEY.fullmatch(name) and isinstance(info, dict)
+                and _is_int(info.get("rank")) and name == f"rank-{info['rank']:05d}"
+                and isinstance(info.get("pieces"), list) and isinstance(info.get("blobs"), list)
+                and len(info["blobs"]) == len(info["pieces"])
+                and all(map(_is_ref, info["blobs"])) and isinstance(info.get("rng"), dict)
+                and all(_is_ref(r) and r["dtype"] == "uint8" for r in info["rng"].values())):
+            raise damaged(path, f"the entry {name!r} is not {{rank, pieces, blobs (one "
+                                "sha256 reference per piece), rng}")
+        for p, ref in zip(info["pieces"], info["blobs"]):
+            _check_piece(path, name, p)
+            if ref["bytes"] != (p["flat"][1] - p["flat"][0]) * DTYPES[ref["dtype"]].itemsize:
+                raise damaged(path, f"{name}: the blob of {p['name']} ({p['kind']}) holds "
+                                    f"{ref['bytes']} bytes, not its piece's")
+            if ref["dtype"] == "uint8":
+                raise damaged(path, f"{name}: {p['name']} ({p['kind']}) is not floating-point")
+            if shapes.setdefault((p["name"], p["kind"]), p["shape"]) != p["shape"]:
+                raise damaged(path, f"pieces of {p['name']} ({p['kind']}) disagree on its "
+                                    f"shape: {shapes[(p['name'], p['kind'])]} and {p['shape']}")
+    return manifest
+
+
+def read_blob(root: Path, ref: dict, what: str, manifest_path: Path) -> torch.Tensor:
+    """The tensor a blob reference names: ``root/blobs/<sha256>`` (only that folder: the
+    name is 64 hex digits), a regular file, its size and sha256 the reference's, read as raw
+    numbers of its dtype (no unpickling at all). ``what`` (the tensor) goes into the one-line
+    error of a missing or corrupted blob, with the manifest that refers to it."""
+    folder, sha = Path(root) / BLOBS, ref["sha256"]
+    try:
+        data = read_inside(folder, sha)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; {manifest_path} refers to it for {what}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha or len(data) != ref["bytes"]:
+        raise CheckpointError(f"{folder / sha} is corrupted: its sha256 is {digest[:12]}... "
+                              f"({len(data)} bytes), its name says {sha[:12]}... "
+                              f"({ref['bytes']} bytes); {manifest_path} refers to it for {what}")
+    return torch.frombuffer(bytearray(data), dtype=DTYPES[ref["dtype"]]) if data else \
+        torch.empty(0, dtype=DTYPES[ref["dtype"]])
+
+
+def read_blobs(folder: Path, name: str, info: dict) -> dict:
+    """An incremental checkpoint's rank entry read like a rank file (:func:`read_file`):
+    ``{"pieces", "data", "rng"}``, every blob checked (:func:`read_blob`)."""
+    where = folder / MANIFEST
+    data = [read_blob(folder.parent, ref, f"{p['name']} ({p['kind']}) of {name}", where)
+            for p, ref in zip(info["pieces"], info["blobs"])]
+    rng = {k: read_blob(folder.parent, ref, f"the random state of {name}", where)
+           for k, ref in info["rng"].items()}
+    return {"pieces": info["pieces"], "data": data, "rng": rng}
 
 
 def _checked_bytes(folder: Path, name: str, info: dict) -> bytes:
@@ -187,7 +271,10 @@ def _torch_reason(err: BaseException) -> str:
 
 def read_file(folder: Path, name: str, info: dict) -> dict:
     """One rank's file: sha256 checked against the manifest, loaded weights-only (no code
-    runs), and its pieces checked against the manifest's entry (one number per element)."""
+    runs), and its pieces checked against the manifest's entry (one number per element).
+    An incremental checkpoint's entry (``blobs``) is read blob by blob (:func:`read_blobs`)."""
+    if RANK_KEY.fullmatch(name):  # only an incremental manifest passes such a name
+        return read_blobs(folder, name, info)
     path = folder / name
     data = _checked_bytes(folder, name, info)
     try:

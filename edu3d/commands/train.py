@@ -72,6 +72,16 @@ def fault_spec(text: str) -> dict:
     return spec
 
 
+def globs(text: str) -> str:
+    """argparse type for ``--freeze GLOB[,GLOB...]``: at least one glob, none empty (whether
+    each matches a parameter is checked against the model, :func:`check`)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected GLOB[,GLOB...] over parameter "
+                                         "names, e.g. 'tok_emb.*,blocks.0.*' (no empty glob)")
+    return ",".join(parts)
+
+
 # ---- the options ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every option of ``edu3d train`` to ``parser``; help texts show the defaults."""
@@ -188,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--recompute", choices=RECOMPUTE, default="none",
                      help="activation recomputation: full recomputes each block in backward "
                           "(keeping its input), selective only the attention core" + D)
+    par.add_argument("--freeze", type=globs, default=None, metavar="GLOB[,GLOB...]",
+                     help="train without these parameters (serial names, e.g. 'tok_emb.*,"
+                          "blocks.0.*'): no gradient, no optimizer state, in every layout")
     par.add_argument("--impl", choices=("edu3d", "torch"), default="edu3d",
                      help="edu3d: edu3d's own mechanics; torch: the same layout on PyTorch's "
                           "own APIs (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor TP, "
@@ -211,6 +224,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--async-save", action="store_true",
                     help="snapshot the state and write it in the background while training "
                          "continues (at most one save in flight)")
+    ck.add_argument("--incremental", action="store_true",
+                    help="content-addressed checkpoints: one file per tensor piece, named by "
+                         "its sha256, shared by every save whose bytes are the same; a save "
+                         "writes only the tensors that changed (frozen ones never do)")
     ck.add_argument("--max-restarts", type=integer(0, "an integer >= 0", 1000), default=0,
                     help="when a rank dies or hangs, restart every rank from the last complete "
                          "checkpoint, up to N times" + D)
@@ -303,6 +320,10 @@ def check(options: TrainOptions) -> None:
     if problem:
         raise LayoutError(problem)
     check_fit(options)
+    if options.freeze:  # the model's names: torch comes in only for --freeze
+        from edu3d.train.loop import check_freeze
+
+        check_freeze(options, config)
     if options.ckpt_dir:
         from edu3d.ckpt.format import check_ckpt_dir
 

@@ -45,6 +45,7 @@ from edu3d.parallel.cp.zigzag import positions as cp_positions
 from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel
 from edu3d.parallel.ep.placement import apply_ep, expert_param_names
+from edu3d.parallel.freeze import apply_freeze
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import Action, build, chunks, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
@@ -77,6 +78,7 @@ class Plan:
     cp_impl: str = "ring"  # "allgather" | "ulysses": context parallelism's attention
     cp_split: str = "zigzag"  # "plain": contiguous pieces of each sequence
     compile: bool = False  # torch.compile each block's forward (after recomputation)
+    freeze: tuple = ()  # globs over serial names: no gradient, no optimizer state
 
 
 @dataclass
@@ -250,6 +252,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
     if plan.compile:
         apply_compile(model, ends=mesh.size("tp") == 1 and plan.zero != 3)
     names = {p: n for n, p in model.named_parameters()}
+    apply_freeze(model, plan.freeze)  # serial names, after TP made its new parameters
     stages, parts, actions = apply_pipeline(model, mesh, plan, compute)
     n_stages = len(parts)
     par = Parallel(mesh, plan, stages, nn.ModuleDict({str(s): st for s, st in stages.items()}),

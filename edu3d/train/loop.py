@@ -37,6 +37,7 @@ from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, no
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
+from edu3d.parallel.freeze import check_patterns, param_names, patterns
 from edu3d.train import faults
 from edu3d.train.batching import batch_tokens, global_batch, make_corpus
 from edu3d.train.data import SyntheticCorpus
@@ -253,6 +254,7 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
         torch.set_num_threads(1)  # the course's runs are multi-process; one thread each
     config, layout = check_args(args)
     check_fit(args)
+    check_freeze(args, config)
     warning = oversubscribed(layout)
     if warning:
         print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
@@ -267,6 +269,18 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
     if layout.world_size == 1:
         return loop(trainer_class(GPT(config, seed=args.seed), None, args), corpus, args, out)
     return _run_parallel(args, layout, out, trainer_class)
+
+
+def check_freeze(args: TrainOptions, config) -> list[str]:
+    """The serial names ``--freeze`` freezes (``ValueError``, one line, for a glob that
+    matches none: :func:`edu3d.parallel.freeze.check_patterns`)."""
+    globs = patterns(args.freeze)
+    if not globs:
+        return []
+    if args.impl == "torch":
+        raise ValueError("--freeze with --impl torch: edu3d's trainer freezes by serial name; "
+                         "drop --impl torch")
+    return check_patterns(param_names(config), globs)
 
 
 def _json_record(line: str) -> dict | None:

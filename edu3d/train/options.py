@@ -102,6 +102,7 @@ class TrainOptions:
     schedule: str = "1f1b"
     partition: str = "uniform"
     recompute: str = "none"
+    freeze: str | None = None  # globs over serial names ("tok_emb.*,blocks.0.*"): not trained
     impl: str = "edu3d"  # or "torch": PyTorch's own APIs (chosen in edu3d.commands.train)
     timeout: float = 600.0
     # ---- checkpoints and failures ----
@@ -111,6 +112,7 @@ class TrainOptions:
     resume: bool = False
     resume_step: int | None = None  # continue this step's checkpoint (implies resume)
     async_save: bool = False
+    incremental: bool = False  # content-addressed blobs: a save writes only changed tensors
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"[, "seconds": kind slow]}
     heartbeat: float | None = None
@@ -252,6 +254,7 @@ def check_args(options: TrainOptions):
                                           ("--resume-step", o.resume_step),
                                           ("--keep-last", o.keep_last),
                                           ("--async-save", o.async_save),
+                                          ("--incremental", o.incremental),
                                           ("--max-restarts", o.max_restarts)) if value]
     if needs_dir and not o.ckpt_dir:
         raise LayoutError(f"{needs_dir[0]} works on checkpoints; add --ckpt-dir DIR")

@@ -44,6 +44,7 @@ from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwarg
                                param_groups, set_lr)
 from edu3d.train.options import TrainOptions
 from edu3d.train.step_stats import StepMeter
+from edu3d.parallel.freeze import patterns
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
@@ -61,7 +62,8 @@ def plan_from(options: TrainOptions) -> Plan:
                 partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
                 reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
                 compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
-                cp_split=o.cp_split, compile=o.compile, grad_reduce=o.grad_reduce)
+                cp_split=o.cp_split, compile=o.compile, grad_reduce=o.grad_reduce,
+                freeze=patterns(o.freeze))
 
 
 class Trainer:
@@ -287,7 +289,7 @@ class Trainer:
             for p in par.module.parameters():
                 mine = first[par.names[p] in par.experts]
                 add(p, "param", p.data.view(-1), None, mine)
-                if adam:
+                if adam and p.requires_grad:  # a frozen parameter has no optimizer state
                     state = adam_state(self.optimizer, p)
                     for kind in ("exp_avg", "exp_avg_sq"):
                         add(p, kind, state[kind].view(-1), None, mine)
@@ -296,8 +298,10 @@ class Trainer:
             for p, a, b, views in z.state_pieces():
                 for kind, view, owned in views:
                     add(p, kind, view, (a, b), owned)
-        if par.zero.stage < 3:  # the full parameters every rank keeps: loaded, never written
-            for p in par.module.parameters():
+        for p in par.module.parameters():
+            if not p.requires_grad:  # frozen: in no ZeRO unit, whole on every rank, written once
+                add(p, "param", p.data.view(-1), None, first[par.names[p] in par.experts])
+            elif par.zero.stage < 3:  # the full parameters every rank keeps: loaded, not written
                 add(p, "param", p.data.view(-1), None, False)
         return slots
 
@@ -340,6 +344,8 @@ class Trainer:
         par, mesh = self.par, self.mesh
         if par.zeros:
             local = {par.names[p]: t for z in par.zeros for p, t in z.full_tensors(what).items()}
+            local.update({par.names[p]: p.detach() if what == "param" else torch.zeros_like(p)
+                          for p in par.module.parameters() if not p.requires_grad})  # frozen
         else:
             local = {}
             for p in par.module.parameters():
@@ -380,7 +386,8 @@ class Trainer:
             for z in self.par.zeros:
                 for k, v in z.tensors().items():
                     out.setdefault(k, []).extend(v)
-            return out
+            frozen = [p for p in self.par.module.parameters() if not p.requires_grad]
+            return {**out, "params": out.get("params", []) + frozen}  # frozen: whole, in no unit
         params = list(self.par.module.parameters())
         grads = [b.buffer for dp in (self.par.dp, self.par.expert_dp) if dp is not None
                  for b in dp.buckets]

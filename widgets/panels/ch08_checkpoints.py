@@ -6,13 +6,22 @@ the reshard map at once from the manifests the panel holds
 (:func:`edu3d.widgets.checkpoint.piece_map`, :func:`edu3d.widgets.checkpoint.reshard_map`);
 the button, "kill a rank, recover", runs the chapter's fault demo (a callable returning
 :func:`edu3d.widgets.checkpoint.recovery_curve`'s figure) and shows its curve.
+
+Section 7's :class:`IncrementalControls`: the dropdown picks which parameters ``--freeze``
+takes (none, the embeddings, the embeddings and the first two blocks, or globs typed in the
+text box) and redraws the bars of the runs already measured; "run it" trains that choice for
+real (a serial ``edu3d train --incremental --save-every 1`` in this process, about a second)
+and adds its bars (:func:`edu3d.course.ch08_checkpoints_incremental.incremental_saves`,
+:func:`edu3d.widgets.ckpt_reuse.saved_bytes`).
 """
 
 from __future__ import annotations
 
 import ipywidgets as w
 
+from edu3d.course.ch08_checkpoints_incremental import CASES, incremental_saves, summary
 from edu3d.widgets.checkpoint import piece_map, reshard_map, tensors
+from edu3d.widgets.ckpt_reuse import saved_bytes
 from edu3d.widgets.panels.panel import Panel
 
 
@@ -68,3 +77,61 @@ def controls(manifests: dict[str, dict], fault_demo=None) -> Controls:
     """The chapter's controls; display ``controls(...).widget`` in JupyterLab, or show the
     static ``piece_fig`` / ``reshard_fig`` without a frontend."""
     return Controls(manifests, fault_demo)
+
+
+# ---- section 7: incremental checkpoints ---------------------------------------------------
+class IncrementalControls(Panel):
+    """Section 7 (incremental checkpoints): pick what to freeze; the button measures it
+    and adds its bars to the chart."""
+
+    tooltip = "train with these parameters frozen, saving incrementally every step"
+    knob_rows = (("choice", "globs", "run"),)
+    FIGURES = ("bytes_fig",)
+
+    def __init__(self, results: dict[str, dict], steps: int = 3):
+        super().__init__({"choice": list(CASES)[1], "globs": CASES[list(CASES)[1]] or ""})
+        self.results, self.steps = dict(results), steps
+        self.redraw()
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        if "choice" in changes and changes["choice"] in CASES:
+            self.state["globs"] = CASES[changes["choice"]] or ""
+            self.sync_knobs()  # the text box shows the chosen globs
+        self.bytes_fig = saved_bytes(self.results, reuse_takeaway(self.results))
+        self.show()
+
+    def run(self):
+        globs = self.state["globs"].strip() or None
+        label = next((k for k, v in CASES.items() if v == globs), f"--freeze {globs}")
+        try:
+            self.results[label] = self.result = incremental_saves(globs, self.steps)
+        except ValueError as err:  # a glob that matches no parameter: one line
+            self.message = str(err)
+            self.show()
+            return None
+        self.message = ""
+        self.redraw()
+        return self.result
+
+    def knobs(self) -> dict:
+        return {"choice": w.Dropdown(options=list(CASES), value=self.state["choice"],
+                                     description="freeze"),
+                "globs": w.Text(value=self.state["globs"], description="globs",
+                                placeholder="tok_emb.*,blocks.0.*")}
+
+
+def reuse_takeaway(results: dict[str, dict]) -> str:
+    """The chart's one line, from the runs' numbers: what each save after the first wrote,
+    as a share of the first run's (every parameter training, when it is first)."""
+    mean = summary(results)
+    first = next(iter(mean))
+    parts = [f"{label}: {100 * m['share']:.0f}%" for label, m in list(mean.items())[1:]]
+    return (f"bytes written per save after the first, vs '{first}': " + "; ".join(parts)
+            if parts else f"{first}: every save writes everything")
+
+
+def incremental_controls(results: dict[str, dict], steps: int = 3) -> IncrementalControls:
+    """The section's controls; display ``controls(...).widget`` in JupyterLab, or show the
+    static ``bytes_fig`` without a frontend."""
+    return IncrementalControls(results, steps)

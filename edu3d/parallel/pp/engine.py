@@ -272,8 +272,10 @@ class PipelineEngine:
 
     def _backward(self, s: int, i: int) -> None:
         emb, x, out, _ = self.saved.pop((s, i))
-        torch.autograd.backward(out, self._grad_out(s, i))
-        if emb is not None:
+        g = self._grad_out(s, i)
+        if out.requires_grad:  # not when a first stage's every parameter is frozen (--freeze)
+            torch.autograd.backward(out, g)
+        if emb is not None and emb.requires_grad:
             emb.backward(x.grad)
         self._pass_grad_back(s, i, x, emb)
 
@@ -281,22 +283,27 @@ class PipelineEngine:
         emb, x, out, nbytes = self.saved[(s, i)]
         g = self._grad_out(s, i)
         _, groups = stage_backward_input([out], None if g is None else [g], [x],
-                                         iter(self.stages[s].body_parameters()))
+                                         iter(self._trainable(s)))
         self.saved[(s, i)] = (emb, x, groups, nbytes)
         self._pass_grad_back(s, i, x, emb)
 
     def _backward_weight(self, s: int, i: int) -> None:
         emb, x, groups, _ = self.saved.pop((s, i))
-        params = self.stages[s].body_parameters()
-        stage_backward_weight(iter(params), groups)
+        params = self._trainable(s)
+        if params:
+            stage_backward_weight(iter(params), groups)
         # torch sets these gradients outside autograd's accumulation, so the post-accumulate
         # hooks that data parallelism and ZeRO listen to did not run: run them (last layer
         # first, the order backward would have produced them)
         for p in reversed(params):
             for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(p)
-        if emb is not None:
+        if emb is not None and emb.requires_grad:
             emb.backward(x.grad)
+
+    def _trainable(self, s: int) -> list:
+        """Stage ``s``'s body parameters that get a gradient (frozen ones get none)."""
+        return [p for p in self.stages[s].body_parameters() if p.requires_grad]
 
     # ---- the interpreter ----------------------------------------------------------------------
     def _context(self, a: Action, index: int):
