@@ -129,6 +129,7 @@ class TrainOptions:
     json: bool = False
     monitor: bool = False  # a live table of every rank under the output (edu3d.launch.live)
     log_every: int = 1  # read the loss (a host synchronisation) every K steps; records at those
+    memory_timeline: str | None = None  # write the last step's memory timeline (JSON) here
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
