@@ -29,6 +29,8 @@ SETTINGS = {
     "dp_full": dict(zero=0, microbatches=1, recompute="full"),
     "zero1": dict(zero=1, microbatches=1, recompute="none"),
     "zero3": dict(zero=3, microbatches=1, recompute="none"),
+    "zero2_per_mb": dict(zero=2, microbatches=4, recompute="none", grad_reduce="per-microbatch"),
+    "zero2_per_step": dict(zero=2, microbatches=4, recompute="none", grad_reduce="per-step"),
 }
 
 
@@ -95,6 +97,20 @@ def test_zero3_holds_a_shard_of_the_weights_and_gathers_one_unit_at_a_time(docs)
         assert abs(opt / dp["samples"][0]["optimizer"] - 0.5) < 0.01
 
 
+def test_reducing_per_microbatch_keeps_zero2_gradients_sharded(docs):
+    """--grad-reduce per-step keeps the full gradients from the first backward to the end
+    of the step; per-microbatch reduce-scatters after every backward and keeps the shard."""
+    step = timeline.fullest(docs["zero2_per_step"])
+    per_mb = timeline.fullest(docs["zero2_per_mb"])
+    full = timeline.fullest(docs["dp"])["samples"][0]["grads"]
+    assert step["peak_of"]["grads"] >= full  # every gradient, plus the shard
+    assert per_mb["peak_of"]["grads"] < 0.75 * step["peak_of"]["grads"]
+    assert per_mb["peak"]["total"] < step["peak"]["total"]
+    scatters = [len([s for s in t["samples"] if s["op"] == "reduce_scatter"
+                     and s["edge"] == "begin"]) for t in (per_mb, step)]
+    assert scatters[0] == 4 * scatters[1]  # one reduce-scatter per unit and micro-batch
+
+
 def test_the_planner_peak_is_drawn_and_the_caption_uses_the_run(docs):
     from edu3d.widgets.memory_timeline import peaks_figure, step_memory_figure
 
@@ -105,8 +121,8 @@ def test_the_planner_peak_is_drawn_and_the_caption_uses_the_run(docs):
     assert any(n.startswith("planner's peak") for n in names)
     assert any(n.startswith("measured peak") for n in names)
     text = timeline.caption(doc)
-    assert timeline.mib(plan) in text and timeline.mib(doc["stats"]["total"]) in text
-    assert timeline.mib(timeline.fullest(doc)["peak"]["total"]) in text
+    assert timeline.size(plan) in text and timeline.size(doc["stats"]["total"]) in text
+    assert timeline.size(timeline.fullest(doc)["peak"]["total"]) in text
     rows = timeline.peaks(docs)
     assert len(peaks_figure(rows).data) >= 4
     lines = timeline.describe_moves({timeline.key_of(s): docs[n] for n, s in SETTINGS.items()})
@@ -243,3 +259,19 @@ def test_the_pool_on_a_gpu():
     rows = cuda_memory.allocator_timeline(h["snapshot"])
     assert any(r["action"] == "alloc" and r["size"] >= 4 << 20 for r in rows)
     assert cuda_memory.fragmentation(h["snapshot"])["reserved"] > 0
+
+
+def test_the_panel_picks_from_the_sweep_and_names_what_it_lacks(docs):
+    from edu3d.widgets.panels.ch07_memory import timeline_controls
+
+    by_key = {timeline.key_of(SETTINGS[n]): d for n, d in docs.items()}
+    ctl = timeline_controls(by_key)
+    assert ctl.figure is not None and "rank" in ctl.message
+    first = ctl.figure.layout.title.text
+    ctl.redraw(zero=3)
+    assert ctl.figure is not None and ctl.figure.layout.title.text != first
+    ctl.redraw(x="event", rank=1)
+    assert ctl.figure.layout.xaxis.title.text.startswith("event")
+    ctl.redraw(zero=1, microbatches=4)
+    assert ctl.figure is None and "not in the sweep" in ctl.message
+    assert ctl.widget is not None and "grad_reduce" in ctl._knobs

@@ -9,9 +9,9 @@ captions are computed:
   next with :class:`~edu3d.train.memory_recorder.MemoryRecorder`: a sample of every kind at
   each event. Rank 0 returns the document ``edu3d train --memory-timeline`` writes (every
   rank's timeline, the planner's estimate, the step's ``mem_bytes`` record);
-* :func:`sweep` records a small grid of settings (ZeRO stage, micro-batches, recomputation,
-  and the gradient-reduction mode where the trainer has one) in **one** launch of 2 ranks,
-  which the chapter's controls pick from; :func:`run` records one setting;
+* :func:`sweep` records a few settings (:func:`settings`: ZeRO stage, micro-batches,
+  recomputation, and the gradient-reduction mode where the trainer has one) in **one**
+  launch of 2 ranks, which the chapter's controls pick from; :func:`run` records one;
 * :func:`peaks`, :func:`moves` and :func:`caption` turn documents into the numbers the
   chapter prints: each setting's measured peak by kind beside the planner's, and how one
   knob moves the peak with the others held. Bytes are exact and repeat bit for bit, so no
@@ -27,8 +27,6 @@ captions are computed:
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from edu3d.distributed.mesh import Layout, Mesh
@@ -40,7 +38,7 @@ from edu3d.train.memory_recorder import KINDS, MemoryRecorder, document, gather_
 from edu3d.train.options import FIELDS, check_args, from_flags
 from edu3d.train.trainer import Trainer
 
-#: the chapter's grid: every combination is one recorded step of the tiny model on dp=2
+#: the knobs' values (:func:`settings` records some of their combinations)
 GRID = {"zero": (0, 1, 2, 3), "microbatches": (1, 2, 4), "recompute": ("none", "full")}
 GRAD_REDUCE = ("per-microbatch", "per-step")  # ZeRO-2/3 only, where the trainer has it
 HAS_GRAD_REDUCE = "grad_reduce" in FIELDS
@@ -60,20 +58,25 @@ def argv_of(setting: dict) -> list[str]:
 
 
 def key_of(setting: dict) -> tuple:
-    """A setting as a hashable key (the reduction mode only where it applies)."""
-    mode = setting.get("grad_reduce") if setting["zero"] >= 2 and HAS_GRAD_REDUCE else None
+    """A setting as a hashable key (the reduction mode only where it applies: ZeRO-2/3,
+    ``per-microbatch`` when not given, the trainer's default)."""
+    mode = (setting.get("grad_reduce") or GRAD_REDUCE[0]) \
+        if setting["zero"] >= 2 and HAS_GRAD_REDUCE else None
     return (setting["zero"], setting["microbatches"], setting["recompute"], mode)
 
 
-def settings(grid: dict | None = None) -> list[dict]:
-    """Every setting of ``grid`` (default :data:`GRID`), ZeRO-2/3 in both reduction modes
-    when the trainer has ``--grad-reduce``."""
-    grid = grid or GRID
+def settings() -> list[dict]:
+    """The chapter's sweep: each knob moved away from plain DP with one micro-batch (a star,
+    not the whole grid: every setting costs a step on 2 CPU ranks), and ZeRO-2/3 at 4
+    micro-batches in both reduction modes when the trainer has ``--grad-reduce``. The
+    panel records any other setting live."""
+    star = [(0, 1, "none"), (0, 2, "none"), (0, 4, "none"), (0, 1, "full"), (1, 1, "none"),
+            (1, 4, "none"), (2, 1, "none"), (3, 1, "none"), (2, 4, "none"), (3, 4, "none")]
     out = []
-    for values in itertools.product(*grid.values()):
-        s = dict(zip(grid, values))
-        modes = GRAD_REDUCE if HAS_GRAD_REDUCE and s["zero"] >= 2 else (None,)
-        out += [{**s, "grad_reduce": m} for m in modes]
+    for zero, m, rec in star:
+        modes = GRAD_REDUCE if HAS_GRAD_REDUCE and zero >= 2 and m > 1 else (None,)
+        out += [{"zero": zero, "microbatches": m, "recompute": rec, "grad_reduce": mode}
+                for mode in modes]
     return out
 
 
@@ -155,9 +158,11 @@ def peaks(docs: dict[tuple, dict]) -> list[dict]:
 
 
 def label(key: tuple, sep: str = ", ") -> str:
-    """``ZeRO-2, 4 mb, none, per-step`` (``sep="<br>"``: one knob a line, for a chart)."""
+    """``ZeRO-2, 4 mb, recompute none, per-step`` (``sep="<br>"``: one knob a line, for a
+    chart, without recomputation when there is none)."""
     zero, m, rec, mode = key
-    return sep.join([f"ZeRO-{zero}", f"{m} mb", f"recompute {rec}", *([mode] if mode else [])])
+    return sep.join([f"ZeRO-{zero}", f"{m} mb", *([f"recompute {rec}"] if rec != "none" or
+                                                   sep == ", " else []), *([mode] if mode else [])])
 
 
 def moves(docs: dict[tuple, dict], knob: str, base: dict) -> list[tuple[str, int]]:
@@ -172,8 +177,12 @@ def moves(docs: dict[tuple, dict], knob: str, base: dict) -> list[tuple[str, int
     return out
 
 
-def mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def size(n: float) -> str:
+    """Bytes in the unit that reads best (KB, MB, GB: powers of 1000, as the charts)."""
+    for name, unit in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n:.0f} bytes"
 
 
 def caption(doc: dict) -> str:
@@ -182,16 +191,20 @@ def caption(doc: dict) -> str:
     tl = fullest(doc)
     p, plan = tl["peak"], planned_peak(doc, tl)
     o = doc["options"]
-    parts = ", ".join(f"{k} {mib(p[k])}" for k in KINDS if p[k])
+    parts = ", ".join(f"{k} {size(p[k])}" for k in KINDS if p[k])
     gap = plan["total"] - p["total"]
+    apart = [f"{k} {size(plan[k])} against {size(tl['peak_of'][k])}" for k in KINDS
+             if abs(plan[k] - tl["peak_of"][k]) > 0.01 * max(plan[k], tl["peak_of"][k], 1)]
     return (f"dp={o['dp']} ZeRO-{o['zero']}, {o['microbatches']} micro-batch(es), recompute "
-            f"{o['recompute']}: rank {tl['rank']} peaks at {mib(p['total'])} in "
-            f"{p['phase']} ({parts}). The planner's peak is {mib(plan['total'])} "
-            f"({'+' if gap >= 0 else '-'}{mib(abs(gap))}: it adds each kind's own maximum, "
-            f"{mib(plan['comm'])} of communication buffers and {mib(plan['transient'])} for "
-            f"the logits' gradient, which live at other moments or inside one operation). "
-            f"edu3d train's record of the step says {mib(doc['stats']['total'])}: the state "
-            f"held after the step plus the activations' peak.")
+            f"{o['recompute']}: rank {tl['rank']} peaks at {size(p['total'])} in "
+            f"{p['phase']} ({parts}). The planner's peak is {size(plan['total'])} "
+            f"({'+' if gap >= 0 else '-'}{size(abs(gap))}: it adds each kind's own maximum, "
+            f"{size(plan['comm'])} of communication buffers and {size(plan['transient'])} for "
+            f"the logits' gradient, which live at other moments or inside one operation"
+            + (f"; kinds whose largest value differs, planner against measured: "
+               f"{', '.join(apart)}" if apart else "") + "). "
+            f"edu3d train's record of the step says {size(doc['stats']['total'])}: each kind's "
+            f"largest reading between compute actions, added up.")
 
 
 def describe_moves(docs: dict[tuple, dict], base: dict | None = None) -> list[str]:
@@ -200,13 +213,13 @@ def describe_moves(docs: dict[tuple, dict], base: dict | None = None) -> list[st
     lines = []
     for knob in ("zero", "microbatches", "recompute") + (("grad_reduce",) if HAS_GRAD_REDUCE
                                                           else ()):
-        held = dict(base, zero=2) if knob == "grad_reduce" else base
+        held = dict(base, zero=2, microbatches=4) if knob == "grad_reduce" else base
         row = moves(docs, knob, held)
         if len(row) > 1:
             others = ", ".join(f"{KNOB_NAMES[k]} {v}" for k, v in held.items()
                                if k != knob and v is not None)
             lines.append(f"{KNOB_NAMES[knob]} ({others}): "
-                         + " -> ".join(f"{v}: {mib(b)}" for v, b in row))
+                         + " -> ".join(f"{v}: {size(b)}" for v, b in row))
     return lines
 
 

@@ -38,6 +38,7 @@ these (the innermost ``saved_tensors_hooks`` wins).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -130,6 +131,10 @@ class MemoryRecorder(trace.Recorder):
     @property
     def comm_us(self) -> dict:
         return self.inner.comm_us
+
+    @property
+    def wire(self) -> dict:
+        return self.inner.wire
 
     # ---- the step ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -314,11 +319,11 @@ def document(args, timelines: list[dict], stats: dict | None = None) -> dict:
     per pipeline rank: :func:`edu3d.plan.estimate.estimate_for`), and what
     :meth:`~edu3d.train.trainer.Trainer.stats` recorded for that step (``mem_bytes``)."""
     plan = {at: estimate_for(args, at) for at in ("peak", "rest")}
+    options = dataclasses.asdict(args)
     return {"kind": "edu3d memory timeline", "version": 1,
-            "options": {k: getattr(args, k) for k in (
-                "model", "dp", "tp", "pp", "zero", "microbatches", "global_batch",
-                "schedule", "recompute", "precision", "optimizer", *(
-                    ("grad_reduce",) if hasattr(args, "grad_reduce") else ()))},
+            "options": {k: options[k] for k in (
+                "model", "dp", "tp", "pp", "zero", "microbatches", "global_batch", "schedule",
+                "recompute", "precision", "optimizer", "grad_reduce") if k in options},
             "step": timelines[0]["step"],
             "device": "cuda" if any("allocated" in t["samples"][0] for t in timelines) else "cpu",
             "planner": {at: {"per_stage": e["per_stage"], "total_bytes": e["total_bytes"],
