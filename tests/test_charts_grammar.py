@@ -292,6 +292,37 @@ BUILDERS.update({
 })
 
 
+def _step_memory_doc() -> dict:
+    """A recorded step's document (edu3d.train.memory_recorder.document), two ranks."""
+    kinds = ("params", "grads", "optimizer", "activations", "comm")
+    rows = [("step", "begin", "start", 0), ("F", "begin", "forward", 0),
+            ("F", "end", "forward", 3000), ("B", "begin", "backward", 3000),
+            ("reduce_scatter", "begin", "backward", 1000), ("B", "end", "reduce", 0),
+            ("optimizer", "end", "optimizer", 0)]
+    samples = [{"t": 100.0 * i, "lane": "compute", "op": op, "edge": edge, "phase": ph,
+                "params": 900, "grads": 500, "optimizer": 900, "activations": act,
+                "comm": 300 if op == "reduce_scatter" else 0}
+               for i, (op, edge, ph, act) in enumerate(rows)]
+    ranks = [{"rank": r, "coord": [0, r, 0], "step": 2, "samples": samples,
+              "peak": {"index": 2, "total": 5300, **{k: samples[2][k] for k in kinds},
+                       "op": "F", "phase": "forward", "t": 200.0}} for r in range(2)]
+    plan = {"per_stage": [{"pp_rank": 0, "total": 5600, **{k: 1000 for k in kinds},
+                           "transient": 100}]}
+    return {"options": {"dp": 2, "zero": 2, "microbatches": 1, "recompute": "none",
+                        "grad_reduce": "per-microbatch"}, "step": 2,
+            "planner": {"peak": plan, "rest": plan}, "ranks": ranks,
+            "stats": {"total": 5300}}
+
+
+BUILDERS.update({
+    "memory_timeline.step_memory_figure": lambda m: m.step_memory_figure(_step_memory_doc()),
+    "memory_timeline.peaks_figure": lambda m: m.peaks_figure(
+        [{"label": f"ZeRO-{z}", "measured": 5000 - 500 * z, "planner": 5300 - 500 * z,
+          "by_kind": {"params": 900, "grads": 500, "optimizer": 900 - 200 * z,
+                      "activations": 2700 - 300 * z, "comm": 0}} for z in range(4)]),
+})
+
+
 def figure_functions() -> list[str]:
     names = []
     for info in pkgutil.iter_modules(widgets_pkg.__path__):
@@ -489,3 +520,4 @@ def test_notebooks_cite_no_file_the_repository_lacks():
             (root / "exercises").glob("*.ipynb")):
         for name in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", nb.read_text()):
             assert (root / name).exists(), f"{nb.name} cites {name}, which is not in the repository"
+

@@ -25,6 +25,7 @@ torch, as the whole ``edu3d`` command does.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
@@ -268,6 +269,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "communication share per axis, memory; the slowest rank "
                              "highlighted), refreshed twice a second; another terminal can "
                              "watch with 'edu3d top RUN'")
+    parser.add_argument("--memory-timeline", default=None, metavar="FILE.json",
+                        help="record the last step's memory on every rank at each of its "
+                             "events (parameters, gradients, optimizer state, activations, "
+                             "communication buffers) and write it, with the planner's estimate, "
+                             "to FILE.json (chapter 07 draws it); needs --steps 2 or more")
     parser.add_argument("--log-every", type=count, default=1, metavar="K",
                         help="read the loss and print a record every K steps (reading it waits "
                              "for the device)" + D)
@@ -324,10 +330,27 @@ def check(options: TrainOptions) -> None:
         from edu3d.train.loop import check_freeze
 
         check_freeze(options, config)
+    check_memory_timeline(options)
     if options.ckpt_dir:
         from edu3d.ckpt.format import check_ckpt_dir
 
         check_ckpt_dir(options, config)
+
+
+def check_memory_timeline(o: TrainOptions) -> None:
+    """``--memory-timeline FILE``: a step after the first (which allocates AdamW's state) on
+    edu3d's trainer, into a folder that exists; the path made absolute for the ranks."""
+    if not o.memory_timeline:
+        return
+    path = os.path.abspath(o.memory_timeline)
+    problem = ("use --steps 2 or more (the last step is recorded, after a first that "
+               "allocates the optimizer's state)" if o.steps < 2 else
+               "drop --impl torch (it records edu3d's own trainer)" if o.impl != "edu3d" else
+               f"the folder {os.path.dirname(path)} does not exist"
+               if not os.path.isdir(os.path.dirname(path)) else None)
+    if problem:
+        raise LayoutError(f"--memory-timeline {o.memory_timeline}: {problem}")
+    o.memory_timeline = path
 
 
 def main_from_args(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

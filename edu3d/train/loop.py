@@ -20,6 +20,7 @@ LayerNorm gains, which only shift and scale.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -38,7 +39,7 @@ from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.parallel.freeze import check_patterns, param_names, patterns
-from edu3d.train import faults
+from edu3d.train import faults, memory_recorder
 from edu3d.train.batching import batch_tokens, global_batch, make_corpus
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
@@ -187,14 +188,17 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
     rank = trainer.mesh.rank
     status = Publisher.for_run(trainer, args.steps)  # for a live monitor; None when serial
     deferred = isinstance(trainer, Trainer)  # its step can leave the loss on the device
+    memory = memory_recorder.MemoryRecorder(trainer) if args.memory_timeline else None
     spent, steps_since, tokens = 0.0, 0, 0  # since the last logged step
     for step in range(len(records) + 1, args.steps + 1):
         faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
         x, y = global_batch(corpus, args, step)  # y is None under --batching
         due = step % args.log_every == 0 or step == args.steps
         t0 = time.perf_counter()
-        result = trainer.step(x, y, step, read=False) if deferred and not due else \
-            trainer.step(x, y, step)
+        watch = memory is not None and step == args.steps > 1  # --memory-timeline
+        with memory.watch(step) if watch else contextlib.nullcontext():
+            result = trainer.step(x, y, step, read=False) if deferred and not due else \
+                trainer.step(x, y, step)
         spent += time.perf_counter() - t0  # a GPU's queued work is waited for when due
         steps_since, tokens = steps_since + 1, tokens + batch_tokens(x)
         if status is not None:
@@ -215,6 +219,8 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         _emit(rec, args, out)
     if status is not None:
         status.close()
+    if memory is not None and memory.samples:  # --memory-timeline: the last step's
+        _write_timeline(memory, args, records, out)
     if ckpt is not None:
         ckpt.close()  # waits for an asynchronous save still in flight
     if out is not None and not args.json and seconds:  # the steps this process ran
@@ -230,6 +236,21 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
                   + (" (written in the background)" if ckpt.background else ""),
                   file=out, flush=True)
     return records
+
+
+def _write_timeline(memory, args: TrainOptions, records: list[dict], out) -> None:
+    """Collect every rank's timeline of the recorded step on rank 0, which writes the file
+    (:mod:`edu3d.train.memory_recorder`) and says where its peak is."""
+    timelines = memory_recorder.gather_timelines(memory)
+    if timelines is None:
+        return
+    stats = records[-1].get("mem_bytes") if records and records[-1]["step"] == args.steps \
+        else None
+    doc = memory_recorder.document(args, timelines, stats)
+    memory_recorder.write(args.memory_timeline, doc)
+    if out is not None and not args.json:
+        print(f"memory timeline of step {doc['step']} in {args.memory_timeline}: "
+              f"{memory_recorder.peak_line(doc)}", file=out, flush=True)
 
 
 def _describe(args, config, corpus) -> None:

@@ -32,11 +32,9 @@ from edu3d.distributed.mesh import Layout, LayoutError
 from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
+from edu3d.train.axis_rules import BALANCE, CP_IMPLS, CP_SPLITS, check_cp, check_moe
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-CP_IMPLS = ("ring", "allgather", "ulysses")
-CP_SPLITS = ("zigzag", "plain")
-BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
 BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.MODES; a test checks
 GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE
@@ -139,6 +137,7 @@ class TrainOptions:
     json: bool = False
     monitor: bool = False  # a live table of every rank under the output (edu3d.launch.live)
     log_every: int = 1  # read the loss (a host synchronisation) every K steps; records at those
+    memory_timeline: str | None = None  # write the last step's memory timeline (JSON) here
     # ---- not flags: what the course and the restart loop set ----
     reverse_buckets: bool = True  # False: gradient buckets in forward order (chapter 02's mistake)
     attempt: int = 0  # which restart this is (--max-restarts); faults fire in attempt 0 only
@@ -319,60 +318,6 @@ def check_nodes(o: TrainOptions, layout: Layout) -> None:
     if (o.nnodes or 1) > 1 and o.max_restarts:
         raise LayoutError(f"--max-restarts {o.max_restarts} with --nnodes {o.nnodes}: each "
                           "node's edu3d train would restart on its own; drop --max-restarts")
-
-
-def check_moe(o: TrainOptions) -> None:
-    """The mixture-of-experts and expert-parallel rules (before the model is built)."""
-    if o.balance not in BALANCE:
-        raise LayoutError(f"--balance {o.balance!r}: choose one of {', '.join(BALANCE)}")
-    if not o.experts:
-        moe_only = [f for f, v in (("--ep", o.ep > 1), ("--shared-experts", o.shared_experts),
-                                   ("--capacity-factor", o.capacity_factor),
-                                   ("--balance bias", o.balance == "bias")) if v]
-        if moe_only:
-            raise LayoutError(f"{moe_only[0]} needs a mixture of experts: add --experts 4 "
-                              "(or another count)")
-        return
-    if not 1 <= o.topk <= o.experts:
-        raise LayoutError(f"--topk {o.topk}: each token picks 1 to --experts {o.experts} "
-                          "experts")
-    if o.moe_every < 1 or o.shared_experts < 0 or o.capacity_factor < 0:
-        raise LayoutError("--moe-every must be >= 1, --shared-experts and --capacity-factor "
-                          ">= 0 (0: dropless)")
-    if o.experts % o.ep:
-        ok = ", ".join(str(d) for d in range(1, o.experts + 1) if o.experts % d == 0)
-        raise LayoutError(f"--ep {o.ep} must divide --experts {o.experts} (each rank holds "
-                          f"experts/ep of them); choose ep in {ok}")
-    if o.balance == "bias" and o.ckpt_dir:
-        raise LayoutError("--balance bias with --ckpt-dir: the per-expert bias is a buffer, and "
-                          "edu3d's checkpoints hold parameters and optimizer state only, so a "
-                          "resumed run would restart it at 0; use --balance aux to checkpoint")
-    if o.sp:
-        raise LayoutError("--sp with --experts: the mixture-of-experts layer routes whole "
-                          "tokens and edu3d runs it on every tensor-parallel rank; drop --sp")
-
-
-def check_cp(o: TrainOptions, config) -> None:
-    """Context parallelism's rules: a sequence it can cut evenly, Ulysses' head limit."""
-    if o.cp_impl not in CP_IMPLS or o.cp_split not in CP_SPLITS:
-        raise LayoutError(f"--cp-impl {o.cp_impl} --cp-split {o.cp_split}: choose --cp-impl in "
-                          f"{', '.join(CP_IMPLS)} and --cp-split in {', '.join(CP_SPLITS)}")
-    if o.cp == 1:
-        return
-    chunks = 2 * o.cp if o.cp_split == "zigzag" else o.cp
-    if config.seq_len % chunks:
-        ok = [n for n in range(1, config.seq_len + 1)
-              if config.seq_len % (2 * n if o.cp_split == "zigzag" else n) == 0]
-        raise LayoutError(f"--cp {o.cp} --cp-split {o.cp_split} cuts each sequence into "
-                          f"{chunks} equal chunks, but --seq {config.seq_len} does not divide; "
-                          f"choose --cp in {', '.join(map(str, ok))}")
-    if o.sp:
-        raise LayoutError("--sp with --cp: both split the sequence; use one of them")
-    heads = config.n_heads // o.tp
-    if o.cp_impl == "ulysses" and heads % o.cp:
-        ok = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-        raise LayoutError(f"--cp-impl ulysses gives each of the {o.cp} ranks whole heads, but "
-                          f"each tensor-parallel rank has {heads} head(s); choose --cp in {ok}")
 
 
 # ---- will it fit? ---------------------------------------------------------------------------

@@ -14,17 +14,27 @@ statically (:attr:`Controls.figure`).
 the metric (step time or peak memory), the view (values or ranks) and one candidate to
 single out, whose prediction by part and measurement the message spells out; "tune again"
 runs the tuning live and redraws from the new report.
+
+:class:`TimelineControls` picks one recorded training step from the chapter's sweep
+(:func:`edu3d.course.ch07_memory_timeline.sweep`): ZeRO stage, micro-batches, recomputation
+and ZeRO-2/3's gradient reduction redraw it at once
+(:func:`edu3d.widgets.memory_timeline.step_memory_figure`; **x** time or event index, **rank**
+the fullest or either one); a setting the sweep did not record says so, and "record it"
+runs it live on 2 ranks and keeps it.
 """
 
 from __future__ import annotations
 
 import ipywidgets as w
 
+from edu3d.course import ch07_memory_timeline as timeline
 from edu3d.course import ch07_memory_tune as tuning
 from edu3d.course.ch07_memory_plan import options, run
 from edu3d.model.shapes import PRESETS, spec_from
 from edu3d.plan.estimate import Setup, estimate, from_train_args, validate
+from edu3d.launch.api import LaunchError
 from edu3d.widgets.memory_plan import stage_bars
+from edu3d.widgets.memory_timeline import step_memory_figure
 from edu3d.widgets.tuning import VIEWS, tune_figure
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel
 
@@ -220,3 +230,80 @@ def tune_controls(report: dict, default: dict | None = None) -> TuneControls:
     """The chapter's tuning controls over ``report``; ``tune_controls(r).widget`` in
     JupyterLab, the static ``figure`` without a frontend."""
     return TuneControls(report, default)
+
+
+# ---- one step's memory as a timeline (section 9) -------------------------------------------
+TIMELINE_DEFAULT = dict(zero=0, microbatches=1, recompute="none", grad_reduce="per-microbatch",
+               x="time", rank=None)
+
+
+class TimelineControls(Panel):
+    """Knobs over a sweep of recorded steps; the button records the current setting live."""
+
+    title = "One training step's memory, recorded live (tiny model, dp=2)"
+    button = "record it"
+    tooltip = "record this setting's step on 2 ranks (a few seconds) and draw it"
+    FIGURES = ("figure",)
+
+    def __init__(self, docs: dict, default: dict | None = None):
+        super().__init__({**TIMELINE_DEFAULT, **(default or {})})
+        self.docs = dict(docs)
+        self.figure = None
+        self.knob_rows = (("zero", "microbatches", "recompute"),
+                          (*(("grad_reduce",) if timeline.HAS_GRAD_REDUCE else ()),
+                           "x", "rank", "run"))
+        self.redraw()
+
+    def setting(self) -> dict:
+        return {k: self.state[k] for k in ("zero", "microbatches", "recompute", "grad_reduce")}
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        doc = self.docs.get(timeline.key_of(self.setting()))
+        if doc is None:
+            self.figure = None
+            self.say(f"{timeline.label(timeline.key_of(self.setting()))} is not in the sweep: "
+                     "press 'record it' to run it")
+            return
+        self.figure = step_memory_figure(doc, self.state["rank"], self.state["x"])
+        self.say(timeline.caption(doc))
+
+    def run(self):
+        """Record the current setting live (2 ranks) and draw it."""
+        self.say(f"recording {timeline.label(timeline.key_of(self.setting()))} on 2 ranks ...")
+        try:
+            doc = timeline.run(self.setting())
+        except LaunchError as err:
+            self.say(f"the run failed: {str(err)[:500]}")
+            return None
+        self.docs[timeline.key_of(self.setting())] = self.result = doc
+        self.redraw()
+        return doc
+
+    def knobs(self) -> dict:
+        s = self.state
+        out = {
+            "zero": w.ToggleButtons(options=list(timeline.GRID["zero"]), value=s["zero"],
+                                    description="ZeRO", style={"button_width": "40px"}),
+            "microbatches": w.ToggleButtons(options=list(timeline.GRID["microbatches"]),
+                                            value=s["microbatches"], description="micro-batches",
+                                            style={"button_width": "40px"}),
+            "recompute": w.ToggleButtons(options=["none", "selective", "full"],
+                                         value=s["recompute"], description="recompute",
+                                         style={"button_width": "80px"}),
+            "x": w.ToggleButtons(options=["time", "event"], value=s["x"], description="x axis",
+                                 style={"button_width": "60px"}),
+            "rank": w.Dropdown(options=[("fullest", None), ("rank 0", 0), ("rank 1", 1)],
+                               value=s["rank"], description="rank"),
+        }
+        if timeline.HAS_GRAD_REDUCE:
+            out["grad_reduce"] = w.ToggleButtons(options=list(timeline.GRAD_REDUCE),
+                                                 value=s["grad_reduce"],
+                                                 description="grad reduce (ZeRO-2/3)")
+        return out
+
+
+def timeline_controls(docs: dict, default: dict | None = None) -> TimelineControls:
+    """The chapter's timeline controls over ``docs`` (a sweep); ``.widget`` in JupyterLab,
+    the static ``figure`` without a frontend."""
+    return TimelineControls(docs, default)
