@@ -29,7 +29,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       ep/       dispatch placement   expert parallelism
     ckpt/       format checkpointer reshard export untrusted
                                      sharded checkpoints, resharding
-    plan/       formulas estimate search fit
+    plan/       formulas estimate search fit zero_modes
                                      every memory formula; the one estimator
     launch/     api agent supervise worker procs runs heartbeat magic status live
                                      start, watch (one loop), end ranks; torch-free
