@@ -17,12 +17,12 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
-    train/      trainer loop options data optim faults publish
+    train/      trainer loop options data optim faults publish step_stats
                                      one Trainer for every layout; typed options
     parallel/   parallelize grads precision recompute optim_state
                                      the one place strategies compose; GradSync
       dp/       data_parallel compress
-      zero/     units flat_unit gathering sharding
+      zero/     units flat_unit gathering sharding shard_optimizer
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence

@@ -87,10 +87,10 @@ PAPER_COUNT = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
 def test_zero_traffic_under_pipelining_does_not_grow_with_microbatches():
-    """dp2 x pp2: from the trace, the dp traffic of one step is 2Ψ (ZeRO-1, ZeRO-2) and 3Ψ
-    (ZeRO-3) of the rank's stage parameters, for 2 and 4 micro-batches alike: gradients are
-    reduced once after the last backward, and ZeRO-3 gathers once for the forwards and once
-    for the backwards, not once per micro-batch."""
+    """dp2 x pp2 with --grad-reduce per-step: from the trace, the dp traffic of one step is
+    2Ψ (ZeRO-1, ZeRO-2) and 3Ψ (ZeRO-3) of the rank's stage parameters, for 2 and 4
+    micro-batches alike: gradients are reduced once after the last backward, and ZeRO-3
+    gathers once for the forwards and once for the backwards, not once per micro-batch."""
     from tests.workers_3d import zero_traffic
 
     configs = [(s, m) for s in (1, 2, 3) for m in (2, 4)]

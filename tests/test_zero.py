@@ -10,9 +10,11 @@ without gradient accumulation, on a model whose unit sizes are odd (padding on e
   16Ψ/N bytes in host memory;
 * bytes moved per step, summed from the trace (all-reduce 2S, all-gather and reduce-scatter
   S, the paper's count), equal ``2Ψ`` for stages 1-2 and ``3Ψ`` for stage 3 within 1%; and
-  ``2Ψ`` for plain DP. With K micro-batches the same: gradients accumulate locally and are
-  reduced once, after the last backward, and stage 3 gathers once for the forwards and once
-  for the backwards (the price is memory: full gradients during the step).
+  ``2Ψ`` for plain DP. With K micro-batches and ``--grad-reduce per-step`` the same:
+  gradients accumulate locally and are reduced once, after the last backward, and stage 3
+  gathers once for the forwards and once for the backwards (the price is memory: full
+  gradients during the step). Per micro-batch (the default) stage 2 moves ``(K + 1)Ψ`` and
+  stage 3 ``3KΨ`` (tests/test_zero_grad_reduce.py checks the memory it saves).
 
 At 8 ranks only the accumulating configurations run (2 and 4 cover K = 1), to keep CI short.
 """
@@ -25,10 +27,13 @@ from edu3d.launch import launch
 from edu3d.plan.formulas import zero_bytes
 from tests.test_dp import ADAM_STEPS, parity_worker, report_and_check, serial_reference
 
-CONFIGS = [{"name": f"zero{s}/k{k}", "zero": s, "grad_accum": k}
+CONFIGS = [{"name": f"zero{s}/k{k}", "zero": s, "grad_accum": k, "grad_reduce": "per-step"}
            for s in (1, 2, 3) for k in (1, 2)] + [
-    {"name": "zero3-prefetch/k2", "zero": 3, "grad_accum": 2, "prefetch": True},
-    {"name": "zero2-offload/k2", "zero": 2, "grad_accum": 2, "offload": True},
+    {"name": f"zero{s}-per-microbatch/k2", "zero": s, "grad_accum": 2} for s in (2, 3)] + [
+    {"name": "zero3-prefetch/k2", "zero": 3, "grad_accum": 2, "prefetch": True,
+     "grad_reduce": "per-step"},
+    {"name": "zero2-offload/k2", "zero": 2, "grad_accum": 2, "offload": True,
+     "grad_reduce": "per-step"},
     {"name": "dp/k1", "zero": 0, "grad_accum": 1},
     {"name": "dp/k2", "zero": 0, "grad_accum": 2}]  # no_sync: still 2Ψ with 2 micro-batches
 
@@ -37,10 +42,13 @@ def configs_for(world: int) -> list[dict]:
     return [c for c in CONFIGS if world < 8 or c["grad_accum"] > 1]
 
 
-def expected_traffic(stage: int, k: int) -> int:
-    """Elements per rank per step, in units of Ψ: the same with ``k`` accumulated
+def expected_traffic(stage: int, k: int, mode: str = "per-step") -> int:
+    """Elements per rank per step, in units of Ψ: per step the same with ``k`` accumulated
     micro-batches as with one (gradients are reduced once, after the last backward; ZeRO-3
-    gathers once for the forwards and once for the backwards)."""
+    gathers once for the forwards and once for the backwards); per micro-batch stage 2
+    reduce-scatters ``k`` times and stage 3 also gathers twice per micro-batch."""
+    if mode == "per-microbatch" and stage > 1:
+        return k + 1 if stage == 2 else 3 * k
     return {0: 2, 1: 2, 2: 2, 3: 3}[stage]
 PAPER_COUNT = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
@@ -81,7 +89,8 @@ def test_zero_stages_equal_serial_with_formula_memory_and_traffic(world):
                   f"formula", end="; ")
             assert abs(measured / predicted - 1) < 0.02, (name, rank, entry["memory"])
             moved = traffic_elements(events, f"{name}/adamw", rank)
-            want = expected_traffic(stage, cfg["grad_accum"]) * psi
+            want = expected_traffic(stage, cfg["grad_accum"],
+                                    cfg.get("grad_reduce", "per-microbatch")) * psi
             print(f"traffic {moved / psi:.4f} psi")
             assert abs(moved / want - 1) < 0.01, (name, rank, moved / psi)
 

@@ -32,7 +32,7 @@ def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
     out = []
     for stage, m in configs:
         args = options(["--dp", "2", "--pp", "2", "--zero", str(stage), "--microbatches",
-                        str(m)])
+                        str(m), "--grad-reduce", "per-step"])
         config = config_from_args(args)
         x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, 8)
         trainer = Trainer(GPT(config, seed=0), mesh, args)

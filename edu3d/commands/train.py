@@ -33,8 +33,9 @@ from edu3d.commands.run import add_node_arguments
 from edu3d.distributed.mesh import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
-from edu3d.train.options import (ATTENTION, FAULT_KINDS, FIELDS, MIN_VOCAB, PRESET_NAMES,
-                                 RECOMPUTE, SCHEDULES, TrainOptions, check_args, check_fit, defaults)
+from edu3d.train.options import (ATTENTION, FAULT_KINDS, FIELDS, GRAD_REDUCE, MIN_VOCAB,
+                                 PRESET_NAMES, RECOMPUTE, SCHEDULES, TrainOptions, check_args,
+                                 check_fit, defaults)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
 POSITIVE = "a positive integer (1, 2, 3 ...)"
@@ -149,6 +150,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--bucket-mb", type=number(0, False, "25", 1e6), default=25.0,
                      help="bucket size in MB for --dp-impl bucketed (PyTorch DDP's)" + D)
     par.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next layer early")
+    par.add_argument("--grad-reduce", choices=GRAD_REDUCE, default="per-microbatch",
+                     help="ZeRO-2/3 with micro-batches: reduce-scatter after every "
+                          "micro-batch and keep only the gradient shard (DeepSpeed's and "
+                          "FSDP2's default), or accumulate full gradients (ZeRO-3: keep the "
+                          "parameters gathered) and reduce once per step (Megatron's); "
+                          "ignored with --zero 0 or 1, which always accumulate full "
+                          "gradients and reduce once per step" + D)
     par.add_argument("--offload", action="store_true",
                      help="ZeRO: keep the optimizer state (and its update) on the CPU")
     par.add_argument("--compress", choices=("fp16", "bf16", "int8", "topk"), default=None,

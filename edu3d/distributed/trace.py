@@ -91,6 +91,7 @@ class Recorder:
         self.flight = flight
         self.events: list[dict] = []  # kept in memory only when there is no path
         self.comm_us: dict[str, float] = {}  # time in communication so far, by group
+        self.wire: dict[str, float] = {}  # bytes sent so far (ring costs), by collective kind
         self._pending: list[tuple] = []  # (start_event, end_event, event dict) on CUDA
         self._open: list[dict] = []  # spans entered and not yet left, innermost last
         self._waiting: dict | None = None  # the asynchronous op the flight record shows
@@ -144,6 +145,7 @@ class Recorder:
         if ev["lane"] == "comm":
             group = ev.get("group", "world")
             self.comm_us[group] = self.comm_us.get(group, 0.0) + ev["t1"] - ev["t0"]
+            self.wire[ev["op"]] = self.wire.get(ev["op"], 0.0) + wire_bytes(ev)
         self._emit(ev)
         return ev
 

@@ -58,10 +58,13 @@ class GradSync:
 
     # ---- during backward ----------------------------------------------------------------------
     def no_sync(self):
-        """Accumulate locally: no dp communication inside (every backward but the last)."""
+        """Around every backward but the last: DP accumulates locally (no communication);
+        ZeRO-2/3 do what their ``grad_reduce`` says (:meth:`Zero.accumulating`: nothing to
+        hold back when they reduce every micro-batch)."""
         stack = contextlib.ExitStack()
         for wrapper in self.par.wrappers:
-            stack.enter_context(wrapper.no_sync())
+            quiet = wrapper.accumulating() if wrapper in self.par.zeros else wrapper.no_sync()
+            stack.enter_context(quiet)
         return stack
 
     def zero_grad(self) -> None:

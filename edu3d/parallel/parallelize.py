@@ -71,6 +71,7 @@ class Plan:
     reverse_buckets: bool = True  # False: forward order, the mistake chapter 02 shows
     prefetch: bool = False
     offload: bool = False
+    grad_reduce: str = "per-microbatch"  # or "per-step": ZeRO-2/3 with micro-batches (Zero)
     compress: str | None = None
     recompute: str = "none"  # "selective" | "full": activation recomputation
     cp_impl: str = "ring"  # "allgather" | "ulysses": context parallelism's attention
@@ -151,12 +152,13 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
         dense = [u for u in dense if u[2]]
         par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, prefetch=plan.prefetch,
-                        offload=plan.offload, units=dense,
+                        offload=plan.offload, units=dense, grad_reduce=plan.grad_reduce,
                         **options([p for _, _, ps in dense for p in ps]))
         if is_expert:
             experts = _expert_units(par, is_expert)
             par.expert_zero = Zero(par.module, mesh.group("edp"), plan.zero,
                                    offload=plan.offload, units=experts, divisor=n,
+                                   grad_reduce=plan.grad_reduce,
                                    **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
         hook = make_hook(plan.compress) if plan.compress else None

@@ -64,6 +64,11 @@ def unsupported(args) -> str | None:
         return ("--tie with --pp > 1: torch.distributed.pipelining gives each stage its own "
                 "module, with no embedding group to keep a tied matrix on two stages equal; "
                 "drop --tie or use --impl edu3d")
+    if args.zero >= 2 and pp > 1 and args.grad_reduce == "per-microbatch":
+        return ("--grad-reduce per-microbatch with --pp > 1: torch.distributed.pipelining "
+                "turns FSDP2's gradient sync off for every backward and reduce-scatters once, "
+                "after the last (its stage's backward_maybe_with_nosync and "
+                "perform_reduce_grad); add --grad-reduce per-step or use --impl edu3d")
     if args.zero == 1 and (tp > 1 or pp > 1):
         flag = "--tp" if tp > 1 else "--pp"
         return (f"--zero 1 with {flag} > 1: ZeroRedundancyOptimizer works beside DDP on plain "

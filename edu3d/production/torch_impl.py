@@ -19,6 +19,12 @@ pipeline cut and schedules       ``torch.distributed.pipelining`` (:mod:`.torch_
 ZeRO-1                           ``ZeroRedundancyOptimizer`` over DDP (dp alone)
 ZeRO-2 / ZeRO-3                  FSDP2 ``fully_shard`` per block and per stage,
                                  ``reshard_after_forward=False`` / ``True``
+``--grad-reduce per-microbatch``  FSDP2's default: ``set_requires_gradient_sync(True)``
+                                 on every micro-batch (reduce-scatter each backward)
+``--grad-reduce per-step``        ``set_requires_gradient_sync(False)`` but on the last;
+                                 ZeRO-3 also ``set_reshard_after_forward(False)`` and
+                                 ``set_reshard_after_backward(False)`` but on the last
+                                 (under ``--pp``, torch's pipelining does this itself)
 ``GradSync.norm`` + clip         the norm of DTensor gradients (``full_tensor``), summed
                                  over pp by hand as torchtitan does, then
                                  ``clip_grads_with_norm_``
@@ -133,11 +139,20 @@ class TorchTrainer:
         return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def _sync(self, module, last: bool):
-        """Gradient accumulation without a pipeline: reduce over dp after the last one only."""
+        """Gradient accumulation without a pipeline: DDP and replicate reduce after the last
+        micro-batch only; FSDP2 (``--zero 2/3``) as ``--grad-reduce`` says: every micro-batch
+        (its default), or per step with full gradients (and ZeRO-3's parameters kept
+        unsharded) until the last, which reshards as usual."""
         if hasattr(module, "no_sync"):  # DDP
             return contextlib.nullcontext() if last else module.no_sync()
-        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2 and its replicate
+        if self.zero >= 2 and self.args.grad_reduce == "per-microbatch":
+            module.set_requires_gradient_sync(True)
+        elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2 and its replicate
             module.set_requires_gradient_sync(last)
+            if self.zero >= 2:
+                module.set_reshard_after_backward(last)
+            if self.zero == 3:
+                module.set_reshard_after_forward(last)
         return contextlib.nullcontext()
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 MOE_KEYS = ("aux_loss", "z_loss", "tokens_per_expert", "dropped", "ep_tokens")  # --experts
-TRAINER_KEYS = ("mem_bytes", "comm_s")  # what edu3d train's records add (Trainer.stats)
+TRAINER_KEYS = ("mem_bytes", "comm_s", "wire_bytes")  # what edu3d train's records add (Trainer.stats)
 
 
 def worker(mesh, options: dict, trainer_class=Trainer) -> list[dict]:

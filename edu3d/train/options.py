@@ -38,6 +38,7 @@ CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 RECOMPUTE = ("none", "selective", "full")
+GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE
 ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
 FAULT_KINDS = ("exit", "kill", "hang", "slow")
 PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
@@ -86,6 +87,7 @@ class TrainOptions:
     bucket_mb: float = 25.0
     prefetch: bool = False
     offload: bool = False
+    grad_reduce: str = "per-microbatch"  # or "per-step": ZeRO-2/3 only (ZeRO-1, DDP: per step)
     compress: str | None = None
     ep: int = 1  # experts shared out over groups of ep of the dp x cp ranks
     cp: int = 1  # each sequence split over cp ranks (context parallelism)
@@ -236,6 +238,8 @@ def check_args(options: TrainOptions):
     if o.offload and not o.zero:
         raise LayoutError("--offload moves ZeRO's sharded optimizer state; add --zero 1 "
                           "(or 2, 3)")
+    if o.grad_reduce not in GRAD_REDUCE:
+        raise LayoutError(f"grad_reduce={o.grad_reduce!r}: choose one of {', '.join(GRAD_REDUCE)}")
     if o.prefetch and o.zero != 3:
         raise LayoutError("--prefetch gathers ZeRO-3's parameters early; add --zero 3")
     needs_dir = [flag for flag, value in (("--resume", o.resume), ("--save-every", o.save_every),

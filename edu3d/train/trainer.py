@@ -36,12 +36,13 @@ from edu3d.ckpt import reshard
 from edu3d.model.gpt import set_attention
 from edu3d.model.moe import MoE, set_aux_scale
 from edu3d.parallel.cp.sequence import split_batch
-from edu3d.distributed import meter, trace
+from edu3d.distributed import trace
 from edu3d.train.data import microbatches, shard_rows
 from edu3d.distributed.mesh import Layout, Mesh
 from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwargs,
                                param_groups, set_lr)
 from edu3d.train.options import TrainOptions
+from edu3d.train.step_stats import StepMeter
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
@@ -59,7 +60,7 @@ def plan_from(options: TrainOptions) -> Plan:
                 partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
                 reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
                 compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
-                cp_split=o.cp_split, compile=o.compile)
+                cp_split=o.cp_split, compile=o.compile, grad_reduce=o.grad_reduce)
 
 
 class Trainer:
@@ -95,7 +96,7 @@ class Trainer:
         self.optimizer = None if self.par.zeros else make_optimizer(self.par.module, args)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
         self.cp_size = self.mesh.layout.cp
-        self._comm_seen: dict[str, float] = {}
+        self.meter = StepMeter(self.tensors, self.mesh.layout.world_size)
         self.config = config = model.config
         self.moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
         self.moe = {int(name.split(".")[-2]): m for name, m in self.par.module.named_modules()
@@ -114,13 +115,15 @@ class Trainer:
 
     def _context(self, action, last: bool):
         """Around each compute action: autocast for forwards; ``no_sync`` for every backward
-        but a stage's last; ZeRO-3 keeps units gathered until a stage's last forward."""
+        but a stage's last; ZeRO-3 per step keeps units gathered until a stage's last
+        forward. After it, the memory held is sampled (the step's peak, :meth:`stats`)."""
         stack = contextlib.ExitStack()
+        stack.callback(self.meter.sample)
         if action.kind == "F":
             stack.enter_context(self.precision.autocast())
             if not last:
                 for z in self.par.zeros:
-                    stack.enter_context(z.keep_gathered())
+                    stack.enter_context(z.accumulating(forward=True))
         elif action.kind == "I" or not last:
             stack.enter_context(self.grads.no_sync())
         return stack
@@ -169,6 +172,7 @@ class Trainer:
                     coef = clip_coef(norm, self.args.clip)
                     self.grads.scale_(coef / scale if scale != 1.0 else coef)
                     self._update(lr_at(step, self.args))
+        self.meter.step_done()
         out = {"loss": loss.detach(), "grad_norm": norm.detach()}
         if read:
             out = {k: v.item() for k, v in out.items()}
@@ -242,25 +246,12 @@ class Trainer:
     # ---- inspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
         """What ``edu3d train --json`` adds to each record; collective (every rank calls).
-
-        ``mem_bytes``: the bytes of the fullest rank (largest total) by category: parameters,
-        gradients and optimizer state measured from the tensors it holds, and the peak of the
-        activations its pipeline engine kept. ``comm_s``: this rank's seconds in communication
-        since the last call, by group (``tp``, ``pp``, ``dp``, ...), from the trace: each
-        collective from its start to its completion (an overlapped one counts whole)."""
-        held = meter.measure(self.tensors())
-        row = torch.tensor([held["params"], held["grads"], held["optimizer"],
-                            self.engine.peak_activation_bytes], dtype=torch.float64)
-        if self.mesh.layout.world_size > 1:  # bookkeeping: left out of the trace
-            rows = [torch.empty_like(row) for _ in range(self.mesh.layout.world_size)]
-            dist.all_gather(rows, row)
-            row = max(rows, key=lambda r: float(r.sum()))
-        mem = dict(zip(("params", "grads", "optimizer", "activations"), map(int, row.tolist())))
-        mem["total"] = sum(mem.values())
-        now = dict(trace.current().comm_us)
-        comm = {g: (t - self._comm_seen.get(g, 0.0)) / 1e6 for g, t in now.items()}
-        self._comm_seen = now
-        return {"mem_bytes": mem, "comm_s": {g: round(s, 6) for g, s in comm.items() if s}}
+        Since the last call (:class:`~edu3d.train.step_stats.StepMeter`): ``mem_bytes``, the
+        fullest rank's peak bytes by category (parameters, gradients, optimizer state held
+        between compute actions; the activations its pipeline engine kept); ``comm_s``, this
+        rank's seconds in communication by group; ``wire_bytes``, bytes sent per step by
+        collective kind."""
+        return self.meter.read(self.engine.peak_activation_bytes)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def checkpoint_slots(self) -> list[tuple[dict, torch.Tensor, bool]]:

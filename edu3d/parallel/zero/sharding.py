@@ -22,7 +22,11 @@ After reading this file you should understand where each byte of training state 
   in FSDP); ``model.state_dict()`` gathers full tensors (collective: every rank calls it);
 * ``offload=True`` (any stage) keeps the optimizer's work in host memory: the shard's fp32
   master copy, its gradient and the Adam moments live on the CPU, the step runs there, and
-  only the updated shard is copied back (ZeRO-Offload, Ren et al. 2021).
+  only the updated shard is copied back (ZeRO-Offload, Ren et al. 2021);
+* **with micro-batches**, stages 2-3 reduce-scatter every micro-batch and keep only the
+  gradient shard (``grad_reduce="per-microbatch"``, the default, as DeepSpeed and FSDP2:
+  traffic grows with m) or accumulate full gradients and reduce once (``"per-step"``, as
+  Megatron's distributed optimizer: the memory of ZeRO-1 for 2Ψ / 3Ψ whatever m).
 
 Memory per rank in fp32 (4-byte params and grads, 8 bytes of Adam moments; K=8):
 stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
@@ -47,13 +51,16 @@ import torch
 import torch.distributed as dist
 
 from edu3d.distributed import comm, trace
+from edu3d.distributed.meter import storage_bytes
 from edu3d.parallel.dp.data_parallel import switched, used_by_any_rank
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.zero.flat_unit import FlatUnit
+from edu3d.parallel.zero import shard_optimizer
 from edu3d.parallel.zero.gathering import Gathering
 from edu3d.parallel.zero.units import model_units
 
 STAGES = (1, 2, 3)
+GRAD_REDUCE = ("per-microbatch", "per-step")  # stages 2-3; stage 1 reduces per step
 
 
 class Zero:
@@ -71,20 +78,33 @@ class Zero:
     ``units`` (``(name, modules, params)``, see :func:`model_units`) defaults to the model's;
     a pipeline rank passes the units of its own stages.
 
-    **With micro-batches** (gradient accumulation or a pipeline) gradients accumulate in full
-    ``.grad`` tensors inside :meth:`no_sync` and are reduced once, in each unit's last
-    backward (stages 2 and 3) or in :meth:`finish` (stage 1). Stage 3 gathers a unit once for
-    the forwards of a step and frees it after the stage's last forward
-    (:meth:`keep_gathered`), gathers it again for the backwards and frees it after its
-    reduce-scatter: traffic stays ``3Ψ`` per step whatever the number of micro-batches.
+    **With micro-batches** (gradient accumulation or a pipeline), stages 2 and 3 reduce as
+    ``grad_reduce`` says. ``"per-microbatch"`` (the default, as DeepSpeed ZeRO-2/3 and FSDP2):
+    nothing to mark, every backward reduce-scatters each unit as soon as its gradients are
+    complete (a backward hook) and adds the result to the shard, so a rank keeps ``1/N`` of
+    the gradients between micro-batches; stage 3 frees a unit after every forward and after
+    every backward. Traffic per step with m micro-batches: ``(m + 1)Ψ`` (stage 2), ``3mΨ``
+    (stage 3). ``"per-step"`` (Megatron's distributed optimizer): run every backward but the
+    last inside :meth:`no_sync` (DDP's idiom; FSDP2's ``set_requires_gradient_sync(False)``):
+    full gradients accumulate in ``.grad``, each unit is reduced once, in its last backward;
+    stage 3 keeps units gathered after forwards inside :meth:`no_sync` or
+    :meth:`keep_gathered` (a pipeline's forwards), gathers again for the backwards:
+    ``2Ψ`` / ``3Ψ`` whatever m, for full gradients (stage 3: parameters) held for the step.
+    Per micro-batch, :meth:`no_sync` and :meth:`keep_gathered` refuse; :meth:`accumulating`
+    suits either mode. Stage 1 has no choice (full gradients, reduced once in :meth:`finish`,
+    as in the paper): ``grad_reduce`` is ignored there.
     """
 
     def __init__(self, model, group=None, stage: int = 1, *, optimizer_class=torch.optim.AdamW,
                  params=None, prefetch: bool = False, offload: bool = False,
                  units: list | None = None, divisor: int | None = None,
-                 find_unused_parameters: bool = False, **defaults):
+                 find_unused_parameters: bool = False, grad_reduce: str = "per-microbatch",
+                 **defaults):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce={grad_reduce!r} is not one of {GRAD_REDUCE}")
+        self.grad_reduce = grad_reduce
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.offload, self.find_unused = offload, find_unused_parameters
         self.sync = True
@@ -112,58 +132,46 @@ class Zero:
         for p in self._where:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gathering = Gathering(model, self.units, group, prefetch) if stage == 3 else None
-        self.optimizer = self._make_optimizer(self._groups(params), optimizer_class, defaults)
+        groups = shard_optimizer.checked_groups(params, self._where, self.names)
+        self.optimizer = shard_optimizer.build(self.units, groups, optimizer_class, defaults,
+                                               offload)
+
+    @property
+    def per_microbatch(self) -> bool:
+        """Stages 2-3 reducing every micro-batch (stage 1 always reduces once per step)."""
+        return self.stage > 1 and self.grad_reduce == "per-microbatch"
+
+    def _refuse(self, what: str) -> None:
+        if self.per_microbatch:
+            raise RuntimeError(f"ZeRO-{self.stage} {what}: grad_reduce='per-microbatch' reduces "
+                               "every micro-batch (DeepSpeed's no_sync refuses too); build Zero "
+                               "with grad_reduce='per-step' to accumulate full gradients")
 
     def no_sync(self):
-        """Accumulate full gradients locally: no reduce-scatter (and no ZeRO-3 free)."""
-        return switched(self, "sync", False)
+        """Per-step: accumulate full gradients locally, no reduce-scatter (and under ZeRO-3
+        no free after the forwards and backwards inside). Refused per micro-batch."""
+        self._refuse("no_sync()")
+        stack = contextlib.ExitStack()
+        stack.enter_context(switched(self, "sync", False))
+        if self.gathering is not None:
+            stack.enter_context(switched(self.gathering, "reshard_after_forward", False))
+        return stack
 
     def keep_gathered(self):
-        """ZeRO-3: leave units gathered after this forward (more micro-batches follow)."""
+        """ZeRO-3 per-step: leave units gathered after this forward (more micro-batches
+        follow); a pipeline's forwards run outside :meth:`no_sync`. Refused per micro-batch."""
+        self._refuse("keep_gathered()")
         if self.gathering is None:
             return contextlib.nullcontext()
         return switched(self.gathering, "reshard_after_forward", False)
 
-    # ---- optimizer on shard views -----------------------------------------------------------
-    def _groups(self, params) -> list[dict]:
-        """``params`` as torch optimizers take it, checked to be unit parameters."""
-        params = list(self._where) if params is None else list(params)
-        groups = [dict(g) for g in params] if params and isinstance(params[0], dict) \
-            else [{"params": params}]
-        seen = set()
-        for g in groups:
-            ps = g["params"]
-            g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            for p in g["params"]:
-                if p not in self._where or p in seen:
-                    raise ValueError(f"parameter {self.names.get(p, tuple(p.shape))} is "
-                                     f"{'in two groups' if p in seen else 'in no ZeRO unit'}")
-                seen.add(p)
-        return groups
-
-    def _make_optimizer(self, groups: list[dict], optimizer_class, defaults: dict):
-        """``optimizer_class`` over the shard's pieces, each in its parameter's group."""
-        group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
-        pieces: list[list] = [[] for _ in groups]
-        for u in self.units:
-            # offload: the optimizer works on a host copy of the shard (master weights,
-            # gradient, moments in CPU memory); only the shard itself stays on the device
-            u.host_param = u.shard_param.detach().to("cpu", copy=True) if self.offload else None
-            u.host_grad = torch.zeros(u.shard_numel, dtype=u.shard_grad.dtype) \
-                if self.offload else None
-            param = u.host_param if self.offload else u.shard_param
-            grad = u.host_grad if self.offload else u.shard_grad
-            u.opt_params, u.opt_grads = [], []  # per u.pieces(): optimizer param (or None)
-            for p, a, b, s in u.pieces():
-                piece = torch.nn.Parameter(param[s:s + b - a], requires_grad=False)
-                piece.grad = grad[s:s + b - a]
-                i = group_of.get(p)
-                u.opt_params.append(None if i is None else piece)
-                u.opt_grads.append(piece.grad)
-                if i is not None:
-                    pieces[i].append(piece)
-        return optimizer_class([{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
-                                for g, ps in zip(groups, pieces)], **defaults)
+    def accumulating(self, forward: bool = False):
+        """Around every backward but the last (``forward=True``: every forward but the
+        last) of a step, in either mode: :meth:`no_sync` (:meth:`keep_gathered`) per step,
+        nothing per micro-batch. What a trainer enters without knowing the mode."""
+        if self.per_microbatch:
+            return contextlib.nullcontext()
+        return self.keep_gathered() if forward else self.no_sync()
 
     # ---- gradients ----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -227,11 +235,21 @@ class Zero:
     def _reduce(self, u: FlatUnit) -> None:
         u.ready.clear()
         u.reduced = True
-        self._reduce_scatter(u, u.flatten_grads())
+        flat = u.flatten_grads()
+        self._mark_grads(flat)  # the peak inside backward: this unit's grads twice
+        self._reduce_scatter(u, flat)
+        del flat
         for q in u.params:
             q.grad = None
+        self._mark_grads()
         if self.gathering is not None:
             self.gathering.free(u)
+
+    def _mark_grads(self, *transient: torch.Tensor) -> None:
+        """A ``mem`` event with the gradient bytes held now (when a trace is recorded)."""
+        rec = trace.current()
+        if rec.enabled:
+            rec.mark_memory("grads", grads=storage_bytes(self.tensors()["grads"] + [*transient]))
 
     def _agree_on_stepped(self) -> None:
         """Which parameters step: those with a gradient on some rank (summed mask), or, without

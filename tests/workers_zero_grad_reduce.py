@@ -1,0 +1,111 @@
+"""Rank workers for tests/test_zero_grad_reduce.py: ZeRO-2/3 reducing per micro-batch or per
+step, through the trainer (parity, peak memory, bytes on the wire) and as a library."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from edu3d.model.gpt import GPT
+from edu3d.parallel.zero.sharding import Zero
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.options import config_from_args
+from edu3d.train.trainer import Trainer
+from tests.workers_3d import options, parity
+from tests.workers_library_zero import OPTIMIZERS, LibModel, batch, groups
+
+
+def measured(mesh, argv: list[str]) -> dict:
+    """One AdamW step of ``argv``: the trainer's record figures (peak memory by category,
+    bytes sent per collective kind) and the unit sizes they follow from."""
+    args = options(argv)
+    config = config_from_args(args)
+    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(1, 8)
+    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    trainer.step(x, y, 1)
+    stats = trainer.stats()
+    zero = trainer.par.zero
+    return {"mem": stats["mem_bytes"], "wire": stats["wire_bytes"],
+            "padded": sum(u.padded for u in zero.units) if zero else 0,
+            "numel": sum(u.numel for u in zero.units) if zero else 0,
+            "shard": sum(u.shard_numel for u in zero.units) if zero else 0}
+
+
+def trainer_cases(mesh, parity_cases: list, refs: list, measure_cases: list) -> dict:
+    """:func:`tests.workers_3d.parity` for each ``(name, argv)`` of ``parity_cases`` against
+    its serial reference, and :func:`measured` for each of ``measure_cases``."""
+    out = {name: parity(mesh, argv, ref) for (name, argv), ref in zip(parity_cases, refs,
+                                                                     strict=True)}
+    out.update({name: measured(mesh, argv) for name, argv in measure_cases})
+    return out
+
+
+# ---- Zero as a library: the model's own micro-batch loop ----------------------------------
+def _reference(opt: str, m: int) -> dict:
+    model = LibModel()
+    model.use_extra = True
+    cls, kw = OPTIMIZERS[opt]
+    optimizer = cls(groups(model), **kw)
+    for step in range(1, 4):
+        optimizer.zero_grad()
+        for part in batch(step).chunk(2 * m):  # rank r's micro-batch i: rows of part r*m+i
+            (model(part) / (2 * m)).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _zero_run(stage: int, mode: str, opt: str, m: int) -> dict:
+    """Three steps of ``m`` micro-batches per rank, the user marking nothing per micro-batch
+    (per-microbatch) or every backward but the last inside ``no_sync()`` (per-step)."""
+    model = LibModel()
+    cls, kw = OPTIMIZERS[opt]
+    zero = Zero(model, None, stage, optimizer_class=cls, params=groups(model),
+                grad_reduce=mode, **kw)
+    rank = dist.get_rank()
+    sent = []
+    for step in range(1, 4):
+        zero.zero_grad()
+        parts = batch(step).chunk(2 * m)[rank * m:(rank + 1) * m]
+        for i, part in enumerate(parts):
+            quiet = zero.no_sync() if mode == "per-step" and i < m - 1 else None
+            if quiet is None:
+                (model(part) / m).backward()
+            else:
+                with quiet:
+                    (model(part) / m).backward()
+            sent.append(sum(p.grad is not None for p in model.parameters()))
+        zero.finish()
+        zero.step()
+    return {"state": model.state_dict(), "grads_kept": sent,
+            "n_params": len(list(model.parameters()))}
+
+
+def library_cases(mesh) -> dict:
+    """Zero on a plain model at stages 1-3 in both modes, m = 1, 2, 4, against one process;
+    and what ``no_sync`` does per micro-batch."""
+    out = {}
+    for opt in ("adamw", "sgd"):
+        for m in (1, 2, 4):
+            ref = _reference(opt, m)
+            for stage in (1, 2, 3):
+                for mode in ("per-microbatch", "per-step"):
+                    got = _zero_run(stage, mode, opt, m)
+                    err = max(float((got["state"][k].double() - v.double()).abs().max())
+                              for k, v in ref.items())
+                    out[f"zero{stage}/{mode}/{opt}/m{m}"] = err
+                    if opt == "adamw" and m == 4:
+                        out[f"zero{stage}/{mode}/kept"] = got["grads_kept"][:m]
+                        out["n_params"] = got["n_params"]
+    for stage in (1, 2, 3):
+        zero = Zero(LibModel(), None, stage)
+        try:
+            with zero.no_sync():
+                pass
+            out[f"zero{stage}/no_sync"] = "ran"
+        except RuntimeError as err:
+            out[f"zero{stage}/no_sync"] = str(err)
+    try:
+        Zero(LibModel(), None, 2, grad_reduce="per-batch")
+    except ValueError as err:
+        out["bad_mode"] = str(err)
+    return out
