@@ -19,6 +19,8 @@ Rows come from :func:`edu3d.course.ch03_zero_reduce.table`; this module only dra
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -28,6 +30,7 @@ STAGE_COLORS = {0: style.GREY, 1: style.SKY, 2: style.ORANGE, 3: style.VERMILLIO
 DASH = {"per-microbatch": "solid", "per-step": "dot"}
 SYMBOL = {"per-microbatch": "circle", "per-step": "diamond-open"}
 FADED = 0.15  # a case the panel did not choose
+SIZES = (22, 14, 12, 12, 7, 7)  # by case: coinciding markers nest as rings, all visible
 
 
 def _unit(values) -> tuple[str, float]:
@@ -63,6 +66,22 @@ def takeaway(rows: list[dict]) -> str:
             + ("" if w3 is None else f" (ZeRO-3 per-microbatch: {w3 / w_ps:.1f}x)"))
 
 
+def _label_lines(fig, rows: list[dict], what: str, div: float, col: int) -> None:
+    """Name the cases on each line at its right end: lines that coincide get one label
+    listing them all (DDP = ZeRO-1 = ZeRO-2 per-step), so no case hides under another."""
+    last = max(r["m"] for r in rows)
+    groups: dict = {}
+    for label, zero, mode in _cases(rows):
+        ys = tuple(round(r[what]) for r in sorted(rows, key=lambda r: r["m"])
+                   if r["label"] == label)
+        groups.setdefault(ys, []).append(label)
+    for ys, labels in groups.items():
+        fig.add_annotation(x=math.log10(last), y=ys[-1] / div if col == 1 else
+                           math.log10(ys[-1] / div), xref=f"x{col}", yref=f"y{col}",
+                           text=" = ".join(labels), showarrow=False, xanchor="right",
+                           yanchor="bottom", yshift=6, xshift=-14, font={"size": 11})
+
+
 def grad_reduce_figure(rows: list[dict], chosen: tuple[int, str] | None = None,
                        title: str | None = None):
     """Both panels for ``rows`` (one per case and ``m``); ``chosen`` = ``(stage, mode)``
@@ -72,7 +91,7 @@ def grad_reduce_figure(rows: list[dict], chosen: tuple[int, str] | None = None,
     ms = sorted({r["m"] for r in rows})
     for col, what in ((1, "grads"), (2, "wire")):
         unit, div = _unit([r[what] for r in rows] + [r.get(f"{what}_measured", 0) for r in rows])
-        for label, zero, mode in _cases(rows):
+        for k, (label, zero, mode) in enumerate(_cases(rows)):
             mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["m"])
             lit = chosen is None or chosen == (zero, mode) or zero < 2 and chosen[0] == zero
             color = STAGE_COLORS[zero]
@@ -89,17 +108,26 @@ def grad_reduce_figure(rows: list[dict], chosen: tuple[int, str] | None = None,
                     x=[r["m"] for r in got], y=[r[f"{what}_measured"] / div for r in got],
                     mode="markers", name=f"{label} (measured)", legendgroup=label,
                     showlegend=False, opacity=1.0 if lit else FADED,
-                    marker={"color": color, "symbol": SYMBOL[mode], "size": 10,
+                    marker={"color": color, "symbol": SYMBOL[mode], "size": SIZES[k % 6],
                             "line": {"color": color, "width": 2}},
                     hovertemplate=(f"{label}<br>m=%{{x}}<br>measured %{{y:.3f}} {unit}"
                                    "<extra></extra>")), row=1, col=col)
-        fig.update_yaxes(title_text=f"{unit} per rank", rangemode="tozero", row=1, col=col)
-        fig.update_xaxes(title_text="micro-batches per step (m)", tickvals=ms, row=1, col=col)
+        _label_lines(fig, rows, what, div, col)
+        if col == 1:
+            fig.update_yaxes(title_text=f"{unit} per rank", rangemode="tozero", row=1, col=col)
+        else:  # constant lines and lines growing with m, a decade apart: log
+            values = [r[what] / div for r in rows]
+            ticks = [k * 10 ** e for e in range(-3, 7) for k in (1, 2, 5)
+                     if min(values) / 2 <= k * 10 ** e <= max(values) * 2]
+            fig.update_yaxes(title_text=f"{unit} per rank (log)", type="log", tickvals=ticks,
+                             row=1, col=col)
+        fig.update_xaxes(title_text="micro-batches per step (m, log)", type="log", tickvals=ms,
+                         range=[-0.15, 1.05], row=1, col=col)
     measured = any("grads_measured" in r for r in rows)
     style.frame(fig, title or ("ZeRO under gradient accumulation: lines the planner, markers "
                                "a run" if measured else "ZeRO under gradient accumulation: the "
                                "planner (press 'run it' to measure)"),
                 takeaway(rows), height=460)
     fig.update_layout(legend={"orientation": "h", "y": -0.2, "x": 0, "font": {"size": 12}},
-                      margin={"b": 110})
+                      margin={"b": 110, "t": 110})
     return fig

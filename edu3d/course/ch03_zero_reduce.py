@@ -102,7 +102,7 @@ def run(dp: int = 2, model: str = "tiny", cases=CASES, ms=MICROBATCHES,
     (``Trainer.stats`` reports the fullest rank's memory and the busiest rank's bytes)."""
     runs = sweep(dp, model, cases, ms)
     res = launch(measure, dp, args=([r[-1] for r in runs],), timeout=timeout, echo=False,
-                 name="zero-grad-reduce")
+                 progress=False, name="zero-grad-reduce")
     return collect(res.results[0], runs)
 
 

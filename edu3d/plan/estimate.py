@@ -396,5 +396,5 @@ def from_train_args(args) -> tuple[ModelSpec, Setup]:
                microbatches=m, micro_batch=args.global_batch // (args.dp * m),
                schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=args.precision, optimizer=args.optimizer,
-               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl)
+               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce)
     return spec, st
