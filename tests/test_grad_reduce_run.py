@@ -68,6 +68,7 @@ def test_the_chart_and_its_panel():
         in fig.layout.title.text  # from the run's numbers: 1/N of (1 + 1/N), (m + 1)/2
     ctl = GradReduceControls(stage=3, grad_reduce="per-step")
     assert not any(t.mode == "markers" for t in ctl.figure.data)  # nothing measured yet
+    assert all(t.opacity >= 0.5 for t in GradReduceControls().figure.data)  # "all": every case lit
     for stage in range(4):
         for mode in ("per-microbatch", "per-step"):
             for model in ("tiny", "small"):

@@ -99,7 +99,9 @@ class GradReduceControls(Panel):
     title = "ZeRO under gradient accumulation: choose a stage, a mode and a model"
     FIGURES = ("figure",)
 
-    def __init__(self, stage: int = 2, grad_reduce: str = "per-microbatch",
+    ALL = -1  # the stage knob's "all": every case lit
+
+    def __init__(self, stage: int = ALL, grad_reduce: str = "per-microbatch",
                  model: str = "tiny", measured: list[dict] | None = None, dp: int = 2):
         super().__init__({"stage": stage, "grad_reduce": grad_reduce, "model": model})
         self.dp = dp
@@ -110,7 +112,8 @@ class GradReduceControls(Panel):
         self.state.update(changes)
         s = self.state
         self.rows = ch03r.table(self.measured.get(s["model"]), self.dp, s["model"])
-        self.figure = grad_reduce_figure(self.rows, (s["stage"], s["grad_reduce"]))
+        lit = None if s["stage"] == self.ALL else (s["stage"], s["grad_reduce"])
+        self.figure = grad_reduce_figure(self.rows, lit)
         self.say(ch03r.agreement(self.rows) if s["model"] in self.measured else "")
 
     def run(self, timeout: float = 300):
@@ -130,7 +133,8 @@ class GradReduceControls(Panel):
     def knobs(self) -> dict:
         s = self.state
         wide = {"description_width": "initial"}
-        return {"stage": w.Dropdown(options=[("0 (DDP)", 0), ("1", 1), ("2", 2), ("3", 3)],
+        return {"stage": w.Dropdown(options=[("all", self.ALL), ("0 (DDP)", 0), ("1", 1),
+                                             ("2", 2), ("3", 3)],
                                     value=s["stage"], description="ZeRO stage", style=wide),
                 "grad_reduce": w.Dropdown(options=list(GRAD_REDUCE), value=s["grad_reduce"],
                                           description="--grad-reduce", style=wide),
