@@ -78,3 +78,25 @@ def test_the_chart_and_its_panel():
     knobs = ctl.knobs()
     assert knobs["grad_reduce"].options == ("per-microbatch", "per-step")
     assert knobs["model"].options == ("tiny", "small")
+
+
+def test_with_a_pipeline_the_fullest_rank_is_the_planners():
+    """dp=2 x pp=2 (1F1B, 4 micro-batches): ``Trainer.stats()``'s fullest rank holds what the
+    planner's fullest (pipeline rank, dp rank) holds at the peak, in both modes."""
+    from edu3d.course.ch07_memory_plan import measure_many, options
+    from edu3d.distributed.mesh import Layout
+    from edu3d.launch import launch
+    from edu3d.plan import estimate as plan_memory
+
+    argvs = [["--dp", "2", "--pp", "2", "--zero", str(z), "--microbatches", "4",
+              "--global-batch", "8", "--grad-reduce", g] for z in (2, 3) for g in ch03r.MODES]
+    res = launch(measure_many, 4, args=(argvs,), layout=Layout(dp=2, pp=2), echo=False,
+                 timeout=300, name="grad-reduce-pp").results
+    cats = ("params", "grads", "optimizer")
+    for i, a in enumerate(argvs):
+        spec, st = plan_memory.from_train_args(options(a))
+        planned = [plan_memory.state_per_rank(spec, st, pp, dp, at="peak")
+                   for pp, dp, _ in (res[r][i]["coord"] for r in range(4))]
+        fullest = max(planned, key=lambda d: sum(d.values()))
+        got = res[0][i]["mem_bytes"]
+        assert {c: got[c] for c in cats} == {c: fullest[c] for c in cats}, a

@@ -39,6 +39,7 @@ CASES = (("DDP", 0, "per-step"), ("ZeRO-1", 1, "per-step"),
          ("ZeRO-2 per-microbatch", 2, "per-microbatch"), ("ZeRO-2 per-step", 2, "per-step"),
          ("ZeRO-3 per-microbatch", 3, "per-microbatch"), ("ZeRO-3 per-step", 3, "per-step"))
 MICROBATCHES = (1, 2, 4, 8)
+MODES = zero_modes.GRAD_REDUCE
 #: the collectives each stage's data-parallel traffic uses (the rest: the 8-byte norm)
 DP_KINDS = {0: ("all_reduce",), 1: ("reduce_scatter", "all_gather"),
             2: ("reduce_scatter", "all_gather"), 3: ("reduce_scatter", "all_gather")}
