@@ -25,12 +25,11 @@ import pytest
 from edu3d.commands.train import parse
 from edu3d.distributed.mesh import Layout
 from edu3d.launch import launch
-from edu3d.production.compare import parity_many as torch_parity_many
 from edu3d.production.torch_check import unsupported
 from edu3d.parallel.zero.sharding import GRAD_REDUCE
 from edu3d.train.options import GRAD_REDUCE as OPTION_VALUES
 from tests.workers_3d import serial_key, serial_reference
-from tests.workers_zero_grad_reduce import library_cases, trainer_cases
+from tests.workers_zero_grad_reduce import library_cases, torch_cases, trainer_cases
 
 TOL = 1e-5
 LIB_TOL = 1e-7  # a few float32 ulps (the library model has a float32 head)
@@ -133,15 +132,27 @@ def test_zero_as_a_library_marks_microbatches_in_either_mode():
 
 
 def test_impl_torch_maps_both_modes_onto_fsdp2():
+    """Both modes equal serial on FSDP2, and FSDP2 does what each mode says (m = 2): per
+    micro-batch m times the reduce-scatters of per step; ZeRO-3 also m times the all-gathers
+    (resharded after every forward and backward), ZeRO-2 the same (whole parameters)."""
     argvs = [f"--dp 2 --zero {s} --microbatches 2 --grad-reduce {mode}".split()
              for s in (2, 3) for mode in MODES]
-    run = launch(torch_parity_many, 2, args=(argvs, 3, False), timeout=300,
-                 name="grad-reduce-torch", echo=False)
-    for argv, res in zip(argvs, run.results[0]):
-        errs = {k: res[k] for k in ("grad_err", "sgd_norm_err", "sgd_loss2_err",
-                                    "adam_loss_err_serial", "adam_norm_err_serial")}
-        print(f"\n{' '.join(argv)}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    res = launch(torch_cases, 2, args=(argvs, 3), timeout=300, name="grad-reduce-torch",
+                 echo=False).results[0]
+    for argv in argvs:
+        r = res[" ".join(argv)]
+        errs = {k: r[k] for k in ("grad_err", "sgd_norm_err", "sgd_loss2_err",
+                                  "adam_loss_err_serial", "adam_norm_err_serial")}
+        print(f"\n{' '.join(argv)}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items())
+              + f" FSDP2 calls {r['calls']}")
         assert max(errs.values()) < 2e-5, errs
+    for s in (2, 3):
+        per_mb, per_step = (res[f"--dp 2 --zero {s} --microbatches 2 --grad-reduce {mode}"]
+                            ["calls"] for mode in MODES)
+        assert per_step["reduce_scatter_single"] > 0
+        assert per_mb["reduce_scatter_single"] == 2 * per_step["reduce_scatter_single"]
+        gathers = 2 if s == 3 else 1  # ZeRO-3 gathers per micro-batch, ZeRO-2 per step
+        assert per_mb["all_gather_single"] == gathers * per_step["all_gather_single"]
 
 
 def test_bad_or_impossible_modes_fail_before_any_process(capsys, monkeypatch):

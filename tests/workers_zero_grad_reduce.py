@@ -1,5 +1,9 @@
 """Rank workers for tests/test_zero_grad_reduce.py: ZeRO-2/3 reducing per micro-batch or per
-step, through the trainer (parity, peak memory, bytes on the wire) and as a library."""
+step, through the trainer (parity, peak memory, bytes on the wire), as a library, and on
+FSDP2 (``--impl torch``).
+
+Imports inside functions: :func:`torch_cases` alone needs ``torch.distributed.pipelining``
+(through the torch bridge), which the other workers' ranks need not import."""
 
 from __future__ import annotations
 
@@ -108,4 +112,41 @@ def library_cases(mesh) -> dict:
         Zero(LibModel(), None, 2, grad_reduce="per-batch")
     except ValueError as err:
         out["bad_mode"] = str(err)
+    return out
+
+
+# ---- --impl torch: what FSDP2 does in each mode -------------------------------------------
+def torch_cases(mesh, argvs: list[list[str]], steps: int) -> dict:
+    """:func:`edu3d.production.compare.parity` for each of ``argvs`` (``--impl torch``), and
+    FSDP2's reduce-scatters and all-gathers of one step of each, counted by wrapping the
+    ``torch.distributed`` functions FSDP2 calls (edu3d's own collectives are not counted)."""
+    from edu3d.production.compare import options, parity
+    from edu3d.production.torch_impl import TorchTrainer
+
+    out = {}
+    counts = {"reduce_scatter_single": 0, "all_gather_single": 0}
+    saved = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return call
+
+    for argv in argvs:
+        key = " ".join(argv)
+        out[key] = parity(argv, steps, False)
+        args = options([*argv, "--impl", "torch"])
+        config = config_from_args(args)
+        x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(1, 8)
+        trainer = TorchTrainer(GPT(config, seed=args.seed), mesh, args)
+        for name in counts:
+            counts[name] = 0
+            setattr(dist, name, counting(name))
+        try:
+            trainer.step(x, y, 1)
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+        out[key]["calls"] = dict(counts)
     return out

@@ -52,7 +52,8 @@ FIELDS = [
      "the DataLoader's batch_size", "sequences per rank per forward"),
     ("gradient_accumulation_steps", "--microbatches (--grad-accum)",
      "DDP no_sync() / FSDP2 set_requires_gradient_sync(False)",
-     "forwards per step; gradients reduced after the last"),
+     "forwards per step; gradients reduced after the last (ZeRO-2/3: after every one, "
+     "keeping the shard: edu3d's --grad-reduce per-microbatch)"),
     ("gradient_clipping", "--clip", "clip_grad_norm_ (a DTensor norm when sharded)",
      "max global gradient norm"),
     ("optimizer.type = AdamW, params.betas", "--optimizer adamw (betas 0.9, 0.95)",

@@ -25,6 +25,8 @@ ZeRO-2 / ZeRO-3                  FSDP2 ``fully_shard`` per block and per stage,
                                  ZeRO-3 also ``set_reshard_after_forward(False)`` and
                                  ``set_reshard_after_backward(False)`` but on the last
                                  (under ``--pp``, torch's pipelining does this itself)
+ZeRO-2's whole parameters        ``set_reshard_after_backward(False)`` but on the last
+                                 micro-batch (gathered once per step, either mode)
 ``GradSync.norm`` + clip         the norm of DTensor gradients (``full_tensor``), summed
                                  over pp by hand as torchtitan does, then
                                  ``clip_grads_with_norm_``
@@ -145,13 +147,14 @@ class TorchTrainer:
         unsharded) until the last, which reshards as usual."""
         if hasattr(module, "no_sync"):  # DDP
             return contextlib.nullcontext() if last else module.no_sync()
+        if self.zero == 2:  # ZeRO-2 keeps whole parameters: gathered once per step
+            module.set_reshard_after_backward(last)
         if self.zero >= 2 and self.args.grad_reduce == "per-microbatch":
             module.set_requires_gradient_sync(True)
         elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2 and its replicate
             module.set_requires_gradient_sync(last)
-            if self.zero >= 2:
-                module.set_reshard_after_backward(last)
             if self.zero == 3:
+                module.set_reshard_after_backward(last)
                 module.set_reshard_after_forward(last)
         return contextlib.nullcontext()
 
