@@ -151,8 +151,8 @@ def options_for(base: TrainOptions, st, steps: int, bucket_mb: float) -> TrainOp
     args = dataclasses.replace(
         base, dp=st.dp, tp=st.tp, pp=st.pp, cp=st.cp, ep=st.ep, zero=st.zero,
         microbatches=st.microbatches, grad_accum=None, sp=st.sp, recompute=st.recompute,
-        schedule=st.schedule, precision=st.precision, bucket_mb=bucket_mb, steps=steps,
-        json=True)
+        schedule=st.schedule, precision=st.precision, grad_reduce=st.grad_reduce,
+        bucket_mb=bucket_mb, steps=steps, json=True)
     check_args(args)
     return args
 

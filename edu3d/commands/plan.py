@@ -16,7 +16,11 @@ comes from:
 * mixtures of experts and long sequences: ``--experts --topk --moe-every --shared-experts
   --expert-ffn`` make any model a MoE (or start from ``--model mixtral-8x7b`` /
   ``deepseek-v3``, :data:`MOE_PRESETS`), ``--ep`` cuts its experts, ``--cp`` (``--cp-impl``)
-  its sequences: ``world = dp·cp·tp·pp``, EP inside the ``dp·cp`` ranks.
+  its sequences: ``world = dp·cp·tp·pp``, EP inside the ``dp·cp`` ranks;
+* ``--grad-reduce per-microbatch|per-step``: how ZeRO-2/3 reduce over micro-batches
+  (:mod:`edu3d.plan.zero_modes`); the line under the table prints the weights, gradients
+  and optimizer state alone, the ZeRO paper's count (``--params 7.5e9 --dp 64 --zero 2``:
+  16.6 GB per-microbatch at any ``--microbatches``).
 
 Exit codes: 0, 1 when the layout (or every layout) does not fit, 2 for options that cannot
 work together. Nothing here imports torch.
@@ -31,6 +35,7 @@ import sys
 
 from edu3d.commands.argtypes import between, number
 from edu3d.plan import search as plan_search
+from edu3d.plan import zero_modes
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
                                  PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
@@ -96,6 +101,12 @@ def add_arguments(parser):
     lay.add_argument("--cp-impl", choices=CP_IMPLS, default="ring",
                      help="context parallelism: ring attention, all-gathered K/V, or Ulysses")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    lay.add_argument("--grad-reduce", choices=zero_modes.GRAD_REDUCE,
+                     default=zero_modes.DEFAULT,
+                     help="ZeRO-2/3 over micro-batches: reduce-scatter every micro-batch and "
+                          "keep 1/N of the gradients (DeepSpeed, FSDP2; default), or once per "
+                          "step, holding full gradients (Megatron; ZeRO-1's memory, 1/m of "
+                          "the reduce-scatters)")
     lay.add_argument("--microbatches", type=between(1, WIDE), help="micro-batches per step")
     lay.add_argument("--micro-batch-size", type=between(1, WIDE),
                      help="sequences per micro-batch")
@@ -169,7 +180,7 @@ def setup_from_args(args) -> tuple[ModelSpec, Setup]:
     st = Setup(dp=dp, tp=tp, pp=pp, vpp=args.vpp or 1, zero=args.zero, microbatches=m,
                micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=precision, optimizer=args.optimizer, ep=args.ep or 1,
-               cp=args.cp or 1, cp_impl=args.cp_impl)
+               cp=args.cp or 1, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce)
     validate(spec, st)
     return spec, st
 
@@ -196,7 +207,8 @@ def describe(spec: ModelSpec, st: Setup) -> str:
     return (f"dp={st.dp}" + (f" cp={st.cp} ({st.cp_impl})" if st.cp > 1 else "")
             + f" tp={st.tp} pp={st.pp}" + (f" vpp={st.vpp}" if st.vpp > 1 else "")
             + (f" ep={st.ep}" if st.ep > 1 else "")
-            + f" ZeRO-{st.zero}, {st.microbatches} micro-batch(es) of {st.micro_batch} x "
+            + f" ZeRO-{st.zero}" + (f" {st.grad_reduce}" if st.zero >= 2 else "")
+            + f", {st.microbatches} micro-batch(es) of {st.micro_batch} x "
             f"{spec.seq_len} tokens, {st.schedule}, recompute {st.recompute}, {st.precision} "
             f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.sp else ""))
 
@@ -297,6 +309,10 @@ def main_from_args(args) -> int:
     size = (f"{est['total_bytes'] / 1e9:.3f} GB" if est["total_bytes"] > 1e9 else
             f"{est['total_bytes'] / 1e6:.3f} MB")
     print(f"fullest: pp rank {est['fullest_pp_rank']}, {size}" + verdict)
+    print(f"  of which weights, gradients and optimizer state (the ZeRO paper's count): "
+          f"{est['state_bytes'] / 1e9:.3f} GB" + (
+              "; the full gradients are held for the step (--grad-reduce per-step)"
+              if zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches) else ""))
     print("sent per rank and step: " + ", ".join(
         f"{axis} {v / 1e9:.2f} GB" for axis, v in out["traffic_bytes"].items() if v))
     return 0 if fits is not False else 1

@@ -18,11 +18,12 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   1F1B keeps up to ``p`` on the first stage, GPipe all ``m``, interleaved a little more than
   1F1B;
 * **at rest and at the peak**: after the optimizer step ZeRO-2/3 hold gradient (and ZeRO-3
-  weight) shards only; during the step edu3d keeps a stage's full gradients (and ZeRO-3 its
-  gathered weights) while its micro-batches run, so traffic does not grow with ``m``. The
+  weight) shards only; during the step ``grad_reduce="per-step"`` keeps a stage's full
+  gradients (and ZeRO-3 its gathered weights) while its micro-batches run, and
+  ``"per-microbatch"`` (the default) only the shards (:mod:`edu3d.plan.zero_modes`). The
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
-  at its start) and ZeRO's flat gradient of one unit before its reduce-scatter;
+  at its start) and ZeRO's unit in flight (:func:`~edu3d.plan.zero_modes.in_flight_bytes`);
 * **experts and context** (``world = dp·cp·tp·pp``; EP folds inside the ``dp·cp`` ranks):
   a MoE block's routed experts are cut ``ep`` ways, whole on every tp rank, replicated over
   the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from edu3d.plan import formulas as memory
+from edu3d.plan import zero_modes
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks
@@ -75,6 +77,7 @@ class Setup:
     ep: int = 1  # expert parallelism, inside the dp*cp ranks
     cp: int = 1  # context parallelism: each sequence cut cp ways
     cp_impl: str = "ring"
+    grad_reduce: str = zero_modes.DEFAULT  # ZeRO-2/3: "per-microbatch" or "per-step"
 
     @property
     def gpus(self) -> int:
@@ -124,6 +127,7 @@ def validate(spec: ModelSpec, st: Setup) -> None:
     for name, value, ok in (("precision", st.precision, PRECISIONS),
                             ("recompute", st.recompute, RECOMPUTE),
                             ("cp_impl", st.cp_impl, CP_IMPLS),
+                            ("grad_reduce", st.grad_reduce, zero_modes.GRAD_REDUCE),
                             ("zero", st.zero, (0, 1, 2, 3))):
         if value not in ok:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
@@ -139,17 +143,15 @@ def state_bytes(precision: str, optimizer: str = "adamw",
     return 2, 2, 4 + moments  # fp32 master copy + moments: the ZeRO paper's K = 12
 
 
-def _autocast(spec: ModelSpec, st: Setup) -> bool:
-    """A course model in 16 bits runs edu3d's autocast recipe, not Megatron's."""
+def _autocast(spec: ModelSpec, st: Setup) -> bool:  # a course model in 16 bits: edu3d's recipe
     return spec.course and st.precision != "fp32"
 
 
 # ---- parameters per rank -------------------------------------------------------------------------
 def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> list[tuple]:
-    """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in the
-    order ZeRO builds its flat buffers (:func:`edu3d.parallel.zero.units.model_units`);
-    ``experts``: instead, each MoE block's ``E/ep`` routed experts (ZeRO shards them apart,
-    over the expert-data-parallel group). Cached on what they depend on: do not change them."""
+    """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in ZeRO's
+    order (:func:`edu3d.parallel.zero.units.model_units`); ``experts``: each MoE block's ``E/ep``
+    routed experts instead (sharded over expert-data-parallel ranks). Cached: do not change."""
     return _units(spec, _shape_of(st), pp_rank, experts)
 
 
@@ -204,13 +206,13 @@ def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
 
 
 def _state_setup(st: Setup) -> Setup:  # all the model's state depends on
-    return dataclasses.replace(st, microbatches=1 + (st.microbatches > 1 or st.pp > 1),
-                               micro_batch=1, recompute="none", sp=False)
+    return dataclasses.replace(st, microbatches=1 + (st.microbatches > 1), micro_batch=1,
+                               recompute="none", sp=False)
 
 
 @lru_cache(maxsize=4096)
 def _state_of(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int, at: str) -> dict:
-    zero = (st.zero, st.microbatches > 1 or st.pp > 1, at,  # edu3d reduces once per step
+    zero = (st.zero, zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches), at,
             *state_bytes(st.precision, st.optimizer, _autocast(spec, st)))
     dense = memory.zero_unit_bytes(units(spec, st, pp_rank), st.dp * st.cp, dp_index, *zero)
     ex = units(spec, st, pp_rank, experts=True)
@@ -289,7 +291,7 @@ def activations_per_rank(spec: ModelSpec, st: Setup) -> list[float]:
 
 
 def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
-    """Pipeline receive buffers and ZeRO's flat gradient of one unit before its reduce-scatter.
+    """Pipeline receive buffers and ZeRO's unit in flight (:mod:`edu3d.plan.zero_modes`).
 
     edu3d posts all of a step's receives at its start (one buffer per micro-batch, chunk and
     direction: see :class:`~edu3d.parallel.pp.engine.PipelineEngine`); Megatron keeps about
@@ -307,10 +309,9 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     out += {"ring": 2 * kv, "allgather": st.cp * kv}.get(st.cp_impl, 0) if st.cp > 1 else 0
     if st.ep > 1:
         out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
-    if st.zero >= 2:
-        _, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-        out += gb * _biggest_unit(spec, _shape_of(st), pp_rank)
-    return out
+    pb, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
+    return out + zero_modes.in_flight_bytes(_biggest_unit(spec, _shape_of(st), pp_rank),
+                                            st.zero, st.grad_reduce, st.microbatches, pb, gb)
 
 
 @lru_cache(maxsize=4096)
@@ -320,11 +321,9 @@ def _biggest_unit(spec: ModelSpec, st: Setup, pp_rank: int) -> int:
 
 
 def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
-    """The loss's backward on the last pipeline rank: for a moment it holds the gradient of
-    the logits, in their dtype (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit), beside
-    everything the forward kept. With a large vocabulary this is the step's peak: on an H100,
-    GPT-2-small in bf16, ``torch.cuda.max_memory_allocated`` rose exactly ``2sbV`` bytes above
-    what was held when the loss's backward ran (``python -m edu3d.bench.bench_gpu``)."""
+    """The loss's backward on the last pipeline rank holds the logits' gradient for a moment
+    (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
+    allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
     logit = (4 if st.precision == "fp32" else 2) * (pp_rank == st.pp - 1)
     return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp)) / st.cp
 
@@ -333,9 +332,8 @@ def activation_model(spec: ModelSpec, st: Setup) -> str:
     """Which count the estimate's activations use."""
     if spec.course and st.precision == "fp32":
         return "edu3d's GPT in fp32 (exact)"
-    if _autocast(spec, st) and st.tp == 1:
-        return "edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)"
-    return "Korthikanti et al. 2022, 16-bit"
+    return ("edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)" if _autocast(spec, st)
+            and st.tp == 1 else "Korthikanti et al. 2022, 16-bit")
 
 
 # ---- the estimate --------------------------------------------------------------------------------
@@ -357,7 +355,8 @@ def _fullest_states(spec: ModelSpec, st: Setup, at: str) -> tuple[dict, ...]:
 
 def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
     """Bytes per rank by category for every pipeline rank (``per_stage``), and the most loaded
-    one's at the top level (``params_bytes`` ... ``total_bytes``)."""
+    one's at the top level (``params_bytes`` ... ``total_bytes``; ``state_bytes``: weights,
+    gradients and optimizer state, the ZeRO paper's count)."""
     validate(spec, st)
     acts = activations_per_rank(spec, st)
     per_stage, states = [], _fullest_states(spec, _state_setup(st), at)
@@ -369,7 +368,8 @@ def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
         per_stage.append(row)
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
-    out.update(total_bytes=top["total"], fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
+    out.update(total_bytes=top["total"], state_bytes=sum(top[c] for c in CATEGORIES[:3]),
+               fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
                num_params=spec.num_params(), activation_model=activation_model(spec, st),
                active_params=as_moe(spec).active_params())
     return out
@@ -396,5 +396,5 @@ def from_train_args(args) -> tuple[ModelSpec, Setup]:
                microbatches=m, micro_batch=args.global_batch // (args.dp * m),
                schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=args.precision, optimizer=args.optimizer,
-               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl)
+               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce)
     return spec, st

@@ -124,9 +124,9 @@ def zero_unit_bytes(us: list, n: int, dp_index: int, zero: int, held_full: bool,
     """Weights, gradients and optimizer state of the units ``us`` (``[(name, [(elements, is
     a matrix)])]``) on rank ``dp_index`` of ``n`` under ZeRO stage ``zero``, byte for byte:
     each unit a flat buffer (:func:`flat_shard`), ``pb gb ob`` bytes per element. ``at="peak"``
-    adds what ZeRO-2/3 hold during the step: the whole gradients (and gathered weights) when
-    ``held_full`` (micro-batches or stages: edu3d reduces once per step), else the biggest
-    unit's (ZeRO-3: two, the next one prefetched)."""
+    with ``held_full`` (ZeRO-2/3 reducing once per step over micro-batches) adds the full
+    gradients (``.grad`` tensors, unpadded) and ZeRO-3's gathered flat weights, held for the
+    step; a unit in flight is a buffer (:func:`edu3d.plan.zero_modes.in_flight_bytes`)."""
     step_bytes = 4 if ob else 0  # AdamW's step counter: one fp32 scalar per tensor it updates
     numel: dict[int, int] = {}  # a MoE stage repeats one expert list per block: count it once
     for _, u in us:
@@ -147,13 +147,11 @@ def zero_unit_bytes(us: list, n: int, dp_index: int, zero: int, held_full: bool,
     shard = sum(s for _, s, _, _ in shards)
     covered = sum(c for _, _, _, c in shards)
     optimizer = ob * covered + step_bytes * sum(p for _, _, p, _ in shards)
-    biggest = max(p for p, _, _, _ in shards)
     params = pb * (padded if zero < 3 else shard)
     grads = gb * (padded if zero < 2 else shard)
-    if at == "peak" and zero >= 2:
-        grads += gb * (padded if held_full else biggest)
-    if at == "peak" and zero == 3:
-        params += pb * (padded if held_full else 2 * biggest)  # gathered (and prefetched)
+    if at == "peak" and held_full and zero >= 2:
+        grads += gb * full
+        params += pb * padded * (zero == 3)
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 

@@ -11,8 +11,11 @@ After reading this file you should understand the practitioners' decision tree a
   bubble), which more micro-batches shrink;
 * **data parallelism for the rest**, with the ZeRO stage chosen by memory: ZeRO-1 shards
   the 12 bytes per parameter of optimizer state at no extra traffic; ZeRO-2/3 save more but
-  are not combined with pipelines (DeepSpeed refuses; edu3d keeps full gradients during a
-  pipelined step, so they would save nothing at the peak); ZeRO-3 costs 1.5x the traffic;
+  are not combined with pipelines (DeepSpeed refuses), and reduce-scatter every micro-batch
+  (``grad_reduce="per-microbatch"``: their saving kept, ``m`` reduce-scatters a step; ZeRO-3
+  also ``2m`` all-gathers). The search leaves ``"per-step"`` out: it keeps ZeRO-1's full
+  gradients, so ZeRO-1 (same traffic, ``2Ψ/N`` less) beats ZeRO-2 per-step, and ZeRO-3
+  per-step holds more and sends more than ZeRO-1;
 * **recomputation** trades compute for activation memory: selective (the attention core) is
   almost free, full costs a third more compute.
 
@@ -28,9 +31,10 @@ The cost model (:func:`step_time`), stated so it can be argued with:
              when the tp group fits in a node, else InfiniBand;
 ``pp``       per micro-batch, one activation forward and one gradient back, ``b·s·h``
              values (``/t`` with SP), over InfiniBand when stages sit on different nodes;
-``dp``       once per step, ``2(N_d-1)/N_d`` (ZeRO-0/1/2) or ``3(N_d-1)/N_d`` (ZeRO-3) of
-             the rank's 16-bit gradients (Ψ/(t·p)), over InfiniBand when the dp group
-             spans nodes.
+``dp``       :func:`edu3d.plan.zero_modes.dp_wire_bytes` of the rank's 16-bit weights and
+             gradients (Ψ/(t·p)): ``2(N_d-1)/N_d`` of them a step (DDP, ZeRO-1),
+             ``(m+1)(N_d-1)/N_d`` (ZeRO-2) or ``3m(N_d-1)/N_d`` (ZeRO-3) reducing every
+             micro-batch, over InfiniBand when the dp group spans nodes.
 
 Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
 practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`) is
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
+from edu3d.plan import zero_modes
 from edu3d.plan.estimate import MAX_GPUS, Setup, estimate, held
 from edu3d.plan.formulas import as_moe, divisors
 from edu3d.model.shapes import ModelSpec
@@ -91,8 +96,9 @@ def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
             MoE half none (it runs whole on every tp rank);
     ``pp``  per micro-batch an activation forward and a gradient back, ``b·(s/cp)·h``
             (``/t`` with SP);
-    ``dp``  once per step, ``2(N-1)/N`` (ZeRO-3: ``3(N-1)/N``) of the rank's dense 16-bit
-            gradients, ``N = dp·cp``; ``edp``: the routed experts' over ``dp·cp/ep``;
+    ``dp``  :func:`~edu3d.plan.zero_modes.dp_wire_bytes` of the rank's dense 16-bit
+            weights and gradients, ``N = dp·cp``, for its ZeRO stage, ``grad_reduce`` and
+            ``m``; ``edp``: the routed experts' over ``dp·cp/ep``;
     ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
             recomputation: its forward runs again);
     ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
@@ -105,10 +111,9 @@ def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
     calls = (3 if full else 2) * (2 * L - spec.moe_layers)
     out = {"tp": calls * 2 * (t - 1) / t * msg / p * m if t > 1 else 0.0,
            "pp": 2 * m * msg / (t if st.sp else 1) if p > 1 else 0.0}
-    factor = 3 if st.zero == 3 else 2
     for axis, n, experts in (("dp", st.dp * st.cp, False), ("edp", st.edp, True)):
         psi = max(held(spec, st, r, experts) for r in range(p))
-        out[axis] = factor * (n - 1) / n * 2 * psi if n > 1 else 0.0
+        out[axis] = zero_modes.dp_wire_bytes(psi, n, st.zero, st.grad_reduce, m)
     k = memory.routed_per_token(spec)
     out["ep"] = (memory.ep_bytes(b * s // st.cp, k, h, st.ep) * (1.5 if full else 1)
                  * spec.moe_layers / p * m)
@@ -237,8 +242,9 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
         out.append(f"cp={st.cp} ({st.cp_impl}): each GPU keeps {spec.seq_len // st.cp} tokens "
                    f"of a sequence, activations /{st.cp}, for {tm['cp']:.2f} s of K/V exchange")
     whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
+    every = "every micro-batch" if st.zero >= 2 and st.microbatches > 1 else "once per step"
     out.append(f"dp={st.dp}: {whom} a replica of the model; gradients are reduced "
-               f"once per step ({tm['dp']:.2f} s)" if st.dp > 1 else
+               f"{every} ({tm['dp']:.2f} s)" if st.dp > 1 else
                "dp=1: every GPU is needed to hold one copy of the model")
     if st.dp > 1:
         z0 = other(zero=0)
@@ -252,6 +258,8 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                 f" over dp={st.dp}, {gb(saved)} less per GPU"
                 + ("" if z0 is None or z0["fits"] else " (without it: does not fit)")
                 + ("; ZeRO-1 moves the same bytes as plain DP (2Ψ)" if st.zero == 1 else "")
+                + (f"; reduce-scattering each of the {st.microbatches} micro-batches keeps "
+                   f"1/{st.dp} of the gradients" if st.zero >= 2 else "")
                 + ("; ZeRO-2/3 are not combined with pipelines" if st.pp > 1 else ""))
     rivals = [r for r in rows if r["fits"] and r["setup"].tp != st.tp]
     if rivals:

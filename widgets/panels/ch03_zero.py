@@ -6,6 +6,11 @@ ghost, the planner's exact count solid) and the traffic per step (2Ψ, 3Ψ) for 
 stages, the chosen one marked (:func:`edu3d.course.ch03_zero.zero_prediction`); "run it"
 trains at that stage on N ranks (:func:`edu3d.course.ch02_data_parallel.compare_versions`)
 and adds the measured bars (:func:`edu3d.course.ch03_zero.zero_measured`).
+
+:class:`GradReduceControls` (the chapter's last section) picks a ZeRO stage, its
+``--grad-reduce`` mode and a model: the planner's gradient bytes and bytes on the wire over
+m = 1, 2, 4, 8 micro-batches, every case at once, the chosen one lit; "run it" measures all
+of them in one launch (:mod:`edu3d.course.ch03_zero_reduce`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from edu3d.course import ch03_zero as ch03
 from edu3d.course.ch02_data_parallel import compare_versions
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel, choices
 from edu3d.widgets.zero import sharding_map_figure, zero_memory_figure, zero_traffic_figure
+from edu3d.course import ch03_zero_reduce as ch03r
+from edu3d.plan.zero_modes import GRAD_REDUCE
+from edu3d.widgets.grad_reduce import grad_reduce_figure
 
 
 class ZeroControls(Panel):
@@ -79,3 +87,61 @@ class ZeroControls(Panel):
 def zero_controls(**default) -> ZeroControls:
     """Chapter 03's panel; display ``.widget`` in JupyterLab (``.figures`` without one)."""
     return ZeroControls(**default)
+
+
+# ---- the last section: ZeRO-2/3 reducing per micro-batch or per step (issue 26) ----------
+GRAD_REDUCE_MODELS = ("tiny", "small")  # what two CPU ranks train in seconds
+
+
+class GradReduceControls(Panel):
+    """Chapter 03: ZeRO stage, ``--grad-reduce`` mode and model size over ``m``."""
+
+    title = "ZeRO under gradient accumulation: choose a stage, a mode and a model"
+    FIGURES = ("figure",)
+
+    ALL = -1  # the stage knob's "all": every case lit
+
+    def __init__(self, stage: int = ALL, grad_reduce: str = "per-microbatch",
+                 model: str = "tiny", measured: list[dict] | None = None, dp: int = 2):
+        super().__init__({"stage": stage, "grad_reduce": grad_reduce, "model": model})
+        self.dp = dp
+        self.measured = {model: measured} if measured else {}
+        self.redraw()
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        s = self.state
+        self.rows = ch03r.table(self.measured.get(s["model"]), self.dp, s["model"])
+        lit = None if s["stage"] == self.ALL else (s["stage"], s["grad_reduce"])
+        self.figure = grad_reduce_figure(self.rows, lit)
+        self.say(ch03r.agreement(self.rows) if s["model"] in self.measured else "")
+
+    def run(self, timeout: float = 300):
+        """One step of every case at every m on ``dp`` ranks, in one launch."""
+        s = self.state
+        self.say(f"running {len(ch03r.CASES) * len(ch03r.MICROBATCHES)} one-step runs of "
+                 f"the {s['model']} model on {self.dp} ranks ...")
+        runs = ch03r.sweep(self.dp, s["model"])
+        res = self.launch(ch03r.measure, self.dp, args=([r[-1] for r in runs],),
+                          timeout=timeout, progress=False)
+        if res is None:
+            return None
+        self.measured[s["model"]] = self.result = ch03r.collect(res.results[0], runs)
+        self.redraw()
+        return self.result
+
+    def knobs(self) -> dict:
+        s = self.state
+        wide = {"description_width": "initial"}
+        return {"stage": w.Dropdown(options=[("all", self.ALL), ("0 (DDP)", 0), ("1", 1),
+                                             ("2", 2), ("3", 3)],
+                                    value=s["stage"], description="ZeRO stage", style=wide),
+                "grad_reduce": w.Dropdown(options=list(GRAD_REDUCE), value=s["grad_reduce"],
+                                          description="--grad-reduce", style=wide),
+                "model": w.Dropdown(options=list(GRAD_REDUCE_MODELS), value=s["model"],
+                                    description="model", style=wide)}
+
+
+def grad_reduce_controls(**default) -> GradReduceControls:
+    """The panel; display ``.widget`` in JupyterLab (``.figure`` without one)."""
+    return GradReduceControls(**default)

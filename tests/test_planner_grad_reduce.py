@@ -1,0 +1,180 @@
+"""The planner's ZeRO-2/3 under micro-batches: ``grad_reduce`` per-microbatch or per-step.
+
+The ZeRO paper's figure 1 (7.5B parameters, N_d = 64, mixed-precision Adam, K = 12: 120 /
+31.4 / 16.6 / 1.9 GB for DDP / ZeRO-1 / ZeRO-2 / ZeRO-3) must come out of the planner and of
+``edu3d plan`` at any micro-batch count when gradients are reduce-scattered every
+micro-batch; reducing once per step holds the full gradients (ZeRO-1's memory). The bytes on
+the wire follow the ring formulas of :mod:`edu3d.plan.zero_modes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from edu3d.commands.plan import plan_main
+from edu3d.model.shapes import spec_for_params
+from edu3d.plan import estimate as plan_memory
+from edu3d.plan import search as plan_search
+from edu3d.plan import zero_modes
+from edu3d.plan.formulas import zero_bytes
+
+PAPER = [120.0, 31.4, 16.6, 1.9]
+# --params 7.5e9 is GPT-3-shaped with 7.468B parameters; 3,858 more vocabulary rows (tied
+# off: embedding and head) bring it to 7,500,001,280, the paper's Ψ to 7 digits
+VOCAB = 54115
+MIXED = dict(param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+
+
+def _paper_spec():
+    spec = dataclasses.replace(spec_for_params(7.5e9), vocab_size=VOCAB)
+    assert abs(spec.num_params() - 7.5e9) < 1e4
+    return spec
+
+
+def _state_gb(spec, zero: int, m: int, grad_reduce: str = "per-microbatch") -> float:
+    st = plan_memory.Setup(dp=64, zero=zero, microbatches=m, precision="bf16",
+                           grad_reduce=grad_reduce)
+    return plan_memory.estimate(spec, st)["state_bytes"] / 1e9
+
+
+def _printed_state_gb(argv: list[str], capsys) -> float:
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"weights, gradients and optimizer state .*?: ([0-9.]+) GB", out)
+    assert found, out
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_the_planner_reproduces_the_paper_per_microbatch_at_any_micro_batch_count(m):
+    spec = _paper_spec()
+    assert [round(_state_gb(spec, z, m), 1) for z in range(4)] == PAPER
+    # the default mode is per-microbatch
+    st = plan_memory.Setup(dp=64, zero=2, microbatches=m, precision="bf16")
+    assert st.grad_reduce == "per-microbatch"
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_edu3d_plan_prints_the_paper_per_microbatch(m, capsys):
+    got = [round(_printed_state_gb(["--params", "7.5e9", "--vocab", str(VOCAB), "--dp", "64",
+                                    "--zero", str(z), "--microbatches", str(m)], capsys), 1)
+           for z in range(4)]
+    assert got == PAPER
+
+
+def test_the_issue_command_prints_16_6_gb(capsys):
+    """``edu3d plan --params 7.5e9 --dp 64 --zero 2`` (16 micro-batches by default) printed
+    31.5 GB; per-microbatch it is the paper's 16.6 (7.468B parameters: 16.57 GB)."""
+    assert round(_printed_state_gb(["--params", "7.5e9", "--dp", "64", "--zero", "2"],
+                                   capsys), 1) == 16.6
+    per_step = _printed_state_gb(["--params", "7.5e9", "--dp", "64", "--zero", "2",
+                                  "--grad-reduce", "per-step"], capsys)
+    assert round(per_step, 1) == 31.5
+
+
+@pytest.mark.parametrize("m", [4, 16])
+def test_per_step_holds_zero1s_full_gradients(m):
+    """Per-step ZeRO-2/3 keep the full gradients (ZeRO-3 also the gathered weights) for the
+    step: ZeRO-1's 4Ψ + KΨ/N plus the 2Ψ/N shard the reduce-scatter lands in (ZeRO-3: plus
+    its 2Ψ/N weight shard), i.e. ZeRO-1's 31.4 GB becomes 31.6 and 31.9; one micro-batch
+    is the same step in both modes."""
+    spec = _paper_spec()
+    psi, n = spec.num_params(), 64
+    z1 = _state_gb(spec, 1, m, "per-step")
+    z2, z3 = (_state_gb(spec, z, m, "per-step") for z in (2, 3))
+    assert round(z1, 1) == 31.4
+    assert z2 == pytest.approx(z1 + 2 * psi / n / 1e9, abs=1e-3)
+    assert z3 == pytest.approx(z1 + 4 * psi / n / 1e9, abs=1e-3)
+    assert (round(z2, 1), round(z3, 1)) == (31.6, 31.9)
+    for z in (2, 3):
+        closed = zero_modes.state_bytes_per_rank(psi, n, z, "per-step", m, **MIXED)["total"]
+        assert _state_gb(spec, z, m, "per-step") == pytest.approx(closed / 1e9, abs=1e-3)
+        assert _state_gb(spec, z, 1, "per-step") == _state_gb(spec, z, 1, "per-microbatch")
+
+
+def test_a_unit_in_flight_is_a_buffer_not_state():
+    """The peak total keeps everything a rank holds: per-microbatch adds the biggest unit's
+    gradients and flat copy (ZeRO-3: two gathered units) as communication buffers."""
+    spec = _paper_spec()
+    for zero in (2, 3):
+        mb, ps = (plan_memory.estimate(spec, plan_memory.Setup(
+            dp=64, zero=zero, microbatches=8, precision="bf16", grad_reduce=g))
+            for g in zero_modes.GRAD_REDUCE)
+        unit = max(sum(k for k, _ in u) for _, u in plan_memory.units(spec, mb_setup(zero), 0))
+        assert mb["comm_bytes"] - ps["comm_bytes"] == pytest.approx(
+            2 * unit + (4 * unit if zero == 3 else 0))
+        assert ps["state_bytes"] - mb["state_bytes"] == pytest.approx(
+            2 * spec.num_params() * (1 + (zero == 3)), rel=1e-6)
+
+
+def mb_setup(zero):
+    return plan_memory.Setup(dp=64, zero=zero, precision="bf16")
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_bytes_on_the_wire_per_step(m):
+    """The ring formulas: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S."""
+    psi, n = 1e9, 64
+    ring = (n - 1) / n * psi * 2  # one reduce-scatter or all-gather of 16-bit values
+    want = {(0, "per-step"): 2 * ring, (0, "per-microbatch"): 2 * ring,
+            (1, "per-step"): 2 * ring, (1, "per-microbatch"): 2 * ring,
+            (2, "per-step"): 2 * ring, (2, "per-microbatch"): (m + 1) * ring,
+            (3, "per-step"): 3 * ring, (3, "per-microbatch"): 3 * m * ring}
+    for (zero, mode), bytes_ in want.items():
+        assert zero_modes.dp_wire_bytes(psi, n, zero, mode, m) == pytest.approx(bytes_)
+    # the paper's section 7 counts, in elements, at one micro-batch: 2Ψ and 3Ψ
+    if m == 1:
+        for zero, k in ((0, 2), (1, 2), (2, 2), (3, 3)):
+            assert zero_modes.dp_wire_bytes(psi, 10**9, zero) / 2 == pytest.approx(k * psi)
+
+
+@pytest.mark.parametrize("mode", zero_modes.GRAD_REDUCE)
+def test_the_cost_models_dp_traffic_uses_the_mode(mode):
+    spec = spec_for_params(7.5e9)
+    for zero in range(4):
+        for m in (1, 4, 16):
+            st = plan_memory.Setup(dp=64, zero=zero, microbatches=m, precision="bf16",
+                                   grad_reduce=mode)
+            psi = plan_memory.held(spec, st, 0)
+            assert plan_search.traffic(spec, st)["dp"] == pytest.approx(
+                zero_modes.dp_wire_bytes(psi, 64, zero, mode, m))
+    st = plan_memory.Setup(dp=64, zero=2, microbatches=16, precision="bf16", grad_reduce=mode)
+    one = dataclasses.replace(st, microbatches=1)
+    ratio = plan_search.traffic(spec, st)["dp"] / plan_search.traffic(spec, one)["dp"]
+    assert ratio == pytest.approx(17 / 2 if mode == "per-microbatch" else 1)
+
+
+def test_the_search_weighs_zero2_and_3_per_microbatch():
+    """Per-step ZeRO-2 is ZeRO-1 plus a shard at ZeRO-1's traffic, per-step ZeRO-3 more of
+    both: the search leaves them out, every ZeRO-2/3 candidate reduces per micro-batch."""
+    spec = spec_for_params(7.5e9)
+    rows = plan_search.search(spec, plan_search.Cluster(64), 1024)
+    zeros = [r["setup"] for r in rows if r["setup"].zero >= 2]
+    assert zeros and {st.grad_reduce for st in zeros} == {"per-microbatch"}
+    for st in zeros[:20]:
+        z1 = plan_search.step_time(spec, dataclasses.replace(st, zero=1), plan_search.Cluster(64))
+        per_step = dataclasses.replace(st, grad_reduce="per-step")
+        assert plan_search.step_time(spec, per_step, plan_search.Cluster(64))["dp"] >= z1["dp"]
+        assert (plan_memory.estimate(spec, per_step)["state_bytes"]
+                >= plan_memory.estimate(spec, dataclasses.replace(st, zero=1))["state_bytes"])
+
+
+def test_a_wrong_mode_is_refused(capsys):
+    with pytest.raises(ValueError, match="grad_reduce"):
+        plan_memory.validate(spec_for_params(7.5e9), plan_memory.Setup(dp=2, zero=2,
+                                                                       grad_reduce="never"))
+    with pytest.raises(SystemExit) as err:
+        plan_main(["--params", "7.5e9", "--dp", "2", "--zero", "2", "--grad-reduce", "never"])
+    assert err.value.code == 2
+    assert "per-microbatch" in capsys.readouterr().err
+
+
+def test_closed_form_is_the_paper_per_microbatch():
+    for zero, want in enumerate(PAPER):
+        for m in (1, 16):
+            got = zero_modes.state_bytes_per_rank(7.5e9, 64, zero, "per-microbatch", m, **MIXED)
+            assert round(got["total"] / 1e9, 1) == want
+            assert got["total"] == zero_bytes(7.5e9, 64, zero, **MIXED)["total"]
