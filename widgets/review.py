@@ -155,9 +155,9 @@ def layout_figure(rows, model: str = "llama2-13b", gpus: int = 16, top: int = 8)
              f"{base:.1f} s of compute they share",
         f"first: {labels[0]}, {rows[0]['time']['total']:.2f} s per step"
         + (f"; the runner-up pays {gap:.2f} s more" if len(rows) > 1 else ""),
-        x="seconds per step beyond the shared compute",
-        y="layout (Z = ZeRO stage, sel = selective recompute, b = micro-batch)",
-        height=120 + 34 * len(rows))
+        x="seconds per step beyond the shared compute (Z = ZeRO stage, sel = selective "
+          "recompute, b = micro-batch)",
+        height=140 + 34 * len(rows)).update_layout(margin={"l": 150})
 
 
 def zero_measured_figure(rows: list[dict]):

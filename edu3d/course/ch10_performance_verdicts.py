@@ -20,8 +20,7 @@ import statistics
 
 from edu3d.course.ch10_performance import breakdown
 
-GPU_OVERLAP = ("on a GPU the all-reduce runs on its own stream and network card while the "
-               "backward keeps the SMs busy, so hidden time is won back")
+GPU_OVERLAP = "on a GPU (its own stream, its own network card) hidden time is won back"
 
 
 def spread(values) -> tuple[float, float, float]:
@@ -53,9 +52,9 @@ def overlap_verdict(events: list[dict]) -> dict:
     rng = lambda s: f"{s[0]:.1f} ms ({s[1]:.1f}-{s[2]:.1f})"  # noqa: E731
     out["faster"] = faster
     out["text"] = (f"overlap hid {out['hidden']:.1f} of {on['comm'][0]:.1f} ms of all-reduce; "
-                   f"step {rng(off['step'])} off, {rng(on['step'])} on over {on['n']} steps: "
-                   f"{effect}.<br>Here gloo's thread shares 2 cores with the backward it hides "
-                   f"under; {GPU_OVERLAP}.")
+                   f"step {rng(off['step'])} off, {rng(on['step'])} on, over {on['n']} steps:"
+                   f"<br>{effect}.<br>Here gloo's thread shares the cores with the backward it "
+                   f"hides under; {GPU_OVERLAP}.")
     return out
 
 
