@@ -141,6 +141,7 @@ def loss_figure(row: dict):
     style.frame(fig, f"{row['name']}: loss per step, edu3d and --impl torch",
                 f"worst relative difference {row['worst_rel']:.1e} (float rounding)",
                 x="step", y="loss (nats)", height=300)
+    fig.update_xaxes(dtick=1)  # steps are whole numbers
     return fig
 
 
