@@ -24,6 +24,7 @@ from edu3d.course.ch03_zero import course_config, zero_prediction
 from edu3d.course.ch04_tensor_parallel import (tp_activation_prediction,
                                                tp_collectives_prediction, tp_layer_config)
 from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve
+from edu3d.course import ch11_review_recipe as recipe
 from edu3d.course.ch11_review import plan
 from edu3d.distributed.mesh import Layout
 from edu3d.widgets import style
@@ -153,6 +154,7 @@ BUILDERS = {
     "review.tp_figure": lambda m: m.tp_figure(plan("llama2-7b", 16), "llama2-7b", 16),
     "review.in_flight_figure": lambda m: m.in_flight_figure(4, 8, ("gpipe", "1f1b", "zb-h1")),
     "review.layout_figure": lambda m: m.layout_figure(plan("llama2-13b", 16), "llama2-13b", 16),
+    "review.recipe_figure": lambda m: m.recipe_figure(recipe.decisions(), recipe.STEPS),
     "review.zero_measured_figure": lambda m: m.zero_measured_figure(
         [{"zero": z, "dp": 4, "measured": 1000 * (4 - z), "estimate": 1000 * (4 - z)}
          for z in range(4)]),

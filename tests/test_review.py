@@ -1,18 +1,22 @@
-"""Chapter 11's review: every question is graded by edu3d's own numbers, both ways.
+"""Chapter 11's review: a real quiz, every question graded by edu3d's own numbers, both ways.
 
-* the answers the notebook ships (its answer cells, executed here without a kernel) pass
-  every check, and the committed outputs are exactly those PASS lines;
+* the notebook ships its answers blank (``...``): without solutions every check fails and
+  says "not answered yet"; with ``EDU3D_SOLUTIONS=1`` every check grades the reference answer
+  of ``solutions/review_answers.py`` and passes, revealing the question's reasoning, and the
+  committed outputs are exactly those lines;
 * each question's classic wrong answer fails with one hint naming the chapter, never the
-  right value, and an unanswered ``...`` says so;
+  right value nor the reasoning (``review.why`` reveals that on request);
 * the truths agree with the course's formulas where one exists (ring 2(N-1)/N, ZeRO's
   paper figures, (p-1)/(v·m+p-1));
 * the quiz panel: its first knob is a Dropdown of the questions, changing it redraws the
-  figure and sets the knobs to that question's case, and every question has a picture.
+  figure and sets the knobs to that question's case, and every question has a picture;
+* the recipe: the planner's decisions are read from its code and cover the three steps.
 No process is launched (``measure it`` is the notebook's, not the suite's).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from pathlib import Path
@@ -35,7 +39,7 @@ def shipped_answers() -> dict[str, object]:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        if nbtools.is_checked(cell):
+        if "review.check(" in cell.source:
             key, var = cell.source.split("review.check(")[1].rstrip(")").split(", ")
             keys[key.strip("'\"")] = var
         elif re.search(r"^q\d+ = ", cell.source, re.M):
@@ -51,32 +55,55 @@ def test_the_bank_covers_every_topic_with_sixteen_questions():
         assert q.title.startswith(f"Q{n} ") and (ROOT / "notebooks" / q.chapter).exists(), q
 
 
-def test_the_shipped_answers_pass_and_the_committed_outputs_say_so(capsys):
+def test_the_shipped_answers_are_blank_and_fail_every_check(capsys, monkeypatch):
+    monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
     answers = shipped_answers()
     assert set(answers) == set(review.BANK)
+    assert all(a is ... for a in answers.values())
     for key, answer in answers.items():
+        assert not review.check(key, answer), key
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"FAIL {q.title}" for q in review.QUESTIONS]
+    assert err.count("not answered yet") == len(review.QUESTIONS) and "Why:" not in err + out
+
+
+def test_the_solutions_pass_every_check_and_the_committed_outputs_say_so(capsys, monkeypatch):
+    monkeypatch.setenv("EDU3D_SOLUTIONS", "1")
+    for key, answer in shipped_answers().items():
         assert review.check(key, answer), key
     out, err = capsys.readouterr()
-    assert not err and all(line.startswith("PASS ") for line in out.splitlines())
+    expected = [f"PASS {q.title}\n{review.explain(q.key)}\n" for q in review.QUESTIONS]
+    assert not err and out == "".join(expected)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     committed = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells
-                 if nbtools.is_checked(c)]
-    assert committed == [f"PASS {q.title}\n" for q in review.QUESTIONS]
+                 if nbtools.is_checked(c) and "review.check(" in c.source]
+    assert committed == expected
+    for q in review.QUESTIONS:  # the reference itself, not the blank, is what passed
+        assert review.reference(q.key) is not ...
+
+
+def test_why_reveals_the_reasoning_on_request(capsys):
+    review.why("ring")
+    out = capsys.readouterr().out
+    assert out.startswith("Why: A ring all-reduce") and "notebooks/01_collectives.ipynb" in out
 
 
 @pytest.mark.parametrize("q", review.QUESTIONS, ids=lambda q: q.key)
-def test_the_classic_wrong_answer_fails_with_a_hint_not_the_answer(q, capsys):
+def test_the_classic_wrong_answer_fails_with_a_hint_not_the_answer(q, capsys, monkeypatch):
+    monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
     assert q.wrong is not None
     assert not review.check(q.key, q.wrong)
     out, err = capsys.readouterr()
     assert out == f"FAIL {q.title}\n"
     assert err.startswith("  hint: ") and f"notebooks/{q.chapter}" in err
+    assert q.why not in err and "Why:" not in err  # the reasoning only on a pass or request
     truth = q.truth()
     if isinstance(truth, float):
         assert f"{truth:.3g}" not in err.split("Look at:")[0]
 
 
-def test_an_unanswered_question_says_so(capsys):
+def test_an_unanswered_question_says_so(capsys, monkeypatch):
+    monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
     assert not review.check("bubble_1f1b", ...)
     assert "not answered yet" in capsys.readouterr().err
 
@@ -115,11 +142,26 @@ def test_the_quiz_panel_redraws_each_question_at_once():
         assert all(ctl._knobs[k].value == v for k, v in q.picture.items() if k in ctl._knobs)
         titles[q.key] = ctl.figure.layout.title.text
     assert titles["bubble_1f1b"] != titles["bubble_interleaved"] != titles["zero_gb"]
-    ctl._knobs["m"].value = 6  # interleaved at p=4 refuses m=6, and says why
     first.value = "bubble_interleaved"
-    ctl._knobs["m"].value = 6
-    assert "multiple of pp" in ctl.message
+    ctl._knobs["m"].value = 6  # interleaved at p=4 cannot build m=6: drawn at the nearest m
+    assert "cannot build m = 6" in ctl.message and ctl.state["m"] in (4, 8)
+    assert ctl._knobs["m"].value == ctl.state["m"] and ctl.figure is not None
     ctl._knobs["m"].value = 12
     assert ctl.figure.layout.title.text.startswith("<b>interleaved, p = 4")
     ctl._knobs["pp"].value = 2
     assert ctl.figure.layout.title.text.startswith("<b>interleaved, p = 2")
+
+
+def test_the_recipe_is_read_from_the_planners_code():
+    from edu3d.course import ch11_review_recipe as recipe
+    from edu3d.plan import search
+
+    found = recipe.decisions()
+    codes = [d["code"] for d in found]
+    assert {d["step"] for d in found} == {0, 1, 2}
+    assert "tp in divisors(cl.gpus)" in codes and "spec.n_heads % tp" in codes
+    assert found[-2]["kind"] == "fit" and "cl.usable" in found[-2]["code"]
+    assert found[-1]["kind"] == "rank" and found[-1]["step"] == 2
+    lines = [line.strip() for line in inspect.getsource(search.candidates).splitlines()]
+    guards = [a for a, b in zip(lines, lines[1:]) if b == "continue"]  # each guard, drawn
+    assert sum(d["kind"] == "skip" for d in found) >= len(guards) > 0

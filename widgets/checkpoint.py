@@ -99,12 +99,10 @@ def piece_map(manifest: dict, name: str, kind: str = "param", *, title: str | No
     shape = "x".join(map(str, grid.shape))
     takeaway = ("every number written once, by one rank" if not holes else
                 f"{holes} numbers in no file: a shard is missing")
-    fig.update_layout(
-        title=style.title_text(title or f"{name} ({kind}, {shape}) in a {layout_name(manifest)} "
-                               f"checkpoint, step {manifest['step']}", takeaway),
-        xaxis_title="column (element index)", yaxis_title="row (element index)",
-        yaxis_autorange="reversed", font=style.FONT, height=360,
-        margin={"t": 80, "l": 70, "r": 20, "b": 50})
+    style.frame(fig, title or f"{name} ({kind}, {shape}) in a {layout_name(manifest)} "
+                f"checkpoint, step {manifest['step']}", takeaway,
+                x="column (element index)", y="row (element index)", height=360)
+    fig.update_yaxes(autorange="reversed")
     return fig
 
 
@@ -138,10 +136,9 @@ def reshard_map(source: dict, target: dict, name: str, kind: str = "param"):
     plan = reads(source, target, name, kind)
     said = "; ".join(f"rank {t} <- " + ", ".join(f"{s}" for s in row)
                      for t, row in plan.items())
-    fig.update_layout(
-        title=style.title_text(f"Resharding {name} ({kind}): {layout_name(source)} into "
-                               f"{layout_name(target)}", f"files each target rank opens: {said}"),
-        font=style.FONT, height=380, margin={"t": 110, "l": 70, "r": 20, "b": 50})
+    style.frame(fig, f"Resharding {name} ({kind}): {layout_name(source)} into "
+                f"{layout_name(target)}", f"files each target rank opens: {said}", height=400)
+    fig.update_layout(margin={"t": 110})  # the subplot titles sit under the takeaway
     for col in (1, 2):
         fig.update_xaxes(title_text="column (element index)", row=1, col=col)
         fig.update_yaxes(title_text="row (element index)", autorange="reversed", row=1, col=col)
@@ -167,6 +164,8 @@ def save_timeline(events: list[dict], *, title: str | None = None):
     for i, r in enumerate(ranks):
         rows[(r, "train")], rows[(r, "ckpt")] = f"rank {r} training", f"rank {r} checkpoint"
     colors = {"step": style.BLUE, "ckpt_blocked": style.VERMILLION, "ckpt_write": style.SKY}
+    names = {"step": "training step", "ckpt_blocked": "save: the step waits (snapshot)",
+             "ckpt_write": "save: written in the background"}
     bars = {k: ([], [], [], []) for k in colors}
     for (r, s), (a, b) in sorted(steps.items()):
         xs, base, ys, text = bars["step"]
@@ -179,18 +178,23 @@ def save_timeline(events: list[dict], *, title: str | None = None):
             ys.append(rows[(e["rank"], "ckpt")]), text.append(f"step {e.get('step', '')}")
     for op, (xs, base, ys, text) in bars.items():
         if xs:
-            fig.add_trace(go.Bar(x=xs, base=base, y=ys, orientation="h", name=op, text=text,
-                                 textposition="inside", marker_color=colors[op],
-                                 hovertemplate="%{text}: %{base:.1f} ms + %{x:.1f} ms"))
+            # only the steps are labelled: a save's bars are too short for upright text
+            fig.add_trace(go.Bar(x=xs, base=base, y=ys, orientation="h", name=names[op],
+                                 text=text if op == "step" else None, textposition="inside",
+                                 insidetextanchor="middle", textangle=0,
+                                 marker_color=colors[op], customdata=text,
+                                 hovertemplate="%{customdata}: %{base:.1f} ms + %{x:.1f} ms"
+                                               "<extra>" + names[op] + "</extra>"))
     order = [rows[(r, k)] for r in ranks for k in ("train", "ckpt")]
-    fig.update_layout(
-        barmode="overlay", font=style.FONT, height=120 + 45 * len(order),
-        title=style.title_text(title or "Checkpoint saves beside the training steps",
-                               "the step waits only for the snapshot; the write overlaps the "
-                               "next steps"),
-        xaxis_title="time since the run's aligned start (ms)",
-        yaxis={"categoryorder": "array", "categoryarray": order[::-1]},
-        margin={"t": 80, "l": 140, "r": 20, "b": 50})
+    waited = sum(bars["ckpt_blocked"][0]) / max(len(ranks), 1)
+    wrote = sum(bars["ckpt_write"][0]) / max(len(ranks), 1)
+    style.frame(fig, title or "Checkpoint saves beside the training steps",
+                f"per rank, the steps waited {waited:.0f} ms for their saves; "
+                f"{wrote:.0f} ms of writing ran beside them",
+                x="time since the run's aligned start (ms)", height=140 + 40 * len(order))
+    fig.update_layout(barmode="overlay", margin={"l": 140},
+                      legend={"orientation": "h", "y": -0.25, "x": 0},
+                      yaxis={"categoryorder": "array", "categoryarray": order[::-1]})
     return fig
 
 
@@ -207,14 +211,15 @@ def recovery_curve(clean: list[dict], recovered: list[dict], fault_step: int,
                              marker={"color": style.BLUE, "size": 9}))
     fig.add_vrect(x0=resumed_at + 0.5, x1=fault_step + 0.5, fillcolor=style.ORANGE,
                   opacity=0.15, line_width=0,
-                  annotation_text=f"{what} at step {fault_step}; steps {resumed_at + 1}-"
-                                  f"{fault_step} redone from the checkpoint of step {resumed_at}",
+                  annotation_text=f"{what} at step {fault_step}; "
+                                  + (f"step {fault_step}" if resumed_at + 1 == fault_step else
+                                     f"steps {resumed_at + 1}-{fault_step}")
+                                  + f" redone from the checkpoint of step {resumed_at}",
                   annotation_position="top left")
     same = [r["loss"] for r in recovered] == [r["loss"] for r in clean]
-    fig.update_layout(
-        title=style.title_text("A rank dies, the run restarts from its last checkpoint",
-                               "the recovered losses lie on the uninterrupted run's, "
-                               + ("bit for bit" if same else "but NOT bit for bit")),
-        xaxis_title="step", yaxis_title="loss (nats)", font=style.FONT, height=360,
-        margin={"t": 80, "l": 70, "r": 20, "b": 50})
+    style.frame(fig, "A rank dies, the run restarts from its last checkpoint",
+                "the recovered losses lie on the uninterrupted run's, "
+                + ("bit for bit" if same else "but NOT bit for bit"),
+                x="step", y="loss (nats)", height=360)
+    fig.update_xaxes(dtick=1)  # steps are whole numbers
     return fig

@@ -141,6 +141,7 @@ def loss_figure(row: dict):
     style.frame(fig, f"{row['name']}: loss per step, edu3d and --impl torch",
                 f"worst relative difference {row['worst_rel']:.1e} (float rounding)",
                 x="step", y="loss (nats)", height=300)
+    fig.update_xaxes(dtick=1)  # steps are whole numbers
     return fig
 
 
@@ -285,16 +286,22 @@ def mapping_table(name: str, rows: list[tuple[str, str, str]], argv: str):
     """One strategy's edu3d code, PyTorch API and the other libraries' knobs: ``rows`` from
     :func:`edu3d.course.ch09_in_production.strategy_rows`, ``argv`` its ``edu3d train``
     options."""
+    # a table cell does not grow with its text: give each row the lines its longest cell
+    # wraps into at a notebook's width (about 30, 40, 40 characters per column)
+    lines = [max(math.ceil(len(text) / width) for text, width in zip(row, (30, 40, 40)))
+             for row in rows]
     fig = go.Figure(go.Table(
         columnwidth=[3, 4, 4],
         header={"values": ["<b>edu3d</b>", "<b>PyTorch</b>", "<b>Accelerate / DeepSpeed / "
                            "FSDP1 / Megatron</b>"], "align": "left",
                 "fill_color": style.rgba(style.BLUE, 0.15)},
-        cells={"values": [list(c) for c in zip(*rows)], "align": "left", "height": 28}))
+        cells={"values": [list(c) for c in zip(*rows)], "align": "left",
+               "height": 20 * max(lines) + 8}))
     style.html_export_renderer()  # frame() labels legends, which a table has not
     fig.update_layout(title={"text": style.title_text(
         f"{name}: edu3d ↔ PyTorch ↔ the libraries",
         f"the same layout runs as `edu3d train {argv}` and with "
         "`--impl torch`"), "x": 0.0, "xanchor": "left"}, font=style.FONT,
-        margin={"l": 20, "r": 20, "t": 90, "b": 10}, height=140 + 48 * len(rows))
+        margin={"l": 20, "r": 20, "t": 90, "b": 10},
+        height=150 + (20 * max(lines) + 10) * len(rows))
     return fig

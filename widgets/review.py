@@ -14,7 +14,10 @@ numbers come from (all of them computed by edu3d at once, no run needed):
 * :func:`in_flight_figure` — micro-batches each pipeline rank keeps alive (replayed
   schedules);
 * :func:`layout_figure` — the planner's fastest fitting layouts for a model and a cluster;
-* :func:`zero_measured_figure` — a run's state per ZeRO stage beside the planner's count.
+* :func:`zero_measured_figure` — a run's state per ZeRO stage beside the planner's count;
+* :func:`recipe_figure` — the planner's decisions as a flowchart, one band per step of the
+  recipe (fit a replica, scale to the batch, optimise throughput), from
+  :func:`edu3d.course.ch11_review_recipe.decisions` (read from the planner's code).
 
 The bubble against the micro-batches is chapter 05's chart
 (:func:`edu3d.widgets.pipeline.bubble_figure`); the quiz panel that puts every picture behind
@@ -127,18 +130,34 @@ def in_flight_figure(pp: int = 4, m: int = 8, schedules=("gpipe", "1f1b")):
 
 def layout_figure(rows, model: str = "llama2-13b", gpus: int = 16, top: int = 8):
     """The planner's ``top`` fastest fitting layouts from its ranking ``rows``
-    (:func:`edu3d.course.ch11_review.plan`), step time by part."""
+    (:func:`edu3d.course.ch11_review.plan`): every layout computes the same tokens, so the
+    bars show what each pays *beyond* the compute they all share (the bubble, each axis's
+    communication, recomputation's extra forward); the shared compute is in the title."""
     rows = [r for r in rows if r["fits"]][:top]
     fig = go.Figure()
     if not rows:
         return style.frame(fig, f"{model} on {gpus} GPUs: no layout fits",
                            "add GPUs, or memory per GPU")
-    _parts_bars(fig, rows, [_label(r["setup"]) for r in rows])
-    return style.frame(fig, f"{model} on {gpus} GPUs of 80 GB: the planner's fastest layouts",
-                       f"first: {_label(rows[0]['setup'])}; ZeRO-1 over dp is free, PP adds a "
-                       "small bubble, TP pays four all-reduces per layer.",
-                       x="layout (Z = ZeRO stage, sel = selective recompute, b = micro-batch)",
-                       y="estimated step time (s)")
+    base = min(r["time"]["compute"] for r in rows)
+    labels = [_label(r["setup"]) for r in rows]
+    extra = {"recompute": [r["time"]["compute"] - base for r in rows],
+             **{k: [r["time"][k] for r in rows] for k in PART_COLORS if k != "compute"}}
+    colors = {"recompute": style.PURPLE, **PART_COLORS}
+    for part, ys in extra.items():
+        if any(ys):
+            fig.add_bar(y=labels, x=ys, name=part, orientation="h", marker_color=colors[part],
+                        hovertemplate=f"{part}: " + "%{x:.2f} s<extra>%{y}</extra>")
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(autorange="reversed")
+    gap = rows[1]["time"]["total"] - rows[0]["time"]["total"] if len(rows) > 1 else 0.0
+    return style.frame(
+        fig, f"{model} on {gpus} GPUs of 80 GB: the planner's fastest layouts, beyond the "
+             f"{base:.1f} s of compute they share",
+        f"first: {labels[0]}, {rows[0]['time']['total']:.2f} s per step"
+        + (f"; the runner-up pays {gap:.2f} s more" if len(rows) > 1 else ""),
+        x="seconds per step beyond the shared compute (Z = ZeRO stage, sel = selective "
+          "recompute, b = micro-batch)",
+        height=140 + 34 * len(rows)).update_layout(margin={"l": 150})
 
 
 def zero_measured_figure(rows: list[dict]):
@@ -152,3 +171,51 @@ def zero_measured_figure(rows: list[dict]):
     return style.frame(fig, f"edu3d's tiny GPT over dp = {rows[0]['dp']}: rank 0's state, "
                             "measured", "weights + gradients + Adam state shrink stage by "
                        "stage, as the formula says.", x="ZeRO stage", y="state on rank 0 (KiB)")
+
+
+RECIPE_COLORS = (style.BLUE, style.GREEN, style.VERMILLION)
+KIND_WORDS = {"choose": "try every", "set": "derive", "yield": "a candidate:",
+              "fit": "keep if it fits:", "rank": "rank:"}
+
+
+def recipe_figure(decisions: list[dict], steps: tuple, note: str = ""):
+    """The planner's ``decisions`` top to bottom in its own order: what it tries (a loop),
+    derives and tests in the middle column, the guards that skip a candidate to the right;
+    each box coloured by its step of ``steps`` and naming its chapter."""
+    fig = go.Figure()
+    y, rows = 0, []
+    for d in decisions:
+        if d["kind"] == "skip":
+            rows[-1]["skips"].append(d)
+        else:
+            rows.append({**d, "y": y, "skips": []})
+            y -= 1
+    for r in rows:
+        color = RECIPE_COLORS[r["step"]]
+        fig.add_shape(type="rect", x0=0, x1=7.2, y0=r["y"] - 0.38, y1=r["y"] + 0.38,
+                      line={"color": color, "width": 2}, fillcolor=style.rgba(color, 0.12))
+        code = r["code"] if len(r["code"]) <= 58 else r["code"][:55] + "..."
+        fig.add_annotation(x=0.1, y=r["y"], xanchor="left", showarrow=False,
+                           text=f"{KIND_WORDS[r['kind']]} <b>{code}</b>  · ch {r['chapter']}",
+                           font={"size": 11, "family": "monospace"})
+        for k, sk in enumerate(r["skips"]):
+            text = sk["code"] if len(sk["code"]) <= 44 else sk["code"][:41] + "..."
+            fig.add_shape(type="rect", x0=7.6 + 5 * k, x1=12.4 + 5 * k, y0=r["y"] - 0.3,
+                          y1=r["y"] + 0.3, line={"color": style.GREY, "dash": "dot"})
+            fig.add_annotation(x=10 + 5 * k, y=r["y"], showarrow=False,
+                               text=f"skip if {text}", font={"size": 10, "family": "monospace"})
+            fig.add_annotation(x=7.6 + 5 * k, y=r["y"], ax=7.2, ay=r["y"], xref="x",
+                               yref="y", axref="x", ayref="y", text="", arrowhead=2)
+    for a, b in zip(rows, rows[1:]):
+        fig.add_annotation(x=1.0, y=b["y"] + 0.38, ax=1.0, ay=a["y"] - 0.38, xref="x",
+                           yref="y", axref="x", ayref="y", text="", arrowhead=2)
+    for i, name in enumerate(steps):
+        fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
+                        marker={"symbol": "square", "size": 12, "color": RECIPE_COLORS[i]})
+    fig.update_xaxes(visible=False, range=[-0.1, 12.6])
+    fig.update_yaxes(visible=False, range=[y + 0.4, 0.6])
+    return style.frame(fig, "edu3d plan's recipe, read from its own code (edu3d/plan/search.py)",
+                       note or "each loop tries every option; guards skip a candidate; the "
+                       "survivors that fit are ranked by the cost model's step time",
+                       height=110 + 42 * len(rows), legend=True).update_layout(
+        legend={"orientation": "h", "y": 0, "x": 0, "yanchor": "top"})

@@ -36,13 +36,13 @@ from edu3d.bench.bench_dp import dp_worker
 from edu3d.course import lesson_args
 from edu3d.course.ch06_3d_parallelism import axis_formulas
 from edu3d.distributed import trace
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.distributed.mesh import Layout, LayoutError, Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.model.shapes import spec_from_config
 from edu3d.plan import estimate as plan_memory
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import config_from_args
+from edu3d.train.options import check_args, config_from_args
 from edu3d.train.trainer import Trainer
 
 #: the layouts the chapter sweeps: name -> (dp, tp, pp)
@@ -56,12 +56,33 @@ COMPUTE_OPS = ("F", "B", "I", "W")
 WAITS = ("recv", "RECV_F", "RECV_B")
 
 
+def default_microbatches(name: str) -> int:
+    """The micro-batches the chapter gives layout ``name``: 2 per pipeline stage, else 1."""
+    pp = LAYOUTS[name][2]
+    return 2 * pp if pp > 1 else 1
+
+
 def layout_options(name: str, overlap: str = "on", microbatches: int | None = None) -> dict:
     """Trainer options of a layout by name (``"dp2-tp2"``), with overlap on or off."""
     dp, tp, pp = LAYOUTS[name]
     opts = {"dp": dp, "tp": tp, "pp": pp, **OVERLAP[overlap]}
-    opts["microbatches"] = microbatches or (2 * pp if pp > 1 else 1)
+    opts["microbatches"] = microbatches or default_microbatches(name)
     return opts
+
+
+def runnable_microbatches(name: str, most: int = 8) -> list[int]:
+    """The micro-batch counts (1 to ``most``) a live run of layout ``name`` accepts, by the
+    trainer's own rules (:func:`edu3d.train.options.check_args`): each data-parallel rank's
+    share of the global batch must split into them. The cost model predicts any count."""
+    dp, tp, pp = LAYOUTS[name]
+    ok = []
+    for m in range(1, most + 1):
+        try:
+            check_args(lesson_args(dp=dp, tp=tp, pp=pp, microbatches=m))
+        except LayoutError:
+            continue
+        ok.append(m)
+    return ok
 
 
 # ---- interval arithmetic on one rank's events ---------------------------------------------------
@@ -270,7 +291,7 @@ def session_two(mesh, steps: int = 3) -> dict:
     the 2-rank layouts and dp1 timed, and ``edu3d bench dp`` on the tiny model."""
     profile = profile_step(mesh, {"dp": 2, **OVERLAP["on"]})
     cases = {f"overlap {k}": {"dp": 2, **v} for k, v in OVERLAP.items()}
-    overlap = measure_layouts(mesh, [], steps + 1, cases=cases)
+    overlap = measure_layouts(mesh, [], steps + 3, cases=cases)  # repetitions for a spread
     sweep = measure_layouts(mesh, ["dp1", "dp2", "tp2", "pp2"], steps)
     report = dp_worker(mesh, model="tiny", global_batch=8, reps=3)
     return {"profile": profile, "overlap": overlap, "sweep": sweep, "bench": report}

@@ -11,8 +11,12 @@ asks about distributed training, and know where in edu3d each answer comes from:
   :mod:`edu3d.plan.search`). Only the questions of judgement (which collective, when) have a
   fixed choice;
 * :func:`check` grades a learner's answer (a number within ``tol``, a letter, a set, a small
-  dict) with :func:`edu3d.course.grading.check`: one ``PASS``/``FAIL`` line, and on failure one hint
-  that says what to reconsider and which chapter shows it, never the answer itself;
+  dict) with :func:`edu3d.course.grading.check`: one ``PASS``/``FAIL`` line; a pass reveals
+  the question's *why*, a failure adds one hint that names the part that is off and the
+  chapter that shows it, never the answer nor its reasoning (:func:`why` reveals that on
+  request). The notebook ships its answers blank (``...``); with ``EDU3D_SOLUTIONS=1`` the
+  reference answers of ``solutions/review_answers.py`` are graded instead, as the exercises'
+  solutions are (:func:`edu3d.course.grading.load`);
 * every question names its ``chapter`` and its ``picture``: the knobs of the quiz panel
   (``widgets/panels/ch11_review.py``) that draw it.
 """
@@ -343,9 +347,33 @@ def verify(key: str, answer) -> None:
     _same(answer, q.truth(), q.tol)
 
 
-def check(key: str, answer):
-    """Grade one answer: a ``PASS``/``FAIL`` line (:func:`edu3d.course.grading.check`); a wrong
-    answer's hint says what to reconsider and which chapter shows it."""
+def reference(key: str):
+    """The reference answer to question ``key`` (``solutions/review_answers.py``)."""
+    return grading.load("review_answers", solutions=True).ANSWERS[key]
+
+
+def explain(key: str) -> str:
+    """Question ``key``'s reasoning, and where the course shows it live."""
     q = BANK[key]
-    return grading.check(q.title, lambda: verify(key, answer),
-                         hint=f"{q.why} (chapter {q.chapter[:2]}: notebooks/{q.chapter})")
+    return (f"Why: {q.why[0].upper()}{q.why[1:]}. Shown live in chapter {q.chapter[:2]} "
+            f"(notebooks/{q.chapter}); the quiz panel below draws it (pick {q.title.split()[0]}).")
+
+
+def why(key: str) -> None:
+    """Reveal question ``key``'s reasoning, answered or not (the learner asked for it)."""
+    print(explain(key))
+
+
+def check(key: str, answer):
+    """Grade one answer: a ``PASS``/``FAIL`` line (:func:`edu3d.course.grading.check`). A pass
+    reveals the reasoning; a wrong answer's hint names the chapter to reread (and
+    :func:`why`), never the answer. With ``EDU3D_SOLUTIONS=1`` the reference answer is graded."""
+    q = BANK[key]
+    if grading.using_solutions():
+        answer = reference(key)
+    verdict = grading.check(q.title, lambda: verify(key, answer),
+                            hint=f"chapter {q.chapter[:2]} (notebooks/{q.chapter}); "
+                                 f"review.why({key!r}) shows the reasoning")
+    if verdict:
+        print(explain(key))
+    return verdict

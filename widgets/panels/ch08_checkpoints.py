@@ -47,12 +47,25 @@ class Controls(Panel):
         self.state.update(changes)
         s = self.state
         src, dst = self.manifests[s["source"]], self.manifests[s["target"]]
-        names = [n for n in tensors(src, s["kind"]) if n in tensors(dst, s["kind"])]
+        names = self.names()
         if s["name"] not in names:
             s["name"] = names[0]
+        if self._knobs and list(self._knobs["name"].options) != names:
+            self._syncing = True  # new options reset the value: not a turn of the knob
+            try:
+                self._knobs["name"].options = names
+            finally:
+                self._syncing = False
+        self.sync_knobs()
         self.piece_fig = piece_map(src, s["name"], s["kind"])
         self.reshard_fig = reshard_map(src, dst, s["name"], s["kind"])
         self.show()
+
+    def names(self) -> list[str]:
+        """The tensors of the chosen kind that both the saved and the loading layout hold."""
+        s = self.state
+        src, dst = self.manifests[s["source"]], self.manifests[s["target"]]
+        return [n for n in tensors(src, s["kind"]) if n in tensors(dst, s["kind"])]
 
     def run(self):
         """The fault demo: a rank killed, the run recovered from its checkpoint."""
@@ -68,8 +81,8 @@ class Controls(Panel):
             "target": w.Dropdown(options=labels, value=s["target"], description="load into"),
             "kind": w.Dropdown(options=["param", "exp_avg", "exp_avg_sq"], value=s["kind"],
                                description="kind"),
-            "name": w.Dropdown(options=tensors(self.manifests[s["source"]]), value=s["name"],
-                               description="tensor"),
+            "name": w.Dropdown(options=self.names(), value=s["name"], description="tensor",
+                               layout={"width": "360px"}),
         }
 
 

@@ -3,9 +3,12 @@
 After reading this file you should know what the knobs change: the layout, DP overlap and
 the micro-batches redraw the cost model's predicted step budget
 (:func:`edu3d.course.ch10_performance.predict`: compute, exposed communication, bubble) and
-every layout's predicted step, at once; "run it" measures the layout live
+every layout's predicted step, at once, for every position of every knob; choosing a layout
+sets the micro-batches to the number the chapter gives it. "run it" measures the layout live
 (:func:`edu3d.course.ch10_performance.run_layout`) and draws the measurement over the
-prediction.
+prediction; it refuses only a micro-batch count the trainer cannot split the batch into,
+and says which counts it can
+(:func:`edu3d.course.ch10_performance.runnable_microbatches`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import ch10_performance_live as watched
-from edu3d.course.ch10_performance import predict, run_layout
+from edu3d.course import lesson_args
+from edu3d.course.ch10_performance import (LAYOUTS, default_microbatches, predict, run_layout,
+                                            runnable_microbatches)
 from edu3d.launch.runs import new_run_dir
 from edu3d.widgets import style
 from edu3d.widgets.panels.panel import Panel
@@ -33,20 +38,25 @@ class Controls(Panel):
 
     def __init__(self, costs: dict | None = None, measured: dict | None = None,
                  default: dict | None = None):
-        super().__init__({"layout": "dp2", "overlap": "on", "microbatches": 0,
-                          **(default or {})})
+        state = {"layout": "dp2", "overlap": "on", **(default or {})}
+        state.setdefault("microbatches", default_microbatches(state["layout"]))
+        super().__init__(state)
         self.costs, self.measured = costs, dict(measured or {})
         self.live: dict | None = None
         self.redraw()
 
     def prediction(self, name: str | None = None) -> dict:
         s = self.state
-        p = predict(name or s["layout"], s["overlap"], s["microbatches"] or None, self.costs)
+        p = predict(name or s["layout"], s["overlap"],
+                    s["microbatches"] if name in (None, s["layout"]) else None, self.costs)
         return {**p, "idle": p["bubble"]}
 
     def redraw(self, **changes) -> None:
+        if changes.get("layout", self.state["layout"]) != self.state["layout"]:
+            changes.setdefault("microbatches", default_microbatches(changes["layout"]))
         self.state.update(changes)
         s = self.state
+        self.sync_knobs()
         self.predicted = self.prediction()
         preds = {n: self.prediction(n) for n in self.KNOB_LAYOUTS}
         rows = {"predicted": self.predicted}
@@ -63,16 +73,30 @@ class Controls(Panel):
             takeaway=f"predicted {self.predicted['step']:.1f} ms per step on "
                      f"{style.plural(self.predicted['cores'], 'core')}"
                      + (f"; measured {self.live['budget']['step']:.1f} ms" if live else
-                        "; press 'run it' to measure"))
+                        f"; {self.run_problem() or 'press run it to measure'}"))
         self.layouts_fig = prediction_figure(preds, s["layout"], self.measured)
         self.show()
+
+    def run_problem(self) -> str | None:
+        """Why a live run of the current knobs cannot go (None if it can): only the
+        micro-batches can be wrong, and the message names that knob."""
+        s = self.state
+        ok = runnable_microbatches(s["layout"])
+        if s["microbatches"] in ok:
+            return None
+        dp, batch = LAYOUTS[s["layout"]][0], lesson_args().global_batch
+        share = f"{batch // dp} of the {batch} sequences" if dp > 1 else f"{batch} sequences"
+        return (f"a live {s['layout']} run splits its {share} per data-parallel rank into "
+                f"{', '.join(map(str, ok))} micro-batches, not {s['microbatches']}: set "
+                "micro-batches to one of those to run it")
 
     def run(self, steps: int = 3, timeout: float = 300):
         """Measure the chosen layout live and draw it over the prediction."""
         s = self.state
+        if self.refuse(self.run_problem()):
+            return None
         self.say(f"running {s['layout']} ...")
-        row, brk = run_layout(s["layout"], s["overlap"], s["microbatches"] or None, steps,
-                              timeout)
+        row, brk = run_layout(s["layout"], s["overlap"], s["microbatches"], steps, timeout)
         med = brk["median"]
         budget = {"compute": med["compute_ms"], "exposed": med["exposed_ms"],
                   "idle": med["idle_ms"], "comm": med["comm_ms"], "step": med["step_ms"]}
@@ -91,9 +115,9 @@ class Controls(Panel):
                                  description="layout"),
             "overlap": w.ToggleButtons(options=["on", "off"], value=s["overlap"],
                                        description="DP overlap"),
-            "microbatches": w.IntSlider(min=0, max=8, value=s["microbatches"],
+            "microbatches": w.IntSlider(min=1, max=8, value=s["microbatches"],
                                         description="micro-batches",
-                                        tooltip="0: the layout's default"),
+                                        style={"description_width": "initial"}),
         }
 
 

@@ -8,8 +8,10 @@ the bubble curve from :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve
 it" launches the tiny GPT on the CPU for the pipeline and ZeRO pictures
 (:func:`edu3d.course.ch06_3d_parallelism.capstone`) and draws the measurement over the theory.
 :func:`tp_picture`, :func:`bubble_picture` and :func:`layout_picture` are the pictures the
-chapter shows beside its questions; a pipeline setting that cannot run says why
-(:func:`edu3d.course.ch05_pipeline_parallel.pp_problem`).
+chapter shows beside its questions. Every position of every knob draws a picture: a number
+of micro-batches the chosen schedule cannot build on p stages (interleaved and ZB-H1 group
+them by p, :func:`edu3d.course.ch05_pipeline_parallel.pp_problem`) moves the slider to the
+nearest one it can (:func:`buildable_m`), and the panel says why.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ def chunks(schedule: str) -> int:
     return 2 if schedule == "interleaved" else 1
 
 
+def buildable_m(schedule: str, pp: int, m: int, most: int = 64) -> int:
+    """The number of micro-batches nearest ``m`` (the larger on a tie) that ``schedule`` can
+    build on ``pp`` stages."""
+    ok = [k for k in range(1, most + 1) if pp_problem(schedule, pp, k, chunks(schedule)) is None]
+    return min(ok, key=lambda k: (abs(k - m), -k))
+
+
 def in_flight_picture(schedule: str = "1f1b", pp: int = 4, m: int = 8):
     """Micro-batches kept alive per pipeline rank under GPipe, 1F1B and ``schedule`` (those
     that can run ``m`` micro-batches on ``pp`` ranks)."""
@@ -106,10 +115,6 @@ class Controls(Panel):
         self.figure = None
         self.redraw()
 
-    @property
-    def figures(self) -> tuple:
-        return () if self.problem() else super().figures
-
     def problem(self) -> str | None:
         """Why the current pipeline picture cannot be drawn (None if it can)."""
         s = self.state
@@ -123,11 +128,14 @@ class Controls(Panel):
         self.state.update(changes)
         self.result = None
         q = self.bank[self.state["question"]]
-        bad = self.problem()
-        if not bad:
-            self.figure = picture(self.state)
+        s, moved = self.state, None
+        if s["picture"] in ("bubble", "in_flight") and self.problem():
+            wanted, s["m"] = s["m"], buildable_m(s["schedule"], s["pp"], s["m"])
+            moved = (f"{s['schedule']} on p = {s['pp']} stages cannot build m = {wanted} "
+                     f"micro-batches (it groups them by p): drawn at m = {s['m']}")
+        self.figure = picture(s)
         self.sync_knobs()
-        self.say(bad or f"{q.title[:3].strip()} · {q.topic}: see notebooks/{q.chapter}")
+        self.say(moved or f"{q.title[:3].strip()} · {q.topic}: see notebooks/{q.chapter}")
 
     def run(self, timeout: float = 300):
         """Run the tiny GPT for the current picture and draw it over the theory."""
