@@ -67,10 +67,10 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
     if gpu_mem_gb:
         limit = usable * gpu_mem_gb * 1e9
         fits = estimate["total_bytes"] <= limit
-        verdict = (f" — fits in {gpu_mem_gb:g} GB" if fits else
-                   f" — does NOT fit in {gpu_mem_gb:g} GB")
+        gpu = style.size_text(gpu_mem_gb * 1e9)
+        verdict = f" — fits in {gpu}" if fits else f" — does NOT fit in {gpu}"
         fig.add_hline(y=limit / size, line={"dash": "dash", "color": style.BLACK},
-                      annotation_text=f"usable: {usable:.0%} of {gpu_mem_gb:g} GB",
+                      annotation_text=f"usable: {usable:.0%} of {gpu}",
                       annotation_position="top left")
     style.frame(fig, (title or "Memory per pipeline rank") + verdict,
                 takeaway or "The first stage holds the embedding and the most micro-batches "

@@ -12,17 +12,21 @@ chapter:
 * :attr:`Panel.widget` builds the ipywidgets box on first use: a bold title if any, the
   knobs in ``knob_rows`` (the name ``"run"`` places the button; otherwise it ends the last
   row), and one output area that shows the message and :attr:`Panel.figures`;
-* without a frontend (nbval, exported HTML) nobody asks for the widget: the output area never
-  exists, :meth:`Panel.show` draws nothing, and the chapter shows the default static figures
-  (``ctl.figures``, or the panel's named ``..._fig``), so checked cells stay stable.
+* a notebook cell shows a panel by ending with it (``ctl``), and the learner sees each figure
+  once (:meth:`Panel._ipython_display_`): the panel's figures are displayed statically, then
+  the widget; where a frontend draws the widget (JupyterLab), its first view tells the kernel
+  (ipywidgets' ``_view_count``), and the static figures are replaced by nothing. Where none
+  does (nbval, ``nbconvert --execute --to html``), the static figures stay, so checked cells
+  and exported pages show the default figures.
 """
 
 from __future__ import annotations
 
 import abc
+import uuid
 
 import ipywidgets as w
-from IPython.display import display
+from IPython.display import display, update_display
 
 from edu3d.launch.api import LaunchError, launch
 
@@ -46,6 +50,7 @@ class Panel(abc.ABC):
         self._box = self._out = None
         self._knobs: dict = {}
         self._syncing = False
+        self._static = None  # the display handle of the static figures, until a view exists
 
     @property
     def figures(self) -> tuple:
@@ -109,6 +114,25 @@ class Panel(abc.ABC):
             self._box.add_class("edu3d-controls")  # what the browser test turns
             self.show()
         return self._box
+
+    def _ipython_display_(self) -> None:
+        """The panel as a cell's output: its message and figures statically, then the widget,
+        which clears them once a frontend has drawn it, so each figure is seen once."""
+        self._static = uuid.uuid4().hex if self.message or self.figures else None
+        if self.message:
+            display({"text/plain": self.message}, raw=True, display_id=self._static)
+        for fig in self.figures:
+            display(fig, display_id=self._static)
+        box = self.widget
+        if box._view_count is None:
+            box._view_count = 0  # ask the frontend to count the views it draws
+            box.observe(self._viewed, "_view_count")
+        display(box)
+
+    def _viewed(self, change) -> None:
+        if change["new"] and self._static is not None:
+            update_display({"text/plain": ""}, raw=True, display_id=self._static)
+            self._static = None
 
     def _turned(self, key: str, value) -> None:
         if not self._syncing:
