@@ -51,7 +51,7 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
     groups = [("estimate", {r["pp_rank"]: r for r in rows}, 0.35 if measured else 1.0)]
     if measured:
         groups.append(("measured", measured, 1.0))
-    for label, data, opacity in groups:
+    for label, data, _ in groups:
         base = [0.0] * n
         for cat in COLORS:
             ys = [data.get(r["pp_rank"], {}).get(cat, 0.0) / size for r in rows]
@@ -59,7 +59,8 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
                 continue
             fig.add_bar(x=x, y=ys, base=list(base), name=f"{NAMES[cat]} ({label})"
                         if measured else NAMES[cat], offsetgroup=label,
-                        marker={"color": COLORS[cat], "opacity": opacity},
+                        marker=style.estimate_marker(COLORS[cat]) if label == "estimate"
+                        and measured else style.measured_marker(COLORS[cat]),
                         legendgroup=cat, hovertemplate=f"{label} {NAMES[cat]}: "
                         "%{y:.3f} " + unit + "<extra>%{x}</extra>")
             base = [b + y for b, y in zip(base, ys)]

@@ -120,7 +120,8 @@ def add_bars(fig, events, where: Lanes, *, name: str, color, ghost: bool = False
     fig.add_trace(go.Bar(
         orientation="h", base=t0, x=np.maximum(t1 - t0, 0.0), y=y, width=width,
         name=name, legendgroup=legendgroup or name, showlegend=showlegend,
-        marker=marker, opacity=style.GHOST_OPACITY if ghost else 1.0,
+        marker={**marker, **style.estimate_marker(color)} if ghost and isinstance(color, str)
+        else marker, opacity=style.GHOST_OPACITY if ghost and not isinstance(color, str) else 1.0,
         text=np.array([_label(e) for e in events]) if text else None, textposition="inside",
         insidetextanchor="middle", textangle=0, constraintext="both",
         hovertext=hover, hoverinfo="text", cliponaxis=True,

@@ -23,6 +23,7 @@ chapter:
 from __future__ import annotations
 
 import abc
+import traceback
 import uuid
 
 import ipywidgets as w
@@ -98,6 +99,12 @@ class Panel(abc.ABC):
     def widget(self):
         if self._box is None:
             knobs = self._knobs = self.knobs()
+            for knob in knobs.values():
+                # ipywidgets cuts a description to 80 px ("micro-bat..."): give it its width
+                if getattr(knob, "description", "") and hasattr(knob, "style") and \
+                        hasattr(knob.style, "description_width") and \
+                        not knob.style.description_width:
+                    knob.style.description_width = "initial"
             for key, knob in knobs.items():
                 knob.observe(lambda ch, key=key: self._turned(key, ch["new"]), "value")
             button = w.Button(description=self.button, button_style=self.button_style,
@@ -122,7 +129,12 @@ class Panel(abc.ABC):
         if self.message:
             display({"text/plain": self.message}, raw=True, display_id=self._static)
         for fig in self.figures:
-            display(fig, display_id=self._static)
+            # plotly's own display hook ignores display_id: publish its bundle ourselves
+            bundle = getattr(fig, "_repr_mimebundle_", None)
+            if bundle is not None:
+                display(bundle(), raw=True, display_id=self._static)
+            else:
+                display(fig, display_id=self._static)
         box = self.widget
         if box._view_count is None:
             box._view_count = 0  # ask the frontend to count the views it draws
@@ -135,8 +147,16 @@ class Panel(abc.ABC):
             self._static = None
 
     def _turned(self, key: str, value) -> None:
-        if not self._syncing:
+        if self._syncing:
+            return
+        try:
             self.redraw(**{key: value})
+        except Exception as err:  # noqa: BLE001 - shown to the learner, not lost in a log
+            # a knob's callback runs outside any cell: its traceback would go to the server's
+            # log only, and the figure would silently not change
+            self.say(f"this setting failed ({key} = {value!r}): {type(err).__name__}: {err}")
+            if self._out is not None:
+                self._out.append_stderr(traceback.format_exc())
 
     def sync_knobs(self) -> None:
         """Show ``state`` on the knobs (after a redraw adjusted a dependent knob, or a choice
