@@ -91,7 +91,7 @@ class Controls(Panel):
                                             s["microbatches"], s["schedule"], self.vpp,
                                             global_batch=self.global_batch)
             self.memory_fig = memory_per_rank(
-                self.estimate,
+                self.estimate, layout=self.layout,
                 title=f"Memory per rank, estimated: dp={s['dp']} tp={s['tp']} pp={s['pp']} "
                       f"ZeRO-{s['zero']}" + ("" if s["dp"] > 1 else
                                              " (dp=1: nothing to shard)"),
@@ -117,7 +117,8 @@ class Controls(Panel):
         self.pipeline_fig = simulated_pipeline(s["pp"], s["microbatches"], s["schedule"],
                                                self.vpp, pipeline_view(run.events(), layout))
         self.memory_fig = memory_per_rank({r["rank"]: r["memory"] for r in run.results},
-                                          self.estimate, title="Memory per rank, measured")
+                                          self.estimate, title="Memory per rank, measured",
+                                          layout=layout)
         self.say(f"ran {layout.world_size} ranks in {run.elapsed_s:.0f} s")
         return run
 
