@@ -223,7 +223,8 @@ class TuneControls(Panel):
     FIGURES = ("figure",)
 
     def __init__(self, report: dict, default: dict | None = None):
-        super().__init__({"metric": "step time", "view": "values", "candidate": None,
+        # "" is no candidate (ipywidgets reads a None value as no selection: an empty box)
+        super().__init__({"metric": "step time", "view": "values", "candidate": "",
                           **(default or {})})
         self.report = report
         self.figure = None
@@ -236,9 +237,9 @@ class TuneControls(Panel):
         self.state.update(changes)
         s = self.state
         if s["candidate"] not in self.labels():
-            s["candidate"] = None
+            s["candidate"] = ""
         pts = tuning.points(self.report, s["metric"])
-        self.figure = tune_figure(pts, s["view"], s["candidate"])
+        self.figure = tune_figure(pts, s["view"], s["candidate"] or None)
         self.say(tuning.describe(self.report, s["candidate"]) if s["candidate"] else
                  f"winner: {pts['winner']}; misranked most on {s['metric']}: "
                  f"{pts['misranked']}")
@@ -252,7 +253,7 @@ class TuneControls(Panel):
             self.say(f"the tuning could not run: {err}")
             return None
         if self._knobs:
-            self._knobs["candidate"].options = [("none", None), *self.labels()]
+            self._knobs["candidate"].options = [("none", ""), *((c, c) for c in self.labels())]
         self.redraw()
         return self.report
 
@@ -262,7 +263,7 @@ class TuneControls(Panel):
             "metric": w.Dropdown(options=list(tuning.METRICS), value=s["metric"],
                                  description="metric"),
             "view": w.ToggleButtons(options=list(VIEWS), value=s["view"], description="view"),
-            "candidate": w.Dropdown(options=[("none", None), *self.labels()],
+            "candidate": w.Dropdown(options=[("none", ""), *((c, c) for c in self.labels())],
                                     value=s["candidate"], description="candidate",
                                     layout={"width": "420px"}),
         }
