@@ -51,7 +51,7 @@ class Panel(abc.ABC):
         self._box = self._out = None
         self._knobs: dict = {}
         self._syncing = False
-        self._static = None  # the display handle of the static figures, until a view exists
+        self._static = None  # the display id of the static figures, until a view exists
 
     @property
     def figures(self) -> tuple:
