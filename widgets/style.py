@@ -114,13 +114,12 @@ ESTIMATE_HATCH = "/"
 
 
 def estimate_marker(color: str, **extra) -> dict:
-    """The marker of a bar drawn from a formula or a simulation (theory): the colour
-    translucent, hatched and outlined, so it reads as an estimate in the plot and in the
-    legend. Measurements use :func:`measured_marker`."""
-    return {"color": rgba(color, GHOST_OPACITY),
-            "pattern": {"shape": ESTIMATE_HATCH, "fgcolor": color, "fgopacity": 0.7,
-                        "solidity": 0.25},
-            "line": {"color": color, "width": 1}, **extra}
+    """The marker of a bar drawn from a formula or a simulation (theory): hatched in the
+    colour and outlined, on no fill, so it reads as an estimate in the plot and in the
+    legend. Measurements use :func:`measured_marker` (solid)."""
+    return {"color": "rgba(0,0,0,0)",
+            "pattern": {"shape": ESTIMATE_HATCH, "fgcolor": color, "solidity": 0.35},
+            "line": {"color": color, "width": 1.5}, **extra}
 
 
 def measured_marker(color: str, **extra) -> dict:
