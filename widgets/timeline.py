@@ -77,6 +77,8 @@ def _fmt_bytes(n) -> str:
 
 
 def _label(ev: dict) -> str:
+    if ev.get("label") is not None:  # a span that names itself (chapter 03's units: "u3")
+        return str(ev["label"])
     return "" if ev.get("mb") is None else str(ev["mb"])
 
 
@@ -88,7 +90,7 @@ def _details(ev: dict) -> str:
         parts.append(f"peer {ev['peer']}")
     if ev.get("bytes") is not None:
         parts.append(f"bytes {_fmt_bytes(ev['bytes'])}")
-    for key in ("step", "mb", "stage", "chunk"):
+    for key in ("step", "mb", "stage", "chunk", "unit"):
         if ev.get(key) is not None:
             parts.append(f"{key} {ev[key]}")
     return ", ".join(parts) if parts else " "

@@ -137,8 +137,9 @@ def grade_zero1_exercise(mesh, lr: float = 0.1) -> bool:
 def unit_spans(events: list[dict], case: str) -> list[dict]:
     """The trace of ``case`` with each rank's forward and backward cut into one span per unit:
     from the end of the unit's all-gather (its parameters arrive) to the moment they are
-    freed (the rank's next drop in resident parameters), labelled ``F`` / ``B`` with the
-    unit as its chunk, so gather -> compute -> free shows unit by unit."""
+    freed (the rank's next drop in resident parameters; in backward, to its reduce-scatter),
+    an ``F`` or ``B`` span labelled ``u<unit>``, so gather -> compute -> free shows unit by
+    unit."""
     out = [e for e in events if e.get("case") == case and e["op"] not in ("F", "B")]
     for rank in sorted({e["rank"] for e in out}):
         mine = sorted((e for e in events if e.get("case") == case and e["rank"] == rank),
@@ -161,8 +162,8 @@ def unit_spans(events: list[dict], case: str) -> list[dict]:
                             m.get("chunk") == e["chunk"]), None) if bwd else None
             end = min(freed["t0"], scatter["t0"]) if scatter else freed["t0"]
             out.append({"rank": rank, "lane": "compute", "op": "B" if bwd else "F",
-                        "case": case, "step": e.get("step"), "chunk": e["chunk"],
-                        "t0": e["t1"], "t1": end})
+                        "case": case, "step": e.get("step"), "unit": e["chunk"],
+                        "label": f"u{e['chunk']}", "t0": e["t1"], "t1": end})
     return out
 
 
