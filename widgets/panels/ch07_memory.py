@@ -173,7 +173,7 @@ class Controls(Panel):
         self.measured = self.result = measured
         self.figure = stage_bars(
             rest, measured, gpu_mem_gb=s["gpu_mem_gb"],
-            title="Measured (solid) beside the planner (ghost), after one step",
+            title="Measured (solid) beside the planner (hatched), after one step",
             takeaway="Weights, gradients and optimizer state to the byte; activations are "
                      "the step's peak, within a few bytes.")
         self.say(f"measured {len(ranks)} ranks")

@@ -17,7 +17,8 @@ chapter:
   the widget; where a frontend draws the widget (JupyterLab), its first view tells the kernel
   (ipywidgets' ``_view_count``), and the static figures are replaced by nothing. Where none
   does (nbval, ``nbconvert --execute --to html``), the static figures stay, so checked cells
-  and exported pages show the default figures.
+  and exported pages show the default figures. A later cell that changed the panel (``run``)
+  shows its figures with :meth:`Panel.display_static`: nothing where the widget shows them.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Panel(abc.ABC):
         self._box = self._out = None
         self._knobs: dict = {}
         self._syncing = False
-        self._static = None  # the display id of the static figures, until a view exists
+        self._static: list[str] = []  # display ids of static figures, until a view exists
 
     @property
     def figures(self) -> tuple:
@@ -125,26 +126,38 @@ class Panel(abc.ABC):
     def _ipython_display_(self) -> None:
         """The panel as a cell's output: its message and figures statically, then the widget,
         which clears them once a frontend has drawn it, so each figure is seen once."""
-        self._static = uuid.uuid4().hex if self.message or self.figures else None
-        if self.message:
-            display({"text/plain": self.message}, raw=True, display_id=self._static)
-        for fig in self.figures:
-            # plotly's own display hook ignores display_id: publish its bundle ourselves
-            bundle = getattr(fig, "_repr_mimebundle_", None)
-            if bundle is not None:
-                display(bundle(), raw=True, display_id=self._static)
-            else:
-                display(fig, display_id=self._static)
+        self.display_static()
         box = self.widget
         if box._view_count is None:
             box._view_count = 0  # ask the frontend to count the views it draws
             box.observe(self._viewed, "_view_count")
         display(box)
 
+    def display_static(self) -> None:
+        """Display the message and figures here, for a page without a frontend (nbval, an
+        exported page): after a cell ran the panel (``ctl.run()``), say. Where the panel's
+        widget is drawn (JupyterLab) it already shows them: they are skipped, or cleared as
+        soon as the widget is drawn."""
+        if self._box is not None and self._box._view_count:
+            return
+        static = uuid.uuid4().hex
+        if self.message:
+            display({"text/plain": self.message}, raw=True, display_id=static)
+        for fig in self.figures:
+            # plotly's own display hook ignores display_id: publish its bundle ourselves
+            # (empty outside a kernel, where plotly renders to a browser tab instead)
+            bundle = fig._repr_mimebundle_() if hasattr(fig, "_repr_mimebundle_") else None
+            if bundle:
+                display(bundle, raw=True, display_id=static)
+            else:
+                display(fig, display_id=static)
+        self._static.append(static)
+
     def _viewed(self, change) -> None:
-        if change["new"] and self._static is not None:
-            update_display({"text/plain": ""}, raw=True, display_id=self._static)
-            self._static = None
+        if change["new"]:
+            for static in self._static:
+                update_display({"text/plain": ""}, raw=True, display_id=static)
+            self._static = []
 
     def _turned(self, key: str, value) -> None:
         if self._syncing:
