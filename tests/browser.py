@@ -8,9 +8,9 @@ the kernel, then checks what a learner would see:
 * no error output, no "Error displaying widget", no JavaScript console error or page error;
 * every Plotly chart rendered with at least one trace and a title;
 * every ipywidgets view rendered; every control of every panel (``.edu3d-controls``) is turned
-  through its range (each option of a dropdown, each toggle, a checkbox both ways, a slider's
-  ends, middle and a few steps): each position must redraw without an error in the panel or
-  in the console, and each panel must change under its controls;
+  through its range (each option of a dropdown, sampled past six, each toggle, a checkbox
+  both ways, a slider's ends and a few steps): each position must redraw without an error in
+  the panel or in the console, and each panel must change under its controls;
 * a screenshot of the *whole* notebook (JupyterLab scrolls inside the page, so the notebook's
   own scroller is walked and the viewports stitched) in ``$EDU3D_SCREENSHOTS`` (default
   ``<pytest tmp>/screenshots``), taken before the controls are turned.
@@ -379,7 +379,9 @@ CONTROLS_JS = """(box) => {
       (el.closest('.widget-slider')?.querySelector('label')?.textContent) || '']));
   return found;
 }"""
-SLIDER_KEYS = ("End", "Home", "PageUp", "PageUp")  # the ends, then a few steps up
+SLIDER_KEYS = ("End", "Home", "PageUp")  # the ends, then a few steps up
+MAX_OPTIONS = 6  # a longer dropdown is sampled: its ends and options evenly between
+# (every option of every knob is turned headless, in seconds: tests/test_every_control.py)
 # plotly.js resizing a chart that the panel's output area has just replaced (a redraw clears
 # it and draws the new figure): the old div is gone, the new one is drawn; nothing is lost
 PLOTLY_DETACHED = "Resize must be passed a displayed plot div element"
@@ -401,15 +403,18 @@ def wait_redrawn(page, box, before: str, limit_s: float = 3.0) -> dict:
 
 
 def turn_every_control(page, box) -> dict:
-    """Turn every control of one panel through its range: each option of a dropdown, each
-    toggle button, a checkbox both ways, a slider's ends, middle and a few steps (keys on its
-    handle). Return the positions turned, how many changed the panel, and what failed."""
+    """Turn every control of one panel through its range: each option of a dropdown (a
+    sample of :data:`MAX_OPTIONS` past that), each toggle button, a checkbox both ways, a
+    slider's ends and a few steps (keys on its handle). Return the positions turned, how many
+    changed the panel, and what failed."""
     positions, changed, failed = 0, 0, []
     for kind, i, label in page.evaluate(CONTROLS_JS, box.element_handle()):
         moves = []
         if kind == "select":
             n = box.locator("select").nth(i).locator("option").count()
-            moves = [("select", k) for k in range(n)]
+            picks = range(n) if n <= MAX_OPTIONS else sorted(
+                {round(k * (n - 1) / (MAX_OPTIONS - 1)) for k in range(MAX_OPTIONS)})
+            moves = [("select", k) for k in picks]
         elif kind == "toggle":
             n = box.locator(".widget-toggle-buttons").nth(i).locator("button").count()
             moves = [("toggle", k) for k in range(n)]
