@@ -7,11 +7,13 @@ the kernel, then checks what a learner would see:
 
 * no error output, no "Error displaying widget", no JavaScript console error or page error;
 * every Plotly chart rendered with at least one trace and a title;
-* every ipywidgets view rendered; in a chapter with a control panel (``.edu3d-controls``) the
-  first dropdown is turned and a chart in that panel must change (title or data);
+* every ipywidgets view rendered; every control of every panel (``.edu3d-controls``) is turned
+  through its range (each option of a dropdown, sampled past six, each toggle, a checkbox
+  both ways, a slider's ends and a few steps): each position must redraw without an error in
+  the panel or in the console, and each panel must change under its controls;
 * a screenshot of the *whole* notebook (JupyterLab scrolls inside the page, so the notebook's
   own scroller is walked and the viewports stitched) in ``$EDU3D_SCREENSHOTS`` (default
-  ``<pytest tmp>/screenshots``), plus one after the control was turned.
+  ``<pytest tmp>/screenshots``), taken before the controls are turned.
 
 Chromium is the distribution's package (``/usr/bin/chromium``, or ``$EDU3D_CHROMIUM``),
 driven by Python Playwright with ``executable_path``: nothing is downloaded at run time.
@@ -353,25 +355,108 @@ def screenshot_whole(page, path: Path) -> None:
     page.evaluate("(el) => { el.scrollTop = 0; }", handle)
 
 
-def turn_first_control(page) -> dict:
-    """Choose another option in the first dropdown of the first control panel; return the
-    panel's figures before and after."""
-    box = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .edu3d-controls").first
-    box.scroll_into_view_if_needed()
-    before = page.evaluate(PANEL_FIGURES_JS, box.element_handle())
-    select = box.locator("select").first
-    options = select.locator("option").all_text_contents()
-    current = select.evaluate("(s) => s.options[s.selectedIndex].text")
-    choice = next(o for o in options if o != current)
-    select.select_option(label=choice)
-    deadline = time.monotonic() + 60
-    after = before
-    while time.monotonic() < deadline:
-        page.wait_for_timeout(200)
-        after = page.evaluate(PANEL_FIGURES_JS, box.element_handle())
-        if after and after != before:
-            break
-    return {"option": choice, "before": before, "after": after}
+PANEL_STATE_JS = """(box) => {
+  const out = box.querySelector('.jupyter-widgets-output-area, .widget-output');
+  const plots = [...box.querySelectorAll('.js-plotly-plot')];
+  return {sig: JSON.stringify([(out && out.textContent) || '', plots.map(el =>
+            [(el.layout && el.layout.title && el.layout.title.text) || '',
+             (el.data || []).map(t => [t.name, t.x, t.y, t.z, t.base])])]),
+          drawn: plots.every(el => el._fullData),
+          failed: /Traceback|this setting failed/.test((out && out.textContent) || '')
+                  ? out.textContent.slice(0, 300) : ''};
+}"""
+
+# every control of a panel, as (kind, index): dropdowns, toggle buttons, checkboxes, sliders
+CONTROLS_JS = """(box) => {
+  const found = [];
+  box.querySelectorAll('select').forEach((el, i) => found.push(['select', i,
+      (el.closest('.widget-dropdown')?.querySelector('label')?.textContent) || '']));
+  box.querySelectorAll('.widget-toggle-buttons').forEach((el, i) => found.push(['toggle', i,
+      el.querySelector('label')?.textContent || '']));
+  box.querySelectorAll('.widget-checkbox input').forEach((el, i) => found.push(['checkbox', i,
+      el.closest('.widget-checkbox').textContent]));
+  box.querySelectorAll('.noUi-handle').forEach((el, i) => found.push(['slider', i,
+      (el.closest('.widget-slider')?.querySelector('label')?.textContent) || '']));
+  return found;
+}"""
+SLIDER_KEYS = ("End", "Home", "PageUp")  # the ends, then a few steps up
+MAX_OPTIONS = 6  # a longer dropdown is sampled: its ends and options evenly between
+# (every option of every knob is turned headless, in seconds: tests/test_every_control.py)
+# plotly.js resizing a chart that the panel's output area has just replaced (a redraw clears
+# it and draws the new figure): the old div is gone, the new one is drawn; nothing is lost
+PLOTLY_DETACHED = "Resize must be passed a displayed plot div element"
+
+
+def panel_state(page, box) -> dict:
+    return page.evaluate(PANEL_STATE_JS, box.element_handle())
+
+
+def wait_redrawn(page, box, before: str, limit_s: float = 3.0) -> dict:
+    """Wait until the panel's output changed from ``before`` and its charts are drawn (at
+    most ``limit_s``: a position may draw what the last one drew)."""
+    deadline = time.monotonic() + limit_s
+    now = panel_state(page, box)
+    while time.monotonic() < deadline and (now["sig"] == before or not now["drawn"]):
+        page.wait_for_timeout(80)
+        now = panel_state(page, box)
+    return now
+
+
+def turn_every_control(page, box) -> dict:
+    """Turn every control of one panel through its range: each option of a dropdown (a
+    sample of :data:`MAX_OPTIONS` past that), each toggle button, a checkbox both ways, a
+    slider's ends and a few steps (keys on its handle). Return the positions turned, how many
+    changed the panel, and what failed."""
+    positions, changed, failed = 0, 0, []
+    for kind, i, label in page.evaluate(CONTROLS_JS, box.element_handle()):
+        moves = []
+        if kind == "select":
+            n = box.locator("select").nth(i).locator("option").count()
+            picks = range(n) if n <= MAX_OPTIONS else sorted(
+                {round(k * (n - 1) / (MAX_OPTIONS - 1)) for k in range(MAX_OPTIONS)})
+            moves = [("select", k) for k in picks]
+        elif kind == "toggle":
+            n = box.locator(".widget-toggle-buttons").nth(i).locator("button").count()
+            moves = [("toggle", k) for k in range(n)]
+        elif kind == "checkbox":
+            moves = [("checkbox", 0), ("checkbox", 1)]
+        else:
+            moves = [("slider", key) for key in SLIDER_KEYS]
+        for how, arg in moves:
+            before = panel_state(page, box)["sig"]
+            if how == "select":
+                select = box.locator("select").nth(i)
+                if arg >= select.locator("option").count():  # a redraw narrowed the options
+                    continue
+                if select.evaluate("(s) => s.selectedIndex") == arg:
+                    continue
+                select.select_option(index=arg)
+            elif how == "toggle":
+                box.locator(".widget-toggle-buttons").nth(i).locator("button").nth(arg).click()
+            elif how == "checkbox":
+                box.locator(".widget-checkbox input").nth(i).click()
+            else:
+                box.locator(".noUi-handle").nth(i).press(arg)
+            positions += 1
+            now = wait_redrawn(page, box, before)
+            changed += now["sig"] != before
+            if now["failed"]:
+                failed.append(f"{label.strip() or kind} {arg}: {now['failed']}")
+    return {"positions": positions, "changed": changed, "failed": failed}
+
+
+def turn_every_panel(page) -> list[dict]:
+    """Every control of every panel in the open notebook, turned (:func:`turn_every_control`)."""
+    boxes = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .edu3d-controls")
+    out = []
+    for b in range(boxes.count()):
+        box = boxes.nth(b)
+        box.scroll_into_view_if_needed()
+        title = box.locator(".js-plotly-plot").first
+        out.append({"panel": b, "title": title.evaluate(
+            "(el) => ((el.layout && el.layout.title && el.layout.title.text) || '')"
+            ".slice(0, 60)") if title.count() else "", **turn_every_control(page, box)})
+    return out
 
 
 def compare_saved(page, lab: Lab, nb: Path, rel: str) -> list[str]:
@@ -456,15 +541,27 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
              not p["title"] or p["height"] < 50]
     if empty:
         problems.append(f"empty or untitled charts: {empty}")
+    screenshot_whole(page, out_dir / f"{name}.png")  # as the learner first sees it
+    phase("screenshot")
     turned = None
     if report["controls"]:
-        turned = turn_first_control(page)
-        if not turned["after"] or turned["after"] == turned["before"]:
-            problems.append(f"turning the first control ({turned['option']!r}) changed no "
-                            "chart in its panel")
+        console_before = len(console)
+        turned = turn_every_panel(page)
+        for t in turned:
+            if t["failed"]:
+                problems.append(f"panel {t['panel']} ({t['title']!r}): {t['failed'][:5]}")
+            if not t["changed"]:
+                problems.append(f"panel {t['panel']} ({t['title']!r}): none of its "
+                                f"{t['positions']} control positions changed it")
+        errors = [c for c in console[console_before:] if c["type"] in ("error", "pageerror")
+                  and not c["text"].startswith(PLOTLY_DETACHED)]
+        if errors:
+            problems.append(f"console errors while turning the controls: {errors[:5]}")
+        del console[console_before:]  # checked here, with the one harmless message left out
+        report = page.evaluate(REPORT_JS)
+        if report["errors"]:
+            problems.append(f"error outputs after turning the controls: {report['errors']}")
         phase("control")
-    screenshot_whole(page, out_dir / f"{name}.png")  # with the control turned
-    phase("screenshot")
     problems += [f"checked output differs from the committed one: {d}"
                  for d in compare_saved(page, lab, nb, rel)]
     phase("save")
@@ -473,7 +570,8 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
         problems.append(f"console errors: {errors[:5]}")
     return {"notebook": rel, "seconds": round(seconds, 1), "plots": len(report["plots"]),
             "widgets": report["widgets"], "controls": report["controls"],
-            "turned": turned and turned["option"], "phases": phases, "problems": problems}
+            "turned": turned and sum(t["positions"] for t in turned), "phases": phases,
+            "problems": problems}
 
 
 class Session:
@@ -566,7 +664,7 @@ def session_fixture(tmp_path_factory, label: str):
     print(f"\nscreenshots in {out_dir}; seconds per notebook (all cells, in the browser):")
     for r in s.results:
         print(f"{r['seconds']:6.1f} s  {r['notebook']}: {r['plots']} charts, "
-              f"{r['widgets']} widget views, control turned: {r['turned']}; "
+              f"{r['widgets']} widget views, control positions turned: {r['turned']}; "
               f"phases (s): {r['phases']}")
     print(f"{sum(r['seconds'] for r in s.results):6.1f} s  in total")
 

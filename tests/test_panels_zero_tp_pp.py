@@ -107,8 +107,10 @@ def test_pipeline_panel_refuses_invalid_settings_with_a_reason():
     assert ctl.state["vpp"] == 2 and ctl._knobs["vpp"].value == 2
     assert ctl.message == "" and _title(ctl.gantt_fig) != title
     assert "v=2" in _title(ctl.gantt_fig)
-    ctl.redraw(m=3)
-    assert ctl.figures == () and "multiple of pp = 2" in ctl.message
+    ctl.redraw(m=3)  # interleaving sends micro-batches in groups of pp: 3 moves up to 4
+    assert ctl.state["m"] == 4 and len(ctl.figures) == 2 and "3 -> 4" in ctl.message
+    ctl._knobs["vpp"].value = 1  # one chunk is plain 1F1B: the schedule follows the knob
+    assert ctl.state["schedule"] == "1f1b" and len(ctl.figures) == 2
     ctl.redraw(m=4, schedule="gpipe", vpp=2)
     assert ctl.figures == () and "needs the interleaved schedule" in ctl.message
     assert ch05.pp_problem("interleaved", 2, 4, 1) and ch05.pp_run_problem("1f1b", 16, 16, 1)

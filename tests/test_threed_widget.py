@@ -113,7 +113,10 @@ def test_controls_redraw_with_another_layout():
     assert "pp=4" in ctl.pipeline_fig.layout.title.text
     assert all(t.name for t in ctl.pipeline_fig.data if t.showlegend is not False)
     ctl.redraw(schedule="interleaved", pp=4)  # 4 x 2 chunks > 4 layers
-    assert "pp*vpp" in ctl.message  # refused with the layout's own reason, figures kept
+    # the pipeline is still simulated; the memory and the run name the panel's own knobs
+    assert ctl.pipeline_fig is not None and ctl.memory_fig is None
+    assert "8 stages" in ctl.message and "choose a smaller pp" in ctl.message
+    assert ctl.run() is None  # refused before any launch
     box = ctl.widget
     assert box is not None and ctl.widget is box
 

@@ -50,9 +50,9 @@ def score_blocks_figure(owner: list[list[int]], cp: int, split: str, causal: lis
                   1, 1)
     ranks = [f"rank {r}" for r in range(cp)]
     fig.add_bar(x=ranks, y=causal, name="causal entries (formula)", row=1, col=2,
-                marker={"color": style.BLUE}, opacity=style.GHOST_OPACITY, width=0.8)
+                marker=style.estimate_marker(style.BLUE), width=0.8)
     fig.add_bar(x=ranks, y=predicted, name="ring computes (theory)", row=1, col=2,
-                marker={"color": style.BLUE, "opacity": 0.55}, width=0.5)
+                marker=style.estimate_marker(style.SKY), width=0.5)
     if measured is not None:
         fig.add_bar(x=ranks, y=measured, name="ring computed (measured)", row=1, col=2,
                     marker={"color": style.BLUE}, width=0.25)
@@ -129,7 +129,7 @@ def exchange_figure(measured: dict | None, formulas: dict, step_ms: dict | None 
     for phase, color, offset in (("forward", style.SEND, -0.4), ("backward", style.OLIVE, 0.0)):
         fig.add_bar(x=impls, y=[formulas[i][phase] / 1024 for i in impls],
                     name=f"{phase} (formula)", width=0.4, offset=offset,
-                    marker={"color": color}, opacity=style.GHOST_OPACITY)
+                    marker=style.estimate_marker(color))
         if measured:
             fig.add_bar(x=impls, y=[measured[i][phase] / 1024 for i in impls],
                         name=f"{phase} (measured)", width=0.26, offset=offset + 0.07,

@@ -51,7 +51,7 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
     groups = [("estimate", {r["pp_rank"]: r for r in rows}, 0.35 if measured else 1.0)]
     if measured:
         groups.append(("measured", measured, 1.0))
-    for label, data, opacity in groups:
+    for label, data, _ in groups:
         base = [0.0] * n
         for cat in COLORS:
             ys = [data.get(r["pp_rank"], {}).get(cat, 0.0) / size for r in rows]
@@ -59,7 +59,8 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
                 continue
             fig.add_bar(x=x, y=ys, base=list(base), name=f"{NAMES[cat]} ({label})"
                         if measured else NAMES[cat], offsetgroup=label,
-                        marker={"color": COLORS[cat], "opacity": opacity},
+                        marker=style.estimate_marker(COLORS[cat]) if label == "estimate"
+                        and measured else style.measured_marker(COLORS[cat]),
                         legendgroup=cat, hovertemplate=f"{label} {NAMES[cat]}: "
                         "%{y:.3f} " + unit + "<extra>%{x}</extra>")
             base = [b + y for b, y in zip(base, ys)]
@@ -67,10 +68,10 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
     if gpu_mem_gb:
         limit = usable * gpu_mem_gb * 1e9
         fits = estimate["total_bytes"] <= limit
-        verdict = (f" — fits in {gpu_mem_gb:g} GB" if fits else
-                   f" — does NOT fit in {gpu_mem_gb:g} GB")
+        gpu = style.size_text(gpu_mem_gb * 1e9)
+        verdict = f" — fits in {gpu}" if fits else f" — does NOT fit in {gpu}"
         fig.add_hline(y=limit / size, line={"dash": "dash", "color": style.BLACK},
-                      annotation_text=f"usable: {usable:.0%} of {gpu_mem_gb:g} GB",
+                      annotation_text=f"usable: {usable:.0%} of {gpu}",
                       annotation_position="top left")
     style.frame(fig, (title or "Memory per pipeline rank") + verdict,
                 takeaway or "The first stage holds the embedding and the most micro-batches "

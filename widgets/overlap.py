@@ -69,7 +69,7 @@ def traffic_figure(measured: dict[str, float], formula: dict[str, float], unit: 
     names = list(measured)
     fig = go.Figure([
         go.Bar(x=names, y=[formula[n] for n in names], name="formula",
-               marker_color=style.YELLOW, opacity=style.GHOST_OPACITY,
+               marker=style.estimate_marker(style.OLIVE),
                text=[f"{formula[n]:g}{unit}" for n in names], textposition="outside"),
         go.Bar(x=names, y=[measured[n] for n in names], name="measured (trace)",
                marker_color=style.OLIVE, width=0.4,

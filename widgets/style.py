@@ -19,6 +19,7 @@ also set plotly's layout and renderer.
 
 from __future__ import annotations
 
+import numpy as np
 import plotly.io as pio
 
 # Okabe & Ito (2008), "Color Universal Design"; TEAL and GREEN from Paul Tol's muted scheme.
@@ -107,6 +108,25 @@ def tint(color: str, chunk: int = 0, chunks: int = 1) -> str:
     return f"#{r:02X}{g:02X}{b:02X}"
 
 
+#: a formula's hatching: estimates and measurements must differ in the legend too, where a
+#: translucent swatch beside a solid one of the same colour is easy to miss
+ESTIMATE_HATCH = "/"
+
+
+def estimate_marker(color: str, **extra) -> dict:
+    """The marker of a bar drawn from a formula or a simulation (theory): hatched in the
+    colour and outlined, on no fill, so it reads as an estimate in the plot and in the
+    legend. Measurements use :func:`measured_marker` (solid)."""
+    return {"color": "rgba(0,0,0,0)",
+            "pattern": {"shape": ESTIMATE_HATCH, "fgcolor": color, "solidity": 0.35},
+            "line": {"color": color, "width": 1.5}, **extra}
+
+
+def measured_marker(color: str, **extra) -> dict:
+    """The marker of a measured bar: the colour solid (theory is :func:`estimate_marker`)."""
+    return {"color": color, **extra}
+
+
 def title_text(title: str, takeaway: str | None = None) -> str:
     """A title with the takeaway as a smaller second line (works in every plotly version and
     in exported HTML)."""
@@ -122,6 +142,15 @@ def html_export_renderer() -> None:
     A renderer the user chose is left alone."""
     if pio.renderers.default == "plotly_mimetype":
         pio.renderers.default = "plotly_mimetype+notebook"
+
+
+def size_text(nbytes: float) -> str:
+    """A size in the unit that fits it: ``3e6`` -> ``"3 MB"``, ``8e10`` -> ``"80 GB"`` (never
+    ``"0.003 GB"``)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -170,8 +199,48 @@ def frame(fig, title: str, takeaway: str | None = None, *, x: str | None = None,
     label_legend(fig, legend)
     if height is not None:
         fig.update_layout(height=height)
+    # an axis that already has its own title (a right-hand axis) keeps it
     if x is not None:
-        fig.update_xaxes(title_text=x)
+        fig.for_each_xaxis(lambda ax: ax.update(title_text=x) if not ax.title.text else None)
     if y is not None:
-        fig.update_yaxes(title_text=y)
+        fig.for_each_yaxis(lambda ax: ax.update(title_text=y) if not ax.title.text else None)
+    integer_ticks(fig)
     return fig
+
+
+def _integers(values) -> list[int] | None:
+    """``values`` as ints when every one is a whole number (not a bool, not a label)."""
+    out = []
+    for v in values if values is not None else ():
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
+                                                                  np.floating)):
+            return None
+        if v != v or float(v) != int(v):
+            return None
+        out.append(int(v))
+    return out or None
+
+
+def integer_ticks(fig) -> None:
+    """Steps, ranks, micro-batches are counted in whole numbers: an x axis whose every point
+    is a whole number gets ticks on whole numbers only (plotly would put some at 0.5), one
+    per value while there are at most 20."""
+    axes: dict[str, list[int] | None] = {}
+    for trace in fig.data:
+        if trace.type not in ("scatter", "bar") or getattr(trace, "orientation", None) == "h":
+            continue
+        xs = _integers(trace.x)
+        name = "xaxis" + (trace.xaxis or "x")[1:]
+        if xs is None:
+            axes[name] = None  # one trace with other x values: leave the axis to plotly
+        elif name not in axes:
+            axes[name] = xs
+        elif axes[name] is not None:
+            axes[name] += xs
+    for name, xs in axes.items():
+        axis = fig.layout[name]
+        if not xs or axis.type in ("category", "log", "date") or axis.dtick is not None \
+                or axis.tickvals is not None:
+            continue
+        span = max(xs) - min(xs)
+        axis.update(tickformat="d", **({"dtick": 1} if span <= 20 else {}))

@@ -33,9 +33,18 @@ CATEGORIES = tuple(MEMORY_COLORS)
 
 
 # ---- the timeline of one step ------------------------------------------------------------------
+def rank_label(rank: int, layout=None) -> str:
+    """``rank 5`` or, with the run's layout, ``rank 5 (pp1 dp0 tp1)``: where it sits."""
+    if layout is None:
+        return f"rank {rank}"
+    c = layout.coords(rank)
+    return f"rank {rank} (pp{c.pp} dp{c.dp} tp{c.tp})"
+
+
 def timeline_3d(events: list[dict], step: int, *, title: str | None = None,
-                takeaway: str | None = None):
-    """Every rank's lanes for one step: compute by operation, communication by axis."""
+                takeaway: str | None = None, layout=None):
+    """Every rank's lanes for one step: compute by operation, communication by axis; with
+    ``layout`` each rank is labelled with its (pp, dp, tp) coordinates."""
     evs = step_events(events, step)
     fig = go.Figure()
     if not evs:
@@ -62,7 +71,9 @@ def timeline_3d(events: list[dict], step: int, *, title: str | None = None,
                 height=max(300, 130 + 30 * len(where.tickvals)))
     fig.update_layout(barmode="overlay", bargap=0, hoverlabel={"align": "left"},
                       uniformtext={"minsize": 8, "mode": "hide"})
-    fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext, range=where.extent[::-1],
+    ticks = [rank_label(int(t.split()[1]), layout) if t.startswith("rank ") else t
+             for t in where.ticktext]
+    fig.update_yaxes(tickvals=where.tickvals, ticktext=ticks, range=where.extent[::-1],
                      showgrid=False, zeroline=False)
     end = max(e["t1"] for e in evs) / 1e3
     fig.update_xaxes(range=[0, end * 1.01 or 1.0])
@@ -71,11 +82,12 @@ def timeline_3d(events: list[dict], step: int, *, title: str | None = None,
 
 # ---- memory per rank ---------------------------------------------------------------------------
 def memory_per_rank(measured: dict[int, dict], estimate: dict[int, dict] | None = None, *,
-                    title: str = "Memory per rank", takeaway: str | None = None):
+                    title: str = "Memory per rank", takeaway: str | None = None, layout=None):
     """Stacked bars per rank (KiB): params, grads, optimizer state, activations; the
-    estimate's total as a ghost diamond over each bar."""
+    estimate's total as a ghost diamond over each bar; with ``layout`` each rank is labelled
+    with its (pp, dp, tp) coordinates."""
     ranks = sorted(measured)
-    x = [f"rank {r}" for r in ranks]
+    x = [rank_label(r, layout).replace(" (", "<br>(") for r in ranks]
     fig = go.Figure()
     for cat in CATEGORIES:
         fig.add_bar(x=x, y=[measured[r].get(cat, 0) / 1024 for r in ranks], name=cat,

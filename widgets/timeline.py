@@ -77,6 +77,8 @@ def _fmt_bytes(n) -> str:
 
 
 def _label(ev: dict) -> str:
+    if ev.get("label") is not None:  # a span that names itself (chapter 03's units: "u3")
+        return str(ev["label"])
     return "" if ev.get("mb") is None else str(ev["mb"])
 
 
@@ -88,7 +90,7 @@ def _details(ev: dict) -> str:
         parts.append(f"peer {ev['peer']}")
     if ev.get("bytes") is not None:
         parts.append(f"bytes {_fmt_bytes(ev['bytes'])}")
-    for key in ("step", "mb", "stage", "chunk"):
+    for key in ("step", "mb", "stage", "chunk", "unit"):
         if ev.get(key) is not None:
             parts.append(f"{key} {ev[key]}")
     return ", ".join(parts) if parts else " "
@@ -120,7 +122,8 @@ def add_bars(fig, events, where: Lanes, *, name: str, color, ghost: bool = False
     fig.add_trace(go.Bar(
         orientation="h", base=t0, x=np.maximum(t1 - t0, 0.0), y=y, width=width,
         name=name, legendgroup=legendgroup or name, showlegend=showlegend,
-        marker=marker, opacity=style.GHOST_OPACITY if ghost else 1.0,
+        marker={**marker, **style.estimate_marker(color)} if ghost and isinstance(color, str)
+        else marker, opacity=style.GHOST_OPACITY if ghost and not isinstance(color, str) else 1.0,
         text=np.array([_label(e) for e in events]) if text else None, textposition="inside",
         insidetextanchor="middle", textangle=0, constraintext="both",
         hovertext=hover, hoverinfo="text", cliponaxis=True,

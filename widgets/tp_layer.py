@@ -43,9 +43,8 @@ def tp_collectives_figure(pred: dict, t: int, sp: bool, measured: dict | None = 
             fig.add_bar(
                 x=x, y=[data[p].get(op, {}).get("ring_bytes", 0) / KiB for p in phases],
                 name=f"{OP_NAMES.get(op, op)} ({source})", offsetgroup=source,
-                legendgroup=op, marker={"color": color, "line": {"color": style.GREY,
-                                                                 "width": 1}},
-                opacity=style.GHOST_OPACITY if source == "predicted" else 1.0,
+                legendgroup=op, marker=style.estimate_marker(color) if source == "predicted"
+                else style.measured_marker(color, line={"color": style.GREY, "width": 1}),
                 text=[f"{n} x" if n and source == "measured" else "" for n in counts],
                 textposition="inside", customdata=counts,
                 hovertemplate=f"{op}, {source}: " + "%{customdata} x, %{y:.1f} KiB sent"

@@ -111,8 +111,8 @@ def memory_bars_figure(measured: dict[int, dict], psi: int, n: int, **bytes_per)
     for c in CATS:
         fig.add_trace(go.Bar(x=x_meas, y=[zero_bytes(psi, n, s, **bytes_per)[c] / 1e6
                                           for s in stages],
-                             name=f"{c} (formula)", marker_color=CAT_COLORS[c],
-                             opacity=style.GHOST_OPACITY, offsetgroup="formula",
+                             name=f"{c} (formula)", marker=style.estimate_marker(CAT_COLORS[c]),
+                             offsetgroup="formula",
                              legendgroup=c))
         fig.add_trace(go.Bar(x=x_meas, y=[measured[s][c] / 1e6 for s in stages],
                              name=f"{c} (measured)", marker_color=CAT_COLORS[c],
@@ -162,8 +162,8 @@ def zero_memory_figure(pred: dict, measured: dict | None = None):
     fig = go.Figure()
     for c in CAT_COLORS:
         fig.add_bar(x=x, y=[pred["formula"][s][c] / MB for s in range(4)],
-                    name=f"{c} (formula)", marker_color=CAT_COLORS[c],
-                    opacity=style.GHOST_OPACITY, offsetgroup="formula", legendgroup=c,
+                    name=f"{c} (formula)", marker=style.estimate_marker(CAT_COLORS[c]),
+                    offsetgroup="formula", legendgroup=c,
                     hovertemplate=f"{c}, formula: " + "%{y:.3f} MB<extra>%{x}</extra>")
         fig.add_bar(x=x, y=[pred["estimate"][s][c] / MB for s in range(4)],
                     name=f"{c} (planner)", marker_color=CAT_COLORS[c], offsetgroup="planner",
@@ -201,7 +201,7 @@ def zero_traffic_figure(pred: dict, measured: dict | None = None):
          else f"stage {s}<br>{pred['traffic_psi'][s]}Ψ" for s in range(4)]
     fig = go.Figure(go.Bar(
         x=x, y=[pred["traffic"][s] / MB for s in range(4)], name="formula",
-        marker_color=style.OLIVE, opacity=style.GHOST_OPACITY + 0.05, offsetgroup="formula",
+        marker=style.estimate_marker(style.OLIVE), offsetgroup="formula",
         customdata=[pred["collectives"][s] for s in range(4)],
         hovertemplate="%{customdata}: %{y:.3f} MB<extra>%{x}</extra>"))
     line = f"ZeRO-{chosen}: {pred['collectives'][chosen]} = {pred['traffic_psi'][chosen]}Ψ"

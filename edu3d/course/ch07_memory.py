@@ -64,9 +64,18 @@ def measure_layer(config: GPTConfig, batch: int, tp_group=None, sp: bool = False
 def time_modes(config: GPTConfig, batch: int, tp_group=None, sp: bool = False,
                repeats: int = 5) -> dict[str, float]:
     """Median milliseconds of forward + backward through the model's blocks (the embedding
-    and head left out: recomputation does not touch them), per mode. The modes take turns,
-    one repetition each, so a machine that gets busier slows them all alike; the first round
-    is thrown away (warm-up). Collective under TP."""
+    and head left out: recomputation does not touch them), per mode
+    (:func:`time_rounds`)."""
+    return {m: statistics.median(ts) for m, ts in
+            time_rounds(config, batch, tp_group, sp, repeats).items()}
+
+
+def time_rounds(config: GPTConfig, batch: int, tp_group=None, sp: bool = False,
+                repeats: int = 5) -> dict[str, list[float]]:
+    """Milliseconds of forward + backward through the blocks, per mode and round. The modes
+    take turns, one repetition each, so a machine that gets busier slows them all alike and
+    round ``i`` of two modes can be compared; the first round is thrown away (warm-up).
+    Collective under TP."""
     t = 1 if tp_group is None else ops.group_size(tp_group)
     index = 0 if tp_group is None else ops.group_rank(tp_group)
     blocks = {m: _model(config, tp_group, sp, m).blocks for m in MODES}
@@ -81,12 +90,13 @@ def time_modes(config: GPTConfig, batch: int, tp_group=None, sp: bool = False,
             y.backward(torch.ones_like(y))
             times[mode].append(time.perf_counter() - t0)
             blocks[mode].zero_grad(set_to_none=True)
-    return {m: 1e3 * statistics.median(ts[1:]) for m, ts in times.items()}
+    return {m: [1e3 * t for t in ts[1:]] for m, ts in times.items()}
 
 
 def recompute_sweep(mesh, config: GPTConfig, batch: int = 2, time_repeats: int = 5,
                     max_tp: int | None = None) -> list[dict]:
-    """Every (tp, sp, mode) row on this rank: measured bytes, the two formulas, step time.
+    """Every (tp, sp, mode) row on this rank: measured bytes, the two formulas, step time
+    and the slowdown against no recomputation (median and range over the rounds).
     tp runs over 1, 2, 4, ... up to the launched world or ``max_tp``, while it divides the
     heads and the sequence (``mesh`` of any layout; sub-meshes are built, collectively, for
     the other tp sizes)."""
@@ -101,8 +111,13 @@ def recompute_sweep(mesh, config: GPTConfig, batch: int = 2, time_repeats: int =
         else:
             group = Mesh.build(Layout(dp=n // t, tp=t)).tp
         for sp in ((False, True) if t > 1 else (False,)):
-            ms = time_modes(config, batch, group, sp, time_repeats) if time_repeats else {}
+            rounds = time_rounds(config, batch, group, sp, time_repeats) if time_repeats \
+                else {}
+            ms = {m: statistics.median(ts) for m, ts in rounds.items()}
             for mode in MODES:
+                # the slowdown of each round against the same round without recomputation
+                ratios = sorted(a / b for a, b in zip(rounds.get(mode, ()),
+                                                      rounds.get("none", ())))
                 measured = measure_layer(config, batch, group, sp, mode)
                 formula = layer_activation_bytes(s, batch, h, a, t, sp, mode)
                 paper = activation_bytes_per_layer(s, batch, h, a, t, sp, recompute=mode)
@@ -110,7 +125,8 @@ def recompute_sweep(mesh, config: GPTConfig, batch: int = 2, time_repeats: int =
                              "formula": formula, "korthikanti": paper,
                              "ratio_to_korthikanti": measured / paper,
                              "step_ms": ms.get(mode),
-                             "slowdown": ms[mode] / ms["none"] if ms else None})
+                             "slowdown": statistics.median(ratios) if ratios else None,
+                             "slowdown_range": (ratios[0], ratios[-1]) if ratios else None})
         t *= 2
     return rows
 
@@ -125,3 +141,17 @@ def table(rows: list[dict]) -> str:
                      f"{r['measured']:>9} {r['formula']:>9} {r['korthikanti']:>9.0f} "
                      f"{r['ratio_to_korthikanti']:5.2f} {ms}")
     return "\n".join(lines)
+
+
+def recompute_takeaway(rows: list[dict]) -> str:
+    """What the sweep measured for full and selective recomputation on one rank (tp = 1),
+    from its numbers, and what a GPU would show."""
+    by = {r["mode"]: r for r in rows if r["tp"] == 1 and not r["sp"]}
+    full, sel, none = by["full"], by["selective"], by["none"]
+    lo, hi = full["slowdown_range"] or (full["slowdown"], full["slowdown"])
+    return (f"Full keeps {full['measured'] / none['measured']:.0%} of the bytes for "
+            f"{full['slowdown']:.2f}x the time ({lo:.2f}-{hi:.2f} over the rounds); "
+            f"selective keeps {sel['measured'] / none['measured']:.0%} for "
+            f"{sel['slowdown']:.2f}x.<br>The FLOPs predict 1.33x for full (one more forward on "
+            "top of forward + backward, which a compute-bound GPU comes close to);<br>on this "
+            "CPU the time outside the recomputed matrix products changes the ratio.")

@@ -56,7 +56,9 @@ def retag(nb) -> int:
 
 
 def strip(nb) -> None:
-    """Remove outputs and counts from every unchecked code cell, in place."""
+    """Remove outputs and counts from every unchecked code cell, and the widget state a run
+    saved (the widgets' outputs are gone with their cells), in place."""
+    nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.cell_type == "code" and not is_checked(cell):
             cell.outputs, cell.execution_count = [], None

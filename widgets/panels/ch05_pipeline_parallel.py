@@ -44,16 +44,30 @@ class PipelineControls(Panel):
         return bubble_figure(curve, s["schedule"], s["pp"], s["m"], s["vpp"], measured)
 
     def redraw(self, **changes) -> None:
+        s = self.state
         if "schedule" in changes and "vpp" not in changes:
             # a schedule brings its own chunk count: interleaved needs v >= 2, the others 1
             interleaved = changes["schedule"] == "interleaved"
-            if interleaved and self.state["vpp"] == 1:
+            if interleaved and s["vpp"] == 1:
                 changes["vpp"] = 2
-            elif not interleaved and self.state["vpp"] > 1:
+            elif not interleaved and s["vpp"] > 1:
                 changes["vpp"] = 1
-        self.state.update(changes)
+        elif "vpp" in changes and "schedule" not in changes:
+            # ... and chunks bring their schedule: v >= 2 is interleaving, v = 1 is not
+            if changes["vpp"] > 1 and s["schedule"] != "interleaved":
+                changes["schedule"] = "interleaved"
+            elif changes["vpp"] == 1 and s["schedule"] == "interleaved":
+                changes["schedule"] = "1f1b"
+        s.update(changes)
+        note = ""
+        if ch05.pp_problem(s["schedule"], s["pp"], s["m"], s["vpp"]) and s["m"] % s["pp"]:
+            # interleaving (and ZB-H1) send micro-batches in groups of pp: snap to a group
+            m = -(-s["m"] // s["pp"]) * s["pp"]
+            if not ch05.pp_problem(s["schedule"], s["pp"], m, s["vpp"]):
+                note = (f"{s['schedule']} sends micro-batches in groups of pp = {s['pp']}: "
+                        f"micro-batches {s['m']} -> {m}")
+                s["m"] = m
         self.sync_knobs()
-        s = self.state
         bad = ch05.pp_problem(s["schedule"], s["pp"], s["m"], s["vpp"])
         if bad:
             self.gantt_fig = self.bubble_fig = None
@@ -61,7 +75,7 @@ class PipelineControls(Panel):
             return
         self.gantt_fig = simulated_pipeline(s["pp"], s["m"], s["schedule"], s["vpp"])
         self.bubble_fig = self._bubble_fig()
-        self.say("")
+        self.say(note)
 
     def run(self, timeout: float = 300):
         """Run the chosen schedule for ``steps`` steps on pp ranks; draw the last step over

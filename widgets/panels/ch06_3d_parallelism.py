@@ -44,34 +44,60 @@ class Controls(Panel):
         s = self.state
         return Layout(dp=s["dp"], tp=s["tp"], pp=s["pp"], vpp=self.vpp)
 
+    @property
+    def global_batch(self) -> int:
+        """The run's batch: the chapter's 8 where dp x micro-batches divides it, else one
+        sample per micro-batch per dp rank, so no dp and no micro-batch count is refused."""
+        n = self.state["dp"] * self.state["microbatches"]
+        return 8 if 8 % n == 0 else n
+
     def problem(self) -> str | None:
-        """Why the current choice cannot run (None if it can)."""
+        """Why the current choice has no memory estimate and cannot run (None if it can),
+        in the panel's own knobs."""
         s = self.state
         try:
-            self.layout.validate(config=self.config, global_batch=8,
+            self.layout.validate(config=self.config, global_batch=self.global_batch,
                                  microbatches=s["microbatches"])
         except (LayoutError, ValueError) as exc:
-            return str(exc)
-        if s["schedule"] == "interleaved" and s["microbatches"] % s["pp"]:
-            return "interleaved needs micro-batches that are a multiple of pp"
+            layers = self.config.n_layers
+            if s["pp"] * self.vpp > layers:
+                return (f"{s['schedule']} at pp={s['pp']} cuts the model into "
+                        f"{s['pp'] * self.vpp} stages, and the tiny model has {layers} layers:"
+                        " the pipeline is simulated above; for the memory and 'run it' "
+                        "choose a smaller pp" + (" or another schedule" if self.vpp > 1
+                                                 else ""))
+            return f"{exc} (choose another dp, tp or pp)"
         return None
 
     def redraw(self, **changes) -> None:
         self.state.update(changes)
         s = self.state
+        note = ""
+        if s["schedule"] == "interleaved" and s["microbatches"] % s["pp"]:
+            # interleaving sends micro-batches round in groups of pp: snap to the next group
+            m = -(-s["microbatches"] // s["pp"]) * s["pp"]
+            note = (f"interleaved sends micro-batches in groups of pp={s['pp']}: "
+                    f"micro-batches {s['microbatches']} -> {m}")
+            s["microbatches"] = m
+            if self._knobs and m > self._knobs["microbatches"].max:
+                self._knobs["microbatches"].max = m
+            self.sync_knobs()
+        self.pipeline_fig = simulated_pipeline(s["pp"], s["microbatches"], s["schedule"],
+                                               self.vpp)
         bad = self.problem()
+        self.memory_fig = None
         if bad is None:
-            self.pipeline_fig = simulated_pipeline(s["pp"], s["microbatches"], s["schedule"],
-                                                   self.vpp)
             self.estimate = memory_estimate(self.config, s["dp"], s["tp"], s["pp"], s["zero"],
-                                            s["microbatches"], s["schedule"], self.vpp)
+                                            s["microbatches"], s["schedule"], self.vpp,
+                                            global_batch=self.global_batch)
             self.memory_fig = memory_per_rank(
-                self.estimate,
+                self.estimate, layout=self.layout,
                 title=f"Memory per rank, estimated: dp={s['dp']} tp={s['tp']} pp={s['pp']} "
-                      f"ZeRO-{s['zero']}",
+                      f"ZeRO-{s['zero']}" + ("" if s["dp"] > 1 else
+                                             " (dp=1: nothing to shard)"),
                 takeaway="params/tp per stage; ZeRO-1 divides the optimizer by dp, -2 also "
                          "the grads, -3 everything; activations x micro-batches in flight.")
-        self.say(bad or "")
+        self.say("; ".join(x for x in (note, bad) if x))
 
     def run(self, timeout: float = 300):
         """Launch the real run of the current layout and draw it over the simulation."""
@@ -83,6 +109,7 @@ class Controls(Panel):
         self.say(f"running {layout.world_size} ranks ...")
         run = self.launch(capstone, layout.world_size, kwargs={
             "steps": 2, "zero": s["zero"], "microbatches": s["microbatches"],
+            "global_batch": self.global_batch,
             "schedule": s["schedule"], "vpp": self.vpp}, layout=layout, timeout=timeout)
         if run is None:
             return None
@@ -90,7 +117,8 @@ class Controls(Panel):
         self.pipeline_fig = simulated_pipeline(s["pp"], s["microbatches"], s["schedule"],
                                                self.vpp, pipeline_view(run.events(), layout))
         self.memory_fig = memory_per_rank({r["rank"]: r["memory"] for r in run.results},
-                                          self.estimate, title="Memory per rank, measured")
+                                          self.estimate, title="Memory per rank, measured",
+                                          layout=layout)
         self.say(f"ran {layout.world_size} ranks in {run.elapsed_s:.0f} s")
         return run
 

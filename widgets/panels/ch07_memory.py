@@ -38,7 +38,7 @@ from edu3d.widgets.memory_timeline import step_memory_figure
 from edu3d.widgets.tuning import VIEWS, tune_figure
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel
 
-DEFAULT = dict(model="tiny", seq=None, micro_batch=2, microbatches=2, dp=2, tp=1, pp=2,
+DEFAULT = dict(model="tiny", seq=0, micro_batch=2, microbatches=2, dp=2, tp=1, pp=2,
                zero=1, recompute="none", precision="fp32", schedule="1f1b", sp=False,
                gpu_mem_gb=0.01)
 
@@ -58,10 +58,15 @@ class Controls(Panel):
         self.figure = None
         self.redraw()
 
-    def setup(self):
-        """``(spec, setup)`` of the current choice (``ValueError`` when it cannot work)."""
-        s = self.state
-        spec = spec_from(s["model"], seq_len=s["seq"])
+    #: the knobs whose values depend on the model (heads, layers): offered only where valid
+    BOUNDED = {"tp": (1, 2, 4, 8), "pp": (1, 2, 4, 8, 16)}
+    SEQS = (32, 64, 128, 1024, 2048, 4096, 8192)
+
+    def setup(self, state: dict | None = None):
+        """``(spec, setup)`` of the current choice, or of ``state`` (``ValueError`` when it
+        cannot work)."""
+        s = state or self.state
+        spec = spec_from(s["model"], seq_len=s["seq"] or None)
         st = Setup(dp=s["dp"], tp=s["tp"], pp=s["pp"], zero=s["zero"] if s["dp"] > 1 else 0,
                    microbatches=s["microbatches"], micro_batch=s["micro_batch"],
                    schedule=s["schedule"], sp=s["sp"] and s["tp"] > 1,
@@ -69,20 +74,66 @@ class Controls(Panel):
         validate(spec, st)
         return spec, st
 
+    def allowed(self, key: str) -> list:
+        """The values of ``key`` that work with the other knobs as they are (the model's
+        heads bound tp, its layers pp)."""
+        out = []
+        for v in self.BOUNDED[key]:
+            try:
+                self.setup({**self.state, key: v})
+                out.append(v)
+            except ValueError:
+                pass
+        return out
+
+    def bound(self) -> None:
+        """Keep tp and pp to the values the model allows: a value that can never work is not
+        offered, and one the new model refuses becomes the largest allowed below it."""
+        for key in self.BOUNDED:
+            ok = self.allowed(key) or [1]
+            if self.state[key] not in ok:
+                self.state[key] = max([v for v in ok if v <= self.state[key]] or ok[:1])
+            knob = self._knobs.get(key)
+            if knob is not None and list(knob.options) != ok:
+                self._syncing = True
+                try:
+                    knob.options = ok
+                    knob.value = self.state[key]
+                finally:
+                    self._syncing = False
+
     def redraw(self, **changes) -> None:
         self.state.update(changes)
         self.measured = None
+        self.bound()
+        s, notes = self.state, []
         try:
             spec, st = self.setup()
+            self.estimate = estimate(spec, st)
         except ValueError as err:
-            self.figure = None
-            self.say(str(err))
-            return
-        self.estimate = estimate(spec, st)
+            # ZB-H1 sends micro-batches in groups of pp: snap to the next group, else say why
+            m = -(-s["microbatches"] // s["pp"]) * s["pp"]
+            try:
+                spec, st = self.setup({**s, "microbatches": m})
+                self.estimate = estimate(spec, st)
+            except ValueError:
+                self.figure = None
+                self.say(str(err))
+                return
+            notes.append(f"{s['schedule']} runs micro-batches in groups of pp: "
+                         f"{s['microbatches']} -> {m}")
+            s["microbatches"] = m
+            if self._knobs:
+                self._knobs["microbatches"].max = max(self._knobs["microbatches"].max, m)
+            self.sync_knobs()
+        notes += [n for n, on in (("dp=1: ZeRO has nothing to shard", s["zero"] and st.dp == 1),
+                                  ("SP needs tp > 1", s["sp"] and st.tp == 1)) if on]
         self.figure = stage_bars(
-            self.estimate, gpu_mem_gb=self.state["gpu_mem_gb"],
-            title=f"{spec.name}: dp={st.dp} tp={st.tp} pp={st.pp} ZeRO-{st.zero}, "
-                  f"{st.microbatches}x{st.micro_batch} seq, {st.recompute} recompute")
+            self.estimate, gpu_mem_gb=s["gpu_mem_gb"],
+            title=f"{spec.name}: dp={st.dp} tp={st.tp} pp={st.pp} ZeRO-{s['zero']}"
+                  f"{' SP' if s['sp'] else ''}, {st.microbatches}x{st.micro_batch} seq "
+                  f"{spec.seq_len}, {st.recompute} recompute, {st.precision}",
+            takeaway="; ".join(notes) or None)
         self.say("")
 
     @property
@@ -132,7 +183,7 @@ class Controls(Panel):
         self.measured = self.result = measured
         self.figure = stage_bars(
             rest, measured, gpu_mem_gb=s["gpu_mem_gb"],
-            title="Measured (solid) beside the planner (ghost), after one step",
+            title="Measured (solid) beside the planner (hatched), after one step",
             takeaway="Weights, gradients and optimizer state to the byte; activations are "
                      "the step's peak, within a few bytes.")
         self.say(f"measured {len(ranks)} ranks")
@@ -142,15 +193,16 @@ class Controls(Panel):
         s = self.state
         return {
             "model": w.Dropdown(options=list(PRESETS), value=s["model"], description="model"),
-            "seq": w.Dropdown(options=[("preset", None), 32, 64, 128, 1024, 2048, 4096, 8192],
-                              value=s["seq"], description="sequence"),
+            # 0 is the preset's length (None would read as "no selection" and show empty)
+            "seq": w.Dropdown(options=[("preset", 0), *((str(n), n) for n in self.SEQS)],
+                              value=s["seq"] or 0, description="sequence"),
             "micro_batch": w.Dropdown(options=[1, 2, 4, 8], value=s["micro_batch"],
                                       description="micro-batch"),
             "microbatches": w.IntSlider(min=1, max=16, value=s["microbatches"],
                                         description="micro-batches"),
             "dp": w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=s["dp"], description="dp"),
-            "tp": w.Dropdown(options=[1, 2, 4, 8], value=s["tp"], description="tp"),
-            "pp": w.Dropdown(options=[1, 2, 4, 8, 16], value=s["pp"], description="pp"),
+            "tp": w.Dropdown(options=self.allowed("tp"), value=s["tp"], description="tp"),
+            "pp": w.Dropdown(options=self.allowed("pp"), value=s["pp"], description="pp"),
             "zero": w.IntSlider(min=0, max=3, value=s["zero"], description="ZeRO"),
             "recompute": w.Dropdown(options=["none", "selective", "full"],
                                     value=s["recompute"], description="recompute"),
@@ -181,7 +233,8 @@ class TuneControls(Panel):
     FIGURES = ("figure",)
 
     def __init__(self, report: dict, default: dict | None = None):
-        super().__init__({"metric": "step time", "view": "values", "candidate": None,
+        # "" is no candidate (ipywidgets reads a None value as no selection: an empty box)
+        super().__init__({"metric": "step time", "view": "values", "candidate": "",
                           **(default or {})})
         self.report = report
         self.figure = None
@@ -194,9 +247,9 @@ class TuneControls(Panel):
         self.state.update(changes)
         s = self.state
         if s["candidate"] not in self.labels():
-            s["candidate"] = None
+            s["candidate"] = ""
         pts = tuning.points(self.report, s["metric"])
-        self.figure = tune_figure(pts, s["view"], s["candidate"])
+        self.figure = tune_figure(pts, s["view"], s["candidate"] or None)
         self.say(tuning.describe(self.report, s["candidate"]) if s["candidate"] else
                  f"winner: {pts['winner']}; misranked most on {s['metric']}: "
                  f"{pts['misranked']}")
@@ -210,7 +263,7 @@ class TuneControls(Panel):
             self.say(f"the tuning could not run: {err}")
             return None
         if self._knobs:
-            self._knobs["candidate"].options = [("none", None), *self.labels()]
+            self._knobs["candidate"].options = [("none", ""), *((c, c) for c in self.labels())]
         self.redraw()
         return self.report
 
@@ -220,7 +273,7 @@ class TuneControls(Panel):
             "metric": w.Dropdown(options=list(tuning.METRICS), value=s["metric"],
                                  description="metric"),
             "view": w.ToggleButtons(options=list(VIEWS), value=s["view"], description="view"),
-            "candidate": w.Dropdown(options=[("none", None), *self.labels()],
+            "candidate": w.Dropdown(options=[("none", ""), *((c, c) for c in self.labels())],
                                     value=s["candidate"], description="candidate",
                                     layout={"width": "420px"}),
         }

@@ -64,7 +64,7 @@ class CapacityControls(Panel):
         c = self.state["factor"]
         steps = len(self.runs[c])
         self.say(f"training C = {c:g} for {steps} steps ...")
-        self.runs[c] = moe.capacity_runs(steps, (c,))[c]
+        self.runs[c] = self.result = moe.capacity_runs(steps, (c,))[c]
         self.redraw()
         self.say(f"retrained C = {c:g}: the same seed gives the same curve")
         return self.runs[c]
@@ -112,7 +112,7 @@ class ExpertParallelControls(Panel):
         except Exception as err:  # noqa: BLE001 - a failed run becomes the panel's message
             self.say(f"the run failed: {str(err)[:500]}")
             return None
-        self.runs[ep] = run
+        self.runs[ep] = self.result = run
         self.redraw()
         self.say(f"ran {ep} ranks in {run.elapsed_s:.0f} s")
         return run

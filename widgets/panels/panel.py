@@ -17,12 +17,14 @@ chapter:
   the widget; where a frontend draws the widget (JupyterLab), its first view tells the kernel
   (ipywidgets' ``_view_count``), and the static figures are replaced by nothing. Where none
   does (nbval, ``nbconvert --execute --to html``), the static figures stay, so checked cells
-  and exported pages show the default figures.
+  and exported pages show the default figures. A later cell that changed the panel (``run``)
+  shows its figures with :meth:`Panel.display_static`: nothing where the widget shows them.
 """
 
 from __future__ import annotations
 
 import abc
+import traceback
 import uuid
 
 import ipywidgets as w
@@ -50,7 +52,7 @@ class Panel(abc.ABC):
         self._box = self._out = None
         self._knobs: dict = {}
         self._syncing = False
-        self._static = None  # the display handle of the static figures, until a view exists
+        self._static: list[str] = []  # display ids of static figures, until a view exists
 
     @property
     def figures(self) -> tuple:
@@ -98,6 +100,12 @@ class Panel(abc.ABC):
     def widget(self):
         if self._box is None:
             knobs = self._knobs = self.knobs()
+            for knob in knobs.values():
+                # ipywidgets cuts a description to 80 px ("micro-bat..."): give it its width
+                if getattr(knob, "description", "") and hasattr(knob, "style") and \
+                        hasattr(knob.style, "description_width") and \
+                        not knob.style.description_width:
+                    knob.style.description_width = "initial"
             for key, knob in knobs.items():
                 knob.observe(lambda ch, key=key: self._turned(key, ch["new"]), "value")
             button = w.Button(description=self.button, button_style=self.button_style,
@@ -118,25 +126,50 @@ class Panel(abc.ABC):
     def _ipython_display_(self) -> None:
         """The panel as a cell's output: its message and figures statically, then the widget,
         which clears them once a frontend has drawn it, so each figure is seen once."""
-        self._static = uuid.uuid4().hex if self.message or self.figures else None
-        if self.message:
-            display({"text/plain": self.message}, raw=True, display_id=self._static)
-        for fig in self.figures:
-            display(fig, display_id=self._static)
+        self.display_static()
         box = self.widget
         if box._view_count is None:
             box._view_count = 0  # ask the frontend to count the views it draws
             box.observe(self._viewed, "_view_count")
         display(box)
 
+    def display_static(self) -> None:
+        """Display the message and figures here, for a page without a frontend (nbval, an
+        exported page): after a cell ran the panel (``ctl.run()``), say. Where the panel's
+        widget is drawn (JupyterLab) it already shows them: they are skipped, or cleared as
+        soon as the widget is drawn."""
+        if self._box is not None and self._box._view_count:
+            return
+        static = uuid.uuid4().hex
+        if self.message:
+            display({"text/plain": self.message}, raw=True, display_id=static)
+        for fig in self.figures:
+            # plotly's own display hook ignores display_id: publish its bundle ourselves
+            # (empty outside a kernel, where plotly renders to a browser tab instead)
+            bundle = fig._repr_mimebundle_() if hasattr(fig, "_repr_mimebundle_") else None
+            if bundle:
+                display(bundle, raw=True, display_id=static)
+            else:
+                display(fig, display_id=static)
+        self._static.append(static)
+
     def _viewed(self, change) -> None:
-        if change["new"] and self._static is not None:
-            update_display({"text/plain": ""}, raw=True, display_id=self._static)
-            self._static = None
+        if change["new"]:
+            for static in self._static:
+                update_display({"text/plain": ""}, raw=True, display_id=static)
+            self._static = []
 
     def _turned(self, key: str, value) -> None:
-        if not self._syncing:
+        if self._syncing:
+            return
+        try:
             self.redraw(**{key: value})
+        except Exception as err:  # noqa: BLE001 - shown to the learner, not lost in a log
+            # a knob's callback runs outside any cell: its traceback would go to the server's
+            # log only, and the figure would silently not change
+            self.say(f"this setting failed ({key} = {value!r}): {type(err).__name__}: {err}")
+            if self._out is not None:
+                self._out.append_stderr(traceback.format_exc())
 
     def sync_knobs(self) -> None:
         """Show ``state`` on the knobs (after a redraw adjusted a dependent knob, or a choice
