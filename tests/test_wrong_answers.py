@@ -8,7 +8,7 @@ exercise notebook's own cells run top to bottom with ``EDU3D_SUBMISSION=DIR`` (s
 the wrong module), and the ``PASS``/``FAIL`` lines its checks print are read. The cells run
 in this process (warm ranks for the launches, see tests/conftest.py) and stop at the first
 checked cell where the wrong answer's check failed: no kernel per notebook, no checks after
-the one that matters, so 42 wrong answers take about a minute instead of three full
+the one that matters, so 45 wrong answers take about half a minute instead of three full
 ``edu3d grade`` runs (14 minutes on two shared cores).
 
 * the reference (``EDU3D_SOLUTIONS=1``) runs the same way first, every cell: it prints

@@ -265,6 +265,23 @@ def zigzag_positions(seq_len, cp, rank):
     return [p for c in (rank, cp + rank) for p in range(c * size, (c + 1) * size)]
 """, "zigzag_positions"),
     ],
+    "torch_wrap": [
+        ("the blocks sharded, the root forgotten (embeddings and head whole, never averaged)", """
+def fsdp2(model, mesh, zero=3):
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+    return model
+""", "every parameter"),
+        ("only the root sharded: the whole model is one unit", """
+def fsdp2(model, mesh, zero=3):
+    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
+    return model
+""", "one unit per block"),
+        ("DDP with a plain AdamW: every rank keeps all of the state", """
+def ddp_zero1(model, group, groups, **adamw):
+    return DistributedDataParallel(model, process_group=group), torch.optim.AdamW(groups, **adamw)
+""", "state is split"),
+    ],
     "trace_overlap": [
         ("a nested span shortens the merged one", """
 def merge(spans):
