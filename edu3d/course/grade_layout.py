@@ -76,3 +76,19 @@ def check_job(ex, job: str) -> None:
                       f"than the {v['limit_gb']:.1f} GB usable"
     assert v["ratio"] <= SLACK, f"job {job}: it fits, but its step ({v['step_s']:.2f} s) " \
         f"is {v['ratio']:.2f}x the best that fits ({v['best_s']:.2f} s); at most {SLACK:.2f}x"
+
+
+def describe(job: str, choice: dict) -> str:
+    """Two lines for the notebook: the choice in the planner's numbers, and its best."""
+    _, cluster, _ = JOBS[job]
+    try:
+        v = verdict(job, choice)
+    except AssertionError as why:
+        return str(why).splitlines()[0]
+    top = best(job)["setup"]
+    room = f"the {v['limit_gb']:.1f} GB usable ({cluster.usable:.0%} of {cluster.gpu_mem_gb:g} GB)"
+    mem = (f"fits in {v['memory_gb']:.1f} GB of {room}" if v["fits"] else
+           f"needs {v['memory_gb']:.1f} GB, more than {room}")
+    return (f"job {job}: yours {mem}, step {v['step_s']:.2f} s = {v['ratio']:.2f}x the best\n"
+            f"       the planner's best: dp {top.dp} tp {top.tp} pp {top.pp} ZeRO-{top.zero}, "
+            f"micro-batch {top.micro_batch}, recompute {top.recompute}: {v['best_s']:.2f} s")

@@ -229,16 +229,17 @@ def grade(mesh) -> dict:
 def table(results: dict) -> str:
     """The losses of each step, edu3d's beside yours, and the AdamW state per rank."""
     mine, ref = results["yours"], results["edu3d"]
-    cols = [("edu3d Z3", ref[3]), ("FSDP2 Z3", mine["ZeRO-3"]), ("edu3d Z2", ref[2]),
-            ("FSDP2 Z2", mine["ZeRO-2"]), ("edu3d Z1", ref[1]), ("DDP+ZeRO1", mine["ZeRO-1"])]
-    lines = ["step" + "".join(f"{name:>10}" for name, _ in cols)]
+    pairs = [("ZeRO-3: FSDP2", ref[3], mine["ZeRO-3"]), ("ZeRO-2: FSDP2", ref[2], mine["ZeRO-2"]),
+             ("ZeRO-1: DDP+ZeRO", ref[1], mine["ZeRO-1"])]
+    num = lambda v, s: f"{v[s]:>10.6f}" if v else f"{'-':>10}"  # noqa: E731
+    lines = ["    " + "".join(f"{name:>20}" for name, _, _ in pairs),
+             "step" + f"{'edu3d':>10}{'yours':>10}" * len(pairs)]
     for s in range(STEPS):
-        lines.append(f"{s + 1:>4}" + "".join(f"{v[s]:>10.6f}" if v else f"{'-':>10}"
-                                             for _, v in cols))
+        lines.append(f"{s + 1:>4}" + "".join(num(r, s) + num(m, s) for _, r, m in pairs))
     if results["full_state"]:
-        kb = ", ".join(f"rank {r}: {b / 1024:.0f} KB" for r, b in enumerate(results["state"]))
-        lines.append(f"AdamW state under ddp_zero1 ({results['full_state'] / 1024:.0f} KB "
-                     f"unsharded): {kb}")
+        kb = ", ".join(f"rank {r} {b / 1024:.0f} KB" for r, b in enumerate(results["state"]))
+        lines.append(f"AdamW state under your ddp_zero1: {kb} (unsharded: "
+                     f"{results['full_state'] / 1024:.0f} KB)")
     return "\n".join(lines)
 
 
