@@ -50,18 +50,18 @@ class BucketedDDP:
 
     def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0):
         raise NotImplementedError(
-            "hint: self.buckets = make_buckets(list(model.parameters()), bucket_mb); map each "
-            "parameter to its bucket; register p.register_post_accumulate_grad_hook(self._on_grad) "
-            "on every parameter; keep a ready-count per bucket and the next bucket to launch")
+            "hint: group the parameters into buckets, know which bucket each parameter "
+            "belongs to, and get told whenever a gradient is ready, so that a bucket "
+            "can be sent the moment it is complete")
 
     def _on_grad(self, p: torch.Tensor) -> None:
         raise NotImplementedError(
-            "hint: count the gradient; while the next bucket is complete, torch.cat its "
-            "gradients (reshape(-1)), launch comm.all_reduce(flat, group, async_op=True), "
-            "remember (bucket, flat, handle), append the gradients seen to self.launched_at")
+            "hint: a gradient just arrived: once the next bucket in launch order is "
+            "complete, start its reduction without waiting for it to finish, and record "
+            "how many gradients you had seen then")
 
     def finish(self) -> None:
         """Wait for every bucket, divide by N, copy the averages back into ``p.grad``."""
         raise NotImplementedError(
-            "hint: for each pending (bucket, flat, handle): handle.wait(); flat /= n; copy "
-            "consecutive slices of flat back into each p.grad (view_as(p)); reset the counters")
+            "hint: after backward, every bucket started must be complete and averaged, "
+            "and each parameter's gradient must hold its average")

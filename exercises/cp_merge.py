@@ -25,15 +25,14 @@ def merge(out_a, lse_a, out_b, lse_b):
     ``lse_a, lse_b``: ``[..., T]`` their log-sum-exps (``-inf`` where the query saw nothing).
     Returns ``(out, lse)`` over both blocks, in fp32."""
     raise NotImplementedError(
-        "hint: each partial output is a softmax-weighted average over its own block; the "
-        "merged one weighs each by the share of the total softmax denominator its block "
-        "holds (the denominators are exp(lse)); compute the new lse first and use it to "
-        "keep every exponent <= 0, and give a row whose new lse is -inf an output of 0")
+        "hint: each partial output is a softmax-weighted average over its own block; "
+        "the merged one weighs each by the share of the total softmax denominator its "
+        "block holds, without overflowing and without nan where a query saw nothing")
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
     """The global positions of the tokens rank ``rank`` of ``cp`` holds under the zigzag
     split, in its local order (``seq_len`` a multiple of ``2 * cp``)."""
     raise NotImplementedError(
-        "hint: cut 0 .. seq_len-1 into 2*cp equal chunks; rank r takes one chunk from the "
-        "front half and its mirror image from the back half, front one first")
+        "hint: cut the sequence into 2*cp equal chunks and give each rank one early and "
+        "one late chunk so that every rank does the same causal work")

@@ -45,9 +45,8 @@ def global_grad_norm(pieces: list, tp_index: int, group=None) -> torch.Tensor:
     ``group``: the ranks holding distinct pieces (tp x pp), to all-reduce over.
     """
     raise NotImplementedError(
-        "hint: fix buggy_global_grad_norm: sum grad.double().pow(2) of the pieces this rank "
-        "owns (skip a replicated piece unless tp_index == 0, and skip the tied copy); one "
-        "dist.all_reduce(sq, op=SUM, group=group); return its sqrt as a float32 scalar")
+        "hint: fix buggy_global_grad_norm: every element of the serial gradient must be "
+        "counted exactly once over the group, however many ranks hold a copy of it")
 
 
 @torch.no_grad()
@@ -57,5 +56,5 @@ def sum_tied_embedding_grads(grad: torch.Tensor, group=None) -> None:
     Replace it *in place* by the sum over ``group``, the 'embed' group of those two stages,
     so both copies take the same optimizer step and stay equal."""
     raise NotImplementedError(
-        "hint: one dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group); all_reduce "
-        "works in place, so there is nothing to return")
+        "hint: each of the two stages holds half of the tied matrix's gradient; both "
+        "copies must end with the whole of it")

@@ -36,9 +36,10 @@ def load_balancing_loss(probs: torch.Tensor, expert_idx: torch.Tensor,
     ``[N, k]`` (int64): the experts each token was sent to. The loss must carry a gradient
     to ``probs`` (that is how it moves the router), and none through the counts."""
     raise NotImplementedError(
-        "hint: per expert, multiply the share of all N*k assignments it received (counted "
-        "from expert_idx, no gradient) by the mean probability the router gave it (from "
-        "probs, with gradient); sum over experts and scale so that perfect balance gives 1")
+        "hint: per expert, multiply the share of all N*k assignments it received "
+        "(counted from expert_idx, no gradient) by the mean probability the router gave "
+        "it (from probs, with gradient); sum over experts and scale so that perfect "
+        "balance gives 1")
 
 
 def capacity_keep(gates: torch.Tensor, expert_idx: torch.Tensor, n_experts: int,
@@ -50,6 +51,6 @@ def capacity_keep(gates: torch.Tensor, expert_idx: torch.Tensor, n_experts: int,
     ``capacity_factor``, rounded up to a whole number); when asked for more it keeps its
     highest gates, and of two equal gates the lower token index."""
     raise NotImplementedError(
-        "hint: compute one capacity for all experts (round up: an expert never gets less "
-        "than C times its share); then, expert by expert, rank its assignments by gate, "
-        "highest first, equal gates by token index, and keep the first `capacity` of them")
+        "hint: first find the one capacity every expert gets, then let each expert "
+        "asked for more keep the assignments that matter most to it (equal ones settled "
+        "the same way on every rank)")

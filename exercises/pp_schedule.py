@@ -25,17 +25,17 @@ def one_f_one_b(pp: int, m: int) -> list[list[str]]:
     ``[["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"], ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]]``.
     """
     raise NotImplementedError(
-        "hint: for each rank r, w = min(pp - r - 1, m) warm-up forwards; then for "
-        "i in range(m - w): forward w + i, backward i; then backwards m - w .. m - 1. "
-        "Write each action as f'{r}F{i}' or f'{r}B{i}'.")
+        "hint: write each rank's list of actions following the three phases of the "
+        "module docstring; the later a rank sits in the pipeline, the shorter its warm- "
+        "up")
 
 
 def microbatch_loss(loss, m: int):
     """What one micro-batch back-propagates, given its mean loss ``loss`` (a scalar tensor)
     and the number of micro-batches ``m``."""
     raise NotImplementedError(
-        "hint: the batch's mean loss is the average of the m micro-batch means; "
-        "its gradient is the sum of the micro-batches' gradients of what?")
+        "hint: the batch's mean loss is the average of the m micro-batch means; its "
+        "gradient is the sum of the micro-batches' gradients of what?")
 
 
 def gradient_scale(pipeline_grads: dict, serial_grads: dict) -> float:
@@ -43,5 +43,5 @@ def gradient_scale(pipeline_grads: dict, serial_grads: dict) -> float:
     serial model's, as the ratio of their global norms (both dicts map parameter name ->
     gradient tensor). A correct pipeline gives 1.0."""
     raise NotImplementedError(
-        "hint: the global norm is the square root of the sum of every tensor's squared "
-        "norm (t.norm() ** 2); divide the pipeline's by the serial one's and return a float")
+        "hint: compare the two models' gradients as a whole, by one number each (their "
+        "global size), and return how many times larger the pipeline's is")

@@ -28,23 +28,21 @@ def rank_params(n_layers: int, d_model: int, vocab: int, seq: int, tp: int, pp: 
                 pp_rank: int, tied: bool = False) -> int:
     """Parameters (elements) held by one tp rank of pipeline rank ``pp_rank``."""
     raise NotImplementedError(
-        "hint: layers = n_layers // pp (+1 on the first n_layers % pp ranks); per layer the "
-        "matrices and column biases (3h*h + 3h + h*h + 4h*h + 4h + 4h*h) divided by tp, plus "
-        "6h kept whole; the first rank adds ceil(vocab/tp)*h + seq*h, the last 2h plus the "
-        "head ceil(vocab/tp)*h (none when tied and pp == 1): -(-vocab // tp) rounds up")
+        "hint: count the elements this rank holds: its layers, split or kept whole as "
+        "tensor parallelism does, plus the ends of the model its stage holds")
 
 
 def state_bytes(n_params: int, dp: int, zero: int) -> dict:
     """Bytes of ``{"params", "grads", "optimizer"}`` on one rank holding ``n_params``
     (fp32 AdamW), ZeRO stage ``zero`` over ``dp`` ranks."""
     raise NotImplementedError(
-        "hint: 4 bytes per weight, 4 per gradient, 8 of Adam moments; ZeRO-1 divides the "
-        "optimizer by dp, ZeRO-2 also the gradients, ZeRO-3 also the weights")
+        "hint: add the bytes of weights, gradients and Adam's moments, and divide by dp "
+        "only what the ZeRO stage shards")
 
 
 def in_flight(schedule: str, pp: int, m: int, pp_rank: int) -> int:
     """The most micro-batches pipeline rank ``pp_rank`` keeps activations for at once
     (``schedule`` is ``"gpipe"`` or ``"1f1b"``; ``pp = 1`` is gradient accumulation)."""
     raise NotImplementedError(
-        "hint: GPipe runs every forward before any backward; 1F1B lets rank r start its "
-        "backwards after pp - r forwards (never more than m)")
+        "hint: a micro-batch's activations live from its forward until its backward: "
+        "how many forwards has a rank run before its first backward?")

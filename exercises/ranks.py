@@ -15,8 +15,9 @@ def coords_of(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
     Example: dp=2, tp=2, pp=2 -> rank 5 is (1, 0, 1).
     """
     raise NotImplementedError(
-        "hint: tp_rank is the remainder of rank divided by tp; divide rank by tp and take "
-        "the remainder by dp for dp_rank; what is left after dividing by tp*dp is pp_rank")
+        "hint: turn the rank number back into its three coordinates. The numbering is a "
+        "mixed-radix number whose fastest digit is tp: which arithmetic recovers the "
+        "digits of a number?")
 
 
 def group_members(rank: int, dim: str, dp: int, tp: int, pp: int) -> list[int]:
@@ -26,6 +27,5 @@ def group_members(rank: int, dim: str, dp: int, tp: int, pp: int) -> list[int]:
     the *other* two dimensions. Example: dp=2, tp=2, pp=2 -> the DP group of rank 5 is [5, 7].
     """
     raise NotImplementedError(
-        "hint: take coords_of(rank, ...), let the coordinate of `dim` run over its whole "
-        "range while keeping the other two fixed, and turn each coordinate triple back into a "
-        "rank with rank = tp_rank + tp * (dp_rank + dp * pp_rank)")
+        "hint: a group along one axis is every rank that agrees with yours on the other "
+        "two axes; list them in increasing order")

@@ -26,15 +26,13 @@ def full_tensor(pieces: list) -> torch.Tensor:
     Raise ``ValueError`` when the pieces leave an element of the tensor uncovered (a
     missing shard): a checkpoint that loads zeros silently is worse than one that fails."""
     raise NotImplementedError(
-        "hint: start from torch.zeros(shape) and a boolean mask of the same shape; for each "
-        "piece take the box (full[slice(a, b) per dim]), flatten it, write data into elements "
-        "lo:hi of the flattened box (and True into the mask), and copy it back into the box; "
-        "raise ValueError if the mask is not all True")
+        "hint: put each saved piece back where its placement says into a tensor of the "
+        "full shape, and refuse a result with any element no piece covered")
 
 
 def piece_for(full: torch.Tensor, placement: dict) -> torch.Tensor:
     """The 1-D data a rank of the new layout loads for ``placement``: elements ``lo .. hi-1``
     of the ``box`` of ``full``, read row-major (a copy)."""
     raise NotImplementedError(
-        "hint: full[tuple(slice(a, b) for a, b in placement['box'])], reshape(-1), then "
-        "[lo:hi] with lo, hi = placement['flat']; .clone() it")
+        "hint: cut out of the full tensor exactly what the placement describes, in the "
+        "order the pieces are stored")

@@ -31,7 +31,7 @@ def ring_all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over all ranks in place with a ring; return ``t``."""
     n, i = dist.get_world_size(), dist.get_rank()
     raise NotImplementedError(
-        "hint: chunks = torch.tensor_split(t.view(-1), n); two loops of n-1 steps; in each "
-        "step make incoming = torch.empty_like(<the chunk you receive>), call "
-        "exchange(<chunk you send>, (i + 1) % n, incoming, (i - 1) % n), then add_ (first "
-        "loop) or copy_ (second loop) incoming into the chunk you received")
+        "hint: every rank must end with the sum of all the ranks' buffers while sending "
+        "only about 2 buffers' worth in total: split the buffer into one chunk per "
+        "rank, first accumulate each chunk around the ring, then pass the finished "
+        "chunks around (the module docstring has the chunk of each step)")

@@ -20,14 +20,14 @@ class IdentityAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("return x unchanged (x.view_as(x)) and keep the group in ctx "
-                                  "for backward")
+        raise NotImplementedError(
+            "hint: f does nothing on the way forward; remember what backward will need")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("every rank used the same x, so each holds a partial "
-                                  "gradient: sum a copy of grad over ctx.group; "
-                                  "return (grad, None)")
+        raise NotImplementedError(
+            "hint: every rank used the same input, so each holds only part of its "
+            "gradient: what makes the whole one?")
 
 
 class AllReduceIdentity(torch.autograd.Function):
@@ -35,24 +35,31 @@ class AllReduceIdentity(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("sum a copy of x over the group (do not modify x in place)")
+        raise NotImplementedError(
+            "hint: each rank holds a partial result; forward must give every rank the "
+            "complete one, without changing its input")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("each partial sum gets the full gradient: return (grad, None)")
+        raise NotImplementedError(
+            "hint: the output was the same on every rank: what gradient does each "
+            "partial input get?")
 
 
 def column_parallel_linear(x, weight_shard, bias_shard, group):
     """``Y_r = X · W_r^T + b_r``: this rank's output features. ``x`` is the full input."""
-    raise NotImplementedError("apply f (IdentityAllReduce.apply(x, group)), then F.linear with "
-                              "this rank's weight and bias shards")
+    raise NotImplementedError(
+        "hint: this rank computes its own output features from the whole input; the "
+        "input's gradient must still come out right on every rank")
 
 
 def row_parallel_linear(x_shard, weight_shard, bias, group):
     """``Y = Σ_r X_r · W_r^T + b``: ``x_shard`` holds this rank's input features; ``bias`` is
     the full, replicated bias."""
-    raise NotImplementedError("F.linear without bias, then g (AllReduceIdentity) to sum the "
-                              "partial products, then add the bias once")
+    raise NotImplementedError(
+        "hint: this rank holds some input features, so it computes a partial product; "
+        "the ranks' partials add up to the output, and the bias belongs to the output "
+        "once")
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -65,15 +72,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, start, vocab_size, ignore_index):
         raise NotImplementedError(
-            "1) padding columns -> -inf; 2) global max per token (all-reduce MAX), subtract it; "
-            "3) the target's logit if it is in your columns, else 0; 4) all-reduce (SUM) the "
-            "sum of exp and the target logit; loss = log(sum_exp) - target_logit, 0 where "
-            "ignored; save softmax = exp / sum_exp for backward")
+            "hint: compute the cross entropy without any rank ever seeing the whole row "
+            "of logits: only per-token numbers may cross ranks, padding columns must "
+            "never count, and the exponentials must not overflow")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("d loss / d logits = softmax - onehot(target) on your columns, "
-                                  "times grad per token (0 for ignored tokens); no communication")
+        raise NotImplementedError(
+            "hint: the gradient of cross entropy with respect to the logits needs "
+            "nothing another rank holds")
 
 
 def vocab_parallel_cross_entropy(logits_shard, target, group, start, vocab_size,
@@ -82,5 +89,6 @@ def vocab_parallel_cross_entropy(logits_shard, target, group, start, vocab_size,
 
     ``logits_shard``: ``[tokens, V_r]``, this rank's columns; ``target``: ``[tokens]``.
     """
-    raise NotImplementedError("VocabParallelCrossEntropy.apply(...), summed and divided by "
-                              "the number of tokens whose target is not ignore_index")
+    raise NotImplementedError(
+        "hint: turn the per-token losses into the mean PyTorch's cross entropy returns: which "
+        "tokens count?")

@@ -27,8 +27,8 @@ def shard_range(numel: int, n: int, rank: int) -> tuple[int, int, int]:
     """``(lo, hi, padded)``: rank's slice ``[lo, hi)`` of a flat buffer padded to a multiple
     of ``n``. Example: ``shard_range(10, 4, 1) == (3, 6, 12)``."""
     raise NotImplementedError(
-        "hint: padded = math.ceil(numel / n) * n; every rank gets k = padded // n elements, "
-        "rank r the ones from r * k")
+        "hint: every rank must get a slice of the same length and the slices must tile "
+        "the buffer exactly, so first pad the buffer to a size every rank can share")
 
 
 @torch.no_grad()
@@ -37,7 +37,6 @@ def zero1_sgd_step(params: list, lr: float, group=None) -> None:
     ``p - lr * mean-over-ranks(grad)``, doing the update only on this rank's slice."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     raise NotImplementedError(
-        "hint: flat_grad = zeros(padded) filled with the torch.cat of p.grad.reshape(-1); "
-        "my_grad = empty(hi - lo); comm.reduce_scatter(my_grad, flat_grad, group); divide; "
-        "the same flat layout for the parameters; my_param = flat_param[lo:hi] - lr * my_grad; "
-        "comm.all_gather(flat_param, my_param, group); copy slices back with p.copy_")
+        "hint: each rank should receive only its own slice of the summed gradient, "
+        "update only that slice of the parameters, and then every rank needs every "
+        "updated slice back")

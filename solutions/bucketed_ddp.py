@@ -64,3 +64,20 @@ class BucketedDDP:
                 off += p.numel()
         self.pending, self.next = [], 0
         self.ready = [0] * len(self.buckets)
+
+
+# The deeper hints of exercises/bucketed_ddp.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'sync_gradients': ('what does the all-reduce average: the gradients or the weights?',
+                    'comm.all_reduce(p.grad, group); p.grad /= n'),
+ 'make_buckets': ('backward produces gradients from the last layer to the first: in which '
+                  'order should the buckets fill?',
+                  'iterate over reversed(params)'),
+ 'BucketedDDP': ('count gradients per bucket in a post-accumulate-grad hook; launch buckets '
+                 'strictly in order (every rank the same order) with async_op=True; wait, '
+                 'divide and copy back in finish()',
+                 '__init__: self.buckets = make_buckets(list(model.parameters()), bucket_mb); '
+                 'p.register_post_accumulate_grad_hook(self._on_grad); _on_grad: while the '
+                 'next bucket is complete: flat = torch.cat([q.grad.reshape(-1) ...]); handle '
+                 '= comm.all_reduce(flat, group, async_op=True); finish: handle.wait(); flat '
+                 '/= n; copy slices back with view_as(p)')}

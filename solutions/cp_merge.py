@@ -33,3 +33,16 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
     size = seq_len // (2 * cp)
     chunks = (rank, 2 * cp - 1 - rank)
     return [p for c in chunks for p in range(c * size, (c + 1) * size)]
+
+
+# The deeper hints of exercises/cp_merge.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'merge': ('lse = log(e^lse_a + e^lse_b); each output weighs e^(lse_x - lse); where lse is '
+           '-inf use 0 as the reference so the weights are 0, not nan',
+           'lse = torch.logaddexp(lse_a, lse_b); ref = where(isfinite(lse), lse, 0); out = '
+           'exp(lse_a - ref)[..., None] * out_a + exp(lse_b - ref)[..., None] * out_b, all in '
+           'fp32'),
+ 'zigzag_positions': ('2*cp chunks of seq_len / (2*cp) tokens; rank r holds one chunk from the '
+                      'front and its mirror image from the back',
+                      'chunks r and 2*cp - 1 - r, each range(c * size, (c + 1) * size), front '
+                      'one first')}

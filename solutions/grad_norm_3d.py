@@ -36,3 +36,15 @@ def sum_tied_embedding_grads(grad: torch.Tensor, group=None) -> None:
     """Replace ``grad`` (this stage's half of the tied embedding's gradient) in place by the
     sum over the first and the last pipeline stage."""
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+
+
+# The deeper hints of exercises/grad_norm_3d.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'global_grad_norm': ('a replicated piece counts on tp index 0 only, the tied copy on the '
+                      'first stage only; one all-reduce of the squares, then the square root',
+                      'sq = sum of grad.double().pow(2).sum() over pieces, skipping '
+                      '(replicated and tp_index != 0) and tied_copy; dist.all_reduce(sq, '
+                      'op=dist.ReduceOp.SUM, group=group); return sq.sqrt().float()[0]'),
+ 'sum_tied_embedding_grads': ('one collective over the group you are given sums the two '
+                              'halves, in place',
+                              'dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)')}

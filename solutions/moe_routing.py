@@ -61,3 +61,15 @@ def capacity_keep(gates: torch.Tensor, expert_idx: torch.Tensor, n_experts: int,
         for i in order[:capacity]:
             keep[rows[i], cols[i]] = True
     return keep
+
+
+# The deeper hints of exercises/moe_routing.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'load_balancing_loss': ('count assignments (N*k of them), not tokens; the mean probability is '
+                         "over all N tokens' full probabilities; scale by E",
+                         'f = bincount(expert_idx.flatten(), minlength=E) / (N * k); P = '
+                         'probs.mean(0); return E * (f * P).sum()'),
+ 'capacity_keep': ('capacity = ceil(N * k / E * C), the same for every expert; order an '
+                   "expert's assignments by gate (highest first), then by token index",
+                   'for each expert e: its (token, slot) pairs sorted by (-gate, token); keep '
+                   'the first `capacity`')}

@@ -25,3 +25,19 @@ def gradient_scale(pipeline_grads: dict, serial_grads: dict) -> float:
         return float(sum(g.double().norm() ** 2 for g in grads.values()) ** 0.5)
 
     return norm(pipeline_grads) / norm(serial_grads)
+
+
+# The deeper hints of exercises/pp_schedule.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'one_f_one_b': ('rank r warms up with min(pp - r - 1, m) forwards, then alternates one '
+                 'forward and one backward, then runs the remaining backwards; micro-batches '
+                 'in order',
+                 "w = min(pp - r - 1, m); forwards 0..w-1; for i in range(m - w): f'{r}F{w + "
+                 "i}', f'{r}B{i}'; then backwards m - w .. m - 1"),
+ 'microbatch_loss': ('the m gradients are added up: each micro-batch must carry 1/m of the '
+                     "batch's mean",
+                     'return loss / m'),
+ 'gradient_scale': ('the global norm is the square root of the sum over tensors of their '
+                    'squared norms',
+                    'norm(g) = sqrt(sum(t.double().norm() ** 2 for t in g.values())); return '
+                    'float(norm(pipeline) / norm(serial))')}

@@ -55,3 +55,21 @@ def in_flight(schedule: str, pp: int, m: int, pp_rank: int) -> int:
     if schedule == "gpipe":
         return m
     return min(m, pp - pp_rank)
+
+
+# The deeper hints of exercises/rank_memory.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'rank_params': ('per layer, tensor parallelism splits the four matrices and the two column '
+                 'biases (qkv, MLP up); the two LayerNorms and two row biases stay whole; the '
+                 'vocabulary is padded up to a multiple of tp before it is split',
+                 'layers = n_layers // pp (+1 on the first n_layers % pp ranks); per layer '
+                 '(3h*h + 3h + h*h + 4h*h + 4h + 4h*h) / tp + 6h; first stage + '
+                 'ceil(vocab/tp)*h + seq*h; last stage + 2h + ceil(vocab/tp)*h (no head when '
+                 'tied and pp == 1); -(-vocab // tp) rounds up'),
+ 'state_bytes': ('4 bytes per weight, 4 per gradient, 8 of Adam moments; ZeRO-1 shards the '
+                 'optimizer, ZeRO-2 also the gradients, ZeRO-3 also the weights',
+                 'params 4n / (dp if zero >= 3 else 1); grads 4n / (dp if zero >= 2 else 1); '
+                 'optimizer 8n / (dp if zero >= 1 else 1)'),
+ 'in_flight': ('GPipe runs every forward before any backward; under 1F1B rank r starts its '
+               'backwards after pp - r forwards',
+               'gpipe: m; 1f1b: min(m, pp - pp_rank)')}

@@ -27,3 +27,15 @@ def group_members(rank: int, dim: str, dp: int, tp: int, pp: int) -> list[int]:
         c = {**coords, dim: i}
         members.append(c["tp"] + tp * (c["dp"] + dp * c["pp"]))
     return members
+
+
+# The deeper hints of exercises/ranks.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'coords_of': ('tp_rank changes with every rank, dp_rank every tp ranks, pp_rank every tp*dp '
+               'ranks: use // and %',
+               'tp_rank = rank % tp; dp_rank = (rank // tp) % dp; pp_rank = rank // (tp * dp); '
+               'return (pp_rank, dp_rank, tp_rank)'),
+ 'group_members': ('take your own coordinates, let the coordinate of `dim` run over its whole '
+                   'range, keep the other two, and turn each triple back into a rank',
+                   'for i in range(size of dim): c = your coords with dim set to i; rank = '
+                   'c.tp + tp * (c.dp + dp * c.pp)')}

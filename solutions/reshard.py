@@ -36,3 +36,17 @@ def piece_for(full: torch.Tensor, placement: dict) -> torch.Tensor:
     """The 1-D data a rank of the new layout loads for ``placement``."""
     lo, hi = placement["flat"]
     return full[_box(placement)].reshape(-1)[lo:hi].clone()
+
+
+# The deeper hints of exercises/reshard.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'full_tensor': ("a box is one slice per dimension; flat = [lo, hi] picks a run of the box's "
+                 'elements in row-major order, which may start mid-row; keep a mask of what '
+                 'was written',
+                 'block = full[tuple(slice(a, b) for a, b in box)]; flat = '
+                 'block.reshape(-1).clone(); flat[lo:hi] = data; '
+                 'block.copy_(flat.view(block.shape)); the same for a bool mask; raise '
+                 'ValueError unless mask.all()'),
+ 'piece_for': ('the box of the full tensor, flattened row-major, then the run lo .. hi-1',
+               'full[tuple(slice(a, b) for a, b in '
+               "placement['box'])].reshape(-1)[lo:hi].clone()")}

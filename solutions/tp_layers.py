@@ -95,3 +95,37 @@ def vocab_parallel_cross_entropy(logits_shard, target, group, start, vocab_size,
     per_token = VocabParallelCrossEntropy.apply(logits_shard, target, group, start,
                                                 vocab_size, ignore_index)
     return per_token.sum() / (target != ignore_index).sum()
+
+
+# The deeper hints of exercises/tp_layers.py (edu3d.course.grading.tiers): per function,
+# a nudge (a check's second failure), then the answer's shape (its third).
+HINTS = {'IdentityAllReduce': ('forward returns its input as is; backward sums the gradient over the '
+                       "group (a copy: never change autograd's tensor in place)",
+                       'forward: ctx.group = group; return x.view_as(x); backward: g = '
+                       'grad.contiguous().clone(); comm.all_reduce(g, ctx.group); return g, '
+                       'None'),
+ 'AllReduceIdentity': ('forward sums a copy of x over the group; backward passes the gradient '
+                       'through unchanged',
+                       'forward: out = x.contiguous().clone(); comm.all_reduce(out, group); '
+                       'return out; backward: return grad, None'),
+ 'column_parallel_linear': ('apply f to the input first, then an ordinary linear with this '
+                            "rank's shards",
+                            'F.linear(IdentityAllReduce.apply(x, group), weight_shard, '
+                            'bias_shard)'),
+ 'row_parallel_linear': ('a linear without bias on your shard, g to add up the partials, then '
+                         'the bias once',
+                         'AllReduceIdentity.apply(F.linear(x_shard, weight_shard), group) + '
+                         'bias'),
+ 'VocabParallelCrossEntropy': ('padding columns to -inf; subtract the global max (all-reduce '
+                               'MAX); the target logit only on the rank holding it; all-reduce '
+                               '(SUM) the sum of exps and the target logit; backward: softmax '
+                               'minus one-hot on your columns',
+                               'loss = log(sum_exp) - target_logit, 0 where ignored; save '
+                               'softmax = exp / sum_exp; backward: (softmax - onehot(target - '
+                               'start)) * grad per token, 0 for ignored tokens; return the '
+                               'gradient and five Nones'),
+ 'vocab_parallel_cross_entropy': ('the per-token losses summed, divided by the tokens that are '
+                                  'not ignored',
+                                  'VocabParallelCrossEntropy.apply(logits_shard, target, '
+                                  'group, start, vocab_size, ignore_index).sum() / (target != '
+                                  'ignore_index).sum()')}

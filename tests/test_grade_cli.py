@@ -126,11 +126,13 @@ def test_exercises_are_chosen_by_number_name_or_module():
     assert all(e.modules for e in grade.exercises())  # every notebook grades some module
 
 
-def test_exit_code_0_only_when_every_check_passes(monkeypatch, capsys):
+def test_exit_code_0_only_when_every_check_passes(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("EDU3D_RUNS", str(tmp_path))  # where edu3d grade keeps its hint counts
     def fake(chosen, **kw):
         passed = {"00_ranks": 3, "07_memory": 2}
         ex = {e.name: {"passed": passed[e.name], "total": 3, "failures": [] if
-                       passed[e.name] == 3 else [{"check": "c", "hint": "h " * 60}]}
+                       passed[e.name] == 3 else [{"check": "c", "hint": "h " * 60},
+                                                 {"check": "d", "hint": "second hint"}]}
               for e in chosen}
         return {"graded": "exercises", "exercises": ex, "total": 3 * len(ex),
                 "passed": sum(r["passed"] for r in ex.values())}
@@ -140,7 +142,8 @@ def test_exit_code_0_only_when_every_check_passes(monkeypatch, capsys):
     assert cli.main(["grade", "00", "07"]) == 1
     out = capsys.readouterr().out
     assert "00_ranks        3      3  all passed" in out
-    assert "07_memory       2      3  c\n    hint: h h" in out
+    assert "07_memory       2      3  2 failed\n  FAIL c\n    hint: h h" in out
+    assert "  FAIL d\n    hint: second hint" in out  # every failure with its own hint
     assert max(len(ln) for ln in out.splitlines()) <= 100  # long hints are wrapped
 
 

@@ -160,7 +160,7 @@ def test_check_prints_one_verdict_and_one_hint(capsys):
     def wrong():
         assert 1 == 2, "rank 0 sent 0 B, expected 5040"
 
-    assert not grading.check("stub", stub, hint="never shown: the stub's hint wins")
+    assert not grading.check("stub", stub, hint="never shown: the stub's hint wins")  # now shown
     assert not grading.check("broken", lambda: 1 / 0)
     assert not grading.check("wrong", wrong, hint="count the sends")
     assert not grading.check("false, no hint", lambda: False)
@@ -169,7 +169,7 @@ def test_check_prints_one_verdict_and_one_hint(capsys):
                                 "FAIL broken", "FAIL wrong", "FAIL false, no hint"]
     assert err.splitlines() == [
         "  hint: look at x",
-        "  hint: not written yet: do it",
+        "  hint: not written yet: do it. Look at: never shown: the stub's hint wins",
         "  hint: ZeroDivisionError: division by zero",
         "  hint: rank 0 sent 0 B, expected 5040. Look at: count the sends",
         "  hint: the check found a wrong result"]
@@ -180,7 +180,7 @@ def test_check_names_the_learners_line_not_the_graders(capsys):
     assert not grading.check("stub", lambda: ex.coords_of(0, 1, 1, 1))
     _, err = capsys.readouterr()
     assert err.startswith("  hint: not written yet (exercises/ranks.py, line ")
-    assert "in coords_of): tp_rank is the remainder" in err and "Traceback" not in err
+    assert "in coords_of): turn the rank number back" in err and "Traceback" not in err
 
 
 def test_a_failed_run_is_one_line():

@@ -4,6 +4,12 @@ After reading this file you should understand what the command runs: JupyterLab 
 checkout's folder, opening on ``notebooks/``, listening on this machine only unless told
 otherwise, with ``--allow-root`` added where JupyterLab would refuse root. Options edu3d
 does not know are passed to JupyterLab (``edu3d course --ServerApp.token=SECRET``).
+
+JupyterLab opens without its news pop-up ("Would you like to get notified about official
+Jupyter news?", which asks for a network the course never needs): the command adds
+``lab_config/`` to ``JUPYTER_CONFIG_PATH``, whose ``labconfig/page_config.json`` disables the
+``@jupyterlab/apputils-extension:announcements`` plugin (news and update checks) for this
+server only; the learner's own settings are left as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from edu3d.commands.argtypes import between
 
 HELP = "open the course in JupyterLab"
 COURSE_ROOT = Path(__file__).resolve().parents[2]  # holds notebooks/ and exercises/
+LAB_CONFIG = Path(__file__).resolve().parent / "lab_config"  # labconfig/page_config.json
+NEWS_PLUGIN = "@jupyterlab/apputils-extension:announcements"
 
 
 def add_subcommand(sub) -> None:
@@ -49,6 +57,16 @@ def course_command(args, root: Path = COURSE_ROOT, as_root: bool | None = None) 
     return cmd + list(args.jupyter_args)
 
 
+def course_env(environ: dict | None = None) -> dict[str, str]:
+    """The environment JupyterLab runs in: the caller's, with :data:`LAB_CONFIG` first on
+    ``JUPYTER_CONFIG_PATH`` (no news pop-up, no update check)."""
+    env = dict(os.environ if environ is None else environ)
+    paths = [p for p in env.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep) if p]
+    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join([str(LAB_CONFIG)] + [
+        p for p in paths if p != str(LAB_CONFIG)])
+    return env
+
+
 def main_from_args(args) -> int:
     """Replace this process with JupyterLab (exit code 1 without a notebooks/ folder)."""
     if not (COURSE_ROOT / "notebooks").is_dir():
@@ -59,4 +77,4 @@ def main_from_args(args) -> int:
     if "--allow-root" in cmd and "--allow-root" not in args.jupyter_args:
         print("edu3d course: running as root, so JupyterLab gets --allow-root", file=sys.stderr)
     print("opening", " ".join(cmd), file=sys.stderr)
-    os.execv(sys.executable, cmd)
+    os.execve(sys.executable, cmd, course_env())

@@ -15,14 +15,17 @@ After reading this file you should know how a score is made:
   notebook (outputs of the solutions) names each cell's checks in order, so a line that is
   not the cell's next check is ignored, and a cell that stops on an error counts its missing
   checks as failed, with the error's one-line reason;
+* hints are tiered (concept, nudge, the answer's shape): each run counts every check's
+  failures in edu3d's own state file, so grading a still-failing exercise again shows a
+  closer hint; ``--hint-level N`` asks for tier N at once (:mod:`edu3d.commands.grade_hints`);
 * a submission that loops past ``--timeout`` or kills its kernel (``os._exit``, a crash) is
   named as such (:mod:`edu3d.commands.grade_kernel`): the check that was running gets the
   limit or the exit code and the line of the learner's file, the checks after it in its
   cell say they did not run; after a timeout the next cells still run, after a dead kernel
   they cannot, and each says so.
 
-``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--json]`` prints a score table
-(or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
+``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--hint-level N] [--json]``
+prints a score table, every failed check with its hint (or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
 (found before any kernel starts).
 
 nbformat and nbclient come in through imports inside functions: they are optional (the
@@ -41,10 +44,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from edu3d.commands.argtypes import seconds
+from edu3d.commands import grade_hints
+from edu3d.commands.argtypes import between, seconds
 from edu3d.commands.grade_kernel import EXITED, STOPPED, TIMED_OUT, execute, kernel_env
 from edu3d.course import nbtools
 from edu3d.course.grading import ROOT
+from edu3d.launch.runs import RunsError
 
 EXERCISES = ROOT / "exercises"
 MARK = "# NBVAL_CHECK_OUTPUT"
@@ -223,8 +228,9 @@ def score(ran, committed) -> dict:
 
 # ---- running a notebook ------------------------------------------------------------------------
 def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None = None,
-              timeout: float = 240) -> dict:
-    """Score one exercise notebook (see the module docstring)."""
+              timeout: float = 240, hints: dict[str, str] | None = None) -> dict:
+    """Score one exercise notebook (see the module docstring); ``hints``: the kernel's
+    ``EDU3D_HINT_*`` variables."""
     committed = _read(ex.path)
     ran = copy.deepcopy(committed)
     graded = [submission or EXERCISES, ROOT / "solutions"]
@@ -232,7 +238,8 @@ def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None 
         runs, cwd = Path(tmp) / "runs", Path(tmp) / "work"
         runs.mkdir()
         cwd.mkdir()
-        stopped = execute(ran, kernel_env(solutions, submission, runs), cwd, timeout, graded)
+        stopped = execute(ran, kernel_env(solutions, submission, runs, hints), cwd, timeout,
+                          graded)
     if stopped:  # cells the kernel never ran fail with that reason, naming where it died
         died = [score_cell(c, committed_titles(committed.cells[i]), None)["running"]
                 for i, c in checked_cells(ran) if any(o.get("ename") == EXITED
@@ -251,15 +258,25 @@ def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None 
 
 
 def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path | None = None,
-          timeout: float = 240, progress=sys.stderr) -> dict:
-    """Grade ``chosen``; a report ``{"graded", "passed", "total", "exercises": {name: ...}}``."""
+          timeout: float = 240, progress=sys.stderr, hint_level: int | None = None,
+          counts: dict | None = None) -> dict:
+    """Grade ``chosen``; a report ``{"graded", "passed", "total", "exercises": {name: ...}}``.
+    ``counts`` (:func:`edu3d.commands.grade_hints.load`): earlier failures per check, updated
+    in place with this run's (not with ``solutions``)."""
     report = {"graded": "solutions" if solutions else str(submission) if submission else
               "exercises", "passed": 0, "total": 0, "exercises": {}}
+    target = str(submission or EXERCISES)
     for k, ex in enumerate(chosen, 1):
         t0 = time.perf_counter()
         if progress:
             print(f"[{k}/{len(chosen)}] {ex.name} ...", end="", file=progress, flush=True)
-        r = grade_one(ex, solutions=solutions, submission=submission, timeout=timeout)
+        hints = {"EDU3D_HINT_LEVEL": str(hint_level or 1)}
+        if counts is not None and not solutions:
+            hints["EDU3D_HINT_PRIOR"] = json.dumps(grade_hints.prior(counts, target, ex.name))
+        r = grade_one(ex, solutions=solutions, submission=submission, timeout=timeout,
+                      hints=hints)
+        if counts is not None and not solutions:
+            grade_hints.record(counts, target, ex.name, r)
         r["seconds"] = round(time.perf_counter() - t0, 1)
         report["exercises"][ex.name] = r
         report["passed"] += r["passed"]
@@ -271,18 +288,24 @@ def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path |
 
 
 def table(report: dict, width: int = 100) -> str:
-    """The score table: one row per exercise, and under it its first failure's hint."""
+    """The score table: one row per exercise, and under it every failed check with its hint
+    (a hint equal to the one above it is said so, not repeated)."""
     name_w = max([len("exercise")] + [len(n) for n in report["exercises"]])
-    head = f"{'exercise':<{name_w}}  passed  total  first failure"
+    head = f"{'exercise':<{name_w}}  passed  total  failed checks"
     rule = "-" * min(width, max(len(head), 40))
     lines = [f"graded: {report['graded']}", head, rule]
     for name, r in report["exercises"].items():
-        first = r["failures"][0] if r["failures"] else None
+        fails = r["failures"]
         lines.append(f"{name:<{name_w}}  {r['passed']:>6}  {r['total']:>5}  "
-                     + (first["check"] if first else "all passed"))
-        if first:
-            lines += textwrap.wrap(f"hint: {first['hint']}", width, initial_indent="    ",
+                     + (f"{len(fails)} failed" if fails else "all passed"))
+        last = None
+        for f in fails:
+            lines += textwrap.wrap(f"FAIL {f['check']}", width, initial_indent="  ",
                                    subsequent_indent="      ")
+            said = SAME if f["hint"] == last else f["hint"]
+            lines += textwrap.wrap(f"hint: {said}", width, initial_indent="    ",
+                                   subsequent_indent="      ")
+            last = f["hint"]
     lines += [rule, f"{'total':<{name_w}}  {report['passed']:>6}  {report['total']:>5}"]
     return "\n".join(lines)
 
@@ -305,6 +328,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds("240"), default=240,
                    help="seconds per cell (default: %(default)s)")
+    p.add_argument("--hint-level", type=between(1, 3), default=None, metavar="N",
+                   help="hint tier for every failure: 1 the concept, 2 a closer nudge, 3 the "
+                        "answer's shape (default: deeper each time a check fails again)")
     p.set_defaults(func=main)
 
 
@@ -326,6 +352,13 @@ def main(args) -> int:
     except GradeError as err:
         print(f"edu3d grade: {err}", file=sys.stderr)
         return 2
-    report = grade(chosen, solutions=args.solutions, submission=folder, timeout=args.timeout)
+    counts = None if args.solutions else grade_hints.load()
+    report = grade(chosen, solutions=args.solutions, submission=folder, timeout=args.timeout,
+                   hint_level=args.hint_level, counts=counts)
+    if counts is not None:
+        try:
+            grade_hints.save(counts)
+        except (OSError, RunsError) as err:
+            print(f"edu3d grade: could not keep the hint counts ({err})", file=sys.stderr)
     print(json.dumps(report) if args.json else table(report))
     return 0 if report["total"] and report["passed"] == report["total"] else 1

@@ -32,10 +32,15 @@ from edu3d.course.nbtools import notebook_client
 TIMED_OUT, EXITED, STOPPED = "CellTimedOut", "KernelExited", "KernelStopped"
 
 
-def kernel_env(solutions: bool, submission: Path | None, runs: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("EDU3D_SUBMISSION",)}
+def kernel_env(solutions: bool, submission: Path | None, runs: Path,
+               hints: dict[str, str] | None = None) -> dict[str, str]:
+    """The graded kernel's environment; ``hints``: ``EDU3D_HINT_LEVEL`` / ``EDU3D_HINT_PRIOR``
+    (:mod:`edu3d.commands.grade_hints`), never inherited from the caller's shell."""
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "EDU3D_SUBMISSION", "EDU3D_HINT_LEVEL", "EDU3D_HINT_PRIOR")}
     env.update(EDU3D_SOLUTIONS="1" if solutions else "0", OMP_NUM_THREADS="1",
-               EDU3D_RUNS=str(runs), EDU3D_PROGRESS="0", PYTHONDONTWRITEBYTECODE="1")
+               EDU3D_RUNS=str(runs), EDU3D_PROGRESS="0", PYTHONDONTWRITEBYTECODE="1",
+               **(hints or {}))
     if submission is not None:
         env["EDU3D_SUBMISSION"] = str(submission)
     return env

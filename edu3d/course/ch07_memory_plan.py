@@ -92,22 +92,25 @@ def planned(argv: list[str], coord: tuple[int, int, int]) -> dict:
 LAYOUTS = [(L, t, p) for L in (4, 5) for t in (1, 2, 4) for p in (1, 2, 4) if p <= L]
 
 
-def _spec(layers: int, tied: bool = False):
-    return spec_from("tiny", n_layers=layers, tied=tied)
+def _spec(layers: int, tied: bool = False, vocab: int | None = None):
+    return spec_from("tiny", n_layers=layers, tied=tied, vocab_size=vocab)
 
 
 def check_counts(ex) -> None:
-    """``rank_params`` against the planner's inventory, every stage of many layouts."""
+    """``rank_params`` against the planner's inventory, every stage of many layouts, with
+    the tiny model's vocabulary (256) and one no tp > 1 divides (101: padded to 102 or 104,
+    which a count of ``vocab // tp`` rows misses)."""
     for layers, tp, pp in LAYOUTS:
-        for tied in (False, True):
-            spec = _spec(layers, tied)
+        for tied, vocab in ((False, None), (True, None), (False, 101), (True, 101)):
+            spec = _spec(layers, tied, vocab)
             st = plan_memory.Setup(tp=tp, pp=pp, microbatches=pp)
             for r in range(pp):
                 want = sum(k for _, u in plan_memory.units(spec, st, r) for k, _ in u)
                 got = ex.rank_params(layers, spec.d_model, spec.vocab_size, spec.seq_len, tp,
                                      pp, r, tied)
-                assert got == want, (f"{layers} layers, tp={tp}, pp={pp}, tied={tied}: pp rank "
-                                     f"{r} holds {want} parameters, rank_params says {got}")
+                assert got == want, (f"{layers} layers, vocab {spec.vocab_size}, tp={tp}, "
+                                     f"pp={pp}, tied={tied}: pp rank {r} holds {want} "
+                                     f"parameters, rank_params says {got}")
 
 
 def check_state(ex) -> None:

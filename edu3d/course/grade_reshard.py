@@ -63,14 +63,16 @@ def refuses_a_hole(mod) -> bool:
                          "ValueError when an element is covered by no piece")
 
 
-def loads_into(mod, tensor, tp_from: int, dp_from: int, tp_to: int) -> bool:
-    """Pieces of a tp_from x dp_from ZeRO layout, loaded into every rank of tp_to."""
+def loads_into(mod, tensor, tp_from: int, dp_from: int, tp_to: int, dp_to: int = 1) -> bool:
+    """Pieces of a tp_from x dp_from ZeRO layout, loaded into every rank of tp_to (x dp_to
+    ZeRO: then each rank's piece is a run of its box that may start mid-row)."""
     name, shape, spec = tensor
     full = mod.full_tensor(saved_pieces(tensor, tp_from, dp_from, zero=True))
     want = serial(name, shape)
-    for t in range(tp_to):
-        for place, _, _ in reshard.pieces(name, "param", shape, spec, t, tp_to):
-            got = mod.piece_for(full, place)
-            assert torch.equal(got, reshard.read(want, place)), \
-                f"piece_for gave the wrong numbers for tp rank {t} of {tp_to}, box {place['box']}"
+    targets = [place for place, _ in saved_pieces(tensor, tp_to, dp_to, zero=dp_to > 1)]
+    for place in targets:
+        got = mod.piece_for(full, place)
+        assert torch.equal(got, reshard.read(want, place)), \
+            f"piece_for gave the wrong numbers for box {place['box']}, flat {place['flat']} " \
+            f"of tp{tp_to} x dp{dp_to}"
     return True

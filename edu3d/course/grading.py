@@ -18,17 +18,26 @@ After reading this file you should understand how an exercise notebook is graded
   lines, and nbval (``--nbval-lax``, cells tagged ``nbval-check-output``) compares them:
   with solutions every check passes; with the untouched stubs every check fails.
 * A failure adds exactly one hint line on stderr (which nbval does not see in a passing run):
-  the stub's own hint while a function still raises ``NotImplementedError``, else the
-  assertion's message or the exception and where in *your* file it happened, and what to
-  look at. Never a traceback through the grader; the same hint twice in a row within one
-  cell is printed once. A check returns a :class:`Verdict`, true when it passed, which
-  displays nothing (no stray ``True``/``False`` under the cell).
+  the stub's own words while a function still raises ``NotImplementedError`` (what to
+  compute and why, never the formula), else the assertion's message or the exception and
+  where in *your* file it happened, and what to look at. Never a traceback through the
+  grader; the same hint twice in a row within one cell is printed once. A check returns a
+  :class:`Verdict`, true when it passed, which displays nothing (no stray ``True``/``False``).
+* Hints are **tiered**, so that a learner thinks before reading an answer. The first failure
+  of a check names the concept (the check's ``hint``); the second adds a closer nudge and the
+  third (and later) the formula or the API call. Both live in the solution file,
+  ``HINTS = {"function": ("nudge", "formula")}`` in ``solutions/<name>.py``, read as data
+  (never run). Failures are counted per check title in this kernel (re-running a cell counts)
+  since it last passed; ``edu3d grade`` passes the count it keeps between its own runs
+  (``EDU3D_HINT_PRIOR``) and ``--hint-level`` (``EDU3D_HINT_LEVEL``, also yours to set in
+  a notebook: :func:`hint_level`).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -188,17 +197,78 @@ def _print_hint(hint: str) -> None:
     print(f"  hint: {hint}", file=sys.stderr, flush=True)
 
 
+# ---- tiered hints ------------------------------------------------------------------------------
+_failures: dict[str, int] = {}  # per check title: failures in this kernel since it last passed
+_level: dict = {}  # the learner's own choice (hint_level), above the environment's
+
+
+def hint_level(level: int | None = None) -> int:
+    """The least hint tier every failure shows from now on (1 concept, 2 nudge, 3 formula);
+    without an argument, the current one. ``edu3d grade --hint-level N`` sets it too."""
+    if level is not None:
+        if level not in (1, 2, 3):
+            raise ValueError(f"hint level {level!r}: choose 1 (concept), 2 (nudge) or 3 "
+                             "(formula)")
+        _level["set"] = level
+    env = os.environ.get("EDU3D_HINT_LEVEL", "1")
+    return _level.get("set", int(env) if env in ("1", "2", "3") else 1)
+
+
+def _prior(title: str) -> int:
+    """Earlier failures of ``title`` that ``edu3d grade`` counted in its own state file."""
+    try:
+        prior = json.loads(os.environ.get("EDU3D_HINT_PRIOR") or "{}").get(title, 0)
+    except (ValueError, AttributeError):
+        return 0
+    return prior if isinstance(prior, int) and 0 <= prior < 1000 else 0
+
+
+def tiers(key: str) -> tuple[str, ...]:
+    """The deeper hints of ``"exercise.function"``: ``HINTS[function]`` of the solution file,
+    read as a literal (the solution is not run); () when it has none."""
+    module, _, func = key.partition(".")
+    try:
+        tree = ast.parse(source(module, solutions=True).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] \
+                == ["HINTS"]:
+            found = ast.literal_eval(node.value).get(func, ())
+            return (found,) if isinstance(found, str) else tuple(found)
+    return ()
+
+
+def _tiered(title: str, reason: str, hint: str | None, key: str | None) -> str:
+    """The one hint line of this failure of ``title``, as deep as its failures so far."""
+    _failures[title] = _failures.get(title, 0) + 1
+    level = max(hint_level(), min(3, _failures[title] + _prior(title)))
+    deeper = tiers(key) if key else ()
+    if hint and hint not in reason:
+        reason = f"{reason.rstrip('.')}. Look at: {hint}"
+    if level >= 2 and deeper:
+        reason = f"{reason.rstrip('.')}. Closer: {deeper[0]}"
+    if level >= 3 and len(deeper) > 1:
+        reason = f"{reason.rstrip('.')}. The answer's shape: {deeper[-1]}"
+    elif deeper:
+        reason += " (fails again: a closer hint)"
+    return reason
+
+
 def check(title: str, test: Callable[[], object], *, hint: str | None = None,
-          requires: tuple[str, ...] | str = ()) -> Verdict:
+          requires: tuple[str, ...] | str = (), about: str | None = None) -> Verdict:
     """Run ``test``; it passes when it returns without raising and does not return False.
 
-    Prints one stable verdict line; a failure adds one hint line on stderr: the stub's hint
+    Prints one stable verdict line; a failure adds one hint line on stderr: the stub's words
     while one of ``requires`` (``"exercise.function"``, see :func:`unfinished`) is still a
     stub, else what the test reported (an assertion's message, or the error and the line of
-    your file), followed by ``hint`` (what to look at). Runs launched inside the check show
-    no live status line, so the cell's output is the verdict alone.
+    your file), then ``hint`` (the concept to look at) and, as this check keeps failing, the
+    deeper tiers of ``about`` (default: the unfinished function, else the first of
+    ``requires``; see :func:`tiers`). Runs launched inside the check show no live status
+    line, so the cell's output is the verdict alone.
     """
     reqs = (requires,) if isinstance(requires, str) else tuple(requires)
+    key = about or (reqs[0] if reqs else None)
     saved = os.environ.get("EDU3D_PROGRESS")
     os.environ["EDU3D_PROGRESS"] = "0"  # runs launched by a check show no status line
     reason = None
@@ -207,15 +277,12 @@ def check(title: str, test: Callable[[], object], *, hint: str | None = None,
             module, _, func = req.partition(".")
             reason = unfinished(module, func)
             if reason:
-                hint = None  # the stub's own hint says what to do
+                key = about or req
                 break
         if reason is None and test() is False:
             reason = hint or "the check found a wrong result"
-            hint = None
     except Exception as err:  # noqa: BLE001 - a check must report, not crash the notebook
         reason = _reason(err)
-        if isinstance(err, NotImplementedError) or reason.startswith("not written yet"):
-            hint = None  # the stub's own hint says what to do
     finally:
         if saved is None:
             os.environ.pop("EDU3D_PROGRESS", None)
@@ -223,8 +290,9 @@ def check(title: str, test: Callable[[], object], *, hint: str | None = None,
             os.environ["EDU3D_PROGRESS"] = saved
     ok = reason is None
     print(f"{'PASS' if ok else 'FAIL'} {title}", flush=True)
-    if not ok:
-        if hint and hint not in reason:
-            reason = f"{reason.rstrip('.')}. Look at: {hint}"
+    if ok:
+        _failures.pop(title, None)
+    else:
+        reason = _tiered(title, reason, hint, key)
         _print_hint(reason)
     return Verdict(title, ok, reason)

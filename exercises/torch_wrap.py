@@ -1,0 +1,40 @@
+"""Exercise 09: edu3d's ZeRO-3, ZeRO-2 and ZeRO-1 on PyTorch's own APIs.
+
+Chapter 09 ran the course's layouts through PyTorch's own classes. Here you do the wrapping
+yourself, on edu3d's tiny GPT (``model.blocks`` is its list of transformer blocks; the
+embeddings, the last LayerNorm and the output head sit outside them), and the grader trains
+what you return for three AdamW steps on 2 ranks beside edu3d's own trainer:
+
+* ``fsdp2(model, mesh, zero)``: shard the model with FSDP2 (``torch.distributed.fsdp``).
+  Each call to its sharding function makes one *unit*: the parameters it gathers in one
+  all-gather just before they are needed and frees again afterwards. What the units are
+  decides how much of the model is ever whole at once; whether a unit is freed right after
+  its forward or kept until its backward is the difference between ZeRO-3 and ZeRO-2;
+* ``ddp_zero1(model, group, groups, **adamw)``: ZeRO-1, the way PyTorch spells it: a
+  data-parallel model (gradients averaged over ``group``) and an AdamW whose state is
+  partitioned over the same ranks.
+
+The losses must equal edu3d's to 1e-5, and each rank must hold what the ZeRO stage promises.
+Chapter 09's table of strategies names the classes. Run the checks in ``exercises/09_pytorch_apis.ipynb``.
+"""
+
+import torch  # noqa: F401 - the classes you need are in torch.distributed and torch.nn.parallel
+
+
+def fsdp2(model, mesh, zero: int = 3):
+    """Shard ``model`` (edu3d's GPT) over ``mesh`` (a 1-D ``DeviceMesh`` of the data-parallel
+    ranks) with FSDP2, as ZeRO-3 (``zero=3``) or ZeRO-2 (``zero=2``): every parameter
+    sharded, each block gathered on its own. Returns the model (sharded in place)."""
+    raise NotImplementedError(
+        "hint: every parameter must end up sharded, and a block should be gathered only "
+        "while it computes; decide what each unit holds and in which order to make them, "
+        "and which stage frees a unit's weights right after its forward")
+
+
+def ddp_zero1(model, group, groups: list, **adamw):
+    """ZeRO-1 the PyTorch way: ``(ddp_model, optimizer)``, the model's gradients averaged
+    over the process group ``group``, and AdamW over the parameter groups ``groups`` (with
+    the settings ``adamw``: lr, betas) with its state partitioned over ``group``."""
+    raise NotImplementedError(
+        "hint: two wrappers, one around the model that averages its gradients over the "
+        "group, one around AdamW that keeps each rank's share of its state only")

@@ -1,0 +1,322 @@
+"""The three most likely wrong answers of every exercise module (tests/test_wrong_answers.py).
+
+Each is the reference solution with one definition appended that overrides a function with a
+mistake a learner is likely to make, and a word of the title of a check it must fail.
+"""
+
+# module -> three (why it is wrong, the code appended to the solution, a word of the check
+# title that must fail)
+WRONG = {
+    "ranks": [
+        ("coordinates in (tp, dp, pp) order", """
+def coords_of(rank, dp, tp, pp):
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+""", "coords_of"),
+        ("dp_rank without the modulo", """
+def coords_of(rank, dp, tp, pp):
+    return rank // (tp * dp), rank // tp, rank % tp
+""", "coords_of matches"),
+        ("groups numbered dp-fastest", """
+def group_members(rank, dim, dp, tp, pp):
+    p, d, t = coords_of(rank, dp, tp, pp)
+    c = {"pp": p, "dp": d, "tp": t}
+    size = {"pp": pp, "dp": dp, "tp": tp}[dim]
+    return sorted(({**c, dim: i}["dp"] + dp * ({**c, dim: i}["tp"] + tp * ({**c, dim: i}["pp"]))
+                   for i in range(size)))
+""", "groups"),
+    ],
+    "ring_allreduce": [
+        ("the all-gather adds instead of copying", """
+def ring_all_reduce(t):
+    n, i = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(t.view(-1), n)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(i - s - 2) % n])
+        exchange(chunks[(i - s - 1) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 2) % n].add_(incoming)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(i - s - 1) % n])
+        exchange(chunks[(i - s) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 1) % n].add_(incoming)
+    return t
+""", "ring_all_reduce equals"),
+        ("one reduce-scatter step short", """
+def ring_all_reduce(t):
+    n, i = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(t.view(-1), n)
+    for s in range(n - 2):
+        incoming = torch.empty_like(chunks[(i - s - 2) % n])
+        exchange(chunks[(i - s - 1) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 2) % n].add_(incoming)
+    for s in range(n - 1):
+        incoming = torch.empty_like(chunks[(i - s - 1) % n])
+        exchange(chunks[(i - s) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 1) % n].copy_(incoming)
+    return t
+""", "ring_all_reduce equals"),
+        ("the library's all-reduce instead of a ring (right sum, no sends)", """
+def ring_all_reduce(t):
+    dist.all_reduce(t)
+    return t
+""", "bytes"),
+    ],
+    "bucketed_ddp": [
+        ("sums the gradients without dividing by N", """
+def sync_gradients(model, group=None):
+    for p in model.parameters():
+        comm.all_reduce(p.grad, group)
+""", "sync_gradients"),
+        ("buckets filled from the first parameter", """
+def make_buckets(params, bucket_mb):
+    buckets, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+""", "make_buckets"),
+        ("every bucket launched in finish(): no overlap", """
+class BucketedDDP(BucketedDDP):
+    def _on_grad(self, p):
+        self.grads_seen += 1
+
+    def finish(self):
+        for i, b in enumerate(self.buckets):
+            flat = torch.cat([q.grad.reshape(-1) for q in b])
+            self.pending.append((i, flat, comm.all_reduce(flat, self.group, async_op=True)))
+            self.launched_at.append(self.grads_seen)
+        super().finish()
+""", "before backward has finished"),
+    ],
+    "zero1": [
+        ("slices of numel // n, no padding", """
+def shard_range(numel, n, rank):
+    k = numel // n
+    return rank * k, (rank + 1) * k, numel
+""", "shard_range"),
+        ("the reduce-scattered gradient not divided by N", """
+_right = zero1_sgd_step
+def zero1_sgd_step(params, lr, group=None):
+    _right(params, lr * dist.get_world_size(group), group)
+""", "equals one serial SGD step"),
+        ("an all-reduce, then each rank slices (right step, twice ZeRO's traffic shape)", """
+@torch.no_grad()
+def zero1_sgd_step(params, lr, group=None):
+    n = dist.get_world_size(group)
+    for p in params:
+        comm.all_reduce(p.grad, group)
+        p -= lr * p.grad / n
+""", "exactly one reduce-scatter"),
+    ],
+    "tp_layers": [
+        ("f's backward does not all-reduce", """
+class IdentityAllReduce(IdentityAllReduce):
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+""", "f = IdentityAllReduce"),
+        ("the row layer's bias added on every rank before the sum", """
+def row_parallel_linear(x_shard, weight_shard, bias, group):
+    return AllReduceIdentity.apply(F.linear(x_shard, weight_shard, bias), group)
+""", "row_parallel_linear"),
+        ("padding columns not masked in the loss", """
+class VocabParallelCrossEntropy(VocabParallelCrossEntropy):
+    @staticmethod
+    def forward(ctx, logits, target, group, start, vocab_size, ignore_index):
+        return VocabParallelCrossEntropy.__base__.forward(ctx, logits, target, group, start,
+                                                          10**9, ignore_index)
+""", "vocab-parallel cross entropy"),
+    ],
+    "pp_schedule": [
+        ("pp - r warm-up forwards instead of pp - r - 1", """
+def one_f_one_b(pp, m):
+    out = []
+    for r in range(pp):
+        w = min(pp - r, m)
+        ops = [f"{r}F{i}" for i in range(w)]
+        for i in range(m - w):
+            ops += [f"{r}F{w + i}", f"{r}B{i}"]
+        ops += [f"{r}B{i}" for i in range(m - w, m)]
+        out.append(ops)
+    return out
+""", "Megatron"),
+        ("every micro-batch back-propagates its whole mean loss", """
+def microbatch_loss(loss, m):
+    return loss
+""", "your micro-batch loss"),
+        ("the ratio of squared norms", """
+def gradient_scale(pipeline_grads, serial_grads):
+    sq = lambda g: float(sum(t.double().norm() ** 2 for t in g.values()))
+    return sq(pipeline_grads) / sq(serial_grads)
+""", "measures the missing 1/m"),
+    ],
+    "grad_norm_3d": [
+        ("replicated tensors counted on every tp rank (the given bug)", """
+global_grad_norm = buggy_global_grad_norm
+""", "global_grad_norm"),
+        ("the tied copy counted twice", """
+def global_grad_norm(pieces, tp_index, group=None):
+    sq = torch.zeros(1, dtype=torch.float64)
+    for name, grad, replicated, tied_copy in pieces:
+        if replicated and tp_index != 0:
+            continue
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return sq.sqrt().float()[0]
+""", "global_grad_norm"),
+        ("the tied halves averaged instead of summed", """
+@torch.no_grad()
+def sum_tied_embedding_grads(grad, group=None):
+    dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+    grad /= 2
+""", "sum_tied_embedding_grads"),
+    ],
+    "rank_memory": [
+        ("the vocabulary split as vocab // tp, no padding", """
+_right = rank_params
+def rank_params(n_layers, d_model, vocab, seq, tp, pp, pp_rank, tied=False):
+    return _right(n_layers, d_model, vocab // tp * tp, seq, tp, pp, pp_rank, tied)
+""", "rank_params"),
+        ("ZeRO-2 leaves the gradients whole", """
+def state_bytes(n_params, dp, zero):
+    return {"params": 4 * n_params / (dp if zero >= 3 else 1),
+            "grads": 4 * n_params / (dp if zero >= 3 else 1),
+            "optimizer": 8 * n_params / (dp if zero >= 1 else 1)}
+""", "state_bytes"),
+        ("1F1B keeps pp micro-batches on every rank", """
+def in_flight(schedule, pp, m, pp_rank):
+    return m if schedule == "gpipe" else min(m, pp)
+""", "in_flight"),
+    ],
+    "reshard": [
+        ("a ZeRO piece written from the start of its box", """
+def full_tensor(pieces):
+    full = torch.zeros(pieces[0][0]["shape"], dtype=pieces[0][1].dtype)
+    for place, data in pieces:
+        block = full[_box(place)]
+        flat = block.reshape(-1).clone()
+        flat[: data.numel()] = data
+        block.copy_(flat.view(block.shape))
+    return full
+""", "mid-row"),
+        ("no check for a missing shard", """
+def full_tensor(pieces):
+    full = torch.zeros(pieces[0][0]["shape"], dtype=pieces[0][1].dtype)
+    for place, data in pieces:
+        lo, hi = place["flat"]
+        block = full[_box(place)]
+        flat = block.reshape(-1).clone()
+        flat[lo:hi] = data
+        block.copy_(flat.view(block.shape))
+    return full
+""", "missing"),
+        ("the whole box loaded, its flat range ignored", """
+def piece_for(full, placement):
+    return full[_box(placement)].reshape(-1).clone()
+""", "piece_for"),
+    ],
+    "moe_routing": [
+        ("shares of tokens (N), not of assignments (N*k)", """
+def load_balancing_loss(probs, expert_idx, n_experts):
+    n, k = expert_idx.shape
+    f = torch.bincount(expert_idx.flatten(), minlength=n_experts).to(probs.dtype) / n
+    return n_experts * (f * probs.mean(0)).sum()
+""", "load_balancing_loss: equals"),
+        ("the capacity rounded down", """
+_right = capacity_keep
+def capacity_keep(gates, expert_idx, n_experts, capacity_factor):
+    n, k = gates.shape
+    exact = n * k / n_experts * capacity_factor
+    return _right(gates, expert_idx, n_experts, math.floor(exact) * n_experts / (n * k))
+""", "capacity_keep"),
+        ("equal gates: the higher token index kept", """
+def capacity_keep(gates, expert_idx, n_experts, capacity_factor):
+    n, k = gates.shape
+    capacity = math.ceil(n * k / n_experts * capacity_factor)
+    keep = torch.zeros(n, k, dtype=torch.bool)
+    for e in range(n_experts):
+        rows, cols = (expert_idx == e).nonzero(as_tuple=True)
+        order = sorted(range(len(rows)), key=lambda i: (-float(gates[rows[i], cols[i]]),
+                                                        -int(rows[i])))
+        for i in order[:capacity]:
+            keep[rows[i], cols[i]] = True
+    return keep
+""", "capacity_keep"),
+    ],
+    "cp_merge": [
+        ("the two outputs averaged", """
+def merge(out_a, lse_a, out_b, lse_b):
+    return (out_a.float() + out_b.float()) / 2, torch.logaddexp(lse_a.float(), lse_b.float())
+""", "merge: random"),
+        ("no guard for a row that saw nothing (nan)", """
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a.float(), lse_b.float())
+    wa = torch.exp(lse_a.float() - lse).unsqueeze(-1)
+    wb = torch.exp(lse_b.float() - lse).unsqueeze(-1)
+    return wa * out_a.float() + wb * out_b.float(), lse
+""", "merge is safe"),
+        ("chunks r and cp + r, not mirrored", """
+def zigzag_positions(seq_len, cp, rank):
+    size = seq_len // (2 * cp)
+    return [p for c in (rank, cp + rank) for p in range(c * size, (c + 1) * size)]
+""", "zigzag_positions"),
+    ],
+    "torch_wrap": [
+        ("the blocks sharded, the root forgotten (embeddings and head whole, never averaged)", """
+def fsdp2(model, mesh, zero=3):
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=zero == 3)
+    return model
+""", "every parameter"),
+        ("only the root sharded: the whole model is one unit", """
+def fsdp2(model, mesh, zero=3):
+    fully_shard(model, mesh=mesh, reshard_after_forward=zero == 3)
+    return model
+""", "one unit per block"),
+        ("DDP with a plain AdamW: every rank keeps all of the state", """
+def ddp_zero1(model, group, groups, **adamw):
+    return DistributedDataParallel(model, process_group=group), torch.optim.AdamW(groups, **adamw)
+""", "state is split"),
+    ],
+    "trace_overlap": [
+        ("a nested span shortens the merged one", """
+def merge(spans):
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return [tuple(s) for s in out]
+""", "merge"),
+        ("total lengths subtracted, not intervals", """
+def exposed_time(comm, compute):
+    length = lambda s: sum(b - a for a, b in merge(s))
+    return max(0.0, length(comm) - length(compute))
+""", "exposed_time"),
+        ("the peak of one GPU only", """
+def mfu(step_seconds, tokens, flops_per_token, peak_flops, gpus):
+    return tokens * flops_per_token / (step_seconds * peak_flops)
+""", "mfu"),
+    ],
+    "layout_choice": [
+        ("plain data parallelism everywhere (does not fit)", """
+def choose(job):
+    return {"dp": {"a": 8, "b": 16, "c": 32}[job], "tp": 1, "pp": 1, "zero": 0,
+            "micro_batch": 1, "recompute": "none"}
+""", "job a"),
+        ("tensor parallelism across every GPU, nodes included (too slow)", """
+def choose(job):
+    return {"dp": 1, "tp": {"a": 8, "b": 16, "c": 32}[job], "pp": 1, "zero": 0,
+            "micro_batch": 1, "recompute": "none"}
+""", "job b"),
+        ("full recomputation to be safe (a third more compute)", """
+def choose(job):
+    return {**LAYOUTS[job], "recompute": "full"}
+""", "job c"),
+    ],
+}
