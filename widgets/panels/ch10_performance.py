@@ -133,19 +133,22 @@ class Straggler(Panel):
     chapter's recorded run (:func:`edu3d.course.ch10_performance_live.predict`); "run it"
     trains dp2 with that straggler and draws the measurement over the prediction."""
 
-    RANKS = (("no straggler", None), ("rank 0", 0), ("rank 1", 1))
+    # -1 is "no straggler": ipywidgets reads a None value as "nothing selected" and shows an
+    # empty box (``key()`` turns it back into None for the prediction and the run)
+    RANKS = (("no straggler", -1), ("rank 0", 0), ("rank 1", 1))
     SECONDS = (0.05, 0.1, 0.2, 0.4)
     FIGURES = ("straggler_fig",)
 
     def __init__(self, records: list[dict], slow_rank: int | None = 1, seconds: float = 0.2):
-        super().__init__({"slow_rank": slow_rank, "seconds": seconds})
+        super().__init__({"slow_rank": -1 if slow_rank is None else slow_rank,
+                          "seconds": seconds})
         self.records, self.recorded = records, (slow_rank, seconds)
         self.live: dict | None = None
         self.redraw()
 
     def redraw(self, **changes) -> None:
         self.state.update(changes)
-        key = (self.state["slow_rank"], self.state["seconds"])
+        key = self.key()
         pred = watched.predict(self.records, *self.recorded, *key)
         rows = {f"rank {r} (predicted)": b for r, b in pred.items()}
         live = bool(self.live) and self.live["key"] == key
@@ -165,9 +168,14 @@ class Straggler(Panel):
                         " ms" if live else "; press 'run it' to measure"))
         self.show()
 
+    def key(self) -> tuple:
+        """``(slow rank or None, seconds)``: the state, with the dropdown's -1 as None."""
+        rank = self.state["slow_rank"]
+        return (None if rank == -1 else rank, self.state["seconds"])
+
     def run(self, steps: int = 6, timeout: float = 120):
         """Train dp2 with the chosen straggler and draw the measurement over the prediction."""
-        key = (self.state["slow_rank"], self.state["seconds"])
+        key = self.key()
         self.say("training dp2 for a few steps ...")
         records = watched.slow_rank_run(new_run_dir("ch10-straggler"), key[0], key[1], steps,
                                         timeout)

@@ -35,6 +35,11 @@ PICTURES = ("ring", "zero", "activations", "tp", "bubble", "in_flight", "layout"
 MODELS = ("gpt2-xl", "llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 STATE = ("params", "grads", "optimizer")
+# the pictures each knob changes: under any other picture the knob is greyed out (a knob that
+# redraws nothing would tell the learner it does not matter when it simply does not apply)
+USED_BY = {"schedule": ("bubble", "in_flight"), "pp": ("bubble", "in_flight"),
+           "m": ("bubble", "in_flight"), "n": ("ring", "zero"),
+           "model": ("zero", "activations", "tp", "layout"), "gpus": ("tp", "layout")}
 DEFAULT = {"question": "bubble_1f1b", "picture": "bubble", "schedule": "1f1b", "pp": 4, "m": 8,
            "n": 8, "model": "llama2-7b", "gpus": 16}
 
@@ -115,6 +120,10 @@ class Controls(Panel):
         self.figure = None
         self.redraw()
 
+    def applies(self, key: str) -> bool:
+        """Whether knob ``key`` changes the current question's picture."""
+        return key not in USED_BY or self.state["picture"] in USED_BY[key]
+
     def problem(self) -> str | None:
         """Why the current pipeline picture cannot be drawn (None if it can)."""
         s = self.state
@@ -135,6 +144,8 @@ class Controls(Panel):
                      f"micro-batches (it groups them by p): drawn at m = {s['m']}")
         self.figure = picture(s)
         self.sync_knobs()
+        for key, knob in self._knobs.items():
+            knob.disabled = not self.applies(key)
         self.say(moved or f"{q.title[:3].strip()} · {q.topic}: see notebooks/{q.chapter}")
 
     def run(self, timeout: float = 300):
@@ -192,9 +203,15 @@ class Controls(Panel):
         return rows
 
     def knobs(self) -> dict:
-        s = self.state
+        knobs = self._knobs_at(self.state, self.bank)
+        for key, knob in knobs.items():
+            knob.disabled = not self.applies(key)
+        return knobs
+
+    @staticmethod
+    def _knobs_at(s: dict, bank: dict) -> dict:
         return {
-            "question": w.Dropdown(options=[(q.title, q.key) for q in self.bank.values()],
+            "question": w.Dropdown(options=[(q.title, q.key) for q in bank.values()],
                                    value=s["question"], description="question",
                                    layout={"width": "460px"}),
             "schedule": w.Dropdown(options=list(SCHEDULES), value=s["schedule"],
