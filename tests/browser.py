@@ -428,8 +428,8 @@ def turn_every_control(page, box) -> dict:
                 select = box.locator("select").nth(i)
                 if arg >= select.locator("option").count():  # a redraw narrowed the options
                     continue
-                if select.evaluate("(s) => s.selectedIndex") == arg:
-                    continue
+                if select.evaluate("(s) => s.selectedIndex") == arg or select.is_disabled():
+                    continue  # there already, or greyed out (it does not apply now)
                 select.select_option(index=arg)
             elif how == "toggle":
                 box.locator(".widget-toggle-buttons").nth(i).locator("button").nth(arg).click()

@@ -325,6 +325,25 @@ BUILDERS.update({
 })
 
 
+def _grad_reduce_rows() -> list[dict]:
+    """The planner's rows of chapter 03's sweep, each with a 'measured' value beside it."""
+    from edu3d.course import ch03_zero_reduce
+
+    return [{**r, "grads_measured": r["grads"], "wire_measured": r["wire"]}
+            for r in ch03_zero_reduce.table()]
+
+
+BUILDERS.update({
+    "grad_reduce.grad_reduce_figure": lambda m: m.grad_reduce_figure(
+        _grad_reduce_rows(), (2, "per-microbatch")),
+    "packing.batching_figure": lambda m: m.batching_figure(
+        {"length": [4, 8, 16, 32], "count": [5, 9, 4, 1], "mean": 10.2},
+        [{"mode": mode, "waste": w, "tokens_per_s": t, "tokens_per_s_spread": (t - 50, t + 40)}
+         for mode, w, t in (("fixed", 0.0, 900), ("pad", 0.51, 700), ("bucket", 0.12, 850),
+                            ("tokens", 0.03, 880), ("pack", 0.18, 870))], 0.58),
+})
+
+
 def figure_functions() -> list[str]:
     names = []
     for info in pkgutil.iter_modules(widgets_pkg.__path__):

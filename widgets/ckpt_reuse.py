@@ -17,9 +17,11 @@ from edu3d.widgets import style
 WRITTEN, REUSED = style.VERMILLION, style.BLUE
 
 
-def saved_bytes(results: dict[str, dict], takeaway: str | None = None) -> go.Figure:
+def saved_bytes(results: dict[str, dict], takeaway: str | None = None,
+                chosen: str | None = None) -> go.Figure:
     """``results``: ``{label: {"saves": [{"step", "written", "reused"}, ...]}}``, one panel
-    per label, bars per save stacked written (solid) + reused (hatched), in KiB."""
+    per label, bars per save stacked written (solid) + reused (hatched), in KiB; the panel
+    of ``chosen`` (the knob's case) has its title in bold, the others' bars are faded."""
     labels = list(results)
     fig = make_subplots(rows=1, cols=len(labels), shared_yaxes=True,
                         subplot_titles=labels, horizontal_spacing=0.04)
@@ -28,6 +30,7 @@ def saved_bytes(results: dict[str, dict], takeaway: str | None = None) -> go.Fig
         steps = [f"save {s['step']}" for s in saves]
         fig.add_trace(go.Bar(x=steps, y=[s["written"] / 2**10 for s in saves],
                              name="written by this save", marker_color=WRITTEN,
+                             opacity=1.0 if chosen in (None, label) else 0.45,
                              legendgroup="w", showlegend=col == 1,
                              hovertemplate="%{x}: wrote %{y:.1f} KiB<extra></extra>"),
                       row=1, col=col)
@@ -45,4 +48,7 @@ def saved_bytes(results: dict[str, dict], takeaway: str | None = None) -> go.Fig
     if takeaway:  # room between the takeaway line and the panels' titles
         fig.update_layout(margin={"t": 105})
     fig.update_annotations(font={"size": 12})
+    for note in fig.layout.annotations:
+        if chosen is not None and note.text == chosen:
+            note.text = f"<b>{chosen}</b>"
     return fig

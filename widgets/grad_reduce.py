@@ -114,12 +114,12 @@ def grad_reduce_figure(rows: list[dict], chosen: tuple[int, str] | None = None,
                                    "<extra></extra>")), row=1, col=col)
         _label_lines(fig, rows, what, div, col)
         if col == 1:
-            fig.update_yaxes(title_text=f"{unit} per rank", rangemode="tozero", row=1, col=col)
+            fig.update_yaxes(title_text=f"per rank ({unit})", rangemode="tozero", row=1, col=col)
         else:  # constant lines and lines growing with m, a decade apart: log
             values = [r[what] / div for r in rows]
             ticks = [k * 10 ** e for e in range(-3, 7) for k in (1, 2, 5)
                      if min(values) / 2 <= k * 10 ** e <= max(values) * 2]
-            fig.update_yaxes(title_text=f"{unit} per rank (log)", type="log", tickvals=ticks,
+            fig.update_yaxes(title_text=f"per rank ({unit}, log)", type="log", tickvals=ticks,
                              row=1, col=col)
         fig.update_xaxes(title_text="micro-batches per step (m, log)", type="log", tickvals=ms,
                          range=[-0.15, 1.05], row=1, col=col)

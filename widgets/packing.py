@@ -38,10 +38,10 @@ def batching_figure(hist: dict, results: list[dict], formula: float) -> go.Figur
     hi = [r["tokens_per_s_spread"][1] - r["tokens_per_s"] for r in results]
     fig.add_bar(x=modes, y=rates, marker_color=colors, showlegend=False, row=1, col=3,
                 error_y={"type": "data", "array": hi, "arrayminus": lo, "color": "black"})
-    fig.update_xaxes(title_text="tokens per document", row=1, col=1)
-    fig.update_yaxes(title_text="documents", row=1, col=1)
-    fig.update_yaxes(title_text="%", rangemode="tozero", row=1, col=2)
-    fig.update_yaxes(title_text="tokens/s", rangemode="tozero", row=1, col=3)
+    fig.update_xaxes(title_text="document length (tokens)", row=1, col=1)
+    fig.update_yaxes(title_text="documents (count)", row=1, col=1)
+    fig.update_yaxes(title_text="padding waste (%)", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(title_text="throughput (target tokens/s)", rangemode="tozero", row=1, col=3)
     best = min(results, key=lambda r: r["waste"] if r["mode"] != "fixed" else 2)
     fig.update_layout(
         title=title_text("Batching documents of different lengths",

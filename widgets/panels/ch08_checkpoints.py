@@ -111,8 +111,22 @@ class IncrementalControls(Panel):
         if "choice" in changes and changes["choice"] in CASES:
             self.state["globs"] = CASES[changes["choice"]] or ""
             self.sync_knobs()  # the text box shows the chosen globs
-        self.bytes_fig = saved_bytes(self.results, reuse_takeaway(self.results))
+        label = self.label()
+        self.bytes_fig = saved_bytes(self.results, reuse_takeaway(self.results), label)
+        if label in self.results:
+            saves = self.results[label]["saves"][1:] or self.results[label]["saves"]
+            wrote = sum(x["written"] for x in saves) / len(saves) / 2**10
+            total = sum(x["written"] + x["reused"] for x in saves) / len(saves) / 2**10
+            self.message = (f"{label}: each save after the first wrote {wrote:,.0f} of its "
+                            f"{total:,.0f} KiB (measured)")
+        else:
+            self.message = f"{label}: not measured yet; press '{self.button}' to train and save"
         self.show()
+
+    def label(self) -> str:
+        """The chart's name for the current globs: a preset's, or ``--freeze GLOBS``."""
+        globs = self.state["globs"].strip() or None
+        return next((k for k, v in CASES.items() if v == globs), f"--freeze {globs}")
 
     def run(self):
         globs = self.state["globs"].strip() or None

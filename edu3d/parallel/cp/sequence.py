@@ -51,9 +51,14 @@ def apply_cp(model: nn.Module, group, cp_rank: int, cp: int, impl: str = "ring",
         block.attn.core = core
     pos = torch.tensor(mine, dtype=torch.long)
 
-    def embed(idx: torch.Tensor) -> torch.Tensor:
+    def embed(idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's token ids ``[B, seq_len/cp]`` -> residual stream, with the tokens'
-        global positions (replaces ``GPT.embed`` on this instance)."""
+        global positions (replaces ``GPT.embed`` on this instance). Packed documents
+        (``doc``) are not cut for context parallelism: ``--batching pack`` with ``--cp`` is
+        refused before launch, and here too rather than mixing documents silently."""
+        if doc is not None:
+            raise ValueError("context parallelism does not cut packed documents (doc ids); "
+                             "train with --cp 1 or --batching fixed")
         if idx.shape[1] != len(mine):
             raise ValueError(f"cp rank {cp_rank} holds {len(mine)} of the {seq_len} tokens, "
                              f"got {idx.shape[1]}; cut the batch with split_batch")
