@@ -98,3 +98,21 @@ def test_checked_outputs_are_compared_like_nbval():
     found = nbtools.differences(committed, notebook("FAIL a\n", ""))
     assert len(found) == 1 and found[0].startswith("cell 1:") and "FAIL a" in found[0]
     assert nbtools.differences(committed, nbformat.v4.new_notebook())
+
+
+def test_each_panel_is_shown_once():
+    """Issue 27 item 2: a cell ends with the panel itself (its figures, which the widget
+    replaces once a frontend draws it); no chapter shows a panel's figure in one cell and its
+    ``.widget`` in another, which drew every figure twice."""
+    import re
+
+    import nbformat
+
+    twice = []
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(nb_path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            last = cell.source.strip().splitlines()[-1:] if cell.cell_type == "code" else []
+            if last and re.match(r"^\w+\.widget\b", last[0]):
+                twice.append(f"{nb_path.name} cell {i}: {last[0]}")
+    assert not twice, "end the panel's cell with the panel instead:\n" + "\n".join(twice)

@@ -148,7 +148,8 @@ def peaks_figure(rows: list[dict], *, title: str | None = None, takeaway: str | 
                     hovertemplate="planner's peak %{y:.3f} " + unit + "<extra>%{x}</extra>")
     style.frame(fig, title or "The step's peak, setting by setting",
                 takeaway or "What the fullest rank held at its fullest moment, by kind.",
-                x="configuration", y=f"peak bytes held ({unit})", height=440)
+                x="configuration (mb: micro-batches, rc: recomputation, per-mb / per-step: "
+                  "--grad-reduce)", y=f"peak bytes held ({unit})", height=440)
     fig.update_xaxes(tickangle=0)
     fig.update_layout(barmode="stack", legend={"x": 1.02, "y": 1, "yanchor": "top",
                                                "traceorder": "reversed"}, margin={"r": 170})

@@ -161,8 +161,13 @@ def label(key: tuple, sep: str = ", ") -> str:
     """``ZeRO-2, 4 mb, recompute none, per-step`` (``sep="<br>"``: one knob a line, for a
     chart, without recomputation when there is none)."""
     zero, m, rec, mode = key
-    return sep.join([f"ZeRO-{zero}", f"{m} mb", *([f"recompute {rec}"] if rec != "none" or
-                                                   sep == ", " else []), *([mode] if mode else [])])
+    if sep != ", ":  # a chart's tick: short words, which the chart's axis title explains
+        return sep.join([f"ZeRO-{zero}", f"{m} mb", *([f"rc {rec}"] if rec != "none" else []),
+                         *([SHORT[mode]] if mode else [])])
+    return sep.join([f"ZeRO-{zero}", f"{m} mb", f"recompute {rec}", *([mode] if mode else [])])
+
+
+SHORT = {"per-microbatch": "per-mb", "per-step": "per-step"}  # --grad-reduce, on a tick
 
 
 def moves(docs: dict[tuple, dict], knob: str, base: dict) -> list[tuple[str, int]]:
