@@ -57,6 +57,9 @@ def test_every_stub_has_a_nudge_and_an_answer_in_its_solution():
 
 
 def test_check_deepens_its_hint_as_the_same_check_keeps_failing(capsys, monkeypatch):
+    # outside a kernel: an IPython shell another test left in this process would make every
+    # check here one "cell", and a repeated hint would print as "the same as above"
+    monkeypatch.setattr(grading, "get_ipython", lambda: None)
     monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
     monkeypatch.delenv("EDU3D_HINT_LEVEL", raising=False)
     monkeypatch.delenv("EDU3D_HINT_PRIOR", raising=False)
