@@ -51,12 +51,37 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """Make a rename or an unlink in ``folder`` durable."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, tmp: Path | None = None, write=None,
+                 sync_folder: bool = True, what: str = "file") -> None:
+    """The one place a checkpoint's bytes reach the disk: a temporary name, fsync, rename
+    over ``path``, then (``sync_folder``) fsync of the folder. A reader sees the old file or
+    the whole new one. ``tmp`` is the temporary's name (``path.tmp``; a blob's is unique per
+    writer), ``write(f, data)`` writes the bytes (``f.write``). A failed write (a full disk)
+    raises ``OSError`` naming ``path`` and removes the temporary."""
+    tmp = tmp or path.with_name(path.name + ".tmp")
+    try:
+        tmp.unlink(missing_ok=True)  # a killed save's leftover, or a planted link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            write(f, data) if write else f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"cannot write checkpoint {what} {path}: "
+                      f"{err.strerror or err}") from err
+    if sync_folder:
+        fsync_folder(path.parent)
 
 
 class BlobStore:
@@ -101,25 +126,14 @@ class BlobStore:
             raise OSError(f"{self.folder} is a symbolic link: a checkpoint's blobs are written "
                           "only into its own folder; remove the link")
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / sha
-        tmp = self.folder / f".{sha}.{self.rank}.{os.getpid()}.tmp"  # unique per writer
-        try:
-            tmp.unlink(missing_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                write_blob_data(f, data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise OSError(err.errno, f"cannot write checkpoint blob {path}: "
-                          f"{err.strerror or err}") from err
+        # the folder is synced once per save (:meth:`sync`), not once per blob
+        write_atomic(self.folder / sha, data, write=write_blob_data, sync_folder=False,
+                     tmp=self.folder / f".{sha}.{self.rank}.{os.getpid()}.tmp", what="blob")
 
     def sync(self) -> None:
         """Make this save's renames in ``blobs/`` durable (once per save, not per blob)."""
         if self.folder.is_dir():
-            _fsync_folder(self.folder)
+            fsync_folder(self.folder)
 
 
 def write_blob_data(f, data: bytes) -> None:
@@ -143,5 +157,5 @@ def remove_unreferenced(root, referenced: set[str]) -> tuple[int, int]:
             path.unlink(missing_ok=True)
             files += 1
     if files:
-        _fsync_folder(folder)
+        fsync_folder(folder)
     return files, size

@@ -10,7 +10,7 @@ After reading this file you should understand one save and one resume, seen from
    ``--async-save`` this is all the training step waits for (``ckpt_blocked_s`` in the
    step's record); the parameters may change as soon as it returns;
 3. write ``rank-R.pt``, then its receipt ``rank-R.json`` (sha256, size, pieces), each
-   through :func:`~edu3d.ckpt.format.write_atomic`;
+   through :func:`~edu3d.ckpt.blobs.write_atomic`;
 4. rank 0 waits until every rank's receipt for *this* save is on disk (a synchronous save:
    a barrier), then writes ``manifest.json``: from that moment the folder is a checkpoint.
    With ``--keep-last K`` rank 0 then removes all but the newest K

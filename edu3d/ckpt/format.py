@@ -21,9 +21,9 @@ its TP shards, its pipeline stages, its ZeRO slice of the parameters and of Adam
 a tensor held by several ranks (TP-replicated, dp replicas, the tied embedding's second copy)
 is written once, by one owner.
 
-**Atomic**: every file goes through :func:`write_atomic` (temporary name, fsync, rename,
-fsync of the folder). Rank 0 writes the manifest only after every rank's receipt is on disk,
-so a folder without ``manifest.json`` is not a checkpoint and is never loaded: a run killed
+**Atomic**: every file goes through :func:`edu3d.ckpt.blobs.write_atomic` (temporary name,
+fsync, rename, fsync of the folder). Rank 0 writes the manifest only after every rank's
+receipt is on disk, so a folder without ``manifest.json`` is not a checkpoint and is never loaded: a run killed
 mid-save resumes from the previous one (:func:`latest_step`). ``--keep-last K`` removes older
 checkpoints only after a newer one is committed, and takes a folder's manifest away first
 (:func:`prune`): a removal cut short leaves a folder that is not a checkpoint, never a
@@ -60,7 +60,8 @@ from pathlib import Path
 import torch
 
 from edu3d.ckpt import reshard
-from edu3d.ckpt.blobs import remove_unreferenced
+from edu3d.ckpt.blobs import (fsync_folder, remove_unreferenced,
+                              write_atomic)  # noqa: F401 (re-exported for the checkpointer)
 from edu3d.ckpt.untrusted import (FORMAT, FORMAT_BLOBS,  # noqa: F401 (re-exported)
                                   MANIFEST, MUST_MATCH, MUST_MATCH_LATER, CheckpointError,
                                   check_manifest, damaged, read_blob, read_file, read_inside)
@@ -68,26 +69,6 @@ from edu3d.ckpt.untrusted import (FORMAT, FORMAT_BLOBS,  # noqa: F401 (re-export
 
 def step_dir(root, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """The one place a checkpoint's bytes reach the disk: a temporary name, fsync, rename
-    over ``path``, fsync of the folder. A reader sees the old file or the whole new one. A
-    failed write (a full disk) raises ``OSError`` naming ``path`` and removes the temporary."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.unlink(missing_ok=True)  # a killed save's leftover, or a planted link
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, f"cannot write checkpoint file {path}: "
-                      f"{err.strerror or err}") from err
-    _fsync_folder(path.parent)
 
 
 def check_writable(ckpt_dir) -> None:
@@ -107,15 +88,6 @@ def check_writable(ckpt_dir) -> None:
         what = "it" if probe == path else f"its existing parent {probe}"
         raise CheckpointError(f"--ckpt-dir {ckpt_dir}: cannot write in {what} "
                               f"({err.strerror or err}); choose a folder you can write") from None
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename or an unlink in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _step_folders(root: Path, links: bool = True) -> dict[int, Path]:
@@ -151,7 +123,7 @@ def prune(root, keep: int, upto: int | None = None) -> list[int]:
         if folder.is_symlink():  # never remove anything through a link
             continue
         (folder / MANIFEST).unlink(missing_ok=True)
-        _fsync_folder(folder)
+        fsync_folder(folder)
         shutil.rmtree(folder)
     return sorted(old)
 
