@@ -98,6 +98,8 @@ def test_cli_stdout_is_rank0_records_only():
     (["--dp", "2", "--zero", "1", "--compress", "int8"], "without --zero"),
     (["--tp-overlap"], "add --tp 2"),
     (["--grad-accum", "2", "--microbatches", "4"], "are the same option"),
+    (["--dp", "2", "--zero", "2", "--grad-reduce", "per-batch"], "invalid choice: 'per-batch'"),
+    (["--dp", "2", "--pp", "2", "--zero", "2", "--impl", "torch"], "add --grad-reduce per-step"),
 ])
 def test_bad_layouts_fail_before_any_process(argv, message, capsys, monkeypatch):
     """Through ``edu3d.cli.main`` in this process (a new interpreter per case would only add

@@ -155,22 +155,10 @@ def test_impl_torch_maps_both_modes_onto_fsdp2():
         assert per_mb["all_gather_single"] == gathers * per_step["all_gather_single"]
 
 
-def test_bad_or_impossible_modes_fail_before_any_process(capsys, monkeypatch):
-    from edu3d import cli
-    from edu3d.launch import api
-
+def test_the_modes_are_one_list_and_per_microbatch_is_the_default():
+    """(The refusals, a bad mode and per-microbatch under torch's pipelining, are cases of
+    tests/test_train_layouts.py::test_bad_layouts_fail_before_any_process.)"""
     assert GRAD_REDUCE == OPTION_VALUES == MODES
-    monkeypatch.setattr(api, "launch", lambda *a, **k: pytest.fail("launched"))
-    for argv, message in ((["--dp", "2", "--zero", "2", "--grad-reduce", "per-batch"],
-                           "invalid choice: 'per-batch'"),
-                          (["--dp", "2", "--pp", "2", "--zero", "2", "--impl", "torch"],
-                           "add --grad-reduce per-step")):
-        try:
-            code = cli.main(["train", *argv])
-        except SystemExit as exit_:
-            code = exit_.code
-        err = capsys.readouterr().err
-        assert code == 2 and message in err, err
     ok = parse("--dp 2 --pp 2 --zero 3 --impl torch --grad-reduce per-step".split())
     assert unsupported(ok) is None
     assert parse([]).grad_reduce == "per-microbatch"
