@@ -382,9 +382,18 @@ CONTROLS_JS = """(box) => {
 SLIDER_KEYS = ("End", "Home", "PageUp")  # the ends, then a few steps up
 MAX_OPTIONS = 6  # a longer dropdown is sampled: its ends and options evenly between
 # (every option of every knob is turned headless, in seconds: tests/test_every_control.py)
-# plotly.js resizing a chart that the panel's output area has just replaced (a redraw clears
-# it and draws the new figure): the old div is gone, the new one is drawn; nothing is lost
+# jupyterlab-plotly's renderer redraws a chart and then, once the redraw's promise resolves,
+# calls Plotly.Plots.resize on it (onUpdateRequest); if the output area replaced the chart in
+# between (a panel's redraw, or the panel clearing its static copy once its widget is drawn),
+# plotly rejects that promise with this message: the old div is gone, the new one is drawn,
+# nothing is lost. It can arrive in any phase, a little after the redraw that caused it.
 PLOTLY_DETACHED = "Resize must be passed a displayed plot div element"
+
+
+def console_errors(entries: list) -> list:
+    """The console's errors and page errors, less the one harmless plotly race above."""
+    return [c for c in entries if c["type"] in ("error", "pageerror")
+            and not c["text"].startswith(PLOTLY_DETACHED)]
 
 
 def panel_state(page, box) -> dict:
@@ -553,11 +562,10 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
             if not t["changed"]:
                 problems.append(f"panel {t['panel']} ({t['title']!r}): none of its "
                                 f"{t['positions']} control positions changed it")
-        errors = [c for c in console[console_before:] if c["type"] in ("error", "pageerror")
-                  and not c["text"].startswith(PLOTLY_DETACHED)]
+        errors = console_errors(console[console_before:])
         if errors:
             problems.append(f"console errors while turning the controls: {errors[:5]}")
-        del console[console_before:]  # checked here, with the one harmless message left out
+        del console[console_before:]  # checked here
         report = page.evaluate(REPORT_JS)
         if report["errors"]:
             problems.append(f"error outputs after turning the controls: {report['errors']}")
@@ -565,7 +573,7 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
     problems += [f"checked output differs from the committed one: {d}"
                  for d in compare_saved(page, lab, nb, rel)]
     phase("save")
-    errors = [c for c in console if c["type"] in ("error", "pageerror")]
+    errors = console_errors(console)
     if errors:
         problems.append(f"console errors: {errors[:5]}")
     return {"notebook": rel, "seconds": round(seconds, 1), "plots": len(report["plots"]),

@@ -30,3 +30,15 @@ def test_chromium_is_available():
     reason = browser._missing()
     if reason:
         browser._skip_or_fail(reason)
+
+
+def test_only_plotlys_detached_resize_race_is_forgiven():
+    """jupyterlab-plotly's redraw-then-resize race is left out in every phase of a chapter's
+    check (CI once failed 03 on it arriving after the controls were turned); any other
+    console error or page error still fails the chapter."""
+    race = {"type": "pageerror", "text": browser.PLOTLY_DETACHED + "."}
+    other = {"type": "pageerror", "text": "TypeError: x is undefined"}
+    log = {"type": "log", "text": "hello"}
+    warning = {"type": "error", "text": "Failed to load resource"}
+    assert browser.console_errors([race, log]) == []
+    assert browser.console_errors([race, other, warning]) == [other, warning]
