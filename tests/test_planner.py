@@ -234,6 +234,9 @@ def test_widget_draws_stages_verdict_and_measured_beside_the_estimate():
     assert groups == {"estimate", "measured"}
     assert all(t.marker.pattern.shape == "/" for t in both.data if t.offsetgroup == "estimate")
     assert not any(t.marker.pattern.shape for t in both.data if t.offsetgroup == "measured")
+    alone = stage_bars(ctl.estimate)  # an estimate without a run is still theory
+    assert alone.data and all(t.marker.pattern.shape == "/" and "(estimate)" in t.name
+                              for t in alone.data)
     zs = zero_stages(7.5e9, 64)
     assert [round(sum(t.y[i] for t in zs.data), 1) for i in range(4)] == [120.0, 31.4, 16.6, 1.9]
 

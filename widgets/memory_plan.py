@@ -5,8 +5,8 @@ After reading this file you should know how to read the charts:
 * :func:`stage_bars` — **one bar per pipeline rank**, stacked by category: weights (blue),
   gradients (orange), optimizer state (green), activations (purple), communication buffers
   (sand). The dashed line is the GPU's usable memory; the title says whether the fullest
-  rank fits. With a measurement, each rank gets two bars: the planner's estimate as a ghost
-  (translucent) and the measured bytes beside it, solid.
+  rank fits. The planner's estimate is hatched (theory, as in every chart); with a
+  measurement each rank gets a second bar beside it, the measured bytes, solid.
 * :func:`zero_stages` — the model state per GPU under ZeRO stages 0-3 (the ZeRO paper's
   figure 1).
 
@@ -37,8 +37,9 @@ def _unit(nbytes: float) -> tuple[str, float]:
 def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
                gpu_mem_gb: float | None = None, usable: float = 0.9, title: str | None = None,
                takeaway: str | None = None):
-    """Stacked bars per pipeline rank from a planner estimate (``per_stage``), measured bars
-    beside them when ``measured`` (pp rank -> bytes by category) is given."""
+    """Stacked bars per pipeline rank from a planner estimate (``per_stage``), hatched as
+    theory is everywhere, with solid measured bars beside them when ``measured`` (pp rank ->
+    bytes by category) is given."""
     rows = estimate["per_stage"]
     n = len(rows)
     x = [f"pp rank {r['pp_rank']}" + (" (first)" if r["pp_rank"] == 0 and n > 1 else "")
@@ -48,19 +49,19 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
         top = max(top, usable * gpu_mem_gb * 1e9)
     unit, size = _unit(top)
     fig = go.Figure()
-    groups = [("estimate", {r["pp_rank"]: r for r in rows}, 0.35 if measured else 1.0)]
+    groups = [("estimate", {r["pp_rank"]: r for r in rows})]
     if measured:
-        groups.append(("measured", measured, 1.0))
-    for label, data, _ in groups:
+        groups.append(("measured", measured))
+    for label, data in groups:
         base = [0.0] * n
         for cat in COLORS:
             ys = [data.get(r["pp_rank"], {}).get(cat, 0.0) / size for r in rows]
             if not any(ys):
                 continue
-            fig.add_bar(x=x, y=ys, base=list(base), name=f"{NAMES[cat]} ({label})"
-                        if measured else NAMES[cat], offsetgroup=label,
+            fig.add_bar(x=x, y=ys, base=list(base), name=f"{NAMES[cat]} ({label})",
+                        offsetgroup=label,  # the planner's numbers read as theory, alone too
                         marker=style.estimate_marker(COLORS[cat]) if label == "estimate"
-                        and measured else style.measured_marker(COLORS[cat]),
+                        else style.measured_marker(COLORS[cat]),
                         legendgroup=cat, hovertemplate=f"{label} {NAMES[cat]}: "
                         "%{y:.3f} " + unit + "<extra>%{x}</extra>")
             base = [b + y for b, y in zip(base, ys)]
@@ -74,8 +75,11 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
                       annotation_text=f"usable: {usable:.0%} of {gpu}",
                       annotation_position="top left")
     style.frame(fig, (title or "Memory per pipeline rank") + verdict,
-                takeaway or "The first stage holds the embedding and the most micro-batches "
-                            "in flight; the last the head and its logits.",
+                takeaway or ("The first stage holds the embedding and the most micro-batches "
+                             "in flight; the last the head and its logits." if n > 1 else
+                             "One rank holds every layer: its weights, their gradients and "
+                             "optimizer state, and the activations of the micro-batch in "
+                             "flight."),
                 x="pipeline rank", y=f"memory ({unit})")
     fig.update_layout(barmode="group", height=420)
     return fig

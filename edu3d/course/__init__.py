@@ -5,6 +5,8 @@ package; chapters, exercises and their graders import the library and this.
 
 * :func:`lesson_args` gives a chapter the defaults of ``edu3d train`` with a few changed, so
   a cell can build a :class:`~edu3d.train.trainer.Trainer` the way the command does;
+* :func:`yes` is how a checked cell states a check ("loss equals serial: yes"), as a
+  sentence of the lesson rather than a bare ``True``;
 * the deliberate bugs the exercises hunt are plain functions handed to the library's hooks
   (for example ``Trainer(..., microbatch_loss=unscaled_loss)``), never flags of its classes.
 """
@@ -18,6 +20,11 @@ def lesson_args(**overrides) -> TrainOptions:
     """``edu3d train``'s default options (tiny model) with ``overrides`` applied (an unknown
     name is a ``TypeError`` that lists the valid ones)."""
     return defaults(**overrides)
+
+
+def yes(ok) -> str:
+    """A check's outcome as the lesson says it: ``"yes"`` or ``"no"``."""
+    return "yes" if ok else "no"
 
 
 def unscaled_loss(loss, m: int):
