@@ -68,6 +68,9 @@ def strip(nb) -> None:
 def problems(nb) -> list[str]:
     """What makes nbval's comparison of this notebook vacuous or noisy."""
     out = []
+    if "widgets" in nb.metadata:  # JupyterLab would show a saved run's widgets, stale
+        out.append("saves the widget state of a run (metadata.widgets); strip it "
+                   "(`python -m edu3d.course.nbtools strip`)")
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
