@@ -53,6 +53,8 @@ LAYOUTS = {
     "cp2 ep2 capacity1": f"{MOE} --cp 2 --ep 2 --capacity-factor 1.0",
     # four axes with experts
     "dp2 cp2 tp2 ep2": f"{MOE} --dp 2 --cp 2 --tp 2 --ep 2",
+    # chapter 13's capstone layout (8 ranks): its notebook compares only losses, 1e-4
+    "dp2 cp2 pp2 ep2": f"{MOE} --dp 2 --cp 2 --pp 2 --ep 2",
 }
 
 

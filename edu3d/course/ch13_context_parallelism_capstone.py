@@ -6,8 +6,21 @@ proven: :func:`capstone` trains ``edu3d train --dp 2 --cp 2 --pp 2 --experts 4 -
 the ``dp x cp`` ranks) with the one :class:`~edu3d.train.trainer.Trainer`, and on every rank
 the serial GPT on the same batches, micro-batch by micro-batch as the layout's data ranks
 see them (a mixture of experts routes per group of tokens, so the reference must group them
-alike; the routers score in float64 so a near-tie cannot flip between the two).
-:func:`group_bytes` reads the bytes each group moved in one step from the trace.
+alike; the routers score in float64, so their own rounding flips no near-tie, though a
+difference in what they are fed still can, see below). :func:`group_bytes` reads the bytes
+each group moved in one step from the trace.
+
+Why the two loss curves part after the first step, though the layout is exact (its gradients
+equal the serial ones within 4.4e-7 per tensor with plain SGD; ``tests/test_5d_parity.py``
+holds this layout to 1e-5): AdamW's first update is ``lr·g/(|g| + 1e-8)``, so the few entries
+whose gradient comes out at a few 1e-9 (the attention key bias, 0 in exact arithmetic, and
+about 15 weights whose per-token terms nearly cancel) turn a 1e-10 difference of summation
+order into weight differences up to 3.8e-5. Those alone do not move the loss, but at step 2
+one token of layer 1 has its second and third router probabilities 5.2e-8 apart: it goes to
+experts 0 and 3 here and to 1 and 3 in the serial run. That one token moves the step-2 loss
+by 4.8e-5 (relative) and, through that step's gradients, 7.6e-5 at step 3. The serial GPT
+alone, its step-1 gradients perturbed by 1e-10 noise, does the same in 5 draws of 8 (4.8e-5,
+then 7.6e-5 to 7.8e-5); in the other 3 it stays under 1.3e-6.
 """
 
 from __future__ import annotations
