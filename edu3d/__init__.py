@@ -29,14 +29,14 @@ folders listed below it; README's "How the package is organised" says the rules)
       ep/       dispatch placement   expert parallelism
     ckpt/       format checkpointer reshard export untrusted blobs
                                      sharded checkpoints, resharding
-    plan/       formulas estimate search fit zero_modes
+    plan/       formulas estimate search fit zero_modes inventory
                                      every memory formula; the one estimator
     launch/     api agent supervise worker procs runs heartbeat magic status live
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
-    model/      gpt moe shapes       the serial reference GPT, mixture of experts, model shapes
+    model/      gpt moe shapes param_globs  the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data
 

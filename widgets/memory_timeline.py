@@ -114,6 +114,7 @@ def step_memory_figure(doc: dict, rank: int | None = None, x: str = "time", *,
                                   "<extra></extra>")
     o = doc["options"]
     mode = f", {o['grad_reduce']}" if o.get("grad_reduce") and o["zero"] >= 2 else ""
+    mode += f", --freeze {o['freeze']}" if o.get("freeze") else ""  # the planner counts it too
     style.frame(fig, title or f"Rank {tl['rank']}'s memory through step {doc['step']}: "
                               f"dp={o['dp']} ZeRO-{o['zero']}, {o['microbatches']} "
                               f"micro-batch(es), recompute {o['recompute']}{mode}",

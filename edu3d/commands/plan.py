@@ -17,6 +17,9 @@ comes from:
   --expert-ffn`` make any model a MoE (or start from ``--model mixtral-8x7b`` /
   ``deepseek-v3``, :data:`MOE_PRESETS`), ``--ep`` cuts its experts, ``--cp`` (``--cp-impl``)
   its sequences: ``world = dp·cp·tp·pp``, EP inside the ``dp·cp`` ranks;
+* ``--freeze 'tok_emb.*,blocks.0.*'`` (``edu3d train``'s globs over the serial names):
+  those parameters keep their weights, whole on every rank, and lose their gradients and
+  optimizer state (:mod:`edu3d.plan.inventory`); a glob that matches nothing is refused;
 * ``--grad-reduce per-microbatch|per-step``: how ZeRO-2/3 reduce over micro-batches
   (:mod:`edu3d.plan.zero_modes`); the line under the table prints the weights, gradients
   and optimizer state alone, the ZeRO paper's count (``--params 7.5e9 --dp 64 --zero 2``:
@@ -34,11 +37,13 @@ import json
 import sys
 
 from edu3d.commands.argtypes import between, number
+from edu3d.commands.train import globs
 from edu3d.plan import search as plan_search
 from edu3d.plan import zero_modes
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
                                  PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
+from edu3d.plan.inventory import frozen_params
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
 
 
@@ -121,6 +126,10 @@ def add_arguments(parser):
                      help="fp32 (4+4+8 bytes/param) or mixed bf16/fp16 (2+2+12); default fp32 "
                           "for the course's models, bf16 otherwise")
     lay.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    lay.add_argument("--freeze", type=globs, default=None, metavar="GLOB[,GLOB...]",
+                     help="parameters not trained (globs over the serial names, as edu3d "
+                          "train's): their weights stay, whole on every rank; no gradients, "
+                          "no optimizer state")
     cl = parser.add_argument_group("cluster and cost model (with --gpus, the layout search)")
     cl.add_argument("--gpus", type=between(1, MAX_GPUS),
                     help="GPUs to plan for: search every layout")
@@ -180,7 +189,8 @@ def setup_from_args(args) -> tuple[ModelSpec, Setup]:
     st = Setup(dp=dp, tp=tp, pp=pp, vpp=args.vpp or 1, zero=args.zero, microbatches=m,
                micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=precision, optimizer=args.optimizer, ep=args.ep or 1,
-               cp=args.cp or 1, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce)
+               cp=args.cp or 1, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce,
+               freeze=args.freeze or ())
     validate(spec, st)
     return spec, st
 
@@ -259,7 +269,7 @@ def main_from_args(args) -> int:
     if searching:
         try:
             rows = plan_search.search(spec, cluster, st.global_batch, st.precision,
-                                      st.schedule, st.cp_impl)
+                                      st.schedule, st.cp_impl, st.freeze)
         except ValueError as err:
             print(f"edu3d plan: {err}", file=sys.stderr)
             return 2
@@ -309,6 +319,10 @@ def main_from_args(args) -> int:
     size = (f"{est['total_bytes'] / 1e9:.3f} GB" if est["total_bytes"] > 1e9 else
             f"{est['total_bytes'] / 1e6:.3f} MB")
     print(f"fullest: pp rank {est['fullest_pp_rank']}, {size}" + verdict)
+    if st.freeze:
+        print(f"frozen (--freeze {','.join(st.freeze)}): {frozen_params(spec, st.freeze):,} of "
+              f"{spec.num_params():,} parameters: their weights only, whole on every rank; "
+              "no gradients, no optimizer state")
     print(f"  of which weights, gradients and optimizer state (the ZeRO paper's count): "
           f"{est['state_bytes'] / 1e9:.3f} GB" + (
               "; the full gradients are held for the step (--grad-reduce per-step)"

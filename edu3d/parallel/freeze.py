@@ -20,28 +20,20 @@ and why freezing is one line per parameter rather than one per parallelism:
 * a tied head is the token embedding: freezing ``tok_emb.*`` freezes it too, and
   ``lm_head.*`` matches nothing in a tied model (``named_parameters`` yields the matrix once).
 
-A glob that matches nothing is almost always a typo; :func:`check_patterns` refuses it with
-a few real names, before any process starts.
+A glob that matches nothing is almost always a typo; ``check_patterns`` refuses it with a few
+real names, before any process starts. The matching rule itself (``patterns``, ``matching``,
+``check_patterns``) lives in :mod:`edu3d.model.param_globs`, below this floor, so that the
+planner (:mod:`edu3d.plan.inventory`) counts exactly the parameters this file freezes; they
+are imported here for the callers that know them by this module.
 """
 
 from __future__ import annotations
-
-import fnmatch
 
 import torch
 import torch.nn as nn
 
 from edu3d.model.gpt import GPT
-
-
-def patterns(spec: str | None) -> tuple[str, ...]:
-    """``"tok_emb.*, blocks.0.*"`` -> ``("tok_emb.*", "blocks.0.*")`` (empty: nothing)."""
-    return tuple(p.strip() for p in (spec or "").split(",") if p.strip())
-
-
-def matching(names, globs) -> list[str]:
-    """The names any of ``globs`` matches, in ``names``' order."""
-    return [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)]
+from edu3d.model.param_globs import check_patterns, frozen, matching, patterns  # noqa: F401
 
 
 def param_names(config) -> list[str]:
@@ -50,28 +42,12 @@ def param_names(config) -> list[str]:
         return [n for n, _ in GPT(config).named_parameters()]
 
 
-def check_patterns(names: list[str], globs) -> list[str]:
-    """The names ``globs`` freeze; ``ValueError`` (one line) for a glob matching nothing, or
-    for globs freezing every parameter (nothing would train)."""
-    for g in globs:
-        if not matching(names, [g]):
-            some = ", ".join(dict.fromkeys(names[:2] + names[-2:] + [
-                n for n in names if n.startswith("blocks.0.")][:2]))
-            raise ValueError(f"--freeze {g!r} matches no parameter (names are the serial "
-                             f"model's, e.g. {some}, ...; '*' matches across dots)")
-    frozen = matching(names, globs)
-    if len(frozen) == len(names):
-        raise ValueError(f"--freeze {','.join(globs)} freezes all {len(names)} parameters: "
-                         "nothing would train; freeze fewer")
-    return frozen
-
-
 def apply_freeze(model: nn.Module, globs) -> list[str]:
     """``requires_grad_(False)`` on every parameter of ``model`` whose serial name matches;
     returns their names."""
-    frozen = []
+    names = []
     for name, p in model.named_parameters():
-        if globs and any(fnmatch.fnmatchcase(name, g) for g in globs):
+        if globs and frozen(name, globs):
             p.requires_grad_(False)
-            frozen.append(name)
-    return frozen
+            names.append(name)
+    return names

@@ -24,6 +24,10 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
   at its start) and ZeRO's unit in flight (:func:`~edu3d.plan.zero_modes.in_flight_bytes`);
+* **frozen parameters** (``Setup.freeze``, ``--freeze``'s globs over the serial names): their
+  weights stay, whole on every rank (no ZeRO stage shards them), with no gradient and no
+  optimizer state; ZeRO's units hold the trainable ones only (:mod:`edu3d.plan.inventory`,
+  which lists every rank's tensors by name);
 * **experts and context** (``world = dp·cp·tp·pp``; EP folds inside the ``dp·cp`` ranks):
   a MoE block's routed experts are cut ``ep`` ways, whole on every tp rank, replicated over
   the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
@@ -41,9 +45,11 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
+from edu3d.model.param_globs import patterns
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
+from edu3d.plan.inventory import check_freeze, frozen_held, held, shape_of, units  # noqa: F401
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import simulate
@@ -78,6 +84,11 @@ class Setup:
     cp: int = 1  # context parallelism: each sequence cut cp ways
     cp_impl: str = "ring"
     grad_reduce: str = zero_modes.DEFAULT  # ZeRO-2/3: "per-microbatch" or "per-step"
+    freeze: tuple[str, ...] = ()  # globs over serial names (--freeze): no grads, no optimizer
+
+    def __post_init__(self):  # "a.*,b.*" or a list: a tuple, so that a Setup stays hashable
+        globs = patterns(self.freeze) if isinstance(self.freeze, str) else tuple(self.freeze)
+        object.__setattr__(self, "freeze", globs)
 
     @property
     def gpus(self) -> int:
@@ -131,6 +142,7 @@ def validate(spec: ModelSpec, st: Setup) -> None:
                             ("zero", st.zero, (0, 1, 2, 3))):
         if value not in ok:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
+    check_freeze(spec, st.freeze)
 
 
 def state_bytes(precision: str, optimizer: str = "adamw",
@@ -147,56 +159,7 @@ def _autocast(spec: ModelSpec, st: Setup) -> bool:  # a course model in 16 bits:
     return spec.course and st.precision != "fp32"
 
 
-# ---- parameters per rank -------------------------------------------------------------------------
-def units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> list[tuple]:
-    """``(unit, [(elements, is a matrix)])`` this pipeline rank holds on one tp rank, in ZeRO's
-    order (:func:`edu3d.parallel.zero.units.model_units`); ``experts``: each MoE block's ``E/ep``
-    routed experts instead (sharded over expert-data-parallel ranks). Cached: do not change."""
-    return _units(spec, _shape_of(st), pp_rank, experts)
-
-
-def held(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool = False) -> int:
-    """Elements of :func:`units` (one tp rank's parameters of pipeline rank ``pp_rank``)."""
-    return _held(spec, _shape_of(st), pp_rank, experts)
-
-
-def _shape_of(st: Setup) -> Setup:
-    return Setup(tp=st.tp, pp=st.pp, vpp=st.vpp, schedule=st.schedule, ep=st.ep)
-
-
-@lru_cache(maxsize=4096)
-def _held(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool) -> int:
-    return sum(k for _, u in _units(spec, st, pp_rank, experts) for k, _ in u)
-
-
-@lru_cache(maxsize=4096)
-def _units(spec: ModelSpec, st: Setup, pp_rank: int, experts: bool) -> list[tuple]:
-    t, h, v, spec = st.tp, spec.d_model, chunks(st.schedule, st.vpp), as_moe(spec)
-    parts = uniform(spec.n_layers, st.pp * v)
-    n_stages = len(parts)
-    tok = (spec.vocab_rows(t) * h, True)
-    norm = [(h, False)] * (2 if spec.norm == "layernorm" else 1)
-    out, routed = [], [(k, m) for _, k, m in spec.expert_tensors(st.ep)] if experts else []
-    for s in range(pp_rank, n_stages, st.pp):
-        if experts:  # one list for every block: a search builds thousands
-            out += [(f"block{i}.experts", routed) for i in range(*parts[s]) if spec.is_moe(i)]
-            continue
-        first, last = s == 0, s == n_stages - 1
-        tied_here = spec.tied and (first or last)
-        if tied_here and (n_stages > 1 or first):
-            out.append(("tied", [tok]))
-        if first:
-            emb = ([] if spec.tied else [tok]) + ([(spec.seq_len * h, True)]
-                                                  if spec.learned_pos else [])
-            if emb:
-                out.append(("embed", emb))
-        out += [(f"block{i}", [(n, m) for _, n, m in spec.block_tensors(i, t)])
-                for i in range(*parts[s])]
-        if last:
-            out.append(("head", norm + ([] if spec.tied else [tok])))
-    return out
-
-
+# ---- parameters per rank: units, held, frozen_held (edu3d.plan.inventory) ----------------------
 def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
@@ -215,6 +178,9 @@ def _state_of(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int, at: str) 
     zero = (st.zero, zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches), at,
             *state_bytes(st.precision, st.optimizer, _autocast(spec, st)))
     dense = memory.zero_unit_bytes(units(spec, st, pp_rank), st.dp * st.cp, dp_index, *zero)
+    # frozen weights: whole on every rank, in no unit; no gradient, no optimizer state
+    dense["params"] += zero[3] * (frozen_held(spec, st, pp_rank) +
+                                  frozen_held(spec, st, pp_rank, experts=True))
     ex = units(spec, st, pp_rank, experts=True)
     if not ex:
         return dense
@@ -310,14 +276,14 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     if st.ep > 1:
         out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
     pb, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-    return out + zero_modes.in_flight_bytes(_biggest_unit(spec, _shape_of(st), pp_rank),
+    return out + zero_modes.in_flight_bytes(_biggest_unit(spec, shape_of(st), pp_rank),
                                             st.zero, st.grad_reduce, st.microbatches, pb, gb)
 
 
 @lru_cache(maxsize=4096)
-def _biggest_unit(spec: ModelSpec, st: Setup, pp_rank: int) -> int:
-    return max(sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
-               units(spec, st, pp_rank, experts=True))
+def _biggest_unit(spec: ModelSpec, st, pp_rank: int) -> int:
+    return max((sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
+                units(spec, st, pp_rank, experts=True)), default=0)
 
 
 def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
@@ -396,5 +362,6 @@ def from_train_args(args) -> tuple[ModelSpec, Setup]:
                microbatches=m, micro_batch=args.global_batch // (args.dp * m),
                schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=args.precision, optimizer=args.optimizer,
-               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce)
+               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce,
+               freeze=patterns(args.freeze))
     return spec, st

@@ -34,7 +34,10 @@ The cost model (:func:`step_time`), stated so it can be argued with:
 ``dp``       :func:`edu3d.plan.zero_modes.dp_wire_bytes` of the rank's 16-bit weights and
              gradients (Ψ/(t·p)): ``2(N_d-1)/N_d`` of them a step (DDP, ZeRO-1),
              ``(m+1)(N_d-1)/N_d`` (ZeRO-2) or ``3m(N_d-1)/N_d`` (ZeRO-3) reducing every
-             micro-batch, over InfiniBand when the dp group spans nodes.
+             micro-batch, over InfiniBand when the dp group spans nodes. Frozen
+             parameters (``--freeze``) are neither reduced nor sharded: Ψ is the
+             trainable ones (:func:`~edu3d.plan.inventory.held`); their compute is still
+             counted in full.
 
 Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
 practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`) is
@@ -145,7 +148,8 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
 
 
 def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
-               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8), cp_impl: str = "ring"):
+               schedule: str = "1f1b", micro_batches=(1, 2, 4, 8), cp_impl: str = "ring",
+               freeze: tuple = ()):
     """Every (dp, cp, ep, tp, pp, zero, recompute, micro-batch) choice the model and batch
     allow. Cheaply: ``cp > 1`` only while each rank keeps at least ``CP_MIN_TOKENS`` of a
     sequence, and ``ep > 1`` only for a mixture of experts (every ``ep`` dividing both
@@ -172,20 +176,22 @@ def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str =
                             yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
                                         micro_batch=b, schedule=schedule, sp=tp > 1,
                                         recompute=rec, precision=precision, ep=ep, cp=cp,
-                                        cp_impl=cp_impl)
+                                        cp_impl=cp_impl, freeze=freeze)
 
 
 def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
-           precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring") -> list[dict]:
+           precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring",
+           freeze: tuple = ()) -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
-    first: ``{"setup", "memory", "time", "fits"}``."""
+    first: ``{"setup", "memory", "time", "fits"}``; ``freeze``: the globs of ``--freeze``,
+    the same in every candidate (:mod:`edu3d.plan.inventory`)."""
     if not 1 <= cl.gpus <= MAX_GPUS:
         raise ValueError(f"{cl.gpus} GPUs: the search takes 1 to {MAX_GPUS}")
     gb = global_batch or spec.global_batch
     # an estimate costs about a microsecond per layer, and per 64 experts of a layer
     most = int(MAX_WORK / (spec.n_layers * (1 + as_moe(spec).experts / 64)))
     every = list(itertools.islice(candidates(spec, cl, gb, precision, schedule,
-                                             cp_impl=cp_impl), most + 1))
+                                             cp_impl=cp_impl, freeze=freeze), most + 1))
     if len(every) > most:
         raise ValueError(f"{cl.gpus} GPUs allow more than {most} layouts of {spec.name} (the "
                          f"search weighs at most {MAX_WORK:,} layouts x layers x (1 + "

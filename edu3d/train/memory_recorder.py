@@ -323,7 +323,7 @@ def document(args, timelines: list[dict], stats: dict | None = None) -> dict:
     return {"kind": "edu3d memory timeline", "version": 1,
             "options": {k: options[k] for k in (
                 "model", "dp", "tp", "pp", "zero", "microbatches", "global_batch", "schedule",
-                "recompute", "precision", "optimizer", "grad_reduce") if k in options},
+                "recompute", "precision", "optimizer", "grad_reduce", "freeze") if k in options},
             "step": timelines[0]["step"],
             "device": "cuda" if any("allocated" in t["samples"][0] for t in timelines) else "cpu",
             "planner": {at: {"per_stage": e["per_stage"], "total_bytes": e["total_bytes"],
