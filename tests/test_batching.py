@@ -3,10 +3,10 @@ packed, with a loss normalised by the global number of target tokens.
 
 Unit tests of the batchers (every document used once, budgets kept, the padding-waste
 formula), of the block-diagonal mask and the restarting positions, and that a packed
-sequence's loss is the documents' losses computed one at a time; then parity: dp2, tp2 and
-pp2 (packing) equal the per-document reference at the gradient level with plain SGD and
-after 3 AdamW steps, within 1e-5 relative (the weights over the whole model:
-workers_batching says why)."""
+sequence's loss is the documents' losses computed one at a time; then parity: dp2, tp2,
+pp2 (packing) and, with packing, cp2 (every CP attention, both splits) and dp2 x cp2 equal
+the per-document reference at the gradient level with plain SGD and after 3 AdamW steps,
+within 1e-5 relative (the weights over the whole model: workers_batching says why)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def test_pad_waste_formula_matches_batches():
 
 
 @pytest.mark.parametrize("argv, knob", [
-    ("--batching pack --cp 2", "--cp"), ("--batching pad --pp 2", "--pp"),
+    ("--batching pad --cp 2", "--cp"), ("--batching tokens --cp 2", "--batching pack"),
+    ("--batching pad --pp 2", "--pp"),
     ("--batching tokens --max-tokens 8", "--max-tokens 8"), ("--max-tokens 64", "--max-tokens"),
     ("--batching pack --sp --tp 2", "--sp"), ("--batching pad --experts 2", "--experts"),
     ("--batching pack --max-tokens 64", "--max-tokens")])
@@ -130,12 +131,22 @@ LAYOUTS = {
     "tp2 pack explicit": "--tp 2 --batching pack --attn explicit",
     "tp2 tokens": "--tp 2 --batching tokens --max-tokens 96",
     "pp2 pack 1f1b": "--pp 2 --batching pack --microbatches 2",
+    # context parallelism: the rows cut over 2 ranks, the document mask crossing them
+    "cp2 pack ring": "--cp 2 --batching pack",
+    "cp2 pack ring plain": "--cp 2 --cp-split plain --batching pack",
+    "cp2 pack allgather": "--cp 2 --cp-impl allgather --batching pack",
+    "cp2 pack ulysses": "--cp 2 --cp-impl ulysses --batching pack --attn explicit",
+    "dp2 cp2 pack m2": "--dp 2 --cp 2 --batching pack --microbatches 2",
+    # one row per micro-batch, long documents: some rows end before their middle, so rank 1
+    # of the plain split holds only padding there (weight 0, still runs backward)
+    "dp2 cp2 pack plain m4 empty pieces": "--dp 2 --cp 2 --cp-split plain --batching pack "
+                                          "--microbatches 4 --doc-mean 12",
 }
 
 
 def _layout(argv):
     get = {k: int(argv[argv.index(f"--{k}") + 1]) if f"--{k}" in argv else 1
-           for k in ("dp", "tp", "pp")}
+           for k in ("dp", "tp", "pp", "cp")}
     return Layout(**get)
 
 
