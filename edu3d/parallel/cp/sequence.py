@@ -28,7 +28,7 @@ After reading this file you should understand:
 
 Parameter names and tensors are untouched: a checkpoint or an optimizer sees the serial model.
 Order: ``apply_tp``, then ``apply_cp``, then recomputation (it wraps the core set here), then
-the pipeline cut (a stage keeps a reference to ``model.embed``).
+the pipeline cut (a stage keeps references to ``model.embed`` and ``model.attention_mask``).
 """
 
 from __future__ import annotations
