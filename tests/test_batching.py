@@ -3,10 +3,11 @@ packed, with a loss normalised by the global number of target tokens.
 
 Unit tests of the batchers (every document used once, budgets kept, the padding-waste
 formula), of the block-diagonal mask and the restarting positions, and that a packed
-sequence's loss is the documents' losses computed one at a time; then parity: dp2, tp2 and
-pp2 (packing) equal the per-document reference at the gradient level with plain SGD and
-after 3 AdamW steps, within 1e-5 relative (the weights over the whole model:
-workers_batching says why)."""
+sequence's loss is the documents' losses computed one at a time; then parity: dp2, tp2,
+pp2 (packing) and, with packing, cp2 (every CP attention, both splits), dp2 x cp2 and
+cp2 x pp2 equal the per-document reference at the gradient level with plain SGD and after 3
+AdamW steps, within 1e-5 relative (the weights over the whole model: workers_batching says
+why)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,21 @@ def test_packed_loss_equals_the_documents_alone(attn):
     assert abs(float(unmasked) - float(want)) > 1e-3
 
 
+def test_cp_pieces_are_weighted_by_their_own_targets():
+    """Under context parallelism each rank's piece of a micro-batch counts its own targets:
+    the weights add up to dp x cp x m, and with one row per micro-batch and long documents
+    some plain-split pieces are padding only (weight 0), as the "empty pieces" layout below
+    needs. Equal weights (a loss divided by cp) would be wrong exactly there."""
+    b = step_batch(DocumentCorpus(256, 32, seed=0, mean=12), "pack", 1, 8)
+    weights = [w for dp in (0, 1) for r in (0, 1)
+               for *_, w in b.microbatches(dp, 2, 4, cp=2, cp_rank=r, split="plain")]
+    assert sum(weights) == pytest.approx(2 * 2 * 4) and 0.0 in weights
+    x, y, doc, _ = b.microbatches(0, 2, 4, cp=2, cp_rank=1)[0]
+    assert x.shape == y.shape == (1, 16) and doc.shape == (1, 32)  # doc ids stay whole
+    with pytest.raises(ValueError, match="--batching pack, not pad"):
+        step_batch(CORPUS, "pad", 1, 8).microbatches(0, 1, 1, cp=2)
+
+
 def test_pad_waste_formula_matches_batches():
     lengths = CORPUS.lengths(("formula",), 20000)
     for rows in (1, 2, 4):
@@ -114,7 +130,8 @@ def test_pad_waste_formula_matches_batches():
 
 
 @pytest.mark.parametrize("argv, knob", [
-    ("--batching pack --cp 2", "--cp"), ("--batching pad --pp 2", "--pp"),
+    ("--batching pad --cp 2", "--cp"), ("--batching tokens --cp 2", "--batching pack"),
+    ("--batching pad --pp 2", "--pp"),
     ("--batching tokens --max-tokens 8", "--max-tokens 8"), ("--max-tokens 64", "--max-tokens"),
     ("--batching pack --sp --tp 2", "--sp"), ("--batching pad --experts 2", "--experts"),
     ("--batching pack --max-tokens 64", "--max-tokens")])
@@ -130,12 +147,23 @@ LAYOUTS = {
     "tp2 pack explicit": "--tp 2 --batching pack --attn explicit",
     "tp2 tokens": "--tp 2 --batching tokens --max-tokens 96",
     "pp2 pack 1f1b": "--pp 2 --batching pack --microbatches 2",
+    # context parallelism: the rows cut over 2 ranks, the document mask crossing them
+    "cp2 pack ring": "--cp 2 --batching pack",
+    "cp2 pack ring plain": "--cp 2 --cp-split plain --batching pack",
+    "cp2 pack allgather": "--cp 2 --cp-impl allgather --batching pack",
+    "cp2 pack ulysses": "--cp 2 --cp-impl ulysses --batching pack --attn explicit",
+    "dp2 cp2 pack m2": "--dp 2 --cp 2 --batching pack --microbatches 2",
+    # one row per micro-batch, long documents: some rows end before their middle, so rank 1
+    # of the plain split holds only padding there (weight 0, still runs backward)
+    "dp2 cp2 pack plain m4 empty pieces": "--dp 2 --cp 2 --cp-split plain --batching pack "
+                                          "--microbatches 4 --doc-mean 12",
+    "cp2 pp2 pack m2": "--cp 2 --pp 2 --batching pack --microbatches 2",  # each stage's mask
 }
 
 
 def _layout(argv):
     get = {k: int(argv[argv.index(f"--{k}") + 1]) if f"--{k}" in argv else 1
-           for k in ("dp", "tp", "pp")}
+           for k in ("dp", "tp", "pp", "cp")}
     return Layout(**get)
 
 

@@ -2,7 +2,9 @@
 one 4-rank launch (cp=4 on the world, cp=2 on [0,1] and [2,3]) checking ring, all-gather and
 Ulysses attention (forward and q, k, v gradients, both splits, fp32 and bf16) against full
 causal attention, and ``apply_cp`` on a tiny GPT, alone and after ``apply_tp`` (tp=2 x cp=2),
-against the serial model's loss and gradients."""
+against the serial model's loss and gradients. Packed documents too: every impl and split
+against full attention under the block-diagonal document mask, with document boundaries
+inside a chunk and exactly between two chunks, and the packed GPT."""
 
 import functools
 import math
@@ -16,7 +18,7 @@ from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.cp import (apply_cp, block_attention, check, merge, positions, split_tokens,
                                unsplit, valid_seq_lens, work)
-from tests.workers_cp import all_checks
+from tests.workers_cp import DOCS, all_checks
 
 TOL = 1e-5
 INF = float("-inf")
@@ -91,6 +93,25 @@ def test_cp_attention_equals_full_attention(cp):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_with_packed_documents_equals_masked_attention(cp):
+    """Row 0's boundaries fall exactly between chunks, row 1's inside them (workers_cp.DOCS);
+    some ring blocks hide every key from some query rows (a document starting after the
+    block): their merge weight is 0, never NaN."""
+    for rank, res in enumerate(_launched()):
+        for key, r in res["packed"][cp].items():
+            assert max(r["errs"]) < TOL, (rank, cp, key, r["errs"])
+
+
+def test_packed_documents_cross_chunks_as_the_test_says():
+    docs = DOCS
+    for cp, size in ((2, 4), (4, 2)):
+        starts = [int(i) for i in (docs[0, 1:] != docs[0, :-1]).nonzero().flatten() + 1]
+        assert all(s % size == 0 for s in starts)  # row 0: exactly at chunk boundaries
+        starts = [int(i) for i in (docs[1, 1:] != docs[1, :-1]).nonzero().flatten() + 1]
+        assert all(s % size for s in starts)  # row 1: inside chunks
+
+
+@pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_runs_in_bf16(cp):
     for res in _launched():
         for key, r in res["bf16"][cp].items():
@@ -119,6 +140,14 @@ def test_apply_cp_gpt_equals_serial():
             assert r["same_names"]
 
 
+def test_apply_cp_packed_gpt_equals_serial():
+    """The packed rows through apply_cp's model (restarting positions cut like the tokens,
+    the document mask in every impl), recomputation included, against the serial model."""
+    for rank, res in enumerate(_launched()):
+        for key, r in res["gpt_packed"].items():
+            assert r["loss_err"] < TOL and r["grad_err"] < TOL, (rank, key, r)
+
+
 def test_apply_cp_after_apply_tp_equals_serial():
     """tp=2 (with and without sequence parallelism) x cp=2 on 4 ranks."""
     for rank, res in enumerate(_launched()):
@@ -143,3 +172,5 @@ def test_apply_cp_refusals_name_the_fix():
     assert model.cp_positions == [4, 5, 6, 7, 8, 9, 10, 11]
     with pytest.raises(ValueError, match="cut the batch with split_batch"):
         model.embed(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"whole rows' document ids \[B, 16\]"):
+        model.embed(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))

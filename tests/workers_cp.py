@@ -10,13 +10,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from edu3d.distributed import comm
-from edu3d.model.gpt import GPT, GPTConfig
+from edu3d.model.gpt import GPT, GPTConfig, document_mask
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp import apply_tp, partial_grad_names, unshard
 from edu3d.parallel.cp import (IMPLS, apply_cp, cp_core, last_work, split_batch, split_tokens,
                                ulysses_attention)
 
 SPLITS = ("zigzag", "plain")
+# Two packed rows of 16 tokens. Row 0's documents start at 4 and 8, exactly where the chunks
+# of cp=2 zigzag (4 tokens) and cp=4 (2 tokens) meet; row 1's start at 3, 13 and 15, inside
+# chunks, and its second document spans chunks of every rank.
+DOCS = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2],
+                     [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3]])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -31,13 +36,17 @@ def _groups() -> dict[int, tuple]:
     return {4: (dist.group.WORLD, rank), 2: (pairs[rank // 2], rank % 2)}
 
 
-def attention_checks(group, cp_rank: int, cp: int, dtype=torch.float32) -> dict:
-    """Each impl and split against full causal attention: forward and q, k, v gradients."""
+def attention_checks(group, cp_rank: int, cp: int, dtype=torch.float32,
+                     docs: torch.Tensor | None = None) -> dict:
+    """Each impl and split against full causal attention: forward and q, k, v gradients;
+    with ``docs`` (packed rows' document ids), against full attention under
+    :func:`~edu3d.model.gpt.document_mask`."""
     g = torch.Generator().manual_seed(1)
     B, H, T, hd = 2, 4, 16, 8
     q, k, v, dout = (torch.randn(B, H, T, hd, generator=g) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref = F.scaled_dot_product_attention(*full, is_causal=True) if docs is None else \
+        F.scaled_dot_product_attention(*full, attn_mask=document_mask(docs))
     ref.backward(dout)
     out = {}
     for split in SPLITS:
@@ -45,7 +54,7 @@ def attention_checks(group, cp_rank: int, cp: int, dtype=torch.float32) -> dict:
         pos = [int(p) for p in mine(torch.arange(T).view(1, 1, T, 1)).flatten()]
         for impl in IMPLS:
             local = [mine(t).to(dtype).requires_grad_() for t in (q, k, v)]
-            y = cp_core(impl, group, pos)(*local)
+            y = cp_core(impl, group, pos)(*local, *(() if docs is None else (docs,)))
             work = last_work()["computed"] if impl == "ring" else None
             y.backward(mine(dout).to(dtype))
             errs = [_rel(y, mine(ref))] + [_rel(t.grad, mine(f.grad))
@@ -55,14 +64,16 @@ def attention_checks(group, cp_rank: int, cp: int, dtype=torch.float32) -> dict:
     return out
 
 
-def gpt_check(group, cp_rank: int, cp: int) -> dict:
-    """apply_cp on a tiny GPT against the serial model: loss and summed gradients / cp."""
+def gpt_check(group, cp_rank: int, cp: int, docs: torch.Tensor | None = None) -> dict:
+    """apply_cp on a tiny GPT against the serial model: loss and summed gradients / cp.
+    With ``docs``, both models take packed rows (the CP model the whole rows' ids)."""
     config = GPTConfig(n_layers=2, n_heads=4, d_model=32, seq_len=16, vocab_size=64)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(0, 64, (2, 16), generator=g)
     y = torch.randint(0, 64, (2, 16), generator=g)
+    extra = () if docs is None else (docs,)
     serial = GPT(config, seed=0)
-    loss = serial(x, y)[1]
+    loss = serial(x, y, *extra)[1]
     loss.backward()
     out = {}
     for impl, split, recompute in [("ring", "zigzag", "none"), ("ring", "plain", "none"),
@@ -73,7 +84,7 @@ def gpt_check(group, cp_rank: int, cp: int) -> dict:
         model = apply_cp(GPT(config, seed=0), group, cp_rank, cp, impl=impl, split=split)
         apply_recompute(model, recompute)
         xs, ys = split_batch(x, y, cp, cp_rank, split)
-        local = model(xs, ys)[1]
+        local = model(xs, ys, *extra)[1]
         local.backward()
         total = local.detach().clone()
         comm.all_reduce(total, group)
@@ -128,12 +139,14 @@ def tp_cp_check(mesh) -> dict:
 
 def all_checks(mesh) -> dict:
     groups = _groups()
-    res = {"attn": {}, "bf16": {}, "gpt": None}
+    res = {"attn": {}, "bf16": {}, "packed": {}, "gpt": None}
     for cp, (group, cp_rank) in groups.items():
         res["attn"][cp] = attention_checks(group, cp_rank, cp)
         res["bf16"][cp] = attention_checks(group, cp_rank, cp, torch.bfloat16)
+        res["packed"][cp] = attention_checks(group, cp_rank, cp, docs=DOCS)
     group, cp_rank = groups[2]
     res["gpt"] = gpt_check(group, cp_rank, 2)
+    res["gpt_packed"] = gpt_check(group, cp_rank, 2, DOCS)
     res["tp_cp"] = tp_cp_check(mesh)
     try:  # 3 heads over cp=4: refused before any exchange, on every rank alike
         t = torch.zeros(1, 3, 4, 2)

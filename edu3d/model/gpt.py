@@ -319,6 +319,12 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device) if doc is None else document_positions(doc)
         return self.tok_emb(idx) + self.pos_emb(pos)
 
+    def attention_mask(self, doc: torch.Tensor) -> torch.Tensor:
+        """What every block's attention core takes for packed documents ``doc [B, T]``:
+        :func:`document_mask`. Context parallelism replaces it on its instance (its cores
+        read the document ids themselves, :mod:`edu3d.parallel.cp.sequence`)."""
+        return document_mask(doc)
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Residual stream ``[B, T, d]`` -> logits ``[B, T, padded_vocab]``; the padding
         columns (``vocab_pad`` > 1) are -inf, so they never win an argmax or a sample and add
@@ -347,7 +353,7 @@ class GPT(nn.Module):
         (targets equal to -100 are ignored), or ``None`` without targets. ``doc`` (``[B, T]``
         document ids) packs several documents per row: none sees another."""
         x = self.embed(idx, doc)
-        mask = None if doc is None else document_mask(doc)
+        mask = None if doc is None else self.attention_mask(doc)
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)
         logits = self.head(x)

@@ -27,6 +27,15 @@ which data parallelism's average divides back out). Megatron does this with
 gradients by it); here every rank already holds the whole global batch, so ``N`` needs no
 collective. The sum over every micro-batch and rank is then ``sum of every token's loss / N``:
 exactly the per-document loss computed one document at a time (:func:`per_document_loss`).
+
+**Under context parallelism** (``pack`` only) each of the ``cp`` ranks of a micro-batch
+holds its pieces of the rows, and so its own count ``n_i`` of their targets (padding sits at
+a row's end, so one rank may hold many, another none). The same rule, with ``n_i`` counted
+on the piece and ``dp * cp * m`` for the factor the dp x cp gradient average divides back
+out, keeps the sum the serial loss; a piece with no target still runs forward and backward
+(its keys and values serve the other ranks' queries) with weight 0. Assuming equal counts
+and dividing by ``cp`` instead is the silent error: it inflates the loss of pieces that are
+mostly padding.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from edu3d.distributed.mesh import LayoutError
+from edu3d.parallel.cp.sequence import split_batch
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.documents import DocumentCorpus
 
@@ -91,20 +101,28 @@ class StepBatch:
         """The share of computed positions that are padding, with ``count`` slots."""
         return 1.0 - self.targets / self.fed(count)
 
-    def microbatches(self, dp_index: int, dp_size: int, m: int, device=None) -> list[tuple]:
+    def microbatches(self, dp_index: int, dp_size: int, m: int, device=None, cp: int = 1,
+                     cp_rank: int = 0, split: str = "zigzag") -> list[tuple]:
         """Data-parallel rank ``dp_index``'s ``m`` micro-batches, each ``(x, y, doc, weight)``
         (what :class:`~edu3d.parallel.pp.engine.PipelineEngine` runs): ``doc`` is the packed
         documents' ids (``None`` unless packing), ``weight`` turns the micro-batch's mean loss
-        into its share of the global mean (times ``dp * m``, which the engine's ``1/m`` and
-        data parallelism's ``1/dp`` divide back out)."""
+        into its share of the global mean (times ``dp * cp * m``, which the engine's ``1/m``
+        and the dp x cp gradient average divide back out). With ``cp > 1`` (packing only) x
+        and y are context-parallel rank ``cp_rank``'s pieces and ``n`` counts its targets;
+        ``doc`` stays whole (the model cuts it, :func:`~edu3d.parallel.cp.apply_cp`)."""
+        if cp > 1 and self.mode != "pack":
+            raise ValueError(f"context parallelism cuts rows of seq_len tokens: --batching "
+                             f"pack, not {self.mode}")
         total = self.targets
         out = []
         for rows in self.groups(dp_size * m)[dp_index * m:(dp_index + 1) * m]:
             x, y, doc = collate(rows, width(rows, self.mode, self.seq_len),
                                 self.mode == "pack")
+            if cp > 1:  # this rank's pieces of every row, labels with their tokens
+                x, y = split_batch(x, y, cp, cp_rank, split)
             n = int((y != IGNORE).sum())
             moved = [t if t is None or device is None else t.to(device) for t in (x, y, doc)]
-            out.append((*moved, n * dp_size * m / total))
+            out.append((*moved, n * dp_size * cp * m / total))
         return out
 
 
@@ -158,8 +176,9 @@ def check_options(o, config) -> None:
     if not 0 <= o.doc_sigma <= 4:
         raise LayoutError(f"--doc-sigma {o.doc_sigma:g}: a spread in 0..4")
     flag = f"--batching {o.batching}"
-    refused = [(o.cp > 1, "--cp", "its zigzag cut would need each document's mask and "
-                                  "positions split with it"),
+    refused = [(o.cp > 1 and o.batching != "pack", "--cp", "context parallelism cuts every "
+                "row at fixed positions of seq_len, and these micro-batches are as long as "
+                "their longest document; use --batching pack"),
                (o.pp > 1 and o.batching != "pack", "--pp", "a pipeline sends fixed shapes; "
                                                            "use --batching pack"),
                (o.sp, "--sp", "sequence parallelism splits a fixed sequence"),

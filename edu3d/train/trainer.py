@@ -137,7 +137,8 @@ class Trainer:
         axes); returns that loss, the same on every rank."""
         m = self.plan.microbatches
         if isinstance(x, StepBatch):  # --batching: documents, cut and weighted by tokens
-            batch = x.microbatches(self.dp_index, self.dp_size, m, self.device)
+            batch = x.microbatches(self.dp_index, self.dp_size, m, self.device, self.cp_size,
+                                   self.mesh.index("cp"), self.args.cp_split)
         else:
             if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async
                 x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))

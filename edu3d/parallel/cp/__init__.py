@@ -10,9 +10,10 @@ embedding swapped, nothing else).
 from edu3d.parallel.cp.zigzag import (check, positions, split_tokens, unsplit, valid_seq_lens,
                                       work)
 from edu3d.parallel.cp.attention import (IMPLS, allgather_attention, block_attention, cp_core,
-                                         last_work, merge, ring_attention, ulysses_attention)
+                                         last_work, merge, ring_attention, ulysses_attention,
+                                         visible)
 from edu3d.parallel.cp.sequence import apply_cp, split_batch
 
 __all__ = ["IMPLS", "allgather_attention", "apply_cp", "block_attention", "check", "cp_core",
            "last_work", "merge", "positions", "ring_attention", "split_batch", "split_tokens",
-           "ulysses_attention", "unsplit", "valid_seq_lens", "work"]
+           "ulysses_attention", "unsplit", "valid_seq_lens", "visible", "work"]

@@ -21,7 +21,18 @@ After reading this file you should understand:
   V sit in memory at once;
 * **Ulysses** (DeepSpeed): two all-to-alls turn "my tokens, all heads" into "all tokens, my
   heads"; attention runs unsplit on ``H / cp`` heads, and two all-to-alls turn it back. The
-  degree cannot exceed the (local) head count.
+  degree cannot exceed the (local) head count;
+* **packed documents** (``--batching pack``) add one rule to the mask: a query sees a key
+  only if it is earlier *and in the same document* (:func:`visible`). Each impl takes the
+  whole sequence's document ids ``docs [B, T]`` (every rank holds them, as it holds the
+  whole global batch: they are data, not activations) and reads a token's document at its
+  global position: ``docs[:, pos]``. So the mask crosses the ring with the key positions
+  that already travel (the keys' documents are ``docs[:, k_pos]``, no extra byte on the
+  wire); all-gather and Ulysses read the documents of every gathered key the same way. A
+  block may now hide *every* key from some query rows (a document that starts after the
+  block ends): those rows get ``lse = -inf`` and :func:`merge` gives them weight 0, and
+  every row keeps at least its own key (the diagonal) somewhere, so the final softmax is
+  never empty.
 
 The math is fp32 inside whatever the input dtype; outputs are cast back.
 """
@@ -46,14 +57,25 @@ def last_work() -> dict[str, int]:
 
 # ---------------------------------------------------------------- one block and the merge
 
-def block_attention(q, k, v, q_pos, k_pos, scale: float):
+def visible(q_pos, k_pos, q_doc=None, k_doc=None) -> torch.Tensor:
+    """True where a query may see a key: ``k_pos <= q_pos`` (global positions), ``[Tq, Tk]``;
+    with packed documents (``q_doc [B, Tq]``, ``k_doc [B, Tk]``, each token's document) also
+    only within one document: ``[B, 1, Tq, Tk]``, the serial
+    :func:`~edu3d.model.gpt.document_mask` restricted to these queries and keys."""
+    causal = k_pos.view(1, -1) <= q_pos.view(-1, 1)
+    if q_doc is None:
+        return causal
+    return causal & (q_doc[:, None, :, None] == k_doc[:, None, None, :])
+
+
+def block_attention(q, k, v, q_pos, k_pos, scale: float, q_doc=None, k_doc=None):
     """Attention of queries ``q [B,H,Tq,hd]`` on one block of keys/values ``[B,H,Tk,hd]``,
-    masked by global positions (``k_pos <= q_pos``). Returns ``(out, lse)`` in fp32:
-    ``out [B,H,Tq,hd]`` normalised over this block only, ``lse [B,H,Tq]`` its log-sum-exp.
-    A query that sees no key here gets ``out = 0`` and ``lse = -inf``. Differentiable."""
+    masked by global positions (``k_pos <= q_pos``) and, with ``q_doc``/``k_doc``, documents
+    (:func:`visible`). Returns ``(out, lse)`` in fp32: ``out [B,H,Tq,hd]`` normalised over
+    this block only, ``lse [B,H,Tq]`` its log-sum-exp. A query that sees no key here gets
+    ``out = 0`` and ``lse = -inf``. Differentiable."""
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    visible = k_pos.view(1, -1) <= q_pos.view(-1, 1)
-    s = s.masked_fill(~visible, float("-inf"))
+    s = s.masked_fill(~visible(q_pos, k_pos, q_doc, k_doc), float("-inf"))
     m = s.amax(dim=-1, keepdim=True).detach()  # the shift cancels: no gradient through it
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)  # hidden entries: exp(-inf) = 0
@@ -83,7 +105,9 @@ def _halves(pos: list[int]) -> list[tuple[slice, int, int]]:
 
 def _blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, count: bool = True):
     """The (query range, key range) pairs not entirely hidden by the causal mask; with
-    ``count``, adds the score entries computed and skipped to :func:`last_work`'s tally."""
+    ``count``, adds the score entries computed and skipped to :func:`last_work`'s tally.
+    (Packed documents may hide more blocks whole; those are computed and masked, since which
+    ones depends on the batch: flash attention's varlen kernels skip them too.)"""
     for qs, _, q_last in _halves(q_pos.tolist()):
         for ks, k_first, _ in _halves(k_pos.tolist()):
             entries = (qs.stop - qs.start) * (ks.stop - ks.start)
@@ -123,36 +147,44 @@ def _wait(pending):
     return bufs
 
 
+def _docs_at(docs, pos):
+    """The documents of the tokens at global positions ``pos``: ``docs[:, pos]`` (or
+    ``None`` when nothing is packed)."""
+    return None if docs is None else docs[:, pos]
+
+
 class RingAttention(torch.autograd.Function):
-    """``RingAttention.apply(q, k, v, positions, group)``: see :func:`ring_attention`."""
+    """``RingAttention.apply(q, k, v, positions, group, docs)``: see :func:`ring_attention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pos, group):
+    def forward(ctx, q, k, v, pos, group, docs=None):
         n, nxt, prv = _ring(group)
         scale = q.shape[-1] ** -0.5
-        qf = q.float()
+        qf, q_doc = q.float(), _docs_at(docs, pos)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv, k_pos = torch.stack([k, v]), pos
         _WORK.update(computed=0, skipped=0)
         for step in range(n):
             pending = _post([kv, k_pos], nxt, prv, group) if step < n - 1 else None
+            k_doc = _docs_at(docs, k_pos)  # derived from the positions that travel
             for qs, ks in _blocks(pos, k_pos):  # overlaps the exchange in flight
                 o, l = block_attention(qf[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :],
-                                       pos[qs], k_pos[ks], scale)
+                                       pos[qs], k_pos[ks], scale,
+                                       *(() if docs is None else (q_doc[:, qs], k_doc[:, ks])))
                 out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, l)
             if pending:
                 kv, k_pos = _wait(pending)
-        ctx.save_for_backward(q, k, v, pos, out, lse)
+        ctx.save_for_backward(q, k, v, pos, out, lse, docs)
         ctx.group = group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, pos, out, lse = ctx.saved_tensors
+        q, k, v, pos, out, lse, docs = ctx.saved_tensors
         n, nxt, prv = _ring(ctx.group)
         scale = q.shape[-1] ** -0.5
-        qf, do = q.float(), dout.float()
+        qf, do, q_doc = q.float(), dout.float(), _docs_at(docs, pos)
         delta = (do * out).sum(dim=-1)  # rowsum(dO * O), one per query
         dq = torch.zeros_like(qf)
         kv, k_pos = torch.stack([k, v]), pos
@@ -161,12 +193,15 @@ class RingAttention(torch.autograd.Function):
             pending = _post([kv, k_pos], nxt, prv, ctx.group) if step < n - 1 else None
             if pending_d:  # the dK, dV of the block now held, summed by the ranks before
                 (dkv,) = _wait(pending_d)
-            kf = kv.float()
+            kf, k_doc = kv.float(), _docs_at(docs, k_pos)
             for qs, ks in _blocks(pos, k_pos, count=False):
                 kb, vb = kf[0][..., ks, :], kf[1][..., ks, :]
                 s = (qf[..., qs, :] @ kb.transpose(-1, -2)) * scale
-                visible = k_pos[ks].view(1, -1) <= pos[qs].view(-1, 1)
-                p = torch.where(visible, torch.exp(s - lse[..., qs].unsqueeze(-1)),
+                seen = visible(pos[qs], k_pos[ks], *(() if docs is None
+                                                      else (q_doc[:, qs], k_doc[:, ks])))
+                # lse is the row's final one (finite: every row sees its own key somewhere),
+                # so a row this block hides whole gets p = 0 here and no gradient from it
+                p = torch.where(seen, torch.exp(s - lse[..., qs].unsqueeze(-1)),
                                 torch.zeros_like(s))
                 dv_b = p.transpose(-1, -2) @ do[..., qs, :]
                 ds = p * (do[..., qs, :] @ vb.transpose(-1, -2) - delta[..., qs].unsqueeze(-1))
@@ -179,13 +214,15 @@ class RingAttention(torch.autograd.Function):
                 kv, k_pos = _wait(pending)
         if pending_d:
             (dkv,) = _wait(pending_d)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, positions: torch.Tensor, group) -> torch.Tensor:
+def ring_attention(q, k, v, positions: torch.Tensor, group,
+                   docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's ``q, k, v [B,H,T,hd]`` (tokens at global
-    ``positions [T]``) over the whole sequence, K and V passed round the ring."""
-    return RingAttention.apply(q, k, v, positions, group)
+    ``positions [T]``) over the whole sequence, K and V passed round the ring; with
+    ``docs`` (the whole sequence's document ids ``[B, seq_len]``), only within documents."""
+    return RingAttention.apply(q, k, v, positions, group, docs)
 
 
 # ---------------------------------------------------------------- all-gather attention
@@ -218,19 +255,22 @@ def gather_positions(positions: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _attend(q, k, v, q_pos, k_pos) -> torch.Tensor:
-    out, _ = block_attention(q, k, v, q_pos, k_pos, q.shape[-1] ** -0.5)
+def _attend(q, k, v, q_pos, k_pos, docs=None) -> torch.Tensor:
+    out, _ = block_attention(q, k, v, q_pos, k_pos, q.shape[-1] ** -0.5,
+                             _docs_at(docs, q_pos), _docs_at(docs, k_pos))
     return out.to(q.dtype)
 
 
 def allgather_attention(q, k, v, positions: torch.Tensor, group,
-                        all_positions: torch.Tensor | None = None) -> torch.Tensor:
+                        all_positions: torch.Tensor | None = None,
+                        docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention with every rank's K and V gathered here first (Llama 3's CP).
-    ``all_positions``: :func:`gather_positions`'s result, if already known."""
+    ``all_positions``: :func:`gather_positions`'s result, if already known; ``docs``: the
+    whole sequence's document ids ``[B, seq_len]`` (packed documents see only themselves)."""
     if all_positions is None:
         all_positions = gather_positions(positions, group)
     kv = GatherSequence.apply(torch.stack([k, v]), group, 3)
-    return _attend(q, kv[0], kv[1], positions, all_positions)
+    return _attend(q, kv[0], kv[1], positions, all_positions, docs)
 
 
 # ---------------------------------------------------------------- Ulysses
@@ -242,9 +282,11 @@ def _heads_to_front(t, n: int):
 
 
 def ulysses_attention(q, k, v, positions: torch.Tensor, group,
-                      all_positions: torch.Tensor | None = None) -> torch.Tensor:
+                      all_positions: torch.Tensor | None = None,
+                      docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention after an all-to-all from "my tokens, all H heads" to "all tokens,
-    H/cp heads", and back. ``cp`` must divide ``H`` (the local head count under TP)."""
+    H/cp heads", and back. ``cp`` must divide ``H`` (the local head count under TP). With
+    ``docs`` (``[B, seq_len]``) the whole sequence's document mask applies, as serially."""
     n, H = dist.get_world_size(group), q.shape[1]
     if H % n:
         ok = ", ".join(str(d) for d in range(1, H + 1) if H % d == 0)
@@ -258,7 +300,7 @@ def ulysses_attention(q, k, v, positions: torch.Tensor, group,
     B, T, hd = q.shape[0], q.shape[2], q.shape[3]
     qkv = qkv.reshape(n, 3, B, H // n, T, hd).permute(1, 2, 3, 0, 4, 5)
     qkv = qkv.reshape(3, B, H // n, n * T, hd)  # all tokens, in rank order
-    y = _attend(qkv[0], qkv[1], qkv[2], all_positions, all_positions)
+    y = _attend(qkv[0], qkv[1], qkv[2], all_positions, all_positions, docs)
     y = y.reshape(B, H // n, n, T, hd).permute(2, 0, 1, 3, 4)  # row j: rank j's tokens
     y = comm.AllToAll.apply(y.contiguous(), group, None, None)  # row j: heads of rank j
     return y.movedim(0, 1).reshape(B, H, T, hd)
@@ -267,22 +309,26 @@ def ulysses_attention(q, k, v, positions: torch.Tensor, group,
 # ---------------------------------------------------------------- the core a block uses
 
 def cp_core(impl: str, group, positions):
-    """A drop-in ``attn.core(q, k, v)`` for a block whose tokens sit at ``positions`` (this
-    rank's global positions, a list or LongTensor) of a sequence split over ``group``."""
+    """A drop-in ``attn.core(q, k, v, docs=None)`` for a block whose tokens sit at
+    ``positions`` (this rank's global positions, a list or LongTensor) of a sequence split
+    over ``group``. Where the serial core takes a ``[B, 1, T, T]`` document mask, this one
+    takes the whole sequence's document ids ``docs [B, T]`` (what
+    :func:`~edu3d.parallel.cp.sequence.apply_cp` makes the model pass): no rank ever builds
+    a ``T x T`` mask, and each block's piece of it is read off the ids."""
     if impl not in IMPLS:
         raise ValueError(f"unknown CP attention {impl!r}; choose one of {', '.join(IMPLS)}")
     pos = torch.as_tensor(positions, dtype=torch.long)
     cache: dict = {}
 
-    def core(q, k, v):
+    def core(q, k, v, docs=None):
         p = cache.setdefault(("pos", q.device), pos.to(q.device))
         if impl == "ring":
-            return ring_attention(q, k, v, p, group)
+            return ring_attention(q, k, v, p, group, docs)
         key = ("all", q.device)
         if key not in cache:
             cache[key] = gather_positions(p, group)
         attend = allgather_attention if impl == "allgather" else ulysses_attention
-        return attend(q, k, v, p, group, all_positions=cache[key])
+        return attend(q, k, v, p, group, all_positions=cache[key], docs=docs)
 
     core.impl = impl
     return core

@@ -13,11 +13,22 @@ After reading this file you should understand:
   ``cp`` is the serial gradient (K and V's gradients already travel back inside attention).
   So the dense gradients are averaged over DP x CP together (DESIGN.md, "5D gradients");
 * :func:`split_batch` cuts the tokens and labels with the same split
-  (:mod:`~edu3d.parallel.cp.zigzag`), so a label stays with its token.
+  (:mod:`~edu3d.parallel.cp.zigzag`), so a label stays with its token;
+* packed documents (``--batching pack``) need two things cut the same way. The positions
+  restart at each document (:func:`~edu3d.model.gpt.document_positions`): they are computed
+  on the whole row, then cut exactly as the tokens are, so a document that began on another
+  rank's chunk goes on counting where it left off. And the mask: the model hands its
+  blocks the whole row's document ids instead of a ``T x T`` mask
+  (``model.attention_mask``), and every CP core reads each query's and key's document at
+  its global position (:mod:`~edu3d.parallel.cp.attention`). A document boundary inside a
+  chunk or exactly between two chunks is the same thing to it: only ids are compared.
+  With packing the ranks hold different numbers of target tokens (padding sits at a row's
+  end), so the loss is weighted by the global token count
+  (:meth:`edu3d.train.batching.StepBatch.microbatches`), not by ``1/cp``.
 
 Parameter names and tensors are untouched: a checkpoint or an optimizer sees the serial model.
 Order: ``apply_tp``, then ``apply_cp``, then recomputation (it wraps the core set here), then
-the pipeline cut (a stage keeps a reference to ``model.embed``).
+the pipeline cut (a stage keeps references to ``model.embed`` and ``model.attention_mask``).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from edu3d.model.gpt import document_positions
 from edu3d.parallel.cp.attention import cp_core
 from edu3d.parallel.cp.zigzag import check, positions, split_tokens
 
@@ -53,18 +65,29 @@ def apply_cp(model: nn.Module, group, cp_rank: int, cp: int, impl: str = "ring",
 
     def embed(idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's token ids ``[B, seq_len/cp]`` -> residual stream, with the tokens'
-        global positions (replaces ``GPT.embed`` on this instance). Packed documents
-        (``doc``) are not cut for context parallelism: ``--batching pack`` with ``--cp`` is
-        refused before launch, and here too rather than mixing documents silently."""
-        if doc is not None:
-            raise ValueError("context parallelism does not cut packed documents (doc ids); "
-                             "train with --cp 1 or --batching fixed")
+        global positions (replaces ``GPT.embed`` on this instance). With packed documents,
+        ``doc`` is the *whole* rows' document ids ``[B, seq_len]``: the restarting
+        positions are computed on the whole row and cut as the tokens were."""
         if idx.shape[1] != len(mine):
             raise ValueError(f"cp rank {cp_rank} holds {len(mine)} of the {seq_len} tokens, "
                              f"got {idx.shape[1]}; cut the batch with split_batch")
-        return model.tok_emb(idx) + model.pos_emb(pos.to(idx.device))
+        if doc is None:
+            return model.tok_emb(idx) + model.pos_emb(pos.to(idx.device))
+        whole_rows(doc)
+        return model.tok_emb(idx) + model.pos_emb(
+            split_tokens(document_positions(doc), cp, cp_rank, split))
+
+    def whole_rows(doc: torch.Tensor) -> torch.Tensor:
+        """The blocks' mask argument under CP: the whole rows' document ids, as they are
+        (replaces ``GPT.attention_mask``, which builds the ``[B, 1, T, T]`` mask)."""
+        if doc.shape[-1] != seq_len:
+            raise ValueError(f"context parallelism takes the whole rows' document ids "
+                             f"[B, {seq_len}] (every rank reads its tokens' and its keys' "
+                             f"documents in them), got {tuple(doc.shape)}; do not cut doc")
+        return doc
 
     model.embed = embed
+    model.attention_mask = whole_rows
     model.cp_positions = mine
     return model
 

@@ -246,8 +246,9 @@ class PipelineEngine:
             out = stage(x, *extra)
             if stage.is_last:
                 loss = stage.loss(out, y_mb)
-                if weight is not None:
-                    loss = loss * weight
+                if weight is not None:  # 0: a context-parallel piece of padding only, whose
+                    # mean is 0/0; it still runs backward (its K, V serve the other ranks)
+                    loss = loss * weight if weight else loss.nan_to_num(0.0) * 0.0
                 self.losses.append(loss.detach())
                 out = self.microbatch_loss(loss, self.m)
         if measure:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from edu3d.model.gpt import document_mask
-
 
 class PipelineStage(nn.Module):
     """Layers ``[first_layer, end_layer)`` of ``model``, plus embedding / head at the ends."""
@@ -36,6 +34,7 @@ class PipelineStage(nn.Module):
         if is_first:
             self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
             self.embed = model.embed  # a bound method: not a submodule, no parameters
+        self.attention_mask = model.attention_mask  # bound: what apply_cp set, if it ran
         self.blocks = nn.ModuleDict({str(i): model.blocks[i]
                                      for i in range(first_layer, end_layer)})
         if is_last:
@@ -45,7 +44,7 @@ class PipelineStage(nn.Module):
     def forward(self, x: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Residual stream in, residual stream (or, on the last stage, logits) out; ``doc``:
         the packed documents' ids (every stage builds their mask from them)."""
-        mask = None if doc is None else document_mask(doc)
+        mask = None if doc is None else self.attention_mask(doc)
         for block in self.blocks.values():
             x = block(x) if mask is None else block(x, mask)
         return self.head(x) if self.is_last else x
