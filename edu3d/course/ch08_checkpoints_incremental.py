@@ -20,7 +20,8 @@ import torch
 
 from edu3d.ckpt.format import MANIFEST, full_state, step_dir
 from edu3d.model.gpt import GPT
-from edu3d.parallel.freeze import matching, param_names, patterns
+from edu3d.model.param_globs import matching, patterns
+from edu3d.parallel.freeze import param_names
 from edu3d.train.loop import run
 from edu3d.train.options import config_from_args, defaults
 

@@ -23,8 +23,7 @@ and why freezing is one line per parameter rather than one per parallelism:
 A glob that matches nothing is almost always a typo; ``check_patterns`` refuses it with a few
 real names, before any process starts. The matching rule itself (``patterns``, ``matching``,
 ``check_patterns``) lives in :mod:`edu3d.model.param_globs`, below this floor, so that the
-planner (:mod:`edu3d.plan.inventory`) counts exactly the parameters this file freezes; they
-are imported here for the callers that know them by this module.
+planner (:mod:`edu3d.plan.inventory`) counts exactly the parameters this file freezes.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from edu3d.model.gpt import GPT
-from edu3d.model.param_globs import check_patterns, frozen, matching, patterns  # noqa: F401
+from edu3d.model.param_globs import frozen
 
 
 def param_names(config) -> list[str]:

@@ -37,8 +37,9 @@ from edu3d.launch import live
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, node_args
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
+from edu3d.model.param_globs import check_patterns, patterns
 from edu3d.model.shapes import num_params_from_config
-from edu3d.parallel.freeze import check_patterns, param_names, patterns
+from edu3d.parallel.freeze import param_names
 from edu3d.train import faults, memory_recorder
 from edu3d.train.batching import batch_tokens, global_batch, make_corpus
 from edu3d.train.data import SyntheticCorpus
@@ -294,7 +295,7 @@ def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
 
 def check_freeze(args: TrainOptions, config) -> list[str]:
     """The serial names ``--freeze`` freezes (``ValueError``, one line, for a glob that
-    matches none: :func:`edu3d.parallel.freeze.check_patterns`)."""
+    matches none: :func:`edu3d.model.param_globs.check_patterns`)."""
     globs = patterns(args.freeze)
     if not globs:
         return []

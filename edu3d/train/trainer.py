@@ -35,6 +35,7 @@ import torch.distributed as dist
 from edu3d.ckpt import reshard
 from edu3d.model.gpt import set_attention
 from edu3d.model.moe import MoE, set_aux_scale
+from edu3d.model.param_globs import patterns
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import trace
 from edu3d.train.batching import StepBatch
@@ -44,7 +45,6 @@ from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwarg
                                param_groups, set_lr)
 from edu3d.train.options import TrainOptions
 from edu3d.train.step_stats import StepMeter
-from edu3d.parallel.freeze import patterns
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
