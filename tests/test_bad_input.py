@@ -190,19 +190,33 @@ def test_in_flight_closed_forms_equal_the_replay():
 
 def test_ctrl_c_interrupts_the_planner():
     """SIGINT during a search: exit 130, one line, no traceback (the child gets Python's own
-    SIGINT handler even where this test runs with SIGINT ignored, as a background job)."""
-    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "from edu3d.cli import main; sys.exit(main(sys.argv[1:]))")
-    p = subprocess.Popen([sys.executable, "-c", code, "plan", "--model", "deepseek-v3",
-                          "--gpus", "16384"], stdout=subprocess.DEVNULL,
+    SIGINT handler even where this test runs with SIGINT ignored, as a background job).
+
+    The signal is sent once the child says it is searching, and the search repeats until it
+    comes: sent after a fixed sleep it raced the search (1.7 s on this machine), and could
+    land while Python was exiting, which has put back the default handler (exit -2)."""
+    code = ("import signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from edu3d.plan import search\n"
+            "once = search.search\n"
+            "def searching(*a, **k):\n"
+            "    print('searching', flush=True)\n"
+            "    while True:\n"
+            "        once(*a, **k)\n"
+            "search.search = searching\n"
+            "from edu3d.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    p = subprocess.Popen([sys.executable, "-c", code, "plan", "--model", "llama2-70b",
+                          "--gpus", "64"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    p.send_signal(signal.SIGINT)
     try:
+        assert p.stdout.readline() == "searching\n"
+        p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         p.kill()
         pytest.fail("Ctrl-C did not end edu3d plan")
-    if p.returncode == 0:
-        pytest.skip("the search finished before the signal came")
+    finally:
+        if p.poll() is None:
+            p.kill()
     assert p.returncode == 130 and err.strip() == "edu3d plan: interrupted", err

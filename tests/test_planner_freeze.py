@@ -152,6 +152,8 @@ def test_edu3d_plan_freeze_prints_fewer_gradient_and_optimizer_bytes(capsys):
     # the text table says it too
     code, text, _ = _plan(base[:-1] + ["--freeze", "tok_emb.*,blocks.0.*"], capsys)
     assert code == 0 and "frozen" in text and "66,368 of 234,880 parameters" in text
+    # sizes and counts in the unit their size calls for (never "0.002 GB", "0.000 B")
+    assert "tiny: 234,880 parameters" in text and "(the ZeRO paper's count): 2.288 MB" in text
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -297,8 +297,8 @@ def main_from_args(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0 if fits is not False else 1
-    print(f"{spec.name}: {spec.num_params() / 1e9:.3f} B parameters" + (
-        f" ({moe.active_params() / 1e9:.3f} B active: {moe.experts} experts, top-{moe.topk}, "
+    print(f"{spec.name}: {count_text(spec.num_params())} parameters" + (
+        f" ({count_text(moe.active_params())} active: {moe.experts} experts, top-{moe.topk}, "
         f"{moe.moe_layers} MoE blocks)" if moe.experts else "")
         + f"; activations: {est['activation_model']}")
     if searching:
@@ -316,20 +316,35 @@ def main_from_args(args) -> int:
     verdict = "" if fits is None else (
         f"  {'FITS' if fits else 'DOES NOT FIT'} in {cluster.usable * mem_gb:.1f} GB usable of "
         f"{mem_gb:g} GB")
-    size = (f"{est['total_bytes'] / 1e9:.3f} GB" if est["total_bytes"] > 1e9 else
-            f"{est['total_bytes'] / 1e6:.3f} MB")
-    print(f"fullest: pp rank {est['fullest_pp_rank']}, {size}" + verdict)
+    print(f"fullest: pp rank {est['fullest_pp_rank']}, {size_text(est['total_bytes'])}"
+          + verdict)
+    print(f"  of which weights, gradients and optimizer state (the ZeRO paper's count): "
+          f"{size_text(est['state_bytes'])}" + (
+              "; the full gradients are held for the step (--grad-reduce per-step)"
+              if zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches) else ""))
     if st.freeze:
         print(f"frozen (--freeze {','.join(st.freeze)}): {frozen_params(spec, st.freeze):,} of "
               f"{spec.num_params():,} parameters: their weights only, whole on every rank; "
               "no gradients, no optimizer state")
-    print(f"  of which weights, gradients and optimizer state (the ZeRO paper's count): "
-          f"{est['state_bytes'] / 1e9:.3f} GB" + (
-              "; the full gradients are held for the step (--grad-reduce per-step)"
-              if zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches) else ""))
-    print("sent per rank and step: " + ", ".join(
-        f"{axis} {v / 1e9:.2f} GB" for axis, v in out["traffic_bytes"].items() if v))
+    sent = [f"{axis} {size_text(v)}" for axis, v in out["traffic_bytes"].items() if v]
+    print("sent per rank and step: " + (", ".join(sent) or "nothing (one rank)"))
     return 0 if fits is not False else 1
+
+
+def size_text(n: float) -> str:
+    """Bytes in the unit their size calls for: ``16.6 GB`` for a 7.5B model, ``1.9 MB`` for
+    the course's, never ``0.002 GB``."""
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
+def count_text(n: float) -> str:
+    """A parameter count as it is said: ``7.500 B``, ``124.4 M``, ``234,880``."""
+    if n >= 1e9:
+        return f"{n / 1e9:.3f} B"
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,.0f}"
 
 
 def plan_main(argv: list[str] | None = None) -> int:
