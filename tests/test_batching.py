@@ -21,6 +21,8 @@ from edu3d.commands.train import parse
 from edu3d.distributed.mesh import Layout, LayoutError
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, PRESETS, document_mask, document_positions, set_attention
+from edu3d.parallel.pp.engine import PipelineEngine
+from edu3d.parallel.pp.stage import split_model
 from edu3d.train.batching import (IGNORE, MODES, POOL_DOCS, expected_pad_waste, per_document_loss,
                                   step_batch)
 from edu3d.train.documents import DocumentCorpus
@@ -128,6 +130,23 @@ def test_pad_waste_formula_matches_batches():
         measured = 1 - sum(b.targets for b in fed) / sum(b.fed(1) for b in fed)
         assert measured == pytest.approx(expected_pad_waste(lengths, rows), abs=0.03)
     assert expected_pad_waste(lengths, 1) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_pipeline_receives_take_each_microbatch_shape():
+    """A pipeline stage sizes micro-batch i's receive from its own copy of the batch: the
+    first message teaches only the rule [B, T / k, *rest] (k = tp under sequence
+    parallelism); a tensor that is not [B, T / k, ...] keeps its one shape."""
+    model = GPT(PRESETS["tiny"], seed=0)
+    stages = split_model(model, [(0, 2), (2, 4)], 1, 0)
+    engine = PipelineEngine(stages, [], 2, [0], None, 2)
+    engine.batch = [(torch.zeros(4, 9, dtype=torch.long), None),
+                    (torch.zeros(21, 3, dtype=torch.long), None)]
+    for sent, k in ((torch.zeros(4, 9, 64), 1), (torch.zeros(4, 3, 64), 3)):
+        rule = engine._rule(sent, 0)
+        assert rule[1] == k and engine._expect(rule, 0) == (torch.float32, sent.shape)
+        assert engine._expect(rule, 1) == (torch.float32, (21, 3 // k, 64))
+    fixed = engine._rule(torch.zeros(7, 64, dtype=torch.bfloat16), 0)
+    assert engine._expect(fixed, 1) == (torch.bfloat16, (7, 64))
 
 
 @pytest.mark.parametrize("argv, knob", [
