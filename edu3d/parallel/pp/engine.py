@@ -206,10 +206,11 @@ class PipelineEngine:
         """How a channel's tensors follow their micro-batch: ``(dtype, k, shape)``, where
         ``k > 0`` says "``[B, T / k, *shape[2:]]`` of the micro-batch's ``[B, T]``" and
         ``k = 0`` "always ``shape``" (a tensor that is not ``[B, T / k, ...]``)."""
-        b, n = self.batch[mb][0].shape[:2]
-        k = n // t.shape[1] if t.dim() >= 2 and t.shape[0] == b and t.shape[1] and \
-            n % t.shape[1] == 0 else 0
-        return t.dtype, k, t.shape
+        x = self.batch[mb][0]
+        if x.dim() < 2 or t.dim() < 2 or t.shape[0] != x.shape[0] or not t.shape[1] \
+                or x.shape[1] % t.shape[1]:
+            return t.dtype, 0, t.shape
+        return t.dtype, x.shape[1] // t.shape[1], t.shape
 
     def _expect(self, rule: tuple, mb: int) -> tuple:
         """``(dtype, shape)`` of micro-batch ``mb``'s message on a channel with ``rule``:
