@@ -4,10 +4,11 @@ packed, with a loss normalised by the global number of target tokens.
 Unit tests of the batchers (every document used once, budgets kept, the padding-waste
 formula), of the block-diagonal mask and the restarting positions, and that a packed
 sequence's loss is the documents' losses computed one at a time; then parity: dp2, tp2,
-pp2 (packing) and, with packing, cp2 (every CP attention, both splits), dp2 x cp2 and
-cp2 x pp2 equal the per-document reference at the gradient level with plain SGD and after 3
-AdamW steps, within 1e-5 relative (the weights over the whole model: workers_batching says
-why)."""
+pp2 (pad, bucket, tokens and pack, on every schedule), dp2 x pp2 (tokens) and, with packing,
+cp2 (every CP attention, both splits), dp2 x cp2 and cp2 x pp2 equal the per-document
+reference at the gradient level with plain SGD and after 3 AdamW steps, within 1e-5 relative
+(the weights over the whole model: workers_batching says why). The layouts of one world size
+share one launch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from edu3d.commands.train import parse
 from edu3d.distributed.mesh import Layout, LayoutError
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, PRESETS, document_mask, document_positions, set_attention
+from edu3d.parallel.pp.engine import PipelineEngine
+from edu3d.parallel.pp.stage import split_model
 from edu3d.train.batching import (IGNORE, MODES, POOL_DOCS, expected_pad_waste, per_document_loss,
                                   step_batch)
 from edu3d.train.documents import DocumentCorpus
@@ -129,9 +132,25 @@ def test_pad_waste_formula_matches_batches():
     assert expected_pad_waste(lengths, 1) == pytest.approx(0.0, abs=1e-9)
 
 
+def test_pipeline_receives_take_each_microbatch_shape():
+    """A pipeline stage sizes micro-batch i's receive from its own copy of the batch: the
+    first message teaches only the rule [B, T / k, *rest] (k = tp under sequence
+    parallelism); a tensor that is not [B, T / k, ...] keeps its one shape."""
+    model = GPT(PRESETS["tiny"], seed=0)
+    stages = split_model(model, [(0, 2), (2, 4)], 1, 0)
+    engine = PipelineEngine(stages, [], 2, [0], None, 2)
+    engine.batch = [(torch.zeros(4, 9, dtype=torch.long), None),
+                    (torch.zeros(21, 3, dtype=torch.long), None)]
+    for sent, k in ((torch.zeros(4, 9, 64), 1), (torch.zeros(4, 3, 64), 3)):
+        rule = engine._rule(sent, 0)
+        assert rule[1] == k and engine._expect(rule, 0) == (torch.float32, sent.shape)
+        assert engine._expect(rule, 1) == (torch.float32, (21, 3 // k, 64))
+    fixed = engine._rule(torch.zeros(7, 64, dtype=torch.bfloat16), 0)
+    assert engine._expect(fixed, 1) == (torch.bfloat16, (7, 64))
+
+
 @pytest.mark.parametrize("argv, knob", [
     ("--batching pad --cp 2", "--cp"), ("--batching tokens --cp 2", "--batching pack"),
-    ("--batching pad --pp 2", "--pp"),
     ("--batching tokens --max-tokens 8", "--max-tokens 8"), ("--max-tokens 64", "--max-tokens"),
     ("--batching pack --sp --tp 2", "--sp"), ("--batching pad --experts 2", "--experts"),
     ("--batching pack --max-tokens 64", "--max-tokens")])
@@ -147,6 +166,14 @@ LAYOUTS = {
     "tp2 pack explicit": "--tp 2 --batching pack --attn explicit",
     "tp2 tokens": "--tp 2 --batching tokens --max-tokens 96",
     "pp2 pack 1f1b": "--pp 2 --batching pack --microbatches 2",
+    # a pipeline with micro-batches of their own [B, T] (refused until each stage sized its
+    # receives from its copy of the batch), on every schedule
+    "pp2 pad 1f1b m2": "--pp 2 --batching pad --microbatches 2",
+    "pp2 bucket gpipe m4": "--pp 2 --batching bucket --schedule gpipe --microbatches 4",
+    "pp2 pad zb-h1 m4": "--pp 2 --batching pad --schedule zb-h1 --microbatches 4",
+    "pp2 tokens interleaved m2": "--pp 2 --vpp 2 --schedule interleaved --batching tokens "
+                                 "--max-tokens 64 --microbatches 2",
+    "dp2 pp2 tokens m2": "--dp 2 --pp 2 --batching tokens --max-tokens 64 --microbatches 2",
     # context parallelism: the rows cut over 2 ranks, the document mask crossing them
     "cp2 pack ring": "--cp 2 --batching pack",
     "cp2 pack ring plain": "--cp 2 --cp-split plain --batching pack",
@@ -168,16 +195,17 @@ def _layout(argv):
 
 
 @functools.lru_cache(maxsize=None)
-def _results(layout: Layout) -> dict:
-    names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()) == layout]
-    run = launch(parity_many, layout.world_size, args=([LAYOUTS[n].split() for n in names],),
-                 layout=layout, timeout=300, name="batching")
+def _results(world: int) -> dict:
+    """Every layout of ``world`` ranks in one launch (each on a mesh of its own)."""
+    names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()).world_size == world]
+    run = launch(parity_many, world, args=([LAYOUTS[n].split() for n in names],),
+                 layout=_layout(LAYOUTS[names[0]].split()), timeout=300, name="batching")
     return dict(zip(names, run.results[0]))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_per_document_reference(name):
-    res = _results(_layout(LAYOUTS[name].split()))[name]
+    res = _results(_layout(LAYOUTS[name].split()).world_size)[name]
     print(f"\n{name}: grad {res['grad_err']:.1e} loss {res['loss0_err']:.1e} "
           f"adam {res['adam_err']:.1e} param {res['param_err']:.1e}")
     assert res["grad_err"] < TOL and res["loss0_err"] < TOL

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from edu3d.commands.train import parse
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT
 from edu3d.train.batching import global_batch, make_corpus, per_document_loss
 from edu3d.train.loop import clip_and_step
@@ -78,4 +79,13 @@ def parity(mesh, argv: list[str]) -> dict:
 
 
 def parity_many(mesh, argvs: list[list[str]]) -> list[dict]:
-    return [parity(mesh, argv) for argv in argvs]
+    """:func:`parity` for every argv, each on a mesh of its own layout (the launched one, or
+    one built here: ``new_group`` is collective, every rank builds it)."""
+    out = []
+    for argv in argvs:
+        _, layout = check_args(parse(argv))
+        here = mesh if layout == mesh.layout else Mesh.build(layout)
+        out.append(parity(here, argv))
+        if here is not mesh:
+            here.release()
+    return out

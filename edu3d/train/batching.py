@@ -28,6 +28,11 @@ gradients by it); here every rank already holds the whole global batch, so ``N``
 collective. The sum over every micro-batch and rank is then ``sum of every token's loss / N``:
 exactly the per-document loss computed one document at a time (:func:`per_document_loss`).
 
+**Under pipeline parallelism** every mode works, with every schedule: each stage sizes a
+micro-batch's activation (and gradient) receive from its own copy of the batch, since every
+rank holds the whole step (:mod:`edu3d.parallel.pp.engine`), so no shape is sent ahead; the
+last stage weights each micro-batch's loss as above.
+
 **Under context parallelism** (``pack`` only) each of the ``cp`` ranks of a micro-batch
 holds its pieces of the rows, and so its own count ``n_i`` of their targets (padding sits at
 a row's end, so one rank may hold many, another none). The same rule, with ``n_i`` counted
@@ -179,8 +184,6 @@ def check_options(o, config) -> None:
     refused = [(o.cp > 1 and o.batching != "pack", "--cp", "context parallelism cuts every "
                 "row at fixed positions of seq_len, and these micro-batches are as long as "
                 "their longest document; use --batching pack"),
-               (o.pp > 1 and o.batching != "pack", "--pp", "a pipeline sends fixed shapes; "
-                                                           "use --batching pack"),
                (o.sp, "--sp", "sequence parallelism splits a fixed sequence"),
                (o.experts > 0, "--experts", "the load-balancing loss counts tokens per "
                                             "micro-batch"),

@@ -15,10 +15,15 @@ After reading this file you should understand how a schedule (data) becomes a ru
   the sender's next library call), and a ``RECV`` action waits for its tensor. Each message
   has a tag naming ``(direction, stage, micro-batch)``, so two messages between the same
   ranks cannot be confused;
-* shapes: the first message of each channel (direction and stage pair) is preceded by a
-  small metadata tensor ``[ndim, dtype, *shape]``, so a receiver allocates the right buffers
-  without being told shapes in advance; later steps reuse the learned shapes (a sender whose
-  shape changes raises an error instead of corrupting the receiver);
+* shapes: a receive buffer must have the shape of the tensor that will arrive, and under
+  ``--batching pad|bucket|tokens`` every micro-batch has its own ``[B, T]``. Every rank of a
+  pipeline holds the whole step's batch (the trainer cuts it the same way on each stage), so
+  a receiver reads micro-batch ``i``'s ``[B, T]`` off its own copy: the message is
+  ``[B, T / k, *rest]`` (``k`` is 1, or tp under sequence parallelism). Only that rule
+  (dtype, ``k``, the rest) crosses the wire, once per channel (direction and stage pair) in
+  the first step, as a small metadata tensor. Megatron's ``variable_seq_lengths`` has to send
+  each micro-batch's shape ahead of its tensor; here it is free. A sender whose tensor breaks
+  the rule raises an error instead of corrupting the receiver;
 * every executed action is a trace event (``compute`` F/B/I/W, ``comm`` send/recv on group
   ``pp``) and after each compute action a ``mem`` event holds the bytes of activations this
   rank keeps (measured with ``saved_tensors_hooks``): every run has a measured timeline.
@@ -119,7 +124,8 @@ class PipelineEngine:
         self.activation_bytes: dict[tuple, int] = {}  # (stage, micro-batch shape) -> bytes
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
-        # shapes learned from the first step's metadata, per (direction, sending stage)
+        # each channel's shape rule (dtype, k, first message's shape), from the first step's
+        # metadata: per (direction, sending stage)
         self.shapes: dict[tuple, tuple] = {}  # receiver side
         self.sent_shapes: dict[tuple, tuple] = {}  # sender side
 
@@ -141,16 +147,19 @@ class PipelineEngine:
             peer = self._peer(a.stage + (1 if direction == "F" else -1))
             t = (self.out_send if direction == "F" else self.grad_send).pop((a.stage, a.mb))
             t = t.contiguous()  # a sequence-parallel shard is a strided view
-            sent = self.sent_shapes.get((direction, a.stage))
-            if sent is not None and sent != (t.shape, t.dtype):
+            rule = self.sent_shapes.get((direction, a.stage))
+            if rule is not None and (t.dtype, t.shape) != self._expect(rule, a.mb):
+                dtype, shape = self._expect(rule, a.mb)
                 raise ValueError(
-                    f"stage {a.stage} now sends {tuple(t.shape)} {t.dtype} but its receiver "
-                    f"learned {tuple(sent[0])} {sent[1]} from the first step; build a new "
-                    "engine (trainer) when micro-batch shapes change")
-            if sent is None:  # first message of the channel: tell the receiver the shape
-                self.sent_shapes[(direction, a.stage)] = (t.shape, t.dtype)
+                    f"stage {a.stage} sends {tuple(t.shape)} {t.dtype} for micro-batch {a.mb}, "
+                    f"but its receiver expects {tuple(shape)} {dtype} (the micro-batch's "
+                    f"[B, T] = {tuple(self.batch[a.mb][0].shape)} and the first step's rule)")
+            if rule is None:  # first message of the channel: tell the receiver the rule
+                rule = self._rule(t, a.mb)
+                self.sent_shapes[(direction, a.stage)] = rule
                 meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-                meta[: 2 + t.dim()] = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape])
+                meta[: 3 + t.dim()] = torch.tensor([t.dim(), _DTYPES.index(t.dtype), rule[1],
+                                                    *t.shape])
                 ops.append(dist.P2POp(dist.isend, meta, peer, self.group,
                                       self._tag(direction, a.stage, None)))
                 self.keep.append(meta)
@@ -189,16 +198,36 @@ class PipelineEngine:
                 continue
             work.wait()
             del self.meta_pending[channel]
-            ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
-            self.shapes[channel] = (torch.Size(meta[2:2 + ndim].tolist()), dtype)
+            ndim, dtype, k = int(meta[0]), _DTYPES[int(meta[1])], int(meta[2])
+            self.shapes[channel] = (dtype, k, torch.Size(meta[3:3 + ndim].tolist()))
             self._post_channel(channel)
 
+    def _rule(self, t: torch.Tensor, mb: int) -> tuple:
+        """How a channel's tensors follow their micro-batch: ``(dtype, k, shape)``, where
+        ``k > 0`` says "``[B, T / k, *shape[2:]]`` of the micro-batch's ``[B, T]``" and
+        ``k = 0`` "always ``shape``" (a tensor that is not ``[B, T / k, ...]``)."""
+        x = self.batch[mb][0]
+        if x.dim() < 2 or t.dim() < 2 or t.shape[0] != x.shape[0] or not t.shape[1] \
+                or x.shape[1] % t.shape[1]:
+            return t.dtype, 0, t.shape
+        return t.dtype, x.shape[1] // t.shape[1], t.shape
+
+    def _expect(self, rule: tuple, mb: int) -> tuple:
+        """``(dtype, shape)`` of micro-batch ``mb``'s message on a channel with ``rule``:
+        computed from this rank's own copy of the micro-batch, never sent."""
+        dtype, k, shape = rule
+        if not k:
+            return dtype, shape
+        b, n = self.batch[mb][0].shape[:2]
+        return dtype, torch.Size([b, n // k, *shape[2:]])
+
     def _post_channel(self, channel: tuple) -> None:
-        """Post the receives of all of a channel's micro-batches in this step."""
-        shape, dtype = self.shapes[channel]
+        """Post the receives of all of a channel's micro-batches in this step, each with the
+        shape of its own micro-batch."""
         direction, from_stage = channel
         ops = []
         for a in self.channels[channel]:
+            dtype, shape = self._expect(self.shapes[channel], a.mb)
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buf, self._peer(from_stage), self.group,
                                   self._tag(direction, from_stage, a.mb)))
