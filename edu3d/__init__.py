@@ -22,7 +22,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync
       dp/       data_parallel compress
-      zero/     units flat_unit gathering sharding shard_optimizer
+      zero/     units flat_unit gathering sharding shard_optimizer zero_state
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence

@@ -8,6 +8,9 @@ unit still runs the whole model (FSDP's unshard / reshard):
   frees it again (unless :attr:`Gathering.reshard_after_forward` is off: more micro-batches'
   forwards follow) and hooks the module's output, so that the unit is gathered again when
   its gradient arrives, before the module's backward runs;
+* a **forward hook on the model** frees whatever a partial forward left gathered: a unit
+  whose last module did not run this time (a skipped branch), a prefetched unit that never
+  ran (its gather lands first: freeing memory a gather is still writing would corrupt it);
 * ``prefetch=True`` starts the next unit's all-gather (asynchronous) while this one
   computes: forward order in forward, reverse order in backward;
 * a freed unit's parameters are empty tensors (:meth:`FlatUnit.free`), safe to touch;
@@ -31,7 +34,7 @@ class Gathering:
     """Gathers and frees ``units`` (sharded over ``group``) around their modules' use."""
 
     def __init__(self, model: torch.nn.Module, units: list[FlatUnit], group, prefetch: bool):
-        self.units, self.group, self.prefetch = units, group, prefetch
+        self.units, self.group, self.prefetch, self.model = units, group, prefetch, model
         self.reshard_after_forward = True
         for u in units:
             u.shard_param = u.shard_param.clone()  # the only persistent copy
@@ -40,6 +43,9 @@ class Gathering:
         self._install_state_dict_hooks(model)
 
     def free(self, u: FlatUnit) -> None:
+        if u.pending is not None:  # a prefetched unit nobody used: let the gather land first
+            u.pending.wait()
+            u.pending = None
         u.free()
         self.mark_resident()
 
@@ -89,6 +95,15 @@ class Gathering:
             for m in u.modules:
                 m.register_forward_pre_hook(before_forward)
                 m.register_forward_hook(after_forward)
+        self.model.register_forward_hook(self._after_model_forward)
+
+    def _after_model_forward(self, module, inputs, output) -> None:
+        """Free what a partial forward left gathered: a unit whose last module did not run
+        (or a prefetched unit that never ran). Its backward gathers it again if needed."""
+        if self.reshard_after_forward:
+            for u in self.units:
+                if u.gathered or u.pending is not None:
+                    self.free(u)
 
     def _before_backward(self, u: FlatUnit, i: int) -> None:
         self.gather(u)

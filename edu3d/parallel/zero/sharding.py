@@ -55,7 +55,7 @@ from edu3d.distributed.meter import storage_bytes
 from edu3d.parallel.dp.data_parallel import switched, used_by_any_rank
 from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.zero.flat_unit import FlatUnit
-from edu3d.parallel.zero import shard_optimizer
+from edu3d.parallel.zero import shard_optimizer, zero_state
 from edu3d.parallel.zero.gathering import Gathering
 from edu3d.parallel.zero.units import model_units
 
@@ -133,8 +133,10 @@ class Zero:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.gathering = Gathering(model, self.units, group, prefetch) if stage == 3 else None
         groups = shard_optimizer.checked_groups(params, self._where, self.names)
+        self.group_names = [[self.names[p] for p in g["params"]] for g in groups]
         self.optimizer = shard_optimizer.build(self.units, groups, optimizer_class, defaults,
                                                offload)
+        zero_state.install_load_hooks(self)  # model.load_state_dict writes into the shards
 
     @property
     def per_microbatch(self) -> bool:
@@ -349,6 +351,16 @@ class Zero:
                     state = adam_state(self.optimizer, piece)
                     views += [(kind, state[kind], True) for kind in ("exp_avg", "exp_avg_sq")]
                 yield p, a, b, views
+
+    def state_dict(self, full: bool = False) -> dict:
+        """The optimizer's state: this rank's shard and its layout (default, no
+        communication), or ``full=True`` FSDP2's full form keyed by parameter name (collective),
+        which loads at any world size. Formats: :mod:`edu3d.parallel.zero.zero_state`."""
+        return zero_state.full_state(self) if full else zero_state.sharded_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load either form of :meth:`state_dict` (the model: ``model.load_state_dict``)."""
+        zero_state.load(self, state_dict)
 
     # ---- inspection -------------------------------------------------------------------------
     def full_tensors(self, what: str) -> dict:
