@@ -137,6 +137,22 @@ def frozen_params(spec: ModelSpec, freeze) -> int:
     return frozen_held(spec, whole, 0) + frozen_held(spec, whole, 0, experts=True)
 
 
+@lru_cache(maxsize=256)
+def frozen_active(spec: ModelSpec, freeze: tuple) -> float:
+    """Frozen parameters among the ``N`` of ``6N`` FLOPs per token (the blocks' tensors; a
+    routed expert weighs ``k/E``, the share of tokens it serves): those a token computes no
+    weight gradient for."""
+    spec, freeze = as_moe(spec), tuple(freeze)
+    if not freeze:
+        return 0.0
+    cold = _frozen_names(spec, freeze)
+    dense = sum(k for i in range(spec.n_layers) for n, k, _ in spec.block_tensors(i)
+                if block_name(i, n) in cold)
+    routed = sum(k for i in range(spec.n_layers) if spec.is_moe(i)
+                 for n, k, _ in spec.expert_tensors() if block_name(i, n) in cold)
+    return dense + (routed * spec.topk / spec.experts if spec.experts else 0.0)
+
+
 @lru_cache(maxsize=4096)
 def _split(spec: ModelSpec, shape: Shape, pp_rank: int, experts: bool) -> tuple:
     """(trainable units, their elements, frozen elements) of a rank: a sum of per-unit

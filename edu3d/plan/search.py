@@ -36,8 +36,10 @@ The cost model (:func:`step_time`), stated so it can be argued with:
              ``(m+1)(N_d-1)/N_d`` (ZeRO-2) or ``3m(N_d-1)/N_d`` (ZeRO-3) reducing every
              micro-batch, over InfiniBand when the dp group spans nodes. Frozen
              parameters (``--freeze``) are neither reduced nor sharded: Ψ is the
-             trainable ones (:func:`~edu3d.plan.inventory.held`); their compute is still
-             counted in full.
+             trainable ones (:func:`~edu3d.plan.inventory.held`), and a token computes
+             no weight gradient for them: ``2·N_frozen`` fewer FLOPs per token
+             (:func:`~edu3d.plan.inventory.frozen_active`; their input gradients are
+             still counted, as autograd skips those only for a frozen prefix).
 
 Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
 practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`) is
@@ -55,6 +57,7 @@ from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
 from edu3d.plan.estimate import MAX_GPUS, Setup, estimate, held
 from edu3d.plan.formulas import as_moe, divisors
+from edu3d.plan.inventory import frozen_active
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
@@ -131,6 +134,7 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
     over its links) and ``total``."""
     L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, st.pp, st.microbatches
     per_token, n = _flops_per_token(spec)
+    per_token -= 2 * frozen_active(spec, tuple(st.freeze))  # no weight gradients for them
     attn_fwd = 4 * L * h * s
     extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[st.recompute]
     tokens = st.global_batch * s
