@@ -16,6 +16,14 @@ from edu3d.train.options import config_from_args
 from edu3d.train.trainer import Trainer
 from tests.workers_3d import options
 
+# bad --freeze inputs and the one-line refusal each gets, from edu3d train and edu3d plan alike
+BAD_FREEZE = [
+    (["--freeze", "tok.*"], "--freeze 'tok.*' matches no parameter"),
+    (["--freeze", "lm_head.*", "--tie"], "matches no parameter"),
+    (["--freeze", "*"], "nothing would train"),
+    (["--freeze", "tok_emb.*,"], "no empty glob"),
+]
+
 
 def frozen_serial(args) -> GPT:
     model = GPT(config_from_args(args), seed=args.seed)

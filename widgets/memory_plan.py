@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from edu3d.plan.fit import size_text
 from edu3d.plan.formulas import zero_bytes
 from edu3d.widgets import style
 
@@ -69,7 +70,7 @@ def stage_bars(estimate: dict, measured: dict[int, dict] | None = None, *,
     if gpu_mem_gb:
         limit = usable * gpu_mem_gb * 1e9
         fits = estimate["total_bytes"] <= limit
-        gpu = style.size_text(gpu_mem_gb * 1e9)
+        gpu = size_text(gpu_mem_gb * 1e9)
         verdict = f" — fits in {gpu}" if fits else f" — does NOT fit in {gpu}"
         fig.add_hline(y=limit / size, line={"dash": "dash", "color": style.BLACK},
                       annotation_text=f"usable: {usable:.0%} of {gpu}",

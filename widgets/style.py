@@ -144,15 +144,6 @@ def html_export_renderer() -> None:
         pio.renderers.default = "plotly_mimetype+notebook"
 
 
-def size_text(nbytes: float) -> str:
-    """A size in the unit that fits it: ``3e6`` -> ``"3 MB"``, ``8e10`` -> ``"80 GB"`` (never
-    ``"0.003 GB"``)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} bytes"
-
-
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``1 layer``, ``3 layers`` (``words`` for an irregular plural)."""
     return f"{n} {word if n == 1 else (words or word + 's')}"

@@ -40,6 +40,7 @@ from edu3d.commands.argtypes import between, number
 from edu3d.commands.train import globs
 from edu3d.plan import search as plan_search
 from edu3d.plan import zero_modes
+from edu3d.plan.fit import size_text
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
                                  PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
@@ -316,28 +317,19 @@ def main_from_args(args) -> int:
     verdict = "" if fits is None else (
         f"  {'FITS' if fits else 'DOES NOT FIT'} in {cluster.usable * mem_gb:.1f} GB usable of "
         f"{mem_gb:g} GB")
-    print(f"fullest: pp rank {est['fullest_pp_rank']}, {size_text(est['total_bytes'])}"
-          + verdict)
+    print(f"fullest: pp rank {est['fullest_pp_rank']}, "
+          f"{size_text(est['total_bytes'], '.3f')}" + verdict)
     print(f"  of which weights, gradients and optimizer state (the ZeRO paper's count): "
-          f"{size_text(est['state_bytes'])}" + (
+          f"{size_text(est['state_bytes'], '.3f')}" + (
               "; the full gradients are held for the step (--grad-reduce per-step)"
               if zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches) else ""))
     if st.freeze:
         print(f"frozen (--freeze {','.join(st.freeze)}): {frozen_params(spec, st.freeze):,} of "
               f"{spec.num_params():,} parameters: their weights only, whole on every rank; "
               "no gradients, no optimizer state")
-    sent = [f"{axis} {size_text(v)}" for axis, v in out["traffic_bytes"].items() if v]
+    sent = [f"{axis} {size_text(v, '.3f')}" for axis, v in out["traffic_bytes"].items() if v]
     print("sent per rank and step: " + (", ".join(sent) or "nothing (one rank)"))
     return 0 if fits is not False else 1
-
-
-def size_text(n: float) -> str:
-    """Bytes in the unit their size calls for: ``16.6 GB`` for a 7.5B model, ``1.9 MB`` for
-    the course's, never ``0.002 GB``."""
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= div:
-            return f"{n / div:.3f} {unit}"
-    return f"{n:.0f} B"
 
 
 def count_text(n: float) -> str:

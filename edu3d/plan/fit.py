@@ -57,6 +57,15 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+def size_text(nbytes: float, digits: str = ".3g") -> str:
+    """A size in the unit that fits it: ``3e6`` -> ``"3 MB"``, ``8e10`` -> ``"80 GB"`` (never
+    ``"0.003 GB"``); ``digits`` is the number's format (``edu3d plan`` prints ``".3f"``)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:{digits}} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
 def check_fit(spec: ModelSpec, st: Setup, available: int | None = None) -> dict[str, int]:
     """Refuse (:class:`~edu3d.distributed.mesh.LayoutError`) a run whose ``st.gpus`` ranks need
     more memory than this machine has ``available`` (default: ``MemAvailable``); returns
