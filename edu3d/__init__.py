@@ -17,8 +17,8 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
-    train/      trainer loop options axis_rules data documents batching optim faults publish step_stats memory_recorder cuda_memory
-                                     one Trainer for every layout; typed options
+    train/      trainer loop preflight axis_rules data documents batching optim faults publish step_stats memory_recorder cuda_memory
+                                     one Trainer for every layout; one pre-flight
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync
       dp/       data_parallel compress
@@ -34,6 +34,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     launch/     api agent supervise worker procs runs heartbeat magic status live
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
+    config/     layout sections   what a run is: the layout and its rank order, the Run in sections
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
     model/      gpt moe shapes param_globs  the serial reference GPT, mixture of experts, model shapes

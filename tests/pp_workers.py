@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import dataclasses
 
 import torch
 
@@ -13,20 +12,21 @@ from edu3d.course import unscaled_loss
 from edu3d.train.trainer import Trainer
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import TrainOptions, check_args, config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 
 
-def _args(optimizer: str) -> TrainOptions:
+def _args(optimizer: str) -> Run:
     # AdamW turns fp32 rounding in tiny gradients into full-size updates; lr 1e-3 with 10
     # warmup steps keeps that floor below 1e-5 (see tests/test_dp.py, same convention).
     if optimizer == "sgd":
-        return defaults(lr=0.1, clip=1.0, weight_decay=0.1, optimizer="sgd", warmup=0)
-    return defaults(lr=1e-3, clip=1.0, weight_decay=0.1, optimizer="adamw", warmup=10)
+        return Run.of(lr=0.1, clip=1.0, weight_decay=0.1, optimizer="sgd", warmup=0)
+    return Run.of(lr=1e-3, clip=1.0, weight_decay=0.1, optimizer="adamw", warmup=10)
 
 
-def _pipeline(args: TrainOptions, cfg: dict) -> TrainOptions:
+def _pipeline(args: Run, cfg: dict) -> Run:
     """``args`` with the pipeline options of ``cfg``."""
-    return dataclasses.replace(args, schedule=cfg["schedule"], microbatches=cfg["m"],
+    return args.replace(schedule=cfg["schedule"], microbatches=cfg["m"],
                                vpp=cfg.get("vpp", 1))
 
 
@@ -128,11 +128,11 @@ def train_records(mesh, argv: list[str], steps: int) -> list[dict]:
 
     args = parse(argv)
     check_args(args)
-    config = config_from_args(args)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    config = model_config(args)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     out = []
     for step in range(1, steps + 1):
-        x, y = corpus.batch(step, args.global_batch)
+        x, y = corpus.batch(step, args.batch.global_batch)
         out.append(trainer.step(x, y, step))
     return out

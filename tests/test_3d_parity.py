@@ -15,7 +15,7 @@ import functools
 import pytest
 
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from tests.workers_3d import parity_many, serial_key, serial_reference
 
 TOL = 1e-5

@@ -11,7 +11,7 @@ import pytest
 
 from edu3d.commands.generate import generate as generate_tokens, load_model
 from edu3d.train.loop import run
-from edu3d.train.options import defaults
+from edu3d.config.sections import Run
 
 MODEL = dict(layers=2, d_model=32, heads=4, seq=16, vocab=64, experts=4, topk=2,
              capacity_factor=1.0, json=True, timeout=300)
@@ -24,12 +24,12 @@ def _losses(records):
 def test_moe_checkpoint_reshards_across_5d_layouts(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     # dp2 x cp2 with the experts over ep 2 (4 ranks) saves at step 3 ...
-    run(defaults(**MODEL, dp=2, cp=2, ep=2, steps=3, ckpt_dir=ckpt), out=io.StringIO())
+    run(Run.of(**MODEL, dp=2, cp=2, ep=2, steps=3, ckpt_dir=ckpt), out=io.StringIO())
     # ... dp2 x tp2 (4 ranks, experts whole on every rank) resumes to step 5
-    resumed = run(defaults(**MODEL, dp=2, tp=2, steps=5, ckpt_dir=ckpt, resume=True),
+    resumed = run(Run.of(**MODEL, dp=2, tp=2, steps=5, ckpt_dir=ckpt, resume=True),
                   out=io.StringIO())
     # the same 5 steps without a break, on the first layout
-    whole = run(defaults(**MODEL, dp=2, cp=2, ep=2, steps=5), out=io.StringIO())
+    whole = run(Run.of(**MODEL, dp=2, cp=2, ep=2, steps=5), out=io.StringIO())
     assert len(resumed) == 5
     for a, b in zip(_losses(resumed)[3:], _losses(whole)[3:], strict=True):
         assert a == pytest.approx(b, rel=1e-5)

@@ -18,9 +18,8 @@ import functools
 import pytest
 
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
 from tests.workers_5d import options, parity_all, serial_reference
-from edu3d.train.options import check_args
+from edu3d.train.preflight import check_args
 
 TOL = 1e-5
 # the weights after the AdamW steps: Adam divides each update by sqrt(v), so an entry whose

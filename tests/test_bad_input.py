@@ -20,7 +20,7 @@ import pytest
 from edu3d import cli
 from edu3d.commands import argtypes
 from edu3d.commands import ckpt, generate  # noqa: F401 - their torch import is not timed below
-from edu3d.distributed import mesh
+from edu3d.config import layout
 from edu3d.launch import api as launch_api
 from edu3d.plan import search as plan_search
 from edu3d.plan.estimate import MAX_GPUS, MAX_LAYERS, in_flight
@@ -167,13 +167,13 @@ def test_a_search_weighs_a_bounded_number_of_layouts(monkeypatch):
 
 
 def test_divisors_of_a_billion_are_found_at_once():
-    """One function, the mesh's (a Layout's error lists them too), which the planner uses."""
-    assert plan_search.divisors is mesh.divisors
+    """One function, the layout's (a Layout's error lists them too), which the planner uses."""
+    assert plan_search.divisors is layout.divisors
     started = time.process_time()
-    ds = mesh.divisors(10**9)
+    ds = layout.divisors(10**9)
     assert time.process_time() - started < 0.5
     assert ds == sorted(ds) and len(ds) == 100 and all(10**9 % d == 0 for d in ds)
-    assert all(mesh.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert all(layout.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
                for n in range(1, 300))
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from edu3d.commands.train import parse
-from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.config.layout import Layout, LayoutError
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, PRESETS, document_mask, document_positions, set_attention
 from edu3d.parallel.pp.engine import PipelineEngine
@@ -26,7 +26,7 @@ from edu3d.parallel.pp.stage import split_model
 from edu3d.train.batching import (IGNORE, MODES, POOL_DOCS, expected_pad_waste, per_document_loss,
                                   step_batch)
 from edu3d.train.documents import DocumentCorpus
-from edu3d.train.options import BATCHING, check_args
+from edu3d.train.preflight import BATCHING, check_args
 from tests.workers_batching import parity_many
 
 TOL = 1e-5

@@ -7,7 +7,7 @@ import pytest
 
 from edu3d.bench.bench_3d import torch_matches_serial
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from edu3d.course.ch04_tensor_parallel import (tp_activation_prediction,
 from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve
 from edu3d.course import ch11_review_recipe as recipe
 from edu3d.course.ch11_review import plan
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets import style
 
 

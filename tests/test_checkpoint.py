@@ -14,8 +14,9 @@ import torch
 from edu3d.ckpt import format as checkpoint, checkpointer, reshard
 from edu3d.ckpt.format import CheckpointError, check_resume, full_state, latest_step
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
-from edu3d.train.options import check_args, config_from_args, defaults
+from edu3d.config.layout import Layout
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 from edu3d.model.shapes import padded_size
 from edu3d.parallel.tp.layers import shard
 from edu3d.train.loop import run
@@ -25,7 +26,7 @@ M = "--layers 2 --tie --vocab 250".split()  # launched; vocab 250 is padded unde
 
 
 def _args(**kw):
-    args = defaults(**{**TINY, **kw})
+    args = Run.of(**{**TINY, **kw})
     check_args(args)
     return args
 
@@ -138,7 +139,7 @@ def test_a_folder_without_manifest_is_never_loaded(tmp_path):
                                          .read_bytes())
     assert latest_step(tmp_path) == 2
     args = _args(steps=4, ckpt_dir=str(tmp_path), resume=True)
-    assert check_resume(args, config_from_args(args)) == 2
+    assert check_resume(args, model_config(args)) == 2
 
 
 def test_corrupted_missing_and_foreign_checkpoints_fail_before_any_process(tmp_path):
@@ -328,13 +329,13 @@ def _gpu_run(args, resume_at: int | None = None) -> list[dict]:
     from edu3d.model.gpt import GPT
     from edu3d.train.trainer import Trainer
 
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed).cuda(), None, args)
-    ckpt = Checkpointer(trainer, args, config_from_args(args))
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed).cuda(), None, args)
+    ckpt = Checkpointer(trainer, args, model_config(args))
     records = ckpt.resume(step=resume_at) if resume_at else []
-    for s in range(len(records) + 1, args.steps + 1):
-        x, y = corpus.batch(s, args.global_batch)
+    for s in range(len(records) + 1, args.training.steps + 1):
+        x, y = corpus.batch(s, args.batch.global_batch)
         records.append({"step": s, **trainer.step(x.cuda(), y.cuda(), s)})
         if resume_at is None:
             ckpt.after_step(s, records)

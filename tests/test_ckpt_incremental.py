@@ -18,13 +18,13 @@ import pytest
 from edu3d.ckpt import format as ckfmt
 from edu3d.ckpt.checkpointer import reuse
 from edu3d.commands.train import parse
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.launch.api import LaunchError
 from edu3d.model.gpt import config_from
 from edu3d.model.shapes import num_params_from_config
 from edu3d.train.loop import run
-from edu3d.train.options import check_args
+from edu3d.train.preflight import check_args
 from tests import workers_ckpt, workers_incremental
 
 BASE = ["--layers", "2", "--json"]

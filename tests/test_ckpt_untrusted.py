@@ -20,15 +20,16 @@ from edu3d.ckpt import format as checkpoint
 from edu3d.ckpt.format import CheckpointError, MANIFEST, step_dir
 from edu3d.cli import main
 from edu3d.launch.api import RankHung, launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.train.loop import run
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 
 TINY = dict(model="tiny", layers=2, vocab=250, json=True)
 
 
 def _train(**kw) -> list[dict]:
-    args = defaults(**{**TINY, **kw})
+    args = Run.of(**{**TINY, **kw})
     check_args(args)
     return run(args, out=io.StringIO())
 

@@ -8,10 +8,11 @@ import io
 
 import pytest
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.train.loop import run
-from edu3d.train.options import compiler, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import compiler
 from tests import workers_fast
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="inductor needs a C++ compiler")
@@ -20,8 +21,8 @@ TINIEST = dict(layers=2, heads=2, d_model=32, seq=16, vocab=64, global_batch=4)
 
 
 def test_compiled_serial_model_gives_eager_losses():
-    eager = run(defaults(**TINIEST, steps=2, json=True), out=io.StringIO())
-    compiled = run(defaults(**TINIEST, steps=2, json=True, compile=True), out=io.StringIO())
+    eager = run(Run.of(**TINIEST, steps=2, json=True), out=io.StringIO())
+    compiled = run(Run.of(**TINIEST, steps=2, json=True, compile=True), out=io.StringIO())
     for a, b in zip(eager, compiled):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-5)

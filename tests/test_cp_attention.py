@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.recompute import apply_recompute

@@ -7,7 +7,7 @@ import pytest
 
 from edu3d.course import ch00_launching_ranks as demos
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets.mesh3d import mesh_figure
 from edu3d.widgets.timeline import timeline_figure
 

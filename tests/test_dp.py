@@ -16,7 +16,8 @@ from edu3d.model.gpt import GPT
 from edu3d.commands.train import parse
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import TrainOptions, config_from_args
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 
 TOL = 1e-5
@@ -25,7 +26,7 @@ MODEL = ["--layers", "2", "--heads", "3", "--d-model", "27", "--seq", "16", "--v
          "--global-batch", "16"]
 
 
-def make_args(optimizer: str, **extra) -> TrainOptions:
+def make_args(optimizer: str, **extra) -> Run:
     # AdamW divides each gradient by its own root-mean-square, so elements with tiny gradients
     # turn fp32 rounding into full-size updates: at lr 3e-3 without warmup the *serial* model
     # run with 8 micro-batches differs from the unsplit run by 1.2e-4 after 10 steps. With
@@ -70,13 +71,13 @@ def serial_reference():
     out = {}
     for opt, steps in (("sgd", 1), ("adamw", ADAM_STEPS)):
         args = make_args(opt)
-        config = config_from_args(args)
-        model, corpus = GPT(config, seed=args.seed), SyntheticCorpus(
-            config.vocab_size, config.seq_len, seed=args.seed)
+        config = model_config(args)
+        model, corpus = GPT(config, seed=args.training.seed), SyntheticCorpus(
+            config.vocab_size, config.seq_len, seed=args.training.seed)
         optimizer = make_optimizer(model, args)
         losses = []
         for step in range(1, steps + 1):
-            x, y = corpus.batch(step, args.global_batch)
+            x, y = corpus.batch(step, args.batch.global_batch)
             losses.append(train_step(model, optimizer, x, y, step, args)["loss"])
         out[opt] = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
                     "params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -99,15 +100,15 @@ def parity_worker(mesh, configs: list[dict], ref: dict):
         errs = {}
         for opt, steps in (("sgd", 1), ("adamw", ADAM_STEPS)):
             args = make_args(opt, dp=mesh.size("dp"), **cfg)
-            config = config_from_args(args)
-            model = GPT(config, seed=args.seed)
-            corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+            config = model_config(args)
+            model = GPT(config, seed=args.training.seed)
+            corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
             psi = num_params(model)
             trainer = Trainer(model, mesh, args)
             losses = []
             with trace.current().context(case=f"{name}/{opt}"):
                 for step in range(1, steps + 1):
-                    x, y = corpus.batch(step, args.global_batch)
+                    x, y = corpus.batch(step, args.batch.global_batch)
                     losses.append(trainer.step(x, y, step)["loss"])
             params = full_state(trainer, "params")
             errs[f"{opt}_param"] = param_error(params, ref[opt]["params"])

@@ -16,7 +16,7 @@ from edu3d.launch import runs
 from edu3d.commands.train import main as train_main
 from edu3d.train import loop as train
 from edu3d.launch.api import RankHung, launch
-from edu3d.train.options import defaults
+from edu3d.config.sections import Run
 from tests import workers_failures
 
 KEYS = ("step", "loss", "grad_norm", "lr")
@@ -115,7 +115,7 @@ def test_heartbeat_must_be_shorter_than_the_collective_timeout():
 # ---- restarts: exit, kill, hang ----------------------------------------------------------------
 def _train_args(tmp_path, **kw):
     base = dict(dp=2, zero=1, layers=2, steps=4, json=True, timeout=180.0)
-    return defaults(**{**base, **kw})
+    return Run.of(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_json_shows_each_step_once_across_a_restart(tmp_path, monkeypatch, capfd
 # ---- a kill in the middle of writing a checkpoint ----------------------------------------------
 @pytest.fixture(scope="module")
 def serial_reference(tmp_path_factory):
-    return train.run(defaults(layers=2, steps=3, json=True), out=io.StringIO())
+    return train.run(Run.of(layers=2, steps=3, json=True), out=io.StringIO())
 
 
 def _train_killed_during_save(point: str, step: int, opts: list[str]) -> int:
@@ -205,7 +205,7 @@ def test_a_save_killed_midway_is_never_loaded(tmp_path, point, serial_reference)
     with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint of step 2"):
         checkpoint.read_manifest(ckpt, 2)
     # the run resumes from step 1 and ends as if nothing had happened
-    args = defaults(layers=2, steps=3, json=True, ckpt_dir=str(ckpt), save_every=1, resume=True)
+    args = Run.of(layers=2, steps=3, json=True, ckpt_dir=str(ckpt), save_every=1, resume=True)
     records = train.run(args, out=io.StringIO())
     assert _same(records, serial_reference)
     assert checkpoint.steps(ckpt) == [1, 2, 3]

@@ -6,12 +6,12 @@ import io
 import pytest
 import torch
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from, explicit_attention, set_attention
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import run
-from edu3d.train.options import defaults
+from edu3d.config.sections import Run
 from tests import workers_fast
 
 V = 250  # not a multiple of 64: --vocab-pad 64 makes the tables 256 rows
@@ -40,8 +40,8 @@ def test_padded_vocabulary_is_the_same_model():
 
 def test_padded_vocabulary_trains_like_the_unpadded_one_serially():
     common = dict(vocab=V, steps=4, json=True)
-    a = run(defaults(**common), out=io.StringIO())
-    b = run(defaults(**common, vocab_pad=64), out=io.StringIO())
+    a = run(Run.of(**common), out=io.StringIO())
+    b = run(Run.of(**common, vocab_pad=64), out=io.StringIO())
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-6)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-5)
@@ -95,7 +95,7 @@ def test_tp2_padded_vocabulary_and_explicit_attention_match_serial():
 def test_adamw_runs_over_tensor_lists_on_cpu():
     from edu3d.train.optim import make_optimizer
 
-    opt = make_optimizer(GPT(config_from()), defaults())
+    opt = make_optimizer(GPT(config_from()), Run.of())
     assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
 
 
@@ -105,21 +105,21 @@ def test_on_a_gpu_adamw_is_fused_and_tf32_is_on_unless_asked_off():
     from edu3d.train.trainer import Trainer
 
     model = GPT(config_from()).cuda()
-    assert make_optimizer(model, defaults()).defaults["fused"] is True
-    Trainer(model, None, defaults())
+    assert make_optimizer(model, Run.of()).defaults["fused"] is True
+    Trainer(model, None, Run.of())
     assert torch.backends.cuda.matmul.allow_tf32
-    Trainer(GPT(config_from()).cuda(), None, defaults(no_tf32=True))
+    Trainer(GPT(config_from()).cuda(), None, Run.of(no_tf32=True))
     assert not torch.backends.cuda.matmul.allow_tf32
 
 
 def test_the_loss_is_read_only_at_logged_steps():
     from edu3d.train.trainer import Trainer
 
-    trainer = Trainer(GPT(config_from()), None, defaults())
+    trainer = Trainer(GPT(config_from()), None, Run.of())
     out = trainer.step(*SyntheticCorpus(256, 32).batch(1, 8), 1, read=False)
     assert isinstance(out["loss"], torch.Tensor) and isinstance(out["grad_norm"], torch.Tensor)
-    every = run(defaults(steps=6, json=True), out=io.StringIO())
-    third = run(defaults(steps=7, log_every=3, json=True), out=io.StringIO())
+    every = run(Run.of(steps=6, json=True), out=io.StringIO())
+    third = run(Run.of(steps=7, log_every=3, json=True), out=io.StringIO())
     assert [r["step"] for r in third] == [3, 6, 7]  # and the last step
     for r in third[:2]:
         assert r["loss"] == every[r["step"] - 1]["loss"] and r["tokens_per_s"] > 0
@@ -130,11 +130,11 @@ def test_the_loss_is_read_only_at_logged_steps():
     (dict(attn="flash"), "choose one of sdpa, explicit"),
 ])
 def test_fast_path_refusals(flags, message):
-    from edu3d.distributed.mesh import LayoutError
-    from edu3d.train.options import check_args
+    from edu3d.config.layout import LayoutError
+    from edu3d.train.preflight import check_args
 
     with pytest.raises(LayoutError, match=message):
-        check_args(defaults(**flags))
+        check_args(Run.of(**flags))
 
 
 def test_compile_without_a_compiler_is_refused_before_launch(monkeypatch, capsys):

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from tests.workers_freeze import BAD_FREEZE, parity_many, serial_reference
 
@@ -93,7 +93,7 @@ def test_freeze_is_part_of_a_checkpoints_identity(tmp_path):
     from edu3d.ckpt.format import CheckpointError, check_resume
     from edu3d.commands.train import parse
     from edu3d.train.loop import run
-    from edu3d.train.options import check_args
+    from edu3d.train.preflight import check_args
     import io
 
     ck = str(tmp_path / "ck")

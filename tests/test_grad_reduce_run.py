@@ -84,7 +84,7 @@ def test_with_a_pipeline_the_fullest_rank_is_the_planners():
     """dp=2 x pp=2 (1F1B, 4 micro-batches): ``Trainer.stats()``'s fullest rank holds what the
     planner's fullest (pipeline rank, dp rank) holds at the peak, in both modes."""
     from edu3d.course.ch07_memory_plan import measure_many, options
-    from edu3d.distributed.mesh import Layout
+    from edu3d.config.layout import Layout
     from edu3d.launch import launch
     from edu3d.plan import estimate as plan_memory
 
@@ -94,7 +94,8 @@ def test_with_a_pipeline_the_fullest_rank_is_the_planners():
                  timeout=300, name="grad-reduce-pp").results
     cats = ("params", "grads", "optimizer")
     for i, a in enumerate(argvs):
-        spec, st = plan_memory.from_train_args(options(a))
+        st = options(a)
+        spec = plan_memory.spec_of(st)
         planned = [plan_memory.state_per_rank(spec, st, pp, dp, at="peak")
                    for pp, dp, _ in (res[r][i]["coord"] for r in range(4))]
         fullest = max(planned, key=lambda d: sum(d.values()))

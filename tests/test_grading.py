@@ -228,7 +228,7 @@ def test_a_verdict_shows_no_value_in_a_notebook():
 
 
 def test_solution_matches_layout_everywhere():
-    from edu3d.distributed.mesh import Layout
+    from edu3d.config.layout import Layout
 
     sol = grading.load("ranks", solutions=True)
     for dp, tp, pp in [(1, 1, 1), (2, 2, 2), (3, 2, 4), (1, 8, 1), (5, 1, 3)]:

@@ -9,6 +9,7 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
    `from edu3d import comm`).
 2. Imports go downwards, never round in a circle, and never sideways. The floors, bottom
    to top (a room is a folder of edu3d/, or a loose module; widgets/ is one room):
+       F0  config                           what a run is: its layout and every section
        F1  distributed, model, schedules    what every rank uses; the serial reference;
                                             pipeline schedules as data
        F2  parallel, ckpt, plan, launch     the mechanics, each on its own
@@ -62,17 +63,18 @@ ROOT = Path(os.environ.get("EDU3D_HOUSE_ROOT") or Path(__file__).resolve().paren
 
 LOOSE_ALLOWED = {"__init__.py", "cli.py"}
 LAYERS = {
-    "edu3d.distributed": 0, "edu3d.model": 0, "edu3d.schedules": 0,
-    "edu3d.parallel": 1, "edu3d.ckpt": 1, "edu3d.plan": 1, "edu3d.launch": 1,
-    "edu3d.train": 2,
-    "edu3d.production": 3,
-    "edu3d.bench": 4,
-    "edu3d.course": 5,
-    "edu3d.commands": 6, "edu3d.widgets": 6, "edu3d": 6,
-    "edu3d.cli": 7,
+    "edu3d.config": 0,
+    "edu3d.distributed": 1, "edu3d.model": 1, "edu3d.schedules": 1,
+    "edu3d.parallel": 2, "edu3d.ckpt": 2, "edu3d.plan": 2, "edu3d.launch": 2,
+    "edu3d.train": 3,
+    "edu3d.production": 4,
+    "edu3d.bench": 5,
+    "edu3d.course": 6,
+    "edu3d.commands": 7, "edu3d.widgets": 7, "edu3d": 7,
+    "edu3d.cli": 8,
 }
 SIDEWAYS: set = set()  # (importer's package, imported package) allowed within one floor: none
-CORE = ("edu3d.distributed", "edu3d.model", "edu3d.schedules", "edu3d.parallel", "edu3d.train", "edu3d.ckpt",
+CORE = ("edu3d.config", "edu3d.distributed", "edu3d.model", "edu3d.schedules", "edu3d.parallel", "edu3d.train", "edu3d.ckpt",
         "edu3d.plan", "edu3d.launch")
 ABOVE_THE_CORE = ("edu3d.course", "edu3d.widgets", "edu3d.production", "edu3d.bench",
                   "edu3d.commands")
@@ -211,8 +213,8 @@ def find_upward_imports(house: House) -> list[str]:
         if lt < ls or (lt == ls and (ps, pt) in SIDEWAYS):
             continue
         way = "sideways" if lt == ls else "upwards"
-        out.append(f"{house.where(e.source, e.line)}: {e.source} (F{ls + 1}) imports {e.target} "
-                   f"(F{lt + 1}), {way}" + (" (inside a function)" if e.local else ""))
+        out.append(f"{house.where(e.source, e.line)}: {e.source} (F{ls}) imports {e.target} "
+                   f"(F{lt}), {way}" + (" (inside a function)" if e.local else ""))
     return out
 
 

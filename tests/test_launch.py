@@ -11,7 +11,7 @@ import pytest
 
 from edu3d.launch.api import LaunchError, LaunchTimeout, RankError, launch
 from edu3d.launch.procs import running
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from tests import workers
 
 

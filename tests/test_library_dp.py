@@ -9,7 +9,7 @@ group's first rank (``broadcast_buffers``). One 2-rank gloo launch runs every ca
 import pytest
 import torch
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.parallel.dp.data_parallel import IMPLS, make_buckets
 from tests.workers_library_dp import PLACEMENTS, STEPS, all_cases

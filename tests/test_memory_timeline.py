@@ -20,7 +20,8 @@ from edu3d.train import cuda_memory, memory_recorder
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import run
 from edu3d.train.memory_recorder import KINDS, MemoryRecorder
-from edu3d.train.options import config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 
 SETTINGS = {
@@ -137,8 +138,8 @@ def _hooks(trainer) -> tuple:
 
 
 def test_the_recorder_off_costs_nothing_and_leaves_nothing_behind(monkeypatch):
-    args = defaults(steps=2)
-    config = config_from_args(args)
+    args = Run.of(steps=2)
+    config = model_config(args)
     trainer = Trainer(GPT(config, seed=0), None, args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     before = _hooks(trainer)
@@ -154,13 +155,13 @@ def test_the_recorder_off_costs_nothing_and_leaves_nothing_behind(monkeypatch):
     assert len(rec.samples) > 10
     # a run without --memory-timeline never builds a recorder
     monkeypatch.setattr(memory_recorder, "MemoryRecorder", lambda *a: pytest.fail("built"))
-    assert len(run(defaults(steps=2, log_every=2), out=open("/dev/null", "w"))) == 1
+    assert len(run(Run.of(steps=2, log_every=2), out=open("/dev/null", "w"))) == 1
 
 
 def test_memory_timeline_option_writes_the_document(tmp_path, capsys):
     path = tmp_path / "step.json"
     out = open(tmp_path / "out.txt", "w")
-    run(defaults(steps=2, microbatches=2, memory_timeline=str(path)), out=out)
+    run(Run.of(steps=2, microbatches=2, memory_timeline=str(path)), out=out)
     out.close()
     doc = json.loads(path.read_text())
     assert doc["kind"] == "edu3d memory timeline" and doc["step"] == 2

@@ -1,7 +1,7 @@
 import pytest
 
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.config.layout import Layout, LayoutError
 from edu3d.model.gpt import config_from
 from tests import workers
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model import moe as moe_mod
 from edu3d.model.gpt import (GPT, MLP, PRESETS, GPTConfig, config_from, flops_per_token,

@@ -10,7 +10,6 @@ of writes, never as times."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 
@@ -19,10 +18,11 @@ import pytest
 from edu3d import cli
 from edu3d.commands import top
 from edu3d.commands.train import fault_spec
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch, live, runs
 from edu3d.train import faults, loop
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 
 SLEEP = 0.15
 
@@ -89,10 +89,10 @@ def test_a_slow_rank_stands_out_live_and_in_top_afterwards(capfd, tmp_path, monk
 
 
 def test_nobody_watching_costs_one_write_per_rank():
-    options = defaults(layers=2, dp=2, steps=6, json=True,
+    options = Run.of(layers=2, dp=2, steps=6, json=True,
                        inject_fault={"rank": 0, "kind": "slow", "step": 1, "seconds": 0.06})
     check_args(options)  # 6 steps of >= 60 ms: past a publish interval without a watcher
-    run = launch(loop.worker, 2, args=(dataclasses.asdict(options),), layout=Layout(dp=2),
+    run = launch(loop.worker, 2, args=(options.flat(),), layout=Layout(dp=2),
                  echo=False, timeout=120, name="unwatched")
     records = live.read(run.run_dir, 2)
     assert [r["n"] for r in records] == [1, 1]  # only the final record, nothing per step

@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from edu3d.train.optim import MIN_LR_RATIO, clip_coef, lr_at, make_optimizer, param_groups
-from edu3d.train.options import defaults
+from edu3d.config.sections import Run
 
 
 def test_warmup_then_constant():
-    args = defaults(lr=1e-3, warmup=4, steps=10)
+    args = Run.of(lr=1e-3, warmup=4, steps=10)
     assert [lr_at(s, args) for s in (1, 2, 4, 10)] == pytest.approx([2.5e-4, 5e-4, 1e-3, 1e-3])
 
 
 def test_warmup_then_cosine_to_a_tenth():
-    args = defaults(lr=1e-3, warmup=2, steps=12, lr_schedule="cosine")
+    args = Run.of(lr=1e-3, warmup=2, steps=12, lr_schedule="cosine")
     assert lr_at(1, args) == pytest.approx(5e-4)
     assert lr_at(2, args) == pytest.approx(1e-3)  # the peak, where the decay starts
     mid = 2 + (12 - 2) / 2
@@ -43,7 +43,7 @@ def test_decay_on_matrices_only_and_sgd():
     groups = param_groups(model.parameters(), 0.1)
     assert [len(g["params"]) for g in groups] == [1, 3]
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
-    opt = make_optimizer(model, defaults(optimizer="sgd", lr=0.5))
+    opt = make_optimizer(model, Run.of(optimizer="sgd", lr=0.5))
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 0.5
-    assert make_optimizer([], defaults()) is None
-    assert not math.isnan(lr_at(1, defaults()))
+    assert make_optimizer([], Run.of()) is None
+    assert not math.isnan(lr_at(1, Run.of()))

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.config.layout import Layout, LayoutError
 from edu3d.commands.argtypes import positive_int
 from edu3d.commands.train import add_arguments, options_from
 from edu3d.model.shapes import num_params_from_config
-from edu3d.train.options import (MIN_VOCAB, PRESET_NAMES, check_args, check_fit, defaults,
-                                 from_flags, memory_per_rank, oversubscribed)
+from edu3d.config.sections import Run, from_flags
+from edu3d.train.preflight import MIN_VOCAB, PRESET_NAMES, check_args, check_fit, memory_per_rank, oversubscribed
 
 GB = 10**9
 
@@ -34,7 +34,7 @@ def _parse_error(capsys, *argv) -> str:
 
 
 def test_options_import_no_torch():
-    code = "import sys, edu3d.train.options; print('torch' in sys.modules)"
+    code = "import sys, edu3d.train.preflight; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -86,12 +86,12 @@ def test_every_number_is_checked_with_its_range(capsys, argv, message):
 def test_valid_edge_values_pass():
     args = _parse("--clip", "0", "--weight-decay", "0", "--seed", "0", "--warmup", "0",
                   "--vocab", str(MIN_VOCAB), "--lr", "1e-6", "--bucket-mb", "0.5")
-    assert (args.clip, args.weight_decay, args.vocab, args.bucket_mb) == (0, 0, MIN_VOCAB, 0.5)
+    assert (args.training.clip, args.training.weight_decay, args.model.vocab, args.parallel.bucket_mb) == (0, 0, MIN_VOCAB, 0.5)
 
 
 def test_defaults():
     args = _parse()
-    assert (args.lr_schedule, args.precision, args.warmup, args.schedule) == \
+    assert (args.training.lr_schedule, args.precision.dtype, args.training.warmup, args.parallel.schedule) == \
         ("constant", "fp32", 0, "1f1b")
 
 
@@ -106,7 +106,7 @@ def test_defaults():
 def test_microbatches_for_every_layout(argv, expected):
     args = _parse(*argv)
     check_args(args)
-    assert args.microbatches == args.grad_accum == expected
+    assert args.microbatches == expected
 
 
 COMPOSE = [
@@ -139,7 +139,7 @@ def test_a_command_line_written_as_data_reads_as_the_parser_reads_it(argv):
 
 def test_an_unknown_option_is_refused_with_the_valid_names():
     with pytest.raises(TypeError, match="unknown option.*microbatch.*options are .*microbatches"):
-        defaults(microbatch=4)
+        Run.of(microbatch=4)
     with pytest.raises(ValueError, match="--microbatch.*not an edu3d train option"):
         from_flags(["--microbatch", "4"])
 
@@ -192,12 +192,12 @@ def test_zero_stages_shard_what_the_paper_says():
     ZeRO shards what the paper says, up to padding and AdamW's 4-byte step counter per shard
     piece; at the peak ZeRO-2/3 also hold one unit's full gradient (ZeRO-3: its gathered
     weights) before its reduce-scatter, so the peak is never below the rest."""
-    from edu3d.plan.estimate import estimate, from_train_args
+    from edu3d.plan.estimate import estimate, spec_of
 
     def per_rank(*argv):
         args = _parse("--model", "medium", "--dp", "4", *argv)
         check_args(args)
-        rest = estimate(*from_train_args(args), at="rest")
+        rest = estimate(spec_of(args), args, at="rest")
         peak = memory_per_rank(args)
         assert all(peak[c] >= rest[f"{c}_bytes"] for c in ("params", "grads", "optimizer"))
         return {c: rest[f"{c}_bytes"] for c in ("params", "grads", "optimizer")}

@@ -54,10 +54,10 @@ def test_measured_ring_steps_read_bytes_and_times_back():
 def test_dp_simulation_cuts_the_real_buckets_and_overlaps_only_in_reverse():
     from edu3d.course import lesson_args
     from edu3d.model.gpt import GPT
-    from edu3d.train.options import config_from_args
+    from edu3d.train.preflight import model_config
     from edu3d.parallel.dp.data_parallel import make_buckets
 
-    config = config_from_args(lesson_args())
+    config = model_config(lesson_args())
     params = ch02.backward_sizes(config)
     model = GPT(config, seed=0)
     psi = sum(p.numel() for p in model.parameters())

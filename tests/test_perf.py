@@ -228,7 +228,7 @@ def small_session(mesh) -> dict:
 @pytest.fixture(scope="module")
 def live():
     from edu3d.launch import launch
-    from edu3d.distributed.mesh import Layout
+    from edu3d.config.layout import Layout
 
     return launch(small_session, 2, layout=Layout(dp=2), echo=False, timeout=240,
                   progress=False)

@@ -63,7 +63,7 @@ def test_planner_state_is_the_zero_formula_for_a_real_model():
     spec = shapes.spec_from("llama2-7b")
     psi = spec.num_params()
     for zero in range(4):
-        st = plan_memory.Setup(dp=8, zero=zero, precision="bf16", microbatches=1)
+        st = plan_memory.setup(dp=8, zero=zero, precision="bf16", microbatches=1)
         got = plan_memory.state_per_rank(spec, st, 0, at="rest")
         want = memory.zero_bytes(psi, 8, zero, 2, 2, 12)
         for cat in ("params", "grads", "optimizer"):
@@ -103,10 +103,10 @@ def test_in_flight_replays_few_microbatches_but_equals_the_full_replay():
 def test_pipeline_stages_differ_as_the_schedules_say():
     spec = shapes.spec_from("llama2-7b")
     common = dict(pp=4, tp=2, sp=True, microbatches=16, precision="bf16")
-    one = plan_memory.estimate(spec, plan_memory.Setup(schedule="1f1b", **common))
-    gpipe = plan_memory.estimate(spec, plan_memory.Setup(schedule="gpipe", **common))
+    one = plan_memory.estimate(spec, plan_memory.setup(schedule="1f1b", **common))
+    gpipe = plan_memory.estimate(spec, plan_memory.setup(schedule="gpipe", **common))
     layer = plan_memory.stage_activation_bytes(
-        spec, plan_memory.Setup(schedule="1f1b", **common))[1]
+        spec, plan_memory.setup(schedule="1f1b", **common))[1]
     acts = [row["activations"] for row in one["per_stage"]]
     assert acts[1] == 3 * layer and acts[2] == 2 * layer  # 1F1B: rank r holds p - r
     assert gpipe["per_stage"][1]["activations"] == 16 * layer  # GPipe: all m
@@ -156,7 +156,8 @@ def _measured(world: int) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_planner_equals_measurement(world):
     for name, ranks in _measured(world).items():
-        spec, st = plan_memory.from_train_args(options(CASES[name].split()))
+        st = options(CASES[name].split())
+        spec = plan_memory.spec_of(st)
         acts = plan_memory.activations_per_rank(spec, st)
         ratios = {}
         for res in ranks:
@@ -185,20 +186,21 @@ def test_planner_equals_measurement_under_autocast_on_cuda():
 
     from edu3d.train.data import SyntheticCorpus
     from edu3d.model.gpt import GPT
-    from edu3d.train.options import config_from_args, defaults
+    from edu3d.config.sections import Run
+    from edu3d.train.preflight import model_config
     from edu3d.train.trainer import Trainer
 
     for recompute in ("none", "selective", "full"):
-        args = defaults(model="small", precision="bf16", global_batch=4, microbatches=1,
+        args = Run.of(model="small", precision="bf16", global_batch=4, microbatches=1,
                         recompute=recompute)
-        config = config_from_args(args)
+        config = model_config(args)
         trainer = Trainer(GPT(config, seed=0).cuda(), None, args)
         x, y = (t.cuda() for t in SyntheticCorpus(config.vocab_size, config.seq_len,
                                                   seed=0).batch(1, 4))
         trainer.step(x, y, 1)
         torch.cuda.reset_peak_memory_stats()
         trainer.step(x, y, 2)
-        spec, st = plan_memory.from_train_args(args)
+        spec, st = plan_memory.spec_of(args), args
         est = plan_memory.estimate(spec, st, at="rest")
         held = meter.measure(trainer.tensors())
         for cat in ("params", "grads", "optimizer"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 
 import pytest
 
@@ -23,7 +22,7 @@ from edu3d.plan import formulas
 from edu3d.plan import estimate as est
 from edu3d.plan import search
 from edu3d.plan.formulas import MoESpec, as_moe
-from edu3d.train.options import defaults
+from edu3d.config.sections import Run
 
 MIXTRAL = planner.MOE_PRESETS["mixtral-8x7b"]
 DEEPSEEK = planner.MOE_PRESETS["deepseek-v3"]
@@ -36,15 +35,15 @@ def test_a_dense_model_is_unchanged():
         spec = shapes.spec_from(name)
         assert as_moe(spec).num_params() == spec.num_params()
         assert as_moe(spec).active_params() == spec.num_params()
-        for st in (est.Setup(dp=4, zero=1, **BF16), est.Setup(dp=2, tp=2, pp=2, sp=True, **BF16),
-                   est.Setup(dp=4, zero=3, recompute="full", **BF16)):
+        for st in (est.setup(dp=4, zero=1, **BF16), est.setup(dp=2, tp=2, pp=2, sp=True, **BF16),
+                   est.setup(dp=4, zero=3, recompute="full", **BF16)):
             assert est.estimate(as_moe(spec), st) == est.estimate(spec, st)
             assert search.step_time(as_moe(spec), st, cl) == search.step_time(spec, st, cl)
             t = search.traffic(spec, st)
             assert t["ep"] == t["cp"] == t["edp"] == 0
     # the dense cost model's rows, as before this change: 2(N-1)/N of the 16-bit gradients
     spec = shapes.spec_from("llama2-7b")
-    st = est.Setup(dp=8, **BF16)
+    st = est.setup(dp=8, **BF16)
     assert search.traffic(spec, st)["dp"] == 2 * 7 / 8 * 2 * est.held(spec, st, 0)
     assert round(search.search(shapes.spec_from("llama2-70b"), cl)[0]["time"]["total"], 2) == 75.29
 
@@ -68,20 +67,20 @@ def test_published_totals_and_active_parameters():
 
 def test_expert_parameters_divide_by_ep_exactly():
     for ep in (1, 2, 4, 8):
-        st = est.Setup(dp=8, ep=ep, **BF16)
+        st = est.setup(dp=8, ep=ep, **BF16)
         assert est.held(MIXTRAL, st, 0, experts=True) * ep == MIXTRAL.expert_params()
         dense = est.held(MIXTRAL, st, 0)
         assert dense + MIXTRAL.expert_params() == MIXTRAL.num_params()  # tp=1 pp=1: all of it
         got = est.state_per_rank(MIXTRAL, st, 0, at="rest")
         assert got["params"] == 2 * (dense + MIXTRAL.expert_params() // ep)
     # tp splits the attention, not the experts (whole on every tp rank)
-    st = est.Setup(dp=4, tp=2, ep=4, **BF16)
+    st = est.setup(dp=4, tp=2, ep=4, **BF16)
     assert est.held(MIXTRAL, st, 0, experts=True) == MIXTRAL.expert_params() // 4
 
 
 def test_zero_shards_experts_over_the_expert_data_parallel_group():
     for zero in (1, 2, 3):
-        st = est.Setup(dp=8, ep=4, zero=zero, **BF16)  # expert-DP of 2, dense DP of 8
+        st = est.setup(dp=8, ep=4, zero=zero, **BF16)  # expert-DP of 2, dense DP of 8
         d, x = est.held(MIXTRAL, st, 0), est.held(MIXTRAL, st, 0, experts=True)
         got = est.state_per_rank(MIXTRAL, st, 0, at="rest")
         want = {"params": 2 * (d / 8 + x / 2) if zero == 3 else 2 * (d + x),
@@ -90,12 +89,12 @@ def test_zero_shards_experts_over_the_expert_data_parallel_group():
         for c in want:  # flat buffers padded to a multiple of n; AdamW's step counters
             assert abs(got[c] / want[c] - 1) < 1e-4, (zero, c, got[c], want[c])
     # cp ranks are data-parallel for the weights: ZeRO over dp*cp, experts over dp*cp/ep
-    st = est.Setup(dp=4, cp=2, ep=4, zero=1, **BF16)
-    assert st.edp == 2 and st.gpus == 8
+    st = est.setup(dp=4, cp=2, ep=4, zero=1, **BF16)
+    assert st.layout.edp == 2 and st.world_size == 8
     assert est.state_per_rank(MIXTRAL, st, 0, at="rest") == est.state_per_rank(
-        MIXTRAL, est.Setup(dp=8, ep=4, zero=1, **BF16), 0, at="rest")
+        MIXTRAL, est.setup(dp=8, ep=4, zero=1, **BF16), 0, at="rest")
     with pytest.raises(ValueError, match="shards over dp\\*cp"):
-        est.validate(MIXTRAL, est.Setup(zero=1))
+        est.validate(MIXTRAL, est.setup(zero=1))
 
 
 def test_ep_and_cp_bytes_on_hand_examples():
@@ -109,18 +108,18 @@ def test_ep_and_cp_bytes_on_hand_examples():
     assert formulas.cp_bytes("ulysses", 8, 1, 4, 4, value_bytes=1) == 2 * 4 * 8 * 3 / 4
     assert formulas.cp_bytes("ring", 8, 1, 4, 4, kv_h=1, value_bytes=1) == 3 * 3 * 4  # GQA
     # traffic's rows: per MoE block and micro-batch of the pipeline rank
-    st = est.Setup(dp=8, pp=4, ep=8, microbatches=16, precision="bf16")
+    st = est.setup(dp=8, pp=4, ep=8, microbatches=16, precision="bf16")
     t = search.traffic(MIXTRAL, st)
     assert t["ep"] == formulas.ep_bytes(4096, 2, 4096, 8) * 32 / 4 * 16
-    st = dataclasses.replace(st, cp=2, dp=4, ep=8)
+    st = est.setup(dp=4, cp=2, pp=4, ep=8, microbatches=16, precision="bf16")
     assert search.traffic(MIXTRAL, st)["cp"] == formulas.cp_bytes(
         "ring", 4096, 1, 4096, 2, kv_h=1024) * 32 / 4 * 16
 
 
 def test_activations_divide_by_cp_and_grow_with_topk():
-    st = est.Setup(dp=2, pp=2, recompute="selective", **BF16)
+    st = est.setup(dp=2, pp=2, recompute="selective", **BF16)
     one = est.stage_activation_bytes(MIXTRAL, st)
-    two = est.stage_activation_bytes(MIXTRAL, dataclasses.replace(st, cp=2))
+    two = est.stage_activation_bytes(MIXTRAL, st.replace(cp=2))
     assert [a / 2 for a in one] == two
     # a MoE block with one expert, top-1, no router: the dense MLP plus the dispatched copy
     # of its input and the expert's output (2 sbh in 16 bits) and the router's fp32 2 sbE
@@ -131,23 +130,23 @@ def test_activations_divide_by_cp_and_grow_with_topk():
     k4 = dataclasses.replace(MIXTRAL, topk=4)
     assert (est.stage_activation_bytes(k4, st)[1] > est.stage_activation_bytes(MIXTRAL, st)[1])
     # FLOPs use active parameters: 6N + 12·L·h·s, N the active non-embedding ones
-    cl, st = search.Cluster(8), est.Setup(dp=8, ep=8, **BF16)
+    cl, st = search.Cluster(8), est.setup(dp=8, ep=8, **BF16)
     n = MIXTRAL.layer_params(active=True)
-    want = st.global_batch * 4096 * (6 * n + 12 * 32 * 4096 * 4096) / (8 * 989e12 * 0.45)
+    want = st.batch.global_batch * 4096 * (6 * n + 12 * 32 * 4096 * 4096) / (8 * 989e12 * 0.45)
     assert search.step_time(MIXTRAL, st, cl)["compute"] == pytest.approx(want)
 
 
 def test_search_enumerates_ep_and_cp_cheaply():
     cl = search.Cluster(16)
     mix = list(search.candidates(MIXTRAL, cl, 64))
-    assert {st.ep for st in mix} == {1, 2, 4, 8} and {st.cp for st in mix} == {1}
+    assert {st.layout.ep for st in mix} == {1, 2, 4, 8} and {st.layout.cp for st in mix} == {1}
     long = dataclasses.replace(MIXTRAL, seq_len=32768)
     # cp while a rank keeps >= 4096 tokens: 32768 / 16 = 2048 is too few
-    assert {st.cp for st in search.candidates(long, cl, 64)} == {1, 2, 4, 8}
+    assert {st.layout.cp for st in search.candidates(long, cl, 64)} == {1, 2, 4, 8}
     dense = list(search.candidates(shapes.spec_from("llama2-7b"), cl, 64))
-    assert {(st.ep, st.cp) for st in dense} == {(1, 1)}
+    assert {(st.layout.ep, st.layout.cp) for st in dense} == {(1, 1)}
     uly = search.candidates(long, cl, 64, cp_impl="ulysses")
-    assert all(32 % (st.cp * st.tp) == 0 for st in uly)
+    assert all(32 % (st.layout.cp * st.layout.tp) == 0 for st in uly)
 
 
 def _plan(capsys, *argv):
@@ -195,13 +194,11 @@ def test_moe_presets_fit_where_the_real_systems_did(capsys):
 
 
 def test_estimate_for_train_options():
-    dense = defaults(dp=2, zero=1, global_batch=8)
-    assert est.estimate_for(dense) == est.estimate(*est.from_train_args(dense))
-    # until TrainOptions has the MoE and CP fields, any object with them will do
-    moe = types.SimpleNamespace(**{**dataclasses.asdict(dense), "dp": 4, "experts": 4,
-                                   "topk": 2, "ep": 2, "cp": 1})
-    spec, st = est.from_train_args(moe)
-    assert isinstance(spec, MoESpec) and spec.experts == 4 and st.ep == 2 and st.edp == 2
+    dense = Run.of(dp=2, zero=1, global_batch=8)
+    assert est.estimate_for(dense) == est.estimate(est.spec_of(dense), dense)
+    moe = dense.replace(dp=4, experts=4, topk=2, ep=2, cp=1)
+    spec, st = est.spec_of(moe), moe
+    assert isinstance(spec, MoESpec) and spec.experts == 4 and st.layout.ep == 2 and st.layout.edp == 2
     got = est.estimate_for(moe, at="rest")
     assert got["num_params"] > got["active_params"] == spec.active_params()
     assert got["params_bytes"] == 4 * (est.held(spec, st, 0) + est.held(spec, st, 0, True))

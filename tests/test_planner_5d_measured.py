@@ -11,7 +11,8 @@ import pytest
 
 from edu3d.plan.estimate import estimate_for
 from edu3d.train.loop import run
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 
 MODEL = dict(layers=2, d_model=32, heads=4, seq=16, vocab=64, experts=4, topk=2, json=True,
              steps=1, timeout=300)
@@ -22,7 +23,7 @@ ACT_TOL = 0.25  # activations: modelled, routing-dependent (measured 0.86 for dp
                                     dict(dp=2, ep=2, tp=2)],
                          ids=["dp2-cp2-ep2", "dp4-ep2-zero1", "dp2-ep2-tp2"])
 def test_planner_equals_measured_state(layout):
-    options = defaults(**MODEL, **layout)
+    options = Run.of(**MODEL, **layout)
     check_args(options)
     measured = run(options, out=io.StringIO())[-1]["mem_bytes"]
     planned = estimate_for(options, at="rest")

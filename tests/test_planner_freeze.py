@@ -19,7 +19,7 @@ import pytest
 from edu3d.commands.plan import plan_main
 from edu3d.course import ch07_memory_timeline as timeline
 from edu3d.course.ch07_memory_plan import measure_many, options
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.shapes import spec_from
 from edu3d.plan import estimate as plan_memory
@@ -63,8 +63,8 @@ def _measured() -> dict[str, list[dict]]:
 def test_a_frozen_runs_bytes_equal_the_planners(name):
     ranks = _measured()[name]
     args = options(_argv(name))
-    spec, st = plan_memory.from_train_args(args)
-    assert st.freeze == ("tok_emb.*", "blocks.0.*")
+    spec, st = plan_memory.spec_of(args), args
+    assert st.memory.freeze == ("tok_emb.*", "blocks.0.*")
     for res in ranks:  # every rank after the step: the planner's rank at rest
         pp, dp, _ = res["coord"]
         want = plan_memory.state_per_rank(spec, st, pp, dp, at="rest")
@@ -117,14 +117,14 @@ def test_freezing_takes_a_ranks_gradients_and_optimizer_state_exactly():
     gradient and 8 optimizer bytes each, and AdamW's 4-byte step counter per tensor (1 + 12)."""
     spec = spec_from("tiny")
     frozen_elements = 256 * 64 + 12 * 64 ** 2 + 13 * 64
-    base = plan_memory.estimate(spec, plan_memory.Setup(), at="rest")
-    cold = plan_memory.estimate(spec, plan_memory.Setup(freeze=("tok_emb.*", "blocks.0.*")),
+    base = plan_memory.estimate(spec, plan_memory.setup(), at="rest")
+    cold = plan_memory.estimate(spec, plan_memory.setup(freeze=("tok_emb.*", "blocks.0.*")),
                                 at="rest")
     assert cold["params_bytes"] == base["params_bytes"]
     assert base["grads_bytes"] - cold["grads_bytes"] == 4 * frozen_elements
     assert base["optimizer_bytes"] - cold["optimizer_bytes"] == 8 * frozen_elements + 4 * 13
     # ZeRO-3 shards the trainable weights only: the frozen ones stay whole on both ranks
-    z3 = plan_memory.Setup(dp=2, zero=3, freeze=("tok_emb.*", "blocks.0.*"))
+    z3 = plan_memory.setup(dp=2, zero=3, freeze=("tok_emb.*", "blocks.0.*"))
     assert plan_memory.state_per_rank(spec, z3, 0, 1, at="rest")["params"] >= 4 * frozen_elements
 
 
@@ -148,7 +148,7 @@ def test_edu3d_plan_freeze_prints_fewer_gradient_and_optimizer_bytes(capsys):
     # ZeRO-1: the optimizer state is sharded over 2 ranks (each unit padded to a multiple of 2)
     assert after["grads_bytes"] == 4 * (spec_from("tiny").num_params() - frozen_elements)
     assert after["optimizer_bytes"] == plan_memory.state_per_rank(
-        spec_from("tiny"), plan_memory.Setup(dp=2, zero=1, freeze=("tok_emb.*", "blocks.0.*")),
+        spec_from("tiny"), plan_memory.setup(dp=2, zero=1, freeze=("tok_emb.*", "blocks.0.*")),
         0, 0)["optimizer"] < before["optimizer_bytes"]
     # the text table says it too
     code, text, _ = _plan(base[:-1] + ["--freeze", "tok_emb.*,blocks.0.*"], capsys)
@@ -199,7 +199,7 @@ def test_the_cost_model_counts_no_weight_gradient_flops_for_frozen_blocks():
     assert frozen_active(spec, ("tok_emb.*", "blocks.0.*")) == block0 == 49_984
     assert frozen_active(spec, ("tok_emb.*",)) == 0
     per_token = 6 * as_moe(spec).layer_params(True) + 12 * 4 * 64 * spec.seq_len
-    free, cold = (step_time(spec, plan_memory.Setup(dp=2, freeze=f), Cluster(gpus=2))["compute"]
+    free, cold = (step_time(spec, plan_memory.setup(dp=2, freeze=f), Cluster(gpus=2))["compute"]
                   for f in ((), ("tok_emb.*", "blocks.0.*")))
     assert cold / free == pytest.approx((per_token - 2 * block0) / per_token, rel=1e-12)
     moe = dataclasses.replace(as_moe(spec), experts=4, topk=2)

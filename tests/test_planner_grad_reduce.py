@@ -35,7 +35,7 @@ def _paper_spec():
 
 
 def _state_gb(spec, zero: int, m: int, grad_reduce: str = "per-microbatch") -> float:
-    st = plan_memory.Setup(dp=64, zero=zero, microbatches=m, precision="bf16",
+    st = plan_memory.setup(dp=64, zero=zero, microbatches=m, precision="bf16",
                            grad_reduce=grad_reduce)
     return plan_memory.estimate(spec, st)["state_bytes"] / 1e9
 
@@ -53,8 +53,8 @@ def test_the_planner_reproduces_the_paper_per_microbatch_at_any_micro_batch_coun
     spec = _paper_spec()
     assert [round(_state_gb(spec, z, m), 1) for z in range(4)] == PAPER
     # the default mode is per-microbatch
-    st = plan_memory.Setup(dp=64, zero=2, microbatches=m, precision="bf16")
-    assert st.grad_reduce == "per-microbatch"
+    st = plan_memory.setup(dp=64, zero=2, microbatches=m, precision="bf16")
+    assert st.parallel.grad_reduce == "per-microbatch"
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
@@ -100,7 +100,7 @@ def test_a_unit_in_flight_is_a_buffer_not_state():
     gradients and flat copy (ZeRO-3: two gathered units) as communication buffers."""
     spec = _paper_spec()
     for zero in (2, 3):
-        mb, ps = (plan_memory.estimate(spec, plan_memory.Setup(
+        mb, ps = (plan_memory.estimate(spec, plan_memory.setup(
             dp=64, zero=zero, microbatches=8, precision="bf16", grad_reduce=g))
             for g in zero_modes.GRAD_REDUCE)
         unit = max(sum(k for k, _ in u) for _, u in plan_memory.units(spec, mb_setup(zero), 0))
@@ -111,7 +111,7 @@ def test_a_unit_in_flight_is_a_buffer_not_state():
 
 
 def mb_setup(zero):
-    return plan_memory.Setup(dp=64, zero=zero, precision="bf16")
+    return plan_memory.setup(dp=64, zero=zero, precision="bf16")
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -136,13 +136,13 @@ def test_the_cost_models_dp_traffic_uses_the_mode(mode):
     spec = spec_for_params(7.5e9)
     for zero in range(4):
         for m in (1, 4, 16):
-            st = plan_memory.Setup(dp=64, zero=zero, microbatches=m, precision="bf16",
+            st = plan_memory.setup(dp=64, zero=zero, microbatches=m, precision="bf16",
                                    grad_reduce=mode)
             psi = plan_memory.held(spec, st, 0)
             assert plan_search.traffic(spec, st)["dp"] == pytest.approx(
                 zero_modes.dp_wire_bytes(psi, 64, zero, mode, m))
-    st = plan_memory.Setup(dp=64, zero=2, microbatches=16, precision="bf16", grad_reduce=mode)
-    one = dataclasses.replace(st, microbatches=1)
+    st = plan_memory.setup(dp=64, zero=2, microbatches=16, precision="bf16", grad_reduce=mode)
+    one = plan_memory.setup(dp=64, zero=2, microbatches=1, precision="bf16", grad_reduce=mode)
     ratio = plan_search.traffic(spec, st)["dp"] / plan_search.traffic(spec, one)["dp"]
     assert ratio == pytest.approx(17 / 2 if mode == "per-microbatch" else 1)
 
@@ -152,19 +152,19 @@ def test_the_search_weighs_zero2_and_3_per_microbatch():
     both: the search leaves them out, every ZeRO-2/3 candidate reduces per micro-batch."""
     spec = spec_for_params(7.5e9)
     rows = plan_search.search(spec, plan_search.Cluster(64), 1024)
-    zeros = [r["setup"] for r in rows if r["setup"].zero >= 2]
-    assert zeros and {st.grad_reduce for st in zeros} == {"per-microbatch"}
+    zeros = [r["setup"] for r in rows if r["setup"].parallel.zero >= 2]
+    assert zeros and {st.parallel.grad_reduce for st in zeros} == {"per-microbatch"}
     for st in zeros[:20]:
-        z1 = plan_search.step_time(spec, dataclasses.replace(st, zero=1), plan_search.Cluster(64))
-        per_step = dataclasses.replace(st, grad_reduce="per-step")
+        z1 = plan_search.step_time(spec, st.replace(zero=1), plan_search.Cluster(64))
+        per_step = st.replace(grad_reduce="per-step")
         assert plan_search.step_time(spec, per_step, plan_search.Cluster(64))["dp"] >= z1["dp"]
         assert (plan_memory.estimate(spec, per_step)["state_bytes"]
-                >= plan_memory.estimate(spec, dataclasses.replace(st, zero=1))["state_bytes"])
+                >= plan_memory.estimate(spec, st.replace(zero=1))["state_bytes"])
 
 
 def test_a_wrong_mode_is_refused(capsys):
     with pytest.raises(ValueError, match="grad_reduce"):
-        plan_memory.validate(spec_for_params(7.5e9), plan_memory.Setup(dp=2, zero=2,
+        plan_memory.validate(spec_for_params(7.5e9), plan_memory.setup(dp=2, zero=2,
                                                                        grad_reduce="never"))
     with pytest.raises(SystemExit) as err:
         plan_main(["--params", "7.5e9", "--dp", "2", "--zero", "2", "--grad-reduce", "never"])

@@ -17,7 +17,7 @@ the ranks also slow each other down; chapter 05 shows both.)
 from __future__ import annotations
 
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.course.ch05_pipeline_parallel import measured_bubbles, run_timed
 from edu3d.schedules.simulate import bubble_formula
 

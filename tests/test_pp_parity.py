@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from tests.pp_workers import global_batch, parity, serial_reference
 
 TOL = 1e-5

@@ -20,10 +20,10 @@ import torch
 from edu3d.course import lesson_args
 from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.model.gpt import GPT
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.loop import train_step
 from edu3d.train.trainer import Trainer
 
@@ -33,21 +33,21 @@ STEPS = 3  # AdamW steps compared (was 5: the first 3 are the same steps; losses
 
 
 def _losses(trainer, args) -> list[float]:
-    corpus = SyntheticCorpus(args_vocab(args), config_from_args(args).seq_len, seed=0)
-    return [trainer.step(*corpus.batch(s, args.global_batch), s)["loss"]
+    corpus = SyntheticCorpus(args_vocab(args), model_config(args).seq_len, seed=0)
+    return [trainer.step(*corpus.batch(s, args.batch.global_batch), s)["loss"]
             for s in range(1, STEPS + 1)]
 
 
 def args_vocab(args) -> int:
-    return config_from_args(args).vocab_size
+    return model_config(args).vocab_size
 
 
 def overflow_run(mesh, bad_rank: int, bad_step: int) -> list[dict]:
     """fp16 training where ``bad_rank`` finds an inf in one of its own gradients at
     ``bad_step`` (after the cross-axis fixes, before the norm): every rank must skip it."""
     args = lesson_args(**LAYOUT, precision="fp16")
-    trainer = Trainer(GPT(config_from_args(args), seed=0), mesh, args)
-    corpus = SyntheticCorpus(args_vocab(args), config_from_args(args).seq_len, seed=0)
+    trainer = Trainer(GPT(model_config(args), seed=0), mesh, args)
+    corpus = SyntheticCorpus(args_vocab(args), model_config(args).seq_len, seed=0)
     finish, current = trainer.grads.finish, {"step": 0}
 
     def finish_with_overflow():
@@ -62,7 +62,7 @@ def overflow_run(mesh, bad_rank: int, bad_step: int) -> list[dict]:
     for s in range(1, 5):
         current["step"] = s
         before = [p.detach().clone() for p in trainer.par.module.parameters()]
-        rec = trainer.step(*corpus.batch(s, args.global_batch), s)
+        rec = trainer.step(*corpus.batch(s, args.batch.global_batch), s)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.par.module.parameters()))
         records.append({"skipped": rec["skipped"], "scale": rec["loss_scale"],
                         "unchanged": unchanged, "scale_after": trainer.precision.scale})
@@ -73,7 +73,7 @@ def precision_worker(mesh, bad_rank: int, bad_step: int) -> dict:
     out = {}
     for precision in TOL:
         args = lesson_args(**LAYOUT, precision=precision)
-        out[precision] = _losses(Trainer(GPT(config_from_args(args), seed=0), mesh, args), args)
+        out[precision] = _losses(Trainer(GPT(model_config(args), seed=0), mesh, args), args)
     out["overflow"] = overflow_run(mesh, bad_rank, bad_step)
     return out
 
@@ -86,10 +86,10 @@ def _run() -> list[dict]:
 
 def _serial() -> list[float]:
     args = lesson_args(**LAYOUT)
-    model = GPT(config_from_args(args), seed=0)
+    model = GPT(model_config(args), seed=0)
     opt = make_optimizer(model, args)
-    corpus = SyntheticCorpus(args_vocab(args), config_from_args(args).seq_len, seed=0)
-    return [train_step(model, opt, *corpus.batch(s, args.global_batch), s, args)["loss"]
+    corpus = SyntheticCorpus(args_vocab(args), model_config(args).seq_len, seed=0)
+    return [train_step(model, opt, *corpus.batch(s, args.batch.global_batch), s, args)["loss"]
             for s in range(1, STEPS + 1)]
 
 

@@ -114,16 +114,16 @@ def test_static_figures_build():
 
 
 def test_deepspeed_config_maps_edu3d_options_and_its_recorded_run_matches(runs):
-    from edu3d.train.options import defaults
+    from edu3d.config.sections import Run
     from edu3d.production import deepspeed_map as D
 
-    args = defaults(dp=2, microbatches=2, bucket_mb=25.0)
+    args = Run.of(dp=2, microbatches=2, bucket_mb=25.0)
     cfg = D.ds_config(args, stage=3, offload=True)
-    assert cfg["train_batch_size"] == args.global_batch
+    assert cfg["train_batch_size"] == args.batch.global_batch
     assert cfg["train_micro_batch_size_per_gpu"] * 2 * cfg["gradient_accumulation_steps"] == 8
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 25 * 2**20 // 4  # elements
     assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
-    assert cfg["gradient_clipping"] == args.clip
+    assert cfg["gradient_clipping"] == args.training.clip
     assert "offload_optimizer" not in D.ds_config(args, stage=1)["zero_optimization"]
     fields = {f[0].split(" ")[0] for f in D.FIELDS}
     assert {"train_batch_size", "gradient_clipping", "zero_optimization.stage"} <= fields

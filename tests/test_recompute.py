@@ -21,7 +21,7 @@ import torch
 from edu3d.course.ch07_memory import measure_layer
 from edu3d.launch import launch
 from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.recompute import apply_recompute, recompute_mode
 from tests.workers_recompute import all_checks, compare, serial_adamw

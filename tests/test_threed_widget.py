@@ -9,8 +9,8 @@ pytest.importorskip("plotly")
 from edu3d.course import lesson_args  # noqa: E402
 from edu3d.course.ch06_3d_parallelism import (axis_bytes, axis_formulas,  # noqa: E402
                                               memory_estimate)
-from edu3d.distributed.mesh import Layout  # noqa: E402
-from edu3d.train.options import config_from_args  # noqa: E402
+from edu3d.config.layout import Layout  # noqa: E402
+from edu3d.train.preflight import model_config  # noqa: E402
 from edu3d.widgets import threed  # noqa: E402
 from edu3d.widgets.panels.ch06_3d_parallelism import controls  # noqa: E402
 from edu3d.widgets.pipeline import simulated_pipeline  # noqa: E402
@@ -73,7 +73,7 @@ def test_memory_bars_sum_to_the_totals():
 
 
 def test_axis_bytes_match_the_formulas_on_run_shaped_events():
-    config = config_from_args(lesson_args())
+    config = model_config(lesson_args())
     got = axis_bytes(run_events(), 2)
     assert set(got) == set(range(8))
     assert got[0]["pp"] == 4 * ACT
@@ -85,7 +85,7 @@ def test_axis_bytes_match_the_formulas_on_run_shaped_events():
 
 
 def test_memory_estimate_matches_the_measured_parameter_bytes():
-    config = config_from_args(lesson_args())
+    config = model_config(lesson_args())
     est = memory_estimate(config, dp=2, tp=2, pp=2, zero=1, m=4)
     # measured on a dp2-tp2-pp2 ZeRO-1 run: 60608 and 58688 fp32 parameters per rank
     assert est[0]["params"] == 60608 * 4 and est[4]["params"] == 58688 * 4
@@ -97,7 +97,7 @@ def test_memory_estimate_matches_the_measured_parameter_bytes():
     from edu3d.model.shapes import spec_from_config
 
     spec = spec_from_config(config)
-    st = plan_memory.Setup(dp=2, tp=2, pp=2, zero=1, microbatches=4, micro_batch=1)
+    st = plan_memory.setup(dp=2, tp=2, pp=2, zero=1, microbatches=4, micro_batch=1)
     assert est[4]["activations"] == plan_memory.activations_per_rank(spec, st)[1]
     z3 = memory_estimate(config, dp=2, tp=2, pp=2, zero=3, m=4)
     assert z3[0]["params"] == est[0]["params"] / 2

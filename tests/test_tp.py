@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.config.layout import Layout, LayoutError
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT, GPTConfig, config_from
 from edu3d.parallel.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                check_layout, ops, shard, unshard, vocab_parallel_cross_entropy)

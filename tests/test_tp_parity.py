@@ -24,12 +24,13 @@ import torch
 
 from edu3d.train.data import SyntheticCorpus
 from edu3d.launch import launch
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.commands.train import parse
 from edu3d.train.loop import clip_and_step, train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import TrainOptions
+from edu3d.config.sections import Run
 from edu3d.train.trainer import Trainer
 
 TOL = 1e-5
@@ -44,14 +45,14 @@ def _config(tp: int, tie: bool) -> GPTConfig:
                      tie_weights=tie)
 
 
-def _args(optimizer: str, sp: bool, overlap: bool) -> TrainOptions:
+def _args(optimizer: str, sp: bool, overlap: bool) -> Run:
     if optimizer == "sgd":
         argv = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
     else:
         argv = ["--lr", "3e-3", "--warmup", "3", "--clip", "0.5"]
     argv += ["--global-batch", str(BATCH)]
     args = parse(argv)
-    args.sp, args.tp_overlap = sp, overlap
+    args = args.replace(sp=sp, tp_overlap=overlap)
     return args
 
 

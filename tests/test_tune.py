@@ -14,9 +14,10 @@ import pytest
 
 from edu3d import cli
 from edu3d.bench import autotune, ranking
+from edu3d.config.sections import Run
 from edu3d.model.shapes import spec_from
 from edu3d.plan import search as plan_search
-from edu3d.plan.estimate import Setup
+from edu3d.plan.estimate import setup
 
 SMALL = ["--layers", "2", "--d-model", "32", "--seq", "32"]
 
@@ -52,15 +53,15 @@ def test_pick_varies_layouts_zero_micro_batches_and_recompute():
     assert len(set(setups)) == 8
     assert {autotune.layout_key(st) for st in setups} == {
         autotune.layout_key(r["setup"]) for r in rows}  # every layout of 2 ranks
-    assert len({st.zero for st in setups}) > 1 and len({st.micro_batch for st in setups}) > 1
-    assert len({st.recompute for st in setups}) > 1
+    assert len({st.parallel.zero for st in setups}) > 1 and len({st.micro_batch for st in setups}) > 1
+    assert len({st.memory.recompute for st in setups}) > 1
     times = [r["time"]["total"] for r in picked]
     assert times == sorted(times)  # the planner's order
     assert autotune.pick(rows, 3) == [r for r in picked if r in autotune.pick(rows, 3)]
 
 
 def test_bucket_sizes_become_candidates_the_model_cannot_tell_apart():
-    base = autotune.defaults(layers=2, d_model=32, seq=32)
+    base = Run.of(layers=2, d_model=32, seq=32)
     planned = autotune.plan(base, 2, top=3, steps=2, bucket_mb=(0.01, 25.0))
     dp = [c for c in planned["candidates"] if c["bucket_mb"] is not None]
     assert {c["bucket_mb"] for c in dp} == {0.01, 25.0}
@@ -121,7 +122,7 @@ def test_a_real_tuning_measures_every_candidate_and_grades_the_model(capsys):
             "tp"] * c["setup"]["pp"] == 2
         # the tracked tensors are what the planner counts: the same order of size
         assert 0.3 < m["peak_bytes"] / c["predicted_bytes"] < 3, c
-    assert len({autotune.layout_key(Setup(**c["setup"]))
+    assert len({autotune.layout_key(setup(**c["setup"]))
                 for c in cands}) == 3  # dp2, tp2, pp2
     assert -1 <= rep["spearman"] <= 1
     assert rep["winner"] == min(cands, key=lambda c: c["measured"]["step_s"])["label"]
@@ -136,7 +137,7 @@ def test_a_real_tuning_measures_every_candidate_and_grades_the_model(capsys):
 def test_a_failing_candidate_loses_only_itself():
     """A rank of the second candidate dies: the first keeps its figures, the third runs in a
     second launch."""
-    base = autotune.defaults(layers=2, d_model=32, seq=32)
+    base = Run.of(layers=2, d_model=32, seq=32)
     cands = autotune.plan(base, 2, top=3, steps=1)["candidates"]
     cands[1]["options"]["inject_fault"] = {"rank": 1, "step": 1, "kind": "exit"}
     lines: list[str] = []

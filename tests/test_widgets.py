@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets import style
 from edu3d.widgets.mesh3d import mesh_figure, predicted_report
 from edu3d.widgets.timeline import idle_gaps, lanes, timeline_figure

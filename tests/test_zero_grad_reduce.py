@@ -23,11 +23,11 @@ import functools
 import pytest
 
 from edu3d.commands.train import parse
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.production.torch_check import unsupported
 from edu3d.parallel.zero.sharding import GRAD_REDUCE
-from edu3d.train.options import GRAD_REDUCE as OPTION_VALUES
+from edu3d.train.preflight import GRAD_REDUCE as OPTION_VALUES
 from tests.workers_3d import serial_key, serial_reference
 from tests.workers_zero_grad_reduce import library_cases, torch_cases, trainer_cases
 
@@ -161,4 +161,4 @@ def test_the_modes_are_one_list_and_per_microbatch_is_the_default():
     assert GRAD_REDUCE == OPTION_VALUES == MODES
     ok = parse("--dp 2 --pp 2 --zero 3 --impl torch --grad-reduce per-step".split())
     assert unsupported(ok) is None
-    assert parse([]).grad_reduce == "per-microbatch"
+    assert parse([]).parallel.grad_reduce == "per-microbatch"

@@ -9,12 +9,13 @@ from edu3d.train.data import SyntheticCorpus
 from edu3d.model.gpt import GPT
 from edu3d.train.optim import make_optimizer
 from edu3d.commands.train import parse
-from edu3d.train.options import TrainOptions, check_args, config_from_args
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.loop import train_step
 from edu3d.train.trainer import Trainer
 
 
-def options(argv: list[str]) -> TrainOptions:
+def options(argv: list[str]) -> Run:
     args = parse(argv)
     check_args(args)
     return args
@@ -33,7 +34,7 @@ def zero_traffic(mesh, configs: list[tuple[int, int]]) -> list[dict]:
     for stage, m in configs:
         args = options(["--dp", "2", "--pp", "2", "--zero", str(stage), "--microbatches",
                         str(m), "--grad-reduce", "per-step"])
-        config = config_from_args(args)
+        config = model_config(args)
         x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, 8)
         trainer = Trainer(GPT(config, seed=0), mesh, args)
         with trace.current().context(case=f"zero{stage}/m{m}"):
@@ -50,9 +51,9 @@ def serial_key(argv: list[str]) -> tuple:
     the same key share one serial reference."""
     out = []
     for args in (options([*argv, "--optimizer", "sgd", "--lr", "0.1"]), options(argv)):
-        out.append((repr(config_from_args(args)), args.seed, args.global_batch, args.optimizer,
-                    args.lr, args.clip, args.warmup, args.weight_decay,
-                    getattr(args, "lr_schedule", None), args.steps))
+        out.append((repr(model_config(args)), args.training.seed, args.batch.global_batch, args.training.optimizer,
+                    args.training.lr, args.training.clip, args.training.warmup, args.training.weight_decay,
+                    getattr(args, "lr_schedule", None), args.training.steps))
     return tuple(out)
 
 
@@ -61,19 +62,19 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     backward, the weights after one plain-SGD step, and the records of ``steps`` AdamW
     steps, all from :mod:`edu3d.train.loop`'s serial reference step."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
-    serial = GPT(config, seed=sgd.seed)
+    config = model_config(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
+    serial = GPT(config, seed=sgd.training.seed)
     serial(x, y)[1].backward()
     grads = {n: p.grad for n, p in serial.named_parameters()}
-    serial = GPT(config, seed=sgd.seed)
+    serial = GPT(config, seed=sgd.training.seed)
     train_step(serial, make_optimizer(serial, sgd), x, y, 1, sgd)
     params = {n: p.detach() for n, p in serial.named_parameters()}
     adam = options(argv)
-    serial = GPT(config, seed=adam.seed)
+    serial = GPT(config, seed=adam.training.seed)
     opt = make_optimizer(serial, adam)
-    records = [train_step(serial, opt, *corpus.batch(s, adam.global_batch), s, adam)
+    records = [train_step(serial, opt, *corpus.batch(s, adam.batch.global_batch), s, adam)
                for s in range(1, steps + 1)]
     return {"grads": grads, "params": params, "records": records}
 
@@ -85,23 +86,23 @@ def parity(mesh, argv: list[str], ref: dict) -> dict:
     losses and norms of the AdamW steps. Worst relative errors over every tensor, and the
     losses themselves."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
+    config = model_config(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
 
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
     trainer.forward_backward(x, y)
     grads = trainer.gather("grad")
     grad_err = max(_rel(grads[n], g) for n, g in ref["grads"].items())
 
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
     trainer.step(x, y, 1)
     params = trainer.gather("param")
     param_err = max(_rel(params[n], p) for n, p in ref["params"].items())
 
     adam = options(argv)
-    trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
-    ours = [trainer.step(*corpus.batch(s, adam.global_batch), s)
+    trainer = Trainer(GPT(config, seed=adam.training.seed), mesh, adam)
+    ours = [trainer.step(*corpus.batch(s, adam.batch.global_batch), s)
             for s in range(1, len(ref["records"]) + 1)]
     pairs = list(zip(ours, ref["records"], strict=True))
     loss_err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)

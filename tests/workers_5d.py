@@ -13,13 +13,14 @@ from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import reference_microbatches, train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import TrainOptions, check_args, config_from_args
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 SGD = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
 
 
-def options(argv: list[str]) -> TrainOptions:
+def options(argv: list[str]) -> Run:
     """``argv``'s options, checked, with the routers scored in float64 (a near-tie between
     two experts must not flip because TP or CP summed in another order)."""
     args = dataclasses.replace(parse(argv), router_dtype="fp64")
@@ -51,19 +52,19 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     and final weights of ``steps`` AdamW steps."""
     sgd = options([*argv, *SGD])
     m = reference_microbatches(sgd)
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
-    serial = GPT(config, seed=sgd.seed)
+    config = model_config(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
+    serial = GPT(config, seed=sgd.training.seed)
     first = train_step(serial, torch.optim.SGD(serial.parameters(), lr=0.0), x, y, 1, sgd, m)
     grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
-    serial = GPT(config, seed=sgd.seed)
+    serial = GPT(config, seed=sgd.training.seed)
     train_step(serial, make_optimizer(serial, sgd), x, y, 1, sgd, m)
     params = {n: p.detach().clone() for n, p in serial.named_parameters()}
     adam = options(argv)
-    serial = GPT(config, seed=adam.seed)
+    serial = GPT(config, seed=adam.training.seed)
     opt = make_optimizer(serial, adam)
-    records = [train_step(serial, opt, *corpus.batch(s, adam.global_batch), s, adam, m)
+    records = [train_step(serial, opt, *corpus.batch(s, adam.batch.global_batch), s, adam, m)
                for s in range(1, steps + 1)]
     final = {n: p.detach().clone() for n, p in serial.named_parameters()}
     return {"grads": grads, "params": params, "records": records, "final": final,
@@ -75,12 +76,12 @@ def parity(mesh, argv: list[str], ref: dict) -> dict:
     of the gradients (plain SGD, clipping off), of the weights after that SGD step, of the
     AdamW losses and norms, and of the weights after the AdamW steps."""
     sgd = options([*argv, *SGD])
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
+    config = model_config(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
     out = {}
 
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
     trainer.forward_backward(x, y)
     grads = trainer.gather("grad")
     out["grad_err"] = max(rel(grads[n], g) for n, g in ref["grads"].items())
@@ -88,20 +89,20 @@ def parity(mesh, argv: list[str], ref: dict) -> dict:
     if trainer.par.expert_dp is not None and mesh.size("edp") > 1:
         # the rule under test: experts summed over edp but divided by dp x cp. Divide by edp
         # instead and the experts' gradients come out ep times too large.
-        trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+        trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
         trainer.par.expert_dp.n = mesh.size("edp")
         trainer.forward_backward(x, y)
         wrong = trainer.gather("grad")
         out["wrong_divisor_err"] = max(rel(wrong[n], g) for n, g in ref["grads"].items())
 
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
     trainer.step(x, y, 1)
     params = trainer.gather("param")
     out["param_err"] = max(rel(params[n], p) for n, p in ref["params"].items())
 
     adam = options(argv)
-    trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
-    ours = [trainer.step(*corpus.batch(s, adam.global_batch), s)
+    trainer = Trainer(GPT(config, seed=adam.training.seed), mesh, adam)
+    ours = [trainer.step(*corpus.batch(s, adam.batch.global_batch), s)
             for s in range(1, len(ref["records"]) + 1)]
     pairs = list(zip(ours, ref["records"], strict=True))
     out["loss_err"] = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)

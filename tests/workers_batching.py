@@ -11,7 +11,7 @@ from edu3d.model.gpt import GPT
 from edu3d.train.batching import global_batch, make_corpus, per_document_loss
 from edu3d.train.loop import clip_and_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import check_args, config_from_args
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 ADAM_STEPS = 3
@@ -42,7 +42,7 @@ def parity(mesh, argv: list[str]) -> dict:
     """Gradients of one step (plain SGD), the weights after it, and 3 AdamW steps' losses,
     gradient norms and weights, each against the reference; the worst relative errors."""
     sgd = _options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    config = config_from_args(sgd)
+    config = model_config(sgd)
     corpus = make_corpus(sgd, config)
     batch, _ = global_batch(corpus, sgd, 1)
     ref = GPT(config, seed=0)

@@ -6,27 +6,28 @@ from __future__ import annotations
 from edu3d.ckpt.format import files_needed, full_state, read_manifest, step_dir
 from edu3d.ckpt.checkpointer import Checkpointer
 from edu3d.train.data import SyntheticCorpus
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT
 from edu3d.train.optim import lr_at
 from edu3d.commands.train import parse
-from edu3d.train.options import TrainOptions, check_args, config_from_args
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.loop import loop
 from edu3d.train.trainer import Trainer
 
 
-def options(argv: list[str]) -> TrainOptions:
+def options(argv: list[str]) -> Run:
     args = parse(argv)
     check_args(args)
     return args
 
 
 def _trainer(args, serial: bool = False) -> Trainer:
-    config = config_from_args(args)
+    config = model_config(args)
     if serial:
-        return Trainer(GPT(config, seed=args.seed), None, args)
-    mesh = Mesh.build(Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp))
-    return Trainer(GPT(config, seed=args.seed), mesh, args)
+        return Trainer(GPT(config, seed=args.training.seed), None, args)
+    mesh = Mesh.build(args.layout)
+    return Trainer(GPT(config, seed=args.training.seed), mesh, args)
 
 
 def _numbers(records: list[dict]) -> list[tuple]:
@@ -42,14 +43,14 @@ def save_and_resume(mesh, cases: list[tuple[list[str], str]], steps: int = 4,
     for argv, ckpt_dir in cases:
         args = options([*argv, "--steps", str(steps), "--ckpt-dir", ckpt_dir,
                         "--save-every", str(save_at), "--async-save"])
-        config = config_from_args(args)
-        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+        config = model_config(args)
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
         full = loop(_trainer(args), corpus, args)
         trainer = _trainer(args)
-        kept = Checkpointer(trainer, args, config_from_args(args)).resume(step=save_at)
+        kept = Checkpointer(trainer, args, model_config(args)).resume(step=save_at)
         resumed = list(kept)
         for s in range(save_at + 1, steps + 1):
-            x, y = corpus.batch(s, args.global_batch)
+            x, y = corpus.batch(s, args.batch.global_batch)
             resumed.append({"step": s, **trainer.step(x, y, s), "lr": lr_at(s, args)})
         out.append({"argv": argv, "full": _numbers(full), "resumed": _numbers(resumed),
                     "blocked": [r.get("ckpt_blocked_s") for r in full]})
@@ -64,19 +65,19 @@ def reshard_into(mesh, ckpt_dir: str, step: int, targets: list[list[str]]) -> li
     out = []
     for argv in targets:
         args = options([*argv, "--steps", str(step + 1), "--ckpt-dir", ckpt_dir])
-        serial = args.dp * args.tp * args.pp == 1
+        serial = args.layout.dp * args.layout.tp * args.layout.pp == 1
         if serial and mesh.rank != 0:
             continue
-        config = config_from_args(args)
-        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+        config = model_config(args)
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
         trainer = _trainer(args, serial)
         folder = step_dir(ckpt_dir, step)
         files = files_needed(folder, read_manifest(ckpt_dir, step),
                              [place for place, _, _ in trainer.checkpoint_slots()])
-        kept = Checkpointer(trainer, args, config_from_args(args)).resume(step=step)
+        kept = Checkpointer(trainer, args, model_config(args)).resume(step=step)
         params = trainer.gather("param")
         err = max(float((params[n] - t).abs().max()) for n, t in want.items())
-        x, y = corpus.batch(step + 1, args.global_batch)
+        x, y = corpus.batch(step + 1, args.batch.global_batch)
         rec = trainer.step(x, y, step + 1)
         out.append({"argv": argv, "kept": len(kept), "param_err": err, "files": files, **rec})
     return out
@@ -108,10 +109,10 @@ def sync_save_is_committed(mesh, ckpt_dir: str, manifest_delay_s: float = 1.0) -
 
     args = options(["--dp", "2", "--layers", "2", "--steps", "2", "--ckpt-dir", ckpt_dir,
                     "--save-every", "1"])
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     trainer = _trainer(args)
-    ckpt = Checkpointer(trainer, args, config_from_args(args))
+    ckpt = Checkpointer(trainer, args, model_config(args))
     if mesh.rank == 0:
         write = ckpt.write_manifest
 
@@ -120,7 +121,7 @@ def sync_save_is_committed(mesh, ckpt_dir: str, manifest_delay_s: float = 1.0) -
             write(job)
 
         ckpt.write_manifest = late
-    x, y = corpus.batch(1, args.global_batch)
+    x, y = corpus.batch(1, args.batch.global_batch)
     records = [{"step": 1, **trainer.step(x, y, 1)}]
     ckpt.save(1, records)
     return (step_dir(ckpt_dir, 1) / MANIFEST).is_file()
@@ -137,11 +138,11 @@ def save_on_a_slow_disk(mesh, ckpt_dir: str, slow_rank: int, stall_s: float) -> 
     world = mesh.layout.world_size
     args = options(["--dp", str(world), "--global-batch", str(2 * world), "--layers", "2",
                     "--steps", "1", "--ckpt-dir", ckpt_dir])
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     trainer = _trainer(args)
     ckpt = Checkpointer(trainer, args, config)
-    x, y = corpus.batch(1, args.global_batch)
+    x, y = corpus.batch(1, args.batch.global_batch)
     with trace.current().context(step=1):
         records = [{"step": 1, **trainer.step(x, y, 1)}]
     if mesh.rank == slow_rank:

@@ -5,7 +5,8 @@ import torch
 
 from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 from edu3d.train.trainer import Trainer
 
 
@@ -14,15 +15,15 @@ def variants(mesh, layout: dict, runs: list[dict], steps: int = 3, grads: bool =
     (when ``grads``) and the losses of ``steps`` steps."""
     out = []
     for extra in runs:
-        args = defaults(**layout, **extra, steps=steps)
+        args = Run.of(**layout, **extra, steps=steps)
         config, _ = check_args(args)
         trainer = Trainer(GPT(config, seed=0), mesh, args)
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
         rec = {}
         if grads:
-            trainer.forward_backward(*corpus.batch(1, args.global_batch))
+            trainer.forward_backward(*corpus.batch(1, args.batch.global_batch))
             rec["grads"] = {k: v.clone() for k, v in trainer.gather("grad").items()}
-        rec["losses"] = [trainer.step(*corpus.batch(s, args.global_batch), s)["loss"]
+        rec["losses"] = [trainer.step(*corpus.batch(s, args.batch.global_batch), s)["loss"]
                          for s in range(1, steps + 1)]
         out.append(rec)
     return out
@@ -32,7 +33,8 @@ def compile_layouts(mesh, layouts: list[dict], common: dict, steps: int = 2):
     """For each layout (its axes and options, e.g. ``{"pp": 2}``): the losses of ``steps``
     steps eager and compiled. One launch for every layout: each builds its own mesh over
     the same ranks."""
-    from edu3d.distributed.mesh import Layout, Mesh
+    from edu3d.config.layout import Layout
+    from edu3d.distributed.mesh import Mesh
 
     out = []
     for layout in layouts:

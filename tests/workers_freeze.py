@@ -12,7 +12,7 @@ from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 from tests.workers_3d import options
 
@@ -26,7 +26,7 @@ BAD_FREEZE = [
 
 
 def frozen_serial(args) -> GPT:
-    model = GPT(config_from_args(args), seed=args.seed)
+    model = GPT(model_config(args), seed=args.training.seed)
     for name, p in model.named_parameters():
         if any(fnmatch.fnmatchcase(name, g.strip()) for g in args.freeze.split(",")):
             p.requires_grad_(False)
@@ -37,9 +37,9 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     """Gradients of one backward (None for a frozen parameter), weights after one plain-SGD
     step, and the records and weights after ``steps`` AdamW steps, of the hand-frozen GPT."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    corpus = SyntheticCorpus(config_from_args(sgd).vocab_size, config_from_args(sgd).seq_len,
-                             seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
+    corpus = SyntheticCorpus(model_config(sgd).vocab_size, model_config(sgd).seq_len,
+                             seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
     model = frozen_serial(sgd)
     model(x, y)[1].backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -49,12 +49,12 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     adam = options(argv)
     model = frozen_serial(adam)
     opt = make_optimizer(model, adam)
-    records = [train_step(model, opt, *corpus.batch(s, adam.global_batch), s, adam)
+    records = [train_step(model, opt, *corpus.batch(s, adam.batch.global_batch), s, adam)
                for s in range(1, steps + 1)]
     return {"grads": grads, "sgd_params": sgd_params, "records": records,
             "adam_params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "init": {n: p.detach().clone() for n, p in GPT(config_from_args(adam),
-                                                            seed=adam.seed).named_parameters()}}
+            "init": {n: p.detach().clone() for n, p in GPT(model_config(adam),
+                                                            seed=adam.training.seed).named_parameters()}}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,22 +66,22 @@ def parity(mesh, argv: list[str], ref: dict) -> dict:
     (a frozen one must be absent: zero here), of the weights after SGD and after the AdamW
     steps, of the losses and norms; and whether every frozen weight is bitwise its init."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    config = model_config(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
+    trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
     trainer.forward_backward(x, y)
     grads = trainer.gather("grad")
     grad_err = max(_rel(grads[n], g) for n, g in ref["grads"].items() if g is not None)
     frozen = [n for n, g in ref["grads"].items() if g is None]
     frozen_grad_zero = all(not grads[n].any() for n in frozen)
-    trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+    trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
     trainer.step(x, y, 1)
     params = trainer.gather("param")
     sgd_err = max(_rel(params[n], p) for n, p in ref["sgd_params"].items())
     adam = options(argv)
-    trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
-    ours = [trainer.step(*corpus.batch(s, adam.global_batch), s)
+    trainer = Trainer(GPT(config, seed=adam.training.seed), mesh, adam)
+    ours = [trainer.step(*corpus.batch(s, adam.batch.global_batch), s)
             for s in range(1, len(ref["records"]) + 1)]
     params = trainer.gather("param")
     adam_err = max(_rel(params[n], p) for n, p in ref["adam_params"].items())

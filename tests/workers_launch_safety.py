@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from edu3d.distributed import comm, runtime
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.parallel.dp.data_parallel import DataParallel
 from edu3d.parallel.zero.sharding import Zero
 

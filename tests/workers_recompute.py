@@ -8,7 +8,7 @@ import torch
 from edu3d.train.data import SyntheticCorpus
 from edu3d.model.gpt import GPT
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.loop import train_step
 from edu3d.train.trainer import Trainer
 from tests.workers_3d import options
@@ -27,23 +27,23 @@ def compare(mesh, argv: list[str], steps: int = 2) -> dict:
     serial reference's gradients, for the whole chain. Also the activation bytes the
     trainer reports (its pipeline engine's peak, this rank) per mode."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
-    config = config_from_args(sgd)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.seed)
-    x, y = corpus.batch(1, sgd.global_batch)
-    serial = GPT(config, seed=sgd.seed)
+    config = model_config(sgd)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
+    serial = GPT(config, seed=sgd.training.seed)
     serial(x, y)[1].backward()
 
     grads, runs, act = {}, {}, {}
     for mode in MODES:
-        sgd.recompute = mode
-        trainer = Trainer(GPT(config, seed=sgd.seed), mesh, sgd)
+        sgd = sgd.replace(recompute=mode)
+        trainer = Trainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
         trainer.forward_backward(x, y)
         grads[mode] = trainer.gather("grad")
         act[mode] = trainer.engine.peak_activation_bytes
         adam = options(argv)
-        adam.recompute = mode
-        trainer = Trainer(GPT(config, seed=adam.seed), mesh, adam)
-        runs[mode] = [trainer.step(*corpus.batch(s, adam.global_batch), s)
+        adam = adam.replace(recompute=mode)
+        trainer = Trainer(GPT(config, seed=adam.training.seed), mesh, adam)
+        runs[mode] = [trainer.step(*corpus.batch(s, adam.batch.global_batch), s)
                       for s in range(1, steps + 1)]
     out = {"activations": act,
            "serial_grad_err": max(_rel(grads["none"][n], p.grad)
@@ -73,11 +73,11 @@ def serial_adamw(argv: list[str], mode: str, steps: int = 3) -> list[dict]:
     from edu3d.parallel.recompute import apply_recompute
 
     args = options(argv)
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    model = apply_recompute(GPT(config, seed=args.seed), mode)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    model = apply_recompute(GPT(config, seed=args.training.seed), mode)
     opt = make_optimizer(model, args)
-    return [train_step(model, opt, *corpus.batch(s, args.global_batch), s, args)
+    return [train_step(model, opt, *corpus.batch(s, args.batch.global_batch), s, args)
             for s in range(1, steps + 1)]
 
 
@@ -89,7 +89,8 @@ def all_checks(mesh, argvs: list[list[str]], dp4_argvs: list[list[str]], config)
     bench recompute`` at tp 2, one repetition (it refuses to time unless edu3d's gradients
     equal PyTorch's checkpoint wrappers')."""
     from edu3d.course.ch07_memory import recompute_sweep
-    from edu3d.distributed.mesh import Layout, Mesh
+    from edu3d.config.layout import Layout
+    from edu3d.distributed.mesh import Mesh
 
     from edu3d.bench.bench_recompute import recompute_benchmark
 

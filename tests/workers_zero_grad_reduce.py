@@ -13,7 +13,7 @@ import torch.distributed as dist
 from edu3d.model.gpt import GPT
 from edu3d.parallel.zero.sharding import Zero
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 from tests.workers_3d import options, parity
 from tests.workers_library_zero import OPTIMIZERS, LibModel, batch, groups
@@ -23,9 +23,9 @@ def measured(mesh, argv: list[str]) -> dict:
     """One AdamW step of ``argv``: the trainer's record figures (peak memory by category,
     bytes sent per collective kind) and the unit sizes they follow from."""
     args = options(argv)
-    config = config_from_args(args)
-    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(1, 8)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    config = model_config(args)
+    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed).batch(1, 8)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
     trainer.step(x, y, 1)
     stats = trainer.stats()
     zero = trainer.par.zero
@@ -137,9 +137,9 @@ def torch_cases(mesh, argvs: list[list[str]], steps: int) -> dict:
         key = " ".join(argv)
         out[key] = parity(argv, steps, False)
         args = options([*argv, "--impl", "torch"])
-        config = config_from_args(args)
-        x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(1, 8)
-        trainer = TorchTrainer(GPT(config, seed=args.seed), mesh, args)
+        config = model_config(args)
+        x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed).batch(1, 8)
+        trainer = TorchTrainer(GPT(config, seed=args.training.seed), mesh, args)
         for name in counts:
             counts[name] = 0
             setattr(dist, name, counting(name))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets import style
 
 DIMS = ("tp", "dp", "pp", "mp")

@@ -43,7 +43,7 @@ def need_figure(device_gb: float = 80.0):
     """Stacked bytes per published model (planner, one sequence, bf16 + fp32 Adam) against
     one device's memory."""
     names = list(shapes.REAL)
-    est = [plan_memory.estimate(shapes.spec_from(n), plan_memory.Setup(precision="bf16"),
+    est = [plan_memory.estimate(shapes.spec_from(n), plan_memory.setup(precision="bf16"),
                                 at="rest") for n in names]
     total = [e["total_bytes"] / 1e9 for e in est]
     parts = ["<br>".join(f"{c}: {e[f'{c}_bytes'] / 1e9:.1f} GB" for c in CATS) for e in est]

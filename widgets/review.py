@@ -94,8 +94,8 @@ def _parts_bars(fig, rows, labels) -> None:
 
 
 def _label(st) -> str:
-    return (f"dp{st.dp}·tp{st.tp}·pp{st.pp}" + (f" Z{st.zero}" if st.zero else "")
-            + ("" if st.recompute == "none" else f" {st.recompute[:3]}") + f" b{st.micro_batch}")
+    return (f"dp{st.layout.dp}·tp{st.layout.tp}·pp{st.layout.pp}" + (f" Z{st.parallel.zero}" if st.parallel.zero else "")
+            + ("" if st.memory.recompute == "none" else f" {st.memory.recompute[:3]}") + f" b{st.micro_batch}")
 
 
 def tp_figure(rows, model: str = "llama2-7b", gpus: int = 16):
@@ -103,7 +103,7 @@ def tp_figure(rows, model: str = "llama2-7b", gpus: int = 16):
     the planner's ranking ``rows`` (:func:`edu3d.course.ch11_review.plan`)."""
     best = {}
     for r in rows:  # sorted: fitting first, fastest first
-        best.setdefault(r["setup"].tp, r)
+        best.setdefault(r["setup"].layout.tp, r)
     tps = sorted(best)
     fig = go.Figure()
     _parts_bars(fig, [best[t] for t in tps], [f"tp={t}" + ("" if best[t]["fits"] else

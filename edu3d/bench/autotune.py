@@ -48,14 +48,15 @@ import torch
 import torch.distributed as dist
 
 from edu3d.distributed import runtime
-from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.config.layout import Layout, LayoutError
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import LaunchError, launch
 from edu3d.model.gpt import GPT
 from edu3d.plan import fit
 from edu3d.plan import search as plan_search
-from edu3d.plan.estimate import from_train_args
-from edu3d.train.options import (PRESET_NAMES, TrainOptions, check_args, config_from_args,
-                                 defaults)
+from edu3d.plan.estimate import setup_dict, spec_of
+from edu3d.config.sections import Run
+from edu3d.train.preflight import PRESET_NAMES, check_args, model_config
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import loop
 from edu3d.train.trainer import Trainer
@@ -114,7 +115,7 @@ def check_request(model: str, gpus: int, gpu_mem_gb: float | None = None, steps:
 
 # ---- the candidates ------------------------------------------------------------------------------
 def layout_key(st) -> tuple:
-    return (st.dp, st.tp, st.pp, st.cp, st.ep)
+    return (st.layout.dp, st.layout.tp, st.layout.pp, st.layout.cp, st.layout.ep)
 
 
 def pick(rows: list[dict], top: int) -> list[dict]:
@@ -123,8 +124,8 @@ def pick(rows: list[dict], top: int) -> list[dict]:
     size or a recomputation it does not have yet, then the rest in the planner's order;
     returned in the planner's order."""
     chosen: list[int] = []
-    turns = [lambda st: (layout_key(st), st.zero), lambda st: (layout_key(st), st.micro_batch),
-             lambda st: (layout_key(st), st.recompute)]
+    turns = [lambda st: (layout_key(st), st.parallel.zero), lambda st: (layout_key(st), st.micro_batch),
+             lambda st: (layout_key(st), st.memory.recompute)]
 
     def first_new(key) -> int | None:
         seen = {key(rows[i]["setup"]) for i in chosen}
@@ -140,45 +141,50 @@ def pick(rows: list[dict], top: int) -> list[dict]:
 
 def label(st, bucket_mb: float | None = None) -> str:
     """``dp2 tp1 pp1 zero1 m2x2 rec none`` (micro-batches x their size; cp/ep when used)."""
-    axes = f"dp{st.dp} tp{st.tp} pp{st.pp}" + "".join(
-        f" {k}{v}" for k, v in (("cp", st.cp), ("ep", st.ep)) if v > 1)
-    return (f"{axes} zero{st.zero} m{st.microbatches}x{st.micro_batch} rec {st.recompute}"
+    axes = f"dp{st.layout.dp} tp{st.layout.tp} pp{st.layout.pp}" + "".join(
+        f" {k}{v}" for k, v in (("cp", st.layout.cp), ("ep", st.layout.ep)) if v > 1)
+    return (f"{axes} zero{st.parallel.zero} m{st.microbatches}x{st.micro_batch} "
+            f"rec {st.memory.recompute}"
             + (f" bucket {bucket_mb:g}MB" if bucket_mb is not None else ""))
 
 
-def options_for(base: TrainOptions, st, steps: int, bucket_mb: float) -> TrainOptions:
+def options_for(base: Run, st, steps: int, bucket_mb: float) -> Run:
     """``edu3d train``'s options that run the planner's setup ``st`` (checked)."""
-    args = dataclasses.replace(
-        base, dp=st.dp, tp=st.tp, pp=st.pp, cp=st.cp, ep=st.ep, zero=st.zero,
-        microbatches=st.microbatches, grad_accum=None, sp=st.sp, recompute=st.recompute,
-        schedule=st.schedule, precision=st.precision, grad_reduce=st.grad_reduce,
+    lay, par = st.layout, st.parallel
+    args = base.replace(
+        dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=par.zero,
+        microbatches=st.microbatches, sp=par.sp, recompute=st.memory.recompute,
+        schedule=par.schedule, precision=st.precision.dtype, grad_reduce=par.grad_reduce,
         bucket_mb=bucket_mb, steps=steps, json=True)
     check_args(args)
     return args
 
 
-def train_command(args: TrainOptions) -> str:
+def train_command(args: Run) -> str:
     """The ``edu3d train`` command line that runs ``args`` (the options that differ from the
     defaults), so a learner can rerun one candidate alone."""
     out = ["edu3d train"]
-    for key, value in dataclasses.asdict(args).items():
-        if key in ("json", "grad_accum") or value == getattr(TrainOptions, key, None):
+    defaults = Run().flat()
+    for key, value in args.flat().items():
+        if key == "json" or value == defaults[key]:
             continue
+        if key == "freeze":
+            value = ",".join(value)
         flag = "--" + key.replace("_", "-")
         out.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float)
                    else f"{flag} {value}")
     return " ".join(out)
 
 
-def plan(base: TrainOptions, gpus: int, gpu_mem_gb: float | None = None, top: int = 8,
+def plan(base: Run, gpus: int, gpu_mem_gb: float | None = None, top: int = 8,
          steps: int = 4, bucket_mb=(25.0,)) -> dict:
     """The candidates to run: ``{"cluster", "candidates": [...], "skipped": [...]}``; each
     candidate has its label, setup, the planner's step time and bytes, and the options."""
     cluster = cluster_for(gpus, gpu_mem_gb)
     precision = "bf16" if fit.on_gpus(gpus) else "fp32"
-    spec, _ = from_train_args(base)
-    rows = plan_search.search(spec, cluster, base.global_batch, precision, "1f1b",
-                              base.cp_impl)
+    spec = spec_of(base)
+    rows = plan_search.search(spec, cluster, base.batch.global_batch, precision, "1f1b",
+                              base.parallel.cp_impl)
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         need = min((r["memory"]["total_bytes"] for r in rows), default=0.0)
@@ -186,7 +192,8 @@ def plan(base: TrainOptions, gpus: int, gpu_mem_gb: float | None = None, top: in
                          f"{gpus} rank(s) of {cluster.gpu_mem_gb:g} GB (the smallest needs "
                          f"{need / 1e9:.4f} GB); raise --gpu-mem or --gpus")
     def bucketed(r) -> bool:  # plain data parallelism: its gradients go in buckets
-        return r["setup"].zero == 0 and r["setup"].dp * r["setup"].cp > 1
+        lay = r["setup"].layout
+        return r["setup"].parallel.zero == 0 and lay.dp * lay.cp > 1
 
     picked = pick(fitting, top)
     if len(bucket_mb) > 1 and not any(map(bucketed, picked)):  # sizes asked for: try them
@@ -199,19 +206,19 @@ def plan(base: TrainOptions, gpus: int, gpu_mem_gb: float | None = None, top: in
         for size in sizes:
             name = label(st, size if len(bucket_mb) > 1 else None)
             try:
-                args = options_for(base, st, steps, size or base.bucket_mb)
+                args = options_for(base, st, steps, size or base.parallel.bucket_mb)
                 if not fit.on_gpus(gpus):
                     fit.check_fit(spec, st)  # the ranks share this host's memory
             except (LayoutError, ValueError) as err:
                 skipped.append({"label": name, "reason": str(err).splitlines()[0]})
                 continue
-            out.append({"label": name, "setup": dataclasses.asdict(st),
+            out.append({"label": name, "setup": setup_dict(st),
                         "bucket_mb": size, "predicted_step_s": r["time"]["total"],
                         "predicted_parts_s": {k: v for k, v in r["time"].items()
                                               if k != "total"},
                         "predicted_bytes": r["memory"]["total_bytes"],
                         "planner_fits": r["fits"], "command": train_command(args),
-                        "options": dataclasses.asdict(args)})
+                        "options": args.flat()})
     return {"cluster": dataclasses.asdict(cluster), "candidates": out, "skipped": skipped,
             "layouts_searched": len(rows)}
 
@@ -236,16 +243,16 @@ def worker(mesh, runs: list[dict], warmup: int, first: int = 0) -> None:
     meshes = {mesh.layout: mesh}
     try:
         for i in range(first, len(runs)):
-            measure_one(i, TrainOptions(**runs[i]), meshes, warmup, cuda)
+            measure_one(i, Run.of(**runs[i]), meshes, warmup, cuda)
     finally:
         for m in meshes.values():
             if m is not mesh:
                 m.release()  # no group may outlive the process group
 
 
-def measure_one(i: int, args: TrainOptions, meshes: dict, warmup: int, cuda: bool) -> None:
+def measure_one(i: int, args: Run, meshes: dict, warmup: int, cuda: bool) -> None:
     """Candidate ``i`` on these ranks (its mesh built once per layout, kept in ``meshes``)."""
-    layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep)
+    layout = args.layout
     if layout not in meshes:
         meshes[layout] = Mesh.build(layout)
     rank = dist.get_rank()
@@ -254,12 +261,12 @@ def measure_one(i: int, args: TrainOptions, meshes: dict, warmup: int, cuda: boo
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed).to(runtime.device()), meshes[layout],
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed).to(runtime.device()), meshes[layout],
                       args)
     records = loop(trainer, OnDevice(corpus) if cuda else corpus, args)
-    tokens = args.global_batch * config.seq_len
+    tokens = args.batch.global_batch * config.seq_len
     seconds = torch.tensor([tokens / r["tokens_per_s"] for r in records],
                            dtype=torch.float64, device=runtime.device())
     peak = torch.tensor([float(torch.cuda.max_memory_allocated()) if cuda else
@@ -321,7 +328,7 @@ def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, st
     """Plan, run and grade: the report ``edu3d tune --json`` prints. ``model_overrides``:
     ``edu3d train``'s model options (``layers``, ``d_model``, ``seq``, ``experts`` ...)."""
     check_request(model, gpus, gpu_mem_gb, steps, top, warmup)
-    base = defaults(model=model, global_batch=global_batch, **model_overrides)
+    base = Run.of(model=model, global_batch=global_batch, **model_overrides)
     check_args(base)
     planned = plan(base, gpus, gpu_mem_gb, top, warmup + steps, tuple(bucket_mb))
     if not planned["candidates"]:
@@ -335,7 +342,7 @@ def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, st
     measure(planned["candidates"], gpus, warmup, progress, timeout)
     budget = (cluster_for(gpus, gpu_mem_gb).usable * gpu_mem_gb * 1e9
               if gpu_mem_gb is not None else None)
-    config = config_from_args(base)
+    config = model_config(base)
     return {"model": model, "config": dataclasses.asdict(config), "world_size": gpus,
             "device": device, "memory_measured": "cuda max_memory_allocated" if
             device == "cuda" else "tracked tensors (weights, grads, optimizer, peak "

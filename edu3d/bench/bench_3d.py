@@ -56,17 +56,16 @@ two sides' communication, which is the same by construction, decides.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
 from edu3d.bench.harness import comm_shares, interleaved_medians, layout_name, report, result
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.production.torch_impl import TorchTrainer
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import TrainOptions, defaults
+from edu3d.config.sections import Run
 from edu3d.train.trainer import Trainer
 
 LAYOUT = {"dp": 2, "tp": 2, "pp": 2}
@@ -87,7 +86,7 @@ def torch_trainer(gpt: GPT, mesh, zero: int, model: dict = MODEL,
     pipeline that is ZeRO-1's traffic, and ``ZeroRedundancyOptimizer`` cannot take TP's
     DTensors."""
     args = train_args(2 if zero else 0, model, global_batch, microbatches)
-    return TorchTrainer(gpt, mesh, dataclasses.replace(args, impl="torch"))
+    return TorchTrainer(gpt, mesh, args.replace(impl="torch"))
 
 
 def max_rel_diff(ours: dict, theirs: dict) -> float:
@@ -101,9 +100,9 @@ def max_rel_diff(ours: dict, theirs: dict) -> float:
 
 # ---- edu3d's side ----------------------------------------------------------------------------
 def train_args(zero: int, model: dict = MODEL, global_batch: int = GLOBAL_BATCH,
-               microbatches: int = MICROBATCHES) -> TrainOptions:
+               microbatches: int = MICROBATCHES) -> Run:
     """``edu3d train``'s options for the benchmarked layout."""
-    return defaults(dp=LAYOUT["dp"], tp=LAYOUT["tp"], pp=LAYOUT["pp"], zero=zero,
+    return Run.of(dp=LAYOUT["dp"], tp=LAYOUT["tp"], pp=LAYOUT["pp"], zero=zero,
                     schedule="1f1b", microbatches=microbatches, global_batch=global_batch,
                     layers=model["layers"], heads=model["heads"], d_model=model["d_model"],
                     seq=model["seq"], vocab=model["vocab"])

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from edu3d.bench.harness import (comm_busy, interleaved_medians, layout_name, progress, report,
                                  result, traced)
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import check_args, config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 MODEL = dict(layers=2, heads=4, d_model=64, vocab=256)
@@ -41,9 +43,9 @@ CP_SEQ = 256
 
 
 def _trainer(**options):
-    args = defaults(**options)
+    args = Run.of(**options)
     _, layout = check_args(args)
-    config = config_from_args(args)
+    config = model_config(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     return Trainer(GPT(config, seed=0), Mesh.build(layout), args), corpus, config
 

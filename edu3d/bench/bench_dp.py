@@ -17,7 +17,6 @@ on the same rows; times are medians of interleaved repetitions, ``ratio = edu3d 
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch.distributed as dist
 
@@ -26,7 +25,8 @@ from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.production.torch_impl import TorchTrainer
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 
 DDP = "torch.nn.parallel.DistributedDataParallel"
@@ -35,8 +35,8 @@ FSDP2 = "torch.distributed.fsdp.fully_shard"
 
 
 def _setup(model: str, global_batch: int, **overrides):
-    args = defaults(model=model, global_batch=global_batch, **overrides)
-    config = config_from_args(args)
+    args = Run.of(model=model, global_batch=global_batch, **overrides)
+    config = model_config(args)
     x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, global_batch)
     return args, config, x, y
 
@@ -47,9 +47,9 @@ def _trainers(mesh, config, args, **layout):
     ZeroRedundancyOptimizer or FSDP2 ``fully_shard``), each from the same weights; one
     repetition is one full step of each: forward, backward with the gradient reduction,
     the global norm, clipping, AdamW."""
-    args = dataclasses.replace(args, dp=mesh.size("dp"), **layout)
+    args = args.replace(dp=mesh.size("dp"), **layout)
     return (Trainer(GPT(config, seed=0), mesh, args),
-            TorchTrainer(GPT(config, seed=0), mesh, dataclasses.replace(args, impl="torch")))
+            TorchTrainer(GPT(config, seed=0), mesh, args.replace(impl="torch")))
 
 
 def _timed(mine, ref, x, y, reps: int) -> dict:

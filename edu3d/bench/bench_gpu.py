@@ -28,7 +28,8 @@ import torch
 from edu3d.model.gpt import GPT, flops_per_token
 from edu3d.plan import estimate as plan_memory
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import check_args, config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM)
@@ -43,17 +44,17 @@ def measure(micro_batch: int, recompute: str, steps: int = 4, model: str = "gpt2
             device: str = "cuda") -> dict:
     """Train ``steps`` steps of ``model`` in bf16 on one device; the measured peak of steps
     2.. against the planner's estimate, tokens/s (median of steps 2..) and MFU."""
-    args = defaults(model=model, precision="bf16", global_batch=micro_batch, microbatches=1,
+    args = Run.of(model=model, precision="bf16", global_batch=micro_batch, microbatches=1,
                     recompute=recompute, steps=steps, lr=3e-4)
     check_args(args)
-    config = config_from_args(args)
+    config = model_config(args)
     torch.manual_seed(0)
     gpt = GPT(config, seed=0).to(device)
     trainer = Trainer(gpt, None, args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     times, peak = [], 0
     for step in range(1, steps + 1):
-        x, y = (t.to(device) for t in corpus.batch(step, args.global_batch))
+        x, y = (t.to(device) for t in corpus.batch(step, args.batch.global_batch))
         if step == 2:  # AdamW's moments exist from here on
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -63,7 +64,7 @@ def measure(micro_batch: int, recompute: str, steps: int = 4, model: str = "gpt2
         if step >= 2:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated()
-    spec, setup = plan_memory.from_train_args(args)
+    spec, setup = plan_memory.spec_of(args), args
     est = plan_memory.estimate(spec, setup, at="peak")
     tokens = micro_batch * config.seq_len
     tok_s = tokens / statistics.median(times)

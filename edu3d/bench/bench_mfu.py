@@ -37,12 +37,13 @@ import time
 import torch
 
 from edu3d.bench import harness as bench
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import kernel_for, lr_at, param_groups
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 from edu3d.train.trainer import Trainer
 
 # dense bf16 tensor-core peaks, FLOP/s (NVIDIA's data sheets; "with sparsity" is twice these)
@@ -89,11 +90,11 @@ def bare_step(model, optimizer, x, y, step, args, device) -> torch.Tensor:
             for t in (x, y))
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    with torch.autocast(device.type, dtype=dtype, enabled=args.precision == "bf16"):
+    bf16 = args.precision.dtype == "bf16"
+    with torch.autocast(device.type, dtype=torch.bfloat16 if bf16 else torch.float32, enabled=bf16):
         _, loss = model(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.training.clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
@@ -140,8 +141,8 @@ def measure(model: str = "gpt2-small", micro_batch: int | None = None, steps: in
             peak_name: str | None = None, device: str = "cuda", launched: bool = False) -> dict:
     """Both sides on one device; the report with tokens/s, TFLOPS and MFU of each."""
     dev = torch.device(device)
-    args = defaults(model=model, precision="bf16", vocab_pad=64, compile=compile, steps=steps,
-                    log_every=steps, lr=3e-4)
+    args = Run.of(model=model, precision="bf16", vocab_pad=64, compile=compile, steps=steps,
+                  log_every=steps, lr=3e-4)
     config, _ = check_args(args)
     bare = GPT(config, seed=0).to(dev)
     trainer = Trainer(GPT(config, seed=0).to(dev), None, args)  # resident during the search
@@ -150,8 +151,8 @@ def measure(model: str = "gpt2-small", micro_batch: int | None = None, steps: in
     if micro_batch is None:
         bench.progress("searching the largest micro-batch that fits (eager)")
         micro_batch = largest_micro_batch(bare, config, dev)
-    groups = param_groups(bare.parameters(), args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **kernel_for(groups))
+    groups = param_groups(bare.parameters(), args.training.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=args.training.lr, betas=(0.9, 0.95), **kernel_for(groups))
     bare_model = torch.compile(bare) if compile else bare
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
 
@@ -165,7 +166,6 @@ def measure(model: str = "gpt2-small", micro_batch: int | None = None, steps: in
 
     sides = {"edu3d": edu3d_side, "bare": bare_side}
     while True:  # both models' AdamW moments, allocated at the first step, may not fit yet
-        args.global_batch = micro_batch
         batches = [corpus.batch(s, micro_batch) for s in range(1, 5)]  # data is not timed
         bench.progress(f"micro-batch {micro_batch}: warm-up ({warmup} steps each, compiling)")
         try:
@@ -201,7 +201,7 @@ def launched_worker(mesh, model, micro_batch, steps, reps, warmup, compile) -> f
     """The Trainer in a launched rank (``edu3d train --tp 1 --pp 1 --dp 1``'s path): the
     median seconds of one step."""
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    args = defaults(model=model, precision="bf16", vocab_pad=64, compile=compile, steps=steps,
+    args = Run.of(model=model, precision="bf16", vocab_pad=64, compile=compile, steps=steps,
                     log_every=steps, lr=3e-4, global_batch=micro_batch)
     config, _ = check_args(args)
     trainer = Trainer(GPT(config, seed=0).to(dev), mesh, args)

@@ -34,26 +34,27 @@ from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import loop
 from edu3d.train.optim import kernel_for, lr_at, param_groups
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 from edu3d.train.trainer import Trainer
 
 REFERENCE = "a bare PyTorch loop (nanoGPT's train.py shape)"
 
 
 def bare_steps(model, optimizer, corpus, args) -> float:
-    """``args.steps`` steps the way a PyTorch tutorial writes them; returns the last loss
-    (read every ``args.log_every`` steps, as edu3d's loop reads it)."""
+    """``args.training.steps`` steps the way a PyTorch tutorial writes them; returns the last loss
+    (read every ``args.launch.log_every`` steps, as edu3d's loop reads it)."""
     loss_value = float("nan")
-    for step in range(1, args.steps + 1):
-        x, y = corpus.batch(step, args.global_batch)
+    for step in range(1, args.training.steps + 1):
+        x, y = corpus.batch(step, args.batch.global_batch)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.training.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % args.log_every == 0 or step == args.steps:
+        if step % args.launch.log_every == 0 or step == args.training.steps:
             loss_value = loss.item()
     return loss_value
 
@@ -63,13 +64,13 @@ def measure(model: str = "tiny", steps: int = 20, global_batch: int = 8, reps: i
     """Time both sides, interleaved; returns the report's row."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # as edu3d train runs one process
-    args = defaults(model=model, steps=steps, global_batch=global_batch, log_every=steps)
+    args = Run.of(model=model, steps=steps, global_batch=global_batch, log_every=steps)
     config, _ = check_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed), None, args)
-    bare = GPT(config, seed=args.seed)
-    groups = param_groups(bare.parameters(), args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **kernel_for(groups))
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed), None, args)
+    bare = GPT(config, seed=args.training.seed)
+    groups = param_groups(bare.parameters(), args.training.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=args.training.lr, betas=(0.9, 0.95), **kernel_for(groups))
     last = {}
 
     def edu3d_side():

@@ -11,18 +11,17 @@ between the two and the median of each is reported (:mod:`edu3d.bench.harness`),
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.distributed as dist
 
 from edu3d.bench import harness as bench
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.production.torch_impl import TorchTrainer
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import defaults
+from edu3d.config.sections import Run
 from edu3d.train.trainer import Trainer
 
 REFERENCE = "torch.distributed.pipelining.Schedule1F1B"
@@ -39,9 +38,9 @@ def worker(mesh, m: int = 8, layers: int = 8, d_model: int = 128, seq: int = 64,
     x, y = corpus.batch(1, m * rows)
     pp = mesh.size("pp")
 
-    args = defaults(schedule="1f1b", microbatches=m, pp=pp)
+    args = Run.of(schedule="1f1b", microbatches=m, pp=pp)
     ours = Trainer(GPT(config, seed=0), mesh, args)
-    theirs = TorchTrainer(GPT(config, seed=0), mesh, dataclasses.replace(args, impl="torch"))
+    theirs = TorchTrainer(GPT(config, seed=0), mesh, args.replace(impl="torch"))
 
     def edu3d_step():
         ours.forward_backward(x, y)

@@ -30,7 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from edu3d.bench.harness import interleaved_medians, layout_name, report, result
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.distributed.meter import measure_activations
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, GPTConfig

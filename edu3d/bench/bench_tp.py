@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from edu3d.bench.harness import comm_shares, interleaved_medians, layout_name, report, result
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp.apply import apply_tp

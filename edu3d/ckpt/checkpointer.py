@@ -62,20 +62,20 @@ from edu3d.ckpt.format import (FORMAT, FORMAT_BLOBS, MANIFEST, MUST_MATCH, MUST_
 
 
 class Checkpointer:
-    """Saves ``trainer``'s state into ``args.ckpt_dir`` as ``args`` (``edu3d train``'s
+    """Saves ``trainer``'s state into ``run.checkpoint.ckpt_dir`` as ``run`` (``edu3d train``'s
     options: ``--save-every``, ``--keep-last``, ``--async-save``) says, and resumes it;
     ``config`` is the model's :class:`~edu3d.model.gpt.GPTConfig`, recorded in the manifest.
     Every rank of the run creates one (collective)."""
 
-    def __init__(self, trainer, args, config):
-        self.trainer, self.args, self.config = trainer, args, config
-        self.root = step_dir(args.ckpt_dir, 0).parent
-        self.every = args.save_every
-        self.keep = args.keep_last
-        self.background = args.async_save
-        self.store = BlobStore(self.root, trainer.mesh.rank) if args.incremental else None
+    def __init__(self, trainer, run, config):
+        self.trainer, self.run, self.config = trainer, run, config
+        self.root = step_dir(run.checkpoint.ckpt_dir, 0).parent
+        self.every = run.checkpoint.save_every
+        self.keep = run.checkpoint.keep_last
+        self.background = run.checkpoint.async_save
+        self.store = BlobStore(self.root, trainer.mesh.rank) if run.checkpoint.incremental else None
         self.rank, self.world = trainer.mesh.rank, trainer.mesh.layout.world_size
-        self.timeout = float(args.timeout)
+        self.timeout = float(run.launch.timeout)
         self.token = uuid.uuid4().hex
         if self.world > 1:  # every rank's receipts carry rank 0's token
             self.token = comm.broadcast_object(self.token, src=0)
@@ -86,7 +86,7 @@ class Checkpointer:
 
     # ---- saving ---------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return step == self.args.steps or bool(self.every and step % self.every == 0)
+        return step == self.run.training.steps or bool(self.every and step % self.every == 0)
 
     def after_step(self, step: int, records: list[dict]) -> None:
         """Save if ``step`` is due; the seconds the step waited go into its record."""
@@ -157,9 +157,9 @@ class Checkpointer:
             prec = self.trainer.precision
             job["manifest"] = {
                 "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
-                "steps": self.args.steps,
+                "steps": self.run.training.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: getattr(self.args, k) for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
+                "options": {k: self.run.flat()[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},
@@ -280,11 +280,11 @@ class Checkpointer:
         complete one, :func:`~edu3d.ckpt.format.resume_from`) into the trainer, whatever
         layout wrote it; returns its records ([] when there is none)."""
         self.wait()
-        step = resume_from(self.args) if step is None else step
+        step = resume_from(self.run) if step is None else step
         if not step:
             return []
         manifest = read_manifest(self.root, step)
-        check_continues(manifest, self.config, self.args)
+        check_continues(manifest, self.config, self.run)
         self.load(manifest)
         return manifest["records"]
 

@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from edu3d.ckpt import reshard
+from edu3d.config.sections import globs
 from edu3d.ckpt.blobs import (fsync_folder, remove_unreferenced,
                               write_atomic)  # noqa: F401 (re-exported for the checkpointer)
 from edu3d.ckpt.untrusted import (FORMAT, FORMAT_BLOBS,  # noqa: F401 (re-exported)
@@ -183,20 +184,23 @@ def verify(root, step: int | None = None) -> dict:
     return manifest
 
 
-def differences(manifest: dict, config, args) -> list[str]:
+def differences(manifest: dict, config, run) -> list[str]:
     """What differs between a checkpoint and a run that wants to continue it (empty: none)."""
     diff = []
     mine = dataclasses.asdict(config)
     for k, v in manifest["config"].items():
         if mine.get(k) != v:
             diff.append(f"model {k}: checkpoint {v}, this run {mine.get(k)}")
-    options = vars(args)  # edu3d train's options (a dataclass); a key it lacks differs too
+    options = run.flat()  # edu3d train's flags; a key it lacks differs too
     saved = {**MUST_MATCH_LATER, **manifest["options"]}
     for k, v in saved.items():
-        if options.get(k) != v:
-            diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {options.get(k)}")
-    if args.lr_schedule == "cosine" and manifest["steps"] != args.steps:
-        diff.append(f"--steps: checkpoint {manifest['steps']}, this run {args.steps} (the "
+        mine = options.get(k)
+        if k == "freeze" and isinstance(v, (str, list, type(None))):  # "a,b" (older saves)
+            v, mine = globs(v), globs(mine)
+        if mine != v:
+            diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {mine}")
+    if run.training.lr_schedule == "cosine" and manifest["steps"] != run.training.steps:
+        diff.append(f"--steps: checkpoint {manifest['steps']}, this run {run.training.steps} (the "
                     "cosine schedule depends on the run's length)")
     return diff
 
@@ -206,67 +210,69 @@ def _complete(root) -> str:
     return f"complete: steps {', '.join(map(str, done))}" if done else "no complete checkpoint"
 
 
-def resume_from(args) -> int:
+def resume_from(run) -> int:
     """The step a run with ``--resume`` continues from (0: none): ``--resume-step N``, else
     the newest complete checkpoint. A restart after a failure (``--max-restarts``: attempt
     1 and on) takes the newest not past ``--steps``: the run's own last save, or one of the
     same computation that an earlier run left (the options that change it must match)."""
-    done = steps(args.ckpt_dir)
-    resume_step = args.resume_step
-    if args.attempt:
-        done = [s for s in done if s <= args.steps]
+    done = steps(run.checkpoint.ckpt_dir)
+    resume_step = run.checkpoint.resume_step
+    if run.launch.attempt:
+        done = [s for s in done if s <= run.training.steps]
     elif resume_step:
         return resume_step
     return done[-1] if done else 0
 
 
-def check_continues(manifest: dict, config, args) -> None:
-    """Raise ``CheckpointError`` unless the run ``args`` can continue ``manifest``'s step:
+def check_continues(manifest: dict, config, run) -> None:
+    """Raise ``CheckpointError`` unless the run ``run`` can continue ``manifest``'s step:
     not past ``--steps``, and the same model and options (:func:`differences`)."""
-    step, root = manifest["step"], args.ckpt_dir
-    if step > args.steps:
-        if args.resume_step and not args.attempt:
-            raise CheckpointError(f"--resume-step {step} is past --steps {args.steps}: pass "
+    step, root = manifest["step"], run.checkpoint.ckpt_dir
+    if step > run.training.steps:
+        if run.checkpoint.resume_step and not run.launch.attempt:
+            raise CheckpointError(f"--resume-step {step} is past --steps "
+                                  f"{run.training.steps}: pass "
                                   f"--steps above {step}, or an earlier --resume-step "
                                   f"({_complete(root)})")
         raise CheckpointError(f"the newest checkpoint in {root} is step {step}, past --steps "
-                              f"{args.steps}: pass --steps above {step} to continue it, or "
+                              f"{run.training.steps}: pass --steps above {step} to continue it, or "
                               f"--resume-step N to continue an older one ({_complete(root)})")
-    diff = differences(manifest, config, args)
+    diff = differences(manifest, config, run)
     if diff:
         raise CheckpointError(f"{step_dir(root, step) / MANIFEST} belongs to another "
                               "run: " + "; ".join(diff))
 
 
-def check_resume(args, config) -> int:
+def check_resume(run, config) -> int:
     """Before any process starts: the step ``--resume`` will continue from (0: none), after
     checking that checkpoint's files (:func:`verify`) and that this run can continue it."""
-    step = resume_from(args)
+    step = resume_from(run)
     if not step:
         return 0
-    if step not in steps(args.ckpt_dir):
+    if step not in steps(run.checkpoint.ckpt_dir):
         raise CheckpointError(f"--resume-step {step}: no complete checkpoint of step {step} in "
-                              f"{args.ckpt_dir} ({_complete(args.ckpt_dir)})")
-    manifest = read_manifest(args.ckpt_dir, step)
-    check_continues(manifest, config, args)
-    verify(args.ckpt_dir, step)
+                              f"{run.checkpoint.ckpt_dir} ({_complete(run.checkpoint.ckpt_dir)})")
+    manifest = read_manifest(run.checkpoint.ckpt_dir, step)
+    check_continues(manifest, config, run)
+    verify(run.checkpoint.ckpt_dir, step)
     return step
 
 
-def check_ckpt_dir(args, config) -> int:
+def check_ckpt_dir(run, config) -> int:
     """``edu3d train``'s checks of ``--ckpt-dir`` before any process starts; returns the step
     the run starts after. The folder must be writable (:func:`check_writable`). With
     ``--resume`` (or ``--resume-step``): the checkpoint it continues, checked
     (:func:`check_resume`). Without: the folder must hold no checkpoint, or a restart after a
     failure would resume from a step of some earlier run."""
-    if not args.ckpt_dir:
+    if not run.checkpoint.ckpt_dir:
         return 0
-    check_writable(args.ckpt_dir)
-    if args.resume or args.resume_step:
-        return check_resume(args, config)
-    done = steps(args.ckpt_dir)
+    check_writable(run.checkpoint.ckpt_dir)
+    if run.checkpoint.resume or run.checkpoint.resume_step:
+        return check_resume(run, config)
+    done = steps(run.checkpoint.ckpt_dir)
     if done:
-        raise CheckpointError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints (steps "
+        raise CheckpointError(f"--ckpt-dir {run.checkpoint.ckpt_dir} already holds checkpoints "
+                              f"(steps "
                               f"{', '.join(map(str, done))}): add --resume to continue from "
                               "the newest, or choose an empty folder")
     return 0

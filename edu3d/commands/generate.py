@@ -32,7 +32,7 @@ from edu3d.ckpt.export import state_dict
 from edu3d.ckpt.format import CheckpointError, read_manifest
 from edu3d.commands.argtypes import (MAX_NEW_TOKENS, MAX_SEED, between, integer, ranks, seconds,
                                      step_number)
-from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.config.layout import Layout, LayoutError
 from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import apply_tp

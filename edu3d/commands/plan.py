@@ -41,8 +41,10 @@ from edu3d.commands.train import globs
 from edu3d.plan import search as plan_search
 from edu3d.plan import zero_modes
 from edu3d.plan.fit import size_text
+from edu3d.config.sections import Run
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
-                                 PRECISIONS, RECOMPUTE, Setup, estimate, state_bytes, validate)
+                                 PRECISIONS, RECOMPUTE, check_ep, estimate, setup, setup_dict,
+                                 state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.plan.inventory import frozen_params
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
@@ -160,7 +162,7 @@ def add_subcommand(sub):
     return p
 
 
-def setup_from_args(args) -> tuple[ModelSpec, Setup]:
+def setup_from_args(args) -> tuple[ModelSpec, Run]:
     """The model and the layout ``edu3d plan``'s options describe (``ValueError`` if they
     cannot work together)."""
     over = {k: getattr(args, k) for k in ("n_layers", "n_heads", "d_model", "seq_len",
@@ -187,7 +189,8 @@ def setup_from_args(args) -> tuple[ModelSpec, Setup]:
                          "of whole sequences; change --global-batch, --microbatches or "
                          "--micro-batch-size")
     precision = args.precision or ("fp32" if spec.course else "bf16")
-    st = Setup(dp=dp, tp=tp, pp=pp, vpp=args.vpp or 1, zero=args.zero, microbatches=m,
+    check_ep(spec, dp * (args.cp or 1), args.ep or 1)
+    st = setup(dp=dp, tp=tp, pp=pp, vpp=args.vpp or 1, zero=args.zero, microbatches=m,
                micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=precision, optimizer=args.optimizer, ep=args.ep or 1,
                cp=args.cp or 1, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce,
@@ -213,15 +216,15 @@ def moe_from_args(spec: ModelSpec, args) -> ModelSpec:
     return moe if moe.experts else spec
 
 
-def describe(spec: ModelSpec, st: Setup) -> str:
-    pb, gb, ob = state_bytes(st.precision, st.optimizer, spec.course)
-    return (f"dp={st.dp}" + (f" cp={st.cp} ({st.cp_impl})" if st.cp > 1 else "")
-            + f" tp={st.tp} pp={st.pp}" + (f" vpp={st.vpp}" if st.vpp > 1 else "")
-            + (f" ep={st.ep}" if st.ep > 1 else "")
-            + f" ZeRO-{st.zero}" + (f" {st.grad_reduce}" if st.zero >= 2 else "")
+def describe(spec: ModelSpec, st: Run) -> str:
+    pb, gb, ob = state_bytes(st.precision.dtype, st.training.optimizer, spec.course)
+    return (f"dp={st.layout.dp}" + (f" cp={st.layout.cp} ({st.parallel.cp_impl})" if st.layout.cp > 1 else "")
+            + f" tp={st.layout.tp} pp={st.layout.pp}" + (f" vpp={st.layout.vpp}" if st.layout.vpp > 1 else "")
+            + (f" ep={st.layout.ep}" if st.layout.ep > 1 else "")
+            + f" ZeRO-{st.parallel.zero}" + (f" {st.parallel.grad_reduce}" if st.parallel.zero >= 2 else "")
             + f", {st.microbatches} micro-batch(es) of {st.micro_batch} x "
-            f"{spec.seq_len} tokens, {st.schedule}, recompute {st.recompute}, {st.precision} "
-            f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.sp else ""))
+            f"{spec.seq_len} tokens, {st.parallel.schedule}, recompute {st.memory.recompute}, {st.precision.dtype} "
+            f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.parallel.sp else ""))
 
 
 def table(est: dict) -> str:
@@ -239,8 +242,8 @@ def table(est: dict) -> str:
     return "\n".join(lines)
 
 
-def _json_setup(st: Setup) -> dict:
-    return dataclasses.asdict(st)
+def _json_setup(st: Run) -> dict:
+    return setup_dict(st)
 
 
 def main_from_args(args) -> int:
@@ -258,19 +261,19 @@ def main_from_args(args) -> int:
         return 2
     searching = args.gpus is not None and not any((args.dp, args.tp, args.pp))
     mem_gb = args.gpu_mem or (80.0 if args.gpus else None)
-    if args.gpus is not None and not searching and st.gpus != args.gpus:
-        print(f"edu3d plan: dp*cp*tp*pp = {st.gpus} but --gpus {args.gpus}; give a layout whose "
+    if args.gpus is not None and not searching and st.world_size != args.gpus:
+        print(f"edu3d plan: dp*cp*tp*pp = {st.world_size} but --gpus {args.gpus}; give a layout whose "
               "product is the GPU count, or leave --dp/--tp/--pp out to search",
               file=sys.stderr)
         return 2
-    cluster = plan_search.Cluster(args.gpus or st.gpus, mem_gb or 80.0, args.gpus_per_node,
+    cluster = plan_search.Cluster(args.gpus or st.world_size, mem_gb or 80.0, args.gpus_per_node,
                                   args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
     out = {"model": dataclasses.asdict(spec), "num_params": spec.num_params()}
     moe = as_moe(spec)
     if searching:
         try:
-            rows = plan_search.search(spec, cluster, st.global_batch, st.precision,
-                                      st.schedule, st.cp_impl, st.freeze)
+            rows = plan_search.search(spec, cluster, st.batch.global_batch, st.precision.dtype,
+                                      st.parallel.schedule, st.parallel.cp_impl, st.memory.freeze)
         except ValueError as err:
             print(f"edu3d plan: {err}", file=sys.stderr)
             return 2
@@ -322,9 +325,9 @@ def main_from_args(args) -> int:
     print(f"  of which weights, gradients and optimizer state (the ZeRO paper's count): "
           f"{size_text(est['state_bytes'], '.3f')}" + (
               "; the full gradients are held for the step (--grad-reduce per-step)"
-              if zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches) else ""))
-    if st.freeze:
-        print(f"frozen (--freeze {','.join(st.freeze)}): {frozen_params(spec, st.freeze):,} of "
+              if zero_modes.holds_step(st.parallel.zero, st.parallel.grad_reduce, st.microbatches) else ""))
+    if st.memory.freeze:
+        print(f"frozen (--freeze {','.join(st.memory.freeze)}): {frozen_params(spec, st.memory.freeze):,} of "
               f"{spec.num_params():,} parameters: their weights only, whole on every rank; "
               "no gradients, no optimizer state")
     sent = [f"{axis} {size_text(v, '.3f')}" for axis, v in out["traffic_bytes"].items() if v]

@@ -4,13 +4,13 @@ After reading this file you should understand the road from a command line to ra
 
 1. argparse reads every flag, each with its range (:mod:`edu3d.commands.argtypes`) and
    ``--inject-fault``'s little language (:func:`fault_spec`);
-2. the parsed namespace becomes one :class:`~edu3d.train.options.TrainOptions`
-   (:func:`options_from`): below this file nothing reads an ``argparse.Namespace``;
-3. every check that needs no process runs here, so a bad run is refused in a second with
-   what would work: the composition rules (:func:`~edu3d.train.options.check_args`), what
-   ``--impl torch`` cannot honour (:func:`edu3d.production.torch_check.unsupported`), the
-   memory (:func:`~edu3d.train.options.check_fit`, the planner's estimate) and the
-   checkpoint folder;
+2. the parsed namespace becomes one :class:`~edu3d.config.sections.Run` (:func:`options_from`):
+   below this file nothing reads an ``argparse.Namespace``;
+3. every check that needs no process runs here, once, so a bad run is refused in a second
+   with what would work: :func:`edu3d.train.preflight.preflight` (the composition rules,
+   the memory from the planner's estimate, the frozen names, the checkpoint folder) and
+   what ``--impl torch`` cannot honour (:func:`edu3d.production.torch_check.unsupported`);
+   the ranks trust what passed;
 4. ``--impl`` picks the trainer class: edu3d's :class:`~edu3d.train.trainer.Trainer`, or
    :class:`~edu3d.production.torch_impl.TorchTrainer` (the same layout on PyTorch's own
    APIs); :func:`edu3d.train.loop.run` trains with it, serially or on ``dp * tp * pp`` ranks.
@@ -25,18 +25,17 @@ torch, as the whole ``edu3d`` command does.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
                                      number, ranks, seconds)
 from edu3d.commands.run import add_node_arguments
-from edu3d.distributed.mesh import LayoutError
+from edu3d.config.layout import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.production.torch_check import unsupported
-from edu3d.train.options import (ATTENTION, BATCHING, FAULT_KINDS, FIELDS, GRAD_REDUCE, MIN_VOCAB,
-                                 PRESET_NAMES, RECOMPUTE, SCHEDULES, TrainOptions, check_args,
-                                 check_fit, defaults)
+from edu3d.config.sections import ALIASES, FLAGS, Run
+from edu3d.train.preflight import (ATTENTION, BATCHING, FAULT_KINDS, GRAD_REDUCE, MIN_VOCAB,
+                                   PRESET_NAMES, RECOMPUTE, SCHEDULES, Checked, preflight)
 
 HELP = "train the reference GPT, serially or on a parallel layout"
 POSITIVE = "a positive integer (1, 2, 3 ...)"
@@ -280,21 +279,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def options_from(namespace: argparse.Namespace) -> TrainOptions:
-    """The parsed command line as :class:`~edu3d.train.options.TrainOptions` (argparse's own
+def options_from(namespace: argparse.Namespace) -> Run:
+    """The parsed command line as one :class:`~edu3d.config.sections.Run` (argparse's own
     entries, such as the subcommand's ``func``, left out)."""
-    return defaults(**{k: v for k, v in vars(namespace).items() if k in FIELDS})
+    return Run.of(**{k: v for k, v in vars(namespace).items() if k in FLAGS or k in ALIASES})
 
 
-def parse(argv: list[str]) -> TrainOptions:
+def parse(argv: list[str]) -> Run:
     """``edu3d train``'s options from a command line (``SystemExit`` 2 on a bad flag)."""
     return options_from(add_arguments(argparse.ArgumentParser(prog="edu3d train"))
                         .parse_args(argv))
 
 
-def trainer_class(options: TrainOptions):
+def trainer_class(run: Run):
     """The trainer ``--impl`` asks for (both build from the full serial model, the same way)."""
-    if options.impl == "torch":
+    if run.parallel.impl == "torch":
         from edu3d.production.torch_impl import TorchTrainer
 
         return TorchTrainer
@@ -315,57 +314,28 @@ def add_subcommand(sub) -> argparse.ArgumentParser:
     return p
 
 
-def check(options: TrainOptions) -> None:
-    """Every check made before any process starts; raises ``ValueError`` saying what would
-    work (a foreign, corrupted or used checkpoint folder included)."""
-    config, layout = check_args(options)
-    if options.monitor and layout.world_size == 1:
-        raise LayoutError("--monitor watches the ranks of a parallel run; add --dp 2 (or "
-                          "another layout), or drop --monitor (a serial run prints its progress)")
-    problem = unsupported(options) if options.impl == "torch" else None
+def check(run: Run) -> Checked:
+    """Every check made before any process starts, once (:func:`~edu3d.train.preflight.
+    preflight`, then what ``--impl torch`` cannot honour); raises ``ValueError`` saying what
+    would work (a foreign, corrupted or used checkpoint folder included)."""
+    problem = unsupported(run) if run.parallel.impl == "torch" else None
     if problem:
         raise LayoutError(problem)
-    check_fit(options)
-    if options.freeze:  # the model's names: torch comes in only for --freeze
-        from edu3d.train.loop import check_freeze
-
-        check_freeze(options, config)
-    check_memory_timeline(options)
-    if options.ckpt_dir:
-        from edu3d.ckpt.format import check_ckpt_dir
-
-        check_ckpt_dir(options, config)
-
-
-def check_memory_timeline(o: TrainOptions) -> None:
-    """``--memory-timeline FILE``: a step after the first (which allocates AdamW's state) on
-    edu3d's trainer, into a folder that exists; the path made absolute for the ranks."""
-    if not o.memory_timeline:
-        return
-    path = os.path.abspath(o.memory_timeline)
-    problem = ("use --steps 2 or more (the last step is recorded, after a first that "
-               "allocates the optimizer's state)" if o.steps < 2 else
-               "drop --impl torch (it records edu3d's own trainer)" if o.impl != "edu3d" else
-               f"the folder {os.path.dirname(path)} does not exist"
-               if not os.path.isdir(os.path.dirname(path)) else None)
-    if problem:
-        raise LayoutError(f"--memory-timeline {o.memory_timeline}: {problem}")
-    o.memory_timeline = path
+    return preflight(run)
 
 
 def main_from_args(namespace: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the options (before any process starts), then train."""
-    options = options_from(namespace)
     try:
-        check(options)
+        checked = check(options_from(namespace))
     except ValueError as err:
         parser.error(str(err))
     from edu3d.train.loop import run
 
     try:
-        run(options, trainer_class=trainer_class(options))
+        run(checked, trainer_class=trainer_class(checked.run))
     except LaunchTimeout as err:
-        print(f"edu3d train: --timeout {options.timeout:g} s: {err}", file=sys.stderr)
+        print(f"edu3d train: --timeout {checked.run.launch.timeout:g} s: {err}", file=sys.stderr)
         return 124
     except LaunchError as err:
         print(f"edu3d train: {err}", file=sys.stderr)

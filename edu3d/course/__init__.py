@@ -13,13 +13,13 @@ package; chapters, exercises and their graders import the library and this.
 
 from __future__ import annotations
 
-from edu3d.train.options import TrainOptions, defaults
+from edu3d.config.sections import Run
 
 
-def lesson_args(**overrides) -> TrainOptions:
+def lesson_args(**overrides) -> Run:
     """``edu3d train``'s default options (tiny model) with ``overrides`` applied (an unknown
     name is a ``TypeError`` that lists the valid ones)."""
-    return defaults(**overrides)
+    return Run.of(**overrides)
 
 
 def yes(ok) -> str:

@@ -33,7 +33,7 @@ from edu3d.parallel.dp.data_parallel import make_buckets
 from edu3d.train.data import SyntheticCorpus, shard_rows
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 
 
@@ -47,22 +47,22 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
     """
     out = {}
     base = lesson_args(**common)
-    config = config_from_args(base)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=base.seed)
+    config = model_config(base)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=base.training.seed)
     if dist.get_rank() == 0:
-        model = GPT(config, seed=base.seed)
+        model = GPT(config, seed=base.training.seed)
         opt = make_optimizer(model, base)
-        out["serial"] = [train_step(model, opt, *corpus.batch(s, base.global_batch), s,
+        out["serial"] = [train_step(model, opt, *corpus.batch(s, base.batch.global_batch), s,
                                     base)["loss"] for s in range(1, steps + 1)]
     for name, options in versions.items():
         args = lesson_args(**{**common, **options})
-        model = GPT(config, seed=args.seed)
+        model = GPT(config, seed=args.training.seed)
         trainer = Trainer(model, mesh, args)
         losses, times = [], []
         with trace.current().context(case=name):
             for s in range(1, steps + 1):
                 t0 = time.perf_counter()
-                losses.append(trainer.step(*corpus.batch(s, args.global_batch), s)["loss"])
+                losses.append(trainer.step(*corpus.batch(s, args.batch.global_batch), s)["loss"])
                 times.append(time.perf_counter() - t0)
         log = getattr(trainer.par.dp, "launch_log", [])
         out[name] = {"losses": losses, "step_s": statistics.median(times),
@@ -120,12 +120,12 @@ def compression_error(mesh, hooks=("none",) + HOOKS, steps: int = 10, **common) 
     out, ref_params = {}, None
     for name in hooks:
         args = lesson_args(**{**common, "compress": name})
-        config = config_from_args(args)
-        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-        model = GPT(config, seed=args.seed)
+        config = model_config(args)
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+        model = GPT(config, seed=args.training.seed)
         trainer = Trainer(model, mesh, args)
         with trace.current().context(case=name):
-            losses = [trainer.step(*corpus.batch(s, args.global_batch), s)["loss"]
+            losses = [trainer.step(*corpus.batch(s, args.batch.global_batch), s)["loss"]
                       for s in range(1, steps + 1)]
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         if ref_params is None:
@@ -228,9 +228,9 @@ def dp_step(mesh, bucket_mb: float = 0.1, reverse: bool = True, steps: int = 2,
     ``edu3d train``), traced as ``case="panel"``; the last one is the warm one to draw."""
     args = lesson_args(dp_impl="bucketed", bucket_mb=bucket_mb, reverse_buckets=reverse,
                        global_batch=global_batch)
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
     with trace.current().context(case="panel"):
         losses = [trainer.step(*corpus.batch(s, global_batch), s)["loss"]
                   for s in range(1, steps + 1)]

@@ -24,7 +24,8 @@ from edu3d.model.gpt import GPT, document_mask
 from edu3d.train.batching import MODES, expected_pad_waste, per_document_loss, step_batch
 from edu3d.train.documents import DocumentCorpus
 from edu3d.train.loop import run
-from edu3d.train.options import config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 
 SEQ = 32
 ROWS = 8  # sequences per step, the global batch
@@ -32,7 +33,7 @@ ROWS = 8  # sequences per step, the global batch
 
 def lesson_options(mode: str, mean: float, sigma: float, steps: int = 6):
     """``edu3d train --batching MODE`` for the lesson: the tiny model, ``steps`` steps."""
-    return defaults(batching=mode, doc_mean=None if mode == "fixed" else mean,
+    return Run.of(batching=mode, doc_mean=None if mode == "fixed" else mean,
                     doc_sigma=0.8 if mode == "fixed" else sigma, steps=steps,
                     global_batch=ROWS, json=True, seq=SEQ)
 
@@ -75,7 +76,7 @@ def packing_checks(mean: float = 8, sigma: float = 0.8) -> dict:
     (x, y, doc, w), = batch.microbatches(0, 1, 1)
     mask = document_mask(doc)
     across = (mask & (doc[:, :, None] != doc[:, None, :])[:, None]).any()
-    model = GPT(config_from_args(lesson_options("pack", mean, sigma)), seed=0)
+    model = GPT(model_config(lesson_options("pack", mean, sigma)), seed=0)
     with torch.no_grad():
         alone = float(per_document_loss(model, batch))
         packed = float(model(x, y, doc)[1] * w)

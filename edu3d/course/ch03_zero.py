@@ -26,7 +26,7 @@ from edu3d.parallel.zero.units import model_units
 from edu3d.plan import estimate as plan_memory
 from edu3d.plan.formulas import zero_bytes
 from edu3d.train.data import SyntheticCorpus, shard_rows
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 
 #: traffic per step in units of Ψ parameters (the ZeRO paper's count, section 7)
 ZERO_TRAFFIC_PSI = {0: 2, 1: 2, 2: 2, 3: 3}
@@ -52,7 +52,7 @@ def zero_formula_text(stage: int) -> str:
 
 def course_config():
     """The tiny GPT every chapter-03 run trains (``edu3d train``'s defaults)."""
-    return config_from_args(lesson_args())
+    return model_config(lesson_args())
 
 
 _UNITS: dict[str, list[tuple[str, int]]] = {}
@@ -79,7 +79,7 @@ def zero_prediction(config, n: int, stage: int) -> dict:
     formula, estimate = {}, {}
     for s in range(4):
         formula[s] = zero_bytes(psi, n, s, **FP32_ADAM)
-        est = plan_memory.state_per_rank(spec, plan_memory.Setup(dp=n, zero=s), 0, 0,
+        est = plan_memory.state_per_rank(spec, plan_memory.setup(dp=n, zero=s), 0, 0,
                                          at="rest")
         estimate[s] = {**est, "total": sum(est.values())}
     return {"n": n, "stage": stage, "psi": psi, "units": units, "formula": formula,

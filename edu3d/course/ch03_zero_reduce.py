@@ -24,14 +24,16 @@ The libraries' choices, one sentence each, are :data:`edu3d.plan.zero_modes.LIBR
 
 from __future__ import annotations
 
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.plan import estimate as plan_memory
 from edu3d.plan import zero_modes
 from edu3d.plan.formulas import flat_shard
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import TrainOptions, check_args, config_from_args, from_flags
+from edu3d.config.sections import Run, from_flags
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 #: (label, ZeRO stage, grad_reduce): DDP and ZeRO-1 always reduce once per step
@@ -52,7 +54,7 @@ def argv(zero: int, grad_reduce: str, m: int, dp: int = 2, model: str = "tiny") 
     return out + (["--grad-reduce", grad_reduce] if zero >= 2 else [])
 
 
-def options(args: list[str]) -> TrainOptions:
+def options(args: list[str]) -> Run:
     o = from_flags(args)
     check_args(o)
     return o
@@ -61,9 +63,10 @@ def options(args: list[str]) -> TrainOptions:
 def predicted(zero: int, grad_reduce: str, m: int, dp: int = 2, model: str = "tiny") -> dict:
     """The planner's gradient bytes held during the step and bytes sent per step, for the
     rank the run reports (every dp rank holds the same gradient bytes)."""
-    spec, st = plan_memory.from_train_args(options(argv(zero, grad_reduce, m, dp, model)))
+    st = options(argv(zero, grad_reduce, m, dp, model))
+    spec = plan_memory.spec_of(st)
     held = plan_memory.state_per_rank(spec, st, 0, 0, at="peak")
-    pb, gb, _ = plan_memory.state_bytes(st.precision, st.optimizer, spec.course)
+    pb, gb, _ = plan_memory.state_bytes(st.precision.dtype, st.training.optimizer, spec.course)
     units = plan_memory.units(spec, st, 0)
     # ZeRO reduces its padded flat units; DDP all-reduces the gradients as they are
     psi = (sum(flat_shard(u, dp, 0)[0] for _, u in units) if zero else
@@ -78,13 +81,13 @@ def measure(mesh, argvs: list[list[str]]) -> list[dict]:
     out = []
     for a in argvs:
         args = options(a)
-        layout = Layout(dp=args.dp)
+        layout = Layout(dp=args.layout.dp)
         if mesh is None or layout != mesh.layout:
             mesh = Mesh.build(layout)
-        config = config_from_args(args)
-        x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(
-            1, args.global_batch)
-        trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+        config = model_config(args)
+        x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed).batch(
+            1, args.batch.global_batch)
+        trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
         trainer.stats()  # forget what building it held
         trainer.step(x, y, 1)
         stats = trainer.stats()

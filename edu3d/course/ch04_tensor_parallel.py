@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from edu3d.course import grading, lesson_args
 from edu3d.distributed import trace
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import ops
@@ -120,7 +121,7 @@ def train_demo(mesh, config: GPTConfig, steps: int = 8, batch: int = 4) -> dict:
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
     out, rec = {"windows": {}}, trace.current()
     for name, sp in (("serial", None), ("tp", False), ("tp+sp", True)):
-        args.sp, args.tp_overlap = bool(sp), False
+        args = args.replace(sp=bool(sp), tp_overlap=False)
         trainer = Trainer(GPT(config, 0), None if sp is None else mesh, args)
         t0 = rec.now()
         out[name] = [trainer.step(*corpus.batch(s, batch), s) for s in range(1, steps + 1)]

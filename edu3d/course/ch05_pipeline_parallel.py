@@ -26,7 +26,8 @@ import torch
 
 from edu3d.course import lesson_args, unscaled_loss
 from edu3d.distributed import trace
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.pp.engine import PipelineEngine
 from edu3d.schedules.actions import build, chunks

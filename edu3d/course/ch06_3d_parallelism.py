@@ -28,15 +28,15 @@ from __future__ import annotations
 
 from edu3d.course import lesson_args
 from edu3d.distributed import meter, trace
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.distributed.trace import wire_bytes
 from edu3d.model.gpt import GPT
 from edu3d.model.shapes import num_params_from_config, spec_from_config
-from edu3d.plan.estimate import Setup, estimate
+from edu3d.plan.estimate import setup, estimate
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 
 AXES = ("tp", "pp", "dp")
@@ -52,16 +52,16 @@ def capstone(mesh, steps: int = 4, **overrides) -> dict:
                 schedule="1f1b", steps=steps)
     opts.update(overrides)
     args = lesson_args(**opts)
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
-    serial = GPT(config, seed=args.seed)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
+    serial = GPT(config, seed=args.training.seed)
     optimizer = make_optimizer(serial, args)
 
     losses, norms, serial_losses, peak = [], [], [], 0
     rec = trace.current()
     for s in range(1, steps + 1):
-        x, y = corpus.batch(s, args.global_batch)
+        x, y = corpus.batch(s, args.batch.global_batch)
         with rec.context(step=s):
             out = trainer.step(x, y, s)
         peak = max(peak, trainer.engine.peak_activation_bytes)
@@ -131,7 +131,7 @@ def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,
     its stages saves per micro-batch, times the micro-batches the schedule keeps in flight."""
     layout = Layout(dp=dp, tp=tp, pp=pp, vpp=vpp)
     # ZeRO over one rank shards nothing: the planner asks for dp >= 2, the numbers are DP's
-    st = Setup(dp=dp, tp=tp, pp=pp, vpp=vpp, zero=zero if dp > 1 else 0, microbatches=m,
+    st = setup(dp=dp, tp=tp, pp=pp, vpp=vpp, zero=zero if dp > 1 else 0, microbatches=m,
                micro_batch=max(global_batch // (dp * m), 1), schedule=schedule)
     stages = estimate(spec_from_config(config), st, at="rest")["per_stage"]
     return {rank: {c: stages[layout.coords(rank).pp][c] for c in (*STATE, "activations")}

@@ -27,7 +27,8 @@ import torch
 
 from edu3d.distributed.meter import measure_activations
 from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.recompute import MODES, apply_recompute
 from edu3d.parallel.tp import ops

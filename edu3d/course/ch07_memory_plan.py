@@ -20,19 +20,20 @@ how the exercise is checked:
 from __future__ import annotations
 
 from edu3d.distributed import meter
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.model.shapes import spec_from
 from edu3d.plan import estimate as plan_memory
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import TrainOptions, check_args, config_from_args, from_flags
+from edu3d.config.sections import Run, from_flags
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 STATE = ("params", "grads", "optimizer")
 
 
-def options(argv: list[str]) -> TrainOptions:
+def options(argv: list[str]) -> Run:
     """``edu3d train``'s options from a command line, checked."""
     args = from_flags(argv)
     check_args(args)
@@ -41,7 +42,7 @@ def options(argv: list[str]) -> TrainOptions:
 
 def world_of(argv: list[str]) -> int:
     args = options(argv)
-    return args.dp * args.tp * args.pp
+    return args.layout.dp * args.layout.tp * args.layout.pp
 
 
 def measure(mesh, argv: list[str]) -> dict:
@@ -49,13 +50,13 @@ def measure(mesh, argv: list[str]) -> dict:
     "bytes": {params, grads, optimizer (after the step), activations (the step's peak)},
     "mem_bytes": the fullest rank's, as edu3d train records it}``."""
     args = options(argv)
-    layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp)
+    layout = args.layout
     if mesh is None or layout != mesh.layout:
         mesh = Mesh.build(layout) if layout.world_size > 1 else None
-    config = config_from_args(args)
-    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed).batch(
-        1, args.global_batch)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    config = model_config(args)
+    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed).batch(
+        1, args.batch.global_batch)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
     trainer.step(x, y, 1)
     held = meter.measure(trainer.tensors())
     held = {c: held[c] for c in STATE}
@@ -81,7 +82,8 @@ def run(argv: list[str], timeout: float = 300) -> list[dict]:
 def planned(argv: list[str], coord: tuple[int, int, int]) -> dict:
     """The planner's bytes for the rank at ``coord`` of ``argv``'s run (state at rest: after
     the step, as :func:`measure` counts it)."""
-    spec, st = plan_memory.from_train_args(options(argv))
+    st = options(argv)
+    spec = plan_memory.spec_of(st)
     pp, dp, _ = coord
     out = plan_memory.state_per_rank(spec, st, pp, dp, at="rest")
     out["activations"] = plan_memory.activations_per_rank(spec, st)[pp]
@@ -103,7 +105,7 @@ def check_counts(ex) -> None:
     for layers, tp, pp in LAYOUTS:
         for tied, vocab in ((False, None), (True, None), (False, 101), (True, 101)):
             spec = _spec(layers, tied, vocab)
-            st = plan_memory.Setup(tp=tp, pp=pp, microbatches=pp)
+            st = plan_memory.setup(tp=tp, pp=pp, microbatches=pp)
             for r in range(pp):
                 want = sum(k for _, u in plan_memory.units(spec, st, r) for k, _ in u)
                 got = ex.rank_params(layers, spec.d_model, spec.vocab_size, spec.seq_len, tp,
@@ -119,7 +121,7 @@ def check_state(ex) -> None:
     spec = _spec(4)
     for dp in (1, 2, 4):
         for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-            st = plan_memory.Setup(dp=dp, zero=zero)
+            st = plan_memory.setup(dp=dp, zero=zero)
             want = plan_memory.state_per_rank(spec, st, 0, at="rest")
             got = ex.state_bytes(spec.num_params(), dp, zero)
             for cat in STATE:
@@ -157,19 +159,19 @@ def check_measured(ex, runs: dict) -> None:
     """The learner's functions against what every rank of the measured runs held."""
     for line, ranks in runs.items():
         args = options(line.split())
-        spec, st = plan_memory.from_train_args(args)
+        spec, st = plan_memory.spec_of(args), args
         per_mb = plan_memory.stage_activation_bytes(spec, st)
         for res in ranks:
             pp, dp, tp = res["coord"]
             n = ex.rank_params(spec.n_layers, spec.d_model, spec.vocab_size, spec.seq_len,
-                               st.tp, st.pp, pp, spec.tied)
-            got = ex.state_bytes(n, st.dp, st.zero)
+                               st.layout.tp, st.layout.pp, pp, spec.tied)
+            got = ex.state_bytes(n, st.layout.dp, st.parallel.zero)
             for cat in STATE:
                 meas = res["bytes"][cat]
                 assert abs(got[cat] - meas) <= 0.01 * meas, (
                     f"{line}, rank {res['coord']}: measured {meas} bytes of {cat}, yours "
                     f"{got[cat]}")
-            acts = ex.in_flight(st.schedule, st.pp, st.microbatches, pp) * per_mb[pp]
+            acts = ex.in_flight(st.parallel.schedule, st.layout.pp, st.microbatches, pp) * per_mb[pp]
             meas = res["bytes"]["activations"]
             assert abs(acts / meas - 1) < 1e-3, (
                 f"{line}, rank {res['coord']}: measured peak activations {meas} bytes, "

@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import torch
 
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.train.cuda_memory import pool_stats
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.memory_recorder import KINDS, MemoryRecorder, document, gather_timelines
-from edu3d.train.options import FIELDS, check_args, from_flags
+from edu3d.config.sections import FLAGS, from_flags
+from edu3d.train.preflight import check_args
 from edu3d.train.trainer import Trainer
 
 #: the knobs' values (:func:`settings` records some of their combinations)
 GRID = {"zero": (0, 1, 2, 3), "microbatches": (1, 2, 4), "recompute": ("none", "full")}
 GRAD_REDUCE = ("per-microbatch", "per-step")  # ZeRO-2/3 only, where the trainer has it
-HAS_GRAD_REDUCE = "grad_reduce" in FIELDS
+HAS_GRAD_REDUCE = "grad_reduce" in FLAGS
 BASE = ["--dp", "2", "--global-batch", "8", "--steps", "2"]
 KNOB_NAMES = {"zero": "ZeRO stage", "microbatches": "micro-batches",
               "recompute": "recomputation", "grad_reduce": "gradient reduction"}
@@ -88,12 +90,12 @@ def record(mesh, argv: list[str]) -> dict | None:
     config, layout = check_args(args)
     if mesh is None or mesh.layout != layout:
         mesh = Mesh.build(layout) if layout.world_size > 1 else None
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
-    trainer.step(*corpus.batch(1, args.global_batch), 1)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
+    trainer.step(*corpus.batch(1, args.batch.global_batch), 1)
     recorder = MemoryRecorder(trainer)
     with recorder.watch(2):
-        trainer.step(*corpus.batch(2, args.global_batch), 2)
+        trainer.step(*corpus.batch(2, args.batch.global_batch), 2)
     stats = trainer.stats()["mem_bytes"]  # collective: what edu3d train records
     timelines = gather_timelines(recorder)
     return None if timelines is None else document(args, timelines, stats)

@@ -30,13 +30,14 @@ from edu3d.distributed import comm, trace
 from edu3d.launch import runs
 from edu3d.launch.api import LaunchError, launch
 from edu3d.train import loop as train
-from edu3d.train.options import check_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import check_args
 
 KEYS = ("step", "loss", "grad_norm", "lr")
 
 
 def _args(**kw):
-    return defaults(**{"layers": 2, "json": True, "timeout": 300.0, **kw})
+    return Run.of(**{"layers": 2, "json": True, "timeout": 300.0, **kw})
 
 
 def checkpointed_run(ckpt_dir: str | Path, **layout) -> dict:
@@ -142,7 +143,7 @@ def async_save_run(ckpt_dir: str | Path, **layout) -> dict:
     _, mesh_layout = check_args(args)
     options = {k: v for k, v in vars(args).items() if not callable(v)}
     run = launch(train.worker, mesh_layout.world_size, args=(options,), layout=mesh_layout,
-                 echo=False, timeout=args.timeout, name="async-save")
+                 echo=False, timeout=args.launch.timeout, name="async-save")
     return {"records": run.results[0], "events": run.events(),
             "manifest": checkpoint.read_manifest(ckpt_dir)}
 

@@ -23,7 +23,8 @@ from edu3d.model.gpt import GPT
 from edu3d.model.param_globs import matching, patterns
 from edu3d.parallel.freeze import param_names
 from edu3d.train.loop import run
-from edu3d.train.options import config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 
 CASES = {
     "every parameter trains": None,
@@ -33,7 +34,7 @@ CASES = {
 
 
 def _options(ckpt_dir, freeze, steps: int, **more):
-    return defaults(steps=steps, save_every=1, incremental=True, ckpt_dir=str(ckpt_dir),
+    return Run.of(steps=steps, save_every=1, incremental=True, ckpt_dir=str(ckpt_dir),
                     freeze=freeze, json=True, **more)
 
 
@@ -50,7 +51,7 @@ def incremental_saves(freeze: str | None, steps: int = 3, root=None) -> dict:
     for step in range(1, steps + 1):
         manifest = json.loads((step_dir(ckpt, step) / MANIFEST).read_text())
         saves.append({"step": step, **manifest["incremental"]})
-    config = config_from_args(_options(ckpt, freeze, steps))
+    config = model_config(_options(ckpt, freeze, steps))
     names = param_names(config)
     with torch.device("meta"):  # the sizes only
         shapes = {n: p.numel() for n, p in GPT(config).named_parameters()}
@@ -81,7 +82,7 @@ def resumed_equals_uninterrupted(result: dict, at: int = 2) -> bool:
 def frozen_unchanged(result: dict) -> bool:
     """Are the frozen parameters of the last checkpoint bitwise their initial values?"""
     _, params = full_state(result["ckpt_dir"])
-    init = dict(GPT(config_from_args(_options("", result["freeze"], 1))).named_parameters())
+    init = dict(GPT(model_config(_options("", result["freeze"], 1))).named_parameters())
     return all(torch.equal(params[n], init[n].detach()) for n in result["frozen"])
 
 

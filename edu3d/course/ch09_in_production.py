@@ -24,14 +24,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from edu3d.distributed import meter, trace
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.production.compare import world_size
 from edu3d.production.torch_impl import TorchTrainer
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import worker
-from edu3d.train.options import check_args, config_from_args, defaults, from_flags
+from edu3d.config.sections import Run, from_flags
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 #: strategy -> edu3d's code, PyTorch's API, the layout both run, and the knobs that map
@@ -155,7 +157,7 @@ def _slowest(seconds: list[float]) -> float:
 def _steps(trainer, corpus, args, steps: int) -> tuple[list[float], list[float]]:
     losses, secs = [], []
     for s in range(1, steps + 1):
-        x, y = corpus.batch(s, args.global_batch)
+        x, y = corpus.batch(s, args.batch.global_batch)
         t0 = time.perf_counter()
         losses.append(trainer.step(x, y, s)["loss"])
         secs.append(time.perf_counter() - t0)
@@ -172,10 +174,10 @@ def side_by_side(mesh, names: list[str], steps: int = 4) -> list[dict]:
         for impl in ("edu3d", "torch"):
             args = from_flags([*argv, "--impl", impl])
             config, _ = check_args(args)
-            layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp)
+            layout = args.layout
             m = Mesh.build(layout)
-            corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-            model = GPT(config_from_args(args), seed=args.seed)
+            corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+            model = GPT(model_config(args), seed=args.training.seed)
             path = folder / f"{name.replace('/', '_')}-{impl}-{m.rank}.jsonl"
             with trace.use(trace.Recorder(m.rank, path)):
                 trainer = (Trainer if impl == "edu3d" else TorchTrainer)(model, m, args)
@@ -216,7 +218,7 @@ def measure(names: list[str] | None = None, steps: int = 4, timeout: float = 300
 def edu3d_dp2(steps: int = 5, timeout: float = 300) -> list[dict]:
     """``edu3d train --dp 2`` (bucketed DDP-like all-reduce), its records: what Accelerate's
     run is compared with."""
-    options = {k: v for k, v in vars(defaults(dp=2, steps=steps, json=True)).items()
+    options = {k: v for k, v in vars(Run.of(dp=2, steps=steps, json=True)).items()
                if not callable(v)}
     run = launch(worker, 2, args=(options,), layout=Layout(dp=2), timeout=timeout,
                  name="dp2", echo=False)
@@ -239,10 +241,10 @@ def offload(mesh, steps: int = 4) -> dict:
     optimizer's host copy holds and moves each step, and the step times."""
     out = {}
     for off in (False, True):
-        args = defaults(dp=mesh.layout.dp, zero=1, offload=off, steps=steps)
-        config = config_from_args(args)
-        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-        trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+        args = Run.of(dp=mesh.layout.dp, zero=1, offload=off, steps=steps)
+        config = model_config(args)
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+        trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
         losses, secs = _steps(trainer, corpus, args, steps)
         held = meter.measure(trainer.tensors())  # this rank; offloaded state under "host"
         shard = sum(u.shard_numel for u in trainer.par.zero.units) * 4

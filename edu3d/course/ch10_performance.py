@@ -36,13 +36,14 @@ from edu3d.bench.bench_dp import dp_worker
 from edu3d.course import lesson_args
 from edu3d.course.ch06_3d_parallelism import axis_formulas
 from edu3d.distributed import trace
-from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.config.layout import Layout, LayoutError
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.model.shapes import spec_from_config
 from edu3d.plan import estimate as plan_memory
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.options import check_args, config_from_args
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 #: the layouts the chapter sweeps: name -> (dp, tp, pp)
@@ -72,7 +73,7 @@ def layout_options(name: str, overlap: str = "on", microbatches: int | None = No
 
 def runnable_microbatches(name: str, most: int = 8) -> list[int]:
     """The micro-batch counts (1 to ``most``) a live run of layout ``name`` accepts, by the
-    trainer's own rules (:func:`edu3d.train.options.check_args`): each data-parallel rank's
+    trainer's own rules (:func:`edu3d.train.preflight.check_args`): each data-parallel rank's
     share of the global batch must split into them. The cost model predicts any count."""
     dp, tp, pp = LAYOUTS[name]
     ok = []
@@ -150,16 +151,16 @@ def breakdown(events: list[dict], case: str | None = None) -> dict:
 # ---- the runs -----------------------------------------------------------------------------------
 def _trainer(mesh, opts: dict):
     args = lesson_args(**opts)
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    return Trainer(GPT(config, seed=args.seed), mesh, args), corpus, args
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    return Trainer(GPT(config, seed=args.training.seed), mesh, args), corpus, args
 
 
 def _timed_steps(trainer, corpus, args, steps: int, group=None, alone: bool = False):
     """Step times (s, slowest rank) of ``steps`` steps; ``alone``: this rank runs by itself."""
     times = []
     for s in range(1, steps + 1):
-        x, y = corpus.batch(s, args.global_batch)
+        x, y = corpus.batch(s, args.batch.global_batch)
         if alone:
             t0 = time.perf_counter()
             trainer.step(x, y, s)
@@ -202,7 +203,7 @@ def measure_layouts(mesh, names: list[str], steps: int = 3, overlap: str = "on",
                     sub.release()
         if dist.get_rank() == 0:
             step_s = statistics.median(times[1:] or times)
-            tokens = args.global_batch * config_from_args(args).seq_len  # global batch
+            tokens = args.batch.global_batch * model_config(args).seq_len  # global batch
             rows.append({"name": name, "world_size": layout.world_size, "options": opts,
                          "step_s": times, "median_s": step_s, "tokens_per_s": tokens / step_s})
     return rows
@@ -218,8 +219,8 @@ def profile_step(mesh, opts: dict | None = None, warmup: int = 2, case: str = "p
                                                     "pp": mesh.layout.pp})
     with trace.current().context(case=case):
         for s in range(1, warmup + 1):
-            trainer.step(*corpus.batch(s, args.global_batch), s)
-        x, y = corpus.batch(warmup + 1, args.global_batch)
+            trainer.step(*corpus.batch(s, args.batch.global_batch), s)
+        x, y = corpus.batch(warmup + 1, args.batch.global_batch)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             with record_function("edu3d:step_start"):
@@ -327,9 +328,9 @@ def predict(name: str, overlap: str = "on", microbatches: int | None = None,
     dp, tp, pp, m = opts["dp"], opts["tp"], opts["pp"], opts["microbatches"]
     layout = Layout(dp=dp, tp=tp, pp=pp)
     world = layout.world_size
-    config = config_from_args(lesson_args())
+    config = model_config(lesson_args())
     compute = c["serial_ms"] / min(world, cores)
-    spec, setup = spec_from_config(config), plan_memory.Setup(dp=dp, tp=tp, pp=pp)
+    spec, setup = spec_from_config(config), plan_memory.setup(dp=dp, tp=tp, pp=pp)
     psi = [sum(n for _, tensors in plan_memory.units(spec, setup, r) for n, _ in tensors)
            for r in range(pp)]  # parameters one rank of each stage holds (the planner's count)
     worst: dict | None = None

@@ -12,15 +12,14 @@ communication, because it is the one the others wait for.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from edu3d.course import lesson_args
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import live
 from edu3d.launch.api import launch
 from edu3d.train import loop
-from edu3d.train.options import check_args
+from edu3d.train.preflight import check_args
 
 
 def slow_rank_run(run_dir: str | Path, slow_rank: int | None = 1, seconds: float = 0.2,
@@ -32,7 +31,7 @@ def slow_rank_run(run_dir: str | Path, slow_rank: int | None = 1, seconds: float
              {"rank": slow_rank, "step": 1, "kind": "slow", "seconds": seconds})
     options = lesson_args(layers=2, dp=2, steps=steps, json=True, inject_fault=fault)
     check_args(options)
-    launch(loop.worker, 2, args=(dataclasses.asdict(options),), layout=Layout(dp=2),
+    launch(loop.worker, 2, args=(options.flat(),), layout=Layout(dp=2),
            run_dir=run_dir, echo=False, timeout=timeout, name="ch10-live")
     return live.read(Path(run_dir), 2)
 

@@ -31,7 +31,7 @@ from typing import Callable
 from edu3d.course import grading
 from edu3d.distributed.algorithms import ring_plan
 from edu3d.model.shapes import spec_from
-from edu3d.plan.estimate import Setup, estimate, in_flight
+from edu3d.plan.estimate import setup, estimate, in_flight
 from edu3d.plan.formulas import activation_bytes_per_layer as act
 from edu3d.plan.formulas import zero_bytes
 from edu3d.plan.search import GB as GBPS
@@ -82,7 +82,7 @@ def zero3_traffic_ratio() -> float:
     """ZeRO-3's data-parallel traffic per step over plain DP's, in the planner's cost model,
     at one micro-batch (the paper's count: reducing every one of m micro-batches, m times)."""
     spec, cl = _llama("llama2-7b"), Cluster(8)
-    t = {z: step_time(spec, Setup(dp=8, zero=z, microbatches=1, precision="bf16"), cl)["dp"]
+    t = {z: step_time(spec, setup(dp=8, zero=z, microbatches=1, precision="bf16"), cl)["dp"]
          for z in (0, 3)}
     return t[3] / t[0]
 
@@ -90,7 +90,7 @@ def zero3_traffic_ratio() -> float:
 def state_gb(name: str = "llama2-7b") -> float:
     """Mixed-precision Adam's state of a model on one GPU, the planner's count: 2 + 2 + 12
     bytes per parameter (and Adam's step counters)."""
-    est = estimate(_llama(name), Setup(precision="bf16"), at="rest")
+    est = estimate(_llama(name), setup(precision="bf16"), at="rest")
     return sum(est[f"{c}_bytes"] for c in ("params", "grads", "optimizer")) / GB
 
 
@@ -114,7 +114,7 @@ def tp_all_reduces() -> int:
     """All-reduces per layer and micro-batch (forward + backward) in the planner's TP cost:
     its TP time divided by the time of one ring all-reduce of ``b·s·h`` 16-bit values."""
     spec, cl, t, m = _llama("llama2-7b"), Cluster(8), 8, 4
-    st = Setup(tp=t, microbatches=m, precision="bf16")
+    st = setup(tp=t, microbatches=m, precision="bf16")
     one = 2 * (t - 1) / t * 2 * spec.seq_len * spec.d_model / (cl.intra_gbps * GBPS)
     return round(step_time(spec, st, cl)["tp"] / (one * spec.n_layers * m))
 
@@ -139,7 +139,7 @@ def micro_batches_for(target: float = 0.10, pp: int = 8) -> int:
 def fits_one_gpu(name: str = "llama2-7b", gpu_gb: float = 80) -> bool:
     """Whether the planner's peak for ``name`` on one GPU (bf16, selective recomputation,
     8 micro-batches of one sequence) is within 90% of ``gpu_gb``."""
-    est = estimate(_llama(name), Setup(precision="bf16", microbatches=8,
+    est = estimate(_llama(name), setup(precision="bf16", microbatches=8,
                                        recompute="selective"))
     return est["total_bytes"] <= 0.9 * gpu_gb * GB
 
@@ -154,7 +154,7 @@ def plan(name: str, gpus: int) -> tuple[dict, ...]:
 def planned_layout(name: str = "llama2-13b", gpus: int = 16) -> dict[str, int]:
     """The planner's fastest layout that fits (``edu3d plan --model NAME --gpus G``)."""
     st = plan(name, gpus)[0]["setup"]
-    return {"dp": st.dp, "tp": st.tp, "pp": st.pp}
+    return {"dp": st.layout.dp, "tp": st.layout.tp, "pp": st.layout.pp}
 
 
 # ---- the bank --------------------------------------------------------------------------------------

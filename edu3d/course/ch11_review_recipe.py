@@ -59,7 +59,7 @@ def _walk(body, out: list[dict]) -> None:
         elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             out.append({"kind": "set", "code": ast.unparse(node)})
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Yield):
-            out.append({"kind": "yield", "topic": "fits", "code": "yield Setup(dp, tp, pp, zero, m, b, recompute, ep, cp)"})
+            out.append({"kind": "yield", "topic": "fits", "code": "yield setup(dp, tp, pp, zero, m, b, recompute, ep, cp)"})
         elif hasattr(node, "body"):
             _walk(node.body, out)
 

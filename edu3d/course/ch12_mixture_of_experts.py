@@ -32,12 +32,12 @@ import torch
 
 from edu3d.course import lesson_args
 from edu3d.distributed import meter, trace
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, route, total_params
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import loop
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 from edu3d.launch import launch
 
@@ -62,9 +62,9 @@ def train_serial(steps: int = 30, bias_rate: float = BIAS_RATE, **overrides):
     are ``edu3d train --json``'s, step by step; ``model`` is the trained GPT."""
     torch.set_num_threads(1)  # as edu3d train does: many threads on a small model only contend
     args = options(steps=steps, **overrides)
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    model = GPT(config, seed=args.seed)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    model = GPT(config, seed=args.training.seed)
     trainer = Trainer(model, None, args)
     for layer in trainer.moe.values():
         layer.bias_rate = bias_rate
@@ -133,7 +133,7 @@ def capacity_runs(steps: int = 20, factors=FACTORS) -> dict[float, list[dict]]:
 def tokens_per_microbatch(args) -> int:
     """``T``: the tokens one rank routes in one forward (its micro-batch of sequences)."""
     m = args.microbatches or 1
-    return args.global_batch // (args.dp * m) * args.seq
+    return args.batch.global_batch // (args.layout.dp * m) * args.model.seq
 
 
 # ---- expert parallelism: a launched run --------------------------------------------------
@@ -141,9 +141,9 @@ def ep_worker(mesh, overrides: dict) -> dict:
     """Every rank: train the lesson's MoE on the launched layout (``dp x ep``), each step in
     the trace; return rank 0's records, this rank's measured bytes and the experts it holds."""
     args = options(dp=mesh.layout.dp, ep=mesh.layout.ep, **overrides)
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
     records = loop(trainer, corpus, args)
     held = sorted({int(n.split(".experts.")[1].split(".")[0])
                    for n, _ in trainer.par.module.named_parameters() if ".experts." in n})
@@ -215,16 +215,16 @@ def leaving_share(matrix: list[list[int]]) -> float:
 # ---- memory ------------------------------------------------------------------------------
 def param_counts(**overrides) -> dict[str, int]:
     """The lesson MoE's parameters: ``total`` (all experts) and ``active`` (per token)."""
-    config = config_from_args(options(**overrides))
+    config = model_config(options(**overrides))
     return {"total": total_params(config), "active": active_params(config)}
 
 
 def dense_bytes(steps: int = 1) -> dict:
     """Measured bytes of the dense model with the lesson's ``d_model`` (one MLP per block)."""
     args = options(experts=0, steps=steps)
-    config = config_from_args(args)
-    trainer = Trainer(GPT(config, seed=args.seed), None, args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    config = model_config(args)
+    trainer = Trainer(GPT(config, seed=args.training.seed), None, args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     with trace.use(trace.NullRecorder()):
         loop(trainer, corpus, args)
     return meter.measure(trainer.tensors())

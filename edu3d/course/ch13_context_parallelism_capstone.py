@@ -28,12 +28,13 @@ from __future__ import annotations
 from edu3d.course.ch07_memory_plan import options as checked_options
 from edu3d.course.ch13_context_parallelism import cp_wire_bytes
 from edu3d.distributed import trace
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import reference_microbatches, train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import check_args, config_from_args, from_flags
+from edu3d.config.sections import from_flags
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 CAPSTONE = ["--dp", "2", "--cp", "2", "--pp", "2", "--experts", "4", "--topk", "2",
@@ -52,16 +53,16 @@ def capstone(mesh, argv: list[str] = tuple(CAPSTONE), steps: int = 3) -> dict:
     rank's coordinates, both loss curves, the step's bytes per group and the memory of the
     fullest rank (``Trainer.stats``)."""
     args = checked_options(list(argv))
-    config = config_from_args(args)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    trainer = Trainer(GPT(config, seed=args.seed), mesh, args)
-    serial = GPT(config, seed=args.seed)
+    config = model_config(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+    trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
+    serial = GPT(config, seed=args.training.seed)
     optimizer = make_optimizer(serial, args)
     m = reference_microbatches(args)
     rec = trace.current()
     losses, serial_losses = [], []
     for s in range(1, steps + 1):
-        x, y = corpus.batch(s, args.global_batch)
+        x, y = corpus.batch(s, args.batch.global_batch)
         with rec.context(step=s):
             losses.append(trainer.step(x, y, s)["loss"])
         with trace.use(trace.NullRecorder()):  # the reference is not part of the run's trace

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from edu3d.course import grading, lesson_args
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.distributed.runtime import all_ok
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from

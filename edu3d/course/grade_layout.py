@@ -17,7 +17,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from edu3d.model.shapes import spec_from
-from edu3d.plan.estimate import Setup, estimate
+from edu3d.config.sections import Run
+from edu3d.plan.estimate import setup, estimate
 from edu3d.plan.search import Cluster, search, step_time
 
 JOBS = {  # job -> (model preset, cluster, global batch): the table of the exercise's docstring
@@ -36,8 +37,8 @@ def best(job: str) -> dict:
     return next(r for r in search(spec_from(preset), cluster, global_batch=batch) if r["fits"])
 
 
-def setup_of(job: str, choice: dict) -> Setup:
-    """The planner's :class:`Setup` for a choice, or ``AssertionError`` saying why it is
+def setup_of(job: str, choice: dict) -> Run:
+    """The planner's run (:class:`~edu3d.config.sections.Run`) for a choice, or ``AssertionError`` saying why it is
     not a layout of the job."""
     _, cluster, batch = JOBS[job]
     assert isinstance(choice, dict) and set(KEYS) <= set(choice), \
@@ -52,7 +53,7 @@ def setup_of(job: str, choice: dict) -> Setup:
         f"job {job}: dp x tp x pp = {dp * tp * pp}, but the job has {cluster.gpus} GPUs"
     assert batch % (dp * b) == 0, \
         f"job {job}: the global batch {batch} does not split into dp {dp} x micro-batch {b}"
-    return Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=batch // (dp * b),
+    return setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=batch // (dp * b),
                  micro_batch=b, sp=tp > 1, recompute=rec, precision="bf16")
 
 

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from edu3d.course import grading, lesson_args
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.train.data import SyntheticCorpus, shard_rows
@@ -129,7 +129,7 @@ def _fsdp(mod, mesh, dmesh, corpus) -> dict:
                     lambda m, a, i=i: seen["at_forward"].append((i, _whole(model))))
             sharding = _sharding(model)
             args = _args(zero)
-            opt = optimizer_for(param_groups(model.parameters(), args.weight_decay), args)
+            opt = optimizer_for(param_groups(model.parameters(), args.training.weight_decay), args)
             losses = _train(wrapped, opt, mesh, corpus, args,
                             lambda: seen.update(after_forward=_whole(model)))
         except Exception as err:  # noqa: BLE001 - a learner's error is a verdict, on one rank
@@ -154,8 +154,8 @@ def _zero1(mod, mesh, dmesh, corpus) -> dict:
     args = _args(1)
     try:
         step_model, opt = mod.ddp_zero1(model, dmesh.get_group(),
-                                        param_groups(model.parameters(), args.weight_decay),
-                                        lr=args.lr, betas=(0.9, 0.95))
+                                        param_groups(model.parameters(), args.training.weight_decay),
+                                        lr=args.training.lr, betas=(0.9, 0.95))
         losses = _train(step_model, opt, mesh, corpus, args)
     except Exception as err:  # noqa: BLE001
         return {"error": _error("ddp_zero1", err)}

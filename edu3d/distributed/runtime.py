@@ -39,7 +39,8 @@ import socket
 from datetime import timedelta
 
 from edu3d.distributed import trace
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 
 DEFAULT_TIMEOUT_S = 60.0
 _LIVE: dict = {}  # the mesh of the last init in this process, for leave_at_exit

@@ -44,7 +44,7 @@ import traceback
 from pathlib import Path
 
 from edu3d.distributed import runtime, trace
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 
 PREFIX_FMT = "[rank {}] "
 

@@ -1,4 +1,4 @@
-"""``parallelize(model, mesh, plan)``: the one place where strategies compose.
+"""``parallelize(model, mesh, run)``: the one place where strategies compose.
 
 After reading this file you should understand the order in which a serial model becomes
 this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made readable):
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from edu3d.config.sections import Run
 from edu3d.distributed import comm
 from edu3d.distributed.mesh import Mesh
 from edu3d.model.moe import MoE
@@ -55,38 +56,12 @@ from edu3d.parallel.zero.sharding import Zero
 from edu3d.parallel.zero.units import model_units
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How to parallelize, beyond the mesh's degrees (the trainer fills it from ``edu3d
-    train``'s options: :func:`edu3d.train.trainer.plan_from`)."""
-
-    sequence_parallel: bool = False
-    tp_overlap: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    vpp: int = 1  # model chunks per pipeline rank (interleaved; > 1 even on one rank)
-    partition: str = "uniform"
-    zero: int = 0
-    dp_impl: str = "bucketed"
-    bucket_mb: float = 25.0
-    reverse_buckets: bool = True  # False: forward order, the mistake chapter 02 shows
-    prefetch: bool = False
-    offload: bool = False
-    grad_reduce: str = "per-microbatch"  # or "per-step": ZeRO-2/3 with micro-batches (Zero)
-    compress: str | None = None
-    recompute: str = "none"  # "selective" | "full": activation recomputation
-    cp_impl: str = "ring"  # "allgather" | "ulysses": context parallelism's attention
-    cp_split: str = "zigzag"  # "plain": contiguous pieces of each sequence
-    compile: bool = False  # torch.compile each block's forward (after recomputation)
-    freeze: tuple = ()  # globs over serial names: no gradient, no optimizer state
-
-
 @dataclass
 class Parallel:
     """This rank's piece of the model, and how it is wired to the others."""
 
     mesh: Mesh
-    plan: Plan
+    run: Run
     stages: dict[int, PipelineStage]  # global stage index -> stage (this rank's only)
     module: nn.ModuleDict  # the stages as one module: every parameter this rank holds
     n_stages: int
@@ -122,16 +97,16 @@ class Parallel:
         return self.n_stages - 1 in self.stages
 
 
-def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, compute=None):
+def apply_pipeline(model: nn.Module, mesh: Mesh, run: Run, compute=None):
     """This rank's stages and its action list. ``compute`` (per-rank lists of compute
     actions, e.g. a learner's schedule) replaces the named schedule's."""
     layout = mesh.layout
-    v = chunks(plan.schedule, max(plan.vpp, layout.vpp))
-    parts = partition(model.config, layout.pp, v, method=plan.partition)
+    v = chunks(run.parallel.schedule, max(run.layout.vpp, layout.vpp))
+    parts = partition(model.config, layout.pp, v, method=run.parallel.partition)
     pp_rank = mesh.index("pp")
     stages = split_model(model, parts, layout.pp, pp_rank)
     if compute is None:
-        actions = build(plan.schedule, layout.pp, plan.microbatches, v)
+        actions = build(run.parallel.schedule, layout.pp, run.microbatches, v)
     else:
         actions = with_comms([[a if isinstance(a, Action) else Action.parse(a) for a in ops]
                               for ops in compute], layout.pp, v)
@@ -143,33 +118,34 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
     optimizer over a list of parameters is ``Zero(..., **optimizer(params))``: its
     ``optimizer_class``, ``params`` (or param groups) and defaults (the trainer's rule);
     ``None``: :class:`Zero`'s default, AdamW over all of them."""
-    mesh, plan = par.mesh, par.plan
+    mesh, pl = par.mesh, par.run.parallel
+    offload = par.run.memory.offload
     layout = mesh.layout
     n = layout.dp * layout.cp  # every dense gradient is averaged over dp x cp
     is_expert = {p for p, name in par.names.items() if name in par.experts}
     options = optimizer or (lambda params: {})
-    if plan.zero:
+    if pl.zero:
         units = [u for s in sorted(par.stages)
                  for u in model_units(par.stages[s], _tied_in(par.stages[s], par.tied))]
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
         dense = [u for u in dense if u[2]]
-        par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, prefetch=plan.prefetch,
-                        offload=plan.offload, units=dense, grad_reduce=plan.grad_reduce,
+        par.zero = Zero(par.module, mesh.group("dpcp"), pl.zero, prefetch=pl.prefetch,
+                        offload=offload, units=dense, grad_reduce=pl.grad_reduce,
                         **options([p for _, _, ps in dense for p in ps]))
         if is_expert:
             experts = _expert_units(par, is_expert)
-            par.expert_zero = Zero(par.module, mesh.group("edp"), plan.zero,
-                                   offload=plan.offload, units=experts, divisor=n,
-                                   grad_reduce=plan.grad_reduce,
+            par.expert_zero = Zero(par.module, mesh.group("edp"), pl.zero,
+                                   offload=offload, units=experts, divisor=n,
+                                   grad_reduce=pl.grad_reduce,
                                    **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
-        hook = make_hook(plan.compress) if plan.compress else None
-        par.dp = DataParallel(par.module, mesh.group("dpcp"), plan.dp_impl, plan.bucket_mb,
-                              reverse_buckets=plan.reverse_buckets, comm_hook=hook,
+        hook = make_hook(pl.compress) if pl.compress else None
+        par.dp = DataParallel(par.module, mesh.group("dpcp"), pl.dp_impl, pl.bucket_mb,
+                              reverse_buckets=pl.reverse_buckets, comm_hook=hook,
                               params=[p for p in par.module.parameters() if p not in is_expert])
         if is_expert:
-            par.expert_dp = DataParallel(par.module, mesh.group("edp"), plan.dp_impl,
-                                         plan.bucket_mb, reverse_buckets=plan.reverse_buckets,
+            par.expert_dp = DataParallel(par.module, mesh.group("edp"), pl.dp_impl,
+                                         pl.bucket_mb, reverse_buckets=pl.reverse_buckets,
                                          params=[p for p in par.module.parameters()
                                                  if p in is_expert], divisor=n)
 
@@ -223,7 +199,7 @@ def apply_compile(model: nn.Module, ends: bool = True) -> None:
             setattr(model, name, torch.compile(fn))
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
+def parallelize(model: nn.Module, mesh: Mesh, run: Run, optimizer=None,
                 compute=None) -> Parallel:
     """Turn the full serial ``model`` (built from the same seed on every rank) into this
     rank's piece of ``mesh``'s layout; ``optimizer(params)`` gives ZeRO's optimizer
@@ -231,15 +207,16 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     tie = bool(getattr(model.config, "tie_weights", False))
     if mesh.size("tp") > 1:
-        specs = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
-                         overlap=plan.tp_overlap)
+        specs = apply_tp(model, mesh, sequence_parallel=run.parallel.sp,
+                         overlap=run.parallel.tp_overlap)
     else:
         specs = {n: None for n in shapes}
     layout = mesh.layout
     if layout.cp > 1:
         cp_rank = mesh.index("cp")
-        apply_cp(model, mesh.group("cp"), cp_rank, layout.cp, plan.cp_impl, plan.cp_split)
-        here = cp_positions(model.config.seq_len, layout.cp, cp_rank, plan.cp_split)
+        apply_cp(model, mesh.group("cp"), cp_rank, layout.cp, run.parallel.cp_impl,
+                 run.parallel.cp_split)
+        here = cp_positions(model.config.seq_len, layout.cp, cp_rank, run.parallel.cp_split)
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.seq_group = mesh.group("cp")  # its groups of tokens span the cp ranks
             moe.positions = torch.tensor(here)
@@ -248,16 +225,16 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, optimizer=None,
     if layout.ep > 1:
         experts = expert_param_names(model)
         apply_ep(model, mesh.group("ep"), mesh.index("ep"), layout.ep)
-    apply_recompute(model, plan.recompute)
-    if plan.compile:
-        apply_compile(model, ends=mesh.size("tp") == 1 and plan.zero != 3)
+    apply_recompute(model, run.memory.recompute)
+    if run.precision.compile:
+        apply_compile(model, ends=mesh.size("tp") == 1 and run.parallel.zero != 3)
     names = {p: n for n, p in model.named_parameters()}
-    apply_freeze(model, plan.freeze)  # serial names, after TP made its new parameters
-    stages, parts, actions = apply_pipeline(model, mesh, plan, compute)
+    apply_freeze(model, run.memory.freeze)  # serial names, after TP made its new parameters
+    stages, parts, actions = apply_pipeline(model, mesh, run, compute)
     n_stages = len(parts)
-    par = Parallel(mesh, plan, stages, nn.ModuleDict({str(s): st for s, st in stages.items()}),
+    par = Parallel(mesh, run, stages, nn.ModuleDict({str(s): st for s, st in stages.items()}),
                    n_stages, parts, actions, specs, shapes, names,
-                   set(partial_grad_names(specs, plan.sequence_parallel)), experts=experts)
+                   set(partial_grad_names(specs, run.parallel.sp)), experts=experts)
     if tie and n_stages > 1:
         # first and last stage each keep a copy; their gradients are summed after the last
         # micro-batch over the "embed" group (Megatron's embedding group)

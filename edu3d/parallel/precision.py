@@ -28,7 +28,7 @@ import torch.distributed as dist
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Precision:
+class MixedPrecision:
     """Autocast for forwards, and fp16's loss scale."""
 
     def __init__(self, mode: str = "fp32", device_type: str = "cpu", init_scale: float = 2.0**16,

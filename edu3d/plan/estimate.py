@@ -24,7 +24,7 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
   at its start) and ZeRO's unit in flight (:func:`~edu3d.plan.zero_modes.in_flight_bytes`);
-* **frozen parameters** (``Setup.freeze``, ``--freeze``'s globs over the serial names): their
+* **frozen parameters** (``run.memory.freeze``, ``--freeze``'s globs over the serial names): their
   weights stay, whole on every rank (no ZeRO stage shards them), with no gradient and no
   optimizer state; ZeRO's units hold the trainable ones only (:mod:`edu3d.plan.inventory`,
   which lists every rank's tensors by name);
@@ -42,10 +42,9 @@ in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.co
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from functools import lru_cache
 
-from edu3d.model.param_globs import patterns
+from edu3d.config.sections import Batch, Memory, Precision, Run, Training
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
@@ -63,86 +62,76 @@ MAX_GPUS, MAX_LAYERS, MAX_EXPERTS = 2**20, 1024, 4096  # what the estimator take
 MAX_REPLAY = 8192  # it answers in a second): interleaved replays of pp=32 x vpp=2 at most
 
 
-# ---- the layout --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Setup:
-    """How the model is trained: the layout, the batch and the recipe."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    micro_batch: int = 1  # sequences per micro-batch
-    schedule: str = "1f1b"
-    sp: bool = False
-    recompute: str = "none"
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    ep: int = 1  # expert parallelism, inside the dp*cp ranks
-    cp: int = 1  # context parallelism: each sequence cut cp ways
-    cp_impl: str = "ring"
-    grad_reduce: str = zero_modes.DEFAULT  # ZeRO-2/3: "per-microbatch" or "per-step"
-    freeze: tuple[str, ...] = ()  # globs over serial names (--freeze): no grads, no optimizer
-
-    def __post_init__(self):  # "a.*,b.*" or a list: a tuple, so that a Setup stays hashable
-        globs = patterns(self.freeze) if isinstance(self.freeze, str) else tuple(self.freeze)
-        object.__setattr__(self, "freeze", globs)
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def edp(self) -> int:  # the expert-data-parallel degree: ranks holding the same experts
-        return self.dp * self.cp // self.ep
-
-    @property
-    def global_batch(self) -> int:
-        return self.dp * self.microbatches * self.micro_batch
+# ---- the run the planner weighs --------------------------------------------------------------
+def setup(micro_batch: int = 1, microbatches: int = 1, **flags) -> Run:
+    """A run as the planner's callers describe one: ``micro_batch`` sequences in each of
+    ``microbatches`` micro-batches per data-parallel rank (so the global batch is
+    ``dp·m·b``), and any other ``edu3d train`` flag: ``setup(dp=8, zero=1, precision="bf16")``."""
+    gb = flags.get("dp", 1) * microbatches * micro_batch
+    return Run.of(global_batch=gb, microbatches=microbatches, **flags)
 
 
-def validate(spec: ModelSpec, st: Setup) -> None:
-    """Raise ``ValueError`` saying what to change when ``st`` cannot run ``spec``."""
+SETUP_KEYS = ("dp", "tp", "pp", "vpp", "zero", "microbatches", "micro_batch", "schedule", "sp",
+              "recompute", "precision", "optimizer", "ep", "cp", "cp_impl", "grad_reduce",
+              "freeze")  # what the planner weighs of a run: edu3d plan's JSON "setup"
+
+
+def setup_dict(run: Run) -> dict:
+    """The part of ``run`` the planner weighs, by flag name (``edu3d plan --json``'s
+    ``setup``; :func:`setup` takes it back)."""
+    flat = run.flat()
+    return {k: (run.microbatches if k == "microbatches" else run.micro_batch
+                if k == "micro_batch" else list(flat[k]) if k == "freeze" else flat[k])
+            for k in SETUP_KEYS}
+
+
+def validate(spec: ModelSpec, run: Run) -> None:
+    """Raise ``ValueError`` saying what to change when ``run`` cannot run ``spec``."""
+    lay, par = run.layout, run.parallel
     if not 1 <= spec.n_layers <= MAX_LAYERS or as_moe(spec).experts > MAX_EXPERTS:
         raise ValueError(f"{spec.n_layers} layers, {as_moe(spec).experts} experts: the planner "
                          f"takes 1 to {MAX_LAYERS} layers, 0 to {MAX_EXPERTS} experts")
-    replay = 2 * min(st.microbatches, 2 * st.pp) * st.pp * st.vpp
-    if st.gpus > MAX_GPUS or st.schedule == "interleaved" and replay > MAX_REPLAY:
-        raise ValueError(f"{st.gpus} GPUs, interleaved replay of {replay} actions: the planner"
-                         f" takes 1 to {MAX_GPUS} GPUs, {MAX_REPLAY} actions (pp=32 x vpp=2)")
-    if spec.n_heads % st.tp or spec.kv_heads % st.tp and st.tp % spec.kv_heads:
-        raise ValueError(f"tp={st.tp} must divide n_heads={spec.n_heads} (and KV heads "
+    replay = 2 * min(run.microbatches, 2 * lay.pp) * lay.pp * lay.vpp
+    if run.world_size > MAX_GPUS or par.schedule == "interleaved" and replay > MAX_REPLAY:
+        raise ValueError(f"{run.world_size} GPUs, interleaved replay of {replay} actions: the "
+                         f"planner takes 1 to {MAX_GPUS} GPUs, {MAX_REPLAY} actions (pp=32 x vpp=2)")
+    if spec.n_heads % lay.tp or spec.kv_heads % lay.tp and lay.tp % spec.kv_heads:
+        raise ValueError(f"tp={lay.tp} must divide n_heads={spec.n_heads} (and KV heads "
                          f"{spec.kv_heads} split or replicate evenly)")
-    if st.pp * chunks(st.schedule, st.vpp) > spec.n_layers:
-        raise ValueError(f"pp*vpp = {st.pp * st.vpp} stages for {spec.n_layers} layers")
-    if st.zero and st.dp * st.cp == 1:
-        raise ValueError(f"ZeRO-{st.zero} shards over dp*cp; use dp*cp >= 2")
-    experts, dpc = as_moe(spec).experts, st.dp * st.cp
-    if st.ep > 1 and (not experts or experts % st.ep or dpc % st.ep):
-        raise ValueError(f"ep={st.ep} must divide experts={experts} and dp*cp={dpc}; choose ep "
-                         f"in {[e for e in divisors(dpc) if experts % e == 0] if experts else [1]}")
-    if spec.seq_len % st.cp:
-        raise ValueError(f"cp={st.cp} must divide seq={spec.seq_len}")
-    if st.cp_impl == "ulysses" and spec.n_heads % (st.cp * st.tp):
-        raise ValueError(f"ulysses: cp*tp = {st.cp * st.tp} must divide n_heads={spec.n_heads}"
+    if lay.pp * chunks(par.schedule, lay.vpp) > spec.n_layers:
+        raise ValueError(f"pp*vpp = {lay.pp * lay.vpp} stages for {spec.n_layers} layers")
+    if par.zero and lay.dp * lay.cp == 1:
+        raise ValueError(f"ZeRO-{par.zero} shards over dp*cp; use dp*cp >= 2")
+    check_ep(spec, lay.dp * lay.cp, lay.ep)
+    if spec.seq_len % lay.cp:
+        raise ValueError(f"cp={lay.cp} must divide seq={spec.seq_len}")
+    if par.cp_impl == "ulysses" and spec.n_heads % (lay.cp * lay.tp):
+        raise ValueError(f"ulysses: cp*tp = {lay.cp * lay.tp} must divide n_heads={spec.n_heads}"
                          "; use --cp-impl ring or a smaller --cp")
-    if st.sp and spec.seq_len % st.tp:
-        raise ValueError(f"sequence parallelism: tp={st.tp} must divide seq={spec.seq_len}")
-    if st.vpp > 1 and st.schedule != "interleaved":
-        raise ValueError(f"vpp={st.vpp} needs the interleaved schedule")
-    if st.schedule == "interleaved" and st.pp > 1 and st.microbatches % st.pp:
-        raise ValueError(f"interleaved: microbatches={st.microbatches} must be a multiple "
-                         f"of pp={st.pp}")
-    for name, value, ok in (("precision", st.precision, PRECISIONS),
-                            ("recompute", st.recompute, RECOMPUTE),
-                            ("cp_impl", st.cp_impl, CP_IMPLS),
-                            ("grad_reduce", st.grad_reduce, zero_modes.GRAD_REDUCE),
-                            ("zero", st.zero, (0, 1, 2, 3))):
+    if par.sp and spec.seq_len % lay.tp:
+        raise ValueError(f"sequence parallelism: tp={lay.tp} must divide seq={spec.seq_len}")
+    if lay.vpp > 1 and par.schedule != "interleaved":
+        raise ValueError(f"vpp={lay.vpp} needs the interleaved schedule")
+    if par.schedule == "interleaved" and lay.pp > 1 and run.microbatches % lay.pp:
+        raise ValueError(f"interleaved: microbatches={run.microbatches} must be a multiple "
+                         f"of pp={lay.pp}")
+    for name, value, ok in (("precision", run.precision.dtype, PRECISIONS),
+                            ("recompute", run.memory.recompute, RECOMPUTE),
+                            ("cp_impl", par.cp_impl, CP_IMPLS),
+                            ("grad_reduce", par.grad_reduce, zero_modes.GRAD_REDUCE),
+                            ("zero", par.zero, (0, 1, 2, 3))):
         if value not in ok:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, ok))}")
-    check_freeze(spec, st.freeze)
+    check_freeze(spec, run.memory.freeze)
+
+
+def check_ep(spec: ModelSpec, dpc: int, ep: int) -> None:
+    """``ep`` must divide the experts and the ``dp·cp`` ranks it folds into (checked before a
+    :class:`~edu3d.config.layout.Layout` is built, whose own error cannot name the experts)."""
+    experts = as_moe(spec).experts
+    if ep > 1 and (not experts or experts % ep or dpc % ep):
+        raise ValueError(f"ep={ep} must divide experts={experts} and dp*cp={dpc}; choose ep "
+                         f"in {[e for e in divisors(dpc) if experts % e == 0] if experts else [1]}")
 
 
 def state_bytes(precision: str, optimizer: str = "adamw",
@@ -155,50 +144,56 @@ def state_bytes(precision: str, optimizer: str = "adamw",
     return 2, 2, 4 + moments  # fp32 master copy + moments: the ZeRO paper's K = 12
 
 
-def _autocast(spec: ModelSpec, st: Setup) -> bool:  # a course model in 16 bits: edu3d's recipe
-    return spec.course and st.precision != "fp32"
+def _autocast(spec: ModelSpec, run: Run) -> bool:  # a course model in 16 bits: edu3d's recipe
+    return spec.course and run.precision.dtype != "fp32"
 
 
 # ---- parameters per rank: units, held, frozen_held (edu3d.plan.inventory) ----------------------
-def state_per_rank(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int = 0,
+def state_per_rank(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
     units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
-    return dict(_state_of(spec, _state_setup(st), pp_rank, dp_index, at))
+    return dict(_state_of(spec, _state_setup(run), pp_rank, dp_index, at))
 
 
-def _state_setup(st: Setup) -> Setup:  # all the model's state depends on
-    return dataclasses.replace(st, microbatches=1 + (st.microbatches > 1), micro_batch=1,
-                               recompute="none", sp=False)
+def _state_setup(run: Run) -> Run:  # all the model's state depends on
+    m = 1 + (run.microbatches > 1)
+    return Run(layout=run.layout, parallel=dataclasses.replace(run.parallel, sp=False),
+               batch=Batch(global_batch=run.layout.dp * m, microbatches=m),
+               precision=Precision(dtype=run.precision.dtype),
+               memory=Memory(freeze=run.memory.freeze),
+               training=Training(optimizer=run.training.optimizer))
 
 
 @lru_cache(maxsize=4096)
-def _state_of(spec: ModelSpec, st: Setup, pp_rank: int, dp_index: int, at: str) -> dict:
-    zero = (st.zero, zero_modes.holds_step(st.zero, st.grad_reduce, st.microbatches), at,
-            *state_bytes(st.precision, st.optimizer, _autocast(spec, st)))
-    dense = memory.zero_unit_bytes(units(spec, st, pp_rank), st.dp * st.cp, dp_index, *zero)
+def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -> dict:
+    lay, par = run.layout, run.parallel
+    zero = (par.zero, zero_modes.holds_step(par.zero, par.grad_reduce, run.microbatches), at,
+            *state_bytes(run.precision.dtype, run.training.optimizer, _autocast(spec, run)))
+    dense = memory.zero_unit_bytes(units(spec, run, pp_rank), lay.dp * lay.cp, dp_index, *zero)
     # frozen weights: whole on every rank, in no unit; no gradient, no optimizer state
-    dense["params"] += zero[3] * (frozen_held(spec, st, pp_rank) +
-                                  frozen_held(spec, st, pp_rank, experts=True))
-    ex = units(spec, st, pp_rank, experts=True)
+    dense["params"] += zero[3] * (frozen_held(spec, run, pp_rank) +
+                                  frozen_held(spec, run, pp_rank, experts=True))
+    ex = units(spec, run, pp_rank, experts=True)
     if not ex:
         return dense
-    expert = memory.zero_unit_bytes(ex, st.edp, dp_index % st.edp, *zero)
+    expert = memory.zero_unit_bytes(ex, lay.edp, dp_index % lay.edp, *zero)
     return {c: dense[c] + expert[c] for c in dense}
 
 
 # ---- activations per rank ------------------------------------------------------------------------
-def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
+def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
     """Bytes one micro-batch keeps for backward on each global stage (``/cp``)."""
-    s, b, h, a, t = spec.seq_len, st.micro_batch, spec.d_model, spec.n_heads, st.tp
+    lay, par = run.layout, run.parallel
+    s, b, h, a, t = spec.seq_len, run.micro_batch, spec.d_model, spec.n_heads, lay.tp
     spec = as_moe(spec)
-    rec = None if st.recompute == "none" else st.recompute
-    parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp))
-    sp = st.sp and t > 1
-    if spec.course and st.precision == "fp32":
-        layer = memory.layer_activation_bytes(s, b, h, a, t, sp, st.recompute)
-        ids = 8 * st.global_batch * s  # a view into the global batch keeps its whole storage
+    rec = None if run.memory.recompute == "none" else run.memory.recompute
+    parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
+    sp = par.sp and t > 1
+    if spec.course and run.precision.dtype == "fp32":
+        layer = memory.layer_activation_bytes(s, b, h, a, t, sp, run.memory.recompute)
+        ids = 8 * run.batch.global_batch * s  # a view into the global batch keeps its whole storage
         if t > 1:  # the vocabulary-parallel embedding keeps its local ids and mask
             first = 9 * s * b + 8 * s
             last = (4 * s * b * h + 8 * s * b) / (t if sp else 1) + 4 * s * b * h / (
@@ -206,9 +201,9 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
         else:
             first = ids + 8 * s
             last = 4 * s * b * h + 8 * s * b + 4 * s * b * h + 4 * s * b * spec.vocab_size + ids
-    elif _autocast(spec, st) and t == 1:
+    elif _autocast(spec, run) and t == 1:
         layer = memory.autocast_activation_bytes_per_layer(s, b, h, a, rec)
-        ids = 8 * st.global_batch * s
+        ids = 8 * run.batch.global_batch * s
         first = ids + 8 * s
         # fp32 final LayerNorm input, the head's 16-bit input and weight copies, its 16-bit
         # logits and the fp32 log-softmax the loss keeps (on CUDA; the CPU keeps no 16-bit
@@ -222,8 +217,9 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
         # final norm and head inputs (16-bit), fp32 logits for the loss (Korthikanti 4.3)
         last = 4 * s * b * h / (t if sp else 1) + 4 * s * b * spec.vocab_rows(t)
     moe = layer  # a MoE block: the dense MLP half's count out, the MoE half's in
-    if spec.moe_layers and st.recompute != "full":
-        vb, drop = (4, False) if spec.course and st.precision == "fp32" else (2, not spec.course)
+    if spec.moe_layers and run.memory.recompute != "full":
+        exact = spec.course and run.precision.dtype == "fp32"
+        vb, drop = (4, False) if exact else (2, not spec.course)
         moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
                                                   drop) / (t if sp else 1)
         moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
@@ -231,7 +227,7 @@ def stage_activation_bytes(spec: ModelSpec, st: Setup) -> list[float]:
     for i, (lo, hi) in enumerate(parts):
         n_moe = sum(spec.is_moe(j) for j in range(lo, hi))
         out.append(((hi - lo - n_moe) * layer + n_moe * moe + (first if i == 0 else 0) +
-                    (last if i == len(parts) - 1 else 0)) / st.cp)
+                    (last if i == len(parts) - 1 else 0)) / lay.cp)
     return out
 
 
@@ -246,17 +242,18 @@ def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
     return tuple(simulate(build(schedule, pp, replay, chunks(schedule, vpp)), pp).peak_in_flight)
 
 
-def activations_per_rank(spec: ModelSpec, st: Setup) -> list[float]:
+def activations_per_rank(spec: ModelSpec, run: Run) -> list[float]:
     """Peak activation bytes of each pipeline rank over the step's schedule."""
-    per_stage = stage_activation_bytes(spec, st)
-    v = chunks(st.schedule, st.vpp)
+    lay, par = run.layout, run.parallel
+    per_stage = stage_activation_bytes(spec, run)
+    v = chunks(par.schedule, lay.vpp)
     if v == 1:
-        return [n * a for n, a in zip(in_flight(st.schedule, st.pp, st.microbatches), per_stage)]
-    actions = build(st.schedule, st.pp, min(st.microbatches, 2 * st.pp), v)  # interleaved
-    return list(simulate(actions, st.pp, activation_bytes=per_stage).peak_activation_bytes)
+        return [n * a for n, a in zip(in_flight(par.schedule, lay.pp, run.microbatches), per_stage)]
+    actions = build(par.schedule, lay.pp, min(run.microbatches, 2 * lay.pp), v)  # interleaved
+    return list(simulate(actions, lay.pp, activation_bytes=per_stage).peak_activation_bytes)
 
 
-def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
+def comm_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     """Pipeline receive buffers and ZeRO's unit in flight (:mod:`edu3d.plan.zero_modes`).
 
     edu3d posts all of a step's receives at its start (one buffer per micro-batch, chunk and
@@ -264,104 +261,100 @@ def comm_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     two per direction, which is what the planner assumes for real models. CP adds its K/V
     buffers (ring: the chunk in flight and the next, ``2·2(s/cp)b·kv_h/t``; all-gather: the
     gathered ``2sb·kv_h/t``), EP a dispatch and a combine buffer of ``k·(s/cp)·b·h``."""
-    act = 4 if st.precision == "fp32" or _autocast(spec, st) else 2  # the residual stream
-    tokens = st.micro_batch * spec.seq_len / st.cp
-    msg = act * tokens * spec.d_model / (st.tp if st.sp else 1)
-    directions = (pp_rank > 0) + (pp_rank < st.pp - 1) if st.pp > 1 else 0
-    v = chunks(st.schedule, st.vpp)
-    buffers = st.microbatches * v if spec.course else 2
+    lay, par = run.layout, run.parallel
+    act = 4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2  # the residual stream
+    tokens = run.micro_batch * spec.seq_len / lay.cp
+    msg = act * tokens * spec.d_model / (lay.tp if par.sp else 1)
+    directions = (pp_rank > 0) + (pp_rank < lay.pp - 1) if lay.pp > 1 else 0
+    v = chunks(par.schedule, lay.vpp)
+    buffers = run.microbatches * v if spec.course else 2
     out = directions * buffers * msg
-    kv = 2 * tokens * spec.d_model * spec.kv_heads / spec.n_heads / st.tp * act
-    out += {"ring": 2 * kv, "allgather": st.cp * kv}.get(st.cp_impl, 0) if st.cp > 1 else 0
-    if st.ep > 1:
+    kv = 2 * tokens * spec.d_model * spec.kv_heads / spec.n_heads / lay.tp * act
+    out += {"ring": 2 * kv, "allgather": lay.cp * kv}.get(par.cp_impl, 0) if lay.cp > 1 else 0
+    if lay.ep > 1:
         out += 2 * memory.routed_per_token(as_moe(spec)) * tokens * spec.d_model * act
-    pb, gb, _ = state_bytes(st.precision, st.optimizer, _autocast(spec, st))
-    return out + zero_modes.in_flight_bytes(_biggest_unit(spec, shape_of(st), pp_rank),
-                                            st.zero, st.grad_reduce, st.microbatches, pb, gb)
+    pb, gb, _ = state_bytes(run.precision.dtype, run.training.optimizer, _autocast(spec, run))
+    return out + zero_modes.in_flight_bytes(_biggest_unit(spec, shape_of(run), pp_rank),
+                                            par.zero, par.grad_reduce, run.microbatches, pb, gb)
 
 
 @lru_cache(maxsize=4096)
-def _biggest_unit(spec: ModelSpec, st, pp_rank: int) -> int:
-    return max((sum(k for k, _ in u) for _, u in units(spec, st, pp_rank) +
-                units(spec, st, pp_rank, experts=True)), default=0)
+def _biggest_unit(spec: ModelSpec, run, pp_rank: int) -> int:
+    return max((sum(k for k, _ in u) for _, u in units(spec, run, pp_rank) +
+                units(spec, run, pp_rank, experts=True)), default=0)
 
 
-def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
+def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     """The loss's backward on the last pipeline rank holds the logits' gradient for a moment
     (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
     allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
-    logit = (4 if st.precision == "fp32" else 2) * (pp_rank == st.pp - 1)
-    return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp)) / st.cp
+    lay = run.layout
+    logit = (4 if run.precision.dtype == "fp32" else 2) * (pp_rank == lay.pp - 1)
+    return float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp
 
 
-def activation_model(spec: ModelSpec, st: Setup) -> str:
+def activation_model(spec: ModelSpec, run: Run) -> str:
     """Which count the estimate's activations use."""
-    if spec.course and st.precision == "fp32":
+    if spec.course and run.precision.dtype == "fp32":
         return "edu3d's GPT in fp32 (exact)"
-    return ("edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)" if _autocast(spec, st)
-            and st.tp == 1 else "Korthikanti et al. 2022, 16-bit")
+    return ("edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)" if _autocast(spec, run)
+            and run.layout.tp == 1 else "Korthikanti et al. 2022, 16-bit")
 
 
 # ---- the estimate --------------------------------------------------------------------------------
 @lru_cache(maxsize=1024)
-def _fullest_states(spec: ModelSpec, st: Setup, at: str) -> tuple[dict, ...]:
+def _fullest_states(spec: ModelSpec, run: Run, at: str) -> tuple[dict, ...]:
     """Each pipeline rank's state on its fullest dp rank (ZeRO's shards differ by a few optimizer
     pieces): rank 0 or one in :func:`~edu3d.plan.formulas.shard_starts` (experts': per ``edp``)."""
-    out, n, edp = [], st.dp * st.cp, st.edp
-    for r in range(st.pp):
+    lay = run.layout
+    out, n, edp = [], lay.dp * lay.cp, lay.edp
+    for r in range(lay.pp):
         weigh = {0}  # for real models, rank 0 stands for all
-        if st.zero and spec.course:
-            weigh |= memory.shard_starts(units(spec, st, r), n) | {
-                i + k * edp for i in memory.shard_starts(units(spec, st, r, True), edp)
+        if run.parallel.zero and spec.course:
+            weigh |= memory.shard_starts(units(spec, run, r), n) | {
+                i + k * edp for i in memory.shard_starts(units(spec, run, r, True), edp)
                 for k in range(n // edp)}
-        out.append(max((dict(_state_of(spec, st, r, i, at)) for i in sorted(weigh) if i < n),
+        out.append(max((dict(_state_of(spec, run, r, i, at)) for i in sorted(weigh) if i < n),
                        key=lambda d: sum(d.values())))
     return tuple(out)
 
 
-def estimate(spec: ModelSpec, st: Setup, at: str = "peak") -> dict:
+def estimate(spec: ModelSpec, run: Run, at: str = "peak") -> dict:
     """Bytes per rank by category for every pipeline rank (``per_stage``), and the most loaded
     one's at the top level (``params_bytes`` ... ``total_bytes``; ``state_bytes``: weights,
     gradients and optimizer state, the ZeRO paper's count)."""
-    validate(spec, st)
-    acts = activations_per_rank(spec, st)
-    per_stage, states = [], _fullest_states(spec, _state_setup(st), at)
-    for r in range(st.pp):
+    validate(spec, run)
+    acts = activations_per_rank(spec, run)
+    per_stage, states = [], _fullest_states(spec, _state_setup(run), at)
+    for r in range(run.layout.pp):
         row = {"pp_rank": r, **states[r], "activations": acts[r],
-               "comm": comm_per_rank(spec, st, r) if at == "peak" else 0.0,
-               "transient": transient_per_rank(spec, st, r) if at == "peak" else 0.0}
+               "comm": comm_per_rank(spec, run, r) if at == "peak" else 0.0,
+               "transient": transient_per_rank(spec, run, r) if at == "peak" else 0.0}
         row["total"] = sum(row[c] for c in CATEGORIES)
         per_stage.append(row)
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], state_bytes=sum(top[c] for c in CATEGORIES[:3]),
                fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
-               num_params=spec.num_params(), activation_model=activation_model(spec, st),
+               num_params=spec.num_params(), activation_model=activation_model(spec, run),
                active_params=as_moe(spec).active_params())
     return out
 
 
-def estimate_for(options, at: str = "peak") -> dict:
-    """The estimate of an ``edu3d train`` run's options (:class:`~edu3d.train.options.
-    TrainOptions`): what a measured run of the same layout is checked against."""
-    return estimate(*from_train_args(options), at=at)
+def estimate_for(run: Run, at: str = "peak") -> dict:
+    """The estimate of an ``edu3d train`` run (checked by :func:`edu3d.train.preflight.preflight`):
+    what a measured run of the same layout is checked against."""
+    return estimate(spec_of(run), run, at=at)
 
 
-def from_train_args(args) -> tuple[ModelSpec, Setup]:
-    """The model and setup of an ``edu3d train`` run (options checked by
-    :func:`edu3d.train.options.check_args`): what the planner predicts for that very run."""
-    spec = spec_from(args.model, n_layers=args.layers, n_heads=args.heads,
-                     d_model=args.d_model, seq_len=args.seq, vocab_size=args.vocab,
-                     tied=args.tie)
-    if args.experts:
-        spec = MoESpec(**dataclasses.asdict(spec), experts=args.experts, topk=args.topk,
-                       moe_every=args.moe_every, shared_experts=args.shared_experts,
-                       capacity_factor=args.capacity_factor)
-    m = args.microbatches or args.pp
-    st = Setup(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, zero=args.zero,
-               microbatches=m, micro_batch=args.global_batch // (args.dp * m),
-               schedule=args.schedule, sp=args.sp, recompute=args.recompute,
-               precision=args.precision, optimizer=args.optimizer,
-               ep=args.ep, cp=args.cp, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce,
-               freeze=patterns(args.freeze))
-    return spec, st
+def spec_of(run: Run) -> ModelSpec:
+    """The shape of ``run``'s model (``run.model``: a preset of the course's GPT with its
+    overrides and mixture of experts), as the planner counts it."""
+    m = run.model
+    spec = spec_from(m.preset, n_layers=m.layers, n_heads=m.heads, d_model=m.d_model,
+                     seq_len=m.seq, vocab_size=m.vocab, tied=m.tie)
+    if m.experts:
+        spec = MoESpec(**dataclasses.asdict(spec), experts=m.experts, topk=m.topk,
+                       moe_every=m.moe_every, shared_experts=m.shared_experts,
+                       capacity_factor=m.capacity_factor)
+    return spec

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import os
 
-from edu3d.distributed.mesh import LayoutError
+from edu3d.config.layout import LayoutError
 from edu3d.model.shapes import ModelSpec
-from edu3d.plan.estimate import CATEGORIES, Setup, estimate
+from edu3d.config.sections import Run
+from edu3d.plan.estimate import CATEGORIES, estimate
 
 RUNTIME_BYTES = 200 * 2**20  # what torch and gloo cost one rank before any tensor (measured)
 
 
-def need_per_rank(spec: ModelSpec, st: Setup) -> dict[str, int]:
+def need_per_rank(spec: ModelSpec, run: Run) -> dict[str, int]:
     """Bytes the fullest rank needs at the step's peak, by category, plus ``runtime``."""
-    est = estimate(spec, st)
+    est = estimate(spec, run)
     need = {c: int(est[f"{c}_bytes"]) for c in CATEGORIES}
     need["runtime"] = RUNTIME_BYTES
     return need
@@ -66,19 +67,19 @@ def size_text(nbytes: float, digits: str = ".3g") -> str:
     return f"{nbytes:.0f} bytes"
 
 
-def check_fit(spec: ModelSpec, st: Setup, available: int | None = None) -> dict[str, int]:
-    """Refuse (:class:`~edu3d.distributed.mesh.LayoutError`) a run whose ``st.gpus`` ranks need
+def check_fit(spec: ModelSpec, run: Run, available: int | None = None) -> dict[str, int]:
+    """Refuse (:class:`~edu3d.config.layout.LayoutError`) a run whose ``run.world_size`` ranks need
     more memory than this machine has ``available`` (default: ``MemAvailable``); returns
     :func:`need_per_rank`."""
-    need = need_per_rank(spec, st)
+    need = need_per_rank(spec, run)
     available = available_memory() if available is None else available
-    if available is None or on_gpus(st.gpus):
+    if available is None or on_gpus(run.world_size):
         return need
-    ranks, per_rank = st.gpus, sum(need.values())
+    ranks, per_rank = run.world_size, sum(need.values())
     if ranks * per_rank > available:
         parts = ", ".join(f"{k} {gb(v)}" for k, v in need.items())
         fix = "a smaller model (--layers, --d-model, --vocab) or a smaller --global-batch"
-        if st.dp > 1 and st.zero < 3:
+        if run.layout.dp > 1 and run.parallel.zero < 3:
             fix += ", or --zero 3 to shard the model's state over the dp replicas"
         raise LayoutError(
             f"this run cannot fit: {spec.num_params() / 1e9:.2f} B parameters need about "

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from edu3d.distributed.mesh import divisors  # noqa: F401 - the planner takes the mesh's
+from edu3d.config.layout import divisors  # noqa: F401 - the planner takes the mesh's
 from edu3d.model.shapes import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from edu3d.config.sections import Run
 from edu3d.model.param_globs import check_patterns, frozen
 from edu3d.model.shapes import ModelSpec
 from edu3d.plan.formulas import as_moe
@@ -44,7 +45,7 @@ MLP = {"fc": "mlp.fc", "fc2": "mlp.proj", "gate": "mlp.gate", "up": "mlp.up", "d
 
 @dataclass(frozen=True)
 class Shape:
-    """What a rank's inventory depends on (a :class:`~edu3d.plan.estimate.Setup` less the
+    """What a rank's inventory depends on (a :class:`~edu3d.config.sections.Run` less the
     batch and the recipe): the cache key of every list here."""
 
     tp: int = 1
@@ -55,9 +56,13 @@ class Shape:
     freeze: tuple[str, ...] = ()
 
 
-def shape_of(st) -> Shape:
-    """The :class:`Shape` of a setup (anything with ``tp pp vpp schedule ep freeze``)."""
-    return Shape(st.tp, st.pp, st.vpp, st.schedule, st.ep, tuple(st.freeze))
+def shape_of(run: Run | Shape) -> Shape:
+    """The :class:`Shape` of a run: all that its list of tensors depends on (a shape is its
+    own)."""
+    if isinstance(run, Shape):
+        return run
+    lay = run.layout
+    return Shape(lay.tp, lay.pp, lay.vpp, run.parallel.schedule, lay.ep, run.memory.freeze)
 
 
 def block_name(i: int, short: str) -> str:

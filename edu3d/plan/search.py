@@ -48,14 +48,14 @@ at most ``usable`` of the GPU's memory (the rest: CUDA context, allocator fragme
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
-from edu3d.plan.estimate import MAX_GPUS, Setup, estimate, held
+from edu3d.config.sections import Run
+from edu3d.plan.estimate import MAX_GPUS, estimate, held, setup
 from edu3d.plan.formulas import as_moe, divisors
 from edu3d.plan.inventory import frozen_active
 from edu3d.model.shapes import ModelSpec
@@ -93,7 +93,7 @@ def _flops_per_token(spec: ModelSpec) -> tuple[float, float]:
     return 6 * n + 12 * spec.n_layers * spec.d_model * spec.seq_len, n
 
 
-def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
+def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
     """Bytes one rank sends per step, by axis, in 16-bit values; per-block terms times the
     blocks of a pipeline rank on average (``L/p``) and the ``m`` micro-batches:
 
@@ -109,43 +109,45 @@ def traffic(spec: ModelSpec, st: Setup) -> dict[str, float]:
             recomputation: its forward runs again);
     ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
             full recomputation)."""
+    lay, par = run.layout, run.parallel
     spec = as_moe(spec)
-    L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, st.micro_batch, st.tp,
-                           st.pp, st.microbatches)
-    full = st.recompute == "full"
-    msg = 2 * b * s * h / st.cp
+    L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, run.micro_batch, lay.tp,
+                           lay.pp, run.microbatches)
+    full = run.memory.recompute == "full"
+    msg = 2 * b * s * h / lay.cp
     calls = (3 if full else 2) * (2 * L - spec.moe_layers)
     out = {"tp": calls * 2 * (t - 1) / t * msg / p * m if t > 1 else 0.0,
-           "pp": 2 * m * msg / (t if st.sp else 1) if p > 1 else 0.0}
-    for axis, n, experts in (("dp", st.dp * st.cp, False), ("edp", st.edp, True)):
-        psi = max(held(spec, st, r, experts) for r in range(p))
-        out[axis] = zero_modes.dp_wire_bytes(psi, n, st.zero, st.grad_reduce, m)
+           "pp": 2 * m * msg / (t if par.sp else 1) if p > 1 else 0.0}
+    for axis, n, experts in (("dp", lay.dp * lay.cp, False), ("edp", lay.edp, True)):
+        psi = max(held(spec, run, r, experts) for r in range(p))
+        out[axis] = zero_modes.dp_wire_bytes(psi, n, par.zero, par.grad_reduce, m)
     k = memory.routed_per_token(spec)
-    out["ep"] = (memory.ep_bytes(b * s // st.cp, k, h, st.ep) * (1.5 if full else 1)
+    out["ep"] = (memory.ep_bytes(b * s // lay.cp, k, h, lay.ep) * (1.5 if full else 1)
                  * spec.moe_layers / p * m)
-    redo = (4 / 3 if st.cp_impl == "ring" else 1.5) if full else 1
-    out["cp"] = (memory.cp_bytes(st.cp_impl, s, b, h, st.cp, h * spec.kv_heads // spec.n_heads,
-                                 t) * redo * L / p * m if st.cp > 1 else 0.0)
+    redo = (4 / 3 if par.cp_impl == "ring" else 1.5) if full else 1
+    out["cp"] = (memory.cp_bytes(par.cp_impl, s, b, h, lay.cp, h * spec.kv_heads // spec.n_heads,
+                                 t) * redo * L / p * m if lay.cp > 1 else 0.0)
     return out
 
 
-def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
+def step_time(spec: ModelSpec, run: Run, cl: Cluster) -> dict[str, float]:
     """Seconds per step by part (``compute``, ``bubble``, and each axis of :func:`traffic`
     over its links) and ``total``."""
-    L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, st.pp, st.microbatches
+    lay, par = run.layout, run.parallel
+    L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, lay.pp, run.microbatches
     per_token, n = _flops_per_token(spec)
-    per_token -= 2 * frozen_active(spec, tuple(st.freeze))  # no weight gradients for them
+    per_token -= 2 * frozen_active(spec, tuple(run.memory.freeze))  # no weight gradients for them
     attn_fwd = 4 * L * h * s
-    extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[st.recompute]
-    tokens = st.global_batch * s
-    compute = tokens * (per_token + extra) / (st.gpus * cl.peak_tflops * 1e12 * cl.mfu)
-    v = st.vpp if st.schedule == "interleaved" else 1
-    bubble = compute * (p - 1) / (v * m) * (1 / 3 if st.schedule == "zb-h1" else 1)
-    node, t, dpc = cl.gpus_per_node, st.tp, st.dp * st.cp
-    inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * st.ep,
-              "cp": t * st.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
+    extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[run.memory.recompute]
+    tokens = run.batch.global_batch * s
+    compute = tokens * (per_token + extra) / (run.world_size * cl.peak_tflops * 1e12 * cl.mfu)
+    v = lay.vpp if par.schedule == "interleaved" else 1
+    bubble = compute * (p - 1) / (v * m) * (1 / 3 if par.schedule == "zb-h1" else 1)
+    node, t, dpc = cl.gpus_per_node, lay.tp, lay.dp * lay.cp
+    inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * lay.ep,
+              "cp": t * lay.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
     out = {"compute": compute, "bubble": bubble}
-    for axis, sent in traffic(spec, st).items():
+    for axis, sent in traffic(spec, run).items():
         out[axis] = sent / ((cl.intra_gbps if inside[axis] <= node else cl.inter_gbps) * GB)
     out["total"] = sum(out.values())
     return out
@@ -177,7 +179,7 @@ def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str =
                     m = global_batch // (dp * b)
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp * cp > 1 else (0,):
                         for rec in ("none", "selective", "full"):
-                            yield Setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
+                            yield setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
                                         micro_batch=b, schedule=schedule, sp=tp > 1,
                                         recompute=rec, precision=precision, ep=ep, cp=cp,
                                         cp_impl=cp_impl, freeze=freeze)
@@ -202,12 +204,12 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
                          "experts/64)); give one layout (--dp --tp --pp) to weigh it alone, "
                          "or fewer GPUs")
     rows = []
-    for st in every:
+    for run in every:
         try:
-            mem = estimate(spec, st)
+            mem = estimate(spec, run)
         except ValueError:
             continue
-        rows.append({"setup": st, "memory": mem, "time": step_time(spec, st, cl),
+        rows.append({"setup": run, "memory": mem, "time": step_time(spec, run, cl),
                      "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
     rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))
     return rows
@@ -216,76 +218,81 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
 def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
     """The recommended layout (``rows[0]``) explained in words, against its neighbours."""
     best = rows[0]
-    st, mem, tm = best["setup"], best["memory"], best["time"]
+    run, mem, tm = best["setup"], best["memory"], best["time"]
+    lay, par, recompute = run.layout, run.parallel, run.memory.recompute
     budget = cl.usable * cl.gpu_mem_gb * GB
     by_key = {r["setup"]: r for r in rows}
     state16 = 16 * spec.num_params()
 
     def other(**change):
-        return by_key.get(dataclasses.replace(st, **change))
+        return by_key.get(run.replace(**change))
 
     out = [f"the model has {spec.num_params() / 1e9:.2f} B parameters: {gb(state16)} of "
            f"weights, gradients and Adam state at 16 bytes each, against {gb(budget)} usable "
            "per GPU, so its state must be cut"]
-    out.append(f"tp={st.tp}: tensor parallelism {'inside one node' if st.tp <= cl.gpus_per_node else 'across nodes'} "
-               f"({'NVLink' if st.tp <= cl.gpus_per_node else 'InfiniBand'}): it all-reduces "
+    inside = lay.tp <= cl.gpus_per_node
+    out.append(f"tp={lay.tp}: tensor parallelism {'inside one node' if inside else 'across nodes'}"
+               f" ({'NVLink' if inside else 'InfiniBand'}): it all-reduces "
                f"4 times per layer and micro-batch, {tm['tp']:.2f} s per step; with sequence "
-               "parallelism the activations are split too" if st.tp > 1 else
+               "parallelism the activations are split too" if lay.tp > 1 else
                "tp=1: the layers are small enough not to need tensor parallelism")
-    if st.pp > 1:
-        out.append(f"pp={st.pp}: {spec.n_layers // st.pp} layers per stage bring the fullest "
+    if lay.pp > 1:
+        out.append(f"pp={lay.pp}: {spec.n_layers // lay.pp} layers per stage bring the fullest "
                    f"rank to {gb(mem['total_bytes'])} (weights {gb(mem['params_bytes'])}, "
                    f"activations {gb(mem['activations_bytes'])}); the bubble "
-                   f"(p-1)/(m+p-1) = {(st.pp - 1) / (st.microbatches + st.pp - 1):.1%} with "
-                   f"m={st.microbatches} micro-batches of {st.micro_batch}")
+                   f"(p-1)/(m+p-1) = {(lay.pp - 1) / (run.microbatches + lay.pp - 1):.1%} with "
+                   f"m={run.microbatches} micro-batches of {run.micro_batch}")
     moe = as_moe(spec)
     if moe.experts:
         ep1 = other(ep=1)
-        out.append(f"ep={st.ep}: each GPU holds {moe.experts // st.ep} of the {moe.experts} "
-                   f"experts of each MoE block, " + (f"replicated over {st.edp} GPUs (ZeRO shards "
-                   "them there)" if st.edp > 1 else "on no other GPU of its pipeline stage")
-                   + f"; its all-to-alls send {traffic(spec, st)['ep'] / 1e9:.1f} GB "
+        out.append(f"ep={lay.ep}: each GPU holds {moe.experts // lay.ep} of the {moe.experts} "
+                   f"experts of each MoE block, " + (
+                       f"replicated over {lay.edp} GPUs (ZeRO shards them there)"
+                       if lay.edp > 1 else "on no other GPU of its pipeline stage")
+                   + f"; its all-to-alls send {traffic(spec, run)['ep'] / 1e9:.1f} GB "
                    f"per step ({tm['ep']:.2f} s)" + ("" if ep1 is None else
                    f"; with every expert on every GPU (ep=1) the fullest rank needs "
                    f"{gb(ep1['memory']['total_bytes'])}"))
-    if st.cp > 1:
-        out.append(f"cp={st.cp} ({st.cp_impl}): each GPU keeps {spec.seq_len // st.cp} tokens "
-                   f"of a sequence, activations /{st.cp}, for {tm['cp']:.2f} s of K/V exchange")
-    whom = "every GPU holds" if st.tp * st.pp == 1 else "the remaining GPUs hold"
-    every = "every micro-batch" if st.zero >= 2 and st.microbatches > 1 else "once per step"
-    out.append(f"dp={st.dp}: {whom} a replica of the model; gradients are reduced "
-               f"{every} ({tm['dp']:.2f} s)" if st.dp > 1 else
+    if lay.cp > 1:
+        out.append(f"cp={lay.cp} ({par.cp_impl}): each GPU keeps {spec.seq_len // lay.cp} "
+                   f"tokens of a sequence, activations /{lay.cp}, for {tm['cp']:.2f} s of K/V "
+                   "exchange")
+    whom = "every GPU holds" if lay.tp * lay.pp == 1 else "the remaining GPUs hold"
+    every = "every micro-batch" if par.zero >= 2 and run.microbatches > 1 else "once per step"
+    out.append(f"dp={lay.dp}: {whom} a replica of the model; gradients are reduced "
+               f"{every} ({tm['dp']:.2f} s)" if lay.dp > 1 else
                "dp=1: every GPU is needed to hold one copy of the model")
-    if st.dp > 1:
+    if lay.dp > 1:
         z0 = other(zero=0)
-        if st.zero == 0:
+        if par.zero == 0:
             out.append("ZeRO-0: the state fits replicated; no sharding needed")
         else:
             saved = z0["memory"]["total_bytes"] - mem["total_bytes"] if z0 else 0.0
             out.append(
-                f"ZeRO-{st.zero}: shards the optimizer state"
-                f"{' and gradients' if st.zero >= 2 else ''}{' and weights' if st.zero == 3 else ''}"
-                f" over dp={st.dp}, {gb(saved)} less per GPU"
+                f"ZeRO-{par.zero}: shards the optimizer state"
+                + (" and gradients" if par.zero >= 2 else "")
+                + (" and weights" if par.zero == 3 else "") +
+                f" over dp={lay.dp}, {gb(saved)} less per GPU"
                 + ("" if z0 is None or z0["fits"] else " (without it: does not fit)")
-                + ("; ZeRO-1 moves the same bytes as plain DP (2Ψ)" if st.zero == 1 else "")
-                + (f"; reduce-scattering each of the {st.microbatches} micro-batches keeps "
-                   f"1/{st.dp} of the gradients" if st.zero >= 2 else "")
-                + ("; ZeRO-2/3 are not combined with pipelines" if st.pp > 1 else ""))
-    rivals = [r for r in rows if r["fits"] and r["setup"].tp != st.tp]
+                + ("; ZeRO-1 moves the same bytes as plain DP (2Ψ)" if par.zero == 1 else "")
+                + (f"; reduce-scattering each of the {run.microbatches} micro-batches keeps "
+                   f"1/{lay.dp} of the gradients" if par.zero >= 2 else "")
+                + ("; ZeRO-2/3 are not combined with pipelines" if lay.pp > 1 else ""))
+    rivals = [r for r in rows if r["fits"] and r["setup"].layout.tp != lay.tp]
     if rivals:
-        r = rivals[0]
-        out.append(f"the fastest layout with tp={r['setup'].tp} (pp={r['setup'].pp}, "
-                   f"dp={r['setup'].dp}) takes {r['time']['total']:.2f} s: its tp traffic is "
+        r, rl = rivals[0], rivals[0]["setup"].layout
+        out.append(f"the fastest layout with tp={rl.tp} (pp={rl.pp}, dp={rl.dp}) takes "
+                   f"{r['time']['total']:.2f} s: its tp traffic is "
                    f"{r['time']['tp']:.2f} s against {tm['tp']:.2f} s, because a GPU's share of "
                    "TP all-reduces grows with the layers and micro-batches it runs")
     none = other(recompute="none")
-    if st.recompute == "none":
+    if recompute == "none":
         out.append(f"no recomputation: activations ({gb(mem['activations_bytes'])}) fit")
     else:
         gap = (f"without it the fullest rank needs {gb(none['memory']['total_bytes'])}"
                if none else "")
         fits = none is not None and none["fits"]
-        out.append(f"{st.recompute} recomputation: {gap}"
+        out.append(f"{recompute} recomputation: {gap}"
                    + (" (fits, but a larger micro-batch or fewer stages pays more)" if fits
                       else f", more than {gb(budget)}")
                    + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"

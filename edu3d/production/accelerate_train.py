@@ -62,7 +62,8 @@ from edu3d.launch.agent import bind_stores_to_loopback
 from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus, shard_rows
 from edu3d.train.optim import lr_at, make_optimizer, set_lr
-from edu3d.train.options import config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 
 CONFIG = Path(__file__).with_name("accelerate_cpu_2.yaml")
 
@@ -92,14 +93,14 @@ def train(steps: int = 5, overrides: dict | None = None) -> dict | None:
 
     torch.set_num_threads(1)
     # DDP's bucket size is a prepare() knob: edu3d's --bucket-mb becomes bucket_cap_mb
-    bucket_mb = defaults(**(overrides or {})).bucket_mb
+    bucket_mb = Run.of(**(overrides or {})).parallel.bucket_mb
     accelerator = Accelerator(cpu=True, kwargs_handlers=[
         DistributedDataParallelKwargs(bucket_cap_mb=bucket_mb)])
     rank, world = accelerator.process_index, accelerator.num_processes
-    args = defaults(**{"dp": world, "steps": steps, **(overrides or {})})
-    config = config_from_args(args)
-    model = GPT(config, seed=args.seed)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+    args = Run.of(**{"dp": world, "steps": steps, **(overrides or {})})
+    config = model_config(args)
+    model = GPT(config, seed=args.training.seed)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     optimizer = make_optimizer(model, args)
     wrapped = {"model_before": type(model).__name__, "optimizer_before": type(optimizer).__name__}
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -115,7 +116,7 @@ def train(steps: int = 5, overrides: dict | None = None) -> dict | None:
         model.register_comm_hook(rec, _recording_allreduce)
     records = []
     for step in range(1, steps + 1):
-        x, y = corpus.batch(step, args.global_batch)
+        x, y = corpus.batch(step, args.batch.global_batch)
         x, y = shard_rows(x, rank, world), shard_rows(y, rank, world)
         if rec is not None:
             rec.step = step
@@ -124,7 +125,7 @@ def train(steps: int = 5, overrides: dict | None = None) -> dict | None:
         _, loss = model(x, y)
         accelerator.backward(loss)
         norm = accelerator.clip_grad_norm_(model.parameters(),
-                                           args.clip if args.clip > 0 else float("inf"))
+                                           args.training.clip if args.training.clip > 0 else float("inf"))
         lr = lr_at(step, args)
         set_lr(optimizer, lr)
         optimizer.step()
@@ -273,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                              "stores bound to 127.0.0.1")
     args = parser.parse_args(argv)
     if args.launch:
-        return accelerate_launch(args.launch, args.steps, args.out)
-    result = train(args.steps)
+        return accelerate_launch(args.launch, args.training.steps, args.out)
+    result = train(args.training.steps)
     if result is not None:
         w = result["wrapped"]
         print(f"prepare(): {w['model_before']} -> {w['model']}, {w['optimizer_before']} -> "

@@ -29,14 +29,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.production.torch_impl import TorchTrainer
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.options import check_args, config_from_args, from_flags
+from edu3d.config.sections import from_flags
+from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
 
 LAYOUTS = {
@@ -80,7 +81,7 @@ def _run(trainers: list, corpus, args, steps: int) -> tuple[list, list]:
     times, the slowest rank's."""
     recs, secs = [[] for _ in trainers], [[] for _ in trainers]
     for s in range(1, steps + 1):
-        x, y = corpus.batch(s, args.global_batch)
+        x, y = corpus.batch(s, args.batch.global_batch)
         for k, trainer in enumerate(trainers):
             if dist.is_initialized():
                 dist.barrier()
@@ -103,28 +104,28 @@ def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     torch vs edu3d with AdamW, with step times."""
     adam = options([*argv, "--impl", "torch"])
     sgd = options([*argv, "--impl", "torch", "--optimizer", "sgd", "--lr", "0.1"])
-    layout = Layout(dp=adam.dp, tp=adam.tp, pp=adam.pp, vpp=adam.vpp)
+    layout = adam.layout
     mesh = Mesh.build(layout)
-    config = config_from_args(adam)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=adam.seed)
+    config = model_config(adam)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=adam.training.seed)
 
     def serial(args, n):
         key = (tuple(getattr(args, k) for k in SERIAL_KEYS), n)
         if key not in _SERIAL:  # the same for every layout: computed once per process
-            model = GPT(config, seed=args.seed)
+            model = GPT(config, seed=args.training.seed)
             opt = make_optimizer(model, args)
-            _SERIAL[key] = [train_step(model, opt, *corpus.batch(s, args.global_batch), s, args)
+            _SERIAL[key] = [train_step(model, opt, *corpus.batch(s, args.batch.global_batch), s, args)
                             for s in range(1, n + 1)]
         return _SERIAL[key]
 
     out = {"argv": argv, "world_size": layout.world_size}
-    trainer = TorchTrainer(GPT(config, seed=sgd.seed), mesh, sgd)
-    x, y = corpus.batch(1, sgd.global_batch)
+    trainer = TorchTrainer(GPT(config, seed=sgd.training.seed), mesh, sgd)
+    x, y = corpus.batch(1, sgd.batch.global_batch)
     trainer.forward_backward(x, y)  # the gradients of step 1, every one, by serial name
     grads = trainer.gather("grad")
     key = ("grads", tuple(getattr(sgd, k) for k in SERIAL_KEYS))
     if key not in _SERIAL:
-        model = GPT(config, seed=sgd.seed)
+        model = GPT(config, seed=sgd.training.seed)
         model(x, y)[1].backward()
         _SERIAL[key] = {n: p.grad for n, p in model.named_parameters()}
     if set(grads) != set(_SERIAL[key]):
@@ -136,9 +137,9 @@ def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     out["sgd_norm_err"] = max(_rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(ours, ref))
     out["sgd_loss2_err"] = _rel(ours[1]["loss"], ref[1]["loss"])
     ref = serial(adam, steps)
-    trainers = [TorchTrainer(GPT(config, seed=adam.seed), mesh, adam)]
+    trainers = [TorchTrainer(GPT(config, seed=adam.training.seed), mesh, adam)]
     if edu3d_too:  # edu3d train's own trainer, the same options but --impl edu3d
-        trainers.append(Trainer(GPT(config, seed=adam.seed), mesh, options(argv)))
+        trainers.append(Trainer(GPT(config, seed=adam.training.seed), mesh, options(argv)))
     recs, secs = _run(trainers, corpus, adam, steps)
     torch_recs = recs[0]
     out["losses_torch"] = [r["loss"] for r in torch_recs]
@@ -200,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="AdamW steps (default: 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object per layout")
     args = parser.parse_args(argv)
-    results = measure(args.layouts, args.steps)
-    if args.json:
+    results = measure(args.layouts, args.training.steps)
+    if args.launch.json:
         for name, r in results.items():
             print(json.dumps({"layout": name, **r}))
     else:

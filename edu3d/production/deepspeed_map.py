@@ -39,7 +39,8 @@ from edu3d.model.gpt import GPT
 from edu3d.production.accelerate_train import loopback_only
 from edu3d.train.data import SyntheticCorpus, shard_rows
 from edu3d.train.optim import param_groups
-from edu3d.train.options import config_from_args, defaults
+from edu3d.config.sections import Run
+from edu3d.train.preflight import model_config
 
 MEASURED = Path(__file__).with_name("deepspeed_cpu_2.yaml")
 SPECS = ("0", "1", "2", "3", "2o", "3o")  # stage, and "o": offload_optimizer to the CPU
@@ -88,20 +89,20 @@ FIELDS = [
 
 def ds_config(args, stage: int, offload: bool = False) -> dict:
     """The ``ds_config`` that trains the run of ``args`` (``edu3d train``'s options,
-    :class:`~edu3d.train.options.TrainOptions`) with
-    ZeRO ``stage`` over ``args.dp`` ranks."""
-    elements = int(args.bucket_mb * 2**20 / 4)  # fp32: DeepSpeed counts elements, DDP MB
+    :class:`~edu3d.train.preflight.Run`) with
+    ZeRO ``stage`` over ``args.layout.dp`` ranks."""
+    elements = int(args.parallel.bucket_mb * 2**20 / 4)  # fp32: DeepSpeed counts elements, DDP MB
     m = args.microbatches or 1
     zero = {"stage": stage, "reduce_bucket_size": elements, "allgather_bucket_size": elements}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
-        "train_batch_size": args.global_batch,
-        "train_micro_batch_size_per_gpu": args.global_batch // (args.dp * m),
+        "train_batch_size": args.batch.global_batch,
+        "train_micro_batch_size_per_gpu": args.batch.global_batch // (args.layout.dp * m),
         "gradient_accumulation_steps": m,
-        "gradient_clipping": args.clip,
+        "gradient_clipping": args.training.clip,
         "optimizer": {"type": "AdamW", "params": {
-            "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
+            "lr": args.training.lr, "betas": [0.9, 0.95], "weight_decay": args.training.weight_decay,
             "torch_adam": True}},
         "zero_optimization": zero,
         "zero_force_ds_cpu_optimizer": False,
@@ -115,16 +116,16 @@ def run(specs=SPECS, steps: int = 4) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     for spec in specs:
-        args = defaults(dp=world, zero=int(spec[0]), offload=spec.endswith("o"), steps=steps)
-        config = config_from_args(args)
-        model = GPT(config, seed=args.seed)
+        args = Run.of(dp=world, zero=int(spec[0]), offload=spec.endswith("o"), steps=steps)
+        config = model_config(args)
+        model = GPT(config, seed=args.training.seed)
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model.parameters(), args.weight_decay),
-            config=ds_config(args, args.zero, args.offload))
-        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
+            model=model, model_parameters=param_groups(model.parameters(), args.training.weight_decay),
+            config=ds_config(args, args.parallel.zero, args.memory.offload))
+        corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
         losses, secs = [], []
         for step in range(1, steps + 1):
-            x, y = corpus.batch(step, args.global_batch)
+            x, y = corpus.batch(step, args.batch.global_batch)
             t0 = time.perf_counter()
             _, loss = engine(shard_rows(x, rank, world), shard_rows(y, rank, world))
             engine.backward(loss)
@@ -137,7 +138,7 @@ def run(specs=SPECS, steps: int = 4) -> list[dict]:
         state = sum(v.numel() * v.element_size() for s in inner.state.values()
                     for v in s.values() if torch.is_tensor(v))
         params = sum(getattr(p, "ds_tensor", p).numel() * 4 for p in engine.module.parameters())
-        out.append({"spec": spec, "stage": args.zero, "offload": args.offload,
+        out.append({"spec": spec, "stage": args.parallel.zero, "offload": args.memory.offload,
                     "losses": losses, "step_s": statistics.median(secs[1:]),
                     "param_bytes": params, "optimizer_state_bytes": state,
                     "optimizer": type(engine.optimizer).__name__,
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="rank 0 writes the results here")
     args = parser.parse_args(argv)
     if args.print is not None:
-        print(json.dumps(ds_config(defaults(dp=2), args.print, args.offload), indent=2))
+        print(json.dumps(ds_config(Run.of(dp=2), args.print, args.memory.offload), indent=2))
     elif args.launch:
         with loopback_only():
             torchrun.main([f"--nproc-per-node={args.launch}", "--rdzv-backend=c10d",

@@ -56,7 +56,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from edu3d.train.data import microbatches, shard_rows
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.train.optim import lr_at, optimizer_for, param_groups, set_lr
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import chunks
@@ -103,11 +104,11 @@ class TorchTrainer:
                                           mesh_dim_names=("pp", "dp", "tp"))
         tie = model.lm_head.weight is model.tok_emb.weight
         if layout.tp > 1:
-            apply_tp(model, self.dmesh["tp"], args.sp)
-        if args.recompute == "full":
+            apply_tp(model, self.dmesh["tp"], args.parallel.sp)
+        if args.memory.recompute == "full":
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = checkpoint_wrapper(block)
-        v = chunks(args.schedule, max(args.vpp, layout.vpp)) if layout.pp > 1 else 1
+        v = chunks(args.parallel.schedule, max(args.layout.vpp, layout.vpp)) if layout.pp > 1 else 1
         parts = partition(model.config, layout.pp, v)
         self.n_stages = len(parts)
         self.pp_index = self.mesh.index("pp")
@@ -115,24 +116,24 @@ class TorchTrainer:
         if tie and layout.pp == 1:  # one stage holds both uses: keep them one parameter
             stage = self.modules[0]
             stage.lm_head.weight = stage.tok_emb.weight
-        self.zero = args.zero
+        self.zero = args.parallel.zero
         if layout.dp > 1:
             _data_parallel(self.modules, self.dmesh, self.zero, layout)
         self.is_first = 0 in self.modules
         self.is_last = self.n_stages - 1 in self.modules
         self.schedule = None
         if layout.pp > 1:
-            self.schedule = torch_pp.schedule(args.schedule, self.modules, self.n_stages, self.m,
+            self.schedule = torch_pp.schedule(args.parallel.schedule, self.modules, self.n_stages, self.m,
                                               self.dmesh["pp"].get_group(), self.device)
         self.params = [p for mod in self.modules.values() for p in mod.parameters()]
         self.optimizer = self._optimizer()
 
     def _optimizer(self):
-        groups = param_groups(self.params, self.args.weight_decay)
+        groups = param_groups(self.params, self.args.training.weight_decay)
         if self.zero == 1:
-            cls, kw = ((torch.optim.SGD, {}) if self.args.optimizer == "sgd" else
+            cls, kw = ((torch.optim.SGD, {}) if self.args.training.optimizer == "sgd" else
                        (torch.optim.AdamW, {"betas": (0.9, 0.95)}))
-            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, lr=self.args.lr,
+            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, lr=self.args.training.lr,
                                            process_group=self.dmesh["dp"].get_group(), **kw)
         return optimizer_for(groups, self.args)
 
@@ -149,7 +150,7 @@ class TorchTrainer:
             return contextlib.nullcontext() if last else module.no_sync()
         if self.zero == 2:  # ZeRO-2 keeps whole parameters: gathered once per step
             module.set_reshard_after_backward(last)
-        if self.zero >= 2 and self.args.grad_reduce == "per-microbatch":
+        if self.zero >= 2 and self.args.parallel.grad_reduce == "per-microbatch":
             module.set_requires_gradient_sync(True)
         elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2 and its replicate
             module.set_requires_gradient_sync(last)
@@ -214,9 +215,9 @@ class TorchTrainer:
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> dict:
         loss = self.forward_backward(x, y)
         norm = self.grad_norm()
-        if self.args.clip > 0:
+        if self.args.training.clip > 0:
             for params in self._grad_groups():
-                torch.nn.utils.clip_grads_with_norm_(params, self.args.clip, norm)
+                torch.nn.utils.clip_grads_with_norm_(params, self.args.training.clip, norm)
         set_lr(self.optimizer, lr_at(step, self.args))
         self.optimizer.step()
         return {"loss": loss.item(), "grad_norm": norm.item()}

@@ -3,26 +3,27 @@ mixtures of experts with expert parallelism, and context parallelism.
 
 After reading this file you can say which ``--experts``/``--ep``/``--topk`` and
 ``--cp``/``--cp-impl``/``--cp-split`` combinations edu3d runs, and what each refusal tells
-you to change instead. :func:`edu3d.train.options.check_args` calls both; they take its
-typed :class:`~edu3d.train.options.TrainOptions` (duck-typed here, so this module sits below
-``options`` and imports no torch).
+you to change instead. :func:`edu3d.train.preflight.check_args` calls both, with the run
+(:class:`~edu3d.config.sections.Run`); no torch here.
 """
 
 from __future__ import annotations
 
-from edu3d.distributed.mesh import LayoutError
+from edu3d.config.layout import LayoutError
+from edu3d.config.sections import Run
 
 CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 
 
-def check_moe(o) -> None:
+def check_moe(run: Run) -> None:
     """The mixture-of-experts and expert-parallel rules (before the model is built)."""
+    o, ep = run.model, run.layout.ep
     if o.balance not in BALANCE:
         raise LayoutError(f"--balance {o.balance!r}: choose one of {', '.join(BALANCE)}")
     if not o.experts:
-        moe_only = [f for f, v in (("--ep", o.ep > 1), ("--shared-experts", o.shared_experts),
+        moe_only = [f for f, v in (("--ep", ep > 1), ("--shared-experts", o.shared_experts),
                                    ("--capacity-factor", o.capacity_factor),
                                    ("--balance bias", o.balance == "bias")) if v]
         if moe_only:
@@ -35,37 +36,39 @@ def check_moe(o) -> None:
     if o.moe_every < 1 or o.shared_experts < 0 or o.capacity_factor < 0:
         raise LayoutError("--moe-every must be >= 1, --shared-experts and --capacity-factor "
                           ">= 0 (0: dropless)")
-    if o.experts % o.ep:
+    if o.experts % ep:
         ok = ", ".join(str(d) for d in range(1, o.experts + 1) if o.experts % d == 0)
-        raise LayoutError(f"--ep {o.ep} must divide --experts {o.experts} (each rank holds "
+        raise LayoutError(f"--ep {ep} must divide --experts {o.experts} (each rank holds "
                           f"experts/ep of them); choose ep in {ok}")
-    if o.balance == "bias" and o.ckpt_dir:
+    if o.balance == "bias" and run.checkpoint.ckpt_dir:
         raise LayoutError("--balance bias with --ckpt-dir: the per-expert bias is a buffer, and "
                           "edu3d's checkpoints hold parameters and optimizer state only, so a "
                           "resumed run would restart it at 0; use --balance aux to checkpoint")
-    if o.sp:
+    if run.parallel.sp:
         raise LayoutError("--sp with --experts: the mixture-of-experts layer routes whole "
                           "tokens and edu3d runs it on every tensor-parallel rank; drop --sp")
 
 
-def check_cp(o, config) -> None:
+def check_cp(run: Run, config) -> None:
     """Context parallelism's rules: a sequence it can cut evenly, Ulysses' head limit."""
-    if o.cp_impl not in CP_IMPLS or o.cp_split not in CP_SPLITS:
-        raise LayoutError(f"--cp-impl {o.cp_impl} --cp-split {o.cp_split}: choose --cp-impl in "
+    par, cp, tp = run.parallel, run.layout.cp, run.layout.tp
+    if par.cp_impl not in CP_IMPLS or par.cp_split not in CP_SPLITS:
+        raise LayoutError(f"--cp-impl {par.cp_impl} --cp-split {par.cp_split}: choose --cp-impl "
+                          f"in "
                           f"{', '.join(CP_IMPLS)} and --cp-split in {', '.join(CP_SPLITS)}")
-    if o.cp == 1:
+    if cp == 1:
         return
-    chunks = 2 * o.cp if o.cp_split == "zigzag" else o.cp
+    chunks = 2 * cp if par.cp_split == "zigzag" else cp
     if config.seq_len % chunks:
         ok = [n for n in range(1, config.seq_len + 1)
-              if config.seq_len % (2 * n if o.cp_split == "zigzag" else n) == 0]
-        raise LayoutError(f"--cp {o.cp} --cp-split {o.cp_split} cuts each sequence into "
+              if config.seq_len % (2 * n if par.cp_split == "zigzag" else n) == 0]
+        raise LayoutError(f"--cp {cp} --cp-split {par.cp_split} cuts each sequence into "
                           f"{chunks} equal chunks, but --seq {config.seq_len} does not divide; "
                           f"choose --cp in {', '.join(map(str, ok))}")
-    if o.sp:
+    if par.sp:
         raise LayoutError("--sp with --cp: both split the sequence; use one of them")
-    heads = config.n_heads // o.tp
-    if o.cp_impl == "ulysses" and heads % o.cp:
+    heads = config.n_heads // tp
+    if par.cp_impl == "ulysses" and heads % cp:
         ok = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-        raise LayoutError(f"--cp-impl ulysses gives each of the {o.cp} ranks whole heads, but "
+        raise LayoutError(f"--cp-impl ulysses gives each of the {cp} ranks whole heads, but "
                           f"each tensor-parallel rank has {heads} head(s); choose --cp in {ok}")

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edu3d.distributed.mesh import LayoutError
+from edu3d.config.layout import LayoutError
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.documents import DocumentCorpus
@@ -155,9 +155,10 @@ def collate(rows: list[list[torch.Tensor]], length: int, packed: bool):
     return x, y, (doc if packed else None)
 
 
-def check_options(o, config) -> None:
+def check_options(run, config) -> None:
     """``--batching``'s rules: what each mode needs, and the axes it does not compose with
     (refused rather than trained with a silently wrong loss)."""
+    o = run.batch
     if o.batching not in MODES:
         raise LayoutError(f"--batching {o.batching!r}: choose one of {', '.join(MODES)}")
     doc_flags = [f for f, v in (("--max-tokens", o.max_tokens is not None),
@@ -181,14 +182,16 @@ def check_options(o, config) -> None:
     if not 0 <= o.doc_sigma <= 4:
         raise LayoutError(f"--doc-sigma {o.doc_sigma:g}: a spread in 0..4")
     flag = f"--batching {o.batching}"
-    refused = [(o.cp > 1 and o.batching != "pack", "--cp", "context parallelism cuts every "
+    refused = [(run.layout.cp > 1 and o.batching != "pack", "--cp", "context parallelism cuts "
+                "every "
                 "row at fixed positions of seq_len, and these micro-batches are as long as "
                 "their longest document; use --batching pack"),
-               (o.sp, "--sp", "sequence parallelism splits a fixed sequence"),
-               (o.experts > 0, "--experts", "the load-balancing loss counts tokens per "
+               (run.parallel.sp, "--sp", "sequence parallelism splits a fixed sequence"),
+               (run.model.experts > 0, "--experts", "the load-balancing loss counts tokens per "
                                             "micro-batch"),
-               (o.impl == "torch", "--impl torch", "only edu3d's trainer takes documents"),
-               (o.compile, "--compile", "every new length would compile again")]
+               (run.parallel.impl == "torch", "--impl torch",
+                "only edu3d's trainer takes documents"),
+               (run.precision.compile, "--compile", "every new length would compile again")]
     for bad, knob, why in refused:
         if bad:
             raise LayoutError(f"{flag} with {knob} is not supported ({why}); drop {knob} "
@@ -196,23 +199,23 @@ def check_options(o, config) -> None:
 
 
 # ---- building a step's batch ------------------------------------------------------------------
-def make_corpus(args, config) -> SyntheticCorpus | DocumentCorpus:
+def make_corpus(run, config) -> SyntheticCorpus | DocumentCorpus:
     """The run's corpus: equal sequences (``fixed``) or documents (every other mode)."""
-    if args.batching == "fixed":
-        return SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.seed)
-    return DocumentCorpus(config.vocab_size, config.seq_len, seed=args.seed,
-                          mean=args.doc_mean, sigma=args.doc_sigma)
+    if run.batch.batching == "fixed":
+        return SyntheticCorpus(config.vocab_size, config.seq_len, seed=run.training.seed)
+    return DocumentCorpus(config.vocab_size, config.seq_len, seed=run.training.seed,
+                          mean=run.batch.doc_mean, sigma=run.batch.doc_sigma)
 
 
-def global_batch(corpus, args, step: int) -> tuple:
+def global_batch(corpus, run, step: int) -> tuple:
     """Global batch ``step`` as the trainer takes it: ``(x, y)`` tensors (``fixed``), or
     ``(StepBatch, None)``. The same whatever the layout, except ``tokens`` mode, whose
     step fills ``dp x micro-batches`` slots (as fairseq's ``--max-tokens`` per GPU)."""
-    if args.batching == "fixed":
-        return corpus.batch(step, args.global_batch)
-    slots = args.dp * (args.microbatches or args.grad_accum or args.pp)  # as check_args
-    return step_batch(corpus, args.batching, step, args.global_batch, slots,
-                      args.max_tokens), None
+    if run.batch.batching == "fixed":
+        return corpus.batch(step, run.batch.global_batch)
+    slots = run.layout.dp * run.microbatches
+    return step_batch(corpus, run.batch.batching, step, run.batch.global_batch, slots,
+                      run.batch.max_tokens), None
 
 
 def batch_tokens(x) -> int:

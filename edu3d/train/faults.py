@@ -29,6 +29,8 @@ import signal
 import sys
 import time
 
+from edu3d.config.sections import Fault
+
 SLOW_SECONDS = 0.2  # kind=slow's default sleep per step
 
 
@@ -36,17 +38,17 @@ class InjectedFault(RuntimeError):
     """The error ``kind=exit`` raises on its rank."""
 
 
-def maybe_inject(spec: dict | None, rank: int, step: int, attempt: int = 0) -> None:
+def maybe_inject(spec: Fault | None, rank: int, step: int, attempt: int = 0) -> None:
     """Fail (or lag) as ``spec`` says if this is its rank and step: a failure at step S of
     the first attempt, a slow rank at every step from S on."""
-    if spec is None or spec["rank"] != rank:
+    if spec is None or spec.rank != rank:
         return
-    kind = spec.get("kind", "exit")
+    kind = spec.kind
     if kind == "slow":
-        if step >= spec.get("step", 1):
-            time.sleep(spec.get("seconds", SLOW_SECONDS))
+        if step >= spec.step:
+            time.sleep(SLOW_SECONDS if spec.seconds is None else spec.seconds)
         return
-    if attempt or spec["step"] != step:
+    if attempt or spec.step != step:
         return
     print(f"edu3d: injecting a fault on rank {rank} at step {step}: {kind}", file=sys.stderr,
           flush=True)

@@ -9,8 +9,8 @@ these records step by step, which is how the course proves it is the same comput
 
 :func:`loop` drives the one :class:`~edu3d.train.trainer.Trainer`, whatever the layout;
 :func:`serial_step` is written independently of it, on purpose: it is the reference the
-tests compare every layout with. The run's options are a
-:class:`~edu3d.train.options.TrainOptions`; the command line is parsed in
+tests compare every layout with. The run is a
+:class:`~edu3d.config.sections.Run`, checked once (:mod:`edu3d.train.preflight`); the command line is parsed in
 :mod:`edu3d.commands.train`, which also picks the trainer class (edu3d's
 :class:`~edu3d.train.trainer.Trainer`, or PyTorch's APIs for ``--impl torch``).
 
@@ -21,7 +21,6 @@ LayerNorm gains, which only shift and scale.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -31,22 +30,20 @@ import time
 import torch
 
 from edu3d.ckpt.checkpointer import Checkpointer
-from edu3d.ckpt.format import check_ckpt_dir, resume_from
+from edu3d.ckpt.format import resume_from
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch import live
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, node_args
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
-from edu3d.model.param_globs import check_patterns, patterns
 from edu3d.model.shapes import num_params_from_config
-from edu3d.parallel.freeze import param_names
 from edu3d.train import faults, memory_recorder
 from edu3d.train.batching import batch_tokens, global_batch, make_corpus
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
 from edu3d.train.publish import Publisher
-from edu3d.train.options import (TrainOptions, check_args, check_fit, config_from_args,
-                                 node_options, oversubscribed)
+from edu3d.config.sections import Run
+from edu3d.train.preflight import Checked, model_config, node_options
 from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
@@ -56,30 +53,30 @@ TRAINER_KEYS = ("mem_bytes", "comm_s", "wire_bytes")  # what edu3d train's recor
 
 def worker(mesh, options: dict, trainer_class=Trainer) -> list[dict]:
     """What every rank of ``edu3d train --dp/--tp/--pp`` runs (called by the launcher):
-    ``options`` is :class:`~edu3d.train.options.TrainOptions` as a dict, ``trainer_class``
+    ``options`` is the run's flags (:meth:`~edu3d.config.sections.Run.flat`), ``trainer_class``
     the one :class:`~edu3d.train.trainer.Trainer` (or ``--impl torch``'s, the same interface)."""
-    args = TrainOptions(**options)
-    config = config_from_args(args)
-    model = GPT(config, seed=args.seed)  # the full serial init: shards are cut from it
-    corpus = make_corpus(args, config)
-    trainer = trainer_class(model, mesh, args)
-    return loop(trainer, corpus, args, out=sys.stdout if mesh.rank == 0 else None)
+    run = Run.of(**options)
+    config = model_config(run)
+    model = GPT(config, seed=run.training.seed)  # the full serial init: shards are cut from it
+    corpus = make_corpus(run, config)
+    trainer = trainer_class(model, mesh, run)
+    return loop(trainer, corpus, run, out=sys.stdout if mesh.rank == 0 else None)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params, grad_norm: torch.Tensor | float,
-                  step: int, args: TrainOptions) -> float:
+                  step: int, run: Run) -> float:
     """Clip by a *given* total gradient norm, set the learning rate, update; returns the lr."""
-    coef = clip_coef(grad_norm, args.clip)
+    coef = clip_coef(grad_norm, run.training.clip)
     for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
-    lr = lr_at(step, args)
+    lr = lr_at(step, run)
     set_lr(optimizer, lr)
     optimizer.step()
     return lr
 
 
-def serial_step(model, optimizer, x, y, step: int, args: TrainOptions,
+def serial_step(model, optimizer, x, y, step: int, run: Run,
                 microbatches: int = 1) -> dict:
     """The reference step: forward and backward on the whole global batch, the total
     gradient norm, clip, learning rate, update. Returns ``{"loss", "grad_norm"}``.
@@ -100,7 +97,7 @@ def serial_step(model, optimizer, x, y, step: int, args: TrainOptions,
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    clip_and_step(optimizer, params, grad_norm, step, args)
+    clip_and_step(optimizer, params, grad_norm, step, run)
     for layer in (m for m in model.modules() if isinstance(m, MoE)):
         counts = layer.take_stats()["counts"]  # the step's assignments, every micro-batch
         if layer.balance == "bias":
@@ -108,18 +105,18 @@ def serial_step(model, optimizer, x, y, step: int, args: TrainOptions,
     return {"loss": total, "grad_norm": grad_norm.item()}
 
 
-def reference_microbatches(args: TrainOptions) -> int:
-    """How many micro-batches the serial reference of ``args``' layout runs: one per
+def reference_microbatches(run: Run) -> int:
+    """How many micro-batches the serial reference of ``run``' layout runs: one per
     micro-batch of every data-parallel rank (what a mixture of experts' token groups need)."""
-    return args.dp * (args.microbatches or args.grad_accum or args.pp)
+    return run.layout.dp * run.microbatches
 
 
-def train_step(model, optimizer, x, y, step: int, args: TrainOptions,
+def train_step(model, optimizer, x, y, step: int, run: Run,
                microbatches: int = 1) -> dict:
     """One serial step on the global batch ``(x, y)``, returned as a full record."""
     t0 = time.perf_counter()
-    out = serial_step(model, optimizer, x, y, step, args, microbatches)
-    return _record(step, out, lr_at(step, args), x.numel(), time.perf_counter() - t0)
+    out = serial_step(model, optimizer, x, y, step, run, microbatches)
+    return _record(step, out, lr_at(step, run), x.numel(), time.perf_counter() - t0)
 
 
 def _record(step: int, out: dict, lr: float, tokens: int, seconds: float) -> dict:
@@ -127,18 +124,18 @@ def _record(step: int, out: dict, lr: float, tokens: int, seconds: float) -> dic
             "lr": lr, "tokens_per_s": tokens / seconds}
 
 
-def _emit(rec: dict, args: TrainOptions, out) -> None:
+def _emit(rec: dict, run: Run, out) -> None:
     if out is None:
         return
-    if args.json:
+    if run.launch.json:
         print(json.dumps(rec), file=out, flush=True)
         return
     row = (f"{rec['step']:>5} {rec['loss']:>8.4f} {rec['grad_norm']:>10.4f} "
            f"{rec['lr']:>9.2e} {rec['tokens_per_s']:>9.0f}")
     if _is_terminal(out):  # a progress bar: one line, rewritten in place
-        done = rec["step"] / args.steps
+        done = rec["step"] / run.training.steps
         bar = "#" * int(30 * done)
-        end = "\n" if rec["step"] == args.steps else ""
+        end = "\n" if rec["step"] == run.training.steps else ""
         print(f"\r[{bar:<30}] {row}", end=end, file=out, flush=True)
     else:
         print(row, file=out, flush=True)
@@ -170,7 +167,7 @@ def summary(records: list[dict], seconds: list[float]) -> str:
     return "\n".join(lines)
 
 
-def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list[dict]:
+def loop(trainer, corpus: SyntheticCorpus, run: Run, out=None) -> list[dict]:
     """Feed global batch ``step`` to ``trainer.step`` for every step; record and print
     every ``--log-every`` steps (and the last): between two, the loss stays on the device and
     nothing waits for it; a record's ``tokens_per_s`` covers the steps since the previous one.
@@ -178,25 +175,25 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
     With ``--ckpt-dir`` the state is saved as ``--save-every`` says (:mod:`edu3d.ckpt.format`),
     and ``--resume`` starts after the newest complete checkpoint with the records it kept, so
     the list returned is the whole run's either way."""
-    if out is not None and not args.json and not _is_terminal(out):
+    if out is not None and not run.launch.json and not _is_terminal(out):
         print(f"{'step':>5} {'loss':>8} {'grad norm':>10} {'lr':>9} {'tok/s':>9}", file=out)
     records, seconds = [], []
     ckpt = None
-    if args.ckpt_dir:
-        ckpt = Checkpointer(trainer, args, config_from_args(args))
-        if args.resume:
+    if run.checkpoint.ckpt_dir:
+        ckpt = Checkpointer(trainer, run, model_config(run))
+        if run.checkpoint.resume:
             records = ckpt.resume()  # the records of the steps the checkpoint holds
     rank = trainer.mesh.rank
-    status = Publisher.for_run(trainer, args.steps)  # for a live monitor; None when serial
+    status = Publisher.for_run(trainer, run.training.steps)  # for a live monitor; None when serial
     deferred = isinstance(trainer, Trainer)  # its step can leave the loss on the device
-    memory = memory_recorder.MemoryRecorder(trainer) if args.memory_timeline else None
+    memory = memory_recorder.MemoryRecorder(trainer) if run.launch.memory_timeline else None
     spent, steps_since, tokens = 0.0, 0, 0  # since the last logged step
-    for step in range(len(records) + 1, args.steps + 1):
-        faults.maybe_inject(args.inject_fault, rank, step, args.attempt)
-        x, y = global_batch(corpus, args, step)  # y is None under --batching
-        due = step % args.log_every == 0 or step == args.steps
+    for step in range(len(records) + 1, run.training.steps + 1):
+        faults.maybe_inject(run.launch.inject_fault, rank, step, run.launch.attempt)
+        x, y = global_batch(corpus, run, step)  # y is None under --batching
+        due = step % run.launch.log_every == 0 or step == run.training.steps
         t0 = time.perf_counter()
-        watch = memory is not None and step == args.steps > 1  # --memory-timeline
+        watch = memory is not None and step == run.training.steps > 1  # --memory-timeline
         with memory.watch(step) if watch else contextlib.nullcontext():
             result = trainer.step(x, y, step, read=False) if deferred and not due else \
                 trainer.step(x, y, step)
@@ -207,102 +204,90 @@ def loop(trainer, corpus: SyntheticCorpus, args: TrainOptions, out=None) -> list
         if not due:
             continue
         seconds.append(spent)
-        rec = _record(step, result, lr_at(step, args), tokens, spent)
+        rec = _record(step, result, lr_at(step, run), tokens, spent)
         spent, steps_since, tokens = 0.0, 0, 0
         if y is None:  # --batching: the share of computed positions that were padding
-            rec["pad_waste"] = x.waste(args.dp * args.microbatches)
+            rec["pad_waste"] = x.waste(run.layout.dp * run.microbatches)
         rec.update({k: result[k] for k in ("skipped", "loss_scale", *MOE_KEYS)
                     if k in result})  # fp16, mixture of experts
         rec.update(trainer.stats())
         records.append(rec)
         if ckpt is not None:
             ckpt.after_step(step, records)  # saves when due; may add the time it blocked
-        _emit(rec, args, out)
+        _emit(rec, run, out)
     if status is not None:
         status.close()
     if memory is not None and memory.samples:  # --memory-timeline: the last step's
-        _write_timeline(memory, args, records, out)
+        _write_timeline(memory, run, records, out)
     if ckpt is not None:
         ckpt.close()  # waits for an asynchronous save still in flight
-    if out is not None and not args.json and seconds:  # the steps this process ran
+    if out is not None and not run.launch.json and seconds:  # the steps this process ran
         print(summary(records[-len(seconds):], seconds), file=out, flush=True)
         if ckpt is not None and ckpt.history:
             blocked = sum(r.get("ckpt_blocked_s", 0.0) for r in records[-len(seconds):])
             kept = ""
             if ckpt.keep:
-                kept = (f"; kept {', '.join(map(str, complete_steps(args.ckpt_dir)))} "
+                kept = (f"; kept {', '.join(map(str, complete_steps(run.checkpoint.ckpt_dir)))} "
                         f"(--keep-last {ckpt.keep})")
             print(f"checkpoints: steps {', '.join(str(h['step']) for h in ckpt.history)} in "
-                  f"{args.ckpt_dir}{kept}; training waited {blocked:.2f} s for them"
+                  f"{run.checkpoint.ckpt_dir}{kept}; training waited {blocked:.2f} s for them"
                   + (" (written in the background)" if ckpt.background else ""),
                   file=out, flush=True)
     return records
 
 
-def _write_timeline(memory, args: TrainOptions, records: list[dict], out) -> None:
+def _write_timeline(memory, run: Run, records: list[dict], out) -> None:
     """Collect every rank's timeline of the recorded step on rank 0, which writes the file
     (:mod:`edu3d.train.memory_recorder`) and says where its peak is."""
     timelines = memory_recorder.gather_timelines(memory)
     if timelines is None:
         return
-    stats = records[-1].get("mem_bytes") if records and records[-1]["step"] == args.steps \
+    stats = records[-1].get("mem_bytes") if records and records[-1]["step"] == run.training.steps \
         else None
-    doc = memory_recorder.document(args, timelines, stats)
-    memory_recorder.write(args.memory_timeline, doc)
-    if out is not None and not args.json:
-        print(f"memory timeline of step {doc['step']} in {args.memory_timeline}: "
+    doc = memory_recorder.document(run, timelines, stats)
+    memory_recorder.write(run.launch.memory_timeline, doc)
+    if out is not None and not run.launch.json:
+        print(f"memory timeline of step {doc['step']} in {run.launch.memory_timeline}: "
               f"{memory_recorder.peak_line(doc)}", file=out, flush=True)
 
 
-def _describe(args, config, corpus) -> None:
+def _describe(run, config, corpus) -> None:
     params = f"{num_params_from_config(config):,} parameters"
     if getattr(config, "n_experts", 0):
         params = (f"{total_params(config):,} parameters, {active_params(config):,} active per "
                   "token")
-    print(f"{args.model} {config}: {params}; loss at "
+    print(f"{run.model.preset} {config}: {params}; loss at "
           f"init ~ ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
           f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
 
 
-def run(args: TrainOptions, out=None, trainer_class=Trainer) -> list[dict]:
-    """Train for ``args.steps`` steps, serially or on ``args``' layout; print to ``out``
-    (default: the current ``sys.stdout``) and return one record per step. ``trainer_class``:
+def run(checked: Checked, out=None, trainer_class=Trainer) -> list[dict]:
+    """Train for ``run.training.steps`` steps, serially or on the run's layout; print to
+    ``out`` (default: the current ``sys.stdout``) and return one record per step.
+    ``checked``: the run after :func:`edu3d.train.preflight.preflight`, which every caller
+    goes through once (nothing is checked again here). ``trainer_class``:
     :class:`~edu3d.train.trainer.Trainer`, or one with its interface (``--impl torch``)."""
     out = out or sys.stdout
-    if args.impl == "torch" and trainer_class is Trainer:
+    run, config = checked.run, checked.config
+    if run.parallel.impl == "torch" and trainer_class is Trainer:
         raise ValueError("impl='torch' trains with PyTorch's own APIs: pass trainer_class="
                          "edu3d.production.torch_impl.TorchTrainer (as edu3d train does)")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # the course's runs are multi-process; one thread each
-    config, layout = check_args(args)
-    check_fit(args)
-    check_freeze(args, config)
-    warning = oversubscribed(layout)
-    if warning:
+    for warning in checked.warnings:
         print(f"edu3d train: {warning}", file=sys.stderr, flush=True)
-    if args.ckpt_dir:  # a bad checkpoint fails here, before any process
-        step = check_ckpt_dir(args, config)
-        if args.resume:
-            print(f"edu3d train: resuming from {args.ckpt_dir} at step {step}" if step else
-                  f"edu3d train: no complete checkpoint in {args.ckpt_dir}: starting at step 1",
-                  file=sys.stderr, flush=True)
-    corpus = make_corpus(args, config)
-    _describe(args, config, corpus)
-    if layout.world_size == 1:
-        return loop(trainer_class(GPT(config, seed=args.seed), None, args), corpus, args, out)
-    return _run_parallel(args, layout, out, trainer_class)
-
-
-def check_freeze(args: TrainOptions, config) -> list[str]:
-    """The serial names ``--freeze`` freezes (``ValueError``, one line, for a glob that
-    matches none: :func:`edu3d.model.param_globs.check_patterns`)."""
-    globs = patterns(args.freeze)
-    if not globs:
-        return []
-    if args.impl == "torch":
-        raise ValueError("--freeze with --impl torch: edu3d's trainer freezes by serial name; "
-                         "drop --impl torch")
-    return check_patterns(param_names(config), globs)
+    ck = run.checkpoint
+    if ck.ckpt_dir and ck.resume:
+        step = checked.resume_step
+        print(f"edu3d train: resuming from {ck.ckpt_dir} at step {step}" if step else
+              f"edu3d train: no complete checkpoint in {ck.ckpt_dir}: starting at step 1",
+              file=sys.stderr, flush=True)
+    corpus = make_corpus(run, config)
+    _describe(run, config, corpus)
+    if run.world_size == 1:
+        return loop(trainer_class(GPT(config, seed=run.training.seed), None, run), corpus, run,
+                    out)
+    return _run_parallel(run, run.layout, out, trainer_class)
 
 
 def _json_record(line: str) -> dict | None:
@@ -314,7 +299,7 @@ def _json_record(line: str) -> dict | None:
     return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
-def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
+def _run_parallel(run: Run, layout, out, trainer_class) -> list[dict]:
     """Launch ``layout.world_size`` ranks; rank 0's stdout (the records) goes to ``out``
     untouched, everything else to stderr with its rank prefix.
 
@@ -331,7 +316,7 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
 
     def echo(rank, stream, line):
         if rank == 0 and stream == "stdout":
-            rec = _json_record(line) if args.json else None
+            rec = _json_record(line) if run.launch.json else None
             if rec is not None and rec["step"] in shown:
                 if str(rec["loss"]) != str(shown[rec["step"]]):  # (NaN equals NaN here)
                     print(f"edu3d train: step {rec['step']} replayed after the restart with "
@@ -345,24 +330,24 @@ def _run_parallel(args: TrainOptions, layout, out, trainer_class) -> list[dict]:
             print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
 
     print(f"launching {layout.world_size} ranks ({layout})", file=sys.stderr, flush=True)
-    options = dataclasses.asdict(args)
-    restarts = args.max_restarts
+    options = run.flat()
+    restarts = run.checkpoint.max_restarts
     for attempt in range(restarts + 1):
         options["attempt"] = attempt
-        view = live.Terminal(new_run_dir("train"), layout.world_size) if args.monitor else None
+        view = live.Terminal(new_run_dir("train"), layout.world_size) if run.launch.monitor else None
         echoing = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
-            res = launch(worker, layout.world_size // (args.nnodes or 1),  # ranks on this node
-                         args=(options, trainer_class), layout=layout,
-                         timeout=args.timeout, name="train", heartbeat=args.heartbeat,
-                         torchrun_args=node_args(**node_options(args)), **echoing)
+            res = launch(worker, layout.world_size // (run.launch.nnodes or 1),  # ranks on this node
+                         run=(options, trainer_class), layout=layout,
+                         timeout=run.launch.timeout, name="train", heartbeat=run.launch.heartbeat,
+                         torchrun_args=node_args(**node_options(run)), **echoing)
             return res.results[0]
         except LaunchTimeout:
             raise  # the whole run's time is spent: nothing to restart into
         except LaunchError as err:
             if attempt == restarts:
                 raise
-            step = resume_from(dataclasses.replace(args, attempt=attempt + 1))
+            step = resume_from(run.replace(attempt=attempt + 1))
             where = f"the checkpoint of step {step}" if step else "the start (no checkpoint yet)"
             print(f"edu3d train: {str(err).splitlines()[0]}; restart {attempt + 1} of "
                   f"{restarts}: every rank starts again from {where}", file=sys.stderr,

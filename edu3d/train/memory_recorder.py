@@ -38,7 +38,6 @@ these (the innermost ``saved_tensors_hooks`` wins).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -47,6 +46,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from edu3d.config.sections import Run
 from edu3d.distributed import meter, trace
 from edu3d.plan.estimate import estimate_for
 
@@ -313,13 +313,14 @@ def gather_timelines(recorder: MemoryRecorder) -> list[dict] | None:
     return out
 
 
-def document(args, timelines: list[dict], stats: dict | None = None) -> dict:
+def document(run: Run, timelines: list[dict], stats: dict | None = None) -> dict:
     """What ``--memory-timeline FILE`` holds: the run's options, every rank's timeline of the
     recorded step, the planner's estimate for the same run (at the step's peak and at rest,
     per pipeline rank: :func:`edu3d.plan.estimate.estimate_for`), and what
     :meth:`~edu3d.train.trainer.Trainer.stats` recorded for that step (``mem_bytes``)."""
-    plan = {at: estimate_for(args, at) for at in ("peak", "rest")}
-    options = dataclasses.asdict(args)
+    plan = {at: estimate_for(run, at) for at in ("peak", "rest")}
+    options = {**run.flat(), "microbatches": run.microbatches,
+               "freeze": ",".join(run.memory.freeze) or None}
     return {"kind": "edu3d memory timeline", "version": 1,
             "options": {k: options[k] for k in (
                 "model", "dp", "tp", "pp", "zero", "microbatches", "global_batch", "schedule",

@@ -32,29 +32,29 @@ def param_groups(params, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(params, args) -> torch.optim.Optimizer | None:
+def make_optimizer(params, run) -> torch.optim.Optimizer | None:
     """AdamW (betas 0.9, 0.95) or plain SGD over ``params`` (a module's, or any iterable);
     ``None`` when there is nothing to optimize."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    return optimizer_for(param_groups(params, args.weight_decay), args)
+    return optimizer_for(param_groups(params, run.training.weight_decay), run)
 
 
-def optimizer_kwargs(args) -> dict:
-    """The rule of ``args`` as a class and its defaults: ``{"optimizer_class", "lr", ...}``
+def optimizer_kwargs(run) -> dict:
+    """The rule of ``run`` as a class and its defaults: ``{"optimizer_class", "lr", ...}``
     (what :class:`~edu3d.parallel.zero.sharding.Zero` takes, with the groups)."""
-    if args.optimizer == "sgd":
-        return {"optimizer_class": torch.optim.SGD, "lr": args.lr}
-    return {"optimizer_class": torch.optim.AdamW, "lr": args.lr, "betas": (0.9, 0.95)}
+    if run.training.optimizer == "sgd":
+        return {"optimizer_class": torch.optim.SGD, "lr": run.training.lr}
+    return {"optimizer_class": torch.optim.AdamW, "lr": run.training.lr, "betas": (0.9, 0.95)}
 
 
-def optimizer_for(groups: list[dict], args) -> torch.optim.Optimizer | None:
-    """The rule of ``args`` (AdamW or SGD) over ready-made parameter groups; ``None`` for
+def optimizer_for(groups: list[dict], run) -> torch.optim.Optimizer | None:
+    """The rule of ``run`` (AdamW or SGD) over ready-made parameter groups; ``None`` for
     no groups."""
     groups = [g for g in groups if g["params"]]
     if not groups:
         return None
-    kwargs = optimizer_kwargs(args)
+    kwargs = optimizer_kwargs(run)
     cls = kwargs.pop("optimizer_class")
     if cls is torch.optim.AdamW:
         kwargs.update(kernel_for(groups))
@@ -73,17 +73,17 @@ def kernel_for(groups: list[dict]) -> dict:
     return {"fused": True} if devices == {"cuda"} else {"foreach": True}
 
 
-def lr_at(step: int, args) -> float:
+def lr_at(step: int, run) -> float:
     """The learning rate of ``step`` (1-based): warmup, then constant or cosine."""
-    warmup = args.warmup
+    warmup = run.training.warmup
     if warmup > 0 and step < warmup:
-        return args.lr * step / warmup
-    if args.lr_schedule != "cosine":
-        return args.lr
-    span = max(1, args.steps - warmup)
+        return run.training.lr * step / warmup
+    if run.training.lr_schedule != "cosine":
+        return run.training.lr
+    span = max(1, run.training.steps - warmup)
     progress = min(1.0, max(0, step - warmup) / span)
-    low = args.lr * MIN_LR_RATIO
-    return low + 0.5 * (args.lr - low) * (1 + math.cos(math.pi * progress))
+    low = run.training.lr * MIN_LR_RATIO
+    return low + 0.5 * (run.training.lr - low) * (1 + math.cos(math.pi * progress))
 
 
 def clip_coef(norm: torch.Tensor | float, max_norm: float) -> torch.Tensor:

@@ -35,40 +35,27 @@ import torch.distributed as dist
 from edu3d.ckpt import reshard
 from edu3d.model.gpt import set_attention
 from edu3d.model.moe import MoE, set_aux_scale
-from edu3d.model.param_globs import patterns
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import trace
 from edu3d.train.batching import StepBatch
 from edu3d.train.data import microbatches, shard_rows
-from edu3d.distributed.mesh import Layout, Mesh
+from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwargs,
                                param_groups, set_lr)
-from edu3d.train.options import TrainOptions
+from edu3d.config.sections import Run
 from edu3d.train.step_stats import StepMeter
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.optim_state import adam_state
-from edu3d.parallel.parallelize import Plan, parallelize
+from edu3d.parallel.parallelize import parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
-from edu3d.parallel.precision import Precision
+from edu3d.parallel.precision import MixedPrecision
 from edu3d.parallel.tp.layers import unshard
 
 
-def plan_from(options: TrainOptions) -> Plan:
-    """How :func:`~edu3d.parallel.parallelize.parallelize` cuts the model, from ``edu3d
-    train``'s options (a pipeline's default: pp micro-batches)."""
-    o = options
-    return Plan(sequence_parallel=o.sp, tp_overlap=o.tp_overlap, schedule=o.schedule,
-                microbatches=o.microbatches or o.grad_accum or o.pp, vpp=o.vpp,
-                partition=o.partition, zero=o.zero, dp_impl=o.dp_impl, bucket_mb=o.bucket_mb,
-                reverse_buckets=o.reverse_buckets, prefetch=o.prefetch, offload=o.offload,
-                compress=o.compress, recompute=o.recompute, cp_impl=o.cp_impl,
-                cp_split=o.cp_split, compile=o.compile, grad_reduce=o.grad_reduce,
-                freeze=patterns(o.freeze))
-
-
 class Trainer:
-    """Trains this rank's piece of ``model`` on ``mesh``'s layout with ``args``' options
-    (:class:`~edu3d.train.options.TrainOptions`).
+    """Trains this rank's piece of ``model`` on ``mesh``'s layout as ``run`` describes it
+    (:class:`~edu3d.config.sections.Run`).
 
     ``model`` is the full serial GPT, built from the same config and seed on every rank;
     ``mesh`` is ``None`` for one process. ``step(x, y, step)`` takes the *global* batch and
@@ -79,24 +66,24 @@ class Trainer:
     back-propagates (default ``loss / m``).
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: Mesh | None, args: TrainOptions, *,
+    def __init__(self, model: torch.nn.Module, mesh: Mesh | None, run: Run, *,
                  compute=None, microbatch_loss=None):
         self.mesh = mesh if mesh is not None else Mesh(Layout(), 0, {})
-        self.args, self.plan = args, plan_from(args)
-        set_attention(model, args.attn)
-        self.par = parallelize(model, self.mesh, self.plan, self._shard_optimizer, compute)
+        self.run = run
+        set_attention(model, run.precision.attn)
+        self.par = parallelize(model, self.mesh, run, self._shard_optimizer, compute)
         self.grads = GradSync(self.par)
         self.device = device = next(model.parameters()).device
         if device.type == "cuda":  # TF32 tensor cores for fp32 matmuls (Ampere and later)
-            torch.backends.cuda.matmul.allow_tf32 = not args.no_tf32
-            torch.backends.cudnn.allow_tf32 = not args.no_tf32
-        self.precision = Precision(args.precision, device.type,
+            torch.backends.cuda.matmul.allow_tf32 = not run.precision.no_tf32
+            torch.backends.cudnn.allow_tf32 = not run.precision.no_tf32
+        self.precision = MixedPrecision(run.precision.dtype, device.type,
                                    world=self.mesh.layout.world_size > 1)
         self._microbatch_loss = microbatch_loss or scaled_loss
         self.engine = PipelineEngine(self.par.stages, self.par.actions, self.par.n_stages,
                                      self.mesh.ranks("pp"), self.mesh.groups.get("pp"),
-                                     self.plan.microbatches, self._scaled, self._context)
-        self.optimizer = None if self.par.zeros else make_optimizer(self.par.module, args)
+                                     run.microbatches, self._scaled, self._context)
+        self.optimizer = None if self.par.zeros else make_optimizer(self.par.module, run)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
         self.cp_size = self.mesh.layout.cp
         self.meter = StepMeter(self.tensors, self.mesh.layout.world_size)
@@ -107,8 +94,8 @@ class Trainer:
 
     def _shard_optimizer(self, params: list) -> dict:
         """ZeRO's optimizer for ``params``: this run's rule, decay on matrices only."""
-        return {**optimizer_kwargs(self.args),
-                "params": param_groups(params, self.args.weight_decay)}
+        return {**optimizer_kwargs(self.run),
+                "params": param_groups(params, self.run.training.weight_decay)}
 
     # ---- the schedule's hooks -----------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor, m: int) -> torch.Tensor:
@@ -135,10 +122,10 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the global batch's mean loss (each rank its pieces, fixed across
         axes); returns that loss, the same on every rank."""
-        m = self.plan.microbatches
+        m = self.run.microbatches
         if isinstance(x, StepBatch):  # --batching: documents, cut and weighted by tokens
             batch = x.microbatches(self.dp_index, self.dp_size, m, self.device, self.cp_size,
-                                   self.mesh.index("cp"), self.args.cp_split)
+                                   self.mesh.index("cp"), self.run.parallel.cp_split)
         else:
             if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async
                 x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
@@ -146,7 +133,7 @@ class Trainer:
             ys = shard_rows(y, self.dp_index, self.dp_size)
             if self.cp_size > 1:  # this rank's pieces of every sequence
                 xs, ys = split_batch(xs, ys, self.cp_size, self.mesh.index("cp"),
-                                     self.args.cp_split)
+                                     self.run.parallel.cp_split)
             batch = microbatches(xs, ys, m)
         if self.moe:  # the balancing terms reach backward scaled like the loss
             set_aux_scale(float(self.precision.scale) / m)
@@ -162,7 +149,7 @@ class Trainer:
         total = torch.stack(losses).sum().reshape(1) if mine else torch.zeros(1, device=device)
         if self.mesh.layout.world_size > 1:  # a serial trainer inside a launch stays alone
             dist.all_reduce(total)  # bookkeeping, not training traffic: left out of the trace
-        return total[0] / (self.dp_size * self.cp_size * self.plan.microbatches)
+        return total[0] / (self.dp_size * self.cp_size * self.run.microbatches)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int, read: bool = True) -> dict:
         """One optimizer step on the global batch ``(x, y)``. ``read=False`` leaves
@@ -178,9 +165,9 @@ class Trainer:
                 skip = self.precision.update(scaled_norm)
                 norm = scaled_norm / scale if scale != 1.0 else scaled_norm
                 if not skip:
-                    coef = clip_coef(norm, self.args.clip)
+                    coef = clip_coef(norm, self.run.training.clip)
                     self.grads.scale_(coef / scale if scale != 1.0 else coef)
-                    self._update(lr_at(step, self.args))
+                    self._update(lr_at(step, self.run))
         self.meter.step_done()
         out = {"loss": loss.detach(), "grad_norm": norm.detach()}
         if read:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course.ch00_launching_ranks import mesh_report
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets.mesh3d import DIM_NAMES, agreement, mesh_figure
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel, choices
 

@@ -14,7 +14,7 @@ import ipywidgets as w
 from edu3d.course import ch02_data_parallel as ch02
 from edu3d.course import ch02_data_parallel_batching as ch02b
 from edu3d.course import lesson_args
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.widgets.overlap import bucket_timeline_figure
 from edu3d.widgets.packing import batching_figure
 from edu3d.widgets.panels.panel import Panel
@@ -34,7 +34,7 @@ class BucketControls(Panel):
     def __init__(self, default: dict | None = None, config=None,
                  costs: ch02.StepCosts = ch02.StepCosts()):
         super().__init__({**self.DEFAULT, **(default or {})})
-        self.config = config or config_from_args(lesson_args())
+        self.config = config or model_config(lesson_args())
         self.params = ch02.backward_sizes(self.config)
         self.costs = costs
         self.measured: dict[tuple, list] = {}  # (bucket_mb, overlap) -> one measured step

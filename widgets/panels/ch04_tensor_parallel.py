@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import ch04_tensor_parallel as ch04
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets.panels.panel import Panel, choices
 from edu3d.widgets.tensor_split import split_figure
 from edu3d.widgets.tp_layer import tp_collectives_figure, tp_memory_figure

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import ch05_pipeline_parallel as ch05
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.widgets.panels.panel import Panel, choices
 from edu3d.widgets.pipeline import (SIM_COSTS_US, bubble_figure, pipeline_figure,
                                     simulated_pipeline)

@@ -14,8 +14,8 @@ import ipywidgets as w
 
 from edu3d.course import lesson_args
 from edu3d.course.ch06_3d_parallelism import capstone, memory_estimate
-from edu3d.distributed.mesh import Layout, LayoutError
-from edu3d.train.options import config_from_args
+from edu3d.config.layout import Layout, LayoutError
+from edu3d.train.preflight import model_config
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel, choices
 from edu3d.widgets.pipeline import simulated_pipeline
 from edu3d.widgets.threed import memory_per_rank, pipeline_view
@@ -31,7 +31,7 @@ class Controls(Panel):
 
     def __init__(self, default: dict | None = None, config=None):
         super().__init__({**DEFAULT, **(default or {})})
-        self.config = config or config_from_args(lesson_args())
+        self.config = config or model_config(lesson_args())
         self.pipeline_fig = self.memory_fig = None
         self.redraw()
 

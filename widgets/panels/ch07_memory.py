@@ -31,7 +31,7 @@ from edu3d.course import ch07_memory_timeline as timeline
 from edu3d.course import ch07_memory_tune as tuning
 from edu3d.course.ch07_memory_plan import options, run
 from edu3d.model.shapes import PRESETS, spec_from
-from edu3d.plan.estimate import Setup, estimate, from_train_args, validate
+from edu3d.plan.estimate import setup, estimate, spec_of, validate
 from edu3d.launch.api import LaunchError
 from edu3d.widgets.memory_plan import stage_bars
 from edu3d.widgets.memory_timeline import step_memory_figure
@@ -67,7 +67,7 @@ class Controls(Panel):
         cannot work)."""
         s = state or self.state
         spec = spec_from(s["model"], seq_len=s["seq"] or None)
-        st = Setup(dp=s["dp"], tp=s["tp"], pp=s["pp"], zero=s["zero"] if s["dp"] > 1 else 0,
+        st = setup(dp=s["dp"], tp=s["tp"], pp=s["pp"], zero=s["zero"] if s["dp"] > 1 else 0,
                    microbatches=s["microbatches"], micro_batch=s["micro_batch"],
                    schedule=s["schedule"], sp=s["sp"] and s["tp"] > 1,
                    recompute=s["recompute"], precision=s["precision"])
@@ -126,13 +126,13 @@ class Controls(Panel):
             if self._knobs:
                 self._knobs["microbatches"].max = max(self._knobs["microbatches"].max, m)
             self.sync_knobs()
-        notes += [n for n, on in (("dp=1: ZeRO has nothing to shard", s["zero"] and st.dp == 1),
-                                  ("SP needs tp > 1", s["sp"] and st.tp == 1)) if on]
+        notes += [n for n, on in (("dp=1: ZeRO has nothing to shard", s["zero"] and st.layout.dp == 1),
+                                  ("SP needs tp > 1", s["sp"] and st.layout.tp == 1)) if on]
         self.figure = stage_bars(
             self.estimate, gpu_mem_gb=s["gpu_mem_gb"],
-            title=f"{spec.name}: dp={st.dp} tp={st.tp} pp={st.pp} ZeRO-{s['zero']}"
+            title=f"{spec.name}: dp={st.layout.dp} tp={st.layout.tp} pp={st.layout.pp} ZeRO-{s['zero']}"
                   f"{' SP' if s['sp'] else ''}, {st.microbatches}x{st.micro_batch} seq "
-                  f"{spec.seq_len}, {st.recompute} recompute, {st.precision}",
+                  f"{spec.seq_len}, {st.memory.recompute} recompute, {st.precision.dtype}",
             takeaway="; ".join(notes) or None)
         self.say("")
 
@@ -144,13 +144,13 @@ class Controls(Panel):
     def argv(self) -> list[str]:
         """``edu3d train``'s options for the current layout on the tiny model (fp32)."""
         s, (_, st) = self.state, self.setup()
-        out = ["--model", "tiny", "--dp", str(st.dp), "--tp", str(st.tp), "--pp", str(st.pp),
-               "--zero", str(st.zero), "--microbatches", str(st.microbatches),
-               "--global-batch", str(st.global_batch), "--schedule", st.schedule,
-               "--recompute", st.recompute]
+        out = ["--model", "tiny", "--dp", str(st.layout.dp), "--tp", str(st.layout.tp), "--pp", str(st.layout.pp),
+               "--zero", str(st.parallel.zero), "--microbatches", str(st.microbatches),
+               "--global-batch", str(st.batch.global_batch), "--schedule", st.parallel.schedule,
+               "--recompute", st.memory.recompute]
         if s["seq"]:
             out += ["--seq", str(s["seq"])]
-        return out + (["--sp"] if st.sp else [])
+        return out + (["--sp"] if st.parallel.sp else [])
 
     def problem(self) -> str | None:
         """Why "measure it" cannot run the current choice (None if it can)."""
@@ -174,7 +174,8 @@ class Controls(Panel):
         argv = self.argv()
         self.say(f"running {s['dp'] * s['tp'] * s['pp']} ranks ...")
         ranks = run(argv, timeout)
-        rest = estimate(*from_train_args(options(argv)), at="rest")
+        planned = options(argv)
+        rest = estimate(spec_of(planned), planned, at="rest")
         measured: dict[int, dict] = {}
         for r in ranks:
             pp = r["coord"][0]

@@ -84,7 +84,7 @@ class Controls(Panel):
         ok = runnable_microbatches(s["layout"])
         if s["microbatches"] in ok:
             return None
-        dp, batch = LAYOUTS[s["layout"]][0], lesson_args().global_batch
+        dp, batch = LAYOUTS[s["layout"]][0], lesson_args().batch.global_batch
         share = f"{batch // dp} of the {batch} sequences" if dp > 1 else f"{batch} sequences"
         return (f"a live {s['layout']} run splits its {share} per data-parallel rank into "
                 f"{', '.join(map(str, ok))} micro-batches, not {s['microbatches']}: set "

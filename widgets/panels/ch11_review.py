@@ -22,9 +22,9 @@ from edu3d.course import lesson_args
 from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve, pp_problem
 from edu3d.course.ch06_3d_parallelism import capstone, memory_estimate
 from edu3d.course.ch11_review import BANK, plan
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.schedules.simulate import bubble_of
-from edu3d.train.options import config_from_args
+from edu3d.train.preflight import model_config
 from edu3d.widgets.panels.panel import Panel, choices
 from edu3d.widgets.pipeline import bubble_figure
 from edu3d.widgets.review import (activations_figure, in_flight_figure, layout_figure,
@@ -184,7 +184,7 @@ class Controls(Panel):
 
     def _measure_zero(self, timeout: float):
         dp = min(max(self.state["n"], 2), 4)
-        config = config_from_args(lesson_args())
+        config = model_config(lesson_args())
         rows = []
         for zero in range(4):
             self.say(f"running dp={dp} ZeRO-{zero} ...")

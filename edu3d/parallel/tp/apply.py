@@ -32,7 +32,8 @@ import functools
 
 import torch.nn as nn
 
-from edu3d.distributed.mesh import Layout, LayoutError, Mesh
+from edu3d.config.layout import Layout, LayoutError
+from edu3d.distributed.mesh import Mesh
 from edu3d.model.shapes import padded_size
 from edu3d.parallel.tp import ops
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
@@ -74,7 +75,7 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool = False,
              overlap: bool = False) -> dict:
     """Turn the serial ``model`` into its tensor-parallel form over ``mesh``'s tp group.
 
-    ``mesh`` is a :class:`~edu3d.distributed.mesh.Mesh`, a :class:`~edu3d.distributed.mesh.Layout` (its mesh is
+    ``mesh`` is a :class:`~edu3d.distributed.mesh.Mesh`, a :class:`~edu3d.config.layout.Layout` (its mesh is
     built; every rank must call) or a tp ``ProcessGroup``. ``model`` is changed in place (keep
     the serial one by passing a copy): its layers become their parallel versions, its
     ``loss`` the vocabulary-parallel cross entropy, and ``model(idx, targets)`` now returns
