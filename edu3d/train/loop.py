@@ -338,7 +338,7 @@ def _run_parallel(run: Run, layout, out, trainer_class) -> list[dict]:
         echoing = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
             res = launch(worker, layout.world_size // (run.launch.nnodes or 1),  # ranks on this node
-                         run=(options, trainer_class), layout=layout,
+                         args=(options, trainer_class), layout=layout,
                          timeout=run.launch.timeout, name="train", heartbeat=run.launch.heartbeat,
                          torchrun_args=node_args(**node_options(run)), **echoing)
             return res.results[0]
