@@ -29,8 +29,9 @@ folders listed below it; README's "How the package is organised" says the rules)
       ep/       dispatch placement   expert parallelism
     ckpt/       format checkpointer reshard export untrusted blobs
                                      sharded checkpoints, resharding
-    plan/       formulas estimate search fit zero_modes inventory
-                                     every memory formula; the one estimator
+    plan/       formulas estimate search fit zero_modes inventory hardware published
+                                     every memory formula; the one estimator;
+                                     hardware profiles and published runs (data)
     launch/     api agent supervise worker procs runs heartbeat magic status live
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
