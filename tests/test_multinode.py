@@ -212,8 +212,9 @@ def test_train_refuses_bad_node_options(flags, words):
 def test_train_takes_runs_node_flags(tmp_path):
     options = parse(TRAIN[1:] + ["--nnodes", "2", "--node-rank", "1", "--master-port", "29400",
                                  "--rdzv-endpoint", "127.0.0.1:29400"])
-    assert (options.nnodes, options.node_rank, options.master_port) == (2, 1, 29400)
-    assert options.rdzv_endpoint == "127.0.0.1:29400"
+    nodes = options.launch
+    assert (nodes.nnodes, nodes.node_rank, nodes.master_port) == (2, 1, 29400)
+    assert nodes.rdzv_endpoint == "127.0.0.1:29400"
     for command in ("run", "train"):
         text = subprocess.run(EDU3D + [command, "--help"], capture_output=True, text=True).stdout
         for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",

@@ -169,9 +169,10 @@ class Checkpointer:
         return job
 
     def layout(self) -> dict:
-        layout, plan = self.trainer.mesh.layout, self.trainer.plan
+        layout, run = self.trainer.mesh.layout, self.trainer.run
         return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
-                "zero": plan.zero, "schedule": plan.schedule, "microbatches": plan.microbatches,
+                "zero": run.parallel.zero, "schedule": run.parallel.schedule,
+                "microbatches": run.microbatches,
                 "world_size": layout.world_size}
 
     def write(self, job: dict) -> None:

@@ -38,8 +38,8 @@ def best(job: str) -> dict:
 
 
 def setup_of(job: str, choice: dict) -> Run:
-    """The planner's run (:class:`~edu3d.config.sections.Run`) for a choice, or ``AssertionError`` saying why it is
-    not a layout of the job."""
+    """The planner's run (:class:`~edu3d.config.sections.Run`) for a choice, or
+    ``AssertionError`` saying why it is not a layout of the job."""
     _, cluster, batch = JOBS[job]
     assert isinstance(choice, dict) and set(KEYS) <= set(choice), \
         f"job {job}: choose() must return a dict with the keys {', '.join(KEYS)}"
@@ -91,5 +91,6 @@ def describe(job: str, choice: dict) -> str:
     mem = (f"fits in {v['memory_gb']:.1f} GB of {room}" if v["fits"] else
            f"needs {v['memory_gb']:.1f} GB, more than {room}")
     return (f"job {job}: yours {mem}, step {v['step_s']:.2f} s = {v['ratio']:.2f}x the best\n"
-            f"       the planner's best: dp {top.dp} tp {top.tp} pp {top.pp} ZeRO-{top.zero}, "
-            f"micro-batch {top.micro_batch}, recompute {top.recompute}: {v['best_s']:.2f} s")
+            f"       the planner's best: dp {top.layout.dp} tp {top.layout.tp} pp {top.layout.pp} "
+            f"ZeRO-{top.parallel.zero}, micro-batch {top.micro_batch}, recompute "
+            f"{top.memory.recompute}: {v['best_s']:.2f} s")
