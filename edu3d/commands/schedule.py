@@ -22,7 +22,7 @@ from edu3d.commands.argtypes import integer
 
 POSITIVE = "a positive integer (1, 2, 3 ...)"
 from edu3d.schedules.check import ScheduleError, check
-from edu3d.schedules.actions import SCHEDULES, build, chunks, format_torch
+from edu3d.schedules.actions import SCHEDULES, build, chunks, format_torch, placement
 from edu3d.schedules.simulate import Costs, bubble_formula, simulate
 
 # --help is plain text: the module docstring's markup (``...``, ::) stays out of it
@@ -79,7 +79,7 @@ def summary(name: str, pp: int, m: int, vpp: int = 1) -> dict:
     """Everything ``edu3d schedule`` knows about one schedule, as data."""
     v = chunks(name, vpp)
     actions = build(name, pp, m, vpp)
-    report = check(actions, pp, m, v)
+    report = check(actions, pp, m, v, placement(name))
     sim = simulate(actions, pp, Costs(F=1, B=2, I=1, W=1))
     return {"name": name, "pp": pp, "vpp": v, "microbatches": m,
             "actions": [[str(a) for a in ops] for ops in actions],

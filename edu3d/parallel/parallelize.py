@@ -47,7 +47,7 @@ from edu3d.parallel.dp.data_parallel import DataParallel
 from edu3d.parallel.ep.placement import apply_ep, expert_param_names
 from edu3d.parallel.freeze import apply_freeze
 from edu3d.schedules.partition import partition
-from edu3d.schedules.actions import Action, build, chunks, with_comms
+from edu3d.schedules.actions import Action, build, chunks, placement, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
@@ -129,7 +129,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, plan: Plan, compute=None):
     v = chunks(plan.schedule, max(plan.vpp, layout.vpp))
     parts = partition(model.config, layout.pp, v, method=plan.partition)
     pp_rank = mesh.index("pp")
-    stages = split_model(model, parts, layout.pp, pp_rank)
+    stages = split_model(model, parts, layout.pp, pp_rank, placement(plan.schedule))
     if compute is None:
         actions = build(plan.schedule, layout.pp, plan.microbatches, v)
     else:

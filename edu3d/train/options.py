@@ -34,7 +34,7 @@ from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
 from edu3d.train.axis_rules import BALANCE, CP_IMPLS, CP_SPLITS, check_cp, check_moe
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.MODES; a test checks
 GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE

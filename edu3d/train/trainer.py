@@ -50,6 +50,7 @@ from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
 from edu3d.parallel.precision import Precision
+from edu3d.schedules.actions import placement
 from edu3d.parallel.tp.layers import unshard
 
 
@@ -95,7 +96,8 @@ class Trainer:
         self._microbatch_loss = microbatch_loss or scaled_loss
         self.engine = PipelineEngine(self.par.stages, self.par.actions, self.par.n_stages,
                                      self.mesh.ranks("pp"), self.mesh.groups.get("pp"),
-                                     self.plan.microbatches, self._scaled, self._context)
+                                     self.plan.microbatches, self._scaled, self._context,
+                                     placement(self.plan.schedule))
         self.optimizer = None if self.par.zeros else make_optimizer(self.par.module, args)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
         self.cp_size = self.mesh.layout.cp
