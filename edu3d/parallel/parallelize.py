@@ -52,7 +52,7 @@ from edu3d.parallel.pp.stage import PipelineStage, split_model
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
 from edu3d.parallel.zero.sharding import Zero
-from edu3d.parallel.zero.units import model_units
+from edu3d.parallel.zero.units import merge_shared, model_units
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,8 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
     is_expert = {p for p, name in par.names.items() if name in par.experts}
     options = optimizer or (lambda params: {})
     if plan.zero:
-        units = [u for s in sorted(par.stages)
-                 for u in model_units(par.stages[s], _tied_in(par.stages[s], par.tied))]
+        units = merge_shared([u for s in sorted(par.stages) for u in
+                              model_units(par.stages[s], _tied_in(par.stages[s], par.tied))])
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
         dense = [u for u in dense if u[2]]
         par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, prefetch=plan.prefetch,

@@ -35,7 +35,7 @@ from functools import lru_cache
 from edu3d.model.param_globs import check_patterns, frozen
 from edu3d.model.shapes import ModelSpec
 from edu3d.plan.formulas import as_moe
-from edu3d.schedules.actions import chunks
+from edu3d.schedules.actions import chunks, placement, stages_of
 from edu3d.schedules.partition import uniform
 
 LEAF = {"w": "weight", "b": "bias"}
@@ -208,7 +208,7 @@ def _walk(spec: ModelSpec, st: Shape, pp_rank: int, experts: bool) -> list[tuple
     norm = (("ln_f.weight", h, False),) + ((("ln_f.bias", h, False),)
                                            if spec.norm == "layernorm" else ())
     out = []
-    for s in range(pp_rank, n_stages, st.pp):
+    for s in stages_of(pp_rank, st.pp, n_stages, placement(st.schedule)):
         if experts:
             out += [(f"block{i}.experts", ("experts", i)) for i in range(*parts[s])
                     if spec.is_moe(i)]

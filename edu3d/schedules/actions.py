@@ -271,7 +271,7 @@ def dualpipev(pp: int, m: int) -> list[list[Action]]:
     _check(pp, m)
     if m < 2 * pp:
         raise ValueError(f"dualpipev needs at least 2*pp = {2 * pp} micro-batches (one per "
-                         f"stage of the V), got {m}: use --microbatches {2 * pp} or more")
+                         f"stage of the V), got {m}")
     return [_dualpipev_rank(r, pp, m) for r in range(pp)]
 
 

@@ -33,6 +33,7 @@ from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
 from edu3d.train.axis_rules import BALANCE, CP_IMPLS, CP_SPLITS, check_cp, check_moe
+from edu3d.train.pipeline_rules import check_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
@@ -239,6 +240,7 @@ def check_args(options: TrainOptions):
     if o.schedule == "interleaved" and o.pp > 1 and m % o.pp:
         raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches {m} "
                           f"must be a multiple of --pp {o.pp}")
+    check_pipeline(o, config.n_layers, m)
     if o.zero and o.dp * o.cp == 1:
         raise LayoutError(f"--zero {o.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")
