@@ -51,7 +51,7 @@ from edu3d.plan import zero_modes
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.plan.inventory import check_freeze, frozen_held, held, shape_of, units  # noqa: F401
 from edu3d.schedules.partition import uniform
-from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.actions import build, chunks, placement, stage_rank
 from edu3d.schedules.simulate import simulate
 from edu3d.model.shapes import ModelSpec, spec_from
 
@@ -290,7 +290,8 @@ def transient_per_rank(spec: ModelSpec, st: Setup, pp_rank: int) -> float:
     """The loss's backward on the last pipeline rank holds the logits' gradient for a moment
     (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
     allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
-    logit = (4 if st.precision == "fp32" else 2) * (pp_rank == st.pp - 1)
+    last = stage_rank(2 * st.pp - 1, st.pp, placement(st.schedule))  # a V's last stage: rank 0
+    logit = (4 if st.precision == "fp32" else 2) * (pp_rank == last)
     return float(logit * spec.seq_len * st.micro_batch * spec.vocab_rows(st.tp)) / st.cp
 
 

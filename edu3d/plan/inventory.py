@@ -214,8 +214,9 @@ def _walk(spec: ModelSpec, st: Shape, pp_rank: int, experts: bool) -> list[tuple
                     if spec.is_moe(i)]
             continue
         first, last = s == 0, s == n_stages - 1
-        if spec.tied and (first or last) and (n_stages > 1 or first):
-            out.append(("tied", ("tensors", (tok,))))
+        tied = ("tied", ("tensors", (tok,)))
+        if spec.tied and (first or last) and tied not in out:  # once: a V holds both ends
+            out.append(tied)
         if first:
             emb = (() if spec.tied else (tok,)) + (
                 (("pos_emb.weight", spec.seq_len * h, True),) if spec.learned_pos else ())

@@ -140,7 +140,8 @@ def step_time(spec: ModelSpec, st: Setup, cl: Cluster) -> dict[str, float]:
     tokens = st.global_batch * s
     compute = tokens * (per_token + extra) / (st.gpus * cl.peak_tflops * 1e12 * cl.mfu)
     v = st.vpp if st.schedule == "interleaved" else 1
-    bubble = compute * (p - 1) / (v * m) * (1 / 3 if st.schedule == "zb-h1" else 1)
+    bubble = compute * (p - 1) / (v * m) / {"zb-h1": 3, "zbv": 6,
+                                             "dualpipev": 6}.get(st.schedule, 1)
     node, t, dpc = cl.gpus_per_node, st.tp, st.dp * st.cp
     inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * st.ep,
               "cp": t * st.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp

@@ -50,7 +50,7 @@ from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import Plan, parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
 from edu3d.parallel.precision import Precision
-from edu3d.schedules.actions import placement
+from edu3d.schedules.actions import placement, stage_rank
 from edu3d.parallel.tp.layers import unshard
 
 
@@ -337,7 +337,7 @@ class Trainer:
             stage = next(s for s, (a, b) in enumerate(self.par.parts) if a <= layer < b)
         else:
             stage = self.par.n_stages - 1 if name.startswith(("ln_f", "lm_head")) else 0
-        return stage % self.mesh.layout.pp
+        return stage_rank(stage, self.mesh.layout.pp, placement(self.plan.schedule))
 
     @torch.no_grad()
     def gather(self, what: str = "grad") -> dict[str, torch.Tensor]:
