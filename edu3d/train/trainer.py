@@ -330,8 +330,7 @@ class Trainer:
                     state["step"].fill_(float(n))
 
     def _owner_pp(self, name: str) -> int:
-        """The pipeline rank holding serial parameter ``name`` (the first stage for the
-        tied matrix)."""
+        """The pipeline rank holding serial parameter ``name`` (tied matrix: the first stage's)."""
         if name.startswith("blocks."):
             layer = int(name.split(".")[1])
             stage = next(s for s, (a, b) in enumerate(self.par.parts) if a <= layer < b)
