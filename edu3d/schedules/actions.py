@@ -187,24 +187,28 @@ def zb_h1(pp: int, m: int) -> list[list[Action]]:
     return [_interleaved_rank(r, pp, m, 1, zero_bubble=True) for r in range(pp)]
 
 
-def _v_rank(r: int, pp: int):
-    """Rank ``r``'s two stages of a V (down, up) and a writer of its list: ``run(stage, kind)``
-    appends the stage's next micro-batch of that kind (``B`` and ``I`` share one count)."""
-    done: Counter = Counter()
-    ops: list[Action] = []
+class _VList:
+    """One rank's list of a V schedule, being written: its stage on the way down
+    (``down = r``) and on the way back up (``up = 2p-1-r``); :meth:`run` appends the stage's
+    next micro-batch of a kind (``B`` and ``I`` share one count, as in PyTorch)."""
 
-    def run(stage: int, kind: str, times: int = 1) -> None:
+    def __init__(self, r: int, pp: int):
+        self.down, self.up = r, 2 * pp - 1 - r
+        self.ops: list[Action] = []
+        self.done: Counter = Counter()
+
+    def run(self, stage: int, kind: str, times: int = 1) -> None:
         for _ in range(times):
             count = "I" if kind == "B" else kind
-            ops.append(Action(stage, kind, done[stage, count]))
-            done[stage, count] += 1
-    return r, 2 * pp - 1 - r, ops, done, run
+            self.ops.append(Action(stage, kind, self.done[stage, count]))
+            self.done[stage, count] += 1
 
 
 def _zbv_rank(r: int, pp: int, m: int) -> list[Action]:
     """PyTorch's ``ScheduleZBVZeroBubble`` for rank ``r``: planned for at least ``2p-1``
     micro-batches (enough to fill the V), the ones past ``m`` then dropped."""
-    down, up, ops, done, run = _v_rank(r, pp)
+    v = _VList(r, pp)
+    down, up, run, done = v.down, v.up, v.run, v.done
     n = max(2 * pp - 1, m)
     run(down, "F", 2 * (pp - r) - 1)  # warm-up: micro-batches on their way down
     for _ in range(r):  # ... and the first ones coming back up
@@ -221,24 +225,26 @@ def _zbv_rank(r: int, pp: int, m: int) -> list[Action]:
         run(down, "I"), run(down, "W")
     run(up, "W", done[up, "I"] - done[up, "W"])  # ... the deferred W fill the tail
     run(down, "W", done[down, "I"] - done[down, "W"])
-    return [a for a in ops if a.mb < m]
+    return [a for a in v.ops if a.mb < m]
 
 
 def _dualpipev_rank(r: int, pp: int, m: int) -> list[Action]:
     """PyTorch's ``ScheduleDualPipeV`` (DeepSeek's ``DualPipeV.step``) for rank ``r``, its
     eight steps in order. A split backward (``I``) leaves its ``W`` in a queue that later
     steps drain, oldest first; ``F&B`` pairs are written as the forward, then the backward."""
-    down, up, ops, done, run = _v_rank(r, pp)
+    v = _VList(r, pp)
+    down, up, run = v.down, v.up, v.run
     owed: list[Action] = []
 
     def back(stage: int, split: bool) -> None:
         run(stage, "I" if split else "B")
         if split:
-            owed.append(Action(stage, "W", ops[-1].mb))
+            owed.append(Action(stage, "W", v.ops[-1].mb))
 
     def weight() -> None:
         if owed:
-            ops.append(owed.pop(0))
+            v.ops.append(owed.pop(0))
+
     run(down, "F", 2 * (pp - r - 1))  # 1: forwards on the way down
     for _ in range(r + 1):  # 2: one down, one up
         run(down, "F"), run(up, "F")
@@ -256,7 +262,7 @@ def _dualpipev_rank(r: int, pp: int, m: int) -> list[Action]:
         weight(), back(down, True)
     for _ in range(r + 1):  # 8: the queued W
         weight()
-    return ops
+    return v.ops
 
 
 def zbv(pp: int, m: int) -> list[list[Action]]:

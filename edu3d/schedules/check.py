@@ -6,6 +6,9 @@ After reading this file you should understand what makes a list of actions a val
   has arrived (from the previous stage, by ``RECV_F`` or on the same rank); a backward
   (``B`` or ``I``) needs its own forward and the gradient of the next stage; ``W`` needs
   ``I``; a send needs the compute that produced what it sends;
+* **placement**: every stage is run by the rank that holds it, round robin or as a V
+  (``style``, :func:`~edu3d.schedules.actions.stage_rank`); two stages on one rank (the turn
+  of a V) hand their tensors over without a message;
 * **messages**: every ``SEND`` has exactly one matching ``RECV`` on the right rank, and
   nothing is received that nobody sent;
 * **deadlock**: the engine's sends never block (``isend``), its receives do. Replaying all
