@@ -43,6 +43,8 @@ LAYOUTS = {
     "pp2 interleaved": "--pp 2 --schedule interleaved --vpp 2 --microbatches 4",
     "pp2 gpipe": "--pp 2 --schedule gpipe --microbatches 2",
     "pp2 zb-h1": "--pp 2 --schedule zb-h1 --microbatches 4",
+    "pp2 zbv": "--pp 2 --schedule zbv --microbatches 4",
+    "pp2 dualpipev": "--pp 2 --schedule dualpipev --microbatches 4",
     "dp2-tp2-pp2": "--dp 2 --tp 2 --pp 2 --microbatches 4",
 }
 

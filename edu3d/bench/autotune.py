@@ -64,7 +64,7 @@ from edu3d.bench.ranking import grade
 
 CPU = {"peak_tflops": 0.05, "mfu": 0.3, "intra_gbps": 1.0}  # one core's fp32 rate; gloo on loopback
 MARK = "@tune "  # rank 0's report lines, read by :func:`measure`
-RANKS_PER_CORE = 4  # beyond this, ranks mostly wait for a core (train.options.oversubscribed)
+RANKS_PER_CORE = 4  # beyond this, ranks mostly wait for a core (train.preflight.oversubscribed)
 
 
 # ---- the machine -------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def step_time(spec: ModelSpec, run: Run, cl: Cluster) -> dict[str, float]:
     tokens = run.batch.global_batch * s
     compute = tokens * (per_token + extra) / (run.world_size * cl.peak_tflops * 1e12 * cl.mfu)
     v = lay.vpp if par.schedule == "interleaved" else 1
-    bubble = compute * (p - 1) / (v * m) * (1 / 3 if par.schedule == "zb-h1" else 1)
+    bubble = compute * (p - 1) / (v * m) / {"zb-h1": 3, "zbv": 6,
+                                             "dualpipev": 6}.get(par.schedule, 1)
     node, t, dpc = cl.gpus_per_node, lay.tp, lay.dp * lay.cp
     inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * lay.ep,
               "cp": t * lay.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp

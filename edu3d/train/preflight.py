@@ -34,8 +34,9 @@ from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
 from edu3d.train.axis_rules import check_cp, check_moe
+from edu3d.train.pipeline_rules import check_pipeline
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.MODES; a test checks
 GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE
@@ -140,6 +141,7 @@ def check_args(run: Run) -> tuple[object, Layout]:
     if par.schedule == "interleaved" and lay.pp > 1 and m % lay.pp:
         raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches {m} "
                           f"must be a multiple of --pp {lay.pp}")
+    check_pipeline(run, config.n_layers, m)
     if par.zero and lay.dp * lay.cp == 1:
         raise LayoutError(f"--zero {par.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")
