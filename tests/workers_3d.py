@@ -53,7 +53,7 @@ def serial_key(argv: list[str]) -> tuple:
     for args in (options([*argv, "--optimizer", "sgd", "--lr", "0.1"]), options(argv)):
         out.append((repr(model_config(args)), args.training.seed, args.batch.global_batch, args.training.optimizer,
                     args.training.lr, args.training.clip, args.training.warmup, args.training.weight_decay,
-                    getattr(args, "lr_schedule", None), args.training.steps))
+                    args.training.lr_schedule, args.training.steps))
     return tuple(out)
 
 
