@@ -155,12 +155,12 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
         dense = [u for u in dense if u[2]]
         par.zero = Zero(par.module, mesh.group("dpcp"), plan.zero, prefetch=plan.prefetch,
                         offload=plan.offload, units=dense, grad_reduce=plan.grad_reduce,
-                        **options([p for _, _, ps in dense for p in ps]))
+                        reduce_scatter=True, **options([p for _, _, ps in dense for p in ps]))
         if is_expert:
             experts = _expert_units(par, is_expert)
             par.expert_zero = Zero(par.module, mesh.group("edp"), plan.zero,
                                    offload=plan.offload, units=experts, divisor=n,
-                                   grad_reduce=plan.grad_reduce,
+                                   grad_reduce=plan.grad_reduce, reduce_scatter=True,
                                    **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
         hook = make_hook(plan.compress) if plan.compress else None
