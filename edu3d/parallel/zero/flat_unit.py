@@ -64,7 +64,7 @@ class FlatUnit:
         self.point_at_views()
         self.shard_param = self.flat_param[self.lo:self.hi]
         self.flat_grad: torch.Tensor | None = None
-        self.shard_grad = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
+        self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=p0.device)
         # the optimizer's copy (offload: in host memory; mixed precision: in self.dtype), or
         # None when it steps the shard itself; and its gradient, or None: the shard's
         self.master_param: torch.Tensor | None = None

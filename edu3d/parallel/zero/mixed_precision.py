@@ -8,7 +8,8 @@ state per parameter):
 * **compute**: a unit's flat buffer, so every parameter the model computes with, is in
   ``param_dtype``; ZeRO-3's all-gathers move ``param_dtype`` (half the bytes). The model's
   floating inputs are cast to it before its forward (FSDP2's ``cast_forward_inputs``), and
-  frozen parameters, which belong to no unit, are cast once (they never step);
+  frozen parameters, which belong to no unit, are cast once (they never step; their values
+  before the cast are kept for ``state_dict``, as FSDP2 keeps every parameter's);
 * **gradients**: autograd produces them in ``param_dtype``; they are reduced in
   ``reduce_dtype`` (default ``param_dtype``; fp32 sums more exactly) and the gradient shard
   of stages 2-3 keeps the parameters' own dtype, so micro-batches accumulate at full
@@ -25,11 +26,15 @@ from __future__ import annotations
 import torch
 
 
-def cast_frozen(model: torch.nn.Module, trainable: dict, dtype: torch.dtype) -> None:
-    """Cast the floating parameters of ``model`` that are not in ``trainable`` to ``dtype``."""
+def cast_frozen(model: torch.nn.Module, trainable: dict, dtype: torch.dtype) -> dict:
+    """Cast the floating parameters of ``model`` that are not in ``trainable`` to ``dtype``;
+    returns their values before the cast (``{param: tensor}``: what ``state_dict`` shows)."""
+    originals = {}
     for p in model.parameters():
         if p not in trainable and p.is_floating_point():
+            originals[p] = p.detach().clone()
             p.data = p.data.to(dtype)
+    return originals
 
 
 def cast_forward_inputs(model: torch.nn.Module, dtype: torch.dtype):

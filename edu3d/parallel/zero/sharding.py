@@ -130,8 +130,9 @@ class Zero:
         for p in self.where:
             p.register_hook(lambda grad, p=p: self._before_accumulate(p))
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.frozen_originals = {}  # mixed precision: frozen parameters before their cast
         if param_dtype is not None:  # see edu3d.parallel.zero.mixed_precision
-            mixed_precision.cast_frozen(model, self.where, param_dtype)
+            self.frozen_originals = mixed_precision.cast_frozen(model, self.where, param_dtype)
             mixed_precision.cast_forward_inputs(model, param_dtype)
         self.gathering = Gathering(model, self.units, group, prefetch) if stage == 3 else None
         groups = shard_optimizer.checked_groups(params, self.where, self.names)

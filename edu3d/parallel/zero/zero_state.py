@@ -109,9 +109,10 @@ def install_hooks(zero) -> None:
                 flat = _full_precision(zero, u)
                 full.update({p: flat[o:o + size].view(v.shape) for p, o, size, v in
                              zip(u.params, u.offsets, u.sizes, u.views)})
+            full.update(zero.frozen_originals)
             for name, p in zero.keys.items():
                 if p in full and prefix + name in state_dict:
-                    state_dict[prefix + name] = full[p]
+                    state_dict[prefix + name] = full[p].clone()
 
     def before_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                     errors):
@@ -152,7 +153,11 @@ def _refresh_masters(zero, state_dict: dict, prefix: str) -> None:
     """The master copies take the loaded tensors at full precision (a key the dict lacks
     keeps its master)."""
     loaded = {p: state_dict[prefix + name] for name, p in zero.keys.items()
-              if prefix + name in state_dict and p in zero.where}
+              if prefix + name in state_dict}
+    for p, original in zero.frozen_originals.items():
+        if p in loaded:
+            original.copy_(loaded[p])
+    loaded = {p: t for p, t in loaded.items() if p in zero.where}
     if zero.whole is not None:
         for p, m in zero.whole.masters.items():
             if p in loaded:
