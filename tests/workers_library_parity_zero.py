@@ -166,12 +166,13 @@ def misuse(group, stage: int, what: str) -> dict:
     return {"stepped": True}
 
 
-def resume_at_world_one(group, singles, stage: int) -> dict:
+def resume_at_world_one(group, singles, stage: int, opt: str) -> dict:
     """A 0-dim temperature: 2 steps at world 2, saved (model + full optimizer state), then
     steps 3.. at world 1 in a 1-rank Zero and in plain torch; against one process."""
     rank = dist.get_rank()
     half = 2
-    model, zero, _ = build("edu3d", stage, group, "adamw", {"temp": True})
+    cls, kw = OPTIMIZERS[opt]
+    model, zero, _ = build("edu3d", stage, group, opt, {"temp": True})
     for step in range(half):
         zero.zero_grad()
         loss_of(model, step, 0, rank, False, 2, 1).backward()
@@ -179,16 +180,15 @@ def resume_at_world_one(group, singles, stage: int) -> dict:
         zero.step()
     saved = {"model": model.state_dict(), "full": zero.state_dict(full=True)}
     one = Net(7, temp=True)
-    solo = Zero(one, singles[rank], stage, optimizer_class=torch.optim.AdamW,
-                params=param_groups(one))
+    solo = Zero(one, singles[rank], stage, optimizer_class=cls, params=param_groups(one), **kw)
     one.load_state_dict(saved["model"])
     solo.load_state_dict(saved["full"])
     plain = Net(8, temp=True)
     plain.load_state_dict(saved["model"])
-    plain_opt = torch.optim.AdamW(param_groups(plain))
+    plain_opt = cls(param_groups(plain), **kw)
     plain_opt.load_state_dict(to_torch(saved["full"], plain))
     ref = Net(100, temp=True)
-    ref_opt = torch.optim.AdamW(param_groups(ref))
+    ref_opt = cls(param_groups(ref), **kw)
     for step in range(STEPS + 1):
         if step >= half:
             solo.zero_grad()
@@ -242,8 +242,9 @@ def zero_cases(new_group) -> dict:
         out[f"zero{s}/grad_after_finish"] = guarded(gradients, new_group(), s)
         for what in MISUSES:
             out[f"zero{s}/misuse_{what}"] = guarded(misuse, new_group(), s, what)
-        out[f"zero{s}/resume_at_world1_0dim"] = guarded(resume_at_world_one, new_group(),
-                                                        singles, s)
+        for opt in ("adamw", "adafactor"):  # sharded by elements; by whole tensors
+            out[f"zero{s}/resume_at_world1_0dim_{opt}"] = guarded(
+                resume_at_world_one, new_group(), singles, s, opt)
         out[f"zero{s}/mixed_precision_vs_fsdp2"] = guarded(mixed_precision, new_group, s)
     out["zero3/state_dict_on_rank0_only"] = guarded(state_dict_on_rank0_only, new_group())
     dist.barrier()
