@@ -105,7 +105,7 @@ class Zero:
         self.collective_wait_s = 60.0  # model.state_dict() waits this long for every rank
         mine = model_units(model) if units is None else units
         same_start.broadcast_parameters(model.parameters() if units is None else
-                             [p for _, _, ps in mine for p in ps], group)
+                                        [p for _, _, ps in mine for p in ps], group)
         if units is None:
             same_start.broadcast_buffers(model, group)
         self.names = {p: n for n, p in model.named_parameters()}
