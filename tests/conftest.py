@@ -67,6 +67,7 @@ SLOWEST_FIRST = (
     "tests/test_cli.py",                # 34
     "tests/test_zygote.py",             # 34
     "tests/test_recompute.py",          # 32
+    "tests/test_library_parity.py",     # 27: one 2-rank launch, 70 plain-loop cases
     "tests/test_pp_parity.py",          # 27
     "tests/test_impl_torch.py",         # 24
     "tests/test_train_layouts.py",      # 24

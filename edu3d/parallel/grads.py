@@ -71,7 +71,7 @@ class GradSync:
     def zero_grad(self) -> None:
         dps = [w for w in (self.par.dp, self.par.expert_dp) if w is not None]
         for w in dps:
-            w.zero_grad()
+            w.zero_grad(set_to_none=False)  # keep p.grad the bucket views: no copy
         if not dps:
             for p in self.params:
                 p.grad = None

@@ -131,12 +131,12 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
         dense = [u for u in dense if u[2]]
         par.zero = Zero(par.module, mesh.group("dpcp"), pl.zero, prefetch=pl.prefetch,
                         offload=offload, units=dense, grad_reduce=pl.grad_reduce,
-                        **options([p for _, _, ps in dense for p in ps]))
+                        reduce_scatter=True, **options([p for _, _, ps in dense for p in ps]))
         if is_expert:
             experts = _expert_units(par, is_expert)
             par.expert_zero = Zero(par.module, mesh.group("edp"), pl.zero,
                                    offload=offload, units=experts, divisor=n,
-                                   grad_reduce=pl.grad_reduce,
+                                   grad_reduce=pl.grad_reduce, reduce_scatter=True,
                                    **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
         hook = make_hook(pl.compress) if pl.compress else None
