@@ -303,7 +303,7 @@ def test_a_rank_stuck_in_fsync_is_the_one_named_never_those_waiting_for_it(tmp_p
     assert "rank 0 waits in barrier(world) at step 1" in text, text
 
 
-# ---- issue 41 item 1, issue 44 items 1-2: tampered checkpoints, refused in bounded memory ---------
+# ---- issue 41 item 1, issue 44 items 1-2: tampered checkpoints, refused in bounded memory ------
 GIB6 = 6 * 2**30
 RSS_MB = 500  # the most a refusing process may hold, torch and edu3d's imports included
 HANG_S = 120  # a refusal takes about a second; before the fixes some took minutes
@@ -528,15 +528,15 @@ def test_json_structure_is_bounded_before_it_is_parsed():
     """Brackets, commas and digits inside strings are no structure; outside them each bound
     is one line."""
     text = b'{"a": [1, 2.5e-3, null], "s": "[[[{{,,,' + b"9" * 40 + b'"}'
-    assert parse_json(text) == {"a": [1, 0.0025, None], "s": "[[[{{,,," + "9" * 40}
-    assert parse_json(b"[" * 16 + b"]" * 16) == [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]
+    assert parse_json(bytearray(text)) == {"a": [1, 0.0025, None], "s": "[[[{{,,," + "9" * 40}
+    assert parse_json(bytearray(b"[" * 16 + b"]" * 16)) == [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]
     for raw, what in ((b"[" * 17 + b"]" * 17, "nests 17 levels deep"),
                       (b"[" + b"{}," * 2**18 + b"{}]", "holds 262,146 objects and lists"),
                       (b"[" + b"0," * (2**19 + 1) + b"0]", "holds 524,289 values"),
                       (b"[" + b"1" * 33 + b"]", "a number of 33 digits"),
                       (b'{"a": 1', "not valid JSON")):
         with pytest.raises(ValueError, match=what):
-            parse_json(raw)
+            parse_json(bytearray(raw))
 
 
 @pytest.mark.parametrize("keep", [None, 2])

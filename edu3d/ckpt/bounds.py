@@ -60,12 +60,12 @@ def _integer(text: str) -> int:
     return int(text)
 
 
-def parse_json(raw: bytes | bytearray):
-    """The JSON value in ``raw`` (at most :data:`MAX_MANIFEST_BYTES`, checked by the caller
-    before reading), once its structure is within bounds; ``ValueError`` with one line that
-    says what is wrong otherwise. The counts are of the bytes as they are: a bracket or a
-    comma inside a string counts too, which errs on the safe side (edu3d writes no such
-    strings in bulk)."""
+def parse_json(raw: bytearray):
+    """The JSON value in ``raw`` (UTF-8, at most :data:`MAX_MANIFEST_BYTES`, checked by the
+    caller before reading), once its structure is within bounds; ``ValueError`` with one line
+    that says what is wrong otherwise. The counts are of the bytes as they are: a bracket or
+    a comma inside a string counts too, which errs on the safe side (edu3d writes no such
+    strings in bulk). ``raw`` is emptied once decoded: the parser then holds the text alone."""
     opened = raw.count(b"{") + raw.count(b"[")
     closed = raw.count(b"}") + raw.count(b"]")
     if max(opened, closed) > MAX_CONTAINERS:
@@ -76,9 +76,14 @@ def parse_json(raw: bytes | bytearray):
     depth = _depth(raw.translate(None, _BRACKETS))
     if depth > MAX_DEPTH:
         raise ValueError(f"nests {depth} levels deep (at most {MAX_DEPTH})")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not valid JSON ({err})") from None
+    raw.clear()
     try:  # digits are counted by the parser itself, before int() would refuse them
-        return json.loads(raw, parse_int=_integer)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return json.loads(text, parse_int=_integer)
+    except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err})") from None
     except ValueError:
         raise

@@ -8,8 +8,9 @@ other input before a single multiplication is done with it, and what it fixes:
   ``vocab_size=10**9``, and the arithmetic that follows (a divisor list, a table of
   ``vocab x d_model`` numbers) would run for minutes or ask for terabytes. The ranges are
   generous beyond any model edu3d describes (GPT-3's ``d_model`` is 12,288, the largest
-  vocabularies about 256,000; ``edu3d train``'s options stop within them); the number of parameter tensors is bounded too (a layer of
-  ``E`` experts has ``E`` of each expert's tensors);
+  vocabularies about 256,000; ``edu3d train``'s options stop within them); the number of
+  parameter tensors is bounded too (a layer of ``E`` experts has ``E`` of each expert's
+  tensors);
 * **the advice when the heads do not divide the width** (:func:`divisors_of`): the
   divisors of ``n`` come in pairs ``(d, n // d)`` with ``d <= √n``, so listing them takes
   ``√n`` divisions, not ``n``, and the list shown is capped;
