@@ -27,7 +27,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       pp/       engine stage
       cp/       zigzag attention sequence
       ep/       dispatch placement   expert parallelism
-    ckpt/       format checkpointer reshard export untrusted blobs
+    ckpt/       format checkpointer reshard export untrusted blobs bounds manifest_schema
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory hardware published
                                      every memory formula; the one estimator;
@@ -38,7 +38,8 @@ folders listed below it; README's "How the package is organised" says the rules)
     config/     layout sections   what a run is: the layout and its rank order, the Run in sections
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
-    model/      gpt moe shapes param_globs  the serial reference GPT, mixture of experts, model shapes
+    model/      gpt moe shapes param_globs config_schema
+                                     the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data
 

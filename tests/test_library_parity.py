@@ -14,7 +14,7 @@ import functools
 
 import pytest
 
-from edu3d.distributed.mesh import Layout
+from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from tests.workers_library_parity import DP_CASES
 from tests.workers_library_parity_zero import MISUSES, ZERO_CASES, all_cases
