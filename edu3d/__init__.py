@@ -31,7 +31,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory
                                      every memory formula; the one estimator
-    launch/     api agent supervise worker procs runs heartbeat magic status live
+    launch/     api agent supervise worker procs runs rank_files heartbeat cores magic status live
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
     distributed/  mesh runtime comm algorithms trace meter

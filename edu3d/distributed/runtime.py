@@ -152,7 +152,7 @@ def shutdown(mesh: Mesh | None = None) -> None:
 
     if mesh is not None:
         mesh.release()
-    trace.current().flush()
+    trace.current().close()
     trace.set_current(trace.NullRecorder())
     if dist.is_initialized():
         dist.destroy_process_group()
