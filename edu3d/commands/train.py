@@ -28,11 +28,13 @@ import argparse
 import os
 import sys
 
-from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
-                                     number, ranks, seconds)
+from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, SLOWEST_S, count, integer,
+                                     non_negative_int, number, ranks, seconds)
 from edu3d.commands.run import add_node_arguments
 from edu3d.distributed.mesh import LayoutError
-from edu3d.launch.api import LaunchError, LaunchTimeout
+from edu3d.launch.api import LaunchError, LaunchTimeout, check_launch
+from edu3d.launch.cores import RANKS_PER_CORE
+from edu3d.plan.fit import on_gpus
 from edu3d.production.torch_check import unsupported
 from edu3d.train.options import (ATTENTION, BATCHING, FAULT_KINDS, FIELDS, GRAD_REDUCE, MIN_VOCAB,
                                  PRESET_NAMES, RECOMPUTE, SCHEDULES, TrainOptions, check_args,
@@ -61,7 +63,7 @@ def fault_spec(text: str) -> dict:
                     f"{text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
             spec["kind"] = value
         elif key == "seconds":
-            spec["seconds"] = number(0, False, "0.2")(value)
+            spec["seconds"] = number(0, False, "0.2", SLOWEST_S)(value)
         else:
             spec[key] = (integer(1, "a step >= 1") if key == "step" else non_negative_int)(value)
     if spec["kind"] == "slow":
@@ -240,6 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    par.add_argument("--oversubscribe", action="store_true", help=f"start more than "
+                     f"{RANKS_PER_CORE} ranks per CPU core (else refused: they wait for cores)")
     docs = parser.add_argument_group("documents of different lengths (edu3d.train.batching)")
     docs.add_argument("--batching", choices=BATCHING, default="fixed",
                       help="fixed: equal sequences; pad: documents padded to the longest of "
@@ -319,6 +323,9 @@ def check(options: TrainOptions) -> None:
     """Every check made before any process starts; raises ``ValueError`` saying what would
     work (a foreign, corrupted or used checkpoint folder included)."""
     config, layout = check_args(options)
+    if layout.world_size > 1:  # ranks will start on this node: can they?
+        here = layout.world_size // (options.nnodes or 1)
+        check_launch(here, options.heartbeat, options.oversubscribe, on_gpus(here))
     if options.monitor and layout.world_size == 1:
         raise LayoutError("--monitor watches the ranks of a parallel run; add --dp 2 (or "
                           "another layout), or drop --monitor (a serial run prints its progress)")
@@ -339,15 +346,19 @@ def check(options: TrainOptions) -> None:
 
 def check_memory_timeline(o: TrainOptions) -> None:
     """``--memory-timeline FILE``: a step after the first (which allocates AdamW's state) on
-    edu3d's trainer, into a folder that exists; the path made absolute for the ranks."""
+    edu3d's trainer, into a new or regular file (never beside a folder) of a writable folder;
+    the path made absolute for the ranks."""
     if not o.memory_timeline:
         return
     path = os.path.abspath(o.memory_timeline)
+    folder = os.path.dirname(path)
     problem = ("use --steps 2 or more (the last step is recorded, after a first that "
                "allocates the optimizer's state)" if o.steps < 2 else
                "drop --impl torch (it records edu3d's own trainer)" if o.impl != "edu3d" else
-               f"the folder {os.path.dirname(path)} does not exist"
-               if not os.path.isdir(os.path.dirname(path)) else None)
+               f"the folder {folder} does not exist" if not os.path.isdir(folder) else
+               f"the folder {folder} is not writable" if not os.access(folder, os.W_OK) else
+               f"{path} is {'a folder' if os.path.isdir(path) else 'not a regular file'}; name "
+               "a file" if os.path.lexists(path) and not os.path.isfile(path) else None)
     if problem:
         raise LayoutError(f"--memory-timeline {o.memory_timeline}: {problem}")
     o.memory_timeline = path

@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass
 
 from edu3d.distributed.mesh import Layout, LayoutError
+from edu3d.launch import cores as launch_cores
 from edu3d.launch.api import NODE_OPTIONS, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import from_train_args
@@ -114,6 +115,7 @@ class TrainOptions:
     max_restarts: int = 0
     inject_fault: dict | None = None  # {"rank", "step", "kind"[, "seconds": kind slow]}
     heartbeat: float | None = None
+    oversubscribe: bool = False  # start more ranks than the cores hold (edu3d.launch.cores)
     # ---- documents of different lengths (edu3d.train.batching) ----
     batching: str = "fixed"  # or "pad", "bucket", "tokens", "pack"
     max_tokens: int | None = None  # tokens: each micro-batch's rows x longest at most this
@@ -336,11 +338,5 @@ def check_fit(options: TrainOptions, available: int | None = None) -> dict:
 
 
 def oversubscribed(layout: Layout, cores: int | None = None) -> str | None:
-    """A one-line warning when ranks outnumber CPU cores more than 4 to 1, else None."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks = layout.world_size
-    if cores and ranks > 4 * cores and not fit.on_gpus(ranks):
-        return (f"warning: {ranks} ranks on {cores} CPU core(s): every rank waits for a turn "
-                f"on a core, so steps will be very slow; use at most {4 * cores} ranks here")
-    return None
+    """A one-line warning when ranks outnumber CPU cores (:mod:`edu3d.launch.cores`), else None."""
+    return launch_cores.oversubscribed(layout.world_size, cores, fit.on_gpus(layout.world_size))
