@@ -141,6 +141,7 @@ def init(layout: Layout | None = None, *, backend: str | None = None,
                              cuda=dist.get_backend() == "nccl",
                              flight=trace.Flight(trace.flight_file(trace_dir, rank)))
         rec.align(dist.barrier)
+        trace.current().close()  # an earlier init's recorder: its flight record stops beating
         trace.set_current(rec)
     return mesh
 
