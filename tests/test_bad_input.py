@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,12 @@ BAD = [
     (["train", "--aux-loss-coef", "-1"], "--aux-loss-coef", ">= 0 and <= 1000"),
     (["train", "--max-restarts", "-1"], "--max-restarts", "an integer >= 0"),
     (["train", "--global-batch", "9" * 5000], "--global-batch", "a positive integer"),
+    (["train", "--inject-fault", "rank=1,kind=slow,seconds=1e300"], "--inject-fault",
+     "> 0 and <= 3600"),
+    (["train", "--dp", "2", "--rdzv-endpoint", "127.0.0.1:99999"], "--rdzv-endpoint",
+     "a port number 1..65535"),
+    (["run", "-n", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:99999", "x.py"],
+     "--rdzv-endpoint", "a port number 1..65535"),
     (["run", "--timeout", "nan", "x.py"], "--timeout", "> 0 and <= 604800"),
     (["run", "--timeout", "-1", "x.py"], "--timeout", "> 0 and <= 604800"),
     (["run", "-n", "1000000", "x.py"], "--nprocs", "at most 1024"),
@@ -106,6 +113,71 @@ def test_a_bad_number_is_one_line_with_its_range(argv, flag, bound, capsys, monk
     assert bound in lines[0], err
     assert len(lines[0]) < 300, err  # a 5000-digit number is not echoed whole
     assert time.process_time() - started < 2, "refused before any work"
+
+
+# ---- refused before launch by the checks that need the whole command line (issues 41, 44) -------
+REFUSED = [  # (command line, the words of its one line)
+    (["train", "--dp", "2", "--heartbeat", "100"],
+     "heartbeat 100 s must be shorter than the collective timeout 60 s"),
+    (["train", "--dp", "24", "--global-batch", "24"],
+     "24 ranks on 2 CPU core(s): at most 8 here (4 per core"),
+    (["train", "--dp", "100", "--global-batch", "100", "--steps", "1"], "or add --oversubscribe"),
+    (["train", "--steps", "2", "--memory-timeline", "{tmp}"], "{tmp} is a folder; name a file"),
+    (["top", "/proc", "--once"], "/proc is not a run folder"),
+]
+
+
+@pytest.mark.parametrize("argv,words", REFUSED, ids=[" ".join(r[0])[:50] for r in REFUSED])
+def test_refused_in_one_line_before_anything_runs(argv, words, capsys, monkeypatch, tmp_path):
+    """Each once started (ranks refused after launch, 24 ranks on 2 cores without a word,
+    a serial run that trained, then left FOLDER.tmp beside the folder) or gave a traceback."""
+    from edu3d.launch import cores
+    from edu3d.train import loop
+
+    monkeypatch.setattr(loop, "run", lambda *a, **k: pytest.fail("it trained"))
+    monkeypatch.setattr(cores, "cores", lambda: 2)
+    monkeypatch.delenv("EDU3D_TIMEOUT", raising=False)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and words.replace("{tmp}", str(tmp_path)) in err
+    assert not Path(f"{tmp_path}.tmp").exists() and not (Path("/proc") / "status").exists()
+
+
+def test_oversubscribe_is_the_way_past_the_cores(monkeypatch):
+    from edu3d.commands.train import check, parse
+    from edu3d.launch import cores
+
+    monkeypatch.setattr(cores, "cores", lambda: 2)
+    check(parse(["--dp", "24", "--global-batch", "24", "--oversubscribe"]))  # accepted
+    check(parse(["--dp", "8"]))  # 4 per core: as before
+    assert cores.oversubscribed(9, 2) and cores.oversubscribed(64, 2, on_gpus=True) is None
+    with pytest.raises(ValueError, match="9 ranks on 2 CPU core"):
+        cores.check_ranks(9, cores_=2)
+
+
+def test_tune_top_beyond_the_candidates_takes_them_all():
+    """``edu3d tune --top 1000000000`` once built lists of a billion entries (gigabytes, then
+    the OOM killer): it means every candidate. The real ``pick`` runs in a child whose
+    address space is capped (a regression is a MemoryError there, not the machine's
+    memory), compiled from its source so that the child starts without torch."""
+    code = ("import ast, resource, sys, types\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "tree = ast.parse(open(sys.argv[1]).read())\n"
+            "body = [f for f in tree.body if getattr(f, 'name', '') in ('pick', 'layout_key')]\n"
+            "ns = {}\n"
+            "exec(compile(ast.Module(body, []), 'autotune', 'exec'), ns)\n"
+            "rows = [{'setup': types.SimpleNamespace(dp=d, tp=1, pp=1, cp=1, ep=1, zero=z, "
+            "micro_batch=1, recompute='none')} for d in (1, 2) for z in (0, 1)]\n"
+            "print(len(ns['pick'](rows, 10**9)), len(ns['pick'](rows, 3)))\n")
+    source = Path(__file__).resolve().parent.parent / "edu3d" / "bench" / "autotune.py"
+    done = subprocess.run([sys.executable, "-c", code, str(source)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["4", "3"], done.stderr[-2000:]
 
 
 def test_the_types_accept_their_edges():

@@ -210,6 +210,26 @@ def test_launcher_timeout_reports_flight(tmp_path):
     assert "rank 1 waits in broadcast(world) at step 3" in text, text
 
 
+def test_no_rank_to_blame_is_said_without_rank_minus_one(tmp_path):
+    """torchrun failing before any rank did (a rendezvous, a port) was "rank -1 failed"; it is
+    a LaunchError with torchrun's last lines. Forged error and exit records (no type, no
+    rank, another rank's, a list) blame nobody."""
+    from edu3d.launch import procs
+
+    for name, data in (("errors/rank0.json", '{"rank": 0, "message": "x", "time_ns": 1}'),
+                       ("errors/rank1.json", '{"rank": 0, "type": "E", "message": "x", '
+                                             '"time_ns": 1}'),
+                       ("exits/rank2.json", '[{"rank": 2, "signal": 9}]'),
+                       ("exits/rank3.json", '{"rank": 3, "time_ns": "now", "signal": 9}')):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(data)
+    assert procs.first_failure(tmp_path, settle_s=0.0) is None
+    err = procs.rank_error(tmp_path, 2, None, [(None, "stderr", "RendezvousConnectionError: x")])
+    assert not isinstance(err, RankError) and "rank -1" not in str(err)
+    assert str(err).startswith("torchrun exited with an error and no rank reported one")
+    assert "RendezvousConnectionError: x" in str(err)
+
+
 # ---- output as under torchrun -----------------------------------------------------------------
 def test_fd_writes_progress_bars_and_a_real_stdout(tmp_path):
     script = _script(tmp_path, """

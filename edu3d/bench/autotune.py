@@ -124,6 +124,7 @@ def pick(rows: list[dict], top: int) -> list[dict]:
     size or a recomputation it does not have yet, then the rest in the planner's order;
     returned in the planner's order."""
     chosen: list[int] = []
+    top = min(top, len(rows))  # --top 1000000000 means every row, not a billion turns
     turns = [lambda st: (layout_key(st), st.parallel.zero), lambda st: (layout_key(st), st.micro_batch),
              lambda st: (layout_key(st), st.memory.recompute)]
 
