@@ -171,8 +171,10 @@ def test_tune_top_beyond_the_candidates_takes_them_all():
             "body = [f for f in tree.body if getattr(f, 'name', '') in ('pick', 'layout_key')]\n"
             "ns = {}\n"
             "exec(compile(ast.Module(body, []), 'autotune', 'exec'), ns)\n"
-            "rows = [{'setup': types.SimpleNamespace(dp=d, tp=1, pp=1, cp=1, ep=1, zero=z, "
-            "micro_batch=1, recompute='none')} for d in (1, 2) for z in (0, 1)]\n"
+            "ns_ = types.SimpleNamespace\n"
+            "rows = [{'setup': ns_(layout=ns_(dp=d, tp=1, pp=1, cp=1, ep=1), "
+            "parallel=ns_(zero=z), memory=ns_(recompute='none'), micro_batch=1)} "
+            "for d in (1, 2) for z in (0, 1)]\n"
             "print(len(ns['pick'](rows, 10**9)), len(ns['pick'](rows, 3)))\n")
     source = Path(__file__).resolve().parent.parent / "edu3d" / "bench" / "autotune.py"
     done = subprocess.run([sys.executable, "-c", code, str(source)], capture_output=True,

@@ -242,8 +242,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "handled like a dead one (default: half the collective timeout)")
     par.add_argument("--oversubscribe", action="store_true", help=f"start more than "
                      f"{RANKS_PER_CORE} ranks per CPU core (else refused: they wait for cores)")
-    par.add_argument("--oversubscribe", action="store_true", help=f"start more than "
-                     f"{RANKS_PER_CORE} ranks per CPU core (else refused: they wait for cores)")
     docs = parser.add_argument_group("documents of different lengths (edu3d.train.batching)")
     docs.add_argument("--batching", choices=BATCHING, default="fixed",
                       help="fixed: equal sequences; pad: documents padded to the longest of "
