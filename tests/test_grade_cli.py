@@ -5,8 +5,9 @@
   folder is left exactly as it was (no ``__pycache__``, no run folder);
 * an unknown exercise, a missing folder, a folder without exercise modules, ``--solutions``
   with ``--submission``: exit code 2 and one line saying what to fix, and no kernel started;
-* the scoring of executed cells (a cell that stops on an error, a hint printed once for two
-  failures, an earlier cell's error) and :func:`edu3d.course.grading.load` with a submission.
+* the scoring of executed cells from the verdict channel's records (a cell that stops on an
+  error, an earlier cell's error, a printed verdict without a record, a channel that never
+  opened) and :func:`edu3d.course.grading.load` with a submission.
 
 The stub side of every notebook is in tests/test_grading.py (one ``edu3d grade --json``).
 """

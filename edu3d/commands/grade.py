@@ -28,7 +28,8 @@ After reading this file you should know how a score is made:
 * the submission's processes end with its grade: after the kernel, the grader kills every
   process it left (:mod:`edu3d.commands.grade_processes`), before the report is written; the
   kernel runs in a fresh temporary home and working folder, and with ``--isolate`` in Linux
-  namespaces without privileges (:mod:`edu3d.commands.grade_isolate`).
+  namespaces without privileges (:mod:`edu3d.commands.grade_isolate`). What it wrote into
+  the report's own file meanwhile is cut off (:mod:`edu3d.commands.grade_report`).
 
 ``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--hint-level N] [--isolate]
 [--json]``

@@ -22,6 +22,7 @@ import secrets
 import select
 import socket
 import struct
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from edu3d.commands.grade_processes import descends
 from edu3d.course.verdict_channel import ADDRESS, decode
 
 LINE_MAX = 1 << 20  # a longer line is no record: dropped
+SUN_PATH_MAX = 100  # bytes of a Unix socket's path (108 on Linux, 104 on macOS)
 
 
 class Channel:
@@ -39,6 +41,10 @@ class Channel:
                  wait_s: float = 600):
         self.key = secrets.token_bytes(32)
         self.path = folder / "verdicts.sock"
+        self._own = None  # a short private folder of its own, when ``folder``'s path is long
+        if len(os.fsencode(self.path)) > SUN_PATH_MAX:
+            self._own = Path(tempfile.mkdtemp(prefix="edu3d-verdicts-", dir="/tmp"))
+            self.path = self._own / "verdicts.sock"
         self.refused: list[str] = []  # connections turned away, and why
         self.connected = False
         self._hello = (json.dumps({"key": self.key.hex(), "cells": cells}) + "\n").encode()
@@ -118,6 +124,8 @@ class Channel:
             if self._conn is not None:
                 self._conn.close()
         self.path.unlink(missing_ok=True)
+        if self._own is not None:
+            self._own.rmdir()
 
     def records(self) -> tuple[dict[int, list[dict]], int]:
         """``({cell index: [record, ...]}, rejected lines)``: each valid record under the cell
