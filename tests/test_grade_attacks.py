@@ -16,7 +16,8 @@ Before issue 41 this submission scored 19/19, exit code 0, and the daemon left t
 report in the output file. Here: 0/19, every failure saying what happened, the output file
 holding the grader's report alone, the submission's home and folder gone, and no process of
 the grade left. With ``--isolate`` (where the machine allows namespaces) the same submission
-cannot write outside the grade's folder nor see the grader, and nothing of it survives either.
+cannot write outside the grade's folder, see the grader or reach a port of the machine, and
+nothing of it survives either.
 
 Plus the verdict channel's own rules, without a kernel: a forged or replayed line is
 rejected, and a process outside the grader's tree is turned away.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -45,13 +47,14 @@ CELL3 = grade.committed_titles(NOTEBOOK.cells[3])  # coords_of's 11 checks
 EVIL = '''"""A submission that attacks the grader instead of computing anything."""
 import json
 import os
+import socket
 import time
 
 from IPython import get_ipython
 
 import edu3d.course.grading as grading
 
-OUT, SEEN, CELL3 = {out!r}, {seen!r}, {cell3!r}
+OUT, SEEN, CELL3, PORT = {out!r}, {seen!r}, {cell3!r}, {port!r}
 FORGED = json.dumps({{"graded": "forged", "passed": 19, "total": 19, "exercises": {{}}}})
 SAW = []  # what the attacks met, said in coords_of's error (so in the report's hints)
 
@@ -65,6 +68,12 @@ SAW.append("grader visible" if any(
     b"edu3d.cli\\0grade" in open(f"/proc/{{p}}/cmdline", "rb").read()
     for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{{p}}/cmdline"))
     else "grader not visible")
+
+try:  # a service of this machine (the test listens on a loopback port)
+    socket.create_connection(("127.0.0.1", PORT), timeout=5).close()
+    SAW.append("reached a port of the machine")
+except OSError as err:
+    SAW.append(f"could not reach a port of the machine: {{err.strerror or err}}")
 
 kernel = os.getpid()
 r, w = os.pipe()
@@ -131,8 +140,10 @@ def attack(tmp: Path, *flags: str) -> dict:
     shell does; what the report file and the submission's own notes say afterwards."""
     sub, out, seen = tmp / "evil", tmp / "report.json", tmp / "seen.json"
     sub.mkdir()
-    (sub / "ranks.py").write_text(EVIL.format(out=str(out), seen=str(seen), cell3=CELL3))
-    with open(out, "w") as report:
+    service = socket.create_server(("127.0.0.1", 0))
+    (sub / "ranks.py").write_text(EVIL.format(out=str(out), seen=str(seen), cell3=CELL3,
+                                              port=service.getsockname()[1]))
+    with service, open(out, "w") as report:
         run = subprocess.run([sys.executable, "-m", "edu3d.cli", "grade", "00", "--submission",
                               str(sub), "--json", *flags], stdout=report, stderr=subprocess.PIPE,
                              text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
@@ -228,6 +239,7 @@ def test_isolated_the_submission_cannot_write_out_nor_see_the_grader(tmp_path):
     saw = hints(r, 0, 1)[0]
     assert "could not write the report: Read-only file system" in saw, saw
     assert "grader not visible" in saw and "daemon " in saw, saw
+    assert "could not reach a port of the machine" in saw, saw
     assert not r["seen"] and not of_grade(r["sub"]) and not r["changed_after"]
     assert "something wrote" not in r["err"]
 

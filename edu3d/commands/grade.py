@@ -256,7 +256,10 @@ def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None 
     ran = copy.deepcopy(committed)
     graded = [submission or EXERCISES, ROOT / "solutions"]
     token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="edu3d-grade-") as tmp, Watch(token) as watch:
+    # a short path: the kernel's sockets live there, and a Unix socket's path is short
+    where = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
+    with tempfile.TemporaryDirectory(prefix="edu3d-grade-", dir=where) as tmp, \
+            Watch(token) as watch:
         root = Path(tmp)
         runs, cwd, home = root / "runs", root / "work", root / "home"
         for folder in (runs, cwd, home):
@@ -342,8 +345,8 @@ def add_subcommand(sub) -> None:
                    help="seconds per cell (default: %(default)s)")
     p.add_argument("--isolate", action="store_true",
                    help="run each kernel in Linux namespaces, without privileges: its own "
-                        "processes, every file system read-only but its temporary folder "
-                        "(needs unshare and setpriv; the network stays shared)")
+                        "processes and loopback network, every file system read-only but its "
+                        "temporary folder (needs unshare, setpriv and user namespaces)")
     p.add_argument("--hint-level", type=between(1, 3), default=None, metavar="N",
                    help="hint tier for every failure: 1 the concept, 2 a closer nudge, 3 the "
                         "answer's shape (default: deeper each time a check fails again)")

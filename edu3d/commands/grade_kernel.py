@@ -18,8 +18,10 @@ not simply pass or fail:
   ``EDU3D_GRADE_TOKEN`` its processes are found by (:mod:`edu3d.commands.grade_processes`).
   The same startup file seals the checker before the first cell
   (:func:`edu3d.course.verdict_channel.seal`), and the cells' boundaries are marked on the
-  verdict channel (:mod:`edu3d.commands.grade_channel`). With ``--isolate`` the kernel's
-  command line is prefixed (:mod:`edu3d.commands.grade_isolate`).
+  verdict channel (:mod:`edu3d.commands.grade_channel`). The kernel's own channels are Unix
+  sockets in that folder (ZMQ's ``ipc`` transport), not TCP ports: no port chosen then taken
+  by another process before the kernel binds it, none that another local user can reach.
+  With ``--isolate`` the kernel's command line is prefixed (:mod:`edu3d.commands.grade_isolate`).
 
 How the verdicts are counted is :mod:`edu3d.commands.grade`'s.
 """
@@ -144,6 +146,8 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
            **(channel.env if channel is not None else {})}
     km = PrefixedKernelManager(kernel_name="python3")
     km.prefix, km.connection_file = list(prefix or []), str(cwd / "kernel.json")
+    if len(os.fsencode(cwd)) < 80:  # Unix sockets (path <= 107 bytes) in the grade's folder:
+        km.transport = "ipc"  # no TCP port to race for or for other local users to reach
     client = notebook_client(nb, km=km, timeout=timeout, kernel_name="python3",
                              allow_errors=True, interrupt_on_timeout=True,
                              resources={"metadata": {"path": str(cwd)}})
