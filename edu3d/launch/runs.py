@@ -153,7 +153,9 @@ def live(paths: list[Path]) -> set[Path]:
     """The run folders among ``paths`` that a running process still uses: one named by a
     process's environment (``EDU3D_RUN_DIR``: torchrun's agent and the ranks of a fresh
     launch), or one whose pid files name a rank that is the run's (:func:`belongs_to`) and has
-    not written its ``done/`` marker (a warm pool's ranks outlive their jobs)."""
+    not written its ``done/`` marker (a warm pool's ranks outlive their jobs). The launching
+    process carries neither: in the moments before torchrun starts and after it has ended
+    (reading the results) a run's folder is not seen as live."""
     if not paths:
         return set()
     used = set()
