@@ -12,7 +12,8 @@ After reading this file you should understand what a run folder holds and its li
 * only the newest ``$EDU3D_KEEP_RUNS`` folders (default 50) are kept; ``edu3d runs list`` and
   ``edu3d runs clean`` show and remove them by hand. A run folder is one edu3d created: it
   holds the marker :data:`MARKER`, written when the folder is made. A folder that merely holds
-  a ``command.json`` is never listed, pruned or removed;
+  a ``command.json`` is never listed, pruned or removed, and neither is the folder of a run
+  that is still running (:func:`live`), whatever its age;
 * the launcher trusts what it reads there (``results/*.pkl`` are unpickled), so the runs
   folder must be the user's own and not writable by every user (unless it has the sticky
   bit, as ``/tmp``): anything else is refused in one line (:func:`check_private`);
@@ -161,12 +162,41 @@ def is_run_folder(path: Path) -> bool:
     return not path.is_symlink() and (path / MARKER).is_file()
 
 
+def live(paths: list[Path]) -> set[Path]:
+    """The run folders among ``paths`` that a running process still uses: one named by a
+    process's environment (``EDU3D_RUN_DIR``: torchrun's agent and the ranks of a fresh
+    launch), or one whose pid files name a rank that is the run's (:func:`belongs_to`) and has
+    not written its ``done/`` marker (a warm pool's ranks outlive their jobs). The launching
+    process carries neither: in the moments before torchrun starts and after it has ended
+    (reading the results) a run's folder is not seen as live."""
+    if not paths:
+        return set()
+    used = set()
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        used |= {v[len(b"EDU3D_RUN_DIR="):] for v in env if v.startswith(b"EDU3D_RUN_DIR=")}
+    out = set()
+    for path in paths:
+        rid = run_id(path)
+        if os.fsencode(str(path.resolve())) in used or any(
+                not (path / "done" / f"rank{rank}").exists() and belongs_to(pid, rid)
+                for rank, pid in pid_files(path).items()):
+            out.add(path)
+    return out
+
+
 def prune(keep: int, root: Path | None = None, protect: Path | None = None) -> list[Path]:
-    """Remove all but the newest ``keep`` run folders (0 keeps all); returns what was removed."""
+    """Remove all but the newest ``keep`` run folders (0 keeps all), never a :func:`live`
+    one; returns what was removed."""
     if keep <= 0:
         return []
     runs = [p for p in list_runs(root) if protect is None or p.resolve() != protect.resolve()]
     doomed = runs[:max(len(runs) - (keep - (protect is not None)), 0)]
+    running = live(doomed)
+    doomed = [p for p in doomed if p not in running]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -345,6 +375,8 @@ def main(action: str, keep: int = 0) -> int:
             return 2
     found = list_runs()
     doomed = found[:max(len(found) - keep, 0)]
+    running = live(doomed)
+    doomed = [p for p in doomed if p not in running]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     others = [p for p in base().iterdir() if p.is_dir() and p not in found] \
@@ -352,4 +384,6 @@ def main(action: str, keep: int = 0) -> int:
     print(f"removed {len(doomed)} run folder(s) under {base().resolve()}, kept "
           f"{len(found) - len(doomed)}" + (f"; left alone {len(others)} folder(s) edu3d did "
                                            f"not make (no {MARKER})" if others else ""))
+    for path in sorted(running):
+        print(f"kept {path.name}: its run is still running (remove it when it has ended)")
     return 0
