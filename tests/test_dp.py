@@ -48,9 +48,10 @@ def param_error(got: dict, ref: dict, allowed: dict | None = None) -> float:
     """The worst relative error over the tensors of ``ref``; with ``allowed`` (after AdamW),
     of what is left beyond each entry's allowed move (:mod:`tests.adamw_noise`)."""
     if allowed is None:
-        return max(_rel(without_key_bias(n, got[n]), without_key_bias(n, t)) for n, t in ref.items())
-    return max(beyond(without_key_bias(n, got[n]), without_key_bias(n, t), without_key_bias(n, allowed[n]))
-               for n, t in ref.items())
+        return max(_rel(without_key_bias(n, got[n]), without_key_bias(n, t))
+                   for n, t in ref.items())
+    return max(beyond(without_key_bias(n, got[n]), without_key_bias(n, t),
+                      without_key_bias(n, allowed[n])) for n, t in ref.items())
 
 
 @functools.lru_cache(maxsize=None)

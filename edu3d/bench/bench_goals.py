@@ -62,8 +62,9 @@ PLANS = [  # the largest inputs edu3d plan accepts, and its costliest searches
 @dataclass(frozen=True)
 class Goal:
     """One goal: ``setup`` runs first, then ``timed`` on the clock, then ``after``; the
-    row reports ``clock`` (``cpu``, ``wall``, or a number ``timed`` put in ``out``). A goal that waits
-    for an error names what it ``says``: a run that failed another way measured nothing."""
+    row reports ``clock`` (``cpu``, ``wall``, or a number ``timed`` put in ``out``). A goal
+    that waits for an error names what it ``says``: a run that failed another way measured
+    nothing."""
 
     name: str
     goal_s: float
