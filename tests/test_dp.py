@@ -61,7 +61,7 @@ def serial_reference():
     with what rounding can do to the latter (:mod:`tests.adamw_noise`). The same for every
     world size and configuration: computed once per test process."""
     args = make_args("sgd")
-    config = config_from(args)
+    config = model_config(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     model = GPT(config, seed=args.training.seed)
     x, y = corpus.batch(1, args.batch.global_batch)

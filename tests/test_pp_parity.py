@@ -22,6 +22,8 @@ import pytest
 
 from edu3d.launch import launch
 from edu3d.config.layout import Layout
+from edu3d.schedules.actions import build
+from edu3d.schedules.check import check
 from tests.pp_workers import TOL, global_batch, parity, serial_reference
 
 ADAM_STEPS = 3

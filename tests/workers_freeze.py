@@ -63,7 +63,7 @@ def serial_reference(argv: list[str], steps: int, tol: float = 1e-5) -> dict:
     return {"grads": grads, "sgd_params": sgd_params, "records": adamw["records"],
             "control": adamw["control"], "tol": tol, "adam_params": adamw["final"],
             "allowed": adamw["allowed"],
-            "init": {n: p.detach().clone() for n, p in GPT(config_from(adam),
+            "init": {n: p.detach().clone() for n, p in GPT(model_config(adam),
                                                             seed=adam.training.seed).named_parameters()}}
 
 
