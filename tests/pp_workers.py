@@ -12,7 +12,7 @@ from edu3d.course import unscaled_loss
 from edu3d.train.trainer import Trainer
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.config.run import Run
+from edu3d.config.sections import Run
 from edu3d.train.preflight import check_args, model_config
 from tests.adamw_noise import beyond, beyond_records, serial_and_control, without_key_bias
 

@@ -29,7 +29,7 @@ BAD_FREEZE = [
 def frozen_serial(args) -> GPT:
     model = GPT(model_config(args), seed=args.training.seed)
     for name, p in model.named_parameters():
-        if any(fnmatch.fnmatchcase(name, g.strip()) for g in args.freeze.split(",")):
+        if any(fnmatch.fnmatchcase(name, g.strip()) for g in args.memory.freeze):
             p.requires_grad_(False)
     return model
 
