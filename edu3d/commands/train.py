@@ -199,6 +199,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--recompute", choices=RECOMPUTE, default="none",
                      help="activation recomputation: full recomputes each block in backward "
                           "(keeping its input), selective only the attention core" + D)
+    par.add_argument("--offload-activations", action="store_true",
+                     help="move the tensors each block saves for backward to host memory "
+                          "(pinned, on a side stream on a GPU) and back for its backward: "
+                          "the same numbers, less device memory, two copies per byte")
+    par.add_argument("--offload-every", type=integer(1, POSITIVE, 1024), default=1,
+                     help="with --offload-activations: only every k-th block (0, k, 2k ...)" + D)
+    par.add_argument("--offload-last", action="store_true",
+                     help="with --offload-activations: the last block's too (kept on the "
+                          "device by default: its backward comes right after its forward)")
     par.add_argument("--freeze", type=globs, default=None, metavar="GLOB[,GLOB...]",
                      help="train without these parameters (serial names, e.g. 'tok_emb.*,"
                           "blocks.0.*'): no gradient, no optimizer state, in every layout")

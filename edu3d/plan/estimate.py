@@ -16,7 +16,9 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   stage's LayerNorm, head input and fp32 logits; times the micro-batches the schedule keeps
   alive at once, found by replaying the schedule (:func:`edu3d.schedules.simulate.simulate`):
   1F1B keeps up to ``p`` on the first stage, GPipe all ``m``, interleaved a little more than
-  1F1B;
+  1F1B. ``--offload-activations`` moves the chosen blocks' bytes (not each stage's input) to
+  the host pool (``host``, outside the device's total); the peak's ``transient`` holds one
+  of them again for its backward (two on a GPU, which prefetches the next);
 * **at rest and at the peak**: after the optimizer step ZeRO-2/3 hold gradient (and ZeRO-3
   weight) shards only; during the step ``grad_reduce="per-step"`` keeps a stage's full
   gradients (and ZeRO-3 its gathered weights) while its micro-batches run, and
@@ -183,8 +185,17 @@ def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -
 
 
 # ---- activations per rank ------------------------------------------------------------------------
-def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
-    """Bytes one micro-batch keeps for backward on each global stage (``/cp``)."""
+def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
+    """Bytes one micro-batch keeps for backward on each global stage (``/cp``), on the
+    device or (``"host"``) in the host pool (``--offload-activations``)."""
+    return [parts[where] for parts in _stage_activations(spec, run)]
+
+
+@lru_cache(maxsize=4096)
+def _stage_activations(spec: ModelSpec, run: Run) -> tuple[dict, ...]:
+    """Per global stage: ``device`` and ``host`` bytes of one micro-batch, ``block``, the
+    largest offloaded block's host bytes (what backward brings back at once), and ``moved``,
+    how many blocks are offloaded."""
     lay, par = run.layout, run.parallel
     s, b, h, a, t = spec.seq_len, run.micro_batch, spec.d_model, spec.n_heads, lay.tp
     spec = as_moe(spec)
@@ -223,12 +234,27 @@ def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
         moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
                                                   drop) / (t if sp else 1)
         moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
+    moved = set(run.memory.offloaded(spec.n_layers))
+    # the stage's input stays: a leaf the pipeline engine holds (every stage's but the
+    # first's, and the first's too where a split backward (I, W) detaches the embedding)
+    kept = _residual_bytes(spec, run) * s * b * h / (t if sp else 1)
+    split = moved and any(a.kind == "I" for a in build(par.schedule, 1, 2, chunks(
+        par.schedule, 1))[0])
     out = []
     for i, (lo, hi) in enumerate(parts):
-        n_moe = sum(spec.is_moe(j) for j in range(lo, hi))
-        out.append(((hi - lo - n_moe) * layer + n_moe * moe + (first if i == 0 else 0) +
-                    (last if i == len(parts) - 1 else 0)) / lay.cp)
-    return out
+        blocks = [moe if spec.is_moe(j) else layer for j in range(lo, hi)]
+        host = [blocks[j - lo] - (kept if j == lo and (i or split) else 0)
+                for j in range(lo, hi) if j in moved]
+        device = sum(blocks) - sum(host) + (first if i == 0 else 0) + (
+            last if i == len(parts) - 1 else 0)
+        out.append({"device": device / lay.cp, "host": sum(host) / lay.cp,
+                    "block": max(host, default=0.0) / lay.cp, "moved": len(host)})
+    return tuple(out)
+
+
+def _residual_bytes(spec: ModelSpec, run: Run) -> int:
+    """Bytes per value of the residual stream (fp32 under edu3d's autocast too)."""
+    return 4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2
 
 
 @lru_cache(maxsize=512)
@@ -242,10 +268,11 @@ def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
     return tuple(simulate(build(schedule, pp, replay, chunks(schedule, vpp)), pp).peak_in_flight)
 
 
-def activations_per_rank(spec: ModelSpec, run: Run) -> list[float]:
-    """Peak activation bytes of each pipeline rank over the step's schedule."""
+def activations_per_rank(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
+    """Peak activation bytes of each pipeline rank over the step's schedule (on the device,
+    or in the host pool: ``where="host"``)."""
     lay, par = run.layout, run.parallel
-    per_stage = stage_activation_bytes(spec, run)
+    per_stage = stage_activation_bytes(spec, run, where)
     v = chunks(par.schedule, lay.vpp)
     if v == 1:
         return [n * a for n, a in zip(in_flight(par.schedule, lay.pp, run.microbatches), per_stage)]
@@ -262,7 +289,7 @@ def comm_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     buffers (ring: the chunk in flight and the next, ``2·2(s/cp)b·kv_h/t``; all-gather: the
     gathered ``2sb·kv_h/t``), EP a dispatch and a combine buffer of ``k·(s/cp)·b·h``."""
     lay, par = run.layout, run.parallel
-    act = 4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2  # the residual stream
+    act = _residual_bytes(spec, run)
     tokens = run.micro_batch * spec.seq_len / lay.cp
     msg = act * tokens * spec.d_model / (lay.tp if par.sp else 1)
     directions = (pp_rank > 0) + (pp_rank < lay.pp - 1) if lay.pp > 1 else 0
@@ -287,12 +314,19 @@ def _biggest_unit(spec: ModelSpec, run, pp_rank: int) -> int:
 def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     """The loss's backward on the last pipeline rank holds the logits' gradient for a moment
     (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
-    allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
+    allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``).
+    Or, if more, an offloaded block brought back for its backward and, on a GPU, the one
+    before it, prefetched (a CPU copies synchronously: one block)."""
     lay = run.layout
+    style = placement(run.parallel.schedule)
     # a V's last stage sits on rank 0
-    last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))
+    last = stage_rank(2 * lay.pp - 1, lay.pp, style)
     logit = (4 if run.precision.dtype == "fp32" else 2) * (pp_rank == last)
-    return float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp
+    back = max((p["block"] * min(2, p["moved"]) for st, p in
+                enumerate(_stage_activations(spec, run)) if stage_rank(st, lay.pp, style)
+                == pp_rank), default=0.0)
+    return max(float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp,
+               back)
 
 
 def activation_model(spec: ModelSpec, run: Run) -> str:
@@ -324,19 +358,23 @@ def _fullest_states(spec: ModelSpec, run: Run, at: str) -> tuple[dict, ...]:
 def estimate(spec: ModelSpec, run: Run, at: str = "peak") -> dict:
     """Bytes per rank by category for every pipeline rank (``per_stage``), and the most loaded
     one's at the top level (``params_bytes`` ... ``total_bytes``; ``state_bytes``: weights,
-    gradients and optimizer state, the ZeRO paper's count)."""
+    gradients and optimizer state, the ZeRO paper's count; ``host_bytes``: the activations
+    ``--offload-activations`` keeps in host memory, outside the total)."""
     validate(spec, run)
     acts = activations_per_rank(spec, run)
+    host = activations_per_rank(spec, run, "host")
     per_stage, states = [], _fullest_states(spec, _state_setup(run), at)
     for r in range(run.layout.pp):
         row = {"pp_rank": r, **states[r], "activations": acts[r],
                "comm": comm_per_rank(spec, run, r) if at == "peak" else 0.0,
                "transient": transient_per_rank(spec, run, r) if at == "peak" else 0.0}
         row["total"] = sum(row[c] for c in CATEGORIES)
+        row["host"] = host[r]  # offloaded activations: host memory, not in the total
         per_stage.append(row)
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], state_bytes=sum(top[c] for c in CATEGORIES[:3]),
+               host_bytes=top["host"],
                fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
                num_params=spec.num_params(), activation_model=activation_model(spec, run),
                active_params=as_moe(spec).active_params())
