@@ -10,7 +10,9 @@ After reading this file you should understand what is compared:
 * **offload**: edu3d's :class:`~edu3d.parallel.offload_activations.ActivationOffload` on every
   block against ``torch.autograd.graph.save_on_cpu`` around each block's forward (PyTorch's
   own offloading: every saved tensor, weights included, copied to the CPU one by one,
-  pinned on a GPU; no side stream, no prefetch);
+  pinned on a GPU; no side stream, no prefetch). On a CPU its ``tensor.cpu()`` returns the
+  tensor itself: it copies nothing, so there it times the hooks alone, a floor under
+  edu3d's, which copies every byte;
 * **full**: recomputation, the other way to free the same memory: edu3d's
   :func:`~edu3d.parallel.recompute.apply_recompute` against ``checkpoint_wrapper``;
 * **full + offload**: both, each side's pair (what is offloaded is what recomputation keeps);

@@ -21,8 +21,8 @@ After reading this file you should understand:
   projection, move as one: the bytes counted are the storages', as
   :mod:`edu3d.distributed.meter` counts them) and returns a small handle; ``unpack`` turns the
   handle back into a tensor. Two kinds of saved tensor stay where they are: **parameters**
-  (the device keeps the weights anyway; under ZeRO-3 a gathered weight's storage is its
-  unit's, looked up at every save) and the **stage's own input** (a leaf that requires
+  (the device keeps the weights anyway; their storages are read as the block's forward
+  starts, after ZeRO-3's hook gathered the block's unit) and the **stage's own input** (a leaf that requires
   grad: the pipeline engine holds it for its gradient, so moving it would free nothing);
 * **on a GPU**: the host buffers are pinned (page-locked: the copy engine reads them
   directly, asynchronously), the copies run on a side CUDA stream: a block's device-to-host
@@ -74,10 +74,12 @@ class _Region:
     """One block's forward on one micro-batch: the storages it saved, and the block before
     it in the same forward (prefetched in backward on a GPU)."""
 
-    __slots__ = ("block", "stored", "by_address", "hold", "prev", "restored")
+    __slots__ = ("params", "stored", "by_address", "hold", "prev", "restored")
 
     def __init__(self, block: nn.Module, prev: "_Region | None"):
-        self.block, self.prev, self.restored = block, prev, False
+        self.prev, self.restored = prev, False
+        # the block's weights' storages, read as its forward starts (ZeRO-3 has gathered them)
+        self.params = {p.untyped_storage().data_ptr() for p in block.parameters()}
         self.stored: list[_Stored] = []
         self.by_address: dict[int, _Stored] = {}  # storage address -> its copy, in the forward
         self.hold: list[torch.Tensor] = []  # the device storages, until the forward ends
@@ -189,8 +191,7 @@ class ActivationOffload:
         region = self._region
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in {p.untyped_storage().data_ptr()
-                                  for p in region.block.parameters()}:
+        if nbytes == 0 or key in region.params:
             return t  # a parameter: the device keeps it anyway
         stored = region.by_address.get(key)
         if stored is not None and not stored.handles:  # released in the forward (its node
