@@ -7,7 +7,8 @@ steps with the blocks' saved tensors in the host pool give bitwise the losses, g
 norms, gradients and parameters of the same layout without it. The bytes each rank's
 offloader held in the host pool at its peak equal the planner's ``host`` bytes
 (:func:`edu3d.plan.estimate.activations_per_rank`) exactly, except where the text says why
-not (MoE routing, ZB-H1's last stage); and the options are refused before launch in one line.
+not (MoE routing, ZB-H1's last stage); the options are refused before launch in one line;
+and chapter 07's offload panel redraws at every position of its knobs.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import pytest
 import torch
 
 from edu3d.config.layout import Layout, LayoutError
+from edu3d.course import ch07_memory_offload as mo
 from edu3d.config.sections import Memory
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.offload_activations import apply_offload
 from edu3d.plan.estimate import estimate_for
+from edu3d.widgets.panels.ch07_memory import OffloadControls
 from tests.workers_3d import options
 from tests.workers_offload import compare, compare_many
 
@@ -95,6 +98,26 @@ def test_one_block_bitwise_and_counted():
     assert got["host_bytes"] == got["device_bytes"] == 0 < got["host_peak"] == got["moved_out"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pinned_side_stream_bitwise():
+    """On a GPU: pinned host buffers, copies on a side stream, the block before prefetched;
+    the gradients bitwise the plain model's, every byte back, the host pool empty after."""
+    ref = GPT(config_from("tiny", layers=3), seed=0).cuda()
+    model = copy.deepcopy(ref)
+    offload = apply_offload(model, Memory(offload_activations=True, offload_last=True))
+    idx = torch.randint(0, 256, (4, 64), device="cuda")
+    for m in (ref, model):
+        with offload.chain():  # the trainer opens one around each forward: prefetch
+            loss = m(idx)[0].float().square().mean()
+        loss.backward()
+    torch.cuda.synchronize()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    got = offload.read()
+    assert got["moved_out"] == got["moved_in"] > 0 and got["host_bytes"] == 0
+    assert got["device_peak"] < got["host_peak"]  # never every block back at once
+
+
 @pytest.mark.parametrize("argv", [[], ["--recompute", "selective"], ["--recompute", "full"],
                                   ["--microbatches", "2", "--precision", "bf16"]],
                          ids=["none", "selective", "full", "bf16 m2"])
@@ -144,3 +167,42 @@ def test_launched_layouts_bitwise_and_host_bytes_are_the_planners():
                 assert measured == host, (name, rank)
             else:
                 assert abs(measured - host) <= 0.3 * host, (name, rank)
+
+
+def _fake_sweep() -> dict:
+    """A sweep's shape (:func:`edu3d.course.ch07_memory_offload.sweep`), hand-made: a
+    forward that saves 3 units per block and a backward that frees them."""
+    def doc(mode: str, m: int) -> dict:
+        moved = "offload" in mode
+        device = [0, 3, 6, 3, 0] if not moved else [0, 1, 1, 1, 0]
+        host = [0, 2, 5, 2, 0] if moved else [0] * 5
+        samples = [{"activations": d * 1000 // m, "host": h * 1000 // m, "phase": p}
+                   for d, h, p in zip(device, host, ["forward"] * 3 + ["backward"] * 2)]
+        plan = {"activations": max(device) * 1000 // m, "transient": 0,
+                "host": max(host) * 1000 // m, "total": 9000}
+        return {"ranks": [{"rank": 0, "coord": [0, 0, 0], "samples": samples,
+                           "peak": {"total": 9000}, "peak_of": {"activations": plan["activations"]},
+                           "offload": {"host_peak": plan["host"], "moved_out": 5000,
+                                       "moved_in": 5000}}],
+                "planner": {"peak": {"per_stage": [plan]}}}
+
+    return {"docs": {(k, m): doc(k, m) for m in mo.MICROBATCHES for k in mo.MODES},
+            "bench": {"results": [{"name": f"4 blocks {row}", "slowdown": 1.0 + i / 4}
+                                  for i, row in enumerate(mo.BENCH_ROWS.values())]}}
+
+
+def test_offload_panel_every_knob_redraws():
+    """The chapter's offload panel, headless, on a hand-made sweep: every position of its two
+    knobs draws a figure, and the figures differ across each knob's range."""
+    ctl = OffloadControls(_fake_sweep())
+    assert set(ctl.knobs()) == {"microbatches", "compare"}
+    for key, knob in ctl.knobs().items():
+        drawn = set()
+        for value in knob.options:
+            ctl.redraw(**{key: value})
+            drawn.add(ctl.figure.to_json())
+        assert len(drawn) == len(knob.options), key
+    ctl.redraw(compare="offload vs none", microbatches=1)
+    names = [t.name for t in ctl.figure.data]
+    assert names == ["none: on the device", "offload: on the device",
+                     "offload: in the host pool"], names
