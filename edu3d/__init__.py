@@ -31,7 +31,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       ep/       dispatch placement   expert parallelism
     ckpt/       format checkpointer reshard export untrusted blobs bounds manifest_schema
                                      sharded checkpoints, resharding
-    plan/       formulas estimate search fit zero_modes inventory hardware published
+    plan/       formulas estimate search fit zero_modes inventory hardware published moe_presets
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
     launch/     api agent supervise worker procs runs rank_files heartbeat cores magic status live
