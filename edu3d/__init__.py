@@ -34,7 +34,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     plan/       formulas estimate search fit zero_modes inventory hardware published moe_presets
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
-    launch/     api agent supervise worker procs runs rank_files heartbeat cores magic status live
+    launch/     api agent supervise worker procs runs run_files heartbeat cores magic status live
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
     config/     layout sections   what a run is: the layout and its rank order, the Run in sections
