@@ -43,6 +43,8 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
    in lines a screen shows whole.
 9. One function cuts a global batch into a rank's micro-batches (`edu3d.train.cut.cut`):
    no other core module imports or calls the cuts it composes.
+10. `edu3d train`'s checks run once, in the pre-flight: the command and the rank side import
+   none of its `check_*` functions.
 
 Each rule is a test on this checkout, or on another tree named by $EDU3D_HOUSE_ROOT
 (`EDU3D_HOUSE_ROOT=/path/to/edu3d python -m pytest tests/test_house.py`), and each checker is
@@ -604,6 +606,38 @@ def test_one_function_cuts_a_batch(house):
           f"Cut a batch with {BATCH_CUTTER}.cut (or move the new cut there):")
 
 
+# ---------------------------------------------------------------- 10. one pre-flight
+
+PREFLIGHT = ("edu3d.train.preflight", "edu3d.train.axis_rules", "edu3d.train.pipeline_rules")
+PREFLIGHT_CALLERS = ("edu3d.commands", "edu3d.train.loop", "edu3d.train.trainer")
+
+
+def find_checks_outside_the_preflight(house: House) -> list[str]:
+    """`edu3d train`'s checks run once, before launch: the command and the rank side
+    (edu3d/commands/, train/loop.py, train/trainer.py) call `preflight()` and trust the
+    checked run it returns; none of them imports one of its `check_*` functions."""
+    out = []
+    for m in house.modules:
+        if not _within(m, *PREFLIGHT_CALLERS):
+            continue
+        for imp in house.imports(m):
+            checks = [n for n in imp.names if _within(n, *PREFLIGHT)
+                      and n.rpartition(".")[2].startswith("check_")]
+            if checks:
+                out.append(f"{house.where(m, imp.line)}: imports {checks[0]}")
+        for node in ast.walk(house.modules[m].tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("check_") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "preflight":
+                out.append(f"{house.where(m, node.lineno)}: reads preflight.{node.attr}")
+    return sorted(out)
+
+
+def test_the_checks_run_once_in_the_preflight(house):
+    check(find_checks_outside_the_preflight(house),
+          "Call edu3d.train.preflight.preflight(run) once, before launch, and trust the checked "
+          "run; no second check on the command or the rank side:")
+
+
 # ---------------------------------------------------------------- 8. the map equals the land
 
 def tree_listing(house: House) -> dict[str, set[str]]:
@@ -908,7 +942,7 @@ FINDERS = [find_loose_modules, find_cycles, find_packages_without_layer, find_up
            find_repeated_names, find_chapters_without_notebook, find_unexplained_local_imports,
            find_namespace_config, find_readme_differences, find_docstring_differences,
            find_graders_not_named_by_chapter, find_batch_cuts_outside_the_cutter,
-           find_wide_map_lines]
+           find_wide_map_lines, find_checks_outside_the_preflight]
 
 
 
@@ -1232,3 +1266,18 @@ def test_meta_wide_map_lines(tmp_path):
     wide = '"""The tree.\n\n    edu3d/    cli ' + "x" * 90 + '   the face\n"""\n'
     assert find_wide_map_lines(toy(tmp_path, {"edu3d/__init__.py": wide})) == [
         "edu3d/__init__.py:3: 119 characters"]
+
+
+def test_meta_checks_outside_the_preflight(tmp_path):
+    h = toy(tmp_path, {
+        "edu3d/train/preflight.py": "def preflight(run):\n    return run\n\n\n"
+                                    "def check_args(run):\n    return run\n",
+        "edu3d/train/loop.py": "from edu3d.train.preflight import check_args, preflight\n",
+        "edu3d/commands/train.py": "from edu3d.train import preflight\n"
+                                   "from edu3d.train.preflight import check_args\n\n\n"
+                                   "def main(run):\n    preflight.check_args(run)\n",
+        "edu3d/course/ch01_collectives.py": "from edu3d.train.preflight import check_args\n"})
+    assert find_checks_outside_the_preflight(h) == [
+        "edu3d/commands/train.py:2: imports edu3d.train.preflight.check_args",
+        "edu3d/commands/train.py:6: reads preflight.check_args",
+        "edu3d/train/loop.py:1: imports edu3d.train.preflight.check_args"]
