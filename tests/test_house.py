@@ -45,6 +45,8 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
    no other core module imports or calls the cuts it composes.
 10. `edu3d train`'s checks run once, in the pre-flight: the command and the rank side import
    none of its `check_*` functions.
+11. The launcher never imports the per-rank wrapper (`edu3d/launch/worker.py`; only a warm
+   rank's wrapper does): a run folder's names and readers are `edu3d/launch/run_files.py`'s.
 
 Each rule is a test on this checkout, or on another tree named by $EDU3D_HOUSE_ROOT
 (`EDU3D_HOUSE_ROOT=/path/to/edu3d python -m pytest tests/test_house.py`), and each checker is
@@ -638,6 +640,29 @@ def test_the_checks_run_once_in_the_preflight(house):
           "run; no second check on the command or the rank side:")
 
 
+# ---------------------------------------------------------------- 11. the run folder's rules
+
+RANK_WRAPPER = "edu3d.launch.worker"
+WARM_WRAPPER = "edu3d.launch.warm.rank"  # a warm rank runs each job as the cold wrapper does
+
+
+def find_imports_of_the_rank_wrapper(house: House) -> list[str]:
+    """The per-rank wrapper (edu3d/launch/worker.py) is what each rank runs, not a library:
+    the launcher and everyone else take a run folder's names and readers from
+    edu3d/launch/run_files.py, so only the other rank-side wrapper (a warm rank,
+    edu3d/launch/warm/rank.py) imports it."""
+    return sorted(f"{house.where(m, imp.line)}: imports {RANK_WRAPPER}"
+                  for m in house.modules if m not in (RANK_WRAPPER, WARM_WRAPPER)
+                  for imp in house.imports(m)
+                  if any(_within(n, RANK_WRAPPER) for n in imp.names))
+
+
+def test_only_the_ranks_import_the_rank_wrapper(house):
+    check(find_imports_of_the_rank_wrapper(house),
+          "Take a run folder's names and readers from edu3d.launch.run_files, not from the "
+          "per-rank wrapper:")
+
+
 # ---------------------------------------------------------------- 8. the map equals the land
 
 def tree_listing(house: House) -> dict[str, set[str]]:
@@ -942,7 +967,8 @@ FINDERS = [find_loose_modules, find_cycles, find_packages_without_layer, find_up
            find_repeated_names, find_chapters_without_notebook, find_unexplained_local_imports,
            find_namespace_config, find_readme_differences, find_docstring_differences,
            find_graders_not_named_by_chapter, find_batch_cuts_outside_the_cutter,
-           find_wide_map_lines, find_checks_outside_the_preflight]
+           find_wide_map_lines, find_checks_outside_the_preflight,
+           find_imports_of_the_rank_wrapper]
 
 
 
@@ -1281,3 +1307,13 @@ def test_meta_checks_outside_the_preflight(tmp_path):
         "edu3d/commands/train.py:2: imports edu3d.train.preflight.check_args",
         "edu3d/commands/train.py:6: reads preflight.check_args",
         "edu3d/train/loop.py:1: imports edu3d.train.preflight.check_args"]
+
+
+def test_meta_imports_of_the_rank_wrapper(tmp_path):
+    h = toy(tmp_path, {"edu3d/launch/worker.py": "PREFIX = '[rank {}] '\n",
+                       "edu3d/launch/agent.py": "from edu3d.launch.worker import PREFIX\n",
+                       "edu3d/launch/live.py": "import edu3d.launch.worker\n",
+                       "edu3d/launch/warm/rank.py": "from edu3d.launch import worker\n"})
+    assert find_imports_of_the_rank_wrapper(h) == [
+        "edu3d/launch/agent.py:1: imports edu3d.launch.worker",
+        "edu3d/launch/live.py:1: imports edu3d.launch.worker"]
