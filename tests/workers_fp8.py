@@ -9,7 +9,8 @@ from edu3d.commands.train import parse
 from edu3d.config.sections import Run
 from edu3d.distributed import trace
 from edu3d.model.gpt import GPT
-from edu3d.parallel.fp8 import apply_fp8, end_step
+from edu3d.parallel.fp8 import apply_fp8, end_step, split_units
+from edu3d.parallel.fp8.fp8_linear import BLOCK_LINEARS
 from edu3d.parallel.fp8.fp8_linear import to_fp8
 from edu3d.parallel.tp import ColumnParallelLinear, RowParallelLinear, ops, shard
 from edu3d.train.data import SyntheticCorpus
@@ -17,6 +18,8 @@ from edu3d.train.loop import reference_microbatches, train_step
 from edu3d.train.optim import make_optimizer
 from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
+from edu3d.parallel.zero.sharding import Zero
+from edu3d.parallel.zero.units import model_units
 
 SGD = ["--optimizer", "sgd", "--lr", "0.1"]
 
@@ -94,8 +97,11 @@ def parity_many(mesh, argvs: list[list[str]], refs: list[dict]) -> list[dict]:
 
 
 def gather_bytes(mesh, cases: dict) -> dict:
-    """One ZeRO-3 step per case (``name -> argv``), traced as ``case=name``; returns each
-    case's unit sizes: ``[(name, numel, padded)]`` of this rank's units."""
+    """One ZeRO-3 step per case (``name -> argv``) on the trainer, traced as ``case=name``,
+    and the control ``case="bf16"``: the first case's model without FP8 layers, its units
+    cut as FP8 cuts them, under FSDP2's mixed-precision policy (``param_dtype=bf16``: every
+    gather in 2 bytes), one forward and backward. Returns each case's units
+    ``[(name, numel, padded)]`` in ZeRO's order (the trace's ``chunk``)."""
     out = {}
     for name, argv in cases.items():
         args = options(argv)
@@ -105,6 +111,18 @@ def gather_bytes(mesh, cases: dict) -> dict:
         with trace.current().context(case=name):
             trainer.step(x, y, 1)
         out[name] = [(u.name, u.numel, u.padded) for u in trainer.par.zero.units]
+    args = options(next(iter(cases.values())))
+    config = model_config(args)
+    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, 8)
+    model = GPT(config, seed=0)
+    weights = {getattr(getattr(b, part), attr).weight for b in model.blocks
+               for part, attr in BLOCK_LINEARS}
+    zero = Zero(model, mesh.group("dpcp"), 3, units=split_units(model_units(model), weights),
+                reduce_scatter=True, param_dtype=torch.bfloat16)
+    with trace.current().context(case="bf16"):
+        model(x[:4], y[:4])[1].float().backward()
+        zero.finish()
+    out["bf16"] = [(u.name, u.numel, u.padded) for u in zero.units]
     return out
 
 

@@ -26,7 +26,8 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   activations (its blocks' products cast their operands on the fly) plus each FP8 layer's
   scales (:func:`~edu3d.plan.formulas.fp8_scale_bytes`); a real model is counted as bf16
   (torchtitan's FP8 runs inside a bf16 model). ZeRO-3 gathers the FP8 weights in 1 byte
-  (:func:`zero3_gather_bytes`);
+  (:func:`zero3_gather_bytes`) and its matrix products run at the profile's FP8 rate
+  (:func:`edu3d.plan.hardware.matmul_rate`);
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
   at its start) and ZeRO's unit in flight (:func:`~edu3d.plan.zero_modes.in_flight_bytes`);
 * **frozen parameters** (``run.memory.freeze``, ``--freeze``'s globs over the serial names): their

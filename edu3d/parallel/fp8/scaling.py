@@ -84,7 +84,8 @@ def amax_to_scale(a: torch.Tensor, fmt: torch.dtype, power_of_two: bool = False)
 
 def cast(t: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     """``fp8(clamp(t·s))``: saturating, as torchao casts (PyTorch's own cast of an
-    out-of-range number gives NaN in E4M3, inf in E5M2)."""
+    out-of-range number saturates in E4M3 on a CPU but gives inf in E5M2); inside the range
+    it is torch's round-to-nearest-even (``tests/test_fp8.py``)."""
     big = fmax(fmt)
     return (t.float() * scale).clamp(-big, big).to(fmt)
 
