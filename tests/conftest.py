@@ -97,6 +97,7 @@ SLOW_FILES = {
     "tests/test_impl_torch.py", "tests/test_freeze.py", "tests/test_batching.py",
     "tests/test_zero_grad_reduce.py", "tests/test_recompute.py", "tests/test_precision.py",
     "tests/test_multinode.py", "tests/test_launch_hardening.py", "tests/test_failures.py",
+    "tests/test_fp8_parity.py",
     "tests/test_pool.py", "tests/test_zygote.py", "tests/test_grading.py",
     "tests/test_grade_robust.py", "tests/test_hints_tiered.py", "tests/test_wrong_answers.py",
     "tests/test_every_control.py", "tests/test_compile.py",
