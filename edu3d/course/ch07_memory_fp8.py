@@ -14,8 +14,8 @@ After reading this file you should know where each number of the section comes f
   emulated in FP8, :mod:`edu3d.parallel.fp8`) for a few AdamW steps, each traced as its
   own case, then the **control**: the same model under FSDP2's mixed-precision policy
   (``param_dtype=bf16``, every gather in 2 bytes) with its units cut as FP8 cuts them, one
-  forward and backward (and once more in fp32, ``param_dtype=None``). It returns the losses and, from the trace, the bytes one gather of
-  each ZeRO-3 unit filled;
+  forward and backward (and once more in fp32, ``param_dtype=None``). It returns the
+  losses and, from the trace, the bytes one gather of each ZeRO-3 unit filled;
 * :func:`loss_gaps` measures how far bf16's and FP8's curves sit from fp32's (the relative
   gap, averaged over the last steps and at its worst): measured, not hidden;
 * :func:`gather_table` sets the blocks' linear weights' bytes per gather in FP8 beside the
