@@ -35,8 +35,8 @@ def scale_error_figure(report: dict):
     fig.update_yaxes(type="log", range=[-4.2, 0.3])
     return style.frame(fig, "One tensor cast to E4M3: each row's error",
                        "one scale for the tensor flushes the small rows to 0; one per row keeps "
-                       "3 mantissa bits in every row", x="the row's largest magnitude",
-                       y="relative error of the row")
+                       "3 mantissa bits in every row", x="the row's largest magnitude (|x|, log)",
+                       y="relative error of the row (log)")
 
 
 def loss_curves_figure(losses: dict, gaps: dict):
@@ -54,8 +54,8 @@ def loss_curves_figure(losses: dict, gaps: dict):
                 x=steps, y=[abs(a - b) / abs(b) for a, b in zip(curve, ref)], mode="lines",
                 name=f"{p} gap (mean of the last steps {gaps[p]['mean']:.1e})",
                 line={"color": color, "dash": "dot"}), row=2, col=1)
-    fig.update_yaxes(title_text="loss", row=1, col=1)
-    fig.update_yaxes(title_text="|loss - fp32| / fp32", type="log", row=2, col=1)
+    fig.update_yaxes(title_text="loss (nats)", row=1, col=1)
+    fig.update_yaxes(title_text="gap to fp32 (relative)", type="log", row=2, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
     return style.frame(fig, "The same run in fp32, bf16 and FP8 (ZeRO-3, dp=2)",
                        "the curves overlap; their gap to fp32, measured at every step, is "
@@ -87,4 +87,4 @@ def gather_bytes_figure(table: dict):
     fig.update_layout(barmode="overlay")
     return style.frame(fig, "One ZeRO-3 all-gather, bytes by precision (dp=2, gloo)",
                        "the FP8 weights travel in 1 byte: half of bf16's 2, a quarter of fp32's",
-                       y="KiB per gather", height=420)
+                       y="bytes per gather (KiB)", height=420)
