@@ -43,6 +43,8 @@ LAYOUTS = {  # grouped by world size: one launch each; four serial references be
     "dp2 zero3 delayed prefetch": "--dp 2 --zero 3 --fp8-recipe delayed --prefetch",
     "dp2 zero2 rowwise": "--dp 2 --zero 2 --fp8-scaling rowwise",
     "dp2 zero3 rowwise": "--dp 2 --zero 3 --fp8-scaling rowwise",
+    "dp2 zero3 recompute selective": "--dp 2 --zero 3 --recompute selective",
+    "dp2 zero2 offload recompute full": "--dp 2 --zero 2 --offload --recompute full",
     "pp2 delayed": "--pp 2 --microbatches 2 --fp8-recipe delayed",
     "tp2 sp m2": "--tp 2 --sp --microbatches 2",
     "tp2 rowwise m2": "--tp 2 --fp8-scaling rowwise --microbatches 2",

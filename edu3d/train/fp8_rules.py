@@ -4,9 +4,9 @@ After reading this file you can say which runs train in FP8 and why each refusal
 (:mod:`edu3d.parallel.fp8` has the mechanics):
 
 * FP8 composes with data parallelism, ZeRO 1/2/3 (ZeRO-3 gathers tensorwise weights in
-  FP8), tensor and sequence parallelism, every pipeline schedule, micro-batches,
-  recomputation, offload, frozen parameters and ``--compile``; each is proven equal to
-  the emulated serial FP8 run (tests/test_fp8_parity.py);
+  FP8), tensor and sequence parallelism, pipelines, micro-batches, recomputation and
+  offload, each proven equal to the emulated serial FP8 run (tests/test_fp8_parity.py);
+  frozen parameters and ``--compile`` are accepted but not in that matrix;
 * refused: a mixture of experts (its experts' products are not FP8 here, and their token
   groups change with the layout), context parallelism (a tensorwise amax would have to be
   reduced over the sequence's ranks too), ``--tp-overlap`` (its overlap lives inside TP's
