@@ -58,11 +58,11 @@ SLOWEST_FIRST = (
     "tests/test_browser.py",            # 362: every chapter in Chromium
     "tests/test_browser_exercises.py",  # 122: every exercise in Chromium
     "tests/test_fp8_parity.py",         # 123 loaded: 13 FP8 layouts, four serial references
+    "tests/test_fp8.py",                # 78 loaded: ZeRO-3's FP8 bytes, the planner's run
     "tests/test_multinode.py",          # 60 idle (160 loaded): two 4-rank nodes, twice
     "tests/test_launch_hardening.py",   # 66
     "tests/test_failures.py",           # 60
     "tests/test_grading.py",            # 60: edu3d grade on every untouched stub
-    "tests/test_fp8.py",                # 78 loaded: ZeRO-3's FP8 bytes, the planner's run
     "tests/test_pool.py",               # 58
     "tests/test_3d_parity.py",          # 42
     "tests/test_launch.py",             # 40
