@@ -44,7 +44,8 @@ After reading this file you should understand:
   (the block stays on the device between the two, as it would without offloading).
 
 What it saves, per stage and micro-batch, and what it moves:
-:func:`edu3d.plan.estimate.stage_activation_bytes` (``where="device"`` or ``"host"``).
+:func:`edu3d.plan.estimate.stage_activation_bytes` (``where="device"`` or ``"host"``), split by
+:mod:`edu3d.plan.host_pool`.
 """
 
 from __future__ import annotations

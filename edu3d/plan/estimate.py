@@ -16,14 +16,18 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   stage's LayerNorm, head input and fp32 logits; times the micro-batches the schedule keeps
   alive at once, found by replaying the schedule (:func:`edu3d.schedules.simulate.simulate`):
   1F1B keeps up to ``p`` on the first stage, GPipe all ``m``, interleaved a little more than
-  1F1B. ``--offload-activations`` moves the chosen blocks' bytes (not each stage's input) to
-  the host pool (``host``, outside the device's total); the peak's ``transient`` holds one
-  of them again for its backward (two on a GPU, which prefetches the next);
+  1F1B;
 * **at rest and at the peak**: after the optimizer step ZeRO-2/3 hold gradient (and ZeRO-3
   weight) shards only; during the step ``grad_reduce="per-step"`` keeps a stage's full
   gradients (and ZeRO-3 its gathered weights) while its micro-batches run, and
   ``"per-microbatch"`` (the default) only the shards (:mod:`edu3d.plan.zero_modes`). The
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
+* **FP8** (``--precision fp8``): this course's GPT keeps fp32 weights, gradients and
+  activations (its blocks' products cast their operands on the fly) plus each FP8 layer's
+  scales (:func:`~edu3d.plan.formulas.fp8_scale_bytes`); a real model is counted as bf16
+  (torchtitan's FP8 runs inside a bf16 model). ZeRO-3 gathers the FP8 weights in 1 byte
+  (:func:`zero3_gather_bytes`) and its matrix products run at the profile's FP8 rate
+  (:func:`edu3d.plan.hardware.matmul_rate`);
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
   at its start) and ZeRO's unit in flight (:func:`~edu3d.plan.zero_modes.in_flight_bytes`);
 * **frozen parameters** (``run.memory.freeze``, ``--freeze``'s globs over the serial names): their
@@ -44,21 +48,24 @@ in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.co
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from edu3d.config.sections import Batch, Memory, Precision, Run, Training
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
+from edu3d.plan.host_pool import brought_back, split
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
-from edu3d.plan.inventory import check_freeze, frozen_held, held, shape_of, units  # noqa: F401
+from edu3d.plan.inventory import (check_freeze, frozen_held, held, named_units,  # noqa: F401
+                                  shape_of, units)
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks, placement, stage_rank
 from edu3d.schedules.simulate import simulate
+from edu3d.model.param_globs import frozen
 from edu3d.model.shapes import ModelSpec, spec_from
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 CP_IMPLS = ("ring", "allgather", "ulysses")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
 MAX_GPUS, MAX_LAYERS, MAX_EXPERTS = 2**20, 1024, 4096  # what the estimator takes (so that
 MAX_REPLAY = 8192  # it answers in a second): interleaved replays of pp=32 x vpp=2 at most
@@ -150,6 +157,12 @@ def _autocast(spec: ModelSpec, run: Run) -> bool:  # a course model in 16 bits: 
     return spec.course and run.precision.dtype != "fp32"
 
 
+def _fp32_numbers(spec: ModelSpec, run: Run) -> bool:
+    """Whether what the step keeps is fp32: fp32 training, or FP8 on this course's GPT (only
+    its blocks' products are FP8; real models run FP8 inside bf16, torchtitan's recipe)."""
+    return run.precision.dtype == "fp32" or spec.course and run.precision.dtype == "fp8"
+
+
 # ---- parameters per rank: units, held, frozen_held (edu3d.plan.inventory) ----------------------
 def state_per_rank(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
@@ -185,25 +198,20 @@ def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -
 
 
 # ---- activations per rank ------------------------------------------------------------------------
-def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
-    """Bytes one micro-batch keeps for backward on each global stage (``/cp``), on the
-    device or (``"host"``) in the host pool (``--offload-activations``)."""
-    return [parts[where] for parts in _stage_activations(spec, run)]
-
-
 @lru_cache(maxsize=4096)
-def _stage_activations(spec: ModelSpec, run: Run) -> tuple[dict, ...]:
-    """Per global stage: ``device`` and ``host`` bytes of one micro-batch, ``block``, the
-    largest offloaded block's host bytes (what backward brings back at once), and ``moved``,
-    how many blocks are offloaded."""
+def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> tuple[float, ...]:
+    """Bytes one micro-batch keeps for backward on each global stage (``/cp``), on the device
+    or as :func:`edu3d.plan.host_pool.split` says (``"host"``: --offload-activations's)."""
     lay, par = run.layout, run.parallel
     s, b, h, a, t = spec.seq_len, run.micro_batch, spec.d_model, spec.n_heads, lay.tp
     spec = as_moe(spec)
     rec = None if run.memory.recompute == "none" else run.memory.recompute
     parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
     sp = par.sp and t > 1
-    if spec.course and run.precision.dtype == "fp32":
+    if spec.course and _fp32_numbers(spec, run):
         layer = memory.layer_activation_bytes(s, b, h, a, t, sp, run.memory.recompute)
+        if run.precision.dtype == "fp8" and run.memory.recompute != "full":
+            layer += memory.fp8_scale_bytes(s, b, h, t, run.precision.fp8_scaling)
         ids = 8 * run.batch.global_batch * s  # a view into the global batch keeps its whole storage
         if t > 1:  # the vocabulary-parallel embedding keeps its local ids and mask
             first = 9 * s * b + 8 * s
@@ -229,32 +237,15 @@ def _stage_activations(spec: ModelSpec, run: Run) -> tuple[dict, ...]:
         last = 4 * s * b * h / (t if sp else 1) + 4 * s * b * spec.vocab_rows(t)
     moe = layer  # a MoE block: the dense MLP half's count out, the MoE half's in
     if spec.moe_layers and run.memory.recompute != "full":
-        exact = spec.course and run.precision.dtype == "fp32"
+        exact = spec.course and _fp32_numbers(spec, run)
         vb, drop = (4, False) if exact else (2, not spec.course)
         moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
                                                   drop) / (t if sp else 1)
         moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
-    moved = set(run.memory.offloaded(spec.n_layers))
-    # the stage's input stays: a leaf the pipeline engine holds (every stage's but the
-    # first's, and the first's too where a split backward (I, W) detaches the embedding)
-    kept = _residual_bytes(spec, run) * s * b * h / (t if sp else 1)
-    split = moved and any(a.kind == "I" for a in build(par.schedule, 1, 2, chunks(
-        par.schedule, 1))[0])
-    out = []
-    for i, (lo, hi) in enumerate(parts):
-        blocks = [moe if spec.is_moe(j) else layer for j in range(lo, hi)]
-        host = [blocks[j - lo] - (kept if j == lo and (i or split) else 0)
-                for j in range(lo, hi) if j in moved]
-        device = sum(blocks) - sum(host) + (first if i == 0 else 0) + (
-            last if i == len(parts) - 1 else 0)
-        out.append({"device": device / lay.cp, "host": sum(host) / lay.cp,
-                    "block": max(host, default=0.0) / lay.cp, "moved": len(host)})
-    return tuple(out)
-
-
-def _residual_bytes(spec: ModelSpec, run: Run) -> int:
-    """Bytes per value of the residual stream (fp32 under edu3d's autocast too)."""
-    return 4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2
+    kept = (4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2) * s * b * h / (
+        t if sp else 1)  # the stage's input (edu3d.plan.host_pool)
+    return tuple(p[where] for p in split(run, parts, [moe if spec.is_moe(j) else layer for j in
+                                                      range(spec.n_layers)], kept, first, last))
 
 
 @lru_cache(maxsize=512)
@@ -269,8 +260,7 @@ def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
 
 
 def activations_per_rank(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
-    """Peak activation bytes of each pipeline rank over the step's schedule (on the device,
-    or in the host pool: ``where="host"``)."""
+    """Peak activation bytes of each pipeline rank over the step's schedule (or ``"host"``)."""
     lay, par = run.layout, run.parallel
     per_stage = stage_activation_bytes(spec, run, where)
     v = chunks(par.schedule, lay.vpp)
@@ -289,7 +279,7 @@ def comm_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     buffers (ring: the chunk in flight and the next, ``2·2(s/cp)b·kv_h/t``; all-gather: the
     gathered ``2sb·kv_h/t``), EP a dispatch and a combine buffer of ``k·(s/cp)·b·h``."""
     lay, par = run.layout, run.parallel
-    act = _residual_bytes(spec, run)
+    act = 4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2  # the residual stream
     tokens = run.micro_batch * spec.seq_len / lay.cp
     msg = act * tokens * spec.d_model / (lay.tp if par.sp else 1)
     directions = (pp_rank > 0) + (pp_rank < lay.pp - 1) if lay.pp > 1 else 0
@@ -314,25 +304,19 @@ def _biggest_unit(spec: ModelSpec, run, pp_rank: int) -> int:
 def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     """The loss's backward on the last pipeline rank holds the logits' gradient for a moment
     (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
-    allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``).
-    Or, if more, an offloaded block brought back for its backward and, on a GPU, the one
-    before it, prefetched (a CPU copies synchronously: one block)."""
+    allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
     lay = run.layout
-    style = placement(run.parallel.schedule)
     # a V's last stage sits on rank 0
-    last = stage_rank(2 * lay.pp - 1, lay.pp, style)
-    logit = (4 if run.precision.dtype == "fp32" else 2) * (pp_rank == last)
-    back = max((p["block"] * min(2, p["moved"]) for st, p in
-                enumerate(_stage_activations(spec, run)) if stage_rank(st, lay.pp, style)
-                == pp_rank), default=0.0)
+    last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))
+    logit = (4 if _fp32_numbers(spec, run) else 2) * (pp_rank == last)
     return max(float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp,
-               back)
+               brought_back(partial(stage_activation_bytes, spec, run), run, pp_rank))  # offload
 
 
 def activation_model(spec: ModelSpec, run: Run) -> str:
     """Which count the estimate's activations use."""
-    if spec.course and run.precision.dtype == "fp32":
-        return "edu3d's GPT in fp32 (exact)"
+    if spec.course and _fp32_numbers(spec, run):
+        return f"edu3d's GPT in {run.precision.dtype} (exact)"
     return ("edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)" if _autocast(spec, run)
             and run.layout.tp == 1 else "Korthikanti et al. 2022, 16-bit")
 
@@ -358,27 +342,42 @@ def _fullest_states(spec: ModelSpec, run: Run, at: str) -> tuple[dict, ...]:
 def estimate(spec: ModelSpec, run: Run, at: str = "peak") -> dict:
     """Bytes per rank by category for every pipeline rank (``per_stage``), and the most loaded
     one's at the top level (``params_bytes`` ... ``total_bytes``; ``state_bytes``: weights,
-    gradients and optimizer state, the ZeRO paper's count; ``host_bytes``: the activations
-    ``--offload-activations`` keeps in host memory, outside the total)."""
+    gradients and optimizer state, the ZeRO paper's count)."""
     validate(spec, run)
-    acts = activations_per_rank(spec, run)
-    host = activations_per_rank(spec, run, "host")
+    acts, host = activations_per_rank(spec, run), activations_per_rank(spec, run, "host")
     per_stage, states = [], _fullest_states(spec, _state_setup(run), at)
     for r in range(run.layout.pp):
-        row = {"pp_rank": r, **states[r], "activations": acts[r],
+        row = {"pp_rank": r, **states[r], "activations": acts[r], "host": host[r],
                "comm": comm_per_rank(spec, run, r) if at == "peak" else 0.0,
                "transient": transient_per_rank(spec, run, r) if at == "peak" else 0.0}
         row["total"] = sum(row[c] for c in CATEGORIES)
-        row["host"] = host[r]  # offloaded activations: host memory, not in the total
         per_stage.append(row)
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], state_bytes=sum(top[c] for c in CATEGORIES[:3]),
-               host_bytes=top["host"],
-               fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
+               fullest_pp_rank=top["pp_rank"], per_stage=per_stage, host_bytes=top["host"],
                num_params=spec.num_params(), activation_model=activation_model(spec, run),
                active_params=as_moe(spec).active_params())
     return out
+
+
+FP8_WEIGHTS = (".attn.qkv.weight", ".attn.proj.weight", ".mlp.fc.weight", ".mlp.proj.weight")
+
+
+def zero3_gather_bytes(spec: ModelSpec, run: Run, pp_rank: int = 0) -> int:
+    """Bytes one all-gather of all of pipeline rank ``pp_rank``'s ZeRO-3 units fills, as the
+    trace records it (:func:`edu3d.plan.zero_modes.gather_bytes`; forward and backward each
+    gather once per micro-batch, or once per step with ``grad_reduce="per-step"``): fp32
+    weights on this course's GPT (2 bytes on a real model), and under ``--precision fp8``
+    with tensorwise scaling the blocks' linear weights in 1 byte (each block's in a unit of
+    their own, :mod:`edu3d.parallel.fp8.fp8_gather`)."""
+    lay, pb = run.layout, state_bytes(run.precision.dtype, run.training.optimizer,
+                                      _autocast(spec, run))[0]
+    fp8 = run.precision.dtype == "fp8" and run.precision.fp8_scaling == "tensorwise"
+    us = [(u, [(k, n.endswith(FP8_WEIGHTS) and ".experts." not in n) for n, k, _ in ts
+               if not frozen(n, run.memory.freeze)])
+          for u, ts in named_units(spec, run, pp_rank)]
+    return zero_modes.gather_bytes([u for u in us if u[1]], lay.dp * lay.cp, pb, fp8)
 
 
 def estimate_for(run: Run, at: str = "peak") -> dict:
