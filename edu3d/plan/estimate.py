@@ -199,9 +199,9 @@ def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -
 
 # ---- activations per rank ------------------------------------------------------------------------
 @lru_cache(maxsize=4096)
-def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> tuple[float, ...]:
+def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
     """Bytes one micro-batch keeps for backward on each global stage (``/cp``), on the device
-    or as :func:`edu3d.plan.host_pool.split` says (``"host"``: --offload-activations's)."""
+    or as :func:`edu3d.plan.host_pool.split` says (``"host"``); cached: read, never change."""
     lay, par = run.layout, run.parallel
     s, b, h, a, t = spec.seq_len, run.micro_batch, spec.d_model, spec.n_heads, lay.tp
     spec = as_moe(spec)
@@ -244,7 +244,7 @@ def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> 
         moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
     kept = (4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2) * s * b * h / (
         t if sp else 1)  # the stage's input (edu3d.plan.host_pool)
-    return tuple(p[where] for p in split(run, parts, [moe if spec.is_moe(j) else layer for j in
+    return list(p[where] for p in split(run, parts, [moe if spec.is_moe(j) else layer for j in
                                                       range(spec.n_layers)], kept, first, last))
 
 
