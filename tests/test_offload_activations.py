@@ -26,7 +26,7 @@ from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.offload_activations import apply_offload
 from edu3d.plan.estimate import estimate_for
-from edu3d.widgets.panels.ch07_memory import OffloadControls
+from edu3d.widgets.panels.ch07_memory_offload import OffloadControls
 from tests.workers_3d import options
 from tests.workers_offload import compare, compare_many
 

@@ -14,7 +14,7 @@ After reading this file you should know how to read the chart :func:`offload_fig
   backward), so the curves' rise and fall can be matched to the step.
 
 The numbers come from :func:`edu3d.course.ch07_memory_offload.curves`; the knobs are
-:class:`edu3d.widgets.panels.ch07_memory.OffloadControls`.
+:class:`edu3d.widgets.panels.ch07_memory_offload.OffloadControls`.
 """
 
 from __future__ import annotations

@@ -20,14 +20,13 @@ runs the tuning live and redraws from the new report.
 and ZeRO-2/3's gradient reduction redraw it at once
 (:func:`edu3d.widgets.memory_timeline.step_memory_figure`; **x** time or event index, **rank**
 the fullest or either one); a setting the sweep did not record says so, and "record it"
-runs it live on 2 ranks and keeps it. :class:`OffloadControls`: the same for offloading.
+runs it live on 2 ranks and keeps it.
 """
 
 from __future__ import annotations
 
 import ipywidgets as w
 
-from edu3d.course import ch07_memory_offload as offload
 from edu3d.course import ch07_memory_timeline as timeline
 from edu3d.course import ch07_memory_tune as tuning
 from edu3d.course.ch07_memory_plan import options, run
@@ -36,7 +35,6 @@ from edu3d.plan.estimate import setup, estimate, spec_of, validate
 from edu3d.launch.api import LaunchError
 from edu3d.widgets.memory_plan import stage_bars
 from edu3d.widgets.memory_timeline import step_memory_figure
-from edu3d.widgets.offload_curve import offload_figure
 from edu3d.widgets.tuning import VIEWS, tune_figure
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel
 
@@ -363,38 +361,3 @@ def timeline_controls(docs: dict, default: dict | None = None) -> TimelineContro
     """The chapter's timeline controls over ``docs`` (a sweep); ``.widget`` in JupyterLab,
     the static ``figure`` without a frontend."""
     return TimelineControls(docs, default)
-
-
-class OffloadControls(Panel):
-    """Knobs over :mod:`edu3d.course.ch07_memory_offload`'s sweep; the button records again."""
-
-    title, button, FIGURES = "Activations through one step (tiny, dp=2)", "record it", ("figure",)
-    COMPARE = {"offload vs none": ("none", "offload"),
-               "offload vs recompute": ("offload", "full recompute"), "all": tuple(offload.MODES)}
-
-    def __init__(self, res: dict, default: dict | None = None):
-        super().__init__({"microbatches": 1, "compare": "all", **(default or {})})
-        self.res, self.figure = {**res, "docs": dict(res["docs"])}, None
-        self.redraw()
-
-    def redraw(self, **changes) -> None:
-        self.state.update(changes)
-        m, shown = self.state["microbatches"], self.COMPARE[self.state["compare"]]
-        self.figure = offload_figure(
-            {k: v for k, v in offload.curves(self.res, m).items() if k in shown},
-            title=f"Activations through one step, {m} micro-batch(es), fullest rank",
-            takeaway=offload.takeaway(offload.table(self.res), m))
-
-    def run(self):
-        self.say(f"recording every mode at {self.state['microbatches']} micro-batch(es) ...")
-        try:
-            self.res["docs"].update(offload.record(self.state["microbatches"]))
-        except LaunchError as err:
-            return self.say(f"the run failed: {str(err)[:500]}")
-        self.redraw()
-        return self.res
-
-    def knobs(self) -> dict:
-        return {k: w.ToggleButtons(options=list(o), value=self.state[k], description=d)
-                for k, o, d in (("microbatches", offload.MICROBATCHES, "micro-batches"),
-                                ("compare", self.COMPARE, "compare"))}
