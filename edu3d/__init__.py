@@ -38,7 +38,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     config/     layout sections   what a run is: the layout and its rank order, the Run in sections
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
-    model/      gpt moe shapes param_globs config_schema
+    model/      gpt moe balance shapes param_globs config_schema
                                      the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data

@@ -87,17 +87,22 @@ class SyntheticCorpus:
         return walk
 
 
-def shard_rows(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Rows ``[index * n/count, (index+1) * n/count)`` of ``t``: data-parallel rank ``index``'s
-    share of a global batch of ``n`` rows."""
+def shard_rows(t: torch.Tensor, index: int, count: int, pieces: int = 1) -> torch.Tensor:
+    """Data-parallel rank ``index``'s share of a global batch of ``n`` rows: rows ``[index ·
+    n/count, (index+1) · n/count)``. With ``pieces`` > 1 the batch is first cut into that many
+    equal pieces (the step's micro-batches) and the rank takes its share of each, in order:
+    micro-batch j of every rank is then a share of the serial run's micro-batch j, which a
+    mixture of experts balanced over the whole step needs (``--aux-scope global``)."""
     rows = t.shape[0]
-    if rows % count:
-        raise ValueError(f"{rows} rows do not split evenly over {count} data-parallel ranks; "
-                         f"use a global batch that is a multiple of {count}")
+    if rows % (count * pieces):
+        raise ValueError(f"{rows} rows do not split evenly over {count} data-parallel ranks"
+                         + (f" x {pieces} micro-batches" if pieces > 1 else "")
+                         + f"; use a global batch that is a multiple of {count * pieces}")
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is outside 0..{count - 1}")
-    n = rows // count
-    return t[index * n:(index + 1) * n]
+    n = rows // (count * pieces)
+    shares = [p[index * n:(index + 1) * n] for p in t.chunk(pieces)]
+    return shares[0] if pieces == 1 else torch.cat(shares)
 
 
 def microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

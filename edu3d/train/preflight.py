@@ -34,7 +34,7 @@ from edu3d.launch import cores as launch_cores
 from edu3d.launch.api import NODE_OPTIONS, check_launch, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
-from edu3d.train.axis_rules import check_cp, check_moe
+from edu3d.train.axis_rules import aux_coef, aux_scope_note, check_cp, check_moe
 from edu3d.train.pipeline_rules import check_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
@@ -80,9 +80,8 @@ def preflight(run: Run, available: int | None = None) -> Checked:
         from edu3d.ckpt.format import check_ckpt_dir  # torch: the checkpoint's format
 
         resume_step = check_ckpt_dir(run, config)
-    warning = oversubscribed(lay)
-    return Checked(run, config, need, tuple(frozen), resume_step,
-                   (warning,) if warning else ())
+    warnings = tuple(w for w in (oversubscribed(lay), aux_scope_note(run)) if w)
+    return Checked(run, config, need, tuple(frozen), resume_step, warnings)
 
 
 def model_config(run: Run):
@@ -98,8 +97,8 @@ def model_config(run: Run):
     return dataclasses.replace(
         config, n_experts=m.experts, topk=m.topk, moe_every=m.moe_every,
         shared_experts=m.shared_experts, capacity_factor=m.capacity_factor,
-        aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef, balance=m.balance,
-        router_dtype=m.router_dtype)
+        aux_loss_coef=aux_coef(m), aux_scope=m.aux_scope, z_loss_coef=m.z_loss_coef,
+        balance=m.balance, router_dtype=m.router_dtype)
 
 
 # ---- the composition rules -----------------------------------------------------------------

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from edu3d.ckpt import reshard
 from edu3d.model.gpt import set_attention
-from edu3d.model.moe import MoE, set_aux_scale
+from edu3d.model.balance import set_aux_scale
+from edu3d.model.moe import MoE
 from edu3d.parallel.cp.sequence import split_batch
 from edu3d.distributed import trace
 from edu3d.train.batching import StepBatch
@@ -93,6 +94,9 @@ class Trainer:
         self.moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
         self.moe = {int(name.split(".")[-2]): m for name, m in self.par.module.named_modules()
                     if isinstance(m, MoE)}  # serial layer number -> this rank's MoE layer
+        # --aux-scope global: micro-batch j of the step is the serial run's micro-batch j,
+        # shared out over the data ranks, so its balance statistics are the serial ones
+        self._global_balance = bool(self.moe_layers) and config.aux_scope == "global"
 
     def _shard_optimizer(self, params: list) -> dict:
         """ZeRO's optimizer for ``params``: this run's rule, decay on matrices only."""
@@ -131,8 +135,9 @@ class Trainer:
         else:
             if self.device.type == "cuda" and x.device.type == "cpu":  # page-locked, async
                 x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
-            xs = shard_rows(x, self.dp_index, self.dp_size)
-            ys = shard_rows(y, self.dp_index, self.dp_size)
+            pieces = m if self._global_balance else 1  # its share of each micro-batch
+            xs = shard_rows(x, self.dp_index, self.dp_size, pieces)
+            ys = shard_rows(y, self.dp_index, self.dp_size, pieces)
             if self.cp_size > 1:  # this rank's pieces of every sequence
                 xs, ys = split_batch(xs, ys, self.cp_size, self.mesh.index("cp"),
                                      self.run.parallel.cp_split)
@@ -188,7 +193,7 @@ class Trainer:
         capacity limit, over all ranks and micro-batches (they add up to tokens x topk);
         ``dropped``: that layer's assignments the capacity limit dropped; ``aux_loss`` and
         ``z_loss``: means over layers and micro-batches (the load-balancing loss is 1 at
-        perfect balance, E when every token picks the same experts); ``ep_tokens``: under
+        perfect balance, E/k when every token picks the same k experts); ``ep_tokens``: under
         expert parallelism, tokens each rank of the first expert-parallel group sent to each
         (row: sender, column: receiver), for the first MoE layer."""
         n, experts = len(self.moe_layers), self.config.n_experts
