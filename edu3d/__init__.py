@@ -17,7 +17,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
-    train/      trainer loop preflight axis_rules pipeline_rules data documents batching optim faults publish step_stats memory_recorder cuda_memory
+    train/      trainer loop preflight axis_rules pipeline_rules data text documents batching optim faults publish step_stats memory_recorder cuda_memory
                                      one Trainer for every layout; one pre-flight
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync

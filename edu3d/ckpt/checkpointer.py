@@ -90,6 +90,14 @@ class Checkpointer:
         self.known: dict = {}  # rank 0, --incremental: step -> (manifest file identity, blobs)
 
     # ---- saving ---------------------------------------------------------------------------------
+    def _options(self) -> dict:
+        """The options a resumed run must agree on, as plain JSON values (the manifest's
+        rule): ``--freeze``'s globs as one comma-separated string."""
+        flat = self.run.flat()
+        out = {k: flat[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)}
+        out["freeze"] = ",".join(out["freeze"]) or None
+        return out
+
     def due(self, step: int) -> bool:
         return step == self.run.training.steps or bool(self.every and step % self.every == 0)
 
@@ -164,7 +172,7 @@ class Checkpointer:
                 "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
                 "steps": self.run.training.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: self.run.flat()[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
+                "options": self._options(),
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},

@@ -144,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="peak learning rate" + D)
     opt.add_argument("--global-batch", type=integer(1, POSITIVE, WIDE), default=8,
                      help="sequences per step, whatever the layout" + D)
+    opt.add_argument("--data", default="synthetic", metavar="synthetic|stdlib|text:PATH",
+                     help="what to train on: the synthetic Markov corpus (known best loss; "
+                          "the parity tests' data), stdlib (the Python standard library's "
+                          "own sources, on every machine) or text:PATH (a UTF-8 file or a "
+                          "folder of them); real text is read as bytes (vocabulary 256), "
+                          "prepared once into a memory-mapped token file" + D)
     opt.add_argument("--warmup", type=integer(0, "an integer >= 0", MAX_COUNT), default=0,
                      help="steps of linear learning-rate warmup" + D)
     opt.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
@@ -324,8 +330,8 @@ def trainer_class(run: Run):
 def add_subcommand(sub) -> argparse.ArgumentParser:
     """Register ``train`` on ``edu3d``'s subcommands."""
     p = sub.add_parser("train", help=HELP,
-                       description="Train the reference GPT on the synthetic corpus, serially "
-                                   "or on a parallel layout (dp * tp * pp ranks). With --json, "
+                       description="Train the reference GPT on the synthetic corpus (or real "
+                                   "text, --data), serially or on a parallel layout (dp * tp * pp ranks). With --json, "
                                    "stdout holds exactly one JSON object per step.")
     add_arguments(p)
     p.set_defaults(func=lambda namespace: main_from_args(namespace, p))

@@ -98,6 +98,7 @@ class Batch:
     """The global batch (the same tokens whatever the layout) and how it is cut."""
 
     global_batch: int = 8  # sequences per step
+    data: str = "synthetic"  # or "stdlib", "text:PATH": real text as bytes (edu3d.train.text)
     microbatches: int | None = None  # None: 1, or pp for a pipeline (Run.microbatches)
     batching: str = "fixed"  # or "pad", "bucket", "tokens", "pack"
     max_tokens: int | None = None  # tokens: each micro-batch's rows x longest at most this

@@ -267,9 +267,11 @@ def _describe(run, config, corpus) -> None:
         shape += f", {c.n_experts} experts top-{c.topk}"
         params = (f"{total_params(config):,} parameters, {active_params(config):,} active per "
                   "token")
+    floor = corpus.entropy_floor()
+    best = f"best possible {floor:.2f} nats" if floor is not None else \
+        f"{run.batch.data}: real text, no known floor"
     print(f"{run.model.preset} ({shape}): {params}; loss at init ~ ln(vocab) = "
-          f"{math.log(config.vocab_size):.2f}, best possible {corpus.entropy_floor():.2f} nats",
-          file=sys.stderr, flush=True)
+          f"{math.log(config.vocab_size):.2f}, {best}", file=sys.stderr, flush=True)
 
 
 def run(job: Run | Checked, out=None, trainer_class=Trainer) -> list[dict]:

@@ -90,8 +90,11 @@ def model_config(run: Run):
     from edu3d.model.gpt import config_from  # torch: the model module
 
     m = run.model
+    vocab = m.vocab
+    if vocab is None and run.batch.data != "synthetic":  # real text: byte tokens
+        vocab = 256  # edu3d.train.text.VOCAB
     config = config_from(m.preset, layers=m.layers, heads=m.heads, d_model=m.d_model,
-                         seq=m.seq, vocab=m.vocab, tie=m.tie, vocab_pad=m.vocab_pad)
+                         seq=m.seq, vocab=vocab, tie=m.tie, vocab_pad=m.vocab_pad)
     if not m.experts:
         return config
     return dataclasses.replace(
@@ -178,8 +181,10 @@ def check_args(run: Run) -> tuple[object, Layout]:
     check_fast_path(run)
     check_nodes(run, lay)
     from edu3d.train.batching import check_options  # torch, as model_config
+    from edu3d.train.text import check_data  # torch and numpy: the token file
 
     check_options(run, config)
+    check_data(run, config)
     return config, lay
 
 
