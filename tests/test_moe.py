@@ -1,6 +1,7 @@
 """Mixture of experts: routing, balance losses, capacity, statistics (serial), and expert
 parallelism against the serial layer (one 4-rank launch, workers in tests/workers_moe.py)."""
 
+import io
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from edu3d.model.moe import MoE, active_params, capacity_keep, route, total_para
 from edu3d.parallel.ep import apply_ep, expert_param_names
 from edu3d.config.sections import Run
 from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import run as train
 from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
 from tests.workers_moe import moe_checks
@@ -370,3 +372,14 @@ def test_a_training_step_routes_in_fp32_under_mixed_precision(precision, monkeyp
     out = trainer.step(x, y, 1)
     assert len(seen) == 2 and all(s == {torch.float32} for s in seen), seen
     assert math.isfinite(out["loss"]) and out["aux_loss"] > 0.5
+
+
+@pytest.mark.parametrize("experts, says", [(0, "234,880 parameters"),
+                                           (4, "experts top-2")])
+def test_a_run_names_its_model_in_one_line(experts, says, capsys):
+    """``edu3d train``'s banner on stderr: one line naming the model (a dense model's without
+    the MoE fields), never the configuration's repr."""
+    train(Run.of(experts=experts, steps=1), out=io.StringIO())
+    banner = [line for line in capsys.readouterr().err.splitlines() if "parameters" in line]
+    assert len(banner) == 1 and says in banner[0] and "GPTConfig" not in banner[0], banner
+    assert ("router" in banner[0]) is False and ("experts" in banner[0]) == bool(experts)

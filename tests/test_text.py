@@ -13,6 +13,7 @@ import torch
 
 from edu3d import cli
 from edu3d.config.sections import Run
+from edu3d.course import ch00_launching_ranks_text as chapter
 from edu3d.train import text
 from edu3d.train.loop import run as train
 from edu3d.train.preflight import check_args, model_config
@@ -133,3 +134,22 @@ def test_text_trains_the_same_on_dp_x_cp_as_serially_and_generates_text(corpus_f
     assert out["prompt"] == text.encode("déf") and len(out["tokens"]) == 4
     assert out["text"] == text.decode(out["tokens"])
     assert os.environ["EDU3D_DATA"] in str(text.cache_dir())  # tests keep the cache in tmp
+
+
+def test_chapter_00_trains_the_tiny_model_on_text_with_progress_and_samples_text(corpus_file):
+    """Chapter 00's last section, cut to 3 steps on a small file: the progress lines, a first
+    loss of ln 256, a seeded sample that continues the prompt, a takeaway about what the
+    model wrote (the prompt left out)."""
+    lines = []
+    got = chapter.train_on_text(seconds=0, min_steps=3, every=0, out=lines.append,
+                                data=f"text:{corpus_file}", layers=2, d_model=32, heads=4,
+                                seq=16, global_batch=4)
+    assert len(got["losses"]) == 3 and got["tokens"] == 3 * 4 * 16
+    assert got["losses"][0] == pytest.approx(5.55, abs=0.1)
+    assert "ln 256 = 5.55" in lines[0] and lines[-1].startswith("3 steps, 192 tokens")
+    assert [line.split()[3] for line in lines[1:-1]] == ["1", "2", "3"]  # "T s  step N  loss"
+    written = chapter.sample(got["model"], "def ", new_tokens=8)
+    assert written.startswith("def ") and len(written.encode()) >= 12
+    assert chapter.sample(got["model"], "def ", new_tokens=8) == written  # seeded
+    said = chapter.sample_takeaway("def f(self): return x", prompt="def ")
+    assert "return" in said and "self" in said and "def" not in said.split(": ")[-1]
