@@ -18,6 +18,7 @@ smallest honest form, and that it is the same machinery the rest of the course p
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import torch
@@ -30,6 +31,7 @@ from edu3d.train.preflight import model_config
 from edu3d.train.text import decode, encode
 from edu3d.train.trainer import Trainer
 
+PYTHON_WORDS = ("def", "return", "self", "import", "if", "for", "in", "None", "class", "not")
 TEXT = dict(data="stdlib", seq=64, global_batch=16, lr=3e-3)  # the tiny preset otherwise
 
 
@@ -87,9 +89,7 @@ def sample_takeaway(text: str, prompt: str = "") -> str:
     """What a sample shows, from what the model wrote after ``prompt``: the share of letters
     and spaces, and the Python words it wrote."""
     text = text[len(prompt):] if text.startswith(prompt) else text
-    keywords = [k for k in ("def", "return", "self", "import", "if", "for", "in", "None",
-                            "class", "not") if f"{k} " in text or f"{k}(" in text
-                or f"{k}." in text or f"{k}:" in text]
+    keywords = [k for k in PYTHON_WORDS if re.search(rf"\b{k}\b", text)]
     letters = sum(ch.isalpha() or ch.isspace() for ch in text) / max(len(text), 1)
     return (f"{100 * letters:.0f}% letters and spaces; Python words written: "
             + (", ".join(keywords) if keywords else "none yet"))

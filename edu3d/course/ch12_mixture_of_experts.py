@@ -157,7 +157,8 @@ def capacity_takeaway(summary: dict[float, dict]) -> str:
     far = max(limited, key=lambda c: abs(limited[c]["gap"]))
     most = max(limited, key=lambda c: limited[c]["dropped_pct"])
     return (f"C = {most:g} drops the most ({limited[most]['dropped_pct']:.1f}% of the "
-            f"assignments); " + (f"C = {', '.join(f'{c:g}' for c in none)} drop nothing; "
+            f"assignments); " + (f"C = {', '.join(f'{c:g}' for c in none)} "
+                                 f"{'drops' if len(none) == 1 else 'drop'} nothing; "
                                  if none else "every factor drops something; ")
             + f"the final loss lies furthest from dropless at C = {far:g} "
             f"({limited[far]['gap']:+.3f} nats), the others within "
@@ -330,10 +331,10 @@ def memory_takeaway(rows: list[dict], counts: dict[str, int]) -> str:
 
     def versus(x: float) -> str:
         r = round(x / same, 2)
-        return f"{r:.2f}x, " + ("below" if r < 1 else "equal to" if r == 1 else "above")
+        return f"{r:.2f}x (" + ("below" if r < 1 else "equal" if r == 1 else "above") + ")"
 
     fullest = {ep: max(v for n, v in total.items() if n.startswith(f"MoE ep={ep},"))
                for ep in degrees}
     return (f"total {counts['total']:,} params, active {counts['active']:,}; against the "
-            f"dense equivalent (16 Ψ_active): one rank {versus(one)}; "
+            f"dense equivalent (16 Ψ_active), a rank holds: one rank {versus(one)}; "
             + "; ".join(f"ep={ep} {versus(v)}" for ep, v in fullest.items()))
