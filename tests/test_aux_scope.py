@@ -4,8 +4,8 @@ mixture-of-experts layout then equals.
 * ``global`` reduces f_i and P_i over every dp and cp rank, and each data rank takes its share
   of every micro-batch: expert parallelism, DP+EP+ZeRO and DP+CP+EP equal the plain serial
   command with the same micro-batch count, gradients (plain SGD), norms, losses and the
-  weights after AdamW, as :mod:`tests.test_5d_parity` measures them (1e-5; the weights after
-  the AdamW steps 3e-5, see there);
+  weights after AdamW, as :mod:`tests.test_5d_parity` measures them (1e-5, the weights after
+  the AdamW steps beyond what rounding can do there: :mod:`tests.adamw_noise`);
 * ``sequence`` (DeepSeek-V3's sequence-wise loss) equals the plain serial command too;
 * ``microbatch`` (the default) equals the serial command with ``dp x m`` micro-batches, and
   ``edu3d train`` says so in one line;
@@ -28,7 +28,6 @@ from edu3d.train.preflight import check_args, preflight
 from tests.workers_5d import options, parity_all, rel, serial_reference
 
 TOL = 1e-5
-FINAL_TOL = 3e-5  # the weights after 5 AdamW steps: tests/test_5d_parity.py's FINAL_TOL
 MODEL = "--layers 2 --d-model 32 --heads 4 --seq 16 --vocab 64 --global-batch 8"
 MOE = "--experts 4 --topk 2"
 LAYOUTS = {
@@ -51,7 +50,7 @@ def _world(name: str) -> int:
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict[str, dict]:
     names = [n for n in LAYOUTS if _world(n) == world]
-    cases = [(_argv(n), serial_reference(_argv(n), 5)) for n in names]
+    cases = [(_argv(n), serial_reference(_argv(n), 5, TOL)) for n in names]
     first = check_args(options(cases[0][0]))[1]
     run = launch(parity_all, world, args=(cases,), layout=first, timeout=400,
                  name="aux-scope")
@@ -69,20 +68,19 @@ def test_layout_equals_the_plain_serial_command(name):
     res = _results(_world(name))[name]
     print(f"\n{name}: grad {res['grad_err']:.1e} norm {res['norm0_err']:.1e} "
           f"param {res['param_err']:.1e} loss {res['loss_err']:.1e} "
-          f"final {res['final_err']:.1e}")
-    for key in ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err"):
+          f"final {res['final_err']:.1e} (before the allowance {res['final_raw']:.1e})")
+    for key in ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err", "final_err"):
         assert res[key] < TOL, (key, res[key])
-    assert res["final_err"] < FINAL_TOL, ("final_err", res["final_err"])
 
 
 def test_sequence_scope_needs_no_extra_microbatches():
     """A sequence never spans data ranks or micro-batches: the plain serial run (one
     micro-batch) and the dp x m reference give the same step."""
     argv = f"{MODEL} {MOE} --aux-scope sequence".split()
-    one = serial_reference(argv, 1)
+    one = serial_reference(argv, 1, TOL)
     run = options(argv).replace(dp=2, microbatches=2)
     assert reference_microbatches(run) == 4
-    four = serial_reference([*argv, "--dp", "2", "--microbatches", "2"], 1)
+    four = serial_reference([*argv, "--dp", "2", "--microbatches", "2"], 1, TOL)
     assert max(rel(four["grads"][n], g) for n, g in one["grads"].items()) < TOL
 
 
