@@ -103,8 +103,9 @@ def scope_chart(series: dict[str, dict[str, list[float]]], *, title: str, takeaw
         _balance_axes(fig, every, collapse, row=1, col=col)
     style.frame(fig, title, takeaway, x="training step", height=400)
     fig.update_yaxes(title_text=BALANCE_AXIS, row=1, col=1)
+    fig.update_xaxes(dtick=5, tick0=0)  # half-width panels: a tick per step would stand on end
     top = fig.layout.margin.t
-    fig.update_layout(margin={"t": top + 40})  # the panels' titles under the takeaway
+    fig.update_layout(margin={"t": top + 50})  # the panels' titles under the takeaway
     return fig
 
 

@@ -323,7 +323,7 @@ def memory_rows(dense: dict, serial_moe: dict, ep_runs: dict[int, list[dict]],
 def memory_takeaway(rows: list[dict], counts: dict[str, int]) -> str:
     """What the memory chart shows, read from its ``rows``: each row's bytes against the dense
     model with the MoE's active parameters (``16 Ψ_active``), the fullest rank of each
-    expert-parallel degree, as the chart prints them (two decimals)."""
+    expert-parallel degree, as the chart prints them (two decimals), on two lines (``<br>``)."""
     same = 16 * counts["active"]
     total = {r["name"]: r["params"] + r["grads"] + r["optimizer"] for r in rows}
     one = next(v for n, v in total.items() if n.startswith("MoE, 1 rank"))
@@ -335,6 +335,6 @@ def memory_takeaway(rows: list[dict], counts: dict[str, int]) -> str:
 
     fullest = {ep: max(v for n, v in total.items() if n.startswith(f"MoE ep={ep},"))
                for ep in degrees}
-    return (f"total {counts['total']:,} params, active {counts['active']:,}; against the "
-            f"dense equivalent (16 Ψ_active), a rank holds: one rank {versus(one)}; "
+    return (f"total {counts['total']:,} params, active {counts['active']:,}<br>a rank against "
+            f"the dense equivalent (16 Ψ_active): one rank {versus(one)}; "
             + "; ".join(f"ep={ep} {versus(v)}" for ep, v in fullest.items()))

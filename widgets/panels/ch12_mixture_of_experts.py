@@ -27,6 +27,7 @@ from edu3d.widgets.timeline import step_events, timeline_figure
 
 EP_OPS = ("F", "B", "optimizer", "counts", "dispatch", "combine", "all_reduce", "broadcast")
 BACKWARD = {"dispatch (bwd)": "dispatch", "combine (bwd)": "combine"}  # drawn as their op
+LEGEND_HEIGHT = 440  # px: idle and every op above stand in one column beside the lanes
 
 
 def capacity_series(runs: dict[float, list[dict]], tokens: int, k: int) -> dict:
@@ -144,7 +145,7 @@ class DispatchTimelineControls(ExpertParallelControls):
         shown = [o for o in EP_OPS if any(e["op"] == o for e in events)]
         per_rank = sum(1 for e in events if e["op"] == "dispatch" and e["rank"] == 0)
         self.timeline_fig = timeline_figure(
-            events, ops=shown,
+            events, ops=shown, height=max(LEGEND_HEIGHT, 120 + 34 * 2 * ep),
             title=f"One step on {ep} ranks with expert parallelism (step {self.step})",
             takeaway=f"rank 0 dispatched {per_rank} times and combined "
                      f"{sum(1 for e in events if e['op'] == 'combine' and e['rank'] == 0)} "
