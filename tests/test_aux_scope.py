@@ -22,7 +22,7 @@ import torch
 from edu3d.config.layout import LayoutError
 from edu3d.config.sections import Run
 from edu3d.launch import launch
-from edu3d.train.data import shard_rows
+from edu3d.train.cut import shard_rows
 from edu3d.train.loop import reference_microbatches
 from edu3d.train.preflight import check_args, preflight
 from tests.workers_5d import options, parity_all, rel, serial_reference

@@ -20,7 +20,7 @@ After reading this file you should understand:
   - ``global`` (``global_aux_loss``, Qwen's global-batch balance, 2025): ``f_i`` and
     ``P_i`` reduced over every data-parallel and context-parallel rank, so micro-batch j of
     the step is one group whatever the layout (the trainer gives each data rank its share
-    of micro-batch j, :func:`edu3d.train.data.shard_rows`);
+    of micro-batch j, :func:`edu3d.train.cut.shard_rows`);
 
 * the gradient rule behind the counting: rank r's term is ``D · E · Σ_i f_i · p_i^(r) / N``
   (``p_i^(r)`` its own tokens' probability sum, ``N`` the group's tokens, ``D`` the ranks the
