@@ -43,8 +43,8 @@ folders listed below it; README's "How the package is organised" says the rules)
                 deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
     train/      trainer state_slots full_tensors moe_stats loop preflight axis_rules
-                pipeline_rules fp8_rules data text documents batching cut optim faults publish step_stats
-                memory_recorder cuda_memory generation
+                pipeline_rules fp8_rules data text documents batching cut optim faults publish
+                step_stats memory_recorder cuda_memory generation
                                      one Trainer for every layout; one pre-flight; generation
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync
