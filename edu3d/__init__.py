@@ -17,7 +17,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      charts: data in, figure out
       panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero
                 ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory
-                ch08_checkpoints ch09_in_production ch10_performance ch11_review
+                ch07_memory_fp8 ch08_checkpoints ch09_in_production ch10_performance ch11_review
                 ch12_mixture_of_experts ch13_context_parallelism
                                      each chapter's knobs, on one Panel base
     course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching
