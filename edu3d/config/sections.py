@@ -144,6 +144,14 @@ class Memory:
                      if i < n_layers - 1 or self.offload_last)
 
 
+OFFLOAD_HELP = (  # --offload-activations, --offload-every, --offload-last (edu3d train's help)
+    "move the tensors each block saves for backward to host memory (pinned, copied on a side "
+    "stream on a GPU) and back for its backward: the same numbers, less device memory",
+    "with --offload-activations: only every k-th block (0, k, 2k ...)",
+    "with --offload-activations: the last block's too (by default it stays on the device: "
+    "its backward comes right after its forward)")
+
+
 @dataclass(frozen=True, slots=True)
 class Training:
     """The optimization: steps, seed, the optimizer and its learning-rate schedule."""
