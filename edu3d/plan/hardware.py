@@ -7,14 +7,19 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
                        sparsity", twice the dense figure);
 ``mem_bandwidth``      HBM bytes/s (datasheet) and ``memory`` bytes;
 ``matmul_efficiency``  the best fraction of bf16 peak a large GEMM reaches (a microbenchmark);
+``matmul_half_flops``  the FLOPs of a matmul that reaches half that rate (smaller ones do worse);
+``attention_efficiency`` the fraction of bf16 peak FlashAttention reaches at long sequences;
 ``mem_efficiency``     the fraction of HBM bandwidth a streaming copy reaches (a microbenchmark);
 ``kernel_overhead``    seconds an eager PyTorch op costs before its kernel runs;
 ``runtime_memory``     bytes a rank loses before any tensor (CUDA context, library workspaces);
 ``allocator_factor``   peak reserved / peak allocated of PyTorch's caching allocator;
-``link.intra``         NVLink all-reduce: ``alpha`` seconds per algorithm step, ``bandwidth``
-                       bus bandwidth in bytes/s (nccl-tests' *busbw*);
-``link.inter``         the same across nodes for 2 nodes, and ``falloff``: the fraction of bus
-                       bandwidth lost each time the node count doubles (:meth:`Profile.inter_bandwidth_at`).
+``link.intra``         NVLink: ``alpha`` seconds per algorithm step, ``bandwidth`` the all-reduce
+                       bus bandwidth in bytes/s (nccl-tests' *busbw*), ``gather_bandwidth`` the
+                       all-gather / reduce-scatter one (also all-to-all's and a send's rate);
+``link.inter``         the same across 2 whole nodes, and ``falloff``: the fraction of bus
+                       bandwidth lost each time the node count doubles (:meth:`Profile.inter_bandwidth_at`);
+``cores``              optional, a CPU profile's cores (``edu3d calibrate`` writes it): ranks
+                       beyond it share them, and an op's launch and its work add up.
 
 Every constant in a profile file is ``{"value", "unit", "source"}``: the source is a citation, or
 says that the value was borrowed or is a bound. Measured numbers are data, not code, because they
@@ -27,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
@@ -38,6 +44,8 @@ CONSTANTS = (
     ("mem_bandwidth", 1e11, 1e14),
     ("memory", 1e9, 1e12),
     ("matmul_efficiency", 0.05, 1.0),
+    ("matmul_half_flops", 1e3, 1e13),
+    ("attention_efficiency", 0.01, 1.0),
     ("mem_efficiency", 0.05, 1.0),
     ("kernel_overhead", 1e-7, 1e-3),
     ("runtime_memory", 0.0, 2e10),
@@ -45,8 +53,10 @@ CONSTANTS = (
     ("gpus_per_node", 1, 64),
     ("link.intra.alpha", 1e-8, 1e-3),
     ("link.intra.bandwidth", 1e8, 1e13),
+    ("link.intra.gather_bandwidth", 1e8, 1e13),
     ("link.inter.alpha", 1e-8, 1e-2),
     ("link.inter.bandwidth", 1e8, 1e13),
+    ("link.inter.gather_bandwidth", 1e8, 1e13),
     ("link.inter.falloff", 0.0, 0.95),
 )
 PEAK_RANGE = (1e12, 1e17)
@@ -56,10 +66,11 @@ class ProfileError(ValueError):
     """A hardware profile that cannot be used; the message names the file and the key."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Profile:
     """One machine's constants (SI units: FLOP/s, B/s, B, s); ``sources`` maps each dotted key
-    to its citation. ``peak_flops[p]`` is ``None`` where the GPU has no such unit (A100 fp8)."""
+    to its citation. ``peak_flops[p]`` is ``None`` where the GPU has no such unit (A100 fp8).
+    Compared (and hashed) by identity: the planner caches costs per profile object."""
 
     name: str
     description: str
@@ -67,6 +78,8 @@ class Profile:
     mem_bandwidth: float
     memory: float
     matmul_efficiency: float
+    matmul_half_flops: float
+    attention_efficiency: float
     mem_efficiency: float
     kernel_overhead: float
     runtime_memory: float
@@ -74,17 +87,22 @@ class Profile:
     gpus_per_node: int
     intra_alpha: float
     intra_bandwidth: float
+    intra_gather_bandwidth: float
     inter_alpha: float
     inter_bandwidth: float
+    inter_gather_bandwidth: float
     inter_falloff: float
     sources: Mapping[str, str]
+    cores: int | None = None
 
-    def inter_bandwidth_at(self, nodes: int) -> float:
-        """Bus bandwidth across ``nodes`` nodes: the 2-node figure, less ``inter_falloff`` per
-        doubling beyond 2 (the form the profiles' falloff was fitted with)."""
+    def inter_bandwidth_at(self, nodes: int, gather: bool = False) -> float:
+        """Bus bandwidth across ``nodes`` nodes: the 2-node figure (all-reduce's, or with
+        ``gather`` all-gather's), less ``inter_falloff`` per doubling beyond 2 (the form the
+        profiles' falloff was fitted with)."""
         if nodes < 2:
             raise ValueError(f"inter-node bandwidth needs at least 2 nodes, got {nodes}")
-        return self.inter_bandwidth * (1 - self.inter_falloff) ** math.log2(nodes / 2)
+        two = self.inter_gather_bandwidth if gather else self.inter_bandwidth
+        return two * (1 - self.inter_falloff) ** math.log2(nodes / 2)
 
 
 def profiles() -> list[str]:
@@ -102,10 +120,18 @@ def load_profile(name_or_path: str | Path) -> Profile:
             raise ProfileError(f"unknown hardware profile {str(name_or_path)!r}; "
                                f"choose one of {', '.join(profiles())} or give a .json path")
     try:
-        data = json.loads(path.read_text())
+        return _load(str(path), path.stat().st_mtime_ns)
+    except OSError as err:
+        raise ProfileError(f"{path}: cannot read a JSON profile ({err})") from None
+
+
+@lru_cache(maxsize=64)
+def _load(path: str, mtime: int) -> Profile:  # one object per file version: costs cache by it
+    try:
+        data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ProfileError(f"{path}: cannot read a JSON profile ({err})") from None
-    return profile_from_dict(data, str(path))
+    return profile_from_dict(data, path)
 
 
 def profile_from_dict(data: dict, where: str) -> Profile:
@@ -126,6 +152,12 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         values[key] = in_range(constant(data, key, where, sources), low, high, key, where)
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node = {values['gpus_per_node']} is not a whole number")
+    cores = None
+    if "cores" in data:  # a CPU profile (edu3d calibrate)
+        cores = in_range(constant(data, "cores", where, sources), 1, 4096, "cores", where)
+        if cores != int(cores):
+            raise ProfileError(f"{where}: cores = {cores:g} is not a whole number")
+        cores = int(cores)
     for key in ("name", "description"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise ProfileError(f"{where}: missing {key!r} (a non-empty string)")
@@ -134,11 +166,15 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         peak_flops={p: values[f"peak_flops.{p}"] for p in PRECISIONS},
         mem_bandwidth=values["mem_bandwidth"], memory=values["memory"],
         matmul_efficiency=values["matmul_efficiency"], mem_efficiency=values["mem_efficiency"],
+        matmul_half_flops=values["matmul_half_flops"],
+        attention_efficiency=values["attention_efficiency"],
         kernel_overhead=values["kernel_overhead"], runtime_memory=values["runtime_memory"],
         allocator_factor=values["allocator_factor"], gpus_per_node=int(values["gpus_per_node"]),
         intra_alpha=values["link.intra.alpha"], intra_bandwidth=values["link.intra.bandwidth"],
+        intra_gather_bandwidth=values["link.intra.gather_bandwidth"],
         inter_alpha=values["link.inter.alpha"], inter_bandwidth=values["link.inter.bandwidth"],
-        inter_falloff=values["link.inter.falloff"], sources=sources)
+        inter_gather_bandwidth=values["link.inter.gather_bandwidth"],
+        inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores)
 
 
 def constant(data: dict, key: str, where: str, sources: dict[str, str],

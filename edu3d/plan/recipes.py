@@ -1,0 +1,189 @@
+"""Memory recipes: how each framework keeps a model's state, and what that costs per rank.
+
+After reading this file you should understand why two frameworks training the same model on
+the same layout need different memory, and which few choices make the difference:
+
+* **what a parameter costs**: the 16-bit weight the forward uses, its gradient (16-bit, or
+  accumulated in fp32: Megatron's main gradients, nanotron's ``ACCUMULATE_GRAD_IN_FP32``,
+  DeepSpeed's BF16_Optimizer), an fp32 master copy, and Adam's two fp32 moments. The ZeRO
+  paper's mixed-precision count is 2 + 2 + 12 = 16 bytes; Megatron and nanotron keep 2 + 4 +
+  12 = 18, DeepSpeed's BF16_Optimizer 2 + 2 + 4 + 12 = 20 (its fp32 gradient buffer is never
+  sharded). FSDP2 (torchtitan) shards fp32 weights, fp32 gradients and the moments:
+  16 bytes / N, plus the 16-bit copy of the unit being computed;
+* **what ZeRO shards** (``run.parallel.zero``): stage 1 the master copy and moments, 2 also
+  the gradients, 3 also the weights, over the ``dp·cp`` ranks;
+* **activations** (:func:`activation_bytes_per_layer` of :mod:`edu3d.plan.formulas`, 16-bit):
+  FlashAttention never stores the ``s²`` scores, so every framework recipe counts the
+  selective form; torchtitan's op-level recomputation keeps the outputs of every second
+  matmul and of the attention core only; full recomputation keeps each block's input; the
+  loss keeps fp32 logits unless it is fused (chunked);
+* **what the allocator and runtime add**: PyTorch's caching allocator reserves more than it
+  allocates (``allocator_factor``, "max reserved" / "max allocated"), and the CUDA context,
+  cuBLAS and NCCL take ``runtime_memory`` before any tensor (a fit check counts it; torch's
+  "max reserved" does not).
+
+``edu3d`` is this course's own recipe (fp32 weights under autocast for its models, the
+ZeRO paper's 16 bytes for real ones): it is :func:`edu3d.plan.estimate.estimate`, exact
+byte for byte against edu3d's own runs. The others are presets, and each also names the
+compute choices a framework makes (fused kernels, a fused loss, whether gradients reduce
+in fp32, and which collectives overlap), which :mod:`edu3d.plan.step` uses. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edu3d.config.sections import Run
+from edu3d.model.shapes import ModelSpec
+from edu3d.plan import estimate as edu3d_estimate
+from edu3d.plan import formulas
+from edu3d.plan.formulas import as_moe
+from edu3d.plan.hardware import Profile
+from edu3d.plan.inventory import held
+from edu3d.schedules.actions import chunks
+from edu3d.schedules.partition import uniform
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A framework's choices. Bytes per parameter: ``weight`` (the copy the forward uses),
+    ``grad`` (the accumulation buffer), ``master`` (fp32 copy; 0 when the weights are it),
+    ``moments`` (Adam's); ``reduce``/``gather``: bytes per value a gradient reduction and a
+    weight all-gather move; ``grad_unsharded``: the gradient buffer stays whole under ZeRO."""
+
+    name: str
+    about: str
+    weight: int = 2
+    grad: int = 2
+    master: int = 4
+    moments: int = 8
+    reduce: int = 2
+    gather: int = 2
+    grad_unsharded: bool = False
+    fused: bool = False  # elementwise ops fused (Megatron/TE kernels); compile=True also fuses
+    fused_norm: bool = False  # a fused norm kernel in otherwise eager code
+    fused_loss: bool = False  # cross entropy without fp32 logits
+    overlap_dp: bool = True  # gradient buckets reduce while backward runs
+    overlap_gather: bool = False  # ZeRO-1/2 weight all-gather hidden behind the next forward
+    prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes
+
+
+RECIPES = {
+    "edu3d": Recipe("edu3d", "edu3d's own runs (estimate.py, exact): autocast over fp32 weights "
+                    "for the course's models, the ZeRO paper's 2 + 2 + 12 for real ones",
+                    overlap_dp=False, prefetch=False),
+    "megatron": Recipe("megatron", "Megatron-LM: bf16 weights, fp32 main gradients (reduced in "
+                       "fp32), distributed optimizer (ZeRO-1), fused kernels, DP and TP overlap",
+                       grad=4, reduce=4, fused=True, overlap_gather=True),
+    "nanotron": Recipe("nanotron", "nanotron: bf16 weights and gradients plus an fp32 "
+                       "accumulation buffer and master copy, ZeRO-0/1, eager kernels but a "
+                       "fused (Triton) RMSNorm", grad=6, reduce=4, fused_norm=True),
+    "torchtitan": Recipe("torchtitan", "torchtitan (FSDP2): fp32 sharded weights, gradients and "
+                         "moments, bf16 compute copies, fp32 gradient reduce-scatter",
+                         weight=4, grad=4, master=0, reduce=4),
+    "deepspeed": Recipe("deepspeed", "DeepSpeed BF16_Optimizer (BLOOM): ZeRO-1, bf16 weights "
+                        "and gradients, an unsharded fp32 gradient buffer, fused kernels",
+                        grad=6, reduce=4, grad_unsharded=True, fused=True),
+}
+
+
+def recipe_of(name: str) -> Recipe:
+    """A recipe by name, refused in one line listing the known ones."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+# ---- activations of a framework recipe ------------------------------------------------------
+def layer_activations(spec: ModelSpec, run: Run, recompute: str) -> float:
+    """Bytes one 16-bit layer keeps for backward per micro-batch, FlashAttention (no scores,
+    no dropout masks): Korthikanti's selective count, torchtitan's op-level count (the block's
+    input, the outputs of every second matmul: Q, V, the MLP's first matrix and the block's
+    output, and the attention output) or full recomputation's block input; ``/cp``."""
+    lay, sp = run.layout, run.parallel.sp and run.layout.tp > 1
+    s, b, h, t = spec.seq_len, run.micro_batch, spec.d_model, lay.tp
+    if recompute == "full":
+        whole = 2 * s * b * h / (t if sp else 1)
+    elif recompute == "op":
+        kv = spec.kv_heads / spec.n_heads
+        split = s * b * (2 * h * (2 + kv) + 2 * spec.ff)  # q, v, attention out, MLP first
+        whole = 2 * s * b * h * 2 / (t if sp else 1) + split / t  # block input and output
+    else:
+        whole = formulas.activation_bytes_per_layer(
+            s, b, h, spec.n_heads, t, sp, "selective", d_ff=spec.ff, kv_heads=spec.kv_heads,
+            mlp=spec.mlp) - s * b * h * (2 / (t if sp else 1))  # no dropout masks
+    return whole / lay.cp
+
+
+def activations(spec: ModelSpec, run: Run, recipe: Recipe, recompute: str) -> list[float]:
+    """Peak activation bytes of each pipeline rank: per stage, times the micro-batches its
+    schedule keeps in flight (:func:`edu3d.plan.estimate.in_flight`)."""
+    lay, par = run.layout, run.parallel
+    v = chunks(par.schedule, lay.vpp)
+    parts = uniform(spec.n_layers, lay.pp * v)
+    layer = layer_activations(spec, run, recompute)
+    t, sp = lay.tp, par.sp and lay.tp > 1
+    tokens = run.micro_batch * spec.seq_len / lay.cp
+    logits = 0 if recipe.fused_loss else 4 * tokens * spec.vocab_rows(t)
+    last = 2 * tokens * spec.d_model / (t if sp else 1) + logits
+    stage = [(hi - lo) * layer + (last if i == len(parts) - 1 else 0)
+             for i, (lo, hi) in enumerate(parts)]
+    flight = edu3d_estimate.in_flight(par.schedule, lay.pp, run.microbatches, lay.vpp)
+    return [sum(stage[c * lay.pp + r] for c in range(v)) * flight[r] for r in range(lay.pp)]
+
+
+def state(spec: ModelSpec, run: Run, recipe: Recipe, pp_rank: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state on one rank of ``pp_rank``: dense parameters
+    sharded over ``dp·cp``, routed experts over ``dp·cp/ep`` (no padding: real models)."""
+    lay, zero = run.layout, run.parallel.zero
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for experts, n in ((False, lay.dp * lay.cp), (True, lay.edp)):
+        psi = held(spec, run, pp_rank, experts)
+        n = n if zero else 1
+        out["params"] += recipe.weight * psi / (n if zero >= 3 else 1)
+        grad_n = 1 if recipe.grad_unsharded else n if zero >= 2 else 1
+        out["grads"] += recipe.grad * psi / grad_n
+        out["optimizer"] += (recipe.master + recipe.moments) * psi / n
+    return out
+
+
+def memory(spec: ModelSpec, run: Run, recipe: str | Recipe, profile: Profile | None = None
+           ) -> dict:
+    """The fullest rank's bytes by category (``params grads optimizer activations comm``),
+    ``allocated`` (their sum), ``reserved`` (times the profile's allocator factor) and
+    ``device`` (plus its runtime memory: what must fit). ``edu3d``: the exact estimate."""
+    rec = recipe_of(recipe) if isinstance(recipe, str) else recipe
+    if rec.name == "edu3d":
+        est = edu3d_estimate.estimate(spec, run)
+        out = {c: est[f"{c}_bytes"] for c in edu3d_estimate.CATEGORIES}
+        out["allocated"] = est["total_bytes"]
+    else:
+        out = framework_memory(spec, run, rec)
+    factor = profile.allocator_factor if profile else 1.0
+    out["reserved"] = out["allocated"] * factor
+    out["device"] = out["reserved"] + (profile.runtime_memory if profile else 0.0)
+    return out
+
+
+def framework_memory(spec: ModelSpec, run: Run, rec: Recipe) -> dict:
+    """A framework recipe's fullest pipeline rank (state + activations + buffers)."""
+    lay, par = run.layout, run.parallel
+    recompute = run.memory.recompute
+    acts = activations(as_moe(spec), run, rec, recompute)
+    rows = []
+    for r in range(lay.pp):
+        row = state(spec, run, rec, r)
+        row["activations"] = acts[r]
+        biggest = max((sum(k for _, k, _ in as_moe(spec).block_tensors(i, lay.tp))
+                       for i in range(spec.n_layers)), default=0)
+        # ZeRO-3: this unit's and the next one's 16-bit weights, and its fp32 gradients
+        # before the reduce-scatter; pipeline buffers: two activations per direction
+        row["comm"] = (biggest * (2 * 2 + rec.reduce) if par.zero >= 3 else 0.0) + (
+            4 * 2 * run.micro_batch * spec.seq_len * spec.d_model / lay.cp if lay.pp > 1 else 0)
+        row["transient"] = 0.0
+        rows.append(row)
+    top = max(rows, key=lambda x: sum(x.values()))
+    top["allocated"] = sum(top.values())
+    return top
