@@ -55,7 +55,7 @@ def op_time(op: Op, profile: Profile, dtype: str) -> float:
     else:
         per_kernel = op.flops / max(op.kernels, 1)  # a batched matmul: its pieces' size
         rate = peak(profile, dtype) * matmul_efficiency(profile, per_kernel)
-    return max(op.flops / rate, memory)
+    return max(op.flops / (rate * profile.sustained), memory)
 
 
 def stretch_time(ops, profile: Profile, dtype: str, ranks_per_core: float = 1.0) -> float:
