@@ -278,11 +278,17 @@ def layer_comms(c: Cut, ep: int = 1, routed: float = 0.0, moe: bool = False,
 
 
 @lru_cache(maxsize=4096)
-def layer(c: Cut, recompute: str, moe: tuple | None = None) -> tuple[tuple[Op, ...], tuple]:
+def layer(c: Cut, recompute: str, moe: tuple | None = None,
+          frozen: float = 0.0) -> tuple[tuple[Op, ...], tuple]:
     """A block's ops (forward, recomputation, backward) and its collectives; ``moe`` is
-    ``(experts, topk, ep, expert_ff, shared)`` for a mixture-of-experts block."""
+    ``(experts, topk, ep, expert_ff, shared)`` for a mixture-of-experts block; ``frozen`` the
+    share of its weights that train not (``--freeze``): their weight gradients are skipped."""
     ops = moe_layer(c, *moe) if moe else dense_layer(c)
     ops = ops + recomputed(ops, recompute)
+    if frozen:
+        keep = 1.0 - frozen
+        ops = [Op(o.name, o.kind, o.phase, o.flops * keep, o.bytes * keep,
+                  round(o.kernels * keep), o.mnk) if o.phase == "W" else o for o in ops]
     routed = c.tokens * moe[1] if moe else 0.0
     comms = layer_comms(c, moe[2] if moe else 1, routed, bool(moe), recompute)
     return tuple(ops), tuple(comms)

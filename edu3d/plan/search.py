@@ -11,45 +11,43 @@ After reading this file you should understand the practitioners' decision tree a
   bubble), which more micro-batches shrink;
 * **data parallelism for the rest**, with the ZeRO stage chosen by memory: ZeRO-1 shards
   the 12 bytes per parameter of optimizer state at no extra traffic; ZeRO-2/3 save more but
-  are not combined with pipelines (DeepSpeed refuses), and reduce-scatter every micro-batch
+  are not combined with pipelines (DeepSpeed refuses). They reduce-scatter every micro-batch
   (``grad_reduce="per-microbatch"``: their saving kept, ``m`` reduce-scatters a step; ZeRO-3
-  also ``2m`` all-gathers). The search leaves ``"per-step"`` out: it keeps ZeRO-1's full
-  gradients, so ZeRO-1 (same traffic, ``2Ψ/N`` less) beats ZeRO-2 per-step, and ZeRO-3
-  per-step holds more and sends more than ZeRO-1;
+  also ``2m`` all-gathers) or once per step (``"per-step"``: full gradients held, one
+  reduce-scatter); the search weighs both, and the model's overlap decides;
 * **recomputation** trades compute for activation memory: selective (the attention core) is
-  almost free, full costs a third more compute.
+  almost free, full costs a third more compute;
+* **the micro-batch**: a bigger one makes bigger matmuls (closer to the GPU's peak) and fewer
+  kernel launches and messages per token, but holds more activations, and with a pipeline
+  fewer micro-batches mean a bigger bubble.
 
-The cost model (:func:`step_time`), stated so it can be argued with:
+The cost model (:func:`step_time`) is the performance model's (:func:`edu3d.plan.step.predict`
+on the cluster's hardware profile): each op's time from its shape on a roofline, each
+collective on its link with latency and bandwidth, the pipeline schedule replayed, gradient
+buckets overlapped with the backward. Its parts, in seconds on the slowest pipeline rank:
 
-``compute``  tokens per step x (6N + 12·L·h·s) FLOPs (PaLM's count, N without embeddings),
-             plus a forward again for recomputation (full: 2N + 4·L·h·s per token;
-             selective: the attention core, 4·L·h·s), over G GPUs at ``peak x MFU``;
-``bubble``   compute x (p-1)/m (1F1B, GPipe), (p-1)/(v·m) interleaved, a third of 1F1B's
-             for ZB-H1;
-``tp``       per micro-batch and layer of the stage, 4 ring all-reduces (6 with full
-             recomputation) of ``b·s·h`` 16-bit values: ``2(t-1)/t`` of it each, over NVLink
-             when the tp group fits in a node, else InfiniBand;
-``pp``       per micro-batch, one activation forward and one gradient back, ``b·s·h``
-             values (``/t`` with SP), over InfiniBand when stages sit on different nodes;
-``dp``       :func:`edu3d.plan.zero_modes.dp_wire_bytes` of the rank's 16-bit weights and
-             gradients (Ψ/(t·p)): ``2(N_d-1)/N_d`` of them a step (DDP, ZeRO-1),
-             ``(m+1)(N_d-1)/N_d`` (ZeRO-2) or ``3m(N_d-1)/N_d`` (ZeRO-3) reducing every
-             micro-batch, over InfiniBand when the dp group spans nodes. Frozen
-             parameters (``--freeze``) are neither reduced nor sharded: Ψ is the
-             trainable ones (:func:`~edu3d.plan.inventory.held`), and a token computes
-             no weight gradient for them: ``2·N_frozen`` fewer FLOPs per token
-             (:func:`~edu3d.plan.inventory.frozen_active`; their input gradients are
-             still counted, as autograd skips those only for a frozen prefix).
+``compute``   the kernels (matmuls at the efficiency their size reaches, attention,
+              memory-bound ops), recomputation included;
+``overhead``  host launches the kernels did not hide;
+``bubble``    idle time waiting for other pipeline stages;
+``tp``        tensor parallelism's exposed collectives (all of them, unless ``tp_overlap``);
+``pp``        what the sends between stages add to the pipeline (latency and bandwidth);
+``dp``        the gradient reduction (and ZeRO's gathers) the backward did not hide;
+``edp`` ``ep`` ``cp``  the experts' reduction, expert parallelism's all-to-alls, context
+              parallelism's K/V exchanges, exposed;
+``optimizer`` AdamW over this rank's shard (memory-bound).
 
-Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
-practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`) is
-at most ``usable`` of the GPU's memory (the rest: CUDA context, allocator fragmentation).
+A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`, or the
+cluster's recipe, :mod:`edu3d.plan.recipes`) is at most ``usable`` of the GPU's memory (the
+rest: CUDA context, allocator fragmentation). ``traffic`` gives the bytes each axis sends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
+from functools import lru_cache
 
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
@@ -57,7 +55,9 @@ from edu3d.plan import zero_modes
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import MAX_GPUS, estimate, held, setup
 from edu3d.plan.formulas import as_moe, divisors
-from edu3d.plan.inventory import frozen_active
+from edu3d.plan.hardware import Profile, load_profile
+from edu3d.plan.recipes import memory as recipe_memory
+from edu3d.plan.step import predict
 from edu3d.model.shapes import ModelSpec
 
 GB = 1e9
@@ -68,29 +68,55 @@ MAX_WORK = 2_500_000  # layouts x layers x (1 + experts/64) one search weighs: a
 
 @dataclass(frozen=True)
 class Cluster:
-    """The machine the cost model assumes (defaults: H100 SXM nodes of 8)."""
+    """The machine the search plans for: ``gpus`` of a hardware profile (:mod:`edu3d.plan.
+    hardware`; default H100 SXM nodes of 8) and the memory recipe weighed (:mod:`edu3d.plan.
+    recipes`). ``peak_tflops``, ``mfu``, ``intra_gbps`` and ``inter_gbps`` override the
+    profile's bf16 peak, large-matmul efficiency (MFU itself is now predicted) and NVLink /
+    inter-node bus bandwidths; left out, they take the profile's values."""
 
     gpus: int
     gpu_mem_gb: float = 80.0
     gpus_per_node: int = 8
-    peak_tflops: float = 989.0  # H100 SXM dense bf16
-    mfu: float = 0.45
-    intra_gbps: float = 300.0  # NVLink, per GPU, GB/s of ring bandwidth
-    inter_gbps: float = 25.0  # one 200 Gb/s InfiniBand NIC per GPU
+    peak_tflops: float | None = None
+    mfu: float | None = None  # the large-matmul efficiency, not the MFU (an output now)
+    intra_gbps: float | None = None
+    inter_gbps: float | None = None
     usable: float = 0.9
+    hardware: str = "h100-sxm"
+    recipe: str = "edu3d"
+
+    def __post_init__(self):  # the profile's values where none was given
+        prof = load_profile(self.hardware)
+        for name, value in (("peak_tflops", prof.peak_flops["bf16"] / 1e12),
+                            ("mfu", prof.matmul_efficiency),
+                            ("intra_gbps", prof.intra_bandwidth / GB),
+                            ("inter_gbps", prof.inter_bandwidth / GB)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     def describe(self) -> str:
         return (f"{self.gpus} GPUs of {self.gpu_mem_gb:g} GB ({self.usable:.0%} usable), "
-                f"{self.gpus_per_node} per node; {self.peak_tflops:g} TFLOP/s peak at "
-                f"{self.mfu:.0%} MFU; NVLink {self.intra_gbps:g} GB/s inside a node, "
-                f"InfiniBand {self.inter_gbps:g} GB/s across nodes")
+                f"{self.gpus_per_node} per node, profile {self.hardware}: {self.peak_tflops:g} "
+                f"TFLOP/s bf16 peak, large matmuls at {self.mfu:.0%} of it; NVLink "
+                f"{self.intra_gbps:g} GB/s inside a node, {self.inter_gbps:g} GB/s across "
+                f"nodes; recipe {self.recipe}")
 
 
-def _flops_per_token(spec: ModelSpec) -> tuple[float, float]:
-    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters a token
-    uses (for a mixture of experts, the active ones: its ``k`` routed experts)."""
-    n = as_moe(spec).layer_params(active=True)
-    return 6 * n + 12 * spec.n_layers * spec.d_model * spec.seq_len, n
+@lru_cache(maxsize=64)
+def profile_of(cl: Cluster) -> Profile:
+    """The cluster's hardware profile with its overrides applied (one object per cluster:
+    the model caches its costs by profile)."""
+    prof = load_profile(cl.hardware)
+    peak = cl.peak_tflops * 1e12
+    scale = peak / prof.peak_flops["bf16"]
+    flops = {k: (v * scale if v else v) for k, v in prof.peak_flops.items()}
+    intra, inter = cl.intra_gbps * GB, cl.inter_gbps * GB
+    return dataclasses.replace(
+        prof, peak_flops=flops, matmul_efficiency=cl.mfu, gpus_per_node=cl.gpus_per_node,
+        intra_bandwidth=intra, intra_gather_bandwidth=min(intra, prof.intra_gather_bandwidth *
+                                                          intra / prof.intra_bandwidth),
+        inter_bandwidth=inter, inter_gather_bandwidth=prof.inter_gather_bandwidth * inter /
+        prof.inter_bandwidth)
 
 
 def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
@@ -107,8 +133,8 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
             ``m``; ``edp``: the routed experts' over ``dp·cp/ep``;
     ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
             recomputation: its forward runs again);
-    ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
-            full recomputation)."""
+    ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x(4cp-3)/(3cp-2) ring, x3/2
+            others with full recomputation: the forward's exchanges run again)."""
     lay, par = run.layout, run.parallel
     spec = as_moe(spec)
     L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, run.micro_batch, lay.tp,
@@ -124,43 +150,35 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
     k = memory.routed_per_token(spec)
     out["ep"] = (memory.ep_bytes(b * s // lay.cp, k, h, lay.ep) * (1.5 if full else 1)
                  * spec.moe_layers / p * m)
-    redo = (4 / 3 if par.cp_impl == "ring" else 1.5) if full else 1
+    c = lay.cp
+    redo = ((4 * c - 3) / (3 * c - 2) if par.cp_impl == "ring" else 1.5) if full else 1
     out["cp"] = (memory.cp_bytes(par.cp_impl, s, b, h, lay.cp, h * spec.kv_heads // spec.n_heads,
                                  t) * redo * L / p * m if lay.cp > 1 else 0.0)
     return out
 
 
-def step_time(spec: ModelSpec, run: Run, cl: Cluster) -> dict[str, float]:
-    """Seconds per step by part (``compute``, ``bubble``, and each axis of :func:`traffic`
-    over its links) and ``total``."""
-    lay, par = run.layout, run.parallel
-    L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, lay.pp, run.microbatches
-    per_token, n = _flops_per_token(spec)
-    per_token -= 2 * frozen_active(spec, tuple(run.memory.freeze))  # no weight gradients for them
-    attn_fwd = 4 * L * h * s
-    extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[run.memory.recompute]
-    tokens = run.batch.global_batch * s
-    compute = tokens * (per_token + extra) / (run.world_size * cl.peak_tflops * 1e12 * cl.mfu)
-    v = lay.vpp if par.schedule == "interleaved" else 1
-    bubble = compute * (p - 1) / (v * m) * (1 / 3 if par.schedule == "zb-h1" else 1)
-    node, t, dpc = cl.gpus_per_node, lay.tp, lay.dp * lay.cp
-    inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * lay.ep,
-              "cp": t * lay.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
-    out = {"compute": compute, "bubble": bubble}
-    for axis, sent in traffic(spec, run).items():
-        out[axis] = sent / ((cl.intra_gbps if inside[axis] <= node else cl.inter_gbps) * GB)
-    out["total"] = sum(out.values())
+def step_time(spec: ModelSpec, run: Run, cl: Cluster, prediction: bool = False) -> dict:
+    """Seconds per step by part (:data:`edu3d.plan.step.PARTS`: ``compute``, ``overhead``,
+    ``bubble`` and each axis's exposed communication, ``optimizer``) and ``total``, from
+    :func:`edu3d.plan.step.predict` on the cluster's profile and recipe (``prediction``:
+    also the :class:`~edu3d.plan.step.Prediction` itself, as ``"prediction"``)."""
+    pred = predict(spec, run, profile_of(cl), cl.recipe, memory=False)
+    out: dict = dict(pred.parts, total=pred.step_time)
+    if prediction:
+        out["prediction"] = pred
     return out
 
 
 def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
                schedule: str = "1f1b", micro_batches=(1, 2, 4, 8), cp_impl: str = "ring",
                freeze: tuple = ()):
-    """Every (dp, cp, ep, tp, pp, zero, recompute, micro-batch) choice the model and batch
-    allow. Cheaply: ``cp > 1`` only while each rank keeps at least ``CP_MIN_TOKENS`` of a
-    sequence, and ``ep > 1`` only for a mixture of experts (every ``ep`` dividing both
-    ``E`` and ``dp·cp``)."""
+    """Every (dp, cp, ep, tp, pp, zero, grad-reduce, recompute, micro-batch) choice the model
+    and batch allow. Cheaply: ``cp > 1`` only while each rank keeps at least
+    ``CP_MIN_TOKENS`` of a sequence, ``ep > 1`` only for a mixture of experts (every ``ep``
+    dividing both ``E`` and ``dp·cp``), ``per-step`` only where it differs (ZeRO-2/3 with
+    several micro-batches), op-level recomputation only with a framework's recipe."""
     experts = as_moe(spec).experts
+    modes = ("none", "selective", "full") + (("op",) if cl.recipe != "edu3d" else ())
     for tp in divisors(cl.gpus):
         if spec.n_heads % tp:
             continue
@@ -178,19 +196,35 @@ def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str =
                         continue
                     m = global_batch // (dp * b)
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp * cp > 1 else (0,):
-                        for rec in ("none", "selective", "full"):
+                        reduce = ("per-microbatch", "per-step") if zero >= 2 and m > 1 else (
+                            "per-microbatch",)
+                        for rec, mode in itertools.product(modes, reduce):
                             yield setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
                                         micro_batch=b, schedule=schedule, sp=tp > 1,
                                         recompute=rec, precision=precision, ep=ep, cp=cp,
-                                        cp_impl=cp_impl, freeze=freeze)
+                                        cp_impl=cp_impl, freeze=freeze, grad_reduce=mode)
+
+
+def memory_of(spec: ModelSpec, run: Run, cl: Cluster) -> dict:
+    """The fullest rank's bytes as :func:`~edu3d.plan.estimate.estimate` gives them (its
+    ``*_bytes`` keys), from the cluster's recipe: edu3d's own estimate, or a framework's
+    (:func:`edu3d.plan.recipes.memory`: ``total_bytes`` is then what the device must hold)."""
+    if cl.recipe == "edu3d":
+        return estimate(spec, run)
+    mem = recipe_memory(spec, run, cl.recipe, profile_of(cl))
+    out = {f"{c}_bytes": mem[c] for c in ("params", "grads", "optimizer", "activations",
+                                          "comm", "transient")}
+    out.update(total_bytes=mem["device"], state_bytes=mem["params"] + mem["grads"] +
+               mem["optimizer"])
+    return out
 
 
 def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
            precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring",
            freeze: tuple = ()) -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
-    first: ``{"setup", "memory", "time", "fits"}``; ``freeze``: the globs of ``--freeze``,
-    the same in every candidate (:mod:`edu3d.plan.inventory`)."""
+    first: ``{"setup", "memory", "time", "fits", "prediction"}``; ``freeze``: the globs of
+    ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`)."""
     if not 1 <= cl.gpus <= MAX_GPUS:
         raise ValueError(f"{cl.gpus} GPUs: the search takes 1 to {MAX_GPUS}")
     gb = global_batch or spec.global_batch
@@ -206,11 +240,12 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
     rows = []
     for run in every:
         try:
-            mem = estimate(spec, run)
+            mem = memory_of(spec, run, cl)
+            time = step_time(spec, run, cl, prediction=True)
         except ValueError:
             continue
-        rows.append({"setup": run, "memory": mem, "time": step_time(spec, run, cl),
-                     "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
+        rows.append({"setup": run, "memory": mem, "prediction": time.pop("prediction"),
+                     "time": time, "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
     rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))
     return rows
 
@@ -242,6 +277,7 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                    f"activations {gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(lay.pp - 1) / (run.microbatches + lay.pp - 1):.1%} with "
                    f"m={run.microbatches} micro-batches of {run.micro_batch}")
+    out.append(micro_batch_reason(run, best, other))
     moe = as_moe(spec)
     if moe.experts:
         ep1 = other(ep=1)
@@ -297,6 +333,36 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                       else f", more than {gb(budget)}")
                    + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"
                       " more compute" if none else ""))
+    pred = best["prediction"]
     out.append(f"estimated step {tm['total']:.2f} s: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in tm.items() if k != "total" and (v or k in AXES)))
+        f"{k} {v:.2f}" for k, v in tm.items() if k != "total" and (v or k in AXES))
+        + f"; {pred.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {pred.mfu:.0%} "
+        f"(predicted, on {cl.hardware})")
     return out
+
+
+def micro_batch_reason(run: Run, best: dict, other) -> str:
+    """Why this micro-batch size, in the model's terms: its matmuls' efficiency, launches
+    and bubble against the neighbouring size (``other(**change)`` finds a row)."""
+    b, m, pred = run.micro_batch, run.microbatches, best["prediction"]
+    bubble = best["time"]["bubble"] / best["time"]["total"]
+    if b > 1:
+        base = other(microbatches=m * b)
+        if base is None:
+            return f"micro-batch {b}: matmuls at {pred.matmul_efficiency:.0%} of peak"
+        bp, bt = base["prediction"], base["time"]
+        return (f"micro-batch {b}: matmuls at {pred.matmul_efficiency:.0%} of peak instead of "
+                f"{bp.matmul_efficiency:.0%} at micro-batch 1, {bt['overhead']:.2f} s of "
+                f"launches not hidden there; the bubble goes from {bt['bubble'] / bt['total']:.0%}"
+                f" to {bubble:.0%} of the step ({bt['total']:.2f} s -> {best['time']['total']:.2f}"
+                " s)" + ("" if base["fits"] else "; micro-batch 1 would not even fit"))
+    bigger = other(microbatches=m // 2) if m % 2 == 0 else None
+    if bigger is None:
+        return (f"micro-batch 1: matmuls at {pred.matmul_efficiency:.0%} of peak; no larger "
+                "micro-batch divides the batch")
+    why = ("does not fit" if not bigger["fits"] else
+           f"takes {bigger['time']['total']:.2f} s: its bubble is "
+           f"{bigger['time']['bubble'] / bigger['time']['total']:.0%} of the step against "
+           f"{bubble:.0%}")
+    return (f"micro-batch 1: matmuls at {pred.matmul_efficiency:.0%} of peak; micro-batch 2 "
+            f"(matmuls at {bigger['prediction'].matmul_efficiency:.0%}) {why}")

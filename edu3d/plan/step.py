@@ -42,13 +42,16 @@ from edu3d.model.shapes import ModelSpec
 from edu3d.plan import links, recipes, roofline
 from edu3d.plan.formulas import as_moe, routed_per_token
 from edu3d.plan.hardware import Profile, load_profile
+from edu3d.plan.inventory import frozen_share
 from edu3d.plan.ops import Cut, embedding_ops, head_ops, layer
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.simulate import Costs, simulate
 
 PARTS = ("compute", "overhead", "bubble", "tp", "pp", "dp", "edp", "cp", "ep", "optimizer")
-REPLAY = 2  # a pipeline is replayed with up to REPLAY x pp micro-batches, then extrapolated
+REPLAY = 1  # a pipeline is replayed with up to REPLAY x pp micro-batches, then extrapolated
+REPLAY_LIMIT = 512  # beyond pp x chunks x micro-batches replayed, the closed form (a search)
+RAMP = {"zb-h1": 1 / 3}  # the ramp's share left by each schedule beyond 1F1B's (DESIGN.md)
 
 
 @dataclass
@@ -138,9 +141,10 @@ def stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
     for s, (lo, hi) in enumerate(parts):
         kinds: dict = {}
         for i in range(lo, hi):
-            key = moe_args(spec, run) if moe.is_moe(i) else None
+            key = (moe_args(spec, run) if moe.is_moe(i) else None,
+                   frozen_share(spec, run.memory.freeze, i))
             kinds[key] = kinds.get(key, 0) + 1
-        pieces = [(layer(c, recompute, key), n) for key, n in kinds.items()]
+        pieces = [(layer(c, recompute, *key), n) for key, n in kinds.items()]
         if s == 0:
             pieces.append(((tuple(embedding_ops(c)), ()), 1))
         if s == len(parts) - 1:
@@ -272,7 +276,8 @@ def check(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> None:
 
 def replayed(run: Run, v: int) -> int:
     """Micro-batches to replay: all of them, or ``REPLAY·pp`` (a multiple of pp, as the
-    interleaved schedule needs): beyond, every extra micro-batch adds the same time."""
+    interleaved schedule needs): from ``pp`` on a schedule is in its steady state, where
+    every extra micro-batch adds the slowest rank's forward and backward."""
     m, pp = run.microbatches, run.layout.pp
     return m if m <= REPLAY * pp else REPLAY * pp
 
@@ -291,11 +296,12 @@ def pipeline(run: Run, costs: list[dict], p2p: float, m: int) -> tuple:
 
 
 def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "edu3d",
-            timeline: bool = False) -> Prediction:
+            timeline: bool = False, memory: bool = True) -> Prediction:
     """Step time, throughput, MFU, the parts of the step and the fullest rank's memory of
     ``run`` training ``spec`` on ``profile`` (a :class:`~edu3d.plan.hardware.Profile`, a
     shipped name or a file), with ``recipe``'s choices (:data:`edu3d.plan.recipes.RECIPES`).
-    ``timeline``: also the step's events (every micro-batch replayed; slower)."""
+    ``timeline``: also the step's events (every micro-batch replayed; slower); ``memory=False``
+    leaves the memory out (a search that has its estimate already)."""
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     rec = recipes.recipe_of(recipe) if isinstance(recipe, str) else recipe
     check(spec, run, rec)
@@ -311,14 +317,23 @@ def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "ed
     msg = c.act * c.tokens * c.h / (lay.tp if c.sp else 1)
     p2p = links.collective_time("send", msg, 2, link) if lay.pp > 1 else 0.0
     m = run.microbatches
-    m_sim = m if timeline else replayed(run, v)
-    tl = pipeline(run, costs, p2p, m_sim)
-    flat = pipeline(run, costs, 0.0, m_sim).makespan if lay.pp > 1 else tl.makespan
     per_mb = [sum(costs[k * lay.pp + r]["F"] + costs[k * lay.pp + r]["R"] + costs[k * lay.pp + r]
                   ["I"] + costs[k * lay.pp + r]["W"] for k in range(v)) for r in range(lay.pp)]
-    extra = (m - m_sim) * max(per_mb)
-    ends = [max((e["t1"] for e in tl.events if e["rank"] == r and e["lane"] == "compute"),
-                default=0.0) + extra for r in range(lay.pp)]
+    m_sim = m if timeline else replayed(run, v)
+    if timeline or lay.pp * v * m_sim <= REPLAY_LIMIT:
+        tl = pipeline(run, costs, p2p, m_sim)
+        extra = (m - m_sim) * max(per_mb)
+        flat = extra + (pipeline(run, costs, 0.0, m_sim).makespan if lay.pp > 1 else tl.makespan)
+        ends = [extra] * lay.pp
+        for e in tl.events:
+            if e["lane"] == "compute":
+                ends[e["rank"]] = max(ends[e["rank"]], e["t1"] + extra)
+        makespan, events = tl.makespan + extra, tl.events
+    else:  # too long to replay in a search: the replay's own steady state and ramp
+        flat = m * max(per_mb) + (lay.pp - 1) * sum(per_mb) / lay.pp / v * RAMP.get(
+            par.schedule, 1.0)
+        makespan = flat + 2 * (lay.pp - 1) * p2p
+        ends, events = [makespan] * lay.pp, []
     totals = []
     for r in range(lay.pp):
         last_b = sum(costs[k * lay.pp + r]["R"] + costs[k * lay.pp + r]["I"]
@@ -336,7 +351,7 @@ def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "ed
             out[axis] += m * t
         out["dp"] += m * s["zero3"]
     out["overhead"] = max(0.0, busy - sum(out.values()))
-    out["pp"] = max(0.0, (tl.makespan - flat))
+    out["pp"] = max(0.0, makespan - flat)
     out["bubble"] = max(0.0, ends[crit] - busy - out["pp"])
     out["dp"] += tail["dp"]
     out["edp"] += tail["edp"]
@@ -348,11 +363,11 @@ def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "ed
     mm_time = sum(s["matmul_time"] for s in costs)
     eff = flops / mm_time / roofline.peak(prof, run.precision.dtype) if mm_time else 0.0
     peak = roofline.peak(prof, run.precision.dtype)
-    events = [dict(e, t0=e["t0"] * 1e6, t1=e["t1"] * 1e6) for e in tl.events] if timeline else []
+    events = [dict(e, t0=e["t0"] * 1e6, t1=e["t1"] * 1e6) for e in events] if timeline else []
     return Prediction(
         step_time=step, tokens_per_s=tokens / step, tokens_per_s_per_gpu=tokens / step /
         run.world_size, mfu=fpt * tokens / (step * run.world_size * peak),
         model_flops_per_token=fpt, parts=out, matmul_efficiency=eff,
-        memory=recipes.memory(spec, run, rec, prof),
+        memory=recipes.memory(spec, run, rec, prof) if memory else {},
         stages=[{k: s[k] for k in ("F", "R", "I", "W")} for s in costs], profile=prof.name,
         recipe=rec.name, events=events)
