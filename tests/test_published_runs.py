@@ -40,7 +40,7 @@ def test_every_row_names_a_shipped_profile_and_every_profile_loads():
     assert {run.hardware for run in load_runs()} <= set(loaded)
     for profile in loaded.values():
         assert profile.peak_flops["bf16"] > 0
-        assert len(profile.sources) == 18 and all(len(s) > 10 for s in profile.sources.values())
+        assert len(profile.sources) == 23 and all(len(s) > 10 for s in profile.sources.values())
 
 
 def test_the_numbers_the_issue_quotes_are_in_the_table():

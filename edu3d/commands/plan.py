@@ -320,7 +320,8 @@ def main_from_args(args) -> int:
         out["recommended"] = {**_json_setup(st), "reasons": why,
                               "step_time_s": best["time"]}
         out["candidates"] = [{**_json_setup(r["setup"]), "total_bytes": r["memory"]["total_bytes"],
-                              "step_time_s": r["time"]["total"], "fits": r["fits"]}
+                              "step_time_s": r["time"]["total"], "fits": r["fits"],
+                              "predicted": r["prediction"] is not None}
                              for r in rows[:args.top]]
         out["cost_model"] = plan_search.__doc__.split("The cost model")[1].strip()
         out["cluster"] = dataclasses.asdict(cluster)

@@ -35,7 +35,7 @@ from edu3d.plan.estimate import setup, estimate, in_flight
 from edu3d.plan.formulas import activation_bytes_per_layer as act
 from edu3d.plan.formulas import zero_bytes
 from edu3d.plan.search import GB as GBPS
-from edu3d.plan.search import Cluster, search, step_time
+from edu3d.plan.search import Cluster, search, step_time, traffic
 from edu3d.schedules import bubble_formula, build, simulate
 
 GB = 1e9
@@ -79,10 +79,11 @@ def _llama(name: str = "llama2-13b"):
 
 
 def zero3_traffic_ratio() -> float:
-    """ZeRO-3's data-parallel traffic per step over plain DP's, in the planner's cost model,
-    at one micro-batch (the paper's count: reducing every one of m micro-batches, m times)."""
-    spec, cl = _llama("llama2-7b"), Cluster(8)
-    t = {z: step_time(spec, setup(dp=8, zero=z, microbatches=1, precision="bf16"), cl)["dp"]
+    """ZeRO-3's data-parallel traffic per step over plain DP's, in bytes the planner counts
+    (:func:`edu3d.plan.search.traffic`), at one micro-batch (the paper's count: reducing
+    every one of m micro-batches, m times)."""
+    spec = _llama("llama2-7b")
+    t = {z: traffic(spec, setup(dp=8, zero=z, microbatches=1, precision="bf16"))["dp"]
          for z in (0, 3)}
     return t[3] / t[0]
 

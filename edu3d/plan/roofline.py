@@ -1,6 +1,6 @@
 """An operation's time on a machine: the roofline, a matmul's efficiency by size, and overhead.
 
-After reading this file you should be able to time any kernel of :mod:`edu3d.plan.ops` by
+After reading this file you should be able to time any kernel of :mod:`edu3d.plan.kernels` by
 hand from a hardware profile (:mod:`edu3d.plan.hardware`):
 
 * **the roofline** (Williams et al. 2009): a kernel is limited either by arithmetic or by
@@ -28,7 +28,7 @@ on a GPU that has it (PyTorch's matmul default in edu3d) and fp32's on a CPU.
 from __future__ import annotations
 
 from edu3d.plan.hardware import Profile
-from edu3d.plan.ops import Op
+from edu3d.plan.kernels import Op
 
 
 def peak(profile: Profile, dtype: str, kind: str = "matmul") -> float:

@@ -44,10 +44,7 @@ rest: CUDA context, allocator fragmentation). ``traffic`` gives the bytes each a
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from dataclasses import dataclass
-from functools import lru_cache
 
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
@@ -55,68 +52,19 @@ from edu3d.plan import zero_modes
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import MAX_GPUS, estimate, held, setup
 from edu3d.plan.formulas import as_moe, divisors
-from edu3d.plan.hardware import Profile, load_profile
+from edu3d.plan.cluster import GB, Cluster, profile_of
 from edu3d.plan.recipes import memory as recipe_memory
-from edu3d.plan.step import predict
+from edu3d.plan.inventory import frozen_active
+from edu3d.plan.roofline import peak
+from edu3d.plan.step import model_flops_per_token, predict
 from edu3d.model.shapes import ModelSpec
 
-GB = 1e9
 AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
 CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
 MAX_WORK = 2_500_000  # layouts x layers x (1 + experts/64) one search weighs: a few seconds
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The machine the search plans for: ``gpus`` of a hardware profile (:mod:`edu3d.plan.
-    hardware`; default H100 SXM nodes of 8) and the memory recipe weighed (:mod:`edu3d.plan.
-    recipes`). ``peak_tflops``, ``mfu``, ``intra_gbps`` and ``inter_gbps`` override the
-    profile's bf16 peak, large-matmul efficiency (MFU itself is now predicted) and NVLink /
-    inter-node bus bandwidths; left out, they take the profile's values."""
-
-    gpus: int
-    gpu_mem_gb: float = 80.0
-    gpus_per_node: int = 8
-    peak_tflops: float | None = None
-    mfu: float | None = None  # the large-matmul efficiency, not the MFU (an output now)
-    intra_gbps: float | None = None
-    inter_gbps: float | None = None
-    usable: float = 0.9
-    hardware: str = "h100-sxm"
-    recipe: str = "edu3d"
-
-    def __post_init__(self):  # the profile's values where none was given
-        prof = load_profile(self.hardware)
-        for name, value in (("peak_tflops", prof.peak_flops["bf16"] / 1e12),
-                            ("mfu", prof.matmul_efficiency),
-                            ("intra_gbps", prof.intra_bandwidth / GB),
-                            ("inter_gbps", prof.inter_bandwidth / GB)):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-
-    def describe(self) -> str:
-        return (f"{self.gpus} GPUs of {self.gpu_mem_gb:g} GB ({self.usable:.0%} usable), "
-                f"{self.gpus_per_node} per node, profile {self.hardware}: {self.peak_tflops:g} "
-                f"TFLOP/s bf16 peak, large matmuls at {self.mfu:.0%} of it; NVLink "
-                f"{self.intra_gbps:g} GB/s inside a node, {self.inter_gbps:g} GB/s across "
-                f"nodes; recipe {self.recipe}")
-
-
-@lru_cache(maxsize=64)
-def profile_of(cl: Cluster) -> Profile:
-    """The cluster's hardware profile with its overrides applied (one object per cluster:
-    the model caches its costs by profile)."""
-    prof = load_profile(cl.hardware)
-    peak = cl.peak_tflops * 1e12
-    scale = peak / prof.peak_flops["bf16"]
-    flops = {k: (v * scale if v else v) for k, v in prof.peak_flops.items()}
-    intra, inter = cl.intra_gbps * GB, cl.inter_gbps * GB
-    return dataclasses.replace(
-        prof, peak_flops=flops, matmul_efficiency=cl.mfu, gpus_per_node=cl.gpus_per_node,
-        intra_bandwidth=intra, intra_gather_bandwidth=min(intra, prof.intra_gather_bandwidth *
-                                                          intra / prof.intra_bandwidth),
-        inter_bandwidth=inter, inter_gather_bandwidth=prof.inter_gather_bandwidth * inter /
-        prof.inter_bandwidth)
+KEEP = 8  # the fastest layouts a search predicts exactly (branch and bound below them)
+PREDICT_WORK = 40_000  # predictions x layers x (1 + experts/64): a prediction is ~0.1 ms a
+# layer, so a search predicts in a few seconds at most (from the lowest floors up)
 
 
 def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
@@ -224,7 +172,12 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
            freeze: tuple = ()) -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
     first: ``{"setup", "memory", "time", "fits", "prediction"}``; ``freeze``: the globs of
-    ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`)."""
+    ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`). The fastest
+    ``KEEP`` that fit are predicted exactly (:func:`step_time`; at most ``PREDICT_WORK`` /
+    layers of them, lowest floors first, so a search of a huge cluster stays bounded and its
+    top is then the best of those); a row the bound left out has
+    ``"prediction": None`` and its :func:`floor` as ``time["total"]``, and sorts after them
+    (:func:`timed` predicts it on demand)."""
     if not 1 <= cl.gpus <= MAX_GPUS:
         raise ValueError(f"{cl.gpus} GPUs: the search takes 1 to {MAX_GPUS}")
     gb = global_batch or spec.global_batch
@@ -241,13 +194,59 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
     for run in every:
         try:
             mem = memory_of(spec, run, cl)
-            time = step_time(spec, run, cl, prediction=True)
         except ValueError:
             continue
-        rows.append({"setup": run, "memory": mem, "prediction": time.pop("prediction"),
-                     "time": time, "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
-    rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))
+        rows.append({"setup": run, "memory": mem, "prediction": None,
+                     "time": {"total": floor(spec, run, cl)},
+                     "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
+    # branch and bound: predict the fitting layouts from the lowest floor up, until no floor
+    # left can enter the KEEP fastest (an exact top KEEP at a fraction of the predictions)
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
+    best: list[float] = []
+    limit = max(KEEP, int(PREDICT_WORK / (spec.n_layers * (1 + as_moe(spec).experts / 64))))
+    for count, row in enumerate(fitting):
+        if count >= limit or len(best) >= KEEP and row["time"]["total"] > best[KEEP - 1]:
+            break
+        try:
+            timed(spec, row, cl)
+        except ValueError:
+            row["fits"] = False
+            continue
+        best = sorted(best + [row["time"]["total"]])[:KEEP]
+    rows.sort(key=lambda r: (not r["fits"], r["prediction"] is None, r["time"]["total"],
+                             r["memory"]["total_bytes"]))
     return rows
+
+
+def floor(spec: ModelSpec, run: Run, cl: Cluster) -> float:
+    """A lower bound of a layout's step time: the matmul FLOPs each rank must do (``6N`` per
+    token, the head included, recomputation's extra forward) at the best matmul rate, the
+    causal attention core at FlashAttention's rate, stretched by the pipeline's ramp
+    (``(p-1)/(v·m)``, a third of it for ZB-H1). The search's branch and bound predicts no
+    layout whose floor is above the ones it keeps."""
+    prof = profile_of(cl)
+    moe, lay, mode = as_moe(spec), run.layout, run.memory.recompute
+    n = moe.layer_params(active=True) - frozen_active(spec, tuple(run.memory.freeze)) / 3
+    mats = 6 * (n + spec.d_model * spec.vocab_size) + {"op": 1, "full": 2}.get(mode, 0) * n
+    attn = 2 * spec.n_layers * spec.d_model * spec.seq_len * (
+        3.5 + (mode in ("selective", "full")))  # causal forward, 2.5x backward, recomputed
+    tokens = run.batch.global_batch * spec.seq_len / run.world_size
+    rate = peak(prof, run.precision.dtype) * prof.sustained
+    busy = tokens * (mats / (rate * prof.matmul_efficiency) + attn / (
+        rate * prof.attention_efficiency))
+    v = lay.vpp if run.parallel.schedule == "interleaved" else 1
+    ramp = (lay.pp - 1) / (v * run.microbatches) * (1 / 3 if run.parallel.schedule == "zb-h1"
+                                                     else 1)
+    return busy * (1 + ramp)
+
+
+def timed(spec: ModelSpec, row: dict, cl: Cluster) -> dict:
+    """``row`` with its predicted ``time`` and ``prediction`` (predicted now if not yet)."""
+    if row["prediction"] is None:
+        time = step_time(spec, row["setup"], cl, prediction=True)
+        row["prediction"] = time.pop("prediction")
+        row["time"] = time
+    return row
 
 
 def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
@@ -260,7 +259,8 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
     state16 = 16 * spec.num_params()
 
     def other(**change):
-        return by_key.get(run.replace(**change))
+        row = by_key.get(run.replace(**change))
+        return timed(spec, row, cl) if row is not None else None
 
     out = [f"the model has {spec.num_params() / 1e9:.2f} B parameters: {gb(state16)} of "
            f"weights, gradients and Adam state at 16 bytes each, against {gb(budget)} usable "
@@ -316,7 +316,7 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                 + ("; ZeRO-2/3 are not combined with pipelines" if lay.pp > 1 else ""))
     rivals = [r for r in rows if r["fits"] and r["setup"].layout.tp != lay.tp]
     if rivals:
-        r, rl = rivals[0], rivals[0]["setup"].layout
+        r, rl = timed(spec, rivals[0], cl), rivals[0]["setup"].layout
         out.append(f"the fastest layout with tp={rl.tp} (pp={rl.pp}, dp={rl.dp}) takes "
                    f"{r['time']['total']:.2f} s: its tp traffic is "
                    f"{r['time']['tp']:.2f} s against {tm['tp']:.2f} s, because a GPU's share of "

@@ -3,33 +3,29 @@
 After reading this file you should understand how a step's time is put together, and why
 "FLOPs over peak" is not it:
 
-1. **a layer, per micro-batch** (:func:`stage_costs`): its kernels (:mod:`edu3d.plan.ops`)
-   timed on the roofline (:mod:`edu3d.plan.roofline`), forward ``F``, recomputation ``R``,
-   input gradient ``I`` and weight gradient ``W``; and its collectives (:mod:`edu3d.plan.links`)
-   on a second stream. A tensor-parallel all-gather must finish before the matmul that needs
-   it, so it is *exposed* (added to the layer's time) unless the layout overlaps it
-   (``tp_overlap``, AsyncTP): then only what the matmul beside it does not hide is. A ring
-   of context parallelism hides each K/V hop behind that step's block of attention;
-2. **ZeRO-3 / FSDP** (:func:`overlapped`): each layer's weights are all-gathered before its
-   forward and again before its backward, its gradients reduce-scattered after; with
-   prefetch the next layer's all-gather runs while this one computes, so a layer costs the
-   slower of its compute and its communication, plus the first gather and the last scatter;
-3. **the pipeline**: each stage's ``F``, ``B`` (or ``I`` and ``W``) per micro-batch go into the
+1. **each pipeline stage's work per micro-batch** (:mod:`edu3d.plan.stage_costs`): its
+   kernels on the roofline with the host's launches, its exposed tensor-, context- and
+   expert-parallel collectives, ZeRO-3's gathers and scatters behind the layers' compute;
+2. **the pipeline**: each stage's ``F``, ``B`` (or ``I`` and ``W``) per micro-batch go into the
    schedule's own action lists (:mod:`edu3d.schedules`), replayed with a send's latency and
    bandwidth between stages (:func:`edu3d.schedules.simulate.simulate`): the bubble and the
-   cost of crossing nodes at small micro-batches come out of the replay, not a formula;
-4. **data parallelism** (:func:`reduce_tail`): the gradients of the last micro-batch's
-   backward are reduced in buckets, each as soon as its layers are done, on the
-   communication stream; only what outlasts the backward is exposed. Then the optimizer
-   (memory-bound: it reads and writes every state byte once) and, for ZeRO-1/2, the weight
-   all-gather (hidden behind the next forward where the framework overlaps it).
+   cost of crossing nodes at small micro-batches come out of the replay, not a formula. From
+   ``pp`` micro-batches on a schedule is in its steady state, so a long step is replayed
+   with ``pp`` of them and every further one adds the slowest rank's ``F + B``; a search's
+   very long pipelines (more than ``REPLAY_LIMIT`` actions) take that closed form whole;
+3. **data parallelism** (:func:`reduce_tail`): the gradients of the last micro-batch's
+   backward are reduced in buckets on the communication stream while the backward runs;
+   only what outlasts it is exposed. Then the optimizer (memory-bound: it reads and writes
+   every state byte once) and, for ZeRO-1/2, the weight all-gather (hidden behind the next
+   forward where the framework overlaps it).
 
 The step is the slowest pipeline rank's, and its **parts** add up to it: ``compute`` (kernels),
 ``overhead`` (launches the kernels did not hide), ``bubble`` (idle waiting for other stages),
 the exposed communication of each axis (``tp pp dp edp cp ep``) and ``optimizer``. Tokens/s
 and MFU are outputs: MFU counts the model's FLOPs, ``6N`` (non-embedding parameters a token
 uses, plus the LM head's ``h·V``) and ``12·L·h·s`` for attention (PaLM's count), against the
-precision's peak. No torch.
+precision's peak. :func:`predict` is the one entry point (``edu3d plan``, its search,
+``edu3d tune``, the course). No torch.
 """
 
 from __future__ import annotations
@@ -40,17 +36,16 @@ from functools import lru_cache
 from edu3d.config.sections import Run
 from edu3d.model.shapes import ModelSpec
 from edu3d.plan import links, recipes, roofline
-from edu3d.plan.formulas import as_moe, routed_per_token
+from edu3d.plan.formulas import as_moe
 from edu3d.plan.hardware import Profile, load_profile
-from edu3d.plan.inventory import frozen_share
-from edu3d.plan.ops import Cut, embedding_ops, head_ops, layer
+from edu3d.plan.stage_costs import cut_of, stage_costs, zero3_cost
 from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.simulate import Costs, simulate
 
 PARTS = ("compute", "overhead", "bubble", "tp", "pp", "dp", "edp", "cp", "ep", "optimizer")
 REPLAY = 1  # a pipeline is replayed with up to REPLAY x pp micro-batches, then extrapolated
-REPLAY_LIMIT = 512  # beyond pp x chunks x micro-batches replayed, the closed form (a search)
+REPLAY_LIMIT = 128  # beyond pp x chunks x micro-batches replayed, the closed form (a search)
 RAMP = {"zb-h1": 1 / 3}  # the ramp's share left by each schedule beyond 1F1B's (DESIGN.md)
 
 
@@ -80,128 +75,7 @@ def model_flops_per_token(spec: ModelSpec) -> float:
             + 12 * spec.n_layers * spec.d_model * spec.seq_len)
 
 
-def cut_of(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> Cut:
-    """The shapes one rank computes per micro-batch."""
-    lay, par = run.layout, run.parallel
-    t, sp = lay.tp, par.sp and lay.tp > 1
-    tokens = run.micro_batch * spec.seq_len // lay.cp
-    kv = spec.kv_heads // t if spec.kv_heads >= t else 1
-    course_fp32 = run.precision.dtype == "fp32"
-    return Cut(tokens=tokens, norm_tokens=tokens // t if sp else tokens, seq=spec.seq_len,
-               b=run.micro_batch, h=spec.d_model, head_dim=spec.d_model // spec.n_heads,
-               heads=spec.n_heads // t, kv_heads=kv, ff=spec.ff // t,
-               vocab=spec.vocab_rows(t), tp=t, cp=lay.cp, sp=sp, act=4 if course_fp32 else 2,
-               mlp=spec.mlp, norm=spec.norm, rope=not spec.learned_pos,
-               flash=run.precision.attn != "explicit", fused=rec.fused or run.precision.compile,
-               fused_norm=rec.fused_norm,
-               fp8=run.precision.dtype == "fp8", cp_impl=par.cp_impl)
-
-
-def moe_args(spec: ModelSpec, run: Run) -> tuple:
-    moe = as_moe(spec)
-    return (moe.experts, routed_per_token(moe), run.layout.ep, moe.e_ff, moe.shared_experts)
-
-
-# ---- 1. a stage's work per micro-batch ----------------------------------------------------------
-def phase_time(ops, comms, phase: str, profile: Profile, run: Run, ranks_per_core: float,
-               exposed: dict, framework: float = 0.0) -> float:
-    """Seconds of one phase of a layer: its kernels, plus each collective's exposed part
-    (added to ``exposed`` by axis)."""
-    mine = [o for o in ops if o.phase == phase]
-    dtype = run.precision.dtype
-    busy = roofline.stretch_time(mine, profile, dtype, ranks_per_core, framework)
-    by_name = {}
-    for o in mine:
-        by_name[o.name] = by_name.get(o.name, 0.0) + roofline.op_time(o, profile, dtype)
-    out = busy
-    for c in (c for c in comms if c.phase == phase):
-        link, n = links.group_link(profile, run.layout, c.axis)
-        each = links.collective_time(c.kind, c.nbytes, n if c.kind != "send" else 2, link)
-        hidden = 0.0
-        overlap = c.axis == "cp" or (c.axis == "tp" and run.parallel.tp_overlap)
-        if c.hides and overlap:
-            hidden = by_name.get(c.hides, 0.0) / (c.steps if c.axis == "cp" else 1)
-        lost = c.steps * max(0.0, each - hidden)
-        exposed[c.axis] = exposed.get(c.axis, 0.0) + lost
-        out += lost
-    return out
-
-
-@lru_cache(maxsize=2048)
-def stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe) -> tuple:
-    """Per global stage: ``{"F", "R", "I", "W"}`` seconds per micro-batch, ``"exposed"`` by
-    axis, ``"kernels"`` (pure device time) and ``"flops"`` of its matmuls."""
-    lay, par = run.layout, run.parallel
-    c = cut_of(spec, run, rec)
-    moe = as_moe(spec)
-    recompute = run.memory.recompute
-    parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
-    per_core = run.world_size / profile.cores if profile.cores else 1.0
-    out = []
-    for s, (lo, hi) in enumerate(parts):
-        kinds: dict = {}
-        for i in range(lo, hi):
-            key = (moe_args(spec, run) if moe.is_moe(i) else None,
-                   frozen_share(spec, run.memory.freeze, i))
-            kinds[key] = kinds.get(key, 0) + 1
-        pieces = [(layer(c, recompute, *key), n) for key, n in kinds.items()]
-        if s == 0:
-            pieces.append(((tuple(embedding_ops(c)), ()), 1))
-        if s == len(parts) - 1:
-            pieces.append(((tuple(head_ops(c, rec.fused_loss)), ()), 1))
-        row = {"F": 0.0, "R": 0.0, "I": 0.0, "W": 0.0, "exposed": {}, "kernels": 0.0,
-               "flops": 0.0, "matmul_time": 0.0}
-        for (ops, comms), n in pieces:
-            for phase in ("F", "R", "I", "W"):
-                exposed: dict = {}
-                row[phase] += n * phase_time(ops, comms, phase, profile, run, per_core, exposed,
-                                             rec.host)
-                for axis, v in exposed.items():
-                    row["exposed"][axis] = row["exposed"].get(axis, 0.0) + n * v
-            row["kernels"] += n * sum(roofline.op_time(o, profile, run.precision.dtype)
-                                      for o in ops) * max(1.0, per_core)
-            mats = [o for o in ops if o.kind == "matmul"]
-            row["flops"] += n * sum(o.flops for o in mats)
-            row["matmul_time"] += n * sum(roofline.op_time(o, profile, run.precision.dtype)
-                                          for o in mats)
-        out.append(row)
-    return tuple(out)
-
-
-# ---- 2. ZeRO-3: layer by layer, two streams --------------------------------------------------
-def overlapped(compute: list[float], comm: list[float], prefetch: bool) -> float:
-    """Two streams over a stage's layers: layer ``i`` computes once its communication
-    ``comm[i]`` is done; with ``prefetch`` the communication of layer ``i+1`` starts while
-    layer ``i`` computes (FSDP's default), without it only after. Returns the end time."""
-    comm_free = compute_free = 0.0
-    for i, (work, talk) in enumerate(zip(compute, comm)):
-        start_talk = comm_free if prefetch else max(comm_free, compute_free)
-        comm_free = start_talk + talk
-        compute_free = max(compute_free, comm_free) + work
-    return compute_free
-
-
-def zero3_cost(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe,
-               stage: dict, layers: int) -> tuple[float, float]:
-    """Exposed seconds per micro-batch of a stage's ZeRO-3 traffic, forward and backward:
-    an all-gather of each layer's weights before its forward (and again before its
-    backward), a reduce-scatter of its gradients after, on the dp·cp group."""
-    if run.parallel.zero < 3 or run.layout.dp * run.layout.cp == 1 or not layers:
-        return 0.0, 0.0
-    link, n = links.group_link(profile, run.layout, "dpcp")
-    psi = sum(k for _, k, _ in as_moe(spec).block_tensors(0, run.layout.tp))
-    gather = links.collective_time("all_gather", rec.gather * psi, n, link)
-    scatter = links.collective_time("reduce_scatter", rec.reduce * psi, n, link)
-    if run.parallel.grad_reduce == "per-step" or run.layout.pp > 1:  # once per step: spread
-        gather, scatter = gather / run.microbatches, scatter / run.microbatches
-    prefetch = rec.prefetch or run.parallel.prefetch
-    f, b = stage["F"] / layers, (stage["R"] + stage["I"] + stage["W"]) / layers
-    fwd = overlapped([f] * layers, [gather] * layers, prefetch) - f * layers
-    bwd = overlapped([b] * layers, [gather + scatter] * layers, prefetch) - b * layers
-    return fwd, bwd + scatter  # the last layer's scatter waits for nothing after it
-
-
-# ---- 4. data parallelism after the last backward -------------------------------------------------
+# ---- 3. data parallelism after the last backward -------------------------------------------------
 def reduce_tail(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe,
                 pp_rank: int, backward: float) -> dict[str, float]:
     """Exposed seconds of the gradient reduction (``dp``, ``edp``) after a rank's last
@@ -248,7 +122,7 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     return seconds * (run.world_size / profile.cores if profile.cores else 1.0)
 
 
-# ---- 3. the pipeline, and the step --------------------------------------------------------------
+# ---- 2. the pipeline, and the step --------------------------------------------------------------
 def check(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> None:
     """Refuse (``ValueError``, one line) a run the model cannot weigh: the planner's checks
     (:func:`edu3d.plan.estimate.validate`). The framework recipes also take fp8 and op-level
@@ -282,17 +156,22 @@ def replayed(run: Run, v: int) -> int:
     return m if m <= REPLAY * pp else REPLAY * pp
 
 
-def pipeline(run: Run, costs: list[dict], p2p: float, m: int) -> tuple:
+def pipeline(run: Run, costs: list[dict], p2p: float, m: int):
     """Replay ``m`` micro-batches of the run's schedule with per-stage costs; returns the
     simulator's timeline."""
     lay, par = run.layout, run.parallel
-    v = chunks(par.schedule, lay.vpp)
+    phases = tuple((c["F"], c["R"] + c["I"] + c["W"], c["R"] + c["I"], c["W"]) for c in costs)
+    return replay(par.schedule, lay.pp, chunks(par.schedule, lay.vpp), m, phases, p2p)
+
+
+@lru_cache(maxsize=512)
+def replay(schedule: str, pp: int, v: int, m: int, phases: tuple, p2p: float):
+    """The cached replay (a search's layouts that differ only in ZeRO share it)."""
     measured = {}
-    for s, c in enumerate(costs):
+    for s, (f, b, i, w) in enumerate(phases):
         for mb in range(m):
-            measured.update({(s, "F", mb): c["F"], (s, "B", mb): c["R"] + c["I"] + c["W"],
-                             (s, "I", mb): c["R"] + c["I"], (s, "W", mb): c["W"]})
-    return simulate(build(par.schedule, lay.pp, m, v), lay.pp, Costs(p2p=p2p, measured=measured))
+            measured.update({(s, "F", mb): f, (s, "B", mb): b, (s, "I", mb): i, (s, "W", mb): w})
+    return simulate(build(schedule, pp, m, v), pp, Costs(p2p=p2p, measured=measured))
 
 
 def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "edu3d",
