@@ -5,7 +5,7 @@ course. Each folder is one concept, each module one idea (floors: a folder impor
 folders listed below it; README's "How the package is organised" says the rules)::
 
     edu3d/      __init__ cli         torch-free; ``from edu3d import comm``; the ``edu3d`` parser
-    commands/   run doctor train plan schedule ckpt generate grade grade_kernel grade_hints bench tune run_folders top course argtypes
+    commands/   run doctor train plan schedule ckpt generate grade grade_kernel grade_hints bench tune run_folders top course argtypes plan_validation
                                      one module per subcommand; the door to production/
     widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer pipeline threed memory_plan checkpoint production perf review context experts monitor tuning ckpt_reuse memory_timeline grad_reduce
                                      (``edu3d.widgets``, source in widgets/) charts: data in, figure out
@@ -29,7 +29,7 @@ folders listed below it; README's "How the package is organised" says the rules)
       ep/       dispatch placement   expert parallelism
     ckpt/       format checkpointer reshard export untrusted blobs
                                      sharded checkpoints, resharding
-    plan/       formulas estimate search fit zero_modes inventory hardware published
+    plan/       formulas estimate search fit zero_modes inventory hardware published kernels roofline links stage_costs step recipes validate cluster
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
     launch/     api agent supervise worker procs runs heartbeat magic status live
