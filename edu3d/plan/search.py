@@ -56,7 +56,7 @@ from edu3d.plan.cluster import GB, Cluster, profile_of
 from edu3d.plan.recipes import memory as recipe_memory
 from edu3d.plan.inventory import frozen_active
 from edu3d.plan.roofline import peak
-from edu3d.plan.step import model_flops_per_token, predict
+from edu3d.plan.step import SEARCH_REPLAY, model_flops_per_token, predict
 from edu3d.model.shapes import ModelSpec
 
 AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
@@ -110,7 +110,8 @@ def step_time(spec: ModelSpec, run: Run, cl: Cluster, prediction: bool = False) 
     ``bubble`` and each axis's exposed communication, ``optimizer``) and ``total``, from
     :func:`edu3d.plan.step.predict` on the cluster's profile and recipe (``prediction``:
     also the :class:`~edu3d.plan.step.Prediction` itself, as ``"prediction"``)."""
-    pred = predict(spec, run, profile_of(cl), cl.recipe, memory=False)
+    pred = predict(spec, run, profile_of(cl), cl.recipe, memory=False,
+                   replay_limit=SEARCH_REPLAY)
     out: dict = dict(pred.parts, total=pred.step_time)
     if prediction:
         out["prediction"] = pred
