@@ -31,7 +31,7 @@ from edu3d.config.sections import Run
 from edu3d.model.shapes import ModelSpec
 from edu3d.plan.formulas import MoESpec
 from edu3d.plan.hardware import Profile, load_profile
-from edu3d.plan.published import PublishedRun, load_runs
+from edu3d.plan.published import RUNS_FILE, PublishedRun, load_runs
 from edu3d.plan.step import Prediction, predict
 
 GIB = 2**30
@@ -164,11 +164,11 @@ def compare(row: PublishedRun, profile: Profile | None = None) -> Row:
                mem_pred, mem_err, assumed, pred)
 
 
-def validate(hardware: str | None = None) -> list[Row]:
-    """Every published row (``hardware``: only those measured on that profile, which may be
-    a file whose ``name`` is the rows' hardware)."""
+def validate(hardware: str | None = None, runs_file=RUNS_FILE) -> list[Row]:
+    """Every published row of ``runs_file`` (``hardware``: only those measured on that
+    profile, which may be a file whose ``name`` is the rows' hardware)."""
     profile = load_profile(hardware) if hardware else None
-    rows = [r for r in load_runs() if profile is None or r.hardware == profile.name]
+    rows = [r for r in load_runs(runs_file) if profile is None or r.hardware == profile.name]
     if profile is not None and not rows:
         raise ValueError(f"no published run was measured on {profile.name!r}; its profile's "
                          "name must be a row's hardware (e.g. h100-sxm)")
