@@ -320,8 +320,8 @@ def main_from_args(args) -> int:
         out["recommended"] = {**_json_setup(st), "reasons": why,
                               "step_time_s": best["time"]}
         out["candidates"] = [{**_json_setup(r["setup"]), "total_bytes": r["memory"]["total_bytes"],
-                              "step_time_s": r["time"]["total"], "fits": r["fits"],
-                              "predicted": r["prediction"] is not None}
+                              "step_time_s": r["time"]["total"] if r["prediction"] else None,
+                              "fits": r["fits"], "predicted": r["prediction"] is not None}
                              for r in rows[:args.top]]
         out["cost_model"] = plan_search.__doc__.split("The cost model")[1].strip()
         out["cluster"] = dataclasses.asdict(cluster)
@@ -349,7 +349,8 @@ def main_from_args(args) -> int:
         print(f"cluster: {cluster.describe()}")
         print(f"{len(rows)} layouts, {sum(r['fits'] for r in rows)} fit; fastest first:")
         for r in rows[:args.top]:
-            print(f"  {r['time']['total']:9.2f} s/step  {r['memory']['total_bytes'] / 1e9:6.1f} GB"
+            took = f"{r['time']['total']:9.2f}" if r["prediction"] else f">={r['time']['floor']:7.2f}"
+            print(f"  {took} s/step  {r['memory']['total_bytes'] / 1e9:6.1f} GB"
                   f"  {'fits' if r['fits'] else 'too big'}  {describe(spec, r['setup'])}")
         print("recommended: " + describe(spec, st))
         for line in why:

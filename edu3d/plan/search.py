@@ -45,6 +45,7 @@ rest: CUDA context, allocator fragmentation). ``traffic`` gives the bytes each a
 from __future__ import annotations
 
 import itertools
+import math
 
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
@@ -173,12 +174,13 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
            freeze: tuple = ()) -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
     first: ``{"setup", "memory", "time", "fits", "prediction"}``; ``freeze``: the globs of
-    ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`). The fastest
-    ``KEEP`` that fit are predicted exactly (:func:`step_time`; at most ``PREDICT_WORK`` /
-    layers of them, lowest floors first, so a search of a huge cluster stays bounded and its
-    top is then the best of those); a row the bound left out has
-    ``"prediction": None`` and its :func:`floor` as ``time["total"]``, and sorts after them
-    (:func:`timed` predicts it on demand)."""
+    ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`). Every layout
+    that fits is predicted (:func:`step_time`), unless more fit than ``PREDICT_WORK`` /
+    layers: then the fastest ``KEEP`` are, found by branch and bound over their floors (at
+    most that many predictions, lowest floors first, so a search of a huge cluster stays
+    bounded and its top is the best of those). A row left out (or that does not fit) has
+    ``"prediction": None``, ``time["total"]`` infinite and only its :func:`floor` as
+    ``time["floor"]``, and sorts after them (:func:`timed` predicts it on demand)."""
     if not 1 <= cl.gpus <= MAX_GPUS:
         raise ValueError(f"{cl.gpus} GPUs: the search takes 1 to {MAX_GPUS}")
     gb = global_batch or spec.global_batch
@@ -198,15 +200,17 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
         except ValueError:
             continue
         rows.append({"setup": run, "memory": mem, "prediction": None,
-                     "time": {"total": floor(spec, run, cl)},
+                     "time": {"total": math.inf, "floor": floor(spec, run, cl)},
                      "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
-    # branch and bound: predict the fitting layouts from the lowest floor up, until no floor
-    # left can enter the KEEP fastest (an exact top KEEP at a fraction of the predictions)
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["total"])
+    # more fitting layouts than a search may predict: branch and bound, from the lowest
+    # floor up, until no floor left can enter the KEEP fastest (an exact top KEEP)
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["floor"])
     best: list[float] = []
     limit = max(KEEP, int(PREDICT_WORK / (spec.n_layers * (1 + as_moe(spec).experts / 64))))
+    bound = len(fitting) > limit  # a small search predicts every layout that fits
     for count, row in enumerate(fitting):
-        if count >= limit or len(best) >= KEEP and row["time"]["total"] > best[KEEP - 1]:
+        if bound and (count >= limit or len(best) >= KEEP and row["time"]["floor"] >
+                      best[KEEP - 1]):
             break
         try:
             timed(spec, row, cl)
@@ -214,8 +218,7 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
             row["fits"] = False
             continue
         best = sorted(best + [row["time"]["total"]])[:KEEP]
-    rows.sort(key=lambda r: (not r["fits"], r["prediction"] is None, r["time"]["total"],
-                             r["memory"]["total_bytes"]))
+    rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))
     return rows
 
 
@@ -246,7 +249,7 @@ def timed(spec: ModelSpec, row: dict, cl: Cluster) -> dict:
     if row["prediction"] is None:
         time = step_time(spec, row["setup"], cl, prediction=True)
         row["prediction"] = time.pop("prediction")
-        row["time"] = time
+        row["time"] = dict(time, floor=row["time"]["floor"])
     return row
 
 
