@@ -64,7 +64,7 @@ AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
 CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
 MAX_WORK = 2_500_000  # layouts x layers x (1 + experts/64) one search weighs: a few seconds
 KEEP = 8  # the fastest layouts a search predicts exactly (branch and bound below them)
-PREDICT_WORK = 40_000  # predictions x layers x (1 + experts/64): a prediction is ~0.1 ms a
+PREDICT_WORK = 100_000  # predictions x layers x (1 + experts/64): a prediction is ~0.1 ms a
 # layer, so a search predicts in a few seconds at most (from the lowest floors up)
 
 
@@ -175,8 +175,8 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
     """Every candidate with its peak memory and step time, those that fit first, fastest
     first: ``{"setup", "memory", "time", "fits", "prediction"}``; ``freeze``: the globs of
     ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`). Every layout
-    that fits is predicted (:func:`step_time`), unless more fit than ``PREDICT_WORK`` /
-    layers: then the fastest ``KEEP`` are, found by branch and bound over their floors (at
+    is predicted (:func:`step_time`), unless there are more than ``PREDICT_WORK`` / layers:
+    then the fastest ``KEEP`` that fit are, found by branch and bound over their floors (at
     most that many predictions, lowest floors first, so a search of a huge cluster stays
     bounded and its top is the best of those). A row left out (or that does not fit) has
     ``"prediction": None``, ``time["total"]`` infinite and only its :func:`floor` as
@@ -207,8 +207,8 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["floor"])
     best: list[float] = []
     limit = max(KEEP, int(PREDICT_WORK / (spec.n_layers * (1 + as_moe(spec).experts / 64))))
-    bound = len(fitting) > limit  # a small search predicts every layout that fits
-    for count, row in enumerate(fitting):
+    bound = len(rows) > limit  # a small search predicts every layout, fitting or not
+    for count, row in enumerate(fitting if bound else rows):
         if bound and (count >= limit or len(best) >= KEEP and row["time"]["floor"] >
                       best[KEEP - 1]):
             break
@@ -216,6 +216,8 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
             timed(spec, row, cl)
         except ValueError:
             row["fits"] = False
+            continue
+        if not row["fits"]:
             continue
         best = sorted(best + [row["time"]["total"]])[:KEEP]
     rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))

@@ -11,8 +11,8 @@ After reading this file you should understand how a step's time is put together,
    bandwidth between stages (:func:`edu3d.schedules.simulate.simulate`): the bubble and the
    cost of crossing nodes at small micro-batches come out of the replay, not a formula. From
    ``pp`` micro-batches on a schedule is in its steady state, so a long step is replayed
-   with ``pp`` of them and every further one adds the slowest rank's ``F + B``; a search's
-   long pipelines (more than ``SEARCH_REPLAY`` actions) take that closed form whole;
+   with ``pp`` of them and every further one adds the slowest rank's ``F + B``; longer
+   pipelines than ``REPLAY_LIMIT`` (a search: ``SEARCH_REPLAY``) take that closed form whole;
 3. **data parallelism** (:func:`reduce_tail`): the gradients of the last micro-batch's
    backward are reduced in buckets on the communication stream while the backward runs;
    only what outlasts it is exposed. Then the optimizer (memory-bound: it reads and writes
@@ -45,7 +45,8 @@ from edu3d.schedules.simulate import Costs, simulate
 
 PARTS = ("compute", "overhead", "bubble", "tp", "pp", "dp", "edp", "cp", "ep", "optimizer")
 REPLAY = 1  # a pipeline is replayed with up to REPLAY x pp micro-batches, then extrapolated
-SEARCH_REPLAY = 128  # a search replays at most pp x chunks x micro-batches actions a layout
+REPLAY_LIMIT = 4096  # pp x chunks x micro-batches replayed at most (every published run's fit)
+SEARCH_REPLAY = 128  # a search replays fewer: its thousands of layouts take the closed form
 RAMP = {"zb-h1": 1 / 3}  # the ramp's share left by each schedule beyond 1F1B's (DESIGN.md)
 
 
@@ -176,14 +177,14 @@ def replay(schedule: str, pp: int, v: int, m: int, phases: tuple, p2p: float):
 
 def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "edu3d",
             timeline: bool = False, memory: bool = True,
-            replay_limit: int | None = None) -> Prediction:
+            replay_limit: int | None = REPLAY_LIMIT) -> Prediction:
     """Step time, throughput, MFU, the parts of the step and the fullest rank's memory of
     ``run`` training ``spec`` on ``profile`` (a :class:`~edu3d.plan.hardware.Profile`, a
     shipped name or a file), with ``recipe``'s choices (:data:`edu3d.plan.recipes.RECIPES`).
     ``timeline``: also the step's events (every micro-batch replayed; slower); ``memory=False``
     leaves the memory out (a search that has its estimate already); ``replay_limit``: replay
     a pipeline of at most that many ``pp x chunks x micro-batches``, take its closed form
-    beyond (a search's bounded work; ``None``: always replay)."""
+    beyond (bounded work; ``None``: always replay)."""
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     rec = recipes.recipe_of(recipe) if isinstance(recipe, str) else recipe
     check(spec, run, rec)
