@@ -91,5 +91,6 @@ def describe(job: str, choice: dict) -> str:
     mem = (f"fits in {v['memory_gb']:.1f} GB of {room}" if v["fits"] else
            f"needs {v['memory_gb']:.1f} GB, more than {room}")
     return (f"job {job}: yours {mem}, step {v['step_s']:.2f} s = {v['ratio']:.2f}x the best\n"
-            f"       the planner's best: dp {top.dp} tp {top.tp} pp {top.pp} ZeRO-{top.zero}, "
-            f"micro-batch {top.micro_batch}, recompute {top.recompute}: {v['best_s']:.2f} s")
+            f"       the planner's best: dp {top.layout.dp} tp {top.layout.tp} pp {top.layout.pp} "
+            f"ZeRO-{top.parallel.zero}, micro-batch {top.micro_batch}, recompute "
+            f"{top.memory.recompute}: {v['best_s']:.2f} s")
