@@ -5,40 +5,41 @@ course. Each folder is one concept, each module one idea (floors: a folder impor
 folders listed below it; README's "How the package is organised" says the rules)::
 
     edu3d/      __init__ cli         torch-free; ``from edu3d import comm``; the ``edu3d`` parser
-    commands/   run doctor train plan schedule ckpt generate grade grade_kernel grade_hints bench tune run_folders top course argtypes plan_validation
+    commands/   run doctor train plan schedule ckpt generate grade grade_kernel grade_hints grade_channel grade_processes grade_isolate grade_report bench tune run_folders top course argtypes plan_validation
                                      one module per subcommand; the door to production/
     widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer pipeline threed memory_plan checkpoint production perf review context experts monitor tuning ckpt_reuse memory_timeline grad_reduce
                                      (``edu3d.widgets``, source in widgets/) charts: data in, figure out
       panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch08_checkpoints ch09_in_production ch10_performance ch11_review ch13_context_parallelism ch12_mixture_of_experts
                                      each chapter's knobs, on one Panel base
-    course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch07_memory_plan ch07_memory_tune ch08_checkpoints ch09_in_production ch10_performance ch10_performance_hangs ch10_performance_live ch11_review ch13_context_parallelism ch13_context_parallelism_capstone ch12_mixture_of_experts grade_3d grade_moe grade_reshard grade_cp grading nbtools ch08_checkpoints_incremental ch07_memory_timeline ch03_zero_reduce ch10_performance_verdicts ch11_review_recipe grade_overlap grade_layout grade_production
+    course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch07_memory_plan ch07_memory_tune ch08_checkpoints ch09_in_production ch10_performance ch10_performance_hangs ch10_performance_live ch11_review ch13_context_parallelism ch13_context_parallelism_capstone ch12_mixture_of_experts grade_3d grade_moe grade_reshard grade_cp grading nbtools ch08_checkpoints_incremental ch07_memory_timeline ch03_zero_reduce ch10_performance_verdicts ch11_review_recipe grade_overlap grade_layout grade_production verdict_channel
                                      what each chapter computes and runs; graders
-    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute bench_5d bench_launch bench_gpu bench_overhead bench_mfu records plot autotune ranking
+    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals records plot autotune ranking
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
-    train/      trainer loop preflight axis_rules data documents batching optim faults publish step_stats memory_recorder cuda_memory
+    train/      trainer loop preflight axis_rules pipeline_rules data documents batching optim faults publish step_stats memory_recorder cuda_memory
                                      one Trainer for every layout; one pre-flight
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync
-      dp/       data_parallel compress
-      zero/     units flat_unit gathering sharding shard_optimizer zero_state
+      dp/       data_parallel buckets same_start step_guard compress
+      zero/     units flat_unit gathering sharding reduction sharded_grads shard_optimizer whole_tensors mixed_precision holdings zero_state
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence
       ep/       dispatch placement   expert parallelism
-    ckpt/       format checkpointer reshard export untrusted blobs
+    ckpt/       format checkpointer reshard export untrusted blobs bounds manifest_schema
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory hardware published kernels roofline links stage_costs step recipes validate cluster
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
-    launch/     api agent supervise worker procs runs heartbeat magic status live
+    launch/     api agent supervise worker procs runs rank_files heartbeat cores magic status live
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
     config/     layout sections   what a run is: the layout and its rank order, the Run in sections
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
-    model/      gpt moe shapes param_globs  the serial reference GPT, mixture of experts, model shapes
+    model/      gpt moe shapes param_globs config_schema
+                                     the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data
 

@@ -37,6 +37,12 @@ LAYOUTS = {
     "dp2-tp2 sp zero2 tied m2": "--dp 2 --tp 2 --sp --zero 2 --tie --microbatches 2",
     "dp2-tp2-pp2 tied zero1 gpipe": "--dp 2 --tp 2 --pp 2 --tie --zero 1 --schedule gpipe",
     "dp2-tp2-pp2 zero3 tied sp": "--dp 2 --tp 2 --pp 2 --zero 3 --tie --sp --microbatches 2",
+    # the V schedules: rank 0 holds the first and the last stage, so one tied matrix there
+    "pp2 zbv tied": "--pp 2 --tie --schedule zbv --microbatches 4",
+    "dp2 zero1 pp2 zbv tied": "--dp 2 --zero 1 --pp 2 --tie --schedule zbv --microbatches 4",
+    "dp2 zero2 pp2 dualpipev tied": "--dp 2 --zero 2 --pp 2 --tie --schedule dualpipev "
+                                    "--microbatches 4",
+    "tp2 sp pp2 dualpipev": "--tp 2 --sp --pp 2 --schedule dualpipev --microbatches 4",
 }
 
 

@@ -215,7 +215,7 @@ def test_dp2_rank_killed_mid_blob_then_resume_and_reshard_through_references(tmp
     _, layout = check_args(args)
     with pytest.raises(LaunchError):
         launch(workers_incremental.killed_while_writing_blobs, 2, layout=layout,
-               args=(vars(args).copy(), 2, 1), timeout=300, name="blobkill", echo=False)
+               args=(args.flat(), 2, 1), timeout=300, name="blobkill", echo=False)
     assert ckfmt.steps(ck) == [1]
     resumed = run(parse([*argv, "--ckpt-dir", str(ck), "--resume"]), out=io.StringIO())
     assert _numbers(resumed) == _numbers(uninterrupted)  # bit for bit

@@ -1,7 +1,12 @@
 """Checkpoint files are untrusted input (issue 29, items 10-14, 17): a manifest never points
 edu3d outside its own folder, every damaged or forged file is one line naming it (exit 2), a
 failed write names its file and leaves no temporary, --resume-step picks the step, and a rank
-stuck on a slow disk is the one the heartbeat names."""
+stuck on a slow disk is the one the heartbeat names. Issue 41 item 1 and issue 44 items 1-2:
+every tampered incremental or sharded checkpoint (huge shapes, huge or forged configs, long
+integers, negative counts, sparse multi-GiB files, JSON bombs, a blob named 10,000 times) is
+refused by every reader, each in a process of its own, in one line naming the file, exit 2,
+under 500 MB of peak RSS; a width out of range never reaches the divisor advice; a save never
+reads an old step's manifest."""
 
 from __future__ import annotations
 
@@ -12,15 +17,21 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from edu3d.ckpt import format as checkpoint
+from edu3d.ckpt.bounds import parse_json
+from edu3d.ckpt.checkpointer import Checkpointer
 from edu3d.ckpt.format import CheckpointError, MANIFEST, step_dir
 from edu3d.cli import main
 from edu3d.launch.api import RankHung, launch
 from edu3d.config.layout import Layout
+from edu3d.model.config_schema import INT_RANGES, divisors_of, param_shapes
+from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.train.loop import run
 from edu3d.config.sections import Run
 from edu3d.train.preflight import check_args
@@ -291,3 +302,272 @@ def test_a_rank_stuck_in_fsync_is_the_one_named_never_those_waiting_for_it(tmp_p
     assert err.rank == 1 and err.ranks == [1], text
     assert "rank 1 is in ckpt_write at step 1" in text, text
     assert "rank 0 waits in barrier(world) at step 1" in text, text
+
+
+# ---- issue 41 item 1, issue 44 items 1-2: tampered checkpoints, refused in bounded memory ------
+GIB6 = 6 * 2**30
+RSS_MB = 500  # the most a refusing process may hold, torch and edu3d's imports included
+HANG_S = 120  # a refusal takes about a second; before the fixes some took minutes
+
+
+def _manifest_of(ck: Path, step: int) -> Path:
+    return step_dir(ck, step) / MANIFEST
+
+
+def _inc_blob(ck: Path, piece: int = 0) -> Path:
+    """The blob of rank 0's ``piece``-th piece in ``ck``'s step-1 incremental checkpoint."""
+    entry = json.loads(_manifest_of(ck, 1).read_text())["files"]["rank-00000"]
+    return ck / "blobs" / entry["blobs"][piece]["sha256"]
+
+
+def _edit_entry(ck: Path, step: int, entry: str, change) -> Path:
+    return _edit(ck, lambda m: change(m["files"][entry]), step)
+
+
+def _piece(shape: list, n: int) -> dict:
+    return {"name": "tok_emb.weight", "kind": "param", "shape": shape,
+            "box": [[0, d] for d in shape], "flat": [0, n]}
+
+
+def _tamper_inc(ck: Path, case: str) -> list[str]:
+    """Tamper ``ck`` (one incremental checkpoint, step 1) as ``case`` says; returns what the
+    refusal must hold (the file it names first)."""
+    manifest, rank = _manifest_of(ck, 1), "rank-00000"
+    if case in ("shape-20000", "shape-2^70"):  # the real blob, under a forged shape
+        shape = [20000, 20000] if case == "shape-20000" else [2**70]
+        _edit_entry(ck, 1, rank, lambda e: e["pieces"].__setitem__(0, _piece(shape, 250 * 64)))
+        return [str(manifest), "the config's model has shape [250, 64]"]
+    if case == "vocab-1e9":
+        _edit(ck, lambda m: m["config"].update(vocab_size=10**9), 1)
+        return [str(manifest), "vocab_size=1000000000 must be at most"]
+    if case == "vocab-in-range":  # a config within range that the pieces do not describe
+        _edit(ck, lambda m: m["config"].update(vocab_size=2**24), 1)
+        return [str(manifest), "the config's model has shape [16777216, 64]"]
+    if case == "d_model-1000000007":
+        _edit(ck, lambda m: m["config"].update(d_model=1000000007, n_heads=4), 1)
+        return [str(manifest), "d_model=1000000007 must be at most"]
+    if case == "digits-5000":
+        text = manifest.read_text().replace('"steps": 1', '"steps": ' + "7" * 5000, 1)
+        manifest.write_text(text)
+        return [str(manifest), "holds a number of 5000 digits (at most 32)"]
+    if case == "negative-optimizer-step":
+        _edit(ck, lambda m: m.update(optimizer_step=-1), 1)
+        return [str(manifest), "'optimizer_step' is -1"]
+    if case in ("written-missing", "written-not-a-list"):
+        _edit_entry(ck, 1, rank, lambda e: e.pop("written") if case == "written-missing"
+                    else e.update(written="all of them"))
+        return [str(manifest), "'written' is"]
+    if case == "blob-is-a-folder":
+        blob = _inc_blob(ck)
+        blob.unlink()
+        blob.mkdir()
+        return [str(blob), "is not a regular file"]
+    if case == "blob-sparse-6GiB":
+        blob = _inc_blob(ck)
+        os.truncate(blob, GIB6)
+        return [str(blob), f"it is {GIB6:,} bytes, its manifest entry says 64,000"]
+    if case == "blob-named-10000-times":
+        def repeat(e):
+            e["pieces"], e["blobs"] = [e["pieces"][0]] * 10_000, [e["blobs"][0]] * 10_000
+            e["written"] = [e["blobs"][0]["sha256"]]
+        _edit_entry(ck, 1, rank, repeat)
+        return [str(manifest), "the pieces of tok_emb.weight (param) hold 160,000,000 numbers"]
+    if case == "manifest-sparse-6GiB":
+        os.truncate(manifest, GIB6)
+        return [str(manifest), f"it is {GIB6:,} bytes, more than the 33,554,432"]
+    if case == "manifest-sparse-200MB":
+        os.truncate(manifest, 200 * 2**20)
+        return [str(manifest), f"it is {200 * 2**20:,} bytes, more than the 33,554,432"]
+    if case == "manifest-at-every-bound":  # just within size and structure: parsed, refused
+        with open(manifest, "wb") as f:  # 32 MiB, 2^19 - 1 keys of 58 characters
+            f.write(b"{" + b",".join(b'"k%057d":0' % i for i in range(2**19 - 1)) + b"}")
+        assert manifest.stat().st_size <= 32 * 2**20
+        return [str(manifest), "format null, expected"]
+    assert case == "manifest-of-nested-{}"  # 24 MiB: within the size limit, 8.4M objects
+    with open(manifest, "wb") as f:
+        f.write(b'{"records": [' + b"{}," * (8 * 2**20) + b"{}]}")
+    return [str(manifest), f"holds {8 * 2**20 + 3:,} objects and lists (at most 262,144)"]
+
+
+def _tamper_plain(ck: Path, case: str) -> list[str]:
+    """Tamper ``ck``'s step 2 (plain sharded checkpoint) as ``case`` says."""
+    shard = step_dir(ck, 2) / "rank-00000.pt"
+    size = shard.stat().st_size
+    if case == "shard-sparse-6GiB":
+        os.truncate(shard, GIB6)
+        return [str(shard), f"it is {GIB6:,} bytes, its manifest entry says {size:,}"]
+    if case == "shard-sparse-6GiB-and-its-entry":  # the manifest agrees with the 6 GiB file
+        os.truncate(shard, GIB6)
+        _edit_entry(ck, 2, "rank-00000.pt", lambda e: e.update(bytes=GIB6))
+        return [str(_manifest_of(ck, 2)), "the entry of rank-00000.pt is not", "bytes 0 to"]
+    assert case == "shard-is-a-folder"
+    shard.unlink()
+    shard.mkdir()
+    return [str(shard), "is not a regular file"]
+
+
+INC_CASES = ("shape-20000", "shape-2^70", "vocab-1e9", "vocab-in-range", "d_model-1000000007",
+             "digits-5000", "negative-optimizer-step", "written-missing", "written-not-a-list",
+             "blob-is-a-folder", "blob-sparse-6GiB", "blob-named-10000-times",
+             "manifest-sparse-6GiB", "manifest-sparse-200MB", "manifest-of-nested-{}",
+             "manifest-at-every-bound")
+PLAIN_CASES = ("shard-sparse-6GiB", "shard-sparse-6GiB-and-its-entry", "shard-is-a-folder")
+
+
+def _commands(ck: Path, out: Path, incremental: bool) -> dict[str, list[str]]:
+    """Every command that reads a checkpoint, as a shell would type it."""
+    train = ["train", "--model", "tiny", "--layers", "2", "--vocab", "250", "--steps", "3",
+             "--ckpt-dir", str(ck), "--resume", *(["--incremental"] if incremental else [])]
+    return {"show": ["ckpt", "show", str(ck)], "export": ["ckpt", "export", str(ck), str(out)],
+            "generate": ["generate", "--ckpt", str(ck), "--prompt", "3 17 42",
+                         "--max-new-tokens", "2"], "resume": train}
+
+
+@pytest.fixture(scope="module")
+def refusals(made, tmp_path_factory) -> dict:
+    """Every tampered checkpoint above, each read by every command in its own process
+    (:mod:`tests.workers_refusals`): ``{case: {command: result}}``, results with the exit
+    code, stderr, peak RSS and time. Untampered copies give the baseline."""
+    root = tmp_path_factory.mktemp("tampered")
+    inc = root / "inc-made"
+    _train(steps=1, ckpt_dir=str(inc), incremental=True)
+    runs, expect = [], {}
+    for case in ("good-incremental", *INC_CASES, "good-plain", *PLAIN_CASES):
+        ck = root / case / "ck"
+        shutil.copytree(made / "good" if "plain" in case or case.startswith("shard")
+                        else inc, ck)
+        incremental = (ck / "blobs").is_dir()
+        if not case.startswith("good"):
+            expect[case] = (_tamper_inc if incremental else _tamper_plain)(ck, case)
+        for command, argv in _commands(ck, root / case / "out.pt", incremental).items():
+            if case != "manifest-at-every-bound" or command == "show":  # one parse is enough
+                runs.append([f"{case}.{command}", argv])
+    runs.append(["tune-d_model-1000000007.tune", ["tune", "--d-model", "1000000007", "--heads",
+                                                  "4", "--gpus", "1"]])
+    done = subprocess.run([sys.executable, "-m", "tests.workers_refusals"], text=True,
+                          input=json.dumps({"runs": runs, "folder": str(root),
+                                            "timeout": HANG_S}),
+                          capture_output=True, cwd=Path(__file__).parent.parent, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    print("\ncase, command: exit code, seconds, peak RSS MB (with the imports' peak; the "
+          "child's own)")
+    table: dict = {}
+    for key, r in results.items():
+        case, command = key.rsplit(".", 1)
+        table.setdefault(case, {})[command] = r
+        print(f"{case:34s} {command:8s} {r['rc']} {r['seconds']:6.2f} s {r['rss_mb']:6.0f} MB "
+              f"{r['child_mb']:6.0f} MB")
+    return {"results": table, "expect": expect, "root": root}
+
+
+@pytest.mark.parametrize("case", ["good-incremental", "good-plain"])
+def test_an_untouched_checkpoint_reads_in_every_command(refusals, case):
+    """The baseline: the harness runs the real commands, which read a good checkpoint."""
+    for command, r in refusals["results"][case].items():
+        assert r["rc"] == 0 and not r["hung"], (command, r["err"])
+        assert r["rss_mb"] < RSS_MB, (command, r["rss_mb"])
+
+
+@pytest.mark.parametrize("case", [*INC_CASES, *PLAIN_CASES])
+def test_a_tampered_checkpoint_is_one_line_exit_2_in_bounded_memory(refusals, case):
+    """Each tampering, read by ``ckpt show``, ``ckpt export``, ``generate`` and ``train
+    --resume`` in a process of its own: exit code 2, one line on stderr naming the file and
+    what is wrong, no traceback, peak RSS under 500 MB, nothing exported."""
+    needles = refusals["expect"][case]
+    for command, r in refusals["results"][case].items():
+        assert not r["hung"], f"{case}, {command}: still running after {HANG_S} s"
+        lines = r["err"].strip().splitlines()
+        assert r["rc"] == 2 and len(lines) == 1, (case, command, r["rc"], r["err"])
+        assert "Traceback" not in r["err"] and all(n in lines[0] for n in needles), \
+            (case, command, needles, lines[0])
+        assert r["rss_mb"] < RSS_MB, (case, command, f"peak RSS {r['rss_mb']:.0f} MB")
+    assert not (refusals["root"] / case / "out.pt").exists()
+
+
+def test_tune_refuses_a_width_out_of_range_at_once(refusals):
+    """Issue 44: ``edu3d tune --d-model 1000000007 --heads 4`` listed every divisor of the
+    width up to itself (minutes); now the option's range refuses it before anything runs."""
+    r = refusals["results"]["tune-d_model-1000000007"]["tune"]
+    assert not r["hung"], f"still running after {HANG_S} s"
+    assert r["rc"] == 2 and len(r["err"].strip().splitlines()) == 1, r["err"]
+    assert "--d-model: 1000000007" in r["err"] and "at most 1048576" in r["err"], r["err"]
+    assert r["rss_mb"] < RSS_MB
+
+
+def test_a_config_field_out_of_its_range_is_refused_before_any_arithmetic():
+    """Every GPTConfig field has a range; the advice for heads that do not divide the width
+    lists at most 16 divisors (found in sqrt(n) divisions)."""
+    for field, (_, high) in INT_RANGES.items():
+        with pytest.raises(ValueError, match=f"^{field}={high + 1} must be at most"):
+            GPTConfig(**{field: high + 1})
+    for field in ("capacity_factor", "aux_loss_coef"):
+        with pytest.raises(ValueError, match=f"^{field}=nan must be a finite number"):
+            GPTConfig(**{field: float("nan")})
+    with pytest.raises(ValueError, match="n_layers \\* \\(1 \\+ n_experts"):
+        GPTConfig(n_layers=4096, n_experts=64)
+    with pytest.raises(ValueError) as info:
+        GPTConfig(d_model=55440, n_heads=13)  # 120 divisors
+    text = str(info.value)
+    assert len(text) < 200 and "(104 more)" in text and text.endswith("27720, 55440"), text
+    assert divisors_of(1000000007) == [1, 1000000007]
+    assert all(divisors_of(n) == [d for d in range(1, n + 1) if n % d == 0]
+               for n in range(1, 1000))
+
+
+def test_param_shapes_are_the_models_without_building_it():
+    """What check_manifest compares pieces with: ``GPT(config).named_parameters()``."""
+    for config in (GPTConfig(), GPTConfig(n_layers=3, n_experts=3, shared_experts=1,
+                                          moe_every=2, tie_weights=True, vocab_size=250,
+                                          vocab_pad=64)):
+        model = GPT(config)
+        assert list(param_shapes(config).items()) == [(n, tuple(p.shape))
+                                                      for n, p in model.named_parameters()]
+
+
+def test_json_structure_is_bounded_before_it_is_parsed():
+    """Brackets, commas and digits inside strings are no structure; outside them each bound
+    is one line."""
+    text = b'{"a": [1, 2.5e-3, null], "s": "[[[{{,,,' + b"9" * 40 + b'"}'
+    assert parse_json(bytearray(text)) == {"a": [1, 0.0025, None], "s": "[[[{{,,," + "9" * 40}
+    assert parse_json(bytearray(b"[" * 16 + b"]" * 16)) == [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]
+    for raw, what in ((b"[" * 17 + b"]" * 17, "nests 17 levels deep"),
+                      (b"[" + b"{}," * 2**18 + b"{}]", "holds 262,146 objects and lists"),
+                      (b"[" + b"0," * (2**19 + 1) + b"0]", "holds 524,289 values"),
+                      (b"[" + b"1" * 33 + b"]", "a number of 33 digits"),
+                      (b'{"a": 1', "not valid JSON")):
+        with pytest.raises(ValueError, match=what):
+            parse_json(bytearray(raw))
+
+
+@pytest.mark.parametrize("keep", [None, 2])
+def test_saves_never_read_an_old_steps_manifest(tmp_path, monkeypatch, keep):
+    """Issue 44: a file planted in an old step of a live run (here a sparse 200 MB manifest)
+    was read by every save (its garbage collection read every manifest). A save now reads
+    only the kept manifests (--keep-last) it did not write, each once, and without
+    --keep-last none."""
+    ck = tmp_path / "ck"
+    kw = dict(ckpt_dir=str(ck), incremental=True, save_every=1, keep_last=keep)
+    _train(steps=2, **kw)
+    os.truncate(_manifest_of(ck, 1), 200 * 2**20)
+    reads, saving = [], []
+    write_manifest, read_manifest = Checkpointer.write_manifest, checkpoint.read_manifest
+
+    def spy_write(self, job):
+        saving.append(job["step"])
+        try:
+            return write_manifest(self, job)
+        finally:
+            saving.pop()
+
+    def spy_read(root, step=None):
+        if saving:
+            reads.append(step)
+        return read_manifest(root, step)
+
+    monkeypatch.setattr(Checkpointer, "write_manifest", spy_write)
+    monkeypatch.setattr(checkpoint, "read_manifest", spy_read)
+    records = _train(steps=4, resume=True, **kw)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert checkpoint.steps(ck) == ([1, 2, 3, 4] if keep is None else [3, 4])
+    assert reads == ([] if keep is None else [2])  # step 2: kept, written by the first run

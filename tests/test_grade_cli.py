@@ -5,8 +5,9 @@
   folder is left exactly as it was (no ``__pycache__``, no run folder);
 * an unknown exercise, a missing folder, a folder without exercise modules, ``--solutions``
   with ``--submission``: exit code 2 and one line saying what to fix, and no kernel started;
-* the scoring of executed cells (a cell that stops on an error, a hint printed once for two
-  failures, an earlier cell's error) and :func:`edu3d.course.grading.load` with a submission.
+* the scoring of executed cells from the verdict channel's records (a cell that stops on an
+  error, an earlier cell's error, a printed verdict without a record, a channel that never
+  opened) and :func:`edu3d.course.grading.load` with a submission.
 
 The stub side of every notebook is in tests/test_grading.py (one ``edu3d grade --json``).
 """
@@ -156,8 +157,13 @@ def _out(name, text):
     return {"output_type": "stream", "name": name, "text": text}
 
 
+def _rec(title, passed, hint=None):
+    """A record of the verdict channel, as :mod:`edu3d.commands.grade_channel` returns it."""
+    return {"n": 0, "title": title, "passed": passed, "hint": hint}
+
+
 def test_a_cell_that_stops_fails_its_remaining_checks_with_the_reason():
-    """... and a verdict line out of order (a learner's own print) counts for nothing."""
+    """... and a record out of order counts for nothing."""
     mark = grade.MARK + "\n"
     committed = nbformat.v4.new_notebook(cells=[
         _cell("setup"),
@@ -170,7 +176,9 @@ def test_a_cell_that_stops_fails_its_remaining_checks_with_the_reason():
               {"output_type": "error", "ename": "KeyError", "evalue": "'k'\nmore",
                "traceback": []}),
         _cell(mark + "b", _out("stdout", "FAIL four\n"), _out("stderr", "  hint: look at y\n"))])
-    s = grade.score(ran, committed)
+    records = {1: [_rec("one", True), _rec("three", True), _rec("two", False, "look at x")],
+               2: [_rec("four", False, "look at y")]}
+    s = grade.score(ran, committed, records)
     assert (s["passed"], s["total"]) == (1, 4)
     assert s["failures"] == [{"check": "two", "hint": "look at x"},
                              {"check": "three", "hint": "KeyError: 'k'"},
@@ -188,12 +196,30 @@ def test_an_earlier_error_and_a_repeated_hint_are_reported():
                            "evalue": "invalid syntax (x.py, line 3)", "traceback": []}),
         _cell(mark + "a", {"output_type": "error", "ename": "NameError",
                            "evalue": "name 'ex' is not defined", "traceback": []})])
-    s = grade.score(ran, committed)
+    s = grade.score(ran, committed, {})
     assert s["passed"] == 0 and {f["hint"] for f in s["failures"]} == {
         "NameError: name 'ex' is not defined (after an earlier cell failed: SyntaxError: "
         "invalid syntax (x.py, line 3))"}
     ran.cells[1].outputs = [nbformat.from_dict(o) for o in (
         _out("stdout", "FAIL one\nFAIL two\n"), _out("stderr", "  hint: write f\n"),
         _out("stderr", "  hint: the same as above\n"))]
-    s = grade.score(ran, committed)
+    s = grade.score(ran, committed, {1: [_rec("one", False, "write f"),
+                                         _rec("two", False, "write f")]})
     assert [f["hint"] for f in s["failures"]] == ["write f", "write f"]
+
+
+def test_printed_verdicts_count_for_nothing_without_a_record():
+    """A cell that prints ``PASS`` lines the checker never reported (a forged line, a checker
+    replaced outright) fails those checks and says so; the lines are counted as unreported."""
+    mark = grade.MARK + "\n"
+    committed = nbformat.v4.new_notebook(cells=[
+        _cell(mark + "a", _out("stdout", "PASS one\nPASS two\nPASS three\n"))])
+    ran = nbformat.v4.new_notebook(cells=[
+        _cell(mark + "a", _out("stdout", "PASS one\nPASS two\nPASS three\n"))])
+    s = grade.score(ran, committed, {0: [_rec("one", False, "write one")]})
+    assert (s["passed"], s["unreported_passes"]) == (0, 3)
+    assert s["failures"][0] == {"check": "one", "hint": "write one"}
+    assert all("the checker reported none to the grader" in f["hint"]
+               for f in s["failures"][1:]), s["failures"]
+    silent = grade.score(ran, committed, {}, silent="no verdict reached the grader")
+    assert {f["hint"] for f in silent["failures"]} == {"no verdict reached the grader"}

@@ -132,7 +132,8 @@ def test_a_setup_cell_that_timed_out_is_named_by_every_later_failure():
         cell(mark + "a", {"output_type": "stream", "name": "stdout", "text": "FAIL one\n"},
              {"output_type": "stream", "name": "stderr",
               "text": "  hint: NameError: name 'ex' is not defined\n"})])
-    s = grade.score(ran, committed)
+    s = grade.score(ran, committed, {1: [{"n": 1, "title": "one", "passed": False,
+                                          "hint": "NameError: name 'ex' is not defined"}]})
     assert s["failures"] == [{"check": "one", "hint": (
         "NameError: name 'ex' is not defined (after an earlier cell (cell 0: ex = "
         "grading.load('x')) the submission timed out: still running after 5 s (the limit "

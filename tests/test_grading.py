@@ -10,11 +10,14 @@
   ``edu3d grade --json`` itself, once for all the notebooks (each in a fresh kernel), so the
   command a learner and an instructor use is the one proven here.
 
-Plus unit tests of :func:`edu3d.course.grading.load` and :func:`edu3d.course.grading.check`.
+Plus unit tests of :func:`edu3d.course.grading.load` and :func:`edu3d.course.grading.check`, and
+a reading of every notebook: each check runs a test written in its cells, the only kind
+``edu3d grade``'s verdict channel accepts.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -132,6 +135,24 @@ def test_untouched_stubs_fail_every_check(path, stubs_graded):
     hints = [f["hint"] for f in graded["failures"]]
     assert all(len(h) > 20 for h in hints), hints
     assert not any("Traceback" in h or 'File "' in h for h in hints), hints
+
+
+def test_every_check_runs_a_test_written_in_the_notebook():
+    """``edu3d grade`` counts a check's record only when its test is code of the notebook's
+    own cells (:mod:`edu3d.course.verdict_channel`): a lambda or a function a cell defines,
+    passed to ``grading.check`` from a cell. A test imported from a module would fail there
+    even with the solutions, so none is."""
+    for path in NOTEBOOKS:
+        cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        trees = [ast.parse(c.source) for c in cells]
+        defined = {n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
+        for tree in trees:
+            for call in ast.walk(tree):
+                if isinstance(call, ast.Call) and ast.unparse(call.func) == "grading.check":
+                    test = call.args[1] if len(call.args) > 1 else None
+                    assert isinstance(test, ast.Lambda) or (
+                        isinstance(test, ast.Name) and test.id in defined), \
+                        f"{path.name}: {ast.unparse(call)[:120]}"
 
 
 # ---- grading.load / grading.check ------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_validation_messages_say_how_to_fix():
     with pytest.raises(LayoutError, match=r"multiple of 6"):
         Layout(dp=3).validate(global_batch=8, microbatches=2)
     with pytest.raises(LayoutError, match=r"vpp=2 needs pipeline parallelism"):
-        Layout(vpp=2)
+        Layout(vpp=2).validate()  # as data, one rank may hold 2 chunks (chapter 05)
     with pytest.raises(LayoutError, match=r"dp=0 must be a positive integer"):
         Layout(dp=0)
     with pytest.raises(LayoutError, match=r"outside 0..7"):

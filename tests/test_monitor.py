@@ -2,16 +2,22 @@
 stands out in the table that ``edu3d train --monitor``, ``edu3d top`` and the notebook's
 widget draw from the ranks' status records (edu3d.launch.live, edu3d.train.publish).
 
-Two launches in all (each costs seconds): one watched run through ``edu3d train --monitor``
+Three launches in all (each costs seconds): one watched run through ``edu3d train --monitor``
 (its refresh lines, its final table, ``edu3d top`` on it afterwards, the widget's HTML of its
-records), one unwatched run that must write one record per rank. Costs are compared as counts
-of writes, never as times."""
+records), one unwatched run that must write one record per rank, and one watched run whose
+folder another process vandalises (issue 44: nothing written there may crash a rank or the
+launcher). Costs are compared as counts of writes, never as times."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,8 +29,10 @@ from edu3d.launch import launch, live, runs
 from edu3d.train import faults, loop
 from edu3d.config.sections import Run
 from edu3d.train.preflight import check_args
+from tests import workers_failures
 
-SLEEP = 0.15
+SLEEP = 0.3  # the straggler's extra seconds a step: ten times a step's own compute here
+# (busy 28 ms at load 20 on 2 cores), so it stands out on a busy machine too
 
 
 def test_slow_fault_parses_and_sleeps_every_step_of_every_attempt(monkeypatch):
@@ -144,3 +152,103 @@ def test_on_a_terminal_the_table_is_redrawn_in_place(tmp_path):
     assert "\x1b[1;7m" in first and "*1" in first and "95%" in first and "1.00" in first
     view.refresh()
     assert f"\x1b[{view.drawn}F\x1b[J" in screen.getvalue()[len(first):]
+
+
+# ---- what others write into a run folder (issue 44) --------------------------------------------
+GARBAGE = [b'{"rank": 1, "t": "yesterday"}', b'{"t": 1.0, "step": 3}', b"[1, 2, 3]",
+           b'{"rank": 0, "t": 1.0}', b"[" * 100_000, b"\xff\xfe not json"]  # rank 0's in rank1
+
+
+def _plant(path: Path, data: bytes, framed: bool) -> None:
+    """``data`` as a status record would hold it (``framed``, behind the sequence lock's
+    header), or written over the file as it is (``echo ... > status/rank1.json``)."""
+    path.write_bytes((0).to_bytes(8, "little") + len(data).to_bytes(4, "little") + data
+                     if framed else data)
+
+
+def test_garbage_in_a_status_file_is_no_record(tmp_path):
+    good = live.StatusFile(live.status_file(tmp_path, 0))
+    good.write({"rank": 0, "step": 2, "steps": 9, "step_ms": 5.0, "t": 0.0,
+                "memory": {"kind": "cuda", "allocated": "lots"}, "comm_ms": {"dp": "x"}})
+    screen = io.StringIO()
+    view = live.Terminal(tmp_path, 2, screen)
+    for data, framed in itertools.product(GARBAGE, (True, False)):
+        _plant(live.status_file(tmp_path, 1), data, framed)
+        assert [r["rank"] for r in view.refresh()] == [0], (data[:40], framed)
+    assert [r["rank"] for r in view.close()] == [0]
+    assert "MiB alloc/resv" in screen.getvalue()  # rank 0's memory: no number, a dash
+
+
+def test_a_rank_survives_its_files_being_truncated(tmp_path):
+    """``truncate -s 0`` of a flight record or a status record while its rank rewrites it:
+    a write into a memory map past the file's end was a SIGBUS that killed the rank."""
+    code = ("import sys, time; from pathlib import Path\n"
+            "from edu3d.distributed.trace import Flight\n"
+            "from edu3d.launch.live import StatusFile\n"
+            "d = Path(sys.argv[1]); f = Flight(d / 'flight' / 'rank0.json')\n"
+            "s = StatusFile(d / 'status' / 'rank0.json')\n"
+            "print('ready', flush=True)\n"
+            "end, whole = time.monotonic() + 2.0, 0\n"
+            "while time.monotonic() < end:\n"
+            "    f.note('in', {'op': 'all_reduce', 'lane': 'comm'})\n"
+            "    s.write({'rank': 0, 't': time.time()})\n"
+            "    whole += (d / 'flight' / 'rank0.json').stat().st_size == Flight.SIZE\n"
+            "f.close(); s.close()\n"
+            "sys.exit(0 if whole else 3)  # each write makes the file whole again\n")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "ready\n"
+        cuts = 0
+        while writer.poll() is None:
+            for path in (tmp_path / "flight" / "rank0.json", tmp_path / "status" / "rank0.json"):
+                os.truncate(path, 0)
+                cuts += 1
+        assert writer.wait() == 0 and cuts > 2, f"exit {writer.returncode} after {cuts} cuts"
+    finally:
+        writer.kill()
+
+
+def test_a_watched_run_survives_what_another_process_writes_into_its_folder(tmp_path):
+    """Two ranks all-reduce and rewrite their status records, watched by the live table and
+    the heartbeat, while another process writes garbage into the folder, truncates its
+    files, and forges errors and exits without the fields a real one has. The run ends
+    well: each once ended a run with a traceback (the watcher's or the heartbeat's), or a
+    rank with SIGBUS."""
+    run_dir, vandalised = tmp_path / "run", []
+    view = live.Terminal(run_dir, 2, io.StringIO())
+
+    def vandal(elapsed, done):
+        view.poll(elapsed, done)
+        if done or len(vandalised) == 4 or not (run_dir / "flight" / "rank1.json").exists():
+            return
+        for i, data in enumerate(GARBAGE):
+            _plant(live.status_file(run_dir, 1), data, framed=i % 2 == 0)
+            (run_dir / "flight" / "rank1.json").write_bytes(data)
+            for kind in ("errors", "exits"):
+                (run_dir / kind).mkdir(exist_ok=True)
+                (run_dir / kind / "rank1.json").write_bytes(data)
+            view.refresh()
+        for path in (live.status_file(run_dir, 0), run_dir / "flight" / "rank0.json"):
+            os.truncate(path, 0)
+        vandalised.append(elapsed)
+
+    run = launch(workers_failures.steps_with_status, 2, args=(40, 0.05), run_dir=run_dir,
+                 on_poll=vandal, heartbeat=5.0, echo=False, timeout=120)
+    assert run.results == [0, 1] and vandalised, vandalised  # no rank died, no traceback
+    view.close()  # and the final table is drawn from whatever is left there
+
+
+def test_top_writes_only_into_a_folder_edu3d_made(tmp_path, capsys):
+    """``edu3d top DIR`` made ``DIR/status/watching`` in any folder. A folder without the run
+    marker is shown if it holds status records (a copied run), never written to; one with
+    neither is refused."""
+    plain, copied = tmp_path / "plain", tmp_path / "copied"
+    plain.mkdir()
+    assert top.main(str(plain), once=True) == 2 and list(plain.iterdir()) == []
+    assert "is not a run folder" in capsys.readouterr().err
+    live.StatusFile(live.status_file(copied, 0)).write(
+        {"rank": 0, "step": 4, "steps": 4, "t": 0.0, "done": False})
+    shown = io.StringIO()
+    assert top.main(str(copied), once=True, out=shown) == 0 and "4/4" in shown.getvalue()
+    assert not live.watch_file(copied).exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from edu3d.commands.train import check, parse
+from edu3d.launch import runs
 from edu3d.launch.api import loopback_only, node_args
+from edu3d.launch.procs import running
 
 EDU3D = [sys.executable, "-m", "edu3d.cli"]
 TRAIN = ["train", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "3", "--json",
@@ -102,21 +105,26 @@ def _rank_env(pid: int) -> dict | None:
     return env if is_rank and "RANK" in env else None
 
 
-def _two_nodes(tmp_path: Path, extra: list[str], timeout: float = 150.0) -> dict:
-    """Start two `edu3d train` nodes on a fresh loopback port and wait for both; meanwhile
-    look at their processes: every listening address, and each rank's environment."""
+def _two_nodes(tmp_path: Path, extra: list[str], timeout: float = 400.0, argv=None,
+               env: dict | None = None, tick=None) -> dict:
+    """Start two `edu3d train` nodes (or ``argv(node_options)``) on a fresh loopback port and
+    wait for both; meanwhile look at their processes: every listening address, and each
+    rank's environment, and call ``tick()``."""
     port = _free_port()
     nodes = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", f"test{port}"]
     t0 = time.monotonic()
-    procs = [subprocess.Popen(EDU3D + TRAIN + extra + nodes, env=_env(tmp_path, f"node{n}"),
+    command = argv(nodes) if argv else EDU3D + TRAIN + extra + nodes
+    procs = [subprocess.Popen(command, env={**_env(tmp_path, f"node{n}"), **(env or {})},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in (0, 1)]
     seen = {"addresses": set(), "ranks": {}}  # ranks: {(node, pid): environment}
     outputs: list = [None, None]
+    ended: list = [None, None]
 
     def wait(n: int) -> None:
         outputs[n] = procs[n].communicate(timeout=timeout)
+        ended[n] = time.monotonic()
 
     waiters = [threading.Thread(target=wait, args=(n,), daemon=True) for n in (0, 1)]
     for w in waiters:
@@ -129,6 +137,8 @@ def _two_nodes(tmp_path: Path, extra: list[str], timeout: float = 150.0) -> dict
                 for pid in pids:
                     if (n, pid) not in seen["ranks"] and (env := _rank_env(pid)) is not None:
                         seen["ranks"][(n, pid)] = env
+            if tick is not None:
+                tick()
             time.sleep(0.2)
         for w in waiters:
             w.join(timeout=max(1.0, timeout - (time.monotonic() - t0)))
@@ -137,16 +147,17 @@ def _two_nodes(tmp_path: Path, extra: list[str], timeout: float = 150.0) -> dict
             if proc.poll() is None:
                 proc.kill()
     return {"out": outputs, "codes": [p.returncode for p in procs], **seen, "port": port,
-            "elapsed": time.monotonic() - t0}
+            "elapsed": time.monotonic() - t0, "ended": ended}
 
 
 def _records(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.timeout(900)  # hang guards of 400 s a run: 8 ranks import torch, busy machines
 def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     single = subprocess.run(EDU3D + TRAIN, env=_env(tmp_path, "single"), capture_output=True,
-                            text=True, timeout=150)
+                            text=True, timeout=400)
     assert single.returncode == 0, single.stderr[-3000:]
     reference = [r["loss"] for r in _records(single.stdout)]
     assert len(reference) == 3
@@ -177,13 +188,61 @@ def test_two_nodes_on_loopback_train_as_one_world(tmp_path):
     print(f"two nodes: {run['elapsed']:.1f} s, {len(run['addresses'])} listening sockets")
 
 
+@pytest.mark.timeout(600)
 def test_a_rank_killed_on_one_node_ends_both_naming_it(tmp_path):
-    run = _two_nodes(tmp_path, ["--inject-fault", "rank=5,step=2,kind=kill"], timeout=120)
+    run = _two_nodes(tmp_path, ["--inject-fault", "rank=5,step=2,kind=kill"])
     (_, err0), (_, err1) = run["out"]
     assert run["codes"] == [1, 1], (err0[-3000:], err1[-3000:])
     for err in (err0, err1):
         assert "edu3d train: rank 5 failed: killed by signal SIGKILL" in err, err[-3000:]
     print(f"both nodes ended {run['elapsed']:.1f} s after they started")
+
+
+LOOP = """\
+import time
+import torch
+from edu3d.distributed import comm, runtime, trace
+runtime.init()
+t, s = torch.ones(4), 0
+while True:  # until the run is ended from outside
+    s += 1
+    with trace.current().context(step=s):
+        comm.all_reduce(t)
+    time.sleep(0.005)
+"""
+
+
+def test_a_rank_stopped_on_the_node_without_rank_0_is_named_by_both(tmp_path):
+    """Two nodes of two ranks all-reduce in a loop; ``kill -STOP`` on rank 3, on the node that
+    does not hold rank 0. That node's heartbeat watches its own ranks, sees rank 3 stop
+    beating and names it; the other node learns the verdict from the agents' shared
+    failures. Both end, each naming rank 3, and no process of either is left (the node of
+    rank 0 once blamed rank 0 for a deadlock, the other said nothing for minutes)."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    stopped: dict = {}
+
+    def stop_rank_3() -> None:
+        for run_dir in ([] if stopped else tmp_path.glob("node*/*")):
+            pid = runs.pid_files(run_dir).get(3)
+            if pid and (run_dir / "flight" / "rank3.json").exists():
+                os.kill(pid, signal.SIGSTOP)
+                stopped.update(t=time.monotonic(), run_dir=run_dir)
+                return
+
+    run = _two_nodes(tmp_path, [], timeout=150, tick=stop_rank_3, env={"EDU3D_TIMEOUT": "12"},
+                     argv=lambda nodes: EDU3D + ["run", "-n", "2", *nodes, str(script)])
+    (_, err0), (_, err1) = run["out"]
+    assert stopped and run["codes"] == [1, 1], (err0[-2000:], err1[-2000:])
+    for err in (err0, err1):
+        assert "edu3d run: rank 3 failed:" in err, err[-2000:]
+        assert "its flight record stopped beating: the process is stopped by a signal" in err
+        assert "rank 0 recorded no operation" not in err  # each node reports its own ranks
+    left = [pid for run_dir in tmp_path.glob("node*/*") for pid in runs.pid_files(run_dir).values()
+            if running(pid) and runs.belongs_to(pid, runs.run_id(run_dir))]
+    assert not left, f"processes left running: {left}"
+    print("kill -STOP on rank 3 (heartbeat 6 s): " + ", ".join(
+        f"node{n} ended {end - stopped['t']:.1f} s after" for n, end in enumerate(run["ended"])))
 
 
 # ---- the options, checked before any process starts ----------------------------------------
@@ -212,8 +271,9 @@ def test_train_refuses_bad_node_options(flags, words):
 def test_train_takes_runs_node_flags(tmp_path):
     options = parse(TRAIN[1:] + ["--nnodes", "2", "--node-rank", "1", "--master-port", "29400",
                                  "--rdzv-endpoint", "127.0.0.1:29400"])
-    assert (options.nnodes, options.node_rank, options.master_port) == (2, 1, 29400)
-    assert options.rdzv_endpoint == "127.0.0.1:29400"
+    nodes = options.launch
+    assert (nodes.nnodes, nodes.node_rank, nodes.master_port) == (2, 1, 29400)
+    assert nodes.rdzv_endpoint == "127.0.0.1:29400"
     for command in ("run", "train"):
         text = subprocess.run(EDU3D + [command, "--help"], capture_output=True, text=True).stdout
         for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend",

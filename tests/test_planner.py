@@ -92,9 +92,9 @@ def test_korthikanti_formulas_and_their_numbers():
 
 
 def test_in_flight_replays_few_microbatches_but_equals_the_full_replay():
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1"):
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"):
         for pp in (2, 4):
-            for m in (pp, 3 * pp, 5 * pp):
+            for m in (pp, 3 * pp, 5 * pp)[name == "dualpipev":]:  # dualpipev: m >= 2p
                 v = chunks(name, 2)
                 full = simulate(build(name, pp, m, v), pp).peak_in_flight
                 assert list(plan_memory.in_flight(name, pp, m, 2)) == full, (name, pp, m)

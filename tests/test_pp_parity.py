@@ -4,10 +4,16 @@ For every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1), pp in {2, 4} (8 for G
 1F1B, m = pp only) and m in {pp, 2pp} (and 4pp at pp = 2: more micro-batches than twice the stages take
 the same code path, only longer), with a layer count that divides into the stages and one that
 does not: the gradients after one step (plain SGD: Adam would hide a wrong 1/m) and the
-weights after 3 AdamW steps equal the serial GPT's within 1e-5 relative (fp32), and so does
-the loss rank 0 reports. One launch per world size runs every configuration; the serial
+weights after 3 AdamW steps equal the serial GPT's within 1e-5 relative (fp32; after AdamW,
+beyond what rounding can do there: tests/adamw_noise.py), and so does the loss rank 0
+reports. One launch per world size runs every configuration; the serial
 reference is computed once per model and global batch, in the test process. The measured
 peak of in-flight micro-batches is m for GPipe and at most p for 1F1B and ZB-H1.
+
+The V-shaped schedules (ZBV, DualPipeV: two chunks per rank, rank r holding stages r and
+2p-1-r) run fewer cases in the same launches (V_CONFIGS: a ZBV whose m is too small to fill
+its V, both at m = 2p and 4p, even and uneven layers); their measured peak is the checker's,
+2p chunk activations for ZBV and 2p+1 for DualPipeV once m >= 2p (DeepSeek's table: PP+1).
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import pytest
 
 from edu3d.launch import launch
 from edu3d.config.layout import Layout
-from tests.pp_workers import global_batch, parity, serial_reference
+from edu3d.schedules.actions import build
+from edu3d.schedules.check import check
+from tests.pp_workers import TOL, global_batch, parity, serial_reference
 
-TOL = 1e-5
 ADAM_STEPS = 3
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -34,6 +41,16 @@ def configs(pp: int, schedules=SCHEDULES):
                 out.append(dict(schedule=s, m=m, layers=layers,
                                 vpp=2 if s == "interleaved" else 1))
     return out
+
+
+V_CONFIGS = {  # pp -> (schedule, m, layers): the V-shaped schedules' cases
+    2: [("zbv", 2, 5), ("zbv", 4, 4), ("dualpipev", 4, 5), ("dualpipev", 8, 4)],
+    4: [("zbv", 4, 8), ("zbv", 8, 9), ("dualpipev", 8, 8)],
+}
+
+
+def v_configs(pp: int) -> list[dict]:
+    return [dict(schedule=s, m=m, layers=n) for s, m, n in V_CONFIGS.get(pp, [])]
 
 
 def merged(results: list[list[dict]]) -> list[dict]:
@@ -69,6 +86,10 @@ def assert_parity(rows: list[dict], pp: int) -> None:
             assert r["peak_in_flight"] == [r["m"]] * pp
         if r["schedule"] in ("1f1b", "zb-h1"):
             assert max(r["peak_in_flight"]) <= pp
+        if r["schedule"] in ("zbv", "dualpipev"):  # world ranks: pp index = rank // dp
+            want = check(build(r["schedule"], pp, r["m"]), pp, r["m"], 2, "v").peak_in_flight
+            per = len(r["peak_in_flight"]) // pp
+            assert r["peak_in_flight"] == [want[i // per] for i in range(pp * per)]
 
 
 # The 8-rank test first: the 2- and 4-rank launches after it then run on its idle warm pool
@@ -80,16 +101,16 @@ def test_pp8_gpipe_and_1f1b():
 
 
 def test_pp2_every_schedule():
-    assert_parity(run(2), 2)
+    assert_parity(run(2, cfgs=configs(2) + v_configs(2)), 2)
 
 
 def test_pp4_every_schedule():
-    assert_parity(run(4), 4)
+    assert_parity(run(4, cfgs=configs(4) + v_configs(4)), 4)
 
 
 def test_pp2_with_data_parallel_sync():
     cfgs = [dict(schedule=s, m=4, layers=5, vpp=2 if s == "interleaved" else 1)
-            for s in ("1f1b", "interleaved", "zb-h1")]
+            for s in ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")]
     assert_parity(run(2, dp=2, cfgs=cfgs), 2)
 
 

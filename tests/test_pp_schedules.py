@@ -15,20 +15,27 @@ from edu3d.model.gpt import config_from
 from edu3d.schedules import partition as part
 from edu3d.schedules.check import ScheduleError, check
 from edu3d.commands.schedule import schedule_main
-from edu3d.schedules.actions import (SCHEDULES, Action, build, compute_order, parse_torch,
-                                         format_torch)
+from edu3d.schedules.actions import (SCHEDULES, Action, build, chunks, compute_order,
+                                     format_torch, parse_torch, placement, stage_rank, stages_of)
 from edu3d.schedules.simulate import Costs, bubble_formula, simulate
 
 CASES = [(pp, m) for pp in (2, 4, 8) for m in (pp, 2 * pp, 4 * pp)]
 
 
 def torch_order(name: str, pp: int, m: int, vpp: int = 1) -> list[list[str]]:
-    """PyTorch's per-rank compute order, idle slots and REDUCE_GRAD left out."""
+    """PyTorch's per-rank compute order, idle slots and REDUCE_GRAD left out; an overlapped
+    pair (DualPipeV's ``OVERLAP_F_B``) as its forward, then its backward, the order
+    PyTorch's runtime executes them in."""
     from torch.distributed.pipelining import schedules as S
 
     if name == "gpipe":
         order = S.ScheduleGPipe._get_pipeline_order(
             SimpleNamespace(_num_stages=pp, _n_microbatches=m))
+    elif name in ("zbv", "dualpipev"):
+        cls = S.ScheduleZBVZeroBubble if name == "zbv" else S.ScheduleDualPipeV
+        stub = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+        order = {r: [sub for a in cls._calculate_single_rank_operations(stub, r)
+                     if a is not None for sub in (a.sub_actions or (a,))] for r in range(pp)}
     else:
         rounds = max(1, m // pp)
         stub = SimpleNamespace(n_local_stages=vpp, pp_group_size=pp, _n_microbatches=m,
@@ -55,6 +62,29 @@ def test_interleaved_matches_pytorch(pp, m, vpp):
                                                                           vpp)
 
 
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("pp,m", CASES + [(1, 2), (3, 5), (3, 7), (4, 3), (4, 9), (8, 11)])
+def test_v_schedules_match_pytorch(name, pp, m):
+    if name == "dualpipev" and m < 2 * pp:
+        with pytest.raises(ValueError, match="at least 2\\*pp"):  # PyTorch refuses it too
+            compute_order(name, pp, m)
+        return
+    assert _strs(compute_order(name, pp, m)) == torch_order(name, pp, m)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_v_placement_matches_pytorch(pp):
+    """Rank r holds stages r and 2p-1-r; the round robin of the others is PyTorch's too."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for style in ("loop", "v"):
+        mapping = generate_stage_to_rank_mapping(pp, 2 * pp, style=style)
+        assert [stage_rank(s, pp, style) for s in range(2 * pp)] == [mapping[s] for s in
+                                                                      range(2 * pp)]
+    assert [stages_of(r, pp, 2 * pp, "v") for r in range(pp)] == [[r, 2 * pp - 1 - r]
+                                                                    for r in range(pp)]
+
+
 @pytest.mark.parametrize("pp,m", CASES + [(4, 3), (3, 7)])
 def test_1f1b_follows_megatron_rule(pp, m):
     for r, ops in enumerate(compute_order("1f1b", pp, m)):
@@ -68,8 +98,10 @@ def test_1f1b_follows_megatron_rule(pp, m):
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("pp,m", CASES + [(3, 5)])
 def test_every_schedule_checks(name, pp, m):
-    vpp = 2 if name == "interleaved" else 1
-    report = check(build(name, pp, m, vpp), pp, m, vpp)
+    vpp = chunks(name, 2)
+    if name == "dualpipev" and m < 2 * pp:
+        return  # refused (test_v_schedules_match_pytorch)
+    report = check(build(name, pp, m, vpp), pp, m, vpp, placement(name))
     if name == "gpipe":
         assert report.peak_in_flight == [m] * pp
     if name == "1f1b":
@@ -77,6 +109,9 @@ def test_every_schedule_checks(name, pp, m):
         assert max(report.peak_in_flight) <= pp
     if name == "zb-h1":
         assert max(report.peak_in_flight) <= pp
+    if name in ("zbv", "dualpipev"):  # chunk activations, each half a stage of 1F1B's
+        full = [2 * pp + (name == "dualpipev")] * pp  # DeepSeek's table: PP (stages) + 1
+        assert report.peak_in_flight == full if m >= 2 * pp else max(report.peak_in_flight) <= 2 * pp
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
@@ -85,6 +120,35 @@ def test_simulated_bubble_equals_formula(name, pp, m):
     vpp = 2 if name == "interleaved" else 1
     sim = simulate(build(name, pp, m, vpp), pp, Costs(F=1, B=2))
     assert sim.bubble == pytest.approx(bubble_formula(name, pp, m, vpp), abs=1e-9)
+
+
+def test_v_schedules_bubble_equals_formula():
+    """With F = I = W per chunk, the replay of ZBV and DualPipeV idles exactly what
+    bubble_formula says, for every p <= 8 and m <= 3p + 2 either schedule runs."""
+    ones = Costs(F=1, B=2, I=1, W=1)
+    for name in ("zbv", "dualpipev"):
+        for pp in (1, 2, 3, 4, 8):
+            for m in range(2 * pp if name == "dualpipev" else 1, 3 * pp + 3):
+                sim = simulate(build(name, pp, m), pp, ones)
+                assert sim.bubble == pytest.approx(bubble_formula(name, pp, m), abs=1e-9), \
+                    (name, pp, m)
+    # for the same model (a chunk is half a stage): half of ZB-H1's, a sixth of 1F1B's idle
+    zb_h1 = simulate(build("zb-h1", 4, 32), 4, ones).bubble
+    assert bubble_formula("zbv", 4, 32) == pytest.approx(3 / (6 * 32 + 3))
+    assert zb_h1 == pytest.approx(3 / (3 * 32 + 3)) and bubble_formula("1f1b", 4, 32) == 3 / 35
+
+
+def test_v_checker_knows_the_placement():
+    """The V's lists are wrong under round robin (stage 2p-1 is not rank p-1's), and a V
+    list whose turn is sent as a message is wrong under the V."""
+    good = build("zbv", 2, 4)
+    assert check(good, 2, 4, 2, "v").peak_in_flight == [4, 4]
+    with pytest.raises(ScheduleError, match="lives on rank"):
+        check(good, 2, 4, 2)
+    with pytest.raises(ScheduleError, match="nobody sends"):
+        turn = [good[0], [a for a in good[1] if a.kind != "SEND_F" or a.stage != 1]
+                + [Action(2, "RECV_F", 0)]]
+        check(turn, 2, 4, 2, "v")
 
 
 @pytest.mark.parametrize("pp,m", CASES)
@@ -159,6 +223,13 @@ def test_schedule_command(capsys):
     assert schedule_main(["--name", "zb-h1", "--pp", "4", "-m", "8", "--format", "table"]) == 0
     assert "peak in-flight" in capsys.readouterr().out
     assert schedule_main(["--name", "gpipe", "--pp", "2", "-m", "2", "--vpp", "2"]) == 2
+    for name in ("zbv", "dualpipev"):
+        assert schedule_main(["--name", name, "--pp", "2", "-m", "4", "--format", "json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["vpp"] == 2 and info["actions"][0][0] == "0F0" and "3F0" in info["actions"][0]
+        assert info["bubble_simulated"] == pytest.approx(info["bubble_formula"])
+    assert schedule_main(["--name", "dualpipev", "--pp", "4", "-m", "4"]) == 2
+    assert "at least 2*pp = 8" in capsys.readouterr().err
 
 
 def test_replay_with_measured_durations():

@@ -1,5 +1,6 @@
-"""What the failure tests run: a worker that is slow and then hangs, and a training process
-that kills itself at a chosen point of writing a checkpoint.
+"""What the failure tests run: a worker that is slow and then hangs, one that loops until it
+is stopped from outside, and a training process that kills itself at a chosen point of
+writing a checkpoint.
 
 ``python -m tests.workers_failures POINT DIR STEP -- <edu3d train options>`` trains serially
 and sends itself SIGKILL at ``POINT`` of the save of step ``STEP`` (see :data:`POINTS`), as a
@@ -39,6 +40,35 @@ def slow_then_hang(mesh, victim: int, slow_step: int, busy_s: float, hang_step: 
                     time.sleep(1.0)
             comm.all_reduce(t)
     return t[0].item()
+
+
+def all_reduce_for_ever(mesh, pause_s: float = 0.005):
+    """Every rank all-reduces once per step, for ever: until the launcher ends the run (a
+    rank stopped from outside, ``kill -STOP``, is then the only reason it stops)."""
+    t, s = torch.ones(4), 0
+    print(f"looping as pid {os.getpid()}", flush=True)
+    while True:
+        s += 1
+        with trace.current().context(step=s):
+            comm.all_reduce(t)
+        time.sleep(pause_s)
+
+
+def steps_with_status(mesh, steps: int, pause_s: float):
+    """Every rank all-reduces once per step and rewrites its live status record after it,
+    as ``edu3d train`` does while watched (:class:`edu3d.train.publish.Publisher`)."""
+    from edu3d.launch import live
+
+    status = live.StatusFile(live.status_file(os.environ["EDU3D_RUN_DIR"], mesh.rank))
+    t = torch.ones(4)
+    for s in range(1, steps + 1):
+        with trace.current().context(step=s):
+            comm.all_reduce(t)
+        status.write({"rank": mesh.rank, "step": s, "steps": steps, "step_ms": 1e3 * pause_s,
+                      "t": time.time(), "done": s == steps})
+        time.sleep(pause_s)
+    status.close()
+    return mesh.rank
 
 
 def _die() -> None:

@@ -30,7 +30,7 @@ import statistics
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from edu3d.schedules.actions import build
+from edu3d.schedules.actions import build, chunks
 from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 from edu3d.widgets import style
 from edu3d.widgets.timeline import add_bars, idle_gaps, lanes, step_events
@@ -162,7 +162,7 @@ def synthetic_trace(name: str, pp: int, m: int, vpp: int = 1, jitter: float = 0.
     and for drawing a schedule nobody has time to run (8 ranks, 32 micro-batches)."""
     rng = random.Random(seed)
     t = simulate(build(name, pp, m, vpp), pp, Costs(F=1000, B=2000, I=1000, W=1000, p2p=50),
-                 activation_bytes=[2**20] * (pp * vpp))
+                 activation_bytes=[2**20] * (pp * chunks(name, vpp)))
     out = []
     for e in t.events:
         e = {k: v for k, v in e.items() if k != "sim"}

@@ -64,7 +64,7 @@ from edu3d.bench.ranking import grade
 
 CPU = {"peak_tflops": 0.05, "mfu": 0.3, "intra_gbps": 1.0}  # one core's fp32 rate; gloo on loopback
 MARK = "@tune "  # rank 0's report lines, read by :func:`measure`
-RANKS_PER_CORE = 4  # beyond this, ranks mostly wait for a core (train.options.oversubscribed)
+RANKS_PER_CORE = 4  # beyond this, ranks mostly wait for a core (train.preflight.oversubscribed)
 
 
 # ---- the machine -------------------------------------------------------------------------------
@@ -124,6 +124,7 @@ def pick(rows: list[dict], top: int) -> list[dict]:
     size or a recomputation it does not have yet, then the rest in the planner's order;
     returned in the planner's order."""
     chosen: list[int] = []
+    top = min(top, len(rows))  # --top 1000000000 means every row, not a billion turns
     turns = [lambda st: (layout_key(st), st.parallel.zero), lambda st: (layout_key(st), st.micro_batch),
              lambda st: (layout_key(st), st.memory.recompute)]
 

@@ -19,7 +19,11 @@ is never a chain of deltas:
   always change; one per tensor piece lets the frozen ones be reused;
 * ``--keep-last K`` removes old manifests first, then every blob no remaining manifest
   refers to (a garbage collection, :func:`edu3d.ckpt.format.collect_blobs`); a blob two
-  checkpoints share stays while either is kept;
+  checkpoints share stays while either is kept. A save reads only the kept manifests, and
+  each once (it knows the ones it wrote), never an older step's: what sits in an old step
+  folder cannot slow a live run down. Without ``--keep-last`` no manifest is ever removed,
+  so a save reads none and removes only the temporary files a killed save left (the whole
+  blobs such a save finished stay until a run with ``--keep-last`` collects them);
 * no "full save every K saves": with content addressing a full save would rewrite bytes
   that are already on disk under the same name, buying nothing but a second copy. What it
   buys a delta chain (a bounded chain to replay) does not exist here, and what it buys
@@ -141,16 +145,17 @@ def write_blob_data(f, data: bytes) -> None:
     f.write(data)
 
 
-def remove_unreferenced(root, referenced: set[str]) -> tuple[int, int]:
+def remove_unreferenced(root, referenced: set[str] | None) -> tuple[int, int]:
     """Remove every entry of ``root/blobs`` that is not a referenced blob (blobs no kept
-    manifest names, temporary files a killed save left); returns ``(files, bytes)``. Only
-    regular files and links are removed, never through a link."""
+    manifest names, temporary files a killed save left; ``referenced`` None: the temporary
+    files only); returns ``(files, bytes)``. Only regular files and links are removed, never
+    through a link."""
     folder = Path(root) / BLOBS
     if not folder.is_dir() or folder.is_symlink():
         return 0, 0
     files = size = 0
     for path in folder.iterdir():
-        if SHA256.fullmatch(path.name) and path.name in referenced:
+        if SHA256.fullmatch(path.name) and (referenced is None or path.name in referenced):
             continue
         if path.is_symlink() or path.is_file():
             size += path.lstat().st_size

@@ -14,7 +14,9 @@ After reading this file you should understand one save and one resume, seen from
 4. rank 0 waits until every rank's receipt for *this* save is on disk (a synchronous save:
    a barrier), then writes ``manifest.json``: from that moment the folder is a checkpoint.
    With ``--keep-last K`` rank 0 then removes all but the newest K
-   (:func:`~edu3d.ckpt.format.prune`);
+   (:func:`~edu3d.ckpt.format.prune`) and, ``--incremental``, the blobs none of those K
+   names (:func:`~edu3d.ckpt.format.collect_blobs`, which reads a kept manifest only if
+   this process did not write it or it changed since: never an older step's);
 5. (synchronous save) a barrier: no rank goes on to the next step before the checkpoint
    is committed, so a rank that dies in that step is restarted from this one. (Without it,
    a rank could die in the next step while rank 0 was still writing the manifest.)
@@ -54,11 +56,13 @@ import torch
 
 from edu3d.ckpt import reshard
 from edu3d.ckpt.blobs import BlobStore
+from edu3d.ckpt.bounds import MAX_MANIFEST_BYTES
 from edu3d.distributed import comm, trace
 from edu3d.ckpt.format import (FORMAT, FORMAT_BLOBS, MANIFEST, MUST_MATCH, MUST_MATCH_LATER,
-                               CheckpointError, check_continues, collect_blobs, load_pieces,
-                               prune, rank_entry, read_file, read_manifest, resume_from,
-                               step_dir, write_atomic)
+                               CheckpointError, blob_names, check_continues, collect_blobs,
+                               file_identity, load_pieces, prune, rank_entry, read_manifest,
+                               remove_unreferenced, resume_from, step_dir, write_atomic)
+from edu3d.ckpt.untrusted import read_rng
 
 
 class Checkpointer:
@@ -83,6 +87,7 @@ class Checkpointer:
         self.error: BaseException | None = None
         self.written: tuple | None = None  # (step, t0, t1) of the last write, trace clock
         self.history: list[dict] = []  # per save: "step", "blocked" and "write" (t0, t1) in µs
+        self.known: dict = {}  # rank 0, --incremental: step -> (manifest file identity, blobs)
 
     # ---- saving ---------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -159,7 +164,7 @@ class Checkpointer:
                 "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
                 "steps": self.run.training.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: self.run.flat()[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
+                "options": self.options(),
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},
@@ -168,10 +173,19 @@ class Checkpointer:
             }
         return job
 
+    def options(self) -> dict:
+        """The options a continuation must share (``MUST_MATCH``), as plain values: the
+        ``--freeze`` globs as the flag wrote them (``"a.*,b.*"``, or null)."""
+        flat = self.run.flat()
+        out = {k: flat[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)}
+        out["freeze"] = ",".join(self.run.memory.freeze) or None
+        return out
+
     def layout(self) -> dict:
-        layout, plan = self.trainer.mesh.layout, self.trainer.plan
+        layout, run = self.trainer.mesh.layout, self.trainer.run
         return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
-                "zero": plan.zero, "schedule": plan.schedule, "microbatches": plan.microbatches,
+                "zero": run.parallel.zero, "schedule": run.parallel.schedule,
+                "microbatches": run.microbatches,
                 "world_size": layout.world_size}
 
     def write(self, job: dict) -> None:
@@ -229,11 +243,14 @@ class Checkpointer:
         receipts: dict[int, dict] = {}
         while len(receipts) < self.world:
             for r in set(range(self.world)) - set(receipts):
-                try:
-                    rec = json.loads((folder / f"rank-{r:05d}.json").read_text())
-                except (OSError, ValueError):
+                path = folder / f"rank-{r:05d}.json"
+                try:  # a receipt is small: a bigger file is stale, replaced when rank r writes
+                    rec = json.loads(path.read_bytes()) if path.stat().st_size <= \
+                        MAX_MANIFEST_BYTES else None
+                except (OSError, ValueError, RecursionError):
                     continue
-                if (rec.get("token") == self.token and rec.get("step") == job["step"]
+                if (isinstance(rec, dict) and rec.get("token") == self.token
+                        and rec.get("step") == job["step"]
                         and rec.get("file") == rank_entry(job["manifest"], r)):
                     receipts[r] = rec
             if len(receipts) < self.world:
@@ -250,10 +267,14 @@ class Checkpointer:
         if self.store is not None:
             manifest["incremental"] = reuse(manifest)
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if self.store is not None:  # what this manifest names: never read back
+            self.known[job["step"]] = (file_identity(folder / MANIFEST), blob_names(manifest))
         if self.keep:  # committed: now the older checkpoints may go (--keep-last)
             prune(self.root, self.keep, upto=job["step"])
-        if self.store is not None:  # blobs no kept manifest names (and a killed save's)
-            collect_blobs(self.root)
+        if self.store is not None and self.keep:  # blobs no kept manifest names
+            collect_blobs(self.root, self.known)
+        elif self.store is not None:  # nothing was removed: only a killed save's temporaries
+            remove_unreferenced(self.root, None)
 
     def _write_logged(self, job: dict) -> None:
         try:
@@ -316,7 +337,7 @@ class Checkpointer:
             prec.skipped = saved_prec["skipped"]
         if manifest["layout"] == self.layout():  # the same ranks: their random states too
             name = rank_entry(manifest, self.rank)
-            rng = read_file(folder, name, manifest["files"][name]).get("rng")
+            rng = read_rng(folder, name, manifest["files"][name])
             try:
                 torch.set_rng_state(rng["torch"])
                 if "cuda" in rng and torch.cuda.is_available():

@@ -39,8 +39,9 @@ nothing depends on it yet).
 content-addressed blobs in ``DIR/blobs/<sha256>`` shared by every save whose bytes are the same,
 and ``files`` lists per rank ``rank-R`` with each piece's blob reference (format
 ``edu3d-checkpoint/2``); a save writes only blobs that are not there yet, a reader reads only
-the blobs of the pieces it needs (:func:`load_pieces`), and after each commit the blobs no
-complete manifest names are removed (:func:`collect_blobs`).
+the blobs of the pieces it needs (:func:`load_pieces`), and after each commit with
+``--keep-last`` the blobs no kept manifest names are removed (:func:`collect_blobs`: it reads
+only the kept manifests, never an older step's).
 
 **A checkpoint folder is untrusted input** (:mod:`edu3d.ckpt.untrusted`): only the names
 edu3d writes are opened, inside the step folder, regular files only; the manifest's schema is
@@ -50,7 +51,7 @@ checked before any field is used; a shard is loaded weights-only once its sha256
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 import shutil
 import stat
@@ -63,9 +64,12 @@ from edu3d.ckpt import reshard
 from edu3d.config.sections import globs
 from edu3d.ckpt.blobs import (fsync_folder, remove_unreferenced,
                               write_atomic)  # noqa: F401 (re-exported for the checkpointer)
+from edu3d.ckpt.bounds import available_memory
+from edu3d.ckpt.manifest_schema import check_manifest
 from edu3d.ckpt.untrusted import (FORMAT, FORMAT_BLOBS,  # noqa: F401 (re-exported)
                                   MANIFEST, MUST_MATCH, MUST_MATCH_LATER, CheckpointError,
-                                  check_manifest, damaged, read_blob, read_file, read_inside)
+                                  damaged, read_blob, read_file,  # noqa: F401 (re-exported)
+                                  read_inside, read_json, verify_blobs)
 
 
 def step_dir(root, step: int) -> Path:
@@ -164,21 +168,18 @@ def read_manifest(root, step: int | None = None) -> dict:
         have = f" (complete: steps {', '.join(map(str, done))})" if done else ""
         raise CheckpointError(f"no complete checkpoint {which}in {root} (a complete one has "
                               f"{MANIFEST}){have}")
-    raw = read_inside(folder, MANIFEST)
-    try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise damaged(path, f"not valid JSON ({err})") from None
-    except RecursionError:
-        raise damaged(path, "not valid JSON (nested too deep)") from None
-    return check_manifest(manifest, path, step)
+    return check_manifest(read_json(folder, MANIFEST), path, step)
 
 
 def verify(root, step: int | None = None) -> dict:
-    """Read the manifest and every file it lists (:func:`read_file`: present, sha256,
-    weights-only, pieces); returns the manifest."""
+    """Read the manifest and every file it lists (:func:`read_file`: present, size, sha256,
+    weights-only, pieces; an incremental checkpoint's blobs: size and sha256, each once,
+    streamed); returns the manifest."""
     manifest = read_manifest(root, step)
     folder = step_dir(root, manifest["step"])
+    if manifest["format"] == FORMAT_BLOBS:
+        verify_blobs(folder, manifest)
+        return manifest
     for name, info in manifest["files"].items():
         read_file(folder, name, info)
     return manifest
@@ -195,8 +196,8 @@ def differences(manifest: dict, config, run) -> list[str]:
     saved = {**MUST_MATCH_LATER, **manifest["options"]}
     for k, v in saved.items():
         mine = options.get(k)
-        if k == "freeze" and isinstance(v, (str, list, type(None))):  # "a,b" (older saves)
-            v, mine = globs(v), globs(mine)
+        if k == "freeze" and isinstance(v, (str, list, type(None))):  # the globs, as typed
+            v, mine = ",".join(globs(v)) or None, ",".join(globs(mine)) or None
         if mine != v:
             diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {mine}")
     if run.training.lr_schedule == "cosine" and manifest["steps"] != run.training.steps:
@@ -325,22 +326,41 @@ def load_pieces(folder: Path, manifest: dict, wanted: list[dict]) -> dict:
     return out
 
 
-def collect_blobs(root) -> tuple[int, int] | None:
+def collect_blobs(root, known: dict | None = None) -> tuple[int, int] | None:
     """Remove the blobs of ``root`` that no complete checkpoint's manifest names (after
     ``--keep-last`` removed older manifests, or debris of a killed save); returns ``(files,
     bytes)`` removed, or ``None`` when some manifest cannot be read: then what it refers to
-    is unknown and nothing is removed. Called by rank 0 once a save is committed, when no
-    save is in flight."""
+    is unknown and nothing is removed. ``known`` (the checkpointer's, by step: the manifest
+    file's identity and the blobs it names) spares reading a manifest again that has not
+    changed since it was written or read: a save reads only the kept manifests it has not
+    seen yet. Called by rank 0 once a save is committed, when no save is in flight."""
+    known = {} if known is None else known
     referenced: set[str] = set()
     for step in steps(root):
+        path = step_dir(root, step) / MANIFEST
         try:
-            manifest = read_manifest(root, step)
-        except CheckpointError:
+            seen = known.get(step)
+            if seen is None or seen[0] != file_identity(path):
+                manifest = read_manifest(root, step)
+                known[step] = seen = (file_identity(path), blob_names(manifest))
+        except (CheckpointError, OSError):
             return None
-        if manifest["format"] == FORMAT_BLOBS:
-            for info in manifest["files"].values():
-                referenced.update(r["sha256"] for r in [*info["blobs"], *info["rng"].values()])
+        referenced |= seen[1]
     return remove_unreferenced(root, referenced)
+
+
+def file_identity(path: Path) -> tuple:
+    """What changes when a file is replaced or rewritten: its inode, size and time."""
+    st = os.lstat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def blob_names(manifest: dict) -> set[str]:
+    """The sha256 of every blob an incremental manifest names (none for a plain one)."""
+    if manifest["format"] != FORMAT_BLOBS:
+        return set()
+    return {r["sha256"] for info in manifest["files"].values()
+            for r in [*info["blobs"], *info["rng"].values()]}
 
 
 def full_state(root, step: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -349,6 +369,11 @@ def full_state(root, step: int | None = None) -> tuple[dict, dict[str, torch.Ten
     folder = step_dir(root, manifest["step"])
     names = {p["name"]: p["shape"] for info in manifest["files"].values()
              for p in info["pieces"] if p["kind"] == "param"}
+    need, free = 4 * sum(math.prod(s) for s in names.values()), available_memory()
+    if free is not None and need > free:  # the pieces agree with the config: it is this big
+        raise CheckpointError(f"{folder / MANIFEST}: its model's parameters take "
+                              f"{need / 2**30:.1f} GiB, and this machine has "
+                              f"{free / 2**30:.1f} GiB available")
     wanted = [{"name": n, "kind": "param", "shape": s, "box": [[0, d] for d in s],
                "flat": [0, max(1, int(torch.Size(s).numel()))]} for n, s in names.items()]
     saved = load_pieces(folder, manifest, wanted)

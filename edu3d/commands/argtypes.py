@@ -20,6 +20,7 @@ MAX_RANKS = 1024  # ranks one node may start (edu3d run -n, edu3d bench -n)
 MAX_COUNT = 10**9  # steps, repetitions, checkpoints kept ...: beyond any real run
 MAX_SEED = 2**32 - 1  # what every seeded generator (torch, the data) accepts
 MAX_NEW_TOKENS = 100_000  # edu3d generate: a course model's continuation, in seconds
+SLOWEST_S = 3600.0  # --inject-fault kind=slow's longest sleep per step (a hang is kind=hang)
 
 
 def integer(minimum: int, what: str, maximum: int | None = None):
@@ -65,6 +66,19 @@ def number(minimum: float, inclusive: bool, example: str, maximum: float | None 
         return value
 
     parse.__name__ = f"number {bound}"
+    return parse
+
+
+def checked(check, what: str):
+    """An argparse type from ``check(text)``, which returns the value or raises a one-line
+    ``ValueError`` saying what was expected (a rule that lives beside what it guards)."""
+    def parse(text: str):
+        try:
+            return check(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = what
     return parse
 
 

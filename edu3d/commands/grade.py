@@ -10,11 +10,13 @@ After reading this file you should know how a score is made:
   ``EDU3D_SUBMISSION=DIR``, see :func:`edu3d.course.grading.source`; a module the folder lacks is
   graded as the untouched stub, so its checks fail). Nothing from ``DIR`` runs except the
   exercise modules the notebooks import, and nothing is written into it;
-* the checks are the ``PASS``/``FAIL`` lines :func:`edu3d.course.grading.check` prints in the
-  checked cells (tag ``nbval-check-output``), each ``FAIL`` with the hint printed under it. The committed
-  notebook (outputs of the solutions) names each cell's checks in order, so a line that is
-  not the cell's next check is ignored, and a cell that stops on an error counts its missing
-  checks as failed, with the error's one-line reason;
+* the checks are what :func:`edu3d.course.grading.check` reports over the verdict channel
+  (:mod:`edu3d.course.verdict_channel`, :mod:`edu3d.commands.grade_channel`), never the
+  ``PASS``/``FAIL`` lines the checked cells (tag ``nbval-check-output``) print: those are the
+  submission's to forge. The committed notebook (outputs of the solutions) names each cell's
+  checks in order, so a record that is not the cell's next check is ignored, a check without
+  a record fails (one that printed a verdict anyway says so), and a cell that stops on an
+  error counts its missing checks as failed, with the error's one-line reason;
 * hints are tiered (concept, nudge, the answer's shape): each run counts every check's
   failures in edu3d's own state file, so grading a still-failing exercise again shows a
   closer hint; ``--hint-level N`` asks for tier N at once (:mod:`edu3d.commands.grade_hints`);
@@ -22,9 +24,15 @@ After reading this file you should know how a score is made:
   named as such (:mod:`edu3d.commands.grade_kernel`): the check that was running gets the
   limit or the exit code and the line of the learner's file, the checks after it in its
   cell say they did not run; after a timeout the next cells still run, after a dead kernel
-  they cannot, and each says so.
+  they cannot, and each says so;
+* the submission's processes end with its grade: after the kernel, the grader kills every
+  process it left (:mod:`edu3d.commands.grade_processes`), before the report is written; the
+  kernel runs in a fresh temporary home and working folder, and with ``--isolate`` in Linux
+  namespaces without privileges (:mod:`edu3d.commands.grade_isolate`). What it wrote into
+  the report's own file meanwhile is cut off (:mod:`edu3d.commands.grade_report`).
 
-``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--hint-level N] [--json]``
+``edu3d grade [EXERCISE ...] [--solutions | --submission DIR] [--hint-level N] [--isolate]
+[--json]``
 prints a score table, every failed check with its hint (or one JSON object); exit code 0 when every check passed, 1 otherwise, 2 for bad input
 (found before any kernel starts).
 
@@ -37,24 +45,26 @@ from __future__ import annotations
 import copy
 import json
 import re
+import secrets
 import sys
 import tempfile
-import textwrap
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from edu3d.commands import grade_hints
+from edu3d.commands import grade_hints, grade_isolate
 from edu3d.commands.argtypes import between, seconds
+from edu3d.commands.grade_channel import Channel
 from edu3d.commands.grade_kernel import EXITED, STOPPED, TIMED_OUT, execute, kernel_env
+from edu3d.commands.grade_processes import Watch, protect_grader
+from edu3d.commands.grade_report import output_state, restore_output, table
 from edu3d.course import nbtools
 from edu3d.course.grading import ROOT
 from edu3d.launch.runs import RunsError
 
 EXERCISES = ROOT / "exercises"
 MARK = "# NBVAL_CHECK_OUTPUT"
-HINT = "  hint: "
-SAME = "the same as above"
 
 
 class GradeError(ValueError):
@@ -150,57 +160,65 @@ def error_reason(output) -> str:
     return text if len(text) <= 300 else text[:300] + " ..."
 
 
-def score_cell(cell, titles: list[str], earlier_error: str | None,
-               earlier_stop: bool = False) -> dict:
-    """Verdicts of one executed checked cell against its committed ``titles``. A cell the
-    grader stopped (a timeout, a dead kernel) blames the check that was running and says so
-    for the checks after it; ``earlier_stop``: ``earlier_error`` stopped an earlier cell,
-    and every failure here says so too."""
+def printed(cell) -> list[str]:
+    """The verdict lines a cell printed (``PASS t``/``FAIL t``): shown, never counted."""
+    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return [ln for ln in text.splitlines() if ln.startswith(("PASS ", "FAIL "))]
+
+
+def score_cell(cell, titles: list[str], records: list[dict], earlier_error: str | None,
+               earlier_stop: bool = False, silent: str | None = None) -> dict:
+    """Verdicts of one executed checked cell: its ``records`` from the verdict channel
+    against its committed ``titles``. A cell the grader stopped (a timeout, a dead kernel)
+    blames the check that was running and says so for the checks after it; ``earlier_stop``:
+    ``earlier_error`` stopped an earlier cell, and every failure here says so too;
+    ``silent``: why the channel said nothing (the kernel never opened it)."""
     verdicts: list[list] = []  # [passed, title, hint]
-    last_hint, error, shown, stop = None, None, 0, None
+    for rec in records:  # the next check of the cell (any other record is ignored)
+        if len(verdicts) < len(titles) and rec["title"] == titles[len(verdicts)]:
+            verdicts.append([rec["passed"], rec["title"], rec["hint"]])
+    error, shown, stop = None, 0, None
     for out in cell.get("outputs", []):
         kind = out.get("output_type")
-        if kind == "stream":
-            for line in out.get("text", "").splitlines():
-                if out.get("name") == "stdout" and line.startswith(("PASS ", "FAIL ")) \
-                        and len(verdicts) < len(titles) and line[5:] == titles[len(verdicts)]:
-                    # the next check of the cell (a stray line that is not one is ignored)
-                    verdicts.append([line.startswith("PASS "), line[5:], None])
-                elif out.get("name") == "stderr" and line.startswith(HINT):
-                    hint = line[len(HINT):]
-                    hint = last_hint if hint == SAME and last_hint else hint
-                    last_hint = hint
-                    open_fail = [v for v in verdicts if not v[0] and v[2] is None]
-                    if open_fail:
-                        open_fail[0][2] = hint
-        elif kind == "error":
+        if kind == "error":
             error = error_reason(out)
             stop = error if out.get("ename") in (TIMED_OUT, EXITED) else None
-        else:
+        elif kind != "stream":
             shown += 1  # a displayed value under a checked cell: not a verdict
+    lines = printed(cell)
+    reported = Counter(v[1] for v in verdicts if v[0])
+    unreported = Counter(ln[5:] for ln in lines if ln.startswith("PASS ")) - reported
     if error and earlier_error:
         error = f"{error} (after an earlier cell failed: {earlier_error})"
-    missing = error or earlier_error or "the check did not run"
+    missing = error or earlier_error or silent or "the check did not run"
     running = titles[len(verdicts)] if len(verdicts) < len(titles) else None
     after = f" (after an earlier cell {earlier_error})" if earlier_stop else ""
+    said = {ln[5:] for ln in lines}
     checks = []
     for i, title in enumerate(titles):
         if i < len(verdicts):
-            ok, printed, hint = verdicts[i]
-            checks.append({"check": printed, "passed": ok,
-                           "hint": None if ok else (hint or "no hint printed") + after})
+            ok, title, hint = verdicts[i]
+            checks.append({"check": title, "passed": ok,
+                           "hint": None if ok else (hint or "no hint given") + after})
         elif stop:
             checks.append({"check": title, "passed": False, "hint": f"{stop} (this check was "
                            "running)" if title == running else f"did not run: the cell stopped "
                            f"in check '{running}' ({stop})"})
+        elif title in said and not (error or earlier_error or silent):
+            checks.append({"check": title, "passed": False, "hint": (
+                "the notebook printed a verdict for this check, but the checker reported none "
+                "to the grader (was edu3d.course.grading.check replaced?)")})
         else:
             checks.append({"check": title, "passed": False, "hint": missing})
     return {"checks": checks, "error": error, "shown": shown, "running": running,
-            "hints": sum(v[2] is not None for v in verdicts)}
+            "hints": sum(not ok and hint is not None for ok, _, hint in verdicts),
+            "unreported": sum(unreported.values())}
 
 
-def score(ran, committed) -> dict:
-    """Per checked cell and in total: checks passed, failures with their hints."""
+def score(ran, committed, records: dict[int, list[dict]], silent: str | None = None) -> dict:
+    """Per checked cell and in total: checks passed, failures with their hints, from the
+    verdict channel's ``records`` (per cell index)."""
     cells, earlier, stop = [], None, False
     ran_checked = dict(checked_cells(ran))
     for i, cell in enumerate(ran.cells):
@@ -216,11 +234,12 @@ def score(ran, committed) -> dict:
                     earlier = f"(cell {i}: {first}) {earlier}"
             continue
         cells.append({"cell": i, **score_cell(cell, committed_titles(committed.cells[i]),
-                                              earlier, stop)})
+                                              records.get(i, []), earlier, stop, silent)})
     checks = [c for cell in cells for c in cell["checks"]]
     return {"passed": sum(c["passed"] for c in checks), "total": len(checks),
             "failures": [{"check": c["check"], "hint": c["hint"]} for c in checks
                          if not c["passed"]],
+            "unreported_passes": sum(c["unreported"] for c in cells),
             "cells": [{"cell": c["cell"], "checks": len(c["checks"]),
                        "passed": sum(x["passed"] for x in c["checks"]), "error": c["error"],
                        "hints": c["hints"], "shown": c["shown"]} for c in cells]}
@@ -228,20 +247,38 @@ def score(ran, committed) -> dict:
 
 # ---- running a notebook ------------------------------------------------------------------------
 def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None = None,
-              timeout: float = 240, hints: dict[str, str] | None = None) -> dict:
+              timeout: float = 240, hints: dict[str, str] | None = None,
+              isolate: bool = False) -> dict:
     """Score one exercise notebook (see the module docstring); ``hints``: the kernel's
-    ``EDU3D_HINT_*`` variables."""
+    ``EDU3D_HINT_*`` variables; ``isolate``: run the kernel in namespaces
+    (:mod:`edu3d.commands.grade_isolate`)."""
     committed = _read(ex.path)
     ran = copy.deepcopy(committed)
     graded = [submission or EXERCISES, ROOT / "solutions"]
-    with tempfile.TemporaryDirectory(prefix="edu3d-grade-") as tmp:
-        runs, cwd = Path(tmp) / "runs", Path(tmp) / "work"
-        runs.mkdir()
-        cwd.mkdir()
-        stopped = execute(ran, kernel_env(solutions, submission, runs, hints), cwd, timeout,
-                          graded)
+    token = secrets.token_hex(16)
+    # a short path: the kernel's sockets live there, and a Unix socket's path is short
+    where = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 40 else "/tmp"
+    with tempfile.TemporaryDirectory(prefix="edu3d-grade-", dir=where) as tmp, \
+            Watch(token) as watch:
+        root = Path(tmp)
+        runs, cwd, home = root / "runs", root / "work", root / "home"
+        for folder in (runs, cwd, home):
+            folder.mkdir()
+        channel = Channel(root, [c.source for c in committed.cells if c.cell_type == "code"])
+        try:
+            stopped = execute(ran, kernel_env(solutions, submission, runs, hints, home, token),
+                              cwd, timeout, graded, channel,
+                              grade_isolate.prefix(root) if isolate else None)
+        finally:
+            channel.close()
+            left = watch.sweep()  # before the folder goes, and before any report is written
+    records, rejected = channel.records()
+    silent = None if channel.connected else (
+        "no verdict reached the grader: the kernel never opened its verdict channel"
+        + (f" ({channel.refused[0]})" if channel.refused else ""))
     if stopped:  # cells the kernel never ran fail with that reason, naming where it died
-        died = [score_cell(c, committed_titles(committed.cells[i]), None)["running"]
+        died = [score_cell(c, committed_titles(committed.cells[i]), records.get(i, []),
+                           None)["running"]
                 for i, c in checked_cells(ran) if any(o.get("ename") == EXITED
                                                       for o in c.get("outputs", []))]
         stopped += f", check '{died[0]}'" if died and died[0] else ""
@@ -250,7 +287,8 @@ def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None 
                 cell.outputs = [{"output_type": "error", "ename": STOPPED,
                                  "evalue": stopped, "traceback": []}]
     out = {"notebook": f"exercises/{ex.path.name}", "modules": list(ex.modules), **score(
-        ran, committed)}
+        ran, committed, records, silent), "rejected_records": rejected,
+        "left_running": left["killed"], "survivors": left["survivors"]}
     if submission is not None:
         out["from_submission"] = [m for m in ex.modules if (submission / f"{m}.py").is_file()]
         out["stubs"] = [m for m in ex.modules if m not in out["from_submission"]]
@@ -259,7 +297,7 @@ def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None 
 
 def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path | None = None,
           timeout: float = 240, progress=sys.stderr, hint_level: int | None = None,
-          counts: dict | None = None) -> dict:
+          counts: dict | None = None, isolate: bool = False) -> dict:
     """Grade ``chosen``; a report ``{"graded", "passed", "total", "exercises": {name: ...}}``.
     ``counts`` (:func:`edu3d.commands.grade_hints.load`): earlier failures per check, updated
     in place with this run's (not with ``solutions``)."""
@@ -274,7 +312,7 @@ def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path |
         if counts is not None and not solutions:
             hints["EDU3D_HINT_PRIOR"] = json.dumps(grade_hints.prior(counts, target, ex.name))
         r = grade_one(ex, solutions=solutions, submission=submission, timeout=timeout,
-                      hints=hints)
+                      hints=hints, isolate=isolate)
         if counts is not None and not solutions:
             grade_hints.record(counts, target, ex.name, r)
         r["seconds"] = round(time.perf_counter() - t0, 1)
@@ -285,29 +323,6 @@ def grade(chosen: list[Exercise], *, solutions: bool = False, submission: Path |
             print(f" {r['passed']}/{r['total']} passed ({r['seconds']:.0f} s)", file=progress,
                   flush=True)
     return report
-
-
-def table(report: dict, width: int = 100) -> str:
-    """The score table: one row per exercise, and under it every failed check with its hint
-    (a hint equal to the one above it is said so, not repeated)."""
-    name_w = max([len("exercise")] + [len(n) for n in report["exercises"]])
-    head = f"{'exercise':<{name_w}}  passed  total  failed checks"
-    rule = "-" * min(width, max(len(head), 40))
-    lines = [f"graded: {report['graded']}", head, rule]
-    for name, r in report["exercises"].items():
-        fails = r["failures"]
-        lines.append(f"{name:<{name_w}}  {r['passed']:>6}  {r['total']:>5}  "
-                     + (f"{len(fails)} failed" if fails else "all passed"))
-        last = None
-        for f in fails:
-            lines += textwrap.wrap(f"FAIL {f['check']}", width, initial_indent="  ",
-                                   subsequent_indent="      ")
-            said = SAME if f["hint"] == last else f["hint"]
-            lines += textwrap.wrap(f"hint: {said}", width, initial_indent="    ",
-                                   subsequent_indent="      ")
-            last = f["hint"]
-    lines += [rule, f"{'total':<{name_w}}  {report['passed']:>6}  {report['total']:>5}"]
-    return "\n".join(lines)
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -328,6 +343,10 @@ def add_subcommand(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=seconds("240"), default=240,
                    help="seconds per cell (default: %(default)s)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each kernel in Linux namespaces, without privileges: its own "
+                        "processes and loopback network, every file system read-only but its "
+                        "temporary folder (needs unshare, setpriv and user namespaces)")
     p.add_argument("--hint-level", type=between(1, 3), default=None, metavar="N",
                    help="hint tier for every failure: 1 the concept, 2 a closer nudge, 3 the "
                         "answer's shape (default: deeper each time a check fails again)")
@@ -349,12 +368,18 @@ def main(args) -> int:
         if args.submission is not None:
             folder = submission_folder(args.submission, {m for e in everything
                                                          for m in e.modules})
+        why = grade_isolate.unavailable() if args.isolate else None
+        if why:
+            raise GradeError(why)
     except GradeError as err:
         print(f"edu3d grade: {err}", file=sys.stderr)
         return 2
+    protect_grader()  # the submission's processes cannot open this one's files through /proc
+    state = output_state()  # the report's file, to take back what a submission writes there
     counts = None if args.solutions else grade_hints.load()
     report = grade(chosen, solutions=args.solutions, submission=folder, timeout=args.timeout,
-                   hint_level=args.hint_level, counts=counts)
+                   hint_level=args.hint_level, counts=counts, isolate=args.isolate)
+    restore_output(state)
     if counts is not None:
         try:
             grade_hints.save(counts)

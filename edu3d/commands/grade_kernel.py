@@ -12,7 +12,16 @@ not simply pass or fail:
   was running, with the exit code (or signal) and, where Python could write one, its last
   frame: an IPython startup file makes ``os._exit`` and fatal signals dump the stack
   (faulthandler) into a file the grader reads. The cells after it cannot run
-  (:data:`STOPPED`, said by :func:`edu3d.commands.grade.grade_one`).
+  (:data:`STOPPED`, said by :func:`edu3d.commands.grade.grade_one`);
+* the kernel starts in the grade's own temporary folder: a fresh ``HOME``, working folder,
+  ``TMPDIR`` and ``EDU3D_RUNS``, all removed after the grade, and the marker
+  ``EDU3D_GRADE_TOKEN`` its processes are found by (:mod:`edu3d.commands.grade_processes`).
+  The same startup file seals the checker before the first cell
+  (:func:`edu3d.course.verdict_channel.seal`), and the cells' boundaries are marked on the
+  verdict channel (:mod:`edu3d.commands.grade_channel`). The kernel's own channels are Unix
+  sockets in that folder (ZMQ's ``ipc`` transport), not TCP ports: no port chosen then taken
+  by another process before the kernel binds it, none that another local user can reach.
+  With ``--isolate`` the kernel's command line is prefixed (:mod:`edu3d.commands.grade_isolate`).
 
 How the verdicts are counted is :mod:`edu3d.commands.grade`'s.
 """
@@ -26,6 +35,10 @@ import threading
 import time
 from pathlib import Path
 
+from jupyter_client import AsyncKernelManager
+
+from edu3d.commands.grade_channel import Channel
+from edu3d.commands.grade_processes import TOKEN
 from edu3d.course.nbtools import notebook_client
 
 # a cell the grader stopped, one whose kernel died, one not run after that
@@ -33,16 +46,27 @@ TIMED_OUT, EXITED, STOPPED = "CellTimedOut", "KernelExited", "KernelStopped"
 
 
 def kernel_env(solutions: bool, submission: Path | None, runs: Path,
-               hints: dict[str, str] | None = None) -> dict[str, str]:
+               hints: dict[str, str] | None = None, home: Path | None = None,
+               token: str | None = None) -> dict[str, str]:
     """The graded kernel's environment; ``hints``: ``EDU3D_HINT_LEVEL`` / ``EDU3D_HINT_PRIOR``
-    (:mod:`edu3d.commands.grade_hints`), never inherited from the caller's shell."""
+    (:mod:`edu3d.commands.grade_hints`), never inherited from the caller's shell; ``home``:
+    a fresh folder for ``HOME``, ``TMPDIR`` and the XDG folders; ``token``: the grade's
+    process marker."""
     env = {k: v for k, v in os.environ.items() if k not in (
-        "EDU3D_SUBMISSION", "EDU3D_HINT_LEVEL", "EDU3D_HINT_PRIOR")}
+        "EDU3D_SUBMISSION", "EDU3D_HINT_LEVEL", "EDU3D_HINT_PRIOR", TOKEN)
+        and not k.startswith("XDG_")}
     env.update(EDU3D_SOLUTIONS="1" if solutions else "0", OMP_NUM_THREADS="1",
                EDU3D_RUNS=str(runs), EDU3D_PROGRESS="0", PYTHONDONTWRITEBYTECODE="1",
                **(hints or {}))
     if submission is not None:
         env["EDU3D_SUBMISSION"] = str(submission)
+    if home is not None:
+        env.update(HOME=str(home), TMPDIR=str(home / "tmp"),
+                   XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"),
+                   XDG_DATA_HOME=str(home / ".local" / "share"))
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+    if token is not None:
+        env[TOKEN] = token
     return env
 
 
@@ -56,6 +80,8 @@ def _exit(code, _real=_os._exit):
     _stacks.write(f"os._exit({code})\\n"); _stacks.flush(); _fh.dump_traceback(_stacks, False)
     _real(code)
 _os._exit = _exit
+from edu3d.course import verdict_channel as _verdicts
+_verdicts.seal()  # before the first cell, so before the submission is imported
 """
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FRAME = re.compile(r'File "(?P<a>[^"]+)", line (?P<al>\d+),? in (?P<af>\S+)'  # python, faulthandler
@@ -85,8 +111,18 @@ def exit_words(code: int | None) -> str:
     return f"the submission's kernel exited with code {code}"
 
 
+class PrefixedKernelManager(AsyncKernelManager):
+    """A kernel manager whose kernel command line starts with :attr:`prefix` (``--isolate``)."""
+
+    prefix: list[str] = []
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        return [*self.prefix, *super().format_kernel_cmd(extra_arguments)]
+
+
 def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
-            graded: list[Path] | None = None) -> str | None:
+            graded: list[Path] | None = None, channel: Channel | None = None,
+            prefix: list[str] | None = None) -> str | None:
     """Run ``nb`` in place in a fresh kernel started in ``cwd``; None, or why the run stopped
     early (a dead kernel). Cells that raise are recorded and the next ones still run.
 
@@ -96,7 +132,9 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
     says where). A kernel that
     dies (``os._exit``, a crash, that kill) leaves an :data:`EXITED` error with its exit code
     and last frame in the cell it was running, and the cells after it do not run. The
-    kernel's own console output (not the cells') goes to ``cwd/kernel.log``."""
+    kernel's own console output (not the cells') goes to ``cwd/kernel.log``. ``channel``: the
+    verdict channel, told where each cell starts and ends; ``prefix``: what the kernel's
+    command line starts with."""
     for cell in nb.cells:  # no committed output may stand in for one the run did not produce
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -104,10 +142,16 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
     startup, stacks = cwd / "ipython" / "profile_default" / "startup", cwd / "stacks.log"
     startup.mkdir(parents=True)
     (startup / "00-edu3d-grade.py").write_text(STARTUP)
-    env = {**env, "IPYTHONDIR": str(cwd / "ipython"), "EDU3D_GRADE_STACKS": str(stacks)}
-    client = notebook_client(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                             interrupt_on_timeout=True,
+    env = {**env, "IPYTHONDIR": str(cwd / "ipython"), "EDU3D_GRADE_STACKS": str(stacks),
+           **(channel.env if channel is not None else {})}
+    km = PrefixedKernelManager(kernel_name="python3")
+    km.prefix, km.connection_file = list(prefix or []), str(cwd / "kernel.json")
+    if len(os.fsencode(cwd)) < 80:  # Unix sockets (path <= 107 bytes) in the grade's folder:
+        km.transport = "ipc"  # no TCP port to race for or for other local users to reach
+    client = notebook_client(nb, km=km, timeout=timeout, kernel_name="python3",
+                             allow_errors=True, interrupt_on_timeout=True,
                              resources={"metadata": {"path": str(cwd)}})
+    client.owns_km = True  # so it shuts the kernel down at the end, as with its own manager
     now: dict = {}  # the cell running: index, start, watchdog, the kernel's process
 
     def stop_kernel():  # SIGABRT first: faulthandler writes where it was; then SIGKILL
@@ -118,6 +162,8 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
         last.start()
 
     def started(cell, cell_index):
+        if channel is not None:
+            channel.mark("start", cell_index)
         killer = threading.Timer(2 * timeout + 5, stop_kernel)
         killer.daemon = True
         now.update(index=cell_index, t0=time.monotonic(), killer=killer,
@@ -126,6 +172,8 @@ def execute(nb, env: dict[str, str], cwd: Path, timeout: float,
 
     def finished(cell, cell_index, execute_reply):
         now["killer"].cancel()
+        if channel is not None:
+            channel.mark("end", cell_index)
         content = (execute_reply or {}).get("content", {})
         if content.get("ename") == "KeyboardInterrupt" and \
                 time.monotonic() - now["t0"] >= timeout:  # nbclient interrupted it

@@ -125,7 +125,8 @@ def add_arguments(parser):
     lay.add_argument("--global-batch", type=between(1, WIDE * 16),
                      help="sequences per step (default: the preset's published batch; 8 for "
                           "the course's models, as edu3d train)")
-    lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+    lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv",
+                                            "dualpipev"),
                      default="1f1b")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     lay.add_argument("--recompute", choices=RECOMPUTE, default="none")

@@ -15,8 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from edu3d.commands.argtypes import integer, non_negative_int, positive_int, ranks, seconds
-from edu3d.launch.api import NODE_OPTIONS, LaunchError, LaunchTimeout, launch, node_args
+from edu3d.commands.argtypes import (checked, integer, non_negative_int, positive_int, ranks,
+                                     seconds)
+from edu3d.launch.api import NODE_OPTIONS, LaunchError, LaunchTimeout, endpoint, launch, node_args
 
 HELP = "run a script or module on N ranks"
 NODE_HELP = {
@@ -32,7 +33,8 @@ NODE_HELP = {
     "master_port": "static rendezvous: its port",
 }
 NODE_TYPES = {"nnodes": positive_int, "node_rank": non_negative_int,
-              "master_port": integer(1, "a port number 1..65535")}
+              "master_port": integer(1, "a port number 1..65535"),
+              "rdzv_endpoint": checked(endpoint, "HOST[:PORT]")}
 
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 After reading this file you should understand where runs go and how to tidy them: every
 launch writes its results and traces to a folder under ``$EDU3D_RUNS`` (default
 ``./runs``, :mod:`edu3d.launch.runs`); ``list`` shows them, ``clean --keep N`` removes all
-but the newest N.
+but the newest N, except the folder of a run that is still running, which it keeps and names
+(:func:`edu3d.launch.runs.live`).
 """
 
 from __future__ import annotations
@@ -19,5 +20,6 @@ def add_subcommand(sub) -> None:
     r = sub.add_parser("runs", help=HELP)
     r.add_argument("action", choices=("list", "clean"), help="list them, or remove them")
     r.add_argument("--keep", type=integer(0, "an integer >= 0", MAX_COUNT), default=0,
-                   help="clean: keep the newest N (default 0)")
+                   help="clean: keep the newest N (default 0); a running run's folder is "
+                        "always kept")
     r.set_defaults(func=lambda args: runs.main(args.action, args.keep))

@@ -5,6 +5,7 @@
     edu3d schedule --name 1f1b --pp 4 --microbatches 8                  # torch notation
     edu3d schedule --name interleaved --pp 4 --vpp 2 --microbatches 8 --format table
     edu3d schedule --name zb-h1 --pp 4 --microbatches 8 --format json
+    edu3d schedule --name dualpipev --pp 4 --microbatches 8 --format table  # two chunks, a V
 
 ``--format torch`` prints one line per rank, ``rank R: 0F0 0SEND_F0 ...``; ``table`` puts the
 compute actions on a grid of unit time slots (every action one slot, ``.`` = idle), with the
@@ -22,7 +23,8 @@ from edu3d.commands.argtypes import integer
 
 POSITIVE = "a positive integer (1, 2, 3 ...)"
 from edu3d.schedules.check import ScheduleError, check
-from edu3d.schedules.actions import SCHEDULES, build, chunks, format_torch
+from edu3d.schedules.actions import (SCHEDULES, V_SHAPED, build, chunks, format_torch,
+                                     placement)
 from edu3d.schedules.simulate import Costs, bubble_formula, simulate
 
 # --help is plain text: the module docstring's markup (``...``, ::) stays out of it
@@ -31,7 +33,9 @@ EPILOG = """examples:
   edu3d schedule --name 1f1b --pp 4 --microbatches 8
   edu3d schedule --name interleaved --pp 4 --vpp 2 --microbatches 8 --format table
   edu3d schedule --name zb-h1 --pp 4 --microbatches 8 --format json
+  edu3d schedule --name dualpipev --pp 4 --microbatches 8 --format table
 
+zbv and dualpipev put two chunks on each rank as a V (rank r: stages r and 2p-1-r).
 torch: one line per rank, "rank R: 0F0 0SEND_F0 ..." (stage, action, micro-batch).
 table: compute actions on unit time slots ("." = idle), with the peak of in-flight
        micro-batches and the bubble (simulated with F=1, B=2) next to the formula.
@@ -79,7 +83,7 @@ def summary(name: str, pp: int, m: int, vpp: int = 1) -> dict:
     """Everything ``edu3d schedule`` knows about one schedule, as data."""
     v = chunks(name, vpp)
     actions = build(name, pp, m, vpp)
-    report = check(actions, pp, m, v)
+    report = check(actions, pp, m, v, placement(name))
     sim = simulate(actions, pp, Costs(F=1, B=2, I=1, W=1))
     return {"name": name, "pp": pp, "vpp": v, "microbatches": m,
             "actions": [[str(a) for a in ops] for ops in actions],
@@ -105,8 +109,9 @@ def _run(args) -> int:
         actions = build(args.name, args.pp, args.microbatches, args.vpp)
         print(table(actions, args.pp))
         print(f"peak in-flight micro-batches per rank: {info['peak_in_flight']}")
+        shape = "(p-1)/(6m+p-1), F=I=W" if args.name in V_SHAPED else "(p-1)/(v*m+p-1)"
         print(f"bubble (simulated, F=1 B=2): {info['bubble_simulated']:.3f}   formula "
-              f"(p-1)/(v*m+p-1): {info['bubble_formula']:.3f}")
+              f"{shape}: {info['bubble_formula']:.3f}")
     return 0
 
 

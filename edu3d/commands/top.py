@@ -8,6 +8,11 @@ second until the run ends, then its last table. On a finished run it prints that
 table at once. Its watching is what makes the ranks publish (they write nothing while
 nobody watches), so the first numbers come a fraction of a second after it starts.
 
+Watching writes one file into the run folder (``status/watching``), and ``top`` writes it
+only into a folder edu3d made (it holds the run marker, :func:`edu3d.launch.runs.is_run_folder`):
+any other folder it is pointed at is left as it was. A folder with neither the marker nor
+status records is not a run, and is refused.
+
 Exit codes: 0 shown, 2 no such run (or several match), 130 interrupted.
 """
 
@@ -54,9 +59,14 @@ def main(name: str | None = None, once: bool = False, out=None) -> int:
     except ValueError as err:
         print(f"edu3d top: {err}", file=sys.stderr)
         return 2
+    ours = runs.is_run_folder(run_dir)
+    if not ours and not (run_dir / "status").is_dir():
+        print(f"edu3d top: {run_dir} is not a run folder (no {runs.MARKER} and no status "
+              "records); name one of 'edu3d runs list'", file=sys.stderr)
+        return 2
     nprocs = live.ranks_of(run_dir)
     done = live.finished(run_dir, nprocs)
-    view = live.Terminal(run_dir, nprocs, out or sys.stdout, watch=not done)
+    view = live.Terminal(run_dir, nprocs, out or sys.stdout, watch=ours and not done)
     try:
         view.follow(once=once or done)
     except KeyboardInterrupt:

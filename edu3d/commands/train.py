@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, count, integer, non_negative_int,
-                                     number, ranks, seconds)
+from edu3d.commands.argtypes import (MAX_COUNT, MAX_SEED, SLOWEST_S, count, integer,
+                                     non_negative_int, number, ranks, seconds)
 from edu3d.commands.run import add_node_arguments
 from edu3d.config.layout import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
+from edu3d.launch.cores import RANKS_PER_CORE
 from edu3d.production.torch_check import unsupported
 from edu3d.config.sections import ALIASES, FLAGS, Run
 from edu3d.train.preflight import (ATTENTION, BATCHING, FAULT_KINDS, GRAD_REDUCE, MIN_VOCAB,
@@ -60,7 +61,7 @@ def fault_spec(text: str) -> dict:
                     f"{text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
             spec["kind"] = value
         elif key == "seconds":
-            spec["seconds"] = number(0, False, "0.2")(value)
+            spec["seconds"] = number(0, False, "0.2", SLOWEST_S)(value)
         else:
             spec[key] = (integer(1, "a step >= 1") if key == "step" else non_negative_int)(value)
     if spec["kind"] == "slow":
@@ -239,6 +240,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ck.add_argument("--heartbeat", type=seconds("20"), default=None,
                     help="seconds without progress after which a rank counts as hung and is "
                          "handled like a dead one (default: half the collective timeout)")
+    par.add_argument("--oversubscribe", action="store_true", help=f"start more than "
+                     f"{RANKS_PER_CORE} ranks per CPU core (else refused: they wait for cores)")
     docs = parser.add_argument_group("documents of different lengths (edu3d.train.batching)")
     docs.add_argument("--batching", choices=BATCHING, default="fixed",
                       help="fixed: equal sequences; pad: documents padded to the longest of "
@@ -281,8 +284,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def options_from(namespace: argparse.Namespace) -> Run:
     """The parsed command line as one :class:`~edu3d.config.sections.Run` (argparse's own
-    entries, such as the subcommand's ``func``, left out)."""
-    return Run.of(**{k: v for k, v in vars(namespace).items() if k in FLAGS or k in ALIASES})
+    entries, such as the subcommand's ``func``, left out). ``--ep N`` alone is ``--dp N --ep
+    N`` (:func:`edu3d.train.preflight.resolve`'s rule, applied before the layout is built,
+    which refuses ep > dp*cp)."""
+    flags = {k: v for k, v in vars(namespace).items() if k in FLAGS or k in ALIASES}
+    if flags.get("ep", 1) > 1 and flags.get("dp", 1) * flags.get("cp", 1) == 1:
+        flags["dp"] = flags["ep"]
+    return Run.of(**flags)
 
 
 def parse(argv: list[str]) -> Run:

@@ -12,8 +12,9 @@ prints:
   the planner's cost model: Spearman's rank correlation of predicted against measured step
   times, and the candidate it misranked most (:mod:`edu3d.bench.ranking`). ``--json``
   prints the whole report instead;
-* bad input (an unknown model, more ranks than this machine hosts, ``--gpu-mem 0``) is
-  refused in one line, exit code 2, before any rank starts.
+* bad input (an unknown model, more ranks than this machine hosts, ``--gpu-mem 0``, a
+  model override outside the range a :class:`~edu3d.model.gpt.GPTConfig` accepts, such as
+  ``--d-model 1000000007``) is refused in one line, exit code 2, before any rank starts.
 
 Exit codes: 0 a winner, 1 none (every candidate failed or none fits), 2 bad options.
 
@@ -28,9 +29,13 @@ import json
 import math
 import sys
 
-from edu3d.commands.argtypes import non_negative_int, number, positive_int
+from edu3d.commands.argtypes import integer, non_negative_int, number, positive_int
+from edu3d.model.config_schema import INT_RANGES
 
 HELP = "measure the planner's best layouts; keep the fastest"
+OVERRIDES = {"--layers": "n_layers", "--heads": "n_heads", "--d-model": "d_model",
+             "--seq": "seq_len", "--vocab": "vocab_size", "--experts": "n_experts",
+             "--topk": "topk"}  # edu3d train's model options and the GPTConfig field of each
 
 
 def bucket_sizes(text: str) -> tuple[float, ...]:
@@ -59,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="gradient bucket sizes to try, comma-separated (e.g. 0.05,25; "
                              "default 25)")
     model = parser.add_argument_group("model overrides (edu3d train's)")
-    for flag in ("--layers", "--heads", "--d-model", "--seq", "--vocab", "--experts",
-                 "--topk"):
-        model.add_argument(flag, type=positive_int, default=None)
+    for flag, field in OVERRIDES.items():  # each within the range a GPTConfig accepts
+        model.add_argument(flag, type=integer(1, "a positive integer (1, 2, 3 ...)",
+                                              INT_RANGES[field][1]), default=None)
     parser.add_argument("--timeout", type=number(0, False, "600"), default=600.0,
                         help="seconds for the whole tuning (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON "

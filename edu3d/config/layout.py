@@ -74,8 +74,6 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name}={value!r} must be a positive integer")
-        if self.vpp > 1 and self.pp == 1:
-            raise LayoutError(f"vpp={self.vpp} needs pipeline parallelism; set pp >= 2 or vpp=1")
         if (self.dp * self.cp) % self.ep:
             ok = ", ".join(str(d) for d in divisors(self.dp * self.cp))
             raise LayoutError(f"ep={self.ep} must divide the dp*cp = {self.dp * self.cp} ranks "
@@ -112,6 +110,8 @@ class Layout:
         :class:`edu3d.model.gpt.GPTConfig`). Raises :class:`LayoutError` with a fix.
         Returns ``self`` so calls chain.
         """
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(f"vpp={self.vpp} needs pipeline parallelism; set pp >= 2 or vpp=1")
         if world_size is not None and world_size != self.world_size:
             axes = "dp*cp*tp*pp" if self.cp > 1 else "dp*tp*pp"
             sizes = "*".join(str(getattr(self, a)) for a in axes.split("*"))

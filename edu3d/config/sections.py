@@ -171,6 +171,7 @@ class Launch:
 
     timeout: float = 600.0
     heartbeat: float | None = None
+    oversubscribe: bool = False  # start more ranks than the cores hold (edu3d.launch.cores)
     inject_fault: Fault | None = None
     nnodes: int | None = None  # one edu3d train per node, each running world/nnodes ranks
     node_rank: int | None = None

@@ -30,7 +30,7 @@ from edu3d.config.layout import Layout
 from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.pp.engine import PipelineEngine
-from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.actions import build, chunks, placement, stages_of
 from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
@@ -181,19 +181,23 @@ class _Wait(torch.autograd.Function):
 
 class TimedStage(torch.nn.Module):
     """A pipeline stage whose forward lasts ``f`` s and backward ``b`` s (one tiny weight so
-    gradients really flow). Same interface as :class:`~edu3d.parallel.pp.stage.PipelineStage`.
+    gradients really flow), ``w`` s of which belong to the weight's gradient: a split
+    backward spends ``b - w`` in ``I`` and ``w`` in ``W``. Same interface as
+    :class:`~edu3d.parallel.pp.stage.PipelineStage`.
     """
 
-    def __init__(self, f: float, b: float, is_first: bool, is_last: bool, width: int = 16):
+    def __init__(self, f: float, b: float, is_first: bool, is_last: bool, width: int = 16,
+                 w: float = 0.0):
         super().__init__()
-        self.f, self.b, self.is_first, self.is_last = f, b, is_first, is_last
+        self.f, self.b, self.w, self.is_first, self.is_last = f, b, w, is_first, is_last
         self.weight = torch.nn.Parameter(torch.ones(width))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         return idx.float().unsqueeze(-1) * self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Wait.apply(x * self.weight, self.f, self.b)
+        # the weight's own path carries the W wait: autograd runs it only for the weight
+        return _Wait.apply(x, self.f, self.b - self.w) * _Wait.apply(self.weight, 0.0, self.w)
 
     def body_parameters(self):
         return [self.weight]
@@ -204,13 +208,14 @@ class TimedStage(torch.nn.Module):
 
 
 def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
-              steps: int = 3) -> list[dict]:
+              steps: int = 3, w_ms: float = 0.0) -> list[dict]:
     """Like :func:`run_schedules`, with :class:`TimedStage` stages of fixed cost.
 
     The engine, the schedule and the messages are real; only the compute is a wait of known
     length, so the measured bubble is the schedule's (plus message latency and overhead),
-    not the machine's other processes. Backward-split schedules (ZB-H1) put the whole
-    backward wait into ``I``.
+    not the machine's other processes. Backward-split schedules (ZB-H1, ZBV, DualPipeV) put
+    ``w_ms`` of the backward into ``W`` and the rest into ``I`` (``w_ms = 0``: all in ``I``).
+    A schedule with ``v`` chunks per rank gives each chunk ``1/v`` of every time.
     """
     rec = trace.current()
     pp, rank = mesh.size("pp"), mesh.index("pp")
@@ -218,10 +223,11 @@ def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
     for run in runs:
         v = chunks(run["name"], run.get("vpp", 1))
         n = pp * v
-        stages = {s: TimedStage(f_ms / 1e3 / v, b_ms / 1e3 / v, s == 0, s == n - 1)
-                  for s in range(rank, n, pp)}
+        style = placement(run["name"])
+        stages = {s: TimedStage(f_ms / 1e3 / v, b_ms / 1e3 / v, s == 0, s == n - 1,
+                                w=w_ms / 1e3 / v) for s in stages_of(rank, pp, n, style)}
         engine = PipelineEngine(stages, build(run["name"], pp, run["m"], v)[rank], n,
-                                mesh.ranks("pp"), mesh.pp, run["m"])
+                                mesh.ranks("pp"), mesh.pp, run["m"], placement=style)
         batch = [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
                  for _ in range(run["m"])]
         ids = []

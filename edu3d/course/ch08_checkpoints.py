@@ -141,7 +141,7 @@ def async_save_run(ckpt_dir: str | Path, **layout) -> dict:
     args = _args(**{"steps": 4, "save_every": 1, "async_save": True, **layout,
                     "ckpt_dir": str(ckpt_dir)})
     _, mesh_layout = check_args(args)
-    options = {k: v for k, v in vars(args).items() if not callable(v)}
+    options = args.flat()
     run = launch(train.worker, mesh_layout.world_size, args=(options,), layout=mesh_layout,
                  echo=False, timeout=args.launch.timeout, name="async-save")
     return {"records": run.results[0], "events": run.events(),

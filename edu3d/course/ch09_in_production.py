@@ -218,8 +218,7 @@ def measure(names: list[str] | None = None, steps: int = 4, timeout: float = 300
 def edu3d_dp2(steps: int = 5, timeout: float = 300) -> list[dict]:
     """``edu3d train --dp 2`` (bucketed DDP-like all-reduce), its records: what Accelerate's
     run is compared with."""
-    options = {k: v for k, v in vars(Run.of(dp=2, steps=steps, json=True)).items()
-               if not callable(v)}
+    options = Run.of(dp=2, steps=steps, json=True).flat()
     run = launch(worker, 2, args=(options,), layout=Layout(dp=2), timeout=timeout,
                  name="dp2", echo=False)
     return run.results[0]

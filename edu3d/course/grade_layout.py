@@ -38,8 +38,8 @@ def best(job: str) -> dict:
 
 
 def setup_of(job: str, choice: dict) -> Run:
-    """The planner's run (:class:`~edu3d.config.sections.Run`) for a choice, or ``AssertionError`` saying why it is
-    not a layout of the job."""
+    """The planner's run (:class:`~edu3d.config.sections.Run`) for a choice, or
+    ``AssertionError`` saying why it is not a layout of the job."""
     _, cluster, batch = JOBS[job]
     assert isinstance(choice, dict) and set(KEYS) <= set(choice), \
         f"job {job}: choose() must return a dict with the keys {', '.join(KEYS)}"

@@ -31,6 +31,10 @@ After reading this file you should understand how an exercise notebook is graded
   since it last passed; ``edu3d grade`` passes the count it keeps between its own runs
   (``EDU3D_HINT_PRIOR``) and ``--hint-level`` (``EDU3D_HINT_LEVEL``, also yours to set in
   a notebook: :func:`hint_level`).
+* Under ``edu3d grade`` the printed lines are for the learner only: each verdict also goes,
+  with its hint, to the grader through a channel the submission's printing cannot reach,
+  sealed before the submission is imported (:mod:`edu3d.course.verdict_channel`, which
+  sets :data:`reporter`). Outside it (a notebook, nbval, the tests) nothing else changes.
 """
 
 from __future__ import annotations
@@ -181,6 +185,8 @@ def _reason(err: BaseException) -> str:
 
 
 _last_hint: dict = {}  # the last hint printed, and in which cell
+# where :func:`check` also sends its verdict under ``edu3d grade`` (set when the kernel is sealed)
+reporter: Callable[[str, bool, str | None, object], None] | None = None
 
 
 def _cell() -> object:
@@ -295,4 +301,6 @@ def check(title: str, test: Callable[[], object], *, hint: str | None = None,
     else:
         reason = _tiered(title, reason, hint, key)
         _print_hint(reason)
+    if reporter is not None:
+        reporter(title, ok, reason, test)
     return Verdict(title, ok, reason)

@@ -142,6 +142,7 @@ def init(layout: Layout | None = None, *, backend: str | None = None,
                              cuda=dist.get_backend() == "nccl",
                              flight=trace.Flight(trace.flight_file(trace_dir, rank)))
         rec.align(dist.barrier)
+        trace.current().close()  # an earlier init's recorder: its flight record stops beating
         trace.set_current(rec)
     return mesh
 
@@ -153,7 +154,7 @@ def shutdown(mesh: Mesh | None = None) -> None:
 
     if mesh is not None:
         mesh.release()
-    trace.current().flush()
+    trace.current().close()
     trace.set_current(trace.NullRecorder())
     if dist.is_initialized():
         dist.destroy_process_group()

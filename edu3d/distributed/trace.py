@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -47,27 +47,75 @@ class Flight:
     """A flight recorder: this rank's current operation, in a small file others can read.
 
     When a run hangs, the launcher reads every rank's file and reports what each one was
-    doing (``rank 0 waits in all_reduce(dp) at step 3``). The file is a fixed-size memory
-    map, so noting an operation costs a memory copy, not a system call."""
+    doing (``rank 0 waits in all_reduce(dp) at step 3``). Each note rewrites the record
+    (``n`` counts the notes), and a thread of the rank rewrites it :data:`BEAT_S` times a
+    second with the time (``beat``). So the record **beats**: a rank that waits in a
+    collective, sleeps or computes keeps beating; one that stopped (``kill -STOP``) or is
+    stuck where no thread of it can run falls silent. That is how the launcher's heartbeat
+    tells them apart (:mod:`edu3d.launch.heartbeat`).
+
+    The file is rewritten in place with ``pwrite`` (a copy into the page cache, a few
+    microseconds), never through a memory map: a process that shrinks a mapped file
+    (``truncate -s 0``) turns the next store into the map into a SIGBUS that kills the rank;
+    a ``pwrite`` only makes the file whole again."""
 
     SIZE = 512
+    BEAT_S = 0.25
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb+") as f:
-            f.truncate(self.SIZE)
-            self._map = mmap.mmap(f.fileno(), self.SIZE)
-        self.state = None
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:  # a fresh file of our own, over whatever another process put at its name
+            tmp.unlink(missing_ok=True)
+            self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.replace(tmp, path)
+        except OSError:  # (a folder there): no record, as on a rank outside any run folder
+            self._fd = -1
+        self.state, self.notes, self._record = None, 0, None
+        self._beat: float | None = round(time.time(), 3)
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._beating, name="edu3d-flight", daemon=True)
+        self._thread.start()
 
     def note(self, state: str, ev: dict) -> None:
         """``state``: ``"in"`` (entered, not finished), ``"done"`` or ``"failed"``; ``t`` is
-        the wall-clock time of the note (the launcher's heartbeat watches it change)."""
+        the wall-clock time of the note, ``n`` its number (the launcher's heartbeat watches
+        it change)."""
         self.state = state
+        self.notes += 1
         keep = {k: ev[k] for k in ("op", "lane", "group", "step", "mb", "stage") if k in ev}
-        keep["t"] = round(time.time(), 3)
-        data = json.dumps({"state": state, **keep}).encode()[: self.SIZE]
-        self._map[:] = data.ljust(self.SIZE)
+        self._record = {"n": self.notes, "state": state, **keep, "t": round(time.time(), 3)}
+        self._write()
+
+    def _write(self) -> None:
+        with self._lock:  # the latest record, whoever writes it (note or beat)
+            if self._record is None or self._fd < 0:
+                return
+            beat = {} if self._beat is None else {"beat": self._beat}
+            data = json.dumps({**self._record, **beat}).encode()[: self.SIZE]
+            try:
+                os.pwrite(self._fd, data.ljust(self.SIZE), 0)
+            except OSError:  # a full disk: the record goes stale, the rank trains on
+                pass
+
+    def _beating(self) -> None:
+        while not self._stop.wait(self.BEAT_S):
+            self._beat = round(time.time(), 3)
+            self._write()
+
+    def close(self) -> None:
+        """Stop beating, write the last record without a beat (silence is then no sign of a
+        stop), close the file (a warm rank's next job has a flight recorder of its own)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        self._beat = None
+        self._write()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class Recorder:
@@ -221,6 +269,12 @@ class Recorder:
         if self._file is not None:
             self._file.flush()
 
+    def close(self) -> None:
+        """:meth:`flush`, then stop the flight recorder's thread (a recorder retired)."""
+        self.flush()
+        if self.flight is not None:
+            self.flight.close()
+
 
 class NullRecorder(Recorder):
     """Records nothing; used when no run folder is active, so instrumentation costs ~nothing."""
@@ -244,6 +298,9 @@ class NullRecorder(Recorder):
         yield {}
 
     def flush(self):
+        pass
+
+    def close(self):
         pass
 
 

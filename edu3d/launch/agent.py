@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from edu3d.launch import procs, runs
+from edu3d.launch import rank_files as files
 from edu3d.launch.worker import write_atomic
 
 __all__ = ["bind_stores_to_loopback", "SharedFailures", "main"]
@@ -179,22 +180,31 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None,
 
 
 FAILURES = "edu3d/failures"  # in the store the nodes share: how many failures were published
+MESSAGE = {"node": int, "rank": int, "kind": str, "text": str}  # one published failure
 
 
 class SharedFailures:
     """Tell the other nodes about the failures caused on this node, and write theirs into
     ``run_dir`` as their node wrote them (``errors/rank{R}.json`` or ``exits/rank{R}.json``),
     from a thread that looks every ``every_s``. ``store``: a store every node's agent reaches
-    (the one the ranks meet in). Only causes travel (:func:`edu3d.launch.runs.failures`): a
-    rank that lost its connection, or one its agent stopped, is a consequence on any node.
-    :meth:`publish` publishes at once (the agent calls it when it wrote a death down: the
-    launcher soon kills this agent, and the others must learn of it before); :meth:`close`
-    stops the thread before the agent exits (a thread left inside a store call when the
-    process ends aborts it: "terminate called without an active exception")."""
+    (the one the ranks meet in); ``nodes``: how many there are. Only causes travel
+    (:func:`edu3d.launch.runs.failures`): a rank that lost its connection, or one its agent
+    stopped, is a consequence on any node. :meth:`publish` publishes at once (the agent
+    calls it when it wrote a death down: the launcher soon kills this agent, and the others
+    must learn of it before); :meth:`close` stops the thread before the agent exits (a
+    thread left inside a store call when the process ends aborts it: "terminate called
+    without an active exception").
 
-    def __init__(self, run_dir: Path, store, node: int, every_s: float = 0.05):
-        self.run_dir, self.store, self.node = run_dir, store, node
+    Each node counts the failures it received; once all ``nodes - 1`` others have one of
+    this node's, ``shared/rank{R}`` says so: the launcher waits for it before it kills this
+    agent over a hang it named (:func:`edu3d.launch.procs.tell_the_nodes`). The folder
+    ``shared/`` itself says that failures are shared at all."""
+
+    def __init__(self, run_dir: Path, store, node: int, every_s: float = 0.05, nodes: int = 2):
+        self.run_dir, self.store, self.node, self.nodes = run_dir, store, node, nodes
         self.lock, self.known, self.seen = threading.Lock(), set(), 0  # ranks sent or received
+        self.sent: dict[int, int] = {}  # rank -> its message's number, until all have it
+        (run_dir / "shared").mkdir(parents=True, exist_ok=True)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, args=(every_s,), name="edu3d-nodes",
                                        daemon=True)
@@ -206,15 +216,20 @@ class SharedFailures:
                 rank = cause["rank"]
                 erred = (self.run_dir / "errors" / f"rank{rank}.json").exists()
                 kind = "errors" if erred else "exits"
-                try:
-                    text = (self.run_dir / kind / f"rank{rank}.json").read_text()
-                except OSError:
+                data = files.read_small(self.run_dir / kind / f"rank{rank}.json")
+                if data is None:
                     continue
+                text = data.decode(errors="replace")
                 if rank not in self.known:
                     self.known.add(rank)
                     n = self.store.add(FAILURES, 1)
                     self.store.set(f"{FAILURES}/{n}", json.dumps(
                         {"node": self.node, "rank": rank, "kind": kind, "text": text}))
+                    self.sent[rank] = n
+            for rank, n in list(self.sent.items()):
+                if self.store.add(f"{FAILURES}/{n}/got", 0) >= self.nodes - 1:
+                    write_atomic(self.run_dir / "shared" / f"rank{rank}", "")
+                    del self.sent[rank]
 
     def receive(self) -> None:
         with self.lock:
@@ -223,9 +238,12 @@ class SharedFailures:
                 if not self.store.check([key]):
                     return  # counted but not yet written: next time
                 self.seen += 1
-                msg = json.loads(self.store.get(key))
+                msg = files.parse(self.store.get(key), MESSAGE, tuple(MESSAGE))
+                if msg is None or msg["node"] == self.node or msg["kind"] not in ("errors", "exits"):
+                    continue  # its own, or not a message of an agent
+                self.store.add(f"{key}/got", 1)
                 path = self.run_dir / msg["kind"] / f"rank{msg['rank']}.json"
-                if msg["node"] != self.node and msg["rank"] not in self.known and not path.exists():
+                if msg["rank"] >= 0 and msg["rank"] not in self.known and not path.exists():
                     self.known.add(msg["rank"])
                     write_atomic(path, msg["text"])
 
@@ -259,7 +277,8 @@ def _share_failures_after_rendezvous(run_dir: Path, started: list) -> None:
                                    is_master=False, timeout=timedelta(seconds=5))
             scope = f"edu3d/{worker_group.spec.rdzv_handler.get_run_id()}/"
             started.append(SharedFailures(run_dir, dist.PrefixStore(scope, client),
-                                          worker_group.group_rank))
+                                          worker_group.group_rank,
+                                          nodes=worker_group.group_world_size))
 
     server.SimpleElasticAgent._rendezvous = sharing
 

@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 
 from edu3d.distributed.runtime import loopback_ifname
 from edu3d.launch import heartbeat as hb
-from edu3d.launch import procs, runs, supervise
+from edu3d.launch import cores, procs, runs, supervise
 # the errors and the result a run ends with, and the process helpers, live in edu3d.launch.procs
 # (shared with the warm pool); they are part of this module's API too
 from edu3d.launch.procs import (LaunchError, LaunchTimeout, RankError, RankHung, RunResult,
@@ -58,7 +58,7 @@ from edu3d.launch.worker import write_atomic
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "RankHung", "RunResult",
            "RunsError", "child_environment", "kill_run", "new_run_dir", "torchrun_command",
-           "NODE_OPTIONS", "node_args", "loopback_only"]
+           "NODE_OPTIONS", "node_args", "loopback_only", "check_launch"]
 
 # torchrun's multi-node options, as keyword names (edu3d run and edu3d train take them all)
 NODE_OPTIONS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf",
@@ -71,7 +71,8 @@ def node_args(world_size: int | None = None, **given) -> list[str]:
     ``node_args(nnodes=2, rdzv_endpoint="127.0.0.1:29400")`` is ``["--nnodes=2",
     "--rdzv-endpoint=127.0.0.1:29400"]``; ``[]`` for one node with nothing else said.
     Raises ``ValueError`` (one line) for a node rank outside the nodes, a port outside
-    1..65535, or a ``world_size`` the nodes cannot share evenly."""
+    1..65535 (``--master-port``, or an endpoint's ``HOST:PORT``), or a ``world_size`` the
+    nodes cannot share evenly."""
     unknown = sorted(set(given) - set(NODE_OPTIONS))
     if unknown:
         raise TypeError(f"unknown node option(s) {', '.join(unknown)}; they are "
@@ -85,12 +86,37 @@ def node_args(world_size: int | None = None, **given) -> list[str]:
                          f"0..{nnodes - 1}")
     if port is not None and not 1 <= int(port) <= 65535:
         raise ValueError(f"--master-port {port}: must be a port number 1..65535")
+    if given.get("rdzv_endpoint") is not None:
+        try:
+            endpoint(given["rdzv_endpoint"])
+        except ValueError as err:
+            raise ValueError(f"--rdzv-endpoint {err}") from None
     if world_size is not None and world_size % nnodes:
         raise ValueError(f"{world_size} ranks cannot be shared evenly by --nnodes {nnodes}: "
                          f"choose a number of nodes that divides {world_size}")
     if nnodes == 1 and all(given.get(k) is None for k in NODE_OPTIONS if k != "nnodes"):
         return []
     return [f"--{k.replace('_', '-')}={given[k]}" for k in NODE_OPTIONS if given.get(k) is not None]
+
+
+def endpoint(text: str) -> str:
+    """``text`` if it is ``HOST`` or ``HOST:PORT`` with a port 1..65535, else ``ValueError``
+    (refused before launch: torchrun would take it, then fail with no rank to blame)."""
+    host, colon, port = str(text).rpartition(":")
+    if colon and not (host.strip("[]") and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{text}: must be HOST or HOST:PORT with a port number 1..65535 "
+                         "(e.g. 127.0.0.1:29400)")
+    return text
+
+
+def check_launch(ranks: int, heartbeat: float | None = None, oversubscribe: bool = False,
+                 on_gpus: bool = False) -> None:
+    """What a command checks before it starts ``ranks`` on this node (``ValueError``, one
+    line, before any process): that the cores hold them (:func:`edu3d.launch.cores.check_ranks`,
+    ``oversubscribe`` to insist; ``on_gpus``: each has a GPU) and that the ``heartbeat`` is
+    shorter than the collective timeout (:func:`edu3d.launch.heartbeat.check_seconds`)."""
+    cores.check_ranks(ranks, oversubscribe, on_gpus)
+    hb.check_seconds(heartbeat)
 
 
 def _is_loopback(host: str) -> bool:
@@ -185,22 +211,17 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}")
+    nnodes = next((int(a.split("=", 1)[1]) for a in torchrun_args
+                   if a.startswith("--nnodes=") and a.split("=", 1)[1].isdigit()), 1)
     if layout is not None:
-        nnodes = next((int(a.split("=", 1)[1]) for a in torchrun_args
-                       if a.startswith("--nnodes=") and a.split("=", 1)[1].isdigit()), 1)
         layout.validate(world_size=nprocs * nnodes)
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be positive seconds, not {timeout!r}")
-    collective_s = float({**os.environ, **(env or {})}.get("EDU3D_TIMEOUT") or 60.0)
-    if heartbeat is None:
-        heartbeat = hb.default_seconds({"EDU3D_TIMEOUT": collective_s})
-    if not isinstance(heartbeat, (int, float)) or heartbeat < 0:
-        raise LaunchError(f"heartbeat must be seconds >= 0 (0: off), not {heartbeat!r}")
-    if heartbeat >= collective_s:
-        raise LaunchError(
-            f"heartbeat {heartbeat:g} s must be shorter than the collective timeout "
-            f"{collective_s:g} s (EDU3D_TIMEOUT): otherwise a rank waiting for the hung one "
-            "times out first and is blamed instead")
+    try:
+        heartbeat = hb.check_seconds(heartbeat, {**os.environ, **(env or {})})
+        deadlock_s = hb.deadlock_seconds(heartbeat, nnodes, {**os.environ, **(env or {})})
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
     label = name or (getattr(target, "__name__", None) or Path(os.fspath(target)).stem)
     run_dir = Path(run_dir).resolve() if run_dir else new_run_dir(label, create=False)
     worker_argv, payload = _worker_args(target, module, args, kwargs, layout, init, run_dir)
@@ -255,7 +276,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
             proc, pipes = procs.start(cmd, child_env)
             result = supervise.watch(proc, pipes, run_dir, nprocs, lambda: kill_run(proc, run_dir),
                                      timeout=timeout, echo=echo, on_poll=poll,
-                                     heartbeat=heartbeat)
+                                     heartbeat=heartbeat, deadlock_s=deadlock_s)
     except KeyboardInterrupt:
         if status is not None:
             status.failed(f"interrupted: all {nprocs} ranks were killed")

@@ -8,8 +8,10 @@ ranks nothing when nobody watches:
   its run folder (:mod:`edu3d.train.publish`): its coordinates, the step it reached, the mean
   step time and tokens/s since its last record, the milliseconds per step it spent in each
   group's collectives (from the trace), and its memory (CUDA's allocator on a GPU, the
-  tensors it holds on a CPU). Each record overwrites the last in a memory map behind a
-  sequence lock, so a reader never takes half a record (:class:`StatusFile`);
+  tensors it holds on a CPU). Each record overwrites the last in place behind a sequence
+  lock, so a reader never takes half a record (:class:`StatusFile`), and a reader keeps only
+  a record of the right shape (:data:`edu3d.launch.rank_files.STATUS`): whatever else is
+  written there, by a watcher or any other process, shows as no record and crashes nothing;
 * a rank publishes **only while someone watches**: a watcher touches ``status/watching`` at
   every refresh (:func:`touch_watch`); a rank looks at that file's age at most every
   :data:`PUBLISH_S` seconds, one ``stat`` and no write while it is absent or stale. Whatever
@@ -30,15 +32,16 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
 
 from edu3d.launch import procs, runs
+from edu3d.launch import rank_files as files
 
 PUBLISH_S = 0.25  # a rank looks for a watcher (and publishes) at most this often
 REFRESH_S = 0.5  # a watcher reads the records this often
@@ -46,6 +49,7 @@ WATCH_S = 5.0  # a watch file older than this means nobody watches any more
 STALE_S = 2.0  # a record older than this: show what the flight record says instead
 AXES = ("dp", "cp", "dpcp", "tp", "pp", "ep", "edp", "world")  # column order of the shares
 MIB = 2 ** 20
+MAX_RANKS = 1 << 14  # the most rows a run folder may ask for (its command.json is anyone's)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # an escape sequence takes no column
 
 
@@ -59,10 +63,14 @@ def watch_file(run_dir: Path) -> Path:
 
 
 def touch_watch(run_dir: Path) -> None:
-    """Say "someone watches" to the ranks of ``run_dir`` for the next :data:`WATCH_S`."""
+    """Say "someone watches" to the ranks of ``run_dir`` for the next :data:`WATCH_S` (if the
+    folder lets us: watching is no reason to fail)."""
     path = watch_file(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        pass
 
 
 def watched(run_dir: Path) -> bool:
@@ -74,49 +82,69 @@ def watched(run_dir: Path) -> bool:
 
 
 class StatusFile:
-    """One rank's status record, rewritten in place: a fixed-size memory map (as the flight
-    record, :class:`edu3d.distributed.trace.Flight`), so a record costs a memory copy, not a
-    file system's rename (which on ext4 waits for the data to reach the disk: milliseconds).
+    """One rank's status record, rewritten in place with ``pwrite`` (as the flight record,
+    :class:`edu3d.distributed.trace.Flight`), so a record costs a copy into the page cache,
+    not a file system's rename (which on ext4 waits for the data to reach the disk:
+    milliseconds). Not through a memory map: another process that shrinks the file
+    (``truncate -s 0``) would kill the rank with SIGBUS at its next record.
 
     A reader must never take half of one record and half of the next for a record. The
-    header is a **sequence lock**: the writer makes the counter odd, copies the record, makes
+    header is a **sequence lock**: the writer makes the counter odd, writes the record, makes
     it even again; a reader keeps what it read only if the counter was even and unchanged
     around its read (:func:`read_status`). Layout: counter (8 bytes), length (4), JSON."""
 
     SIZE = 4096
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb+") as f:
-            f.truncate(self.SIZE)
-            self._map = mmap.mmap(f.fileno(), self.SIZE)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:  # a file of our own, over whatever another process put at its name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.unlink(missing_ok=True)
+            self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.replace(tmp, path)
+        except OSError:  # (a folder there): no records; a monitor is no reason to fail
+            self._fd = -1
         self.seq = 0
 
     def write(self, record: dict) -> None:
         data = json.dumps(record).encode()[: self.SIZE - 12]
-        self.seq += 1  # odd: a write is under way
-        self._map[0:8] = self.seq.to_bytes(8, "little")
-        self._map[8:12 + len(data)] = len(data).to_bytes(4, "little") + data
-        self.seq += 1  # even: the record is whole
-        self._map[0:8] = self.seq.to_bytes(8, "little")
+        if self._fd < 0:
+            return
+        self.seq += 2
+        try:
+            os.pwrite(self._fd, (self.seq - 1).to_bytes(8, "little"), 0)  # odd: under way
+            os.pwrite(self._fd, len(data).to_bytes(4, "little") + data, 8)
+            os.pwrite(self._fd, self.seq.to_bytes(8, "little"), 0)  # even: the record is whole
+        except OSError:  # a full disk: the monitor shows the last record
+            pass
 
     def close(self) -> None:
-        self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
-def read_status(path: Path, tries: int = 3) -> dict | None:
-    """The record in a :class:`StatusFile`, or None (none yet, or a write kept racing us)."""
+def read_status(path: Path, shape: dict | None = None, tries: int = 3) -> dict | None:
+    """The record in a :class:`StatusFile`, or None: none yet, a write kept racing us, or
+    not a JSON object (of ``shape`` if given, :data:`edu3d.launch.rank_files.STATUS`)."""
     try:
-        with open(path, "rb") as f:
-            for _ in range(tries):
-                raw = os.pread(f.fileno(), StatusFile.SIZE, 0)
-                again = os.pread(f.fileno(), 8, 0)
-                seq = int.from_bytes(raw[:8], "little")
-                if seq % 2 == 0 and raw[:8] == again:
-                    size = int.from_bytes(raw[8:12], "little")
-                    return json.loads(raw[12:12 + size]) if size else None
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        for _ in range(tries):
+            raw = os.pread(fd, StatusFile.SIZE, 0)
+            again = os.pread(fd, 8, 0)
+            seq = int.from_bytes(raw[:8], "little")
+            if len(raw) >= 12 and seq % 2 == 0 and raw[:8] == again:
+                size = int.from_bytes(raw[8:12], "little")
+                return files.parse(raw[12:12 + size], shape, ("rank", "t") if shape else ())
+    except OSError:
         pass
+    finally:
+        os.close(fd)
     return None
 
 
@@ -124,13 +152,12 @@ def ranks_of(run_dir: Path) -> int:
     """How many ranks the run has: ``command.json``'s count, else the highest rank that left
     a status, flight or pid file, plus one."""
     run_dir = Path(run_dir)
-    try:
-        return int(json.loads((run_dir / "command.json").read_text())["nprocs"])
-    except (OSError, ValueError, KeyError):
-        pass
+    nprocs = runs.command(run_dir).get("nprocs")
+    if nprocs is not None and 0 < nprocs <= MAX_RANKS:
+        return nprocs
     seen = [int(p.stem.split(".")[0][4:]) for sub in ("status", "flight", "pids")
             for p in (run_dir / sub).glob("rank*") if p.stem.split(".")[0][4:].isdigit()]
-    return max(seen) + 1 if seen else 0
+    return min(max(seen) + 1, MAX_RANKS) if seen else 0
 
 
 def finished(run_dir: Path, nprocs: int) -> bool:
@@ -158,16 +185,16 @@ def read(run_dir: Path, nprocs: int | None = None) -> list[dict]:
     failed = {p.stem for p in (run_dir / "errors").glob("rank*.json")}
     out = []
     for r in range(nprocs):
-        rec = read_status(status_file(run_dir, r))
-        if rec is None:
+        rec = read_status(status_file(run_dir, r), files.STATUS)
+        if rec is None or rec["rank"] != r:
             continue
-        rec["age_s"] = max(time.time() - rec.get("t", time.time()), 0.0)
+        rec["age_s"] = max(time.time() - rec["t"], 0.0)
         if f"rank{r}" in failed:
             rec["state"] = "failed"
         elif rec.get("done"):
             rec["state"] = "done"
         elif rec["age_s"] > STALE_S:
-            rec["state"] = runs.describe(runs.read_flight(run_dir, r)[1])
+            rec["state"] = runs.describe(runs.read_flight(run_dir, r))
         else:
             rec["state"] = "running"
         out.append(rec)
@@ -200,7 +227,7 @@ def axes(records: list[dict]) -> list[str]:
 
 def memory_text(rec: dict) -> str:
     mem = rec.get("memory") or {}
-    if mem.get("kind") == "cuda":
+    if mem.get("kind") == "cuda" and "allocated" in mem and "reserved" in mem:
         return f"{mem['allocated'] / MIB:.0f}/{mem['reserved'] / MIB:.0f}"
     return "-" if mem.get("bytes") is None else f"{mem['bytes'] / MIB:.2f}"
 

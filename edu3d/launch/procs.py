@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from edu3d.distributed import trace
 from edu3d.distributed.runtime import loopback_ifname
 from edu3d.launch import runs
-from edu3d.launch.worker import PREFIX_FMT, alive
+from edu3d.launch.worker import PREFIX_FMT, alive, write_atomic
 
 # torchrun options that mean "the user is setting up rendezvous themselves" (multi-node)
 _MULTINODE = ("--nnodes", "--node-rank", "--node_rank", "--rdzv", "--master-addr",
@@ -179,10 +179,7 @@ def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> Non
     the run's before it is signalled: pids recycle), then torchrun: at once when every rank
     had started (its orderly shutdown takes seconds and has nothing left to stop), else
     politely, so that it stops the ranks that had not yet written their pid file."""
-    try:
-        nprocs = json.loads((run_dir / "command.json").read_text())["nprocs"]
-    except (OSError, ValueError, KeyError):
-        nprocs = None
+    nprocs = runs.command(run_dir).get("nprocs")
     all_started = nprocs is not None and len(runs.pid_files(run_dir)) >= nprocs
     runs.signal_ranks(run_dir)
     if proc.poll() is None and not all_started:
@@ -241,9 +238,7 @@ def root_cause(output: list) -> tuple[int, str]:
     if not m:
         return -1, "torchrun exited with an error and no rank reported one"
     rank, code = int(m.group(1)), int(m.group(2))
-    reason = (f"killed by signal {signal.Signals(-code).name}" if code < 0 else
-              f"exited with code {code}")
-    return rank, reason
+    return rank, runs.how({"signal": -code} if code < 0 else {"code": code})
 
 
 def stack_of(run_dir: Path, rank: int, wait_s: float = 1.5) -> str:
@@ -299,8 +294,11 @@ def in_kernel() -> bool:
 
 # ---- the errors a run ends with ------------------------------------------------------------
 def hung_error(run_dir: Path, hung: dict, kill: Callable[[], None]) -> RankHung:
-    """Ask the hung rank for its stack, kill every process, and say who hung."""
-    stack = stack_of(run_dir, hung["rank"])
+    """Ask the hung rank for its stack (unless it is stopped: it cannot answer), write the
+    verdict as its error (with several nodes, the others learn it from there:
+    :func:`tell_the_nodes`), kill every process, and say who hung."""
+    stack = stack_of(run_dir, hung["rank"]) if hung.get("stack", True) else ""
+    tell_the_nodes(run_dir, hung["rank"], "RankHung", hung["message"])
     kill()
     return RankHung(hung["rank"], hung["message"] + "; every process was killed",
                     stack and f"Python stack of rank {hung['rank']} when it was "
@@ -308,10 +306,24 @@ def hung_error(run_dir: Path, hung: dict, kill: Callable[[], None]) -> RankHung:
                     run_dir, hung["ranks"])
 
 
+def tell_the_nodes(run_dir: Path, rank: int, kind: str, message: str, wait_s: float = 5.0) -> None:
+    """Write the launcher's verdict on ``rank`` as its error (``errors/rank{R}.json``, as the
+    rank itself would), and, when the run spans several nodes (its agent made ``shared/``),
+    wait until every other node has it (``shared/rank{R}``, :class:`edu3d.launch.agent.
+    SharedFailures`): the kill that follows also ends this node's agent, the messenger."""
+    if not (run_dir / "errors" / f"rank{rank}.json").exists():
+        write_atomic(run_dir / "errors" / f"rank{rank}.json", json.dumps(
+            {"rank": rank, "type": kind, "message": message, "time_ns": time.time_ns()}))
+    deadline = time.monotonic() + wait_s
+    while (run_dir / "shared").is_dir() and not (run_dir / "shared" / f"rank{rank}").exists() \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def timeout_error(run_dir: Path, nprocs: int, timeout: float,
                    kill: Callable[[], None]) -> LaunchTimeout:
     done = {p.name for p in (run_dir / "done").glob("rank*")}
-    pending = [r for r in range(nprocs) if f"rank{r}" not in done]
+    pending = [r for r in runs.ranks_here(run_dir, nprocs) if f"rank{r}" not in done]
     report = runs.flight_report(run_dir, nprocs)
     kill()
     return LaunchTimeout(
@@ -320,12 +332,18 @@ def timeout_error(run_dir: Path, nprocs: int, timeout: float,
         f"when it was stopped: {report}")
 
 
-def rank_error(run_dir: Path, nprocs: int, failure: dict | None, output: list) -> RankError:
+def rank_error(run_dir: Path, nprocs: int, failure: dict | None,
+               output: list) -> RankError | LaunchError:
     """The error of the first failing rank (from its error file, its recorded exit, or
-    torchrun's report), with its traceback or its last lines."""
+    torchrun's report), with its traceback or its last lines; a :class:`LaunchError` with
+    torchrun's last lines when no rank is to blame."""
     failure = failure or first_failure(run_dir, settle_s=0.0)
     if failure is None:
         rank, reason = root_cause(output)
+        if rank < 0:  # no rank to blame: torchrun itself failed (a rendezvous, a port)
+            said = [text for r, _, text in output if r is None and text.strip()][-12:]
+            return LaunchError(f"{reason}; torchrun's last lines:\n" + "\n".join(said)
+                               if said else reason)
         failure = {"rank": rank, "message": reason}
     rank, message = failure["rank"], failure["message"]
     tail = failure.get("traceback") or "\n".join(

@@ -5,23 +5,29 @@ After reading this file you should understand what a run folder holds and its li
 * each run gets a fresh folder under ``$EDU3D_RUNS`` (default ``./runs``), named
   ``YYYYmmdd-HHMMSS-<name>-<id>``: ``command.json``, the ranks' ``pids/``, ``errors/``,
   ``exits/``, ``done/`` markers, ``flight/`` (what each rank is doing now),
-  ``trace-rank{R}.jsonl`` and ``results/``;
+  ``trace-rank{R}.jsonl`` and ``results/`` (and ``shared/``, with several nodes: which
+  failures the other nodes have);
 * the files that describe *a* run's state (pids, errors, exits, done, flight) are cleared when
   a folder is reused, so a new run is never judged by an old run's error;
 * only the newest ``$EDU3D_KEEP_RUNS`` folders (default 50) are kept; ``edu3d runs list`` and
   ``edu3d runs clean`` show and remove them by hand. A run folder is one edu3d created: it
   holds the marker :data:`MARKER`, written when the folder is made. A folder that merely holds
-  a ``command.json`` is never listed, pruned or removed;
+  a ``command.json`` is never listed, pruned or removed, and neither is the folder of a run
+  that is still running (:func:`live`), whatever its age;
 * the launcher trusts what it reads there (``results/*.pkl`` are unpickled), so the runs
   folder must be the user's own and not writable by every user (unless it has the sticky
-  bit, as ``/tmp``): anything else is refused in one line (:func:`check_private`).
+  bit, as ``/tmp``): anything else is refused in one line (:func:`check_private`);
+* the records there (pids, errors, exits, flight) are read as anyone's, bounded and checked
+  against their shape (:mod:`edu3d.launch.rank_files`): a watcher's or a careless script's
+  writes there are no record, and crash nothing;
+* with several nodes a node's folder holds only its own ranks' records, one block of global
+  ranks (:func:`ranks_here`).
 
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -32,10 +38,12 @@ import time
 import uuid
 from pathlib import Path
 
+from edu3d.launch import rank_files as files
+
 DEFAULT_KEEP = 50
 MARKER = ".edu3d-run"  # written into every run folder edu3d creates, and only there
 # per-run state: stale copies from an earlier run in the same folder would mislead the launcher
-STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results", "stacks")
+STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results", "stacks", "shared")
 
 
 class RunsError(RuntimeError):
@@ -139,7 +147,7 @@ def list_runs(root: Path | None = None) -> list[Path]:
     found = []
     for p in root.iterdir():
         try:  # another process may prune a folder between listing and reading it
-            if p.is_symlink() or not (p / MARKER).is_file():
+            if not is_run_folder(p):
                 continue
             stamp = p / "command.json" if (p / "command.json").exists() else p / MARKER
             found.append((stamp.stat().st_mtime, p.name, p))
@@ -148,12 +156,47 @@ def list_runs(root: Path | None = None) -> list[Path]:
     return [p for _, _, p in sorted(found)]
 
 
+def is_run_folder(path: Path) -> bool:
+    """True for a folder edu3d made (it holds :data:`MARKER`), never a link: the only kind
+    edu3d lists, prunes, removes, or writes into when it did not start the run."""
+    return not path.is_symlink() and (path / MARKER).is_file()
+
+
+def live(paths: list[Path]) -> set[Path]:
+    """The run folders among ``paths`` that a running process still uses: one named by a
+    process's environment (``EDU3D_RUN_DIR``: torchrun's agent and the ranks of a fresh
+    launch), or one whose pid files name a rank that is the run's (:func:`belongs_to`) and has
+    not written its ``done/`` marker (a warm pool's ranks outlive their jobs). The launching
+    process carries neither: in the moments before torchrun starts and after it has ended
+    (reading the results) a run's folder is not seen as live."""
+    if not paths:
+        return set()
+    used = set()
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        used |= {v[len(b"EDU3D_RUN_DIR="):] for v in env if v.startswith(b"EDU3D_RUN_DIR=")}
+    out = set()
+    for path in paths:
+        rid = run_id(path)
+        if os.fsencode(str(path.resolve())) in used or any(
+                not (path / "done" / f"rank{rank}").exists() and belongs_to(pid, rid)
+                for rank, pid in pid_files(path).items()):
+            out.add(path)
+    return out
+
+
 def prune(keep: int, root: Path | None = None, protect: Path | None = None) -> list[Path]:
-    """Remove all but the newest ``keep`` run folders (0 keeps all); returns what was removed."""
+    """Remove all but the newest ``keep`` run folders (0 keeps all), never a :func:`live`
+    one; returns what was removed."""
     if keep <= 0:
         return []
     runs = [p for p in list_runs(root) if protect is None or p.resolve() != protect.resolve()]
     doomed = runs[:max(len(runs) - (keep - (protect is not None)), 0)]
+    running = live(doomed)
+    doomed = [p for p in doomed if p not in running]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
@@ -165,17 +208,28 @@ def pid_files(run_dir: Path) -> dict[int, int]:
     pids = {}
     for f in (run_dir / "pids").glob("rank*.pid"):
         try:
-            pids[int(f.stem[4:])] = int(f.read_text())
-        except (OSError, ValueError):
+            pids[int(f.stem[4:])] = int(files.read_small(f, 32) or b"")
+        except ValueError:
             pass
     return pids
 
 
+def ranks_here(run_dir: Path, nprocs: int) -> list[int]:
+    """The global ranks of this node's ``nprocs``: ``0..nprocs-1`` on one node; with several
+    nodes, the block of ``nprocs`` that holds the ranks whose pid files are here (torchrun
+    numbers a node's ranks in one block, ``node * nprocs + local rank``)."""
+    pids = pid_files(run_dir)
+    first = min(pids) // nprocs * nprocs if pids and nprocs > 0 else 0
+    return list(range(first, first + nprocs))
+
+
+def command(run_dir: Path) -> dict:
+    """``command.json``'s ``nprocs`` and ``run_id``, those that are well formed."""
+    return files.read_record(run_dir / "command.json", files.COMMAND) or {}
+
+
 def run_id(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "command.json").read_text()).get("run_id")
-    except (OSError, ValueError):
-        return None
+    return command(run_dir).get("run_id")
 
 
 def belongs_to(pid: int, rid: str | None) -> bool:
@@ -203,13 +257,13 @@ def signal_ranks(run_dir: Path, sig: int = signal.SIGKILL) -> None:
             pass
 
 
-def _read_all(folder: Path) -> list[dict]:
+def _read_all(folder: Path, shape: dict, required: tuple) -> list[dict]:
+    """The well-formed records of ``folder``'s ``rank{R}.json`` files, each of its own rank."""
     out = []
     for f in folder.glob("rank*.json"):
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            pass
+        rec = files.read_record(f, shape, ("rank", *required), 8 * files.SMALL)
+        if rec is not None and f.stem == f"rank{rec['rank']}" and rec["rank"] >= 0:
+            out.append(rec)
     return out
 
 
@@ -236,19 +290,17 @@ def failures(run_dir: Path) -> tuple[list[dict], list[dict]]:
     (SIGTERM after ``exits/teardown``) are not causes. A death is recorded by a thread of the
     agent and may be stamped a little after the agent noticed it (and began its teardown), so
     a SIGKILL or a crash always counts, whatever its time."""
-    errors = _read_all(run_dir / "errors")
+    errors = _read_all(run_dir / "errors", files.ERROR, ("type", "message", "time_ns"))
     erred = {e["rank"] for e in errors}
-    try:
-        teardown = json.loads((run_dir / "exits" / "teardown").read_text())["time_ns"]
-    except (OSError, ValueError, KeyError):
-        teardown = None
+    teardown = (files.read_record(run_dir / "exits" / "teardown", {"time_ns": int},
+                                  ("time_ns",)) or {}).get("time_ns")
     causes, consequences = [], []
     for e in errors:
         e = {**e, "message": f"{e['type']}: {e['message']}"}
         lost = _PEER_LOST.search(e["message"]) or _PEER_LOST.search(e.get("traceback", ""))
         (consequences if lost else causes).append(e)
-    for x in _read_all(run_dir / "exits"):
-        if x["rank"] in erred or x.get("code") == 0:
+    for x in _read_all(run_dir / "exits", files.EXIT, ("time_ns",)):
+        if x["rank"] in erred or x.get("code") == 0 or ("code" not in x and "signal" not in x):
             continue
         if teardown is not None and x["time_ns"] >= teardown and x.get("signal") == signal.SIGTERM:
             continue  # torchrun stops the others with SIGTERM (SIGKILL only 30 s later)
@@ -268,19 +320,36 @@ def describe(rec: dict | None) -> str:
     return f"{verb} {what}{' at' + where if where else ''}"
 
 
-def read_flight(run_dir: Path, rank: int) -> tuple[bytes, dict | None]:
-    """The raw bytes of a rank's flight record and the record (None before its first note)."""
-    try:
-        raw = (run_dir / "flight" / f"rank{rank}.json").read_bytes().strip(b" \0")
-        return raw, json.loads(raw) if raw else None
-    except (OSError, ValueError):
-        return b"", None
+def read_flight(run_dir: Path, rank: int) -> dict | None:
+    """A rank's flight record (:class:`edu3d.distributed.trace.Flight`), or None before its
+    first note (or when the file holds anything but such a record)."""
+    data = files.read_small(run_dir / "flight" / f"rank{rank}.json", 4096)
+    return files.parse((data or b"").strip(b" \0"), files.FLIGHT, ("state", "op"))
+
+
+SILENT_S = 2.0  # a flight record that beat longer ago than this: its rank is stopped or stuck
+
+
+def silent_for(rec: dict | None, now: float | None = None) -> float | None:
+    """Seconds since the rank's flight record last beat, when that is over :data:`SILENT_S`
+    (a rank beats four times a second while its recorder is open); else None."""
+    if rec is None or "beat" not in rec:
+        return None
+    quiet = (time.time() if now is None else now) - rec["beat"]
+    return quiet if quiet > SILENT_S else None
 
 
 def flight_report(run_dir: Path, nprocs: int) -> str:
-    """What every rank was doing, from its flight record (:class:`edu3d.distributed.trace.Flight`):
-    ``rank 0 waits in all_reduce(dp) at step 3; rank 1 waits in broadcast(tp) at step 3``."""
-    return "; ".join(f"rank {r} {describe(read_flight(run_dir, r)[1])}" for r in range(nprocs))
+    """What every rank of this node was doing, from its flight record:
+    ``rank 0 waits in all_reduce(dp) at step 3; rank 1 waits in broadcast(tp) at step 3``,
+    and ``(silent for 12.0 s: stopped or stuck)`` after a rank that stopped beating."""
+    parts = []
+    for r in ranks_here(run_dir, nprocs):
+        rec = read_flight(run_dir, r)
+        quiet = silent_for(rec)
+        parts.append(f"rank {r} {describe(rec)}" + (
+            f" (silent for {quiet:.1f} s: stopped or stuck)" if quiet is not None else ""))
+    return "; ".join(parts)
 
 
 def size_bytes(path: Path) -> int:
@@ -306,6 +375,8 @@ def main(action: str, keep: int = 0) -> int:
             return 2
     found = list_runs()
     doomed = found[:max(len(found) - keep, 0)]
+    running = live(doomed)
+    doomed = [p for p in doomed if p not in running]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     others = [p for p in base().iterdir() if p.is_dir() and p not in found] \
@@ -313,4 +384,6 @@ def main(action: str, keep: int = 0) -> int:
     print(f"removed {len(doomed)} run folder(s) under {base().resolve()}, kept "
           f"{len(found) - len(doomed)}" + (f"; left alone {len(others)} folder(s) edu3d did "
                                            f"not make (no {MARKER})" if others else ""))
+    for path in sorted(running):
+        print(f"kept {path.name}: its run is still running (remove it when it has ended)")
     return 0

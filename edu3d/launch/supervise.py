@@ -87,9 +87,10 @@ def chatter(pipes: procs.Pipes) -> tuple[list, int]:
 def watch(proc: subprocess.Popen, pipes: procs.Pipes, run_dir: Path, nprocs: int,
           kill: Callable[[], None], *, timeout: float | None = None, echo=True,
           on_poll: Callable[[float, int], None] | None = None, heartbeat: float = 0.0,
-          job=None, block_s: float = 0.05) -> RunResult:
+          job=None, block_s: float = 0.05, deadlock_s: float | None = None) -> RunResult:
     """Wait for the ``nprocs`` ranks of the run in ``run_dir`` whose agent is ``proc`` (its
-    output read by ``pipes``), as the module's docstring says; ``job``: a job on a warm pool.
+    output read by ``pipes``), as the module's docstring says; ``job``: a job on a warm pool;
+    ``deadlock_s``: :class:`edu3d.launch.heartbeat.Watch`'s (several nodes wait longer).
     The result, or ``RankError``, ``RankHung`` or ``LaunchTimeout`` after ``kill()``; an
     interrupt or any other error also calls ``kill()`` first."""
     emit = procs.print_line if echo is True else (echo or (lambda *a: None))
@@ -119,7 +120,7 @@ def watch(proc: subprocess.Popen, pipes: procs.Pipes, run_dir: Path, nprocs: int
 
     start = time.monotonic()
     failure, finished, last_poll, last_beat = None, False, 0.0, 0.0
-    beats = hb.Watch(run_dir, nprocs, heartbeat) if heartbeat else None
+    beats = hb.Watch(run_dir, nprocs, heartbeat, deadlock_s) if heartbeat else None
     try:
         while True:
             closed += drain(block_s)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edu3d.model.config_schema import check_ranges, divisor_advice
 from edu3d.model.moe import MoE, active_params
 
 
@@ -55,34 +56,18 @@ class GPTConfig:
     router_dtype: str = "fp32"  # "fp32" or "fp64" (parity tests: near-ties do not flip)
 
     def __post_init__(self):
-        for name in ("n_layers", "n_heads", "d_model", "seq_len", "vocab_size", "vocab_pad"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        check_ranges(self)  # every field in its range before any arithmetic on it
         if self.d_model % self.n_heads:
-            ok = ", ".join(str(h) for h in range(1, self.d_model + 1) if self.d_model % h == 0)
             raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
-                             f"choose one of {ok}")
+                             f"choose one of {divisor_advice(self.d_model)}")
         self.check_moe()
 
     def check_moe(self) -> None:
-        """The mixture-of-experts fields, checked with a message that says what to change."""
-        for name in ("n_experts", "shared_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an integer >= 0")
-        for name in ("topk", "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        """The mixture-of-experts fields that ranges alone do not settle (those are in
+        :func:`~edu3d.model.config_schema.check_ranges`), with what to change."""
         if self.n_experts and self.topk > self.n_experts:
             raise ValueError(f"topk={self.topk} is more than n_experts={self.n_experts}: a "
                              f"token cannot pick more experts than there are")
-        if self.capacity_factor < 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be >= 0 "
-                             f"(0 means dropless)")
-        if self.aux_loss_coef < 0 or self.z_loss_coef < 0 or self.bias_rate < 0:
-            raise ValueError("aux_loss_coef, z_loss_coef and bias_rate must be >= 0")
         if self.balance not in ("aux", "bias"):
             raise ValueError(f"balance={self.balance!r}: choose 'aux' (the loss alone) or "
                              f"'bias' (DeepSeek-V3's selection bias)")

@@ -16,7 +16,8 @@ one (Megatron's ``finalize_model_grads``):
    rank's tokens, so their gradients are *partial*: summed over tp;
 3. **tied embeddings under pipelining**: the first stage's ``tok_emb.weight`` and the last
    stage's ``lm_head.weight`` are copies of one matrix, each with half of its gradient:
-   summed between the two stages (the "embed" group).
+   summed between the two stages (the "embed" group). Where one rank holds both stages (a
+   V schedule puts them on rank 0) they are one tensor, whose gradient already has both.
 
 Each is a sum, so their order does not change the result; Megatron finishes the dp
 reduction first, like this code, and with ZeRO the tp and embed sums then run on the slices.
@@ -70,7 +71,7 @@ class GradSync:
     def zero_grad(self) -> None:
         dps = [w for w in (self.par.dp, self.par.expert_dp) if w is not None]
         for w in dps:
-            w.zero_grad()
+            w.zero_grad(set_to_none=False)  # keep p.grad the bucket views: no copy
         if not dps:
             for p in self.params:
                 p.grad = None
@@ -106,7 +107,7 @@ class GradSync:
         if self.par.partial:
             self._sum_over([g for n, _, g in self.held() if n in self.par.partial],
                            self.mesh.group("tp"))
-        if self.par.tied is not None:
+        if self.par.tied is not None and not (self.par.is_first and self.par.is_last):
             self._sum_over([g for _, p, g in self.held() if p is self.par.tied],
                            self.mesh.group("embed"))
 

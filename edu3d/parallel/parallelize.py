@@ -48,12 +48,12 @@ from edu3d.parallel.dp.data_parallel import DataParallel
 from edu3d.parallel.ep.placement import apply_ep, expert_param_names
 from edu3d.parallel.freeze import apply_freeze
 from edu3d.schedules.partition import partition
-from edu3d.schedules.actions import Action, build, chunks, with_comms
+from edu3d.schedules.actions import Action, build, chunks, placement, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
 from edu3d.parallel.zero.sharding import Zero
-from edu3d.parallel.zero.units import model_units
+from edu3d.parallel.zero.units import merge_shared, model_units
 
 
 @dataclass
@@ -104,7 +104,7 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, run: Run, compute=None):
     v = chunks(run.parallel.schedule, max(run.layout.vpp, layout.vpp))
     parts = partition(model.config, layout.pp, v, method=run.parallel.partition)
     pp_rank = mesh.index("pp")
-    stages = split_model(model, parts, layout.pp, pp_rank)
+    stages = split_model(model, parts, layout.pp, pp_rank, placement(run.parallel.schedule))
     if compute is None:
         actions = build(run.parallel.schedule, layout.pp, run.microbatches, v)
     else:
@@ -125,18 +125,18 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
     is_expert = {p for p, name in par.names.items() if name in par.experts}
     options = optimizer or (lambda params: {})
     if pl.zero:
-        units = [u for s in sorted(par.stages)
-                 for u in model_units(par.stages[s], _tied_in(par.stages[s], par.tied))]
+        units = merge_shared([u for s in sorted(par.stages) for u in
+                              model_units(par.stages[s], _tied_in(par.stages[s], par.tied))])
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
         dense = [u for u in dense if u[2]]
         par.zero = Zero(par.module, mesh.group("dpcp"), pl.zero, prefetch=pl.prefetch,
                         offload=offload, units=dense, grad_reduce=pl.grad_reduce,
-                        **options([p for _, _, ps in dense for p in ps]))
+                        reduce_scatter=True, **options([p for _, _, ps in dense for p in ps]))
         if is_expert:
             experts = _expert_units(par, is_expert)
             par.expert_zero = Zero(par.module, mesh.group("edp"), pl.zero,
                                    offload=offload, units=experts, divisor=n,
-                                   grad_reduce=pl.grad_reduce,
+                                   grad_reduce=pl.grad_reduce, reduce_scatter=True,
                                    **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
         hook = make_hook(pl.compress) if pl.compress else None

@@ -50,7 +50,7 @@ from edu3d.plan import zero_modes
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.plan.inventory import check_freeze, frozen_held, held, shape_of, units  # noqa: F401
 from edu3d.schedules.partition import uniform
-from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.actions import build, chunks, placement, stage_rank
 from edu3d.schedules.simulate import simulate
 from edu3d.model.shapes import ModelSpec, spec_from
 
@@ -289,7 +289,9 @@ def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
     allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
     lay = run.layout
-    logit = (4 if run.precision.dtype == "fp32" else 2) * (pp_rank == lay.pp - 1)
+    # a V's last stage sits on rank 0
+    last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))
+    logit = (4 if run.precision.dtype == "fp32" else 2) * (pp_rank == last)
     return float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp
 
 

@@ -36,7 +36,7 @@ from edu3d.config.sections import Run
 from edu3d.model.param_globs import check_patterns, frozen
 from edu3d.model.shapes import ModelSpec
 from edu3d.plan.formulas import as_moe
-from edu3d.schedules.actions import chunks
+from edu3d.schedules.actions import chunks, placement, stages_of
 from edu3d.schedules.partition import uniform
 
 LEAF = {"w": "weight", "b": "bias"}
@@ -226,14 +226,15 @@ def _walk(spec: ModelSpec, st: Shape, pp_rank: int, experts: bool) -> list[tuple
     norm = (("ln_f.weight", h, False),) + ((("ln_f.bias", h, False),)
                                            if spec.norm == "layernorm" else ())
     out = []
-    for s in range(pp_rank, n_stages, st.pp):
+    for s in stages_of(pp_rank, st.pp, n_stages, placement(st.schedule)):
         if experts:
             out += [(f"block{i}.experts", ("experts", i)) for i in range(*parts[s])
                     if spec.is_moe(i)]
             continue
         first, last = s == 0, s == n_stages - 1
-        if spec.tied and (first or last) and (n_stages > 1 or first):
-            out.append(("tied", ("tensors", (tok,))))
+        tied = ("tied", ("tensors", (tok,)))
+        if spec.tied and (first or last) and tied not in out:  # once: a V holds both ends
+            out.append(tied)
         if first:
             emb = (() if spec.tied else (tok,)) + (
                 (("pos_emb.weight", spec.seq_len * h, True),) if spec.learned_pos else ())

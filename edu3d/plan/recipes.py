@@ -40,7 +40,7 @@ from edu3d.plan import formulas
 from edu3d.plan.formulas import as_moe
 from edu3d.plan.hardware import Profile
 from edu3d.plan.inventory import held
-from edu3d.schedules.actions import chunks
+from edu3d.schedules.actions import chunks, placement, stages_of
 from edu3d.schedules.partition import uniform
 
 GIB = 2**30
@@ -133,7 +133,9 @@ def activations(spec: ModelSpec, run: Run, recipe: Recipe, recompute: str) -> li
     stage = [(hi - lo) * layer + (last if i == len(parts) - 1 else 0)
              for i, (lo, hi) in enumerate(parts)]
     flight = edu3d_estimate.in_flight(par.schedule, lay.pp, run.microbatches, lay.vpp)
-    return [sum(stage[c * lay.pp + r] for c in range(v)) * flight[r] for r in range(lay.pp)]
+    style = placement(par.schedule)
+    return [sum(stage[s] for s in stages_of(r, lay.pp, lay.pp * v, style)) * flight[r]
+            for r in range(lay.pp)]
 
 
 def state(spec: ModelSpec, run: Run, recipe: Recipe, pp_rank: int) -> dict[str, float]:

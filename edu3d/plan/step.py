@@ -39,7 +39,7 @@ from edu3d.plan import links, recipes, roofline
 from edu3d.plan.formulas import as_moe
 from edu3d.plan.hardware import Profile, load_profile
 from edu3d.plan.stage_costs import cut_of, stage_costs, zero3_cost
-from edu3d.schedules.actions import build, chunks
+from edu3d.schedules.actions import build, chunks, placement, stages_of
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.simulate import Costs, simulate
 
@@ -47,7 +47,8 @@ PARTS = ("compute", "overhead", "bubble", "tp", "pp", "dp", "edp", "cp", "ep", "
 REPLAY = 1  # a pipeline is replayed with up to REPLAY x pp micro-batches, then extrapolated
 REPLAY_LIMIT = 4096  # pp x chunks x micro-batches replayed at most (every published run's fit)
 SEARCH_REPLAY = 128  # a search replays fewer: its thousands of layouts take the closed form
-RAMP = {"zb-h1": 1 / 3}  # the ramp's share left by each schedule beyond 1F1B's (DESIGN.md)
+RAMP = {"zb-h1": 1 / 3, "zbv": 1 / 3, "dualpipev": 1 / 3}  # the ramp left beyond 1F1B's:
+# ZB-H1 a third (DESIGN.md); a V idles p-1 of its 6m chunk-thirds (simulate.bubble_formula)
 
 
 @dataclass
@@ -152,8 +153,10 @@ def check(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> None:
 def replayed(run: Run, v: int) -> int:
     """Micro-batches to replay: all of them, or ``REPLAY·pp`` (a multiple of pp, as the
     interleaved schedule needs): from ``pp`` on a schedule is in its steady state, where
-    every extra micro-batch adds the slowest rank's forward and backward."""
+    every extra micro-batch adds the slowest rank's forward and backward (a V's two chunks:
+    from ``2·pp``, as DualPipeV needs and ZBV's full V fills)."""
     m, pp = run.microbatches, run.layout.pp
+    pp *= 2 if placement(run.parallel.schedule) == "v" else 1
     return m if m <= REPLAY * pp else REPLAY * pp
 
 
@@ -200,8 +203,9 @@ def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "ed
     msg = c.act * c.tokens * c.h / (lay.tp if c.sp else 1)
     p2p = links.collective_time("send", msg, 2, link) if lay.pp > 1 else 0.0
     m = run.microbatches
-    per_mb = [sum(costs[k * lay.pp + r]["F"] + costs[k * lay.pp + r]["R"] + costs[k * lay.pp + r]
-                  ["I"] + costs[k * lay.pp + r]["W"] for k in range(v)) for r in range(lay.pp)]
+    held = [stages_of(r, lay.pp, lay.pp * v, placement(par.schedule)) for r in range(lay.pp)]
+    per_mb = [sum(costs[s]["F"] + costs[s]["R"] + costs[s]["I"] + costs[s]["W"] for s in held[r])
+              for r in range(lay.pp)]
     m_sim = m if timeline else replayed(run, v)
     if timeline or replay_limit is None or lay.pp * v * m_sim <= replay_limit:
         tl = pipeline(run, costs, p2p, m_sim)
@@ -219,13 +223,12 @@ def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "ed
         ends, events = [makespan] * lay.pp, []
     totals = []
     for r in range(lay.pp):
-        last_b = sum(costs[k * lay.pp + r]["R"] + costs[k * lay.pp + r]["I"]
-                     + costs[k * lay.pp + r]["W"] for k in range(v))
+        last_b = sum(costs[s]["R"] + costs[s]["I"] + costs[s]["W"] for s in held[r])
         tail = reduce_tail(spec, run, prof, rec, r, last_b)
         totals.append((ends[r] + tail["dp"] + tail["edp"] + optimizer_time(spec, run, prof,
                                                                             rec, r), r, tail))
     step, crit, tail = max(totals, key=lambda x: x[0])
-    mine = [costs[k * lay.pp + crit] for k in range(v)]
+    mine = [costs[s] for s in held[crit]]
     out = {p: 0.0 for p in PARTS}
     busy = m * per_mb[crit]
     out["compute"] = m * sum(s["kernels"] for s in mine)

@@ -146,7 +146,7 @@ def train(steps: int = 5, overrides: dict | None = None) -> dict | None:
         wrapped["buckets"] = [c["bytes"] for c in last]  # after DDP's rebuild at step 1
     accelerator.wait_for_everyone()
     out = {"records": records, "wrapped": wrapped, "collectives": rec.calls if rec else [],
-           "memory": memory, "args": {k: v for k, v in vars(args).items() if not callable(v)}}
+           "memory": memory, "args": args.flat()}
     accelerator.end_training()  # destroys the process group
     return out if rank == 0 else None
 

@@ -110,7 +110,7 @@ def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=adam.training.seed)
 
     def serial(args, n):
-        key = (tuple(getattr(args, k) for k in SERIAL_KEYS), n)
+        key = (tuple(args.flat()[k] for k in SERIAL_KEYS), n)
         if key not in _SERIAL:  # the same for every layout: computed once per process
             model = GPT(config, seed=args.training.seed)
             opt = make_optimizer(model, args)
@@ -123,7 +123,7 @@ def parity(argv: list[str], steps: int = 5, edu3d_too: bool = True) -> dict:
     x, y = corpus.batch(1, sgd.batch.global_batch)
     trainer.forward_backward(x, y)  # the gradients of step 1, every one, by serial name
     grads = trainer.gather("grad")
-    key = ("grads", tuple(getattr(sgd, k) for k in SERIAL_KEYS))
+    key = ("grads", tuple(sgd.flat()[k] for k in SERIAL_KEYS))
     if key not in _SERIAL:
         model = GPT(config, seed=sgd.training.seed)
         model(x, y)[1].backward()

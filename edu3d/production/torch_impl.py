@@ -112,7 +112,7 @@ class TorchTrainer:
         parts = partition(model.config, layout.pp, v)
         self.n_stages = len(parts)
         self.pp_index = self.mesh.index("pp")
-        self.modules = torch_pp.cut(model, parts, layout.pp, self.pp_index)
+        self.modules = torch_pp.cut(model, parts, layout.pp, self.pp_index, args.parallel.schedule)
         if tie and layout.pp == 1:  # one stage holds both uses: keep them one parameter
             stage = self.modules[0]
             stage.lm_head.weight = stage.tok_emb.weight

@@ -8,10 +8,12 @@ for a model of its own:
   of the (already tensor-parallel) model, the first also the embeddings, the last also the
   final LayerNorm and the head; the ranges are edu3d's
   (:func:`edu3d.schedules.partition.partition`), and global stage ``s`` lives on pipeline
-  rank ``s % pp`` (round robin, PyTorch's "loop" placement for interleaving);
+  rank ``s % pp`` (round robin, PyTorch's "loop" placement for interleaving), or for ZBV and
+  DualPipeV on the rank of PyTorch's "v" placement (rank ``r`` holds ``r`` and ``2p-1-r``);
 * each piece becomes a ``PipelineStage`` on the pp process group, and one schedule object
-  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or
-  ``ScheduleInterleavedZeroBubble``) runs all of this rank's stages: ``step(x)`` on the
+  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` or ``ScheduleDualPipeV``)
+  runs all of this rank's stages: ``step(x)`` on the
   rank holding stage 0, ``step(target=y, losses=...)`` on the one holding the last, and
   ``step()`` in between; it splits the batch into micro-batches and scales the gradients
   by ``1/m`` itself;
@@ -24,13 +26,17 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,
+                                          ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+
+from edu3d.schedules.actions import placement, stage_rank
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved": ScheduleInterleaved1F1B, "zb-h1": ScheduleInterleavedZeroBubble}
-MULTI = ("interleaved", "zb-h1")  # the schedule classes that take a list of stages
+             "interleaved": ScheduleInterleaved1F1B, "zb-h1": ScheduleInterleavedZeroBubble,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+# the schedule classes that take a list of stages
+MULTI = ("interleaved", "zb-h1", "zbv", "dualpipev")
 
 
 class Stage(nn.Module):
@@ -61,11 +67,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
-def cut(model: nn.Module, parts: list[tuple[int, int]], pp: int, pp_rank: int) -> dict:
-    """This rank's stages by global index (stage ``s`` on rank ``s % pp``)."""
-    last = len(parts) - 1
+def cut(model: nn.Module, parts: list[tuple[int, int]], pp: int, pp_rank: int,
+        schedule: str = "1f1b") -> dict:
+    """This rank's stages by global index (stage ``s`` on rank ``s % pp``, or as the V of
+    ``schedule``'s placement)."""
+    last, style = len(parts) - 1, placement(schedule)
     return {s: Stage(model, a, b, s == 0, s == last)
-            for s, (a, b) in enumerate(parts) if s % pp == pp_rank}
+            for s, (a, b) in enumerate(parts) if stage_rank(s, pp, style) == pp_rank}
 
 
 def schedule(name: str, modules: dict, n_stages: int, microbatches: int, group, device):

@@ -12,12 +12,13 @@ lists), :mod:`~edu3d.schedules.check` (is a list valid?) and
 :mod:`~edu3d.schedules.simulate` (the theory timeline and bubble).
 """
 
-from edu3d.schedules.actions import (SCHEDULES, Action, build, compute_order, format_torch,
-                                     gpipe, interleaved, one_f_one_b, parse_torch, with_comms,
-                                     zb_h1)
+from edu3d.schedules.actions import (SCHEDULES, Action, build, compute_order, dualpipev,
+                                     format_torch, gpipe, interleaved, one_f_one_b, parse_torch,
+                                     placement, stage_rank, with_comms, zb_h1, zbv)
 from edu3d.schedules.check import Report, ScheduleError, check
 from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 
 __all__ = ["SCHEDULES", "Action", "Costs", "Report", "ScheduleError", "bubble_formula",
-           "bubble_of", "build", "check", "compute_order", "format_torch", "gpipe",
-           "interleaved", "one_f_one_b", "parse_torch", "simulate", "with_comms", "zb_h1"]
+           "bubble_of", "build", "check", "compute_order", "dualpipev", "format_torch", "gpipe",
+           "interleaved", "one_f_one_b", "parse_torch", "placement", "simulate", "stage_rank",
+           "with_comms", "zb_h1", "zbv"]

@@ -7,8 +7,10 @@ After reading this file you should understand:
   backward for the stage's *input* only, ``W`` the backward for its *weights* only;
   ``"2SEND_F3"`` = stage 2 sends micro-batch 3's activation on (to stage 3) and
   ``"3RECV_F3"`` = stage 3 receives it; ``"3SEND_B3"`` / ``"2RECV_B3"`` carry the gradient
-  back. Global stage ``s`` lives on pipeline rank ``s % pp`` as its chunk ``s // pp``;
-* a schedule is four simple loops:
+  back. Global stage ``s`` is chunk ``s // pp`` of its rank; which rank is the schedule's
+  *placement* (PyTorch's ``style``): ``loop`` deals stages round robin (rank ``s % pp``),
+  ``v`` runs every odd chunk backwards (:func:`stage_rank`);
+* a schedule is a few simple loops:
 
   - **GPipe** (Huang et al. 2019): all forwards, then all backwards. Holds m micro-batches
     of activations.
@@ -21,6 +23,13 @@ After reading this file you should understand:
   - **ZB-H1** (Qi et al. 2023): the backward is split into ``I`` (needed by the previous
     stage, on the critical path) and ``W`` (needed only by the optimizer), and rank ``r``
     postpones ``r`` of its ``W`` into the cool-down, where 1F1B would idle;
+  - **ZBV** (Qi et al. 2023, section 6) and **DualPipeV** (DeepSeek-V3's DualPipe cut in
+    half, Sea AI Lab): two chunks per rank laid out as a **V**, rank ``r`` holding stage
+    ``r`` on the way down and stage ``2p-1-r`` on the way back up, so the first and the
+    last stage share rank 0 and the turn (stages ``p-1`` and ``p``) happens on one rank
+    without a message. ZBV fills the bubble with deferred ``W``; DualPipeV pairs a forward
+    of one chunk with a backward of the other (``F&B``), so activations flow down and
+    gradients up at the same time;
 
 * the compute order is what a schedule *is*; :func:`with_comms` then adds the sends and
   receives each compute action needs, so the same list can be checked, simulated, executed
@@ -30,11 +39,13 @@ After reading this file you should understand:
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import NamedTuple
 
 COMPUTE = ("F", "B", "I", "W")
 COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed as a V
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
@@ -62,9 +73,22 @@ class Action(NamedTuple):
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
 
-def stage_rank(stage: int, pp: int) -> int:
-    """The pipeline rank that holds global stage ``stage`` (chunks are dealt round-robin)."""
-    return stage % pp
+def placement(name: str) -> str:
+    """Where schedule ``name`` puts its stages: ``"v"`` for ZBV and DualPipeV, else ``"loop"``."""
+    return "v" if name in V_SHAPED else "loop"
+
+
+def stage_rank(stage: int, pp: int, style: str = "loop") -> int:
+    """The pipeline rank that holds global stage ``stage``: chunk ``c = stage // pp`` at
+    position ``stage % pp``, counted backwards on odd chunks when ``style`` is ``"v"``
+    (PyTorch's ``generate_stage_to_rank_mapping``). With pp = 4: loop 0123 0123, v 0123 3210."""
+    chunk, pos = divmod(stage, pp)
+    return pp - 1 - pos if style == "v" and chunk % 2 else pos
+
+
+def stages_of(rank: int, pp: int, n_stages: int, style: str = "loop") -> list[int]:
+    """The global stages pipeline rank ``rank`` holds, in increasing order."""
+    return [s for s in range(n_stages) if stage_rank(s, pp, style) == rank]
 
 
 def _check(pp: int, m: int, vpp: int = 1) -> None:
@@ -163,6 +187,100 @@ def zb_h1(pp: int, m: int) -> list[list[Action]]:
     return [_interleaved_rank(r, pp, m, 1, zero_bubble=True) for r in range(pp)]
 
 
+class _VList:
+    """One rank's list of a V schedule, being written: its stage on the way down
+    (``down = r``) and on the way back up (``up = 2p-1-r``); :meth:`run` appends the stage's
+    next micro-batch of a kind (``B`` and ``I`` share one count, as in PyTorch)."""
+
+    def __init__(self, r: int, pp: int):
+        self.down, self.up = r, 2 * pp - 1 - r
+        self.ops: list[Action] = []
+        self.done: Counter = Counter()
+
+    def run(self, stage: int, kind: str, times: int = 1) -> None:
+        for _ in range(times):
+            count = "I" if kind == "B" else kind
+            self.ops.append(Action(stage, kind, self.done[stage, count]))
+            self.done[stage, count] += 1
+
+
+def _zbv_rank(r: int, pp: int, m: int) -> list[Action]:
+    """PyTorch's ``ScheduleZBVZeroBubble`` for rank ``r``: planned for at least ``2p-1``
+    micro-batches (enough to fill the V), the ones past ``m`` then dropped."""
+    v = _VList(r, pp)
+    down, up, run, done = v.down, v.up, v.run, v.done
+    n = max(2 * pp - 1, m)
+    run(down, "F", 2 * (pp - r) - 1)  # warm-up: micro-batches on their way down
+    for _ in range(r):  # ... and the first ones coming back up
+        run(up, "F"), run(down, "F")
+    for _ in range(pp - r):  # the turn: the first backwards, W right behind I
+        run(up, "F"), run(up, "I"), run(up, "W")
+    while done[up, "F"] < done[down, "F"] or done[down, "F"] < n:  # steady: 1F1B per chunk
+        if done[down, "F"] < n:
+            run(down, "F")
+        run(down, "I"), run(down, "W"), run(up, "F"), run(up, "I"), run(up, "W")
+    for _ in range(r):  # cool-down: input gradients first (the next rank waits for them) ...
+        run(down, "I"), run(up, "I")
+    for _ in range(pp - r):
+        run(down, "I"), run(down, "W")
+    run(up, "W", done[up, "I"] - done[up, "W"])  # ... the deferred W fill the tail
+    run(down, "W", done[down, "I"] - done[down, "W"])
+    return [a for a in v.ops if a.mb < m]
+
+
+def _dualpipev_rank(r: int, pp: int, m: int) -> list[Action]:
+    """PyTorch's ``ScheduleDualPipeV`` (DeepSeek's ``DualPipeV.step``) for rank ``r``, its
+    eight steps in order. A split backward (``I``) leaves its ``W`` in a queue that later
+    steps drain, oldest first; ``F&B`` pairs are written as the forward, then the backward."""
+    v = _VList(r, pp)
+    down, up, run = v.down, v.up, v.run
+    owed: list[Action] = []
+
+    def back(stage: int, split: bool) -> None:
+        run(stage, "I" if split else "B")
+        if split:
+            owed.append(Action(stage, "W", v.ops[-1].mb))
+
+    def weight() -> None:
+        if owed:
+            v.ops.append(owed.pop(0))
+
+    run(down, "F", 2 * (pp - r - 1))  # 1: forwards on the way down
+    for _ in range(r + 1):  # 2: one down, one up
+        run(down, "F"), run(up, "F")
+    for _ in range(pp - r - 1):  # 3: zero bubble, I W F on the way up
+        back(up, True), weight(), run(up, "F")
+    for _ in range(m - 2 * pp + r + 1):  # 4: the main step, two F&B pairs
+        run(down, "F"), back(up, False), run(up, "F"), back(down, False)
+    for _ in range(pp - r - 1):  # 5: B up, then an F&B pair
+        back(up, False), run(up, "F"), back(down, False)
+    half = (r + 1) // 2
+    for k in range(r + 1):  # 6: B up, B down; the second half split (odd ranks one earlier)
+        back(up, k > half or k == half and r % 2 == 1)
+        back(down, k >= half)
+    for _ in range(pp - r - 1):  # 7: W, then I down
+        weight(), back(down, True)
+    for _ in range(r + 1):  # 8: the queued W
+        weight()
+    return v.ops
+
+
+def zbv(pp: int, m: int) -> list[list[Action]]:
+    """ZBV: two chunks per rank as a V, every backward split into I and W (PyTorch's order)."""
+    _check(pp, m)
+    return [_zbv_rank(r, pp, m) for r in range(pp)]
+
+
+def dualpipev(pp: int, m: int) -> list[list[Action]]:
+    """DualPipeV: two chunks per rank as a V, forward of one chunk paired with backward of the
+    other (PyTorch's order). Needs ``m >= 2p`` micro-batches, as PyTorch does."""
+    _check(pp, m)
+    if m < 2 * pp:
+        raise ValueError(f"dualpipev needs at least 2*pp = {2 * pp} micro-batches (one per "
+                         f"stage of the V), got {m}")
+    return [_dualpipev_rank(r, pp, m) for r in range(pp)]
+
+
 def compute_order(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
     """The per-rank compute actions of schedule ``name`` (one of :data:`SCHEDULES`)."""
     if name == "gpipe":
@@ -173,24 +291,31 @@ def compute_order(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]
         return interleaved(pp, m, vpp)
     if name == "zb-h1":
         return zb_h1(pp, m)
+    if name == "zbv":
+        return zbv(pp, m)
+    if name == "dualpipev":
+        return dualpipev(pp, m)
     raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
 def chunks(name: str, vpp: int) -> int:
-    """Chunks per rank a schedule uses: ``vpp`` for interleaved, 1 for the others."""
-    return vpp if name == "interleaved" else 1
+    """Chunks per rank a schedule uses: ``vpp`` for interleaved, 2 for the V-shaped ones, 1
+    for the others."""
+    return vpp if name == "interleaved" else 2 if name in V_SHAPED else 1
 
 
 # ---- communication ------------------------------------------------------------------------
-def with_comms(compute: list[list[Action]], pp: int, vpp: int = 1) -> list[list[Action]]:
+def with_comms(compute: list[list[Action]], pp: int, vpp: int = 1,
+               style: str = "loop") -> list[list[Action]]:
     """Insert the sends and receives each compute action needs.
 
     A forward of stage ``s > 0`` first receives its input (``sRECV_F``) and afterwards sends
     its output on (``sSEND_F``) unless it is the last stage; a backward (``B`` or ``I``)
     first receives the output gradient (``sRECV_B``) unless it is the last stage and then
     sends the input gradient back (``sSEND_B``) unless it is stage 0. Stages on the same rank
-    (``pp = 1``) hand tensors over directly, without messages. Consecutive messages between
-    two compute actions are what the engine batches into one ``batch_isend_irecv``.
+    (``pp = 1``, or the turn of a V) hand tensors over directly, without messages.
+    Consecutive messages between two compute actions are what the engine batches into one
+    ``batch_isend_irecv``. ``style`` is the placement (:func:`stage_rank`).
     """
     last = pp * vpp - 1
     out = []
@@ -198,8 +323,8 @@ def with_comms(compute: list[list[Action]], pp: int, vpp: int = 1) -> list[list[
         seq: list[Action] = []
         for a in ops:
             s = a.stage
-            remote_prev = s > 0 and stage_rank(s - 1, pp) != r
-            remote_next = s < last and stage_rank(s + 1, pp) != r
+            remote_prev = s > 0 and stage_rank(s - 1, pp, style) != r
+            remote_next = s < last and stage_rank(s + 1, pp, style) != r
             if a.kind == "F":
                 if remote_prev:
                     seq.append(Action(s, "RECV_F", a.mb))
@@ -220,7 +345,7 @@ def with_comms(compute: list[list[Action]], pp: int, vpp: int = 1) -> list[list[
 
 def build(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
     """Schedule ``name`` with its communication: what the engine executes on each rank."""
-    return with_comms(compute_order(name, pp, m, vpp), pp, chunks(name, vpp))
+    return with_comms(compute_order(name, pp, m, vpp), pp, chunks(name, vpp), placement(name))
 
 
 def format_torch(actions: list[list[Action]]) -> str:

@@ -6,6 +6,9 @@ After reading this file you should understand what makes a list of actions a val
   has arrived (from the previous stage, by ``RECV_F`` or on the same rank); a backward
   (``B`` or ``I``) needs its own forward and the gradient of the next stage; ``W`` needs
   ``I``; a send needs the compute that produced what it sends;
+* **placement**: every stage is run by the rank that holds it, round robin or as a V
+  (``style``, :func:`~edu3d.schedules.actions.stage_rank`); two stages on one rank (the turn
+  of a V) hand their tensors over without a message;
 * **messages**: every ``SEND`` has exactly one matching ``RECV`` on the right rank, and
   nothing is received that nobody sent;
 * **deadlock**: the engine's sends never block (``isend``), its receives do. Replaying all
@@ -21,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from edu3d.schedules.actions import Action, stage_rank
+from edu3d.schedules.actions import Action, stage_rank, stages_of
 
 
 class ScheduleError(ValueError):
@@ -36,18 +39,19 @@ class Report:
     steps: int  # replay rounds until every rank finished (a rough critical-path length)
 
 
-def needs_of(a: Action, r: int, pp: int, last: int) -> list[tuple[int, Action]]:
-    """What must have happened (on which rank) before action ``a`` on rank ``r`` may run."""
+def needs_of(a: Action, r: int, where, last: int) -> list[tuple[int, Action]]:
+    """What must have happened (on which rank) before action ``a`` on rank ``r`` may run;
+    ``where[s]`` is the rank holding stage ``s``."""
     s, i = a.stage, a.mb
     if a.kind == "F":
         if s == 0:
             return []
-        prev = stage_rank(s - 1, pp)
+        prev = where[s - 1]
         return [(r, Action(s, "RECV_F", i))] if prev != r else [(r, Action(s - 1, "F", i))]
     if a.kind in ("B", "I"):
         need = [(r, Action(s, "F", i))]
         if s < last:
-            nxt = stage_rank(s + 1, pp)
+            nxt = where[s + 1]
             need.append((r, Action(s, "RECV_B", i)) if nxt != r else (r, Action(s + 1, "I", i)))
         return need
     if a.kind == "W":
@@ -57,9 +61,9 @@ def needs_of(a: Action, r: int, pp: int, last: int) -> list[tuple[int, Action]]:
     if a.kind == "SEND_B":
         return [(r, Action(s, "I", i))]
     if a.kind == "RECV_F":
-        return [(stage_rank(s - 1, pp), Action(s - 1, "SEND_F", i))]
+        return [(where[s - 1], Action(s - 1, "SEND_F", i))]
     if a.kind == "RECV_B":
-        return [(stage_rank(s + 1, pp), Action(s + 1, "SEND_B", i))]
+        return [(where[s + 1], Action(s + 1, "SEND_B", i))]
     raise ScheduleError(f"unknown action kind in {a}")
 
 
@@ -68,23 +72,27 @@ def done_key(a: Action) -> Action:
     return Action(a.stage, "I", a.mb) if a.kind == "B" else a
 
 
-def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1) -> Report:
-    """Replay the schedule; raise :class:`ScheduleError` on any problem, else a report."""
+def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1,
+          style: str = "loop") -> Report:
+    """Replay the schedule (``vpp`` chunks per rank, placed by ``style``: see
+    :func:`~edu3d.schedules.actions.stage_rank`); raise :class:`ScheduleError` on any
+    problem, else a report."""
     if len(actions) != pp:
         raise ScheduleError(f"{len(actions)} rank lists for pp={pp}; give one list per rank")
     last = pp * vpp - 1
+    where = [stage_rank(s, pp, style) for s in range(last + 1)]
     for r, ops in enumerate(actions):
         for a in ops:
-            if not 0 <= a.stage <= last or stage_rank(a.stage, pp) != r:
+            if not 0 <= a.stage <= last or where[a.stage] != r:
                 raise ScheduleError(f"rank {r} runs {a}, but stage {a.stage} lives on rank "
-                                    f"{stage_rank(a.stage, pp) if a.stage <= last else '-'}")
+                                    f"{where[a.stage] if a.stage <= last else '-'}")
             if not 0 <= a.mb < m:
                 raise ScheduleError(f"rank {r}: {a} names micro-batch {a.mb}, outside 0..{m - 1}")
         counts = Counter(ops)
         dup = [str(a) for a, c in counts.items() if c > 1]
         if dup:
             raise ScheduleError(f"rank {r} runs {', '.join(dup)} more than once")
-        for s in range(r, last + 1, pp):
+        for s in stages_of(r, pp, last + 1, style):
             for i in range(m):
                 has_b = Action(s, "B", i) in counts
                 has_iw = Action(s, "I", i) in counts, Action(s, "W", i) in counts
@@ -93,7 +101,7 @@ def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1) -> Report:
                 if not (has_b ^ any(has_iw)) or (any(has_iw) and not all(has_iw)):
                     raise ScheduleError(f"rank {r} must run either {s}B{i} or both {s}I{i} "
                                         f"and {s}W{i}")
-    sends = {(stage_rank(a.stage + (1 if a.kind == "SEND_F" else -1), pp), a.kind[5:],
+    sends = {(stage_rank(a.stage + (1 if a.kind == "SEND_F" else -1), pp, style), a.kind[5:],
               a.stage + (1 if a.kind == "SEND_F" else -1), a.mb)
              for r, ops in enumerate(actions) for a in ops if a.kind.startswith("SEND")}
     recvs = {(r, a.kind[5:], a.stage, a.mb)
@@ -117,7 +125,7 @@ def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1) -> Report:
         for r in range(pp):
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                if not all(done_key(n) in done[q] for q, n in needs_of(a, r, pp, last)):
+                if not all(done_key(n) in done[q] for q, n in needs_of(a, r, where, last)):
                     break
                 done[r].add(done_key(a))
                 pos[r] += 1
@@ -129,7 +137,7 @@ def check(actions: list[list[Action]], pp: int, m: int, vpp: int = 1) -> Report:
                     live[r].discard((a.stage, a.mb))
         if not progressed:
             stuck = [f"rank {r} at {actions[r][pos[r]]} (waits for "
-                     f"{', '.join(str(n) for q, n in needs_of(actions[r][pos[r]], r, pp, last) if done_key(n) not in done[q])})"
+                     f"{', '.join(str(n) for q, n in needs_of(actions[r][pos[r]], r, where, last) if done_key(n) not in done[q])})"
                      for r in range(pp) if pos[r] < len(actions[r])]
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     return Report(peak_in_flight=peak, steps=rounds)

@@ -12,7 +12,10 @@ After reading this file you should understand:
   dynamic programme; the costs can be an estimate (:func:`layer_costs`, FLOPs) or per-layer
   times measured in a run (*rebalancing*);
 * with interleaving (``vpp`` chunks per rank) the model is cut into ``pp * vpp`` stages and
-  global stage ``s`` goes to rank ``s % pp`` as its chunk ``s // pp``.
+  global stage ``s`` goes to rank ``s % pp`` as its chunk ``s // pp``; ZBV and DualPipeV cut
+  ``2 * pp`` stages and place them as a V (rank ``r`` holds ``r`` and ``2p-1-r``:
+  :func:`~edu3d.schedules.actions.stage_rank`). The cut itself does not depend on where the
+  stages go.
 
 A partition is a list of ``(first_layer, end_layer)`` ranges, one per global stage; the first
 stage also holds the embedding and the last the head.

@@ -10,8 +10,10 @@ measurement.
 
 * **bubble fraction** = idle share of the ranks' time between the first start and the last
   end, ``1 - Σ busy / (p · makespan)``. With equal stages and ``p2p = 0`` it is exactly
-  ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` for interleaved 1F1B
-  (:func:`bubble_formula`);
+  ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` for interleaved 1F1B, and with
+  ``F = I = W`` also ``(p-1)/(6m+p-1)`` for ZBV and DualPipeV (:func:`bubble_formula`);
+* **placement**: which rank holds a stage is read off the lists (the rank that runs it), so
+  the V of ZBV and DualPipeV replays like the round robin of the others;
 * **peak activation memory** = the most micro-batches whose activations a rank holds at once
   (from forward until ``B`` or ``W`` consumed them), times the activation bytes per
   micro-batch of each stage.
@@ -63,7 +65,14 @@ def bubble_formula(name: str, pp: int, m: int, vpp: int = 1) -> float:
     """The textbook bubble fraction: ``(p-1)/(v·m+p-1)`` (``v = 1`` for GPipe and 1F1B).
 
     ZB-H1 has no closed form here; it is simulated (about a third of 1F1B's when
-    ``F = I = W``)."""
+    ``F = I = W``). ZBV and DualPipeV, with ``F = I = W`` per chunk (``B = 2F``): each rank
+    works ``2m(F+I+W) = 6m`` and idles ``p-1``, the last rank's wait for its first input
+    (``(p-1)/(6m+p-1)``, a sixth of 1F1B's for large ``m``); ZBV with fewer micro-batches
+    than its V holds (``m < 2p-1``) idles ``2(2p-1-m)`` when that is more. Both fit the
+    replay of the action lists exactly (``tests/test_pp_schedules.py``: p <= 8, m <= 3p+2)."""
+    if name in ("zbv", "dualpipev"):
+        idle = max(pp - 1, 2 * (2 * pp - 1 - m) if name == "zbv" else 0)
+        return idle / (6 * m + idle)
     v = vpp if name == "interleaved" else 1
     return (pp - 1) / (v * m + pp - 1)
 
@@ -88,8 +97,8 @@ def simulate(actions: list[list[Action]], pp: int, costs: Costs | None = None,
     microseconds).
     """
     costs = costs or Costs()
-    vpp = 1 + max(a.stage for ops in actions for a in ops) // pp
-    last = pp * vpp - 1
+    where = {a.stage: r for r, ops in enumerate(actions) for a in ops}  # the lists' placement
+    last = max(where)
     finished: list[dict] = [{} for _ in range(pp)]  # rank -> action key -> finish time
     clock = [0.0] * pp
     pos = [0] * pp
@@ -101,7 +110,7 @@ def simulate(actions: list[list[Action]], pp: int, costs: Costs | None = None,
         for r in range(pp):
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                needs = needs_of(a, r, pp, last)
+                needs = needs_of(a, r, where, last)
                 if not all(done_key(n) in finished[q] for q, n in needs):
                     break
                 ready = max([finished[q][done_key(n)] for q, n in needs], default=0.0)
@@ -122,9 +131,8 @@ def simulate(actions: list[list[Action]], pp: int, costs: Costs | None = None,
                                                          else 0.0)) * time_unit,
                       "mb": a.mb, "stage": a.stage, "chunk": a.stage // pp, "sim": True}
                 if not a.is_compute:
-                    ev.update(group="pp", peer=(a.stage + (1 if a.kind == "SEND_F" else -1)
-                                                if a.kind.startswith("SEND") else
-                                                a.stage + (-1 if a.kind == "RECV_F" else 1)) % pp)
+                    ev.update(group="pp", peer=where[a.stage + (1 if a.kind in ("SEND_F", "RECV_B")
+                                                                else -1)])
                 events.append(ev)
                 if a.kind == "F":
                     live[r][(a.stage, a.mb)] = (activation_bytes or [1.0] * (last + 1))[a.stage]

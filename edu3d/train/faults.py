@@ -38,9 +38,11 @@ class InjectedFault(RuntimeError):
     """The error ``kind=exit`` raises on its rank."""
 
 
-def maybe_inject(spec: Fault | None, rank: int, step: int, attempt: int = 0) -> None:
+def maybe_inject(spec: Fault | dict | None, rank: int, step: int, attempt: int = 0) -> None:
     """Fail (or lag) as ``spec`` says if this is its rank and step: a failure at step S of
     the first attempt, a slow rank at every step from S on."""
+    if isinstance(spec, dict):  # as the flag's little language parses it
+        spec = Fault(**spec)
     if spec is None or spec.rank != rank:
         return
     kind = spec.kind

@@ -43,7 +43,7 @@ from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import clip_coef, lr_at, set_lr
 from edu3d.train.publish import Publisher
 from edu3d.config.sections import Run
-from edu3d.train.preflight import Checked, model_config, node_options
+from edu3d.train.preflight import Checked, model_config, node_options, preflight
 from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
@@ -261,13 +261,15 @@ def _describe(run, config, corpus) -> None:
           f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
 
 
-def run(checked: Checked, out=None, trainer_class=Trainer) -> list[dict]:
+def run(job: Run | Checked, out=None, trainer_class=Trainer) -> list[dict]:
     """Train for ``run.training.steps`` steps, serially or on the run's layout; print to
     ``out`` (default: the current ``sys.stdout``) and return one record per step.
-    ``checked``: the run after :func:`edu3d.train.preflight.preflight`, which every caller
-    goes through once (nothing is checked again here). ``trainer_class``:
+    ``job``: a run that passed :func:`edu3d.train.preflight.preflight` (``edu3d train``
+    checks before it calls), trusted as it is, or a plain :class:`~edu3d.config.sections.Run`,
+    which goes through the pre-flight here, once. ``trainer_class``:
     :class:`~edu3d.train.trainer.Trainer`, or one with its interface (``--impl torch``)."""
     out = out or sys.stdout
+    checked = job if isinstance(job, Checked) else preflight(job)
     run, config = checked.run, checked.config
     if run.parallel.impl == "torch" and trainer_class is Trainer:
         raise ValueError("impl='torch' trains with PyTorch's own APIs: pass trainer_class="

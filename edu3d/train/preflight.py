@@ -30,12 +30,14 @@ from dataclasses import dataclass
 
 from edu3d.config.layout import Layout, LayoutError
 from edu3d.config.sections import Run
-from edu3d.launch.api import NODE_OPTIONS, node_args
+from edu3d.launch import cores as launch_cores
+from edu3d.launch.api import NODE_OPTIONS, check_launch, node_args
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
 from edu3d.train.axis_rules import check_cp, check_moe
+from edu3d.train.pipeline_rules import check_pipeline
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.MODES; a test checks
 GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE
@@ -64,6 +66,9 @@ def preflight(run: Run, available: int | None = None) -> Checked:
     :class:`~edu3d.config.layout.LayoutError`, or a checkpoint error) saying what would work."""
     run = resolve(run)
     config, lay = check_args(run)
+    if lay.world_size > 1:  # ranks will start on this node: can they?
+        here = lay.world_size // (run.launch.nnodes or 1)
+        check_launch(here, run.launch.heartbeat, run.launch.oversubscribe, fit.on_gpus(here))
     if run.launch.monitor and lay.world_size == 1:
         raise LayoutError("--monitor watches the ranks of a parallel run; add --dp 2 (or "
                           "another layout), or drop --monitor (a serial run prints its progress)")
@@ -140,6 +145,7 @@ def check_args(run: Run) -> tuple[object, Layout]:
     if par.schedule == "interleaved" and lay.pp > 1 and m % lay.pp:
         raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches {m} "
                           f"must be a multiple of --pp {lay.pp}")
+    check_pipeline(run, config.n_layers, m)
     if par.zero and lay.dp * lay.cp == 1:
         raise LayoutError(f"--zero {par.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")
@@ -236,17 +242,21 @@ def check_freeze(run: Run, config) -> list[str]:
 
 def check_memory_timeline(run: Run) -> Run:
     """``--memory-timeline FILE``: a step after the first (which allocates AdamW's state) on
-    edu3d's trainer, into a folder that exists; the path made absolute for the ranks."""
+    edu3d's trainer, into a new or regular file (never beside a folder) of a writable folder;
+    the path made absolute for the ranks."""
     target = run.launch.memory_timeline
     if not target:
         return run
     path = os.path.abspath(target)
+    folder = os.path.dirname(path)
     problem = ("use --steps 2 or more (the last step is recorded, after a first that "
                "allocates the optimizer's state)" if run.training.steps < 2 else
                "drop --impl torch (it records edu3d's own trainer)"
                if run.parallel.impl != "edu3d" else
-               f"the folder {os.path.dirname(path)} does not exist"
-               if not os.path.isdir(os.path.dirname(path)) else None)
+               f"the folder {folder} does not exist" if not os.path.isdir(folder) else
+               f"the folder {folder} is not writable" if not os.access(folder, os.W_OK) else
+               f"{path} is {'a folder' if os.path.isdir(path) else 'not a regular file'}; name "
+               "a file" if os.path.lexists(path) and not os.path.isfile(path) else None)
     if problem:
         raise LayoutError(f"--memory-timeline {target}: {problem}")
     return run.replace(memory_timeline=path)
@@ -267,11 +277,5 @@ def check_fit(run: Run, available: int | None = None) -> dict:
 
 
 def oversubscribed(layout: Layout, cores: int | None = None) -> str | None:
-    """A one-line warning when ranks outnumber CPU cores more than 4 to 1, else None."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks = layout.world_size
-    if cores and ranks > 4 * cores and not fit.on_gpus(ranks):
-        return (f"warning: {ranks} ranks on {cores} CPU core(s): every rank waits for a turn "
-                f"on a core, so steps will be very slow; use at most {4 * cores} ranks here")
-    return None
+    """A one-line warning when ranks outnumber CPU cores (:mod:`edu3d.launch.cores`), else None."""
+    return launch_cores.oversubscribed(layout.world_size, cores, fit.on_gpus(layout.world_size))

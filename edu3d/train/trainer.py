@@ -50,6 +50,7 @@ from edu3d.parallel.optim_state import adam_state
 from edu3d.parallel.parallelize import parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
 from edu3d.parallel.precision import MixedPrecision
+from edu3d.schedules.actions import placement, stage_rank
 from edu3d.parallel.tp.layers import unshard
 
 
@@ -82,7 +83,8 @@ class Trainer:
         self._microbatch_loss = microbatch_loss or scaled_loss
         self.engine = PipelineEngine(self.par.stages, self.par.actions, self.par.n_stages,
                                      self.mesh.ranks("pp"), self.mesh.groups.get("pp"),
-                                     run.microbatches, self._scaled, self._context)
+                                     run.microbatches, self._scaled, self._context,
+                                     placement(run.parallel.schedule))
         self.optimizer = None if self.par.zeros else make_optimizer(self.par.module, run)
         self.dp_size, self.dp_index = self.mesh.size("dp"), self.mesh.index("dp")
         self.cp_size = self.mesh.layout.cp
@@ -315,14 +317,13 @@ class Trainer:
                     state["step"].fill_(float(n))
 
     def _owner_pp(self, name: str) -> int:
-        """The pipeline rank holding serial parameter ``name`` (the first stage for the
-        tied matrix)."""
+        """The pipeline rank holding serial parameter ``name`` (tied matrix: the first stage's)."""
         if name.startswith("blocks."):
             layer = int(name.split(".")[1])
             stage = next(s for s, (a, b) in enumerate(self.par.parts) if a <= layer < b)
         else:
             stage = self.par.n_stages - 1 if name.startswith(("ln_f", "lm_head")) else 0
-        return stage % self.mesh.layout.pp
+        return stage_rank(stage, self.mesh.layout.pp, placement(self.run.parallel.schedule))
 
     @torch.no_grad()
     def gather(self, what: str = "grad") -> dict[str, torch.Tensor]:

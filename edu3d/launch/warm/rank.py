@@ -162,7 +162,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
         error = worker.run_target(a, rest, rank, run_dir)
         if error is None:
             try:
-                trace.current().flush()
+                trace.current().close()
                 trace.set_current(trace.NullRecorder())
                 if dist.is_initialized():
                     dist.destroy_process_group()

@@ -15,52 +15,69 @@ obvious to the one PyTorch's ``DistributedDataParallel`` uses:
     soon as its gradient is ready (and those of the parameters registered after it: the
     launch order below), while backward continues on earlier layers.
 ``bucketed``
-    the parameters are grouped into buckets of about ``bucket_mb`` MB in *reverse*
-    registration order (backward produces the last layer's gradients first), one dtype per
-    bucket. Each bucket's gradients live in one flat buffer (``p.grad`` is a view into it, so
-    autograd writes them there directly); when a bucket's last gradient arrives, one
-    asynchronous all-reduce sends the whole bucket. Few messages *and* overlap.
+    the parameters are grouped into buckets (:mod:`edu3d.parallel.dp.buckets`) in *reverse*
+    registration order, one dtype per bucket; each bucket's gradients live in one flat
+    buffer, and when a bucket's last gradient arrives one asynchronous all-reduce sends the
+    whole bucket. Few messages *and* overlap.
 
 Every version sums with ``SUM`` and divides by N itself (``ReduceOp.AVG`` is broken on gloo).
 The average of the N local mean losses is the global mean loss, so the averaged gradient is
-exactly the serial model's gradient. With gradient accumulation over K micro-batches each
-micro-batch's loss is divided by K, and :meth:`DataParallel.no_sync` skips communication on
-all but the last micro-batch: gradients accumulate locally and are sent once.
+exactly the serial model's gradient. Traffic per step (ring): ``2(N-1)/N · Ψ`` elements per
+rank, ``2Ψ`` in the ZeRO paper's count (DESIGN.md).
 
-As a library in an ordinary PyTorch loop, on any model, it behaves as torch DDP does:
+**The loop is torch DDP's.** ``DataParallel`` is an ``nn.Module`` around the model: ``dp(x)``
+runs it, ``dp.parameters()`` and ``dp.state_dict()`` are the model's (keys ``module.*``), and
+the average is complete when ``loss.backward()`` returns, so ``optimizer.step()`` may follow
+at once. At the end of every backward outside ``no_sync()`` that gave every parameter a
+gradient, a callback queued on the autograd engine (as DDP's ``Reducer`` queues its own)
+launches what is left, waits for every all-reduce and divides. With gradient accumulation,
+run every backward but the last inside ``with dp.no_sync():``: gradients accumulate locally
+and travel once. A second backward outside ``no_sync`` averages again, exactly as DDP does
+(what it adds is averaged; what was averaged stays so).
+
+**The explicit form** (the course's, and the trainer's, whose pipeline runs several
+backwards outside ``no_sync``, one per stage, each over other parameters) calls
+:meth:`DataParallel.finish` after the last backward: it completes whatever the backwards left
+(a parameter that got no gradient in them, a last backward inside ``no_sync``), and does
+nothing when the end of backward already did it. Forgetting it is an error, never a silently
+local step: :mod:`edu3d.parallel.dp.step_guard` stops ``optimizer.step()`` on parameters
+whose average is unfinished, and the next ``dp(x)`` refuses as DDP's does. A parameter
+whose all-reduce is already in flight and that gets a gradient again (a second backward
+before the average completed) is an error too, not a race.
+
+Beyond the loop, as torch DDP:
 
 * **any ``zero_grad``**: the gradient hook uses the gradient autograd hands it. After
   ``optimizer.zero_grad()`` (``p.grad = None``) autograd allocates a fresh gradient that is
   not a view of the bucket; the hook copies it into the bucket and makes ``p.grad`` the view
   again, so every placement of ``zero_grad``, either ``set_to_none``, gives the average;
 * **launch order**: every rank must issue the same collectives in the same order, so the
-  asynchronous versions launch strictly in bucket (or reverse-parameter) order, and
-  :meth:`~DataParallel.finish` launches whatever backward did not (a parameter that got no
-  gradient here, or a last backward run inside ``no_sync``);
-* **unused parameters**: a parameter that got no gradient this step is an error naming it,
-  unless ``find_unused_parameters=True``. Then it contributes zero, a parameter no rank used
+  asynchronous versions launch strictly in bucket (or reverse-parameter) order;
+* **unused parameters**: a parameter that got no gradient is an error naming it, unless
+  ``find_unused_parameters=True``. Then it contributes zero, a parameter no rank used
   keeps its gradient untouched (``None`` stays ``None``: AdamW neither decays it nor moves
   its moments), and one that another rank used gets the average (one small all-reduce of a
   "used" flag per parameter decides which);
-* **buffers** (running statistics, a random buffer) are broadcast from the group's first
-  rank before each forward that follows a synchronising one (``broadcast_buffers=True``, the
-  default), one broadcast per dtype, and once at construction.
-
-Traffic per step (ring): ``2(N-1)/N · Ψ`` elements per rank, ``2Ψ`` in the ZeRO paper's
-count (DESIGN.md).
+* **the same start** (:mod:`edu3d.parallel.dp.same_start`): every parameter, frozen ones
+  included, and every buffer broadcast from the group's first rank at wrap time; buffers
+  broadcast again before each forward that follows a synchronising one
+  (``broadcast_buffers=True``, the default).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from edu3d.distributed import comm, trace
+from edu3d.parallel.dp import same_start, step_guard
+from edu3d.parallel.dp.buckets import Bucket, make_buckets
 
 IMPLS = ("naive", "flat", "overlap", "bucketed")
+__all__ = ["IMPLS", "DataParallel", "make_buckets", "switched", "used_by_any_rank"]
 
 
 def used_by_any_rank(params: list, used, group) -> set:
@@ -84,103 +101,53 @@ def switched(obj, name: str, value):
         setattr(obj, name, saved)
 
 
-@dataclass
-class Bucket:
-    """Parameters whose gradients travel together, and the flat buffer they live in
-    (``None`` for ``overlap``'s one-parameter units, which all-reduce ``p.grad`` itself)."""
+class DataParallel(nn.Module):
+    """Averages ``module``'s gradients over ``group`` with one of :data:`IMPLS`: torch DDP's
+    loop (module docstring), or the explicit one with :meth:`finish`.
 
-    params: list
-    buffer: torch.Tensor | None
-    ready: int = 0
-    handle: object = None
-    index: int = 0
-    offsets: list = field(default_factory=list)
-
-
-def make_buckets(params: list, bucket_mb: float, reverse: bool = True,
-                 first_bucket_mb: float | None = None) -> list[Bucket]:
-    """Group ``params`` into buckets of at least ``bucket_mb`` MB (the last may be smaller).
-
-    ``reverse=True`` fills buckets from the last registered parameter backwards, the order in
-    which backward produces gradients, so the first bucket is ready early. In forward order
-    the first bucket waits for the embedding's gradient, which arrives last: no overlap.
-    ``first_bucket_mb`` caps the first bucket (PyTorch DDP uses 1 MB) so that communication
-    starts after the first few gradients rather than after ``bucket_mb`` of them.
-    A flat buffer has one dtype, so each dtype (and device) fills buckets of its own; the
-    buckets are then ordered by their first parameter, as torch DDP orders them.
-    """
-    if bucket_mb <= 0:
-        raise ValueError(f"bucket_mb={bucket_mb} must be positive (e.g. 25, PyTorch's default)")
-    order = list(reversed(params)) if reverse else list(params)
-    limit = bucket_mb * 2**20
-    first = min(first_bucket_mb, bucket_mb) * 2**20 if first_bucket_mb else limit
-    groups, filling, closed = [], {}, set()  # filling: kind -> [params, bytes]
-    for p in order:
-        kind = (p.dtype, p.device)
-        current = filling.setdefault(kind, [[], 0])
-        current[0].append(p)
-        current[1] += p.numel() * p.element_size()
-        if current[1] >= (limit if kind in closed else first):
-            groups.append(filling.pop(kind)[0])
-            closed.add(kind)
-    groups += [ps for ps, _ in filling.values()]
-    position = {id(p): i for i, p in enumerate(order)}
-    groups.sort(key=lambda ps: position[id(ps[0])])
-    buckets = []
-    for i, ps in enumerate(groups):
-        buf = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-        offsets, off = [], 0
-        for p in ps:
-            offsets.append(off)
-            off += p.numel()
-        buckets.append(Bucket(ps, buf, index=i, offsets=offsets))
-    return buckets
-
-
-class DataParallel:
-    """Averages a model's gradients over ``group`` with one of :data:`IMPLS`.
-
-    Usage per step: ``dp.zero_grad()`` (or the optimizer's or the model's ``zero_grad``, at
-    any point of the loop); forward/backward for each micro-batch (all but the last inside
-    ``with dp.no_sync():``); ``dp.finish()``; then clip and step as usual.
     ``comm_hook(tensor, group) -> handle`` replaces the all-reduce of a bucket (compression,
-    see :mod:`edu3d.parallel.dp.compress`); it must sum, :meth:`finish` divides by N.
-
-    ``params`` (default: all of ``model``'s) are the ones averaged, and ``divisor`` (default
-    N) what their sums are divided by: expert parallelism averages its experts' gradients
-    over the expert-data-parallel group but divides by the whole ``dp x cp`` size.
-    ``find_unused_parameters`` and ``broadcast_buffers`` have torch DDP's meaning (module
-    docstring); a wrapper given its own ``params`` list owns no buffers.
+    see :mod:`edu3d.parallel.dp.compress`); it must sum, the wrapper divides by N.
+    ``params`` (default: all of ``module``'s) are the ones broadcast and averaged (the
+    trainable ones), and ``divisor`` (default N) what their sums are divided by: expert
+    parallelism averages its experts' gradients over the expert-data-parallel group but
+    divides by the whole ``dp x cp`` size. ``find_unused_parameters`` and
+    ``broadcast_buffers`` have torch DDP's meaning; a wrapper given its own ``params`` list
+    owns no buffers. (Not torch's single-process ``nn.DataParallel``: this is DDP's role.)
     """
 
-    def __init__(self, model: torch.nn.Module, group=None, impl: str = "bucketed",
+    def __init__(self, module: nn.Module, group=None, impl: str = "bucketed",
                  bucket_mb: float = 25.0, reverse_buckets: bool = True, comm_hook=None,
                  broadcast: bool = True, first_bucket_mb: float | None = 1.0,
                  params: list | None = None, divisor: int | None = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True):
+        super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"dp impl {impl!r} is not one of {', '.join(IMPLS)}")
-        self.model, self.group, self.impl = model, group, impl
+        self.module, self.group, self.impl = module, group, impl
         self.n = divisor or dist.get_world_size(group)
-        self.params = [p for p in (model.parameters() if params is None else params)
-                       if p.requires_grad]
-        self.names = {p: name for name, p in model.named_parameters()}
+        given = list(module.parameters() if params is None else params)
+        self.params = [p for p in given if p.requires_grad]
+        self.param_set = set(self.params)
+        self.names = {p: name for name, p in module.named_parameters()}
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers and params is None
         self.sync = True
         self.comm_hook = comm_hook
-        self.used: set = set()  # parameters whose gradient arrived since the last finish()
-        self._pending: list = []  # (tensor, handle) of asynchronous all-reduces in flight
+        self.used: set = set()  # parameters whose gradient arrived since the last average
+        self.synced: set = set()  # ... in a backward outside no_sync
+        self.unfinished = False  # a gradient arrived that is not averaged yet
+        self.averaged = False  # the end of a backward averaged every gradient: finish() is done
+        self._inflight: list = []  # (tensor, handle) of asynchronous all-reduces in flight
         self._zeros: dict = {}  # overlap: the zero gradient sent for a locally unused parameter
         self._next = 0  # the next unit (bucket, or parameter for overlap) to launch
         self._grads_seen = 0
-        self._sync_buffers_next = True  # torch DDP's require_forward_param_sync
+        self._callback_queued = False
         self.launch_log: list = []  # (bucket, gradients ready when it was launched), last step
         self.buckets: list[Bucket] = []
         if broadcast:
-            self.broadcast_parameters()
+            same_start.broadcast_parameters(given, group)
             if self.broadcast_buffers:
-                self.broadcast_module_buffers()
+                same_start.broadcast_buffers(module, group)
         if impl == "bucketed":
             self.buckets = make_buckets(self.params, bucket_mb, reverse_buckets,
                                         first_bucket_mb)
@@ -191,43 +158,25 @@ class DataParallel:
         self._unit_of = {p: (u, off) for u in self._units
                          for p, off in zip(u.params, u.offsets)}
         # every version watches the gradients arrive: it must know which parameters got one
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self.params]
-        if self.broadcast_buffers and any(True for _ in model.buffers()):
-            self._hooks += [model.register_forward_pre_hook(self._before_forward),
-                            model.register_forward_hook(self._after_forward)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                         for p in self.params]
+        self.buffer_sync = None
+        if self.broadcast_buffers and any(True for _ in module.buffers()):
+            self.buffer_sync = same_start.BufferSync(module, group, lambda: self.sync)
+        step_guard.watch(self)
 
-    # ---- setup ----------------------------------------------------------------------------
-    def _src(self) -> int:
-        return dist.get_process_group_ranks(self.group)[0] if self.group else 0
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model (torch DDP calls it ``module``)."""
+        return self.module
 
-    @torch.no_grad()
-    def broadcast_parameters(self) -> None:
-        """Start from the same weights everywhere: copy the group's first rank's parameters."""
-        for p in self.params:
-            comm.broadcast(p.data, self._src(), self.group)
+    def forward(self, *inputs, **kwargs):
+        """Run the model, as DDP's forward: refused while an average is unfinished."""
+        if self.unfinished and self.synced:
+            raise RuntimeError(self._unfinished_message())
+        return self.module(*inputs, **kwargs)
 
-    @torch.no_grad()
-    def broadcast_module_buffers(self) -> None:
-        """Copy the group's first rank's buffers to every rank, one broadcast per dtype (the
-        model's buffers are looked up each time: a module may have replaced one)."""
-        kinds: dict = {}
-        for b in self.model.buffers():
-            kinds.setdefault((b.dtype, b.device), []).append(b)
-        for bufs in kinds.values():
-            flat = torch.cat([b.reshape(-1) for b in bufs])
-            comm.broadcast(flat, self._src(), self.group)
-            for b, piece in zip(bufs, flat.split([b.numel() for b in bufs])):
-                b.copy_(piece.view_as(b))
-
-    def _before_forward(self, module, args) -> None:
-        if self._sync_buffers_next:
-            self.broadcast_module_buffers()
-
-    def _after_forward(self, module, args, output) -> None:
-        # as torch DDP: the next forward syncs buffers only after one that will sync gradients
-        self._sync_buffers_next = torch.is_grad_enabled() and self.sync
-
+    # ---- gradient buffers -----------------------------------------------------------------
     def _slot(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s place in its bucket's flat buffer, shaped like ``p``."""
         b, off = self._unit_of[p]
@@ -247,10 +196,12 @@ class DataParallel:
             p.grad = slot
 
     # ---- per step ---------------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Forget the gradients. Buckets are zeroed in place and ``p.grad`` stays their view
-        (autograd then writes into them directly); ``set_to_none=True`` sets ``p.grad = None``
-        as ``optimizer.zero_grad()`` does. The other versions always set ``None``."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients, as ``optimizer.zero_grad()``: ``p.grad = None`` (torch's
+        default). ``set_to_none=False`` zeroes the buckets in place and keeps ``p.grad``
+        their view (autograd then writes into them directly, no copy); the versions without
+        buckets always set ``None``. All-reduces still in flight land first."""
+        self._drain()
         self._reset()
         self.launch_log = []
         if self.buckets and not set_to_none:
@@ -270,15 +221,42 @@ class DataParallel:
             return self.comm_hook(t, self.group)
         return comm.all_reduce(t, self.group, async_op=async_op)
 
+    def _launched(self, p: torch.Tensor) -> bool:
+        return bool(self._units) and self._unit_of[p][0].index < self._next
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self.sync and p in self.synced and self._launched(p):
+            self._drain()  # every rank launched the same all-reduces: let them end
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: {self._name(p)} got a second gradient while its "
+                "all-reduce was in flight (two backwards outside no_sync() before the average "
+                "completed): run every backward but the last of a step inside dp.no_sync()")
+        self.unfinished, self.averaged = True, False
         self.used.add(p)
         if self.buckets:
             self._adopt(p)
-        if not self.sync or not self._units:
+        if not self.sync:
             return
-        self._unit_of[p][0].ready += 1
-        self._grads_seen += 1
-        self._launch(force=False)
+        first = p not in self.synced  # a unit counts each parameter once
+        self.synced.add(p)
+        if not self._callback_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
+            except RuntimeError:  # called outside backward (a pipeline's weight pass): finish()
+                pass
+        if self._units and first:
+            self._unit_of[p][0].ready += 1
+            self._grads_seen += 1
+            self._launch(force=False)
+
+    def _end_of_backward(self) -> None:
+        """The end of a backward outside ``no_sync``: average now if every parameter got
+        its gradient (or ``find_unused_parameters``: torch DDP's rule); otherwise wait for
+        more backwards of this step (a pipeline's stages) or :meth:`finish`."""
+        self._callback_queued = False
+        if self.find_unused_parameters or len(self.synced) == len(self.params):
+            self._average()
 
     def _launch(self, force: bool) -> None:
         """Launch units strictly in order (every rank must issue the collectives in the same
@@ -291,22 +269,33 @@ class DataParallel:
                 p = u.params[0]
                 t = p.grad if p.grad is not None else self._zeros.setdefault(
                     p, torch.zeros_like(p))
-                self._pending.append((t, self._all_reduce(t, async_op=True)))
+                self._inflight.append((t, self._all_reduce(t, async_op=True)))
             else:
                 if self._next == 0:
                     self.launch_log = []
                 self.launch_log.append((u.index, self._grads_seen))
                 with trace.current().context(chunk=u.index):
-                    self._pending.append((u.buffer, self._all_reduce(u.buffer, async_op=True)))
+                    self._inflight.append((u.buffer, self._all_reduce(u.buffer, async_op=True)))
             self._next += 1
 
     def finish(self) -> None:
-        """Make every ``p.grad`` the average over the group (call after the last backward)."""
+        """Make every ``p.grad`` the average over the group: after the last backward of the
+        step when it ran inside ``no_sync`` or left a parameter without a gradient (a
+        pipeline's stages, ``find_unused_parameters``); nothing to do when the end of
+        backward averaged already."""
+        if self.averaged and not self.unfinished:
+            return
         unused = [p for p in self.params if p not in self.used]
         if unused and not self.find_unused_parameters:
             self._drain()  # the all-reduces already launched end on every rank alike
             self._reset()
             raise RuntimeError(self._unused_message(unused))
+        self._average()
+
+    def _average(self) -> None:
+        """Launch what is left, wait for every all-reduce, divide (the unused parameters:
+        module docstring)."""
+        unused = [p for p in self.params if p not in self.used]
         if self.impl in ("naive", "flat"):
             used = self._globally_used() if self.find_unused_parameters else set(self.params)
             for p in unused:
@@ -327,6 +316,7 @@ class DataParallel:
                 if p in used and p.grad is None:
                     p.grad = self._slot(p) if self.buckets else self._zeros[p]
         self._reset()
+        self.averaged = True
 
     def _reduce_after_backward(self, params: list) -> None:
         if self.impl == "naive":
@@ -346,22 +336,48 @@ class DataParallel:
         """The parameters some rank of the group gave a gradient this step."""
         return used_by_any_rank(self.params, self.used, self.group)
 
+    # ---- misuse, named ------------------------------------------------------------------------
+    def _name(self, p: torch.Tensor) -> str:
+        return self.names.get(p, f"a parameter of shape {tuple(p.shape)}")
+
+    def _shown(self, params: list) -> str:
+        names = [self._name(p) for p in params]
+        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
     def _unused_message(self, unused: list) -> str:
-        names = [self.names.get(p, f"a parameter of shape {tuple(p.shape)}") for p in unused]
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return (f"rank {dist.get_rank()}: {len(unused)} parameter(s) got no gradient in this "
+                f"step: {self._shown(unused)}. Every rank must reduce every gradient: use them "
+                "in the loss, or pass DataParallel(..., find_unused_parameters=True) as with "
+                "torch DDP")
+
+    def _unfinished_message(self) -> str:
         rank = dist.get_rank()
-        return (f"rank {rank}: {len(unused)} parameter(s) got no gradient in this step: "
-                f"{shown}. Every rank must reduce every gradient: use them in the loss, or "
-                "pass DataParallel(..., find_unused_parameters=True) as with torch DDP")
+        if self.synced:
+            missing = [p for p in self.params if p not in self.synced]
+            return (f"rank {rank}: DataParallel has not finished averaging this step's "
+                    f"gradients: the backwards outside no_sync() gave none to {len(missing)} "
+                    f"parameter(s): {self._shown(missing)}. If they are unused, pass "
+                    "DataParallel(..., find_unused_parameters=True) as with torch DDP; if a "
+                    "later backward gives them one, call dp.finish() after it")
+        return (f"rank {rank}: the gradients accumulated inside dp.no_sync() were never "
+                "averaged: run the last backward of the step outside no_sync(), or call "
+                "dp.finish() after it, before optimizer.step()")
+
+    def check_step(self, optimizer) -> None:
+        """The step guard's question (:mod:`edu3d.parallel.dp.step_guard`): refuse a step of
+        this wrapper's parameters while their average is unfinished."""
+        if self.unfinished and step_guard.stepped_by(optimizer, self.param_set):
+            raise RuntimeError(self._unfinished_message())
 
     def _drain(self) -> None:
-        for t, handle in self._pending:
+        for t, handle in self._inflight:
             self._finish_one(t, handle)
-        self._pending = []
+        self._inflight = []
 
     def _reset(self) -> None:
-        """A new step: no gradient seen, no unit launched."""
-        self.used = set()
+        """A new average: no gradient seen, no unit launched."""
+        self.used, self.synced = set(), set()
+        self.unfinished = self.averaged = False
         self._zeros = {}
         for u in self._units:
             u.ready = 0

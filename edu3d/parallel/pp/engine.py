@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from edu3d.distributed import trace
-from edu3d.schedules.actions import Action
+from edu3d.schedules.actions import Action, stage_rank
 from edu3d.parallel.pp.stage import PipelineStage
 
 def scaled_loss(loss: torch.Tensor, m: int) -> torch.Tensor:
@@ -92,8 +92,10 @@ class PipelineEngine:
 
     ``stages`` maps global stage index -> :class:`PipelineStage` (this rank's); ``ranks``
     lists the global ranks of the pipeline group in stage-rank order; ``group`` is that
-    process group. ``microbatch_loss(loss, m)`` turns a micro-batch's mean loss into what is
-    back-propagated (default ``loss / m``; ``lambda loss, m: loss`` is the classic bug).
+    process group; ``placement`` says which of them holds each stage (``"loop"`` or ``"v"``,
+    :func:`~edu3d.schedules.actions.stage_rank`). ``microbatch_loss(loss, m)`` turns a
+    micro-batch's mean loss into what is back-propagated (default ``loss / m``;
+    ``lambda loss, m: loss`` is the classic bug).
 
     ``action_context(action, last)``, when given, wraps every compute action in a context
     manager; ``last`` says whether it is the stage's last forward (for ``F``) or the last
@@ -106,8 +108,9 @@ class PipelineEngine:
                  ranks: list[int], group, microbatches: int,
                  microbatch_loss: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
                  action_context: Callable[[Action, bool], contextlib.AbstractContextManager]
-                 | None = None):
+                 | None = None, placement: str = "loop"):
         self.stages, self.actions, self.n_stages = stages, actions, n_stages
+        self.placement = placement
         self.ranks, self.group, self.m = ranks, group, microbatches
         self.pp = len(ranks)
         self.microbatch_loss = microbatch_loss or scaled_loss
@@ -131,7 +134,7 @@ class PipelineEngine:
 
     # ---- messages ---------------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
-        return self.ranks[stage % self.pp]
+        return self.ranks[stage_rank(stage, self.pp, self.placement)]
 
     def _tag(self, direction: str, from_stage: int, mb: int | None) -> int:
         """A distinct tag per (direction, sending stage, micro-batch); ``None`` = metadata."""

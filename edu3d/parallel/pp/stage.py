@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from edu3d.schedules.actions import stage_rank
+
 
 class PipelineStage(nn.Module):
     """Layers ``[first_layer, end_layer)`` of ``model``, plus embedding / head at the ends."""
@@ -61,8 +63,10 @@ class PipelineStage(nn.Module):
 
 
 def split_model(model: nn.Module, parts: list[tuple[int, int]], pp: int,
-                pp_rank: int) -> dict[int, PipelineStage]:
-    """This pipeline rank's stages (global stage ``s`` lives on rank ``s % pp``).
+                pp_rank: int, style: str = "loop") -> dict[int, PipelineStage]:
+    """This pipeline rank's stages: global stage ``s`` lives on rank ``s % pp`` (``style``
+    ``"loop"``), or as a V (``"v"``: rank ``r`` holds ``r`` and ``2p-1-r``), see
+    :func:`~edu3d.schedules.actions.stage_rank`.
 
     With tied embeddings and more than one stage, the first stage's ``tok_emb.weight`` and
     the last stage's ``lm_head.weight`` are the same tensor at the start; when they sit on
@@ -70,4 +74,4 @@ def split_model(model: nn.Module, parts: list[tuple[int, int]], pp: int,
     the last micro-batch (Megatron's embedding group), so the copies stay equal."""
     last = len(parts) - 1
     return {s: PipelineStage(model, a, b, s == 0, s == last)
-            for s, (a, b) in enumerate(parts) if s % pp == pp_rank}
+            for s, (a, b) in enumerate(parts) if stage_rank(s, pp, style) == pp_rank}

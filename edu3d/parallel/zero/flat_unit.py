@@ -14,7 +14,12 @@ After reading this file you should understand the bookkeeping under every ZeRO s
   tensor of shape (0,)** (as FSDP does): a freed parameter can be printed, cloned or
   normed safely (it is empty), never read through a full shape over no memory (a
   segmentation fault). :meth:`FlatUnit.restore` regrows the storage for a gather and points
-  the parameters at their views again.
+  the parameters at their views again;
+* with a **mixed-precision** ``param_dtype`` (FSDP2's ``MixedPrecisionPolicy``) the flat
+  buffer holds the parameters in that dtype (what forward and backward compute with, and what
+  the all-gathers move) and :attr:`FlatUnit.master_init` keeps this rank's shard in the
+  parameters' own dtype: the master copy the optimizer steps. The gradient shard of stages
+  2-3 has the master's dtype too, so micro-batches accumulate in full precision.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import torch
 class FlatUnit:
     """One unit's parameters as a padded flat buffer, and this rank's shard of it."""
 
-    def __init__(self, name: str, modules: list, params: list, n: int, index: int):
+    def __init__(self, name: str, modules: list, params: list, n: int, index: int,
+                 param_dtype: torch.dtype | None = None):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO unit {name} mixes dtypes {sorted(map(str, dtypes))}: one "
@@ -44,21 +50,35 @@ class FlatUnit:
             self.offsets.append(off)
             off += size
         p0 = params[0]
-        self.flat_param = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
+        self.dtype = p0.dtype  # the parameters' own: the master copy's and the gradient shard's
+        full = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
             for p, o in zip(params, self.offsets):
-                self.flat_param[o:o + p.numel()].copy_(p.detach().reshape(-1))
-        self.views = [self.flat_param[o:o + p.numel()].view_as(p)
+                full[o:o + p.numel()].copy_(p.detach().reshape(-1))
+        compute = param_dtype if param_dtype is not None and p0.is_floating_point() else p0.dtype
+        self.master_init = full[self.lo:self.hi].clone() if compute != p0.dtype else None
+        self.flat_param = full if compute == p0.dtype else full.to(compute)
+        self.views = [self.flat_param[o:o + p.numel()].view(p.shape)
                       for p, o in zip(params, self.offsets)]
-        self.empty = torch.empty(0, dtype=p0.dtype, device=p0.device)
+        self.empty = torch.empty(0, dtype=compute, device=p0.device)
         self.point_at_views()
         self.shard_param = self.flat_param[self.lo:self.hi]
         self.flat_grad: torch.Tensor | None = None
-        self.shard_grad = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
+        self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=p0.device)
+        # the optimizer's copy (offload: in host memory; mixed precision: in self.dtype), or
+        # None when it steps the shard itself; and its gradient, or None: the shard's
+        self.master_param: torch.Tensor | None = None
+        self.master_grad: torch.Tensor | None = None
+        self.averaged = False  # stages 2-3: finish() divided the shard gradient already
         self.ready: set = set()  # stages 2-3: parameters whose gradient arrived (synced)
         self.reduced = False  # stages 2-3: reduce-scattered in this step
         self.gathered = True
         self.pending = None  # an asynchronous all-gather in flight (prefetch)
+
+    @property
+    def host_param(self) -> torch.Tensor | None:
+        """The master copy (in host memory under ``offload``)."""
+        return self.master_param
 
     def point_at_views(self) -> None:
         for p, v in zip(self.params, self.views):
@@ -83,9 +103,10 @@ class FlatUnit:
             if a < b:
                 yield p, a - o, b - o, a - self.lo
 
-    def flatten_grads(self) -> torch.Tensor:
-        """The unit's gradients end to end (padded); a parameter without one counts zero."""
-        flat = torch.zeros(self.padded, dtype=self.shard_grad.dtype, device=self.shard_grad.device)
+    def flatten_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unit's gradients end to end (padded) in ``dtype`` (the reduction's); a
+        parameter without one counts zero."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.shard_grad.device)
         for p, o, size in zip(self.params, self.offsets, self.sizes):
             if p.grad is not None:
                 flat[o:o + size].copy_(p.grad.reshape(-1))

@@ -15,8 +15,9 @@ unit still runs the whole model (FSDP's unshard / reshard):
   computes: forward order in forward, reverse order in backward;
 * a freed unit's parameters are empty tensors (:meth:`FlatUnit.free`), safe to touch;
 * ``model.state_dict()`` gathers every freed unit, copies the full tensors into the state
-  dict and frees them again: FSDP's ``FULL_STATE_DICT``. It is collective, every rank of the
-  group must call it; ``torch.save`` of it loads back into a plain model.
+  dict and frees them again: FSDP's ``FULL_STATE_DICT`` (the hooks are in
+  :mod:`edu3d.parallel.zero.zero_state`). It is collective: every rank of the group must call
+  it, and a rank that calls it alone gets an error, not a hang.
 
 Every gather and free records the bytes of parameters held (``mem`` events: the sawtooth
 chapter 03 draws).
@@ -40,7 +41,6 @@ class Gathering:
             u.shard_param = u.shard_param.clone()  # the only persistent copy
             self.free(u)
         self._install_hooks()
-        self._install_state_dict_hooks(model)
 
     def free(self, u: FlatUnit) -> None:
         if u.pending is not None:  # a prefetched unit nobody used: let the gather land first
@@ -108,24 +108,3 @@ class Gathering:
     def _before_backward(self, u: FlatUnit, i: int) -> None:
         self.gather(u)
         self._prefetch(i - 1)
-
-    def _install_state_dict_hooks(self, model: torch.nn.Module) -> None:
-        """``model.state_dict()`` holds full tensors: freed units gathered before, their
-        tensors copied out, the units freed again after."""
-        held: list = []
-
-        def pre(module, prefix, keep_vars):
-            held[:] = [u for u in self.units if not u.gathered]
-            for u in held:
-                self.gather(u)
-
-        def post(module, state_dict, prefix, local_metadata):
-            for key, t in list(state_dict.items()):
-                if isinstance(t, torch.Tensor) and any(u.holds_storage(t) for u in held):
-                    state_dict[key] = t.detach().clone()
-            for u in held:
-                self.free(u)
-            held.clear()
-
-        model.register_state_dict_pre_hook(pre)
-        model.register_state_dict_post_hook(post)

@@ -15,7 +15,8 @@ uses by default:
   whole forward;
 * a parameter shared by two units (a tied embedding and LM head) is a unit of its own,
   ``tied``, whose modules are every module that holds it: so each user gathers it, and the
-  first and the last pipeline stage shard it identically;
+  first and the last pipeline stage shard it identically (when both stages sit on one rank,
+  as in a V, their two ``tied`` units merge into one: :func:`merge_shared`);
 * a unit's flat buffer has one dtype: a unit whose parameters mix dtypes is split, one unit
   per dtype (``head.bfloat16``), never cast.
 
@@ -120,6 +121,22 @@ def units_of(pieces: list[tuple[str, list]], tied=None) -> list[tuple[str, list,
         if params:
             units.append((name, kept, params))
     return units
+
+
+def merge_shared(units: list[tuple[str, list, list]]) -> list[tuple[str, list, list]]:
+    """Units of several pipeline stages on one rank that hold the same tensor become one,
+    whose modules are all of theirs: a V puts the first and the last stage on rank 0, and a
+    tied embedding then has a ``tied`` unit in each. A tensor shared with anything else is
+    an error, as in :func:`check_cover`."""
+    out: list[tuple[str, list, list]] = []
+    for name, modules, params in units:
+        same = next((u for u in out if len(u[2]) == len(params)
+                     and all(p is q for p, q in zip(u[2], params))), None)
+        if same is not None:
+            same[1].extend(m for m in modules if all(m is not n for n in same[1]))
+            continue
+        out.append((name, list(modules), params))
+    return out
 
 
 def by_dtype(units: list[tuple[str, list, list]]) -> list[tuple[str, list, list]]:

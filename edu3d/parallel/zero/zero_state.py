@@ -3,16 +3,22 @@
 After reading this file you should understand what a checkpoint of a sharded run holds and how
 it finds its way back into the shards (FSDP's state-dict machinery, in small):
 
-* **the model.** ``model.state_dict()`` already holds full tensors (ZeRO-3 gathers them, see
-  :mod:`edu3d.parallel.zero.gathering`). ``model.load_state_dict(full)`` works at every stage
-  because of :func:`install_load_hooks`: under stages 1-2 every parameter *is* a view of the
-  flat buffer whose slice is the shard, so torch's own copy updates the shard; under ZeRO-3
-  a parameter is an empty ``(0,)`` tensor between forwards, so a pre-hook first points every
-  parameter at a full-size buffer (filled with zeros and this rank's shard, no
-  communication), torch copies the loaded tensors into it (its shape and ``strict`` key
-  checks work as on a plain model), and a post-hook copies this rank's slice back into the
-  shard and frees the buffer again. Each rank keeps its slice of a key the dict lacks
-  (``strict=False``). With ``offload=True`` the host master copy is refreshed too;
+* **the model.** ``model.state_dict()`` holds full tensors: under ZeRO-3 a pre-hook gathers
+  every freed unit and a post-hook copies the tensors out and frees the units again (FSDP's
+  ``FULL_STATE_DICT``); under mixed precision the unit parameters are replaced by their full
+  precision values, gathered from the master shards. Both are collective, so a rank first
+  checks in with the others (:func:`check_in`): ``if rank == 0: model.state_dict()`` (the
+  DDP idiom) is an error that says so, not a hang until the process group's timeout.
+  ``model.load_state_dict(full)`` works at every stage because of :func:`install_hooks`:
+  under stages 1-2 every parameter *is* a view of the flat buffer whose slice is the shard,
+  so torch's own copy updates the shard; under ZeRO-3 a parameter is an empty ``(0,)``
+  tensor between forwards, so a pre-hook first points every parameter at a full-size buffer
+  (filled with zeros and this rank's shard, no communication), torch copies the loaded
+  tensors into it (its shape and ``strict`` key checks work as on a plain model), and a
+  post-hook copies this rank's slice back into the shard and frees the buffer again. Each
+  rank keeps its slice of a key the dict lacks (``strict=False``). The master copies
+  (offload, mixed precision, whole-tensor optimizers) are refreshed from the loaded tensors
+  themselves, at their full precision;
 * **the optimizer**, in one of two forms (:meth:`Zero.state_dict`):
 
   - **sharded** (the default, no communication): this rank's torch optimizer's own
@@ -27,9 +33,10 @@ it finds its way back into the shards (FSDP's state-dict machinery, in small):
     "exp_avg": <full-shaped tensor>, ...}}, "param_groups": [{..., "params": [names]}]}``,
     keyed by parameter name. Element-wise state (a tensor with the parameter's number of
     elements: Adam's moments, SGD's momentum) is all-gathered and reshaped like its
-    parameter (in the unit's dtype); a scalar (Adam's ``step``) is taken from the rank
-    holding the parameter's first element. It loads into a ``Zero`` of *any* world size (each rank slices its pieces out)
-    and, converted by :func:`to_torch`, into a plain torch optimizer.
+    parameter (in the parameters' own dtype); a scalar (Adam's ``step``) is taken from the
+    rank holding the parameter's first element; under whole-tensor sharding each owner sends
+    its parameters' state as it is. It loads into a ``Zero`` of *any* world size (each rank
+    slices its pieces out) and, converted by :func:`to_torch`, into a plain torch optimizer.
 
   ``Zero.load_state_dict`` tells the two apart. ``ZeroRedundancyOptimizer.state_dict()``
   returns the consolidated form keyed by parameter *index*; names (as FSDP2) survive a model
@@ -38,24 +45,84 @@ it finds its way back into the shards (FSDP's state-dict machinery, in small):
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 from edu3d.distributed import comm
+from edu3d.parallel.optim_state import adam_state
+from edu3d.parallel.zero.holdings import master_shard
 
 SHARDED_KEYS = ("world_size", "rank", "pieces", "optimizer")
 
 
 # ---- the model -------------------------------------------------------------------------------
-def install_load_hooks(zero) -> None:
-    """Make ``zero.model.load_state_dict(full)`` write into ``zero``'s shards (see above)."""
-    held: list = []
+def check_in(zero, what: str) -> None:
+    """Wait, at most ``zero.collective_wait_s`` seconds, for every rank of the group to reach
+    the collective ``what``; a rank that waits longer raises an error that names the cure.
+    (A one-element all-reduce, untraced: a guard, not training traffic.)"""
+    device = zero.units[0].shard_grad.device if zero.units else torch.device("cpu")
+    work = dist.all_reduce(torch.zeros(1, device=device), group=zero.group, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=zero.collective_wait_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: {what} under ZeRO-{zero.stage} is collective (it gathers "
+            f"every unit from the ranks of its group), and the other ranks did not call it "
+            f"within {zero.collective_wait_s:g} s. Every rank must call it: sd = "
+            "model.state_dict() on every rank, then if rank == 0: torch.save(sd, path)") from e
 
-    def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+
+def _full_precision(zero, u) -> torch.Tensor:
+    """Unit ``u``'s parameters end to end in their own dtype, from every rank's master shard."""
+    shard = master_shard(u).contiguous()
+    flat = torch.empty(u.padded, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(flat, shard, zero.group)
+    return flat
+
+
+def install_hooks(zero) -> None:
+    """``zero.model.state_dict()`` and ``load_state_dict(full)`` through the shards (above)."""
+    gathered: list = []  # state_dict: the units gathered for it
+    loading: list = []  # load_state_dict: the units given a full buffer, and the dict loaded
+    collective = zero.stage == 3 or zero.param_dtype is not None
+
+    def before_save(module, prefix, keep_vars):
+        if collective:
+            check_in(zero, "model.state_dict()")
+        if zero.gathering is not None:
+            gathered[:] = [u for u in zero.units if not u.gathered]
+            for u in gathered:
+                zero.gathering.gather(u)
+
+    def after_save(module, state_dict, prefix, local_metadata):
+        for key, t in list(state_dict.items()):
+            if isinstance(t, torch.Tensor) and any(u.holds_storage(t) for u in gathered):
+                state_dict[key] = t.detach().clone()
+        for u in gathered:
+            zero.gathering.free(u)
+        gathered.clear()
+        if zero.param_dtype is not None:
+            full = {}
+            for u in zero.units:
+                flat = _full_precision(zero, u)
+                full.update({p: flat[o:o + size].view(v.shape) for p, o, size, v in
+                             zip(u.params, u.offsets, u.sizes, u.views)})
+            full.update(zero.frozen_originals)
+            for name, p in zero.keys.items():
+                if p in full and prefix + name in state_dict:
+                    state_dict[prefix + name] = full[p].clone()
+
+    def before_load(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                    errors):
+        loading[:] = [state_dict, prefix]
         if zero.gathering is None:
             return
-        held[:] = [u for u in zero.units if not u.gathered]
-        for u in held:
+        for u in zero.units:
+            if u.gathered:
+                continue
+            loading.append(u)
             if u.pending is not None:  # a prefetch in flight: let it land first
                 u.pending.wait()
                 u.pending = None
@@ -65,19 +132,69 @@ def install_load_hooks(zero) -> None:
                 u.flat_param[u.lo:u.hi].copy_(u.shard_param)
             u.point_at_views()
 
-    def post(module, incompatible_keys):
+    def after_load(module, incompatible_keys):
+        state_dict, prefix, *held = loading
         with torch.no_grad():
             for u in zero.units:
                 if zero.gathering is not None and u.flat_param.untyped_storage().nbytes():
                     u.shard_param.copy_(u.flat_param[u.lo:u.hi])
-                if zero.offload:
-                    u.host_param.copy_(u.shard_param)
+            _refresh_masters(zero, state_dict, prefix)
         for u in held:
             zero.gathering.free(u)
-        held.clear()
+        loading.clear()
 
-    zero.model.register_load_state_dict_pre_hook(pre)
-    zero.model.register_load_state_dict_post_hook(post)
+    zero.model.register_state_dict_pre_hook(before_save)
+    zero.model.register_state_dict_post_hook(after_save)
+    zero.model.register_load_state_dict_pre_hook(before_load)
+    zero.model.register_load_state_dict_post_hook(after_load)
+
+
+def _refresh_masters(zero, state_dict: dict, prefix: str) -> None:
+    """The master copies take the loaded tensors at full precision (a key the dict lacks
+    keeps its master)."""
+    loaded = {p: state_dict[prefix + name] for name, p in zero.keys.items()
+              if prefix + name in state_dict}
+    for p, original in zero.frozen_originals.items():
+        if p in loaded:
+            original.copy_(loaded[p])
+    loaded = {p: t for p, t in loaded.items() if p in zero.where}
+    if zero.whole is not None:
+        for p, m in zero.whole.masters.items():
+            if p in loaded:
+                m.copy_(loaded[p].reshape(m.shape))
+        return
+    for u in zero.units:
+        if u.master_param is None:
+            continue
+        for p, a, b, at in u.pieces():
+            if p in loaded:
+                u.master_param[at:at + b - a].copy_(loaded[p].reshape(-1)[a:b])
+
+
+def state_pieces(zero):
+    """What a checkpoint of this rank's shard holds, piece by piece: ``(param, start, end,
+    views)``, the elements ``[start, end)`` of ``param`` (flattened) that the shard holds
+    and ``views``, a list of ``(kind, tensor, owned)``: the shard's parameters (``"param"``;
+    a master copy too, loaded but written once: the one in the parameters' own dtype) and
+    the optimizer's state for them (AdamW's ``"exp_avg"``, ``"exp_avg_sq"``, created as zeros
+    when the optimizer has not stepped yet, so a checkpoint can be loaded)."""
+    if zero.whole is not None:
+        raise ValueError("a checkpoint by shard pieces needs an element-wise optimizer; with "
+                         "whole-tensor sharding save zero.state_dict(full=True)")
+    adam = isinstance(zero.optimizer, torch.optim.AdamW)
+    for u in zero.units:
+        for (p, a, b, at), piece in zip(u.pieces(), u.opt_params):
+            shard = u.shard_param[at:at + b - a]
+            views = [("param", shard, True)]
+            if u.master_param is not None:  # written once: in the parameters' own dtype
+                master = ("param", u.master_param[at:at + b - a], True)
+                views = [master, ("param", shard, False)] if u.master_init is not None \
+                    else [views[0], master[:2] + (False,)]
+            if adam and piece is not None:
+                state = adam_state(zero.optimizer, piece)
+                views += [(kind, state[kind].reshape(-1), True)
+                          for kind in ("exp_avg", "exp_avg_sq")]
+            yield p, a, b, views
 
 
 # ---- the optimizer ---------------------------------------------------------------------------
@@ -96,9 +213,17 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
+def _layout(zero) -> list[tuple]:
+    """``(param, start, end)`` per tensor the optimizer steps, in its own order: pieces of the
+    shard, or (whole-tensor sharding) the whole parameters this rank owns."""
+    if zero.whole is not None:
+        return zero.whole.pieces()
+    return [(p, a, b) for p, a, b, *_ in _pieces(zero)]
+
+
 def sharded_state(zero) -> dict:
     """This rank's optimizer state and the layout it belongs to (no communication)."""
-    pieces = [(zero.names[p], a, b) for p, a, b, *_ in _pieces(zero)]
+    pieces = [(zero.names[p], a, b) for p, a, b in _layout(zero)]
     return {"world_size": zero.n, "rank": zero.index, "pieces": pieces,
             "optimizer": zero.optimizer.state_dict()}
 
@@ -115,6 +240,16 @@ def _exchange(zero, mine: dict) -> dict:
 
 def full_state(zero) -> dict:
     """The optimizer state of every parameter, full-shaped and keyed by name (collective)."""
+    groups = [{**_hyper(g), "params": names}
+              for g, names in zip(zero.optimizer.param_groups, zero.group_names)]
+    out = _exchange(zero, zero.whole.full_state()) if zero.whole is not None else _gathered(zero)
+    return {"state": {n: out[n] for g in zero.group_names for n in g if n in out},
+            "param_groups": groups}
+
+
+def _gathered(zero) -> dict:
+    """Element-wise sharding's full state: element-wise tensors all-gathered, scalars taken
+    from the piece holding element 0."""
     state = zero.optimizer.state
     # per parameter: the element-wise keys, and the scalars of the piece holding element 0
     meta = {}
@@ -132,7 +267,7 @@ def full_state(zero) -> dict:
         keys = sorted({k for p in u.params for k, v in meta.get(zero.names[p], {}).items()
                        if isinstance(v, str) and v == "elementwise"})
         for key in keys:  # one all-gather per unit and kind of state
-            shard = torch.zeros_like(u.shard_grad)
+            shard = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.shard_grad.device)
             for (p, a, b, at), piece in zip(u.pieces(), u.opt_params):
                 if piece is not None and key in state.get(piece, {}):
                     shard[at:at + b - a].copy_(state[piece][key])
@@ -146,10 +281,7 @@ def full_state(zero) -> dict:
         for key, v in entry.items():
             if not (isinstance(v, str) and v == "elementwise"):
                 out.setdefault(name, {})[key] = v
-    groups = [{**_hyper(g), "params": names}
-              for g, names in zip(zero.optimizer.param_groups, zero.group_names)]
-    return {"state": {n: out[n] for g in zero.group_names for n in g if n in out},
-            "param_groups": groups}
+    return out
 
 
 def _shapes(zero) -> dict:
@@ -171,7 +303,7 @@ def load(zero, sd: dict) -> None:
         zero.optimizer.load_state_dict(sd["optimizer"])
         return
     saved_group = {n: g for g in sd["param_groups"] for n in g["params"]}
-    pieces, shapes = _pieces(zero), _shapes(zero)
+    pieces, shapes = _layout(zero), _shapes(zero)
     state, groups, i = {}, [], 0
     for g, names in zip(zero.optimizer.param_groups, zero.group_names):
         missing = [n for n in names if n not in saved_group]
@@ -179,15 +311,23 @@ def load(zero, sd: dict) -> None:
             raise ValueError(f"the optimizer state has no param group holding {missing[:4]}")
         hyper = _hyper(saved_group[names[0]]) if names else _hyper(g)
         groups.append({**hyper, "params": list(range(i, i + len(g["params"])))})
-        for p, a, b, *_ in pieces[i:i + len(g["params"])]:
+        for p, a, b in pieces[i:i + len(g["params"])]:
             saved = sd["state"].get(zero.names[p])
             if saved:
-                state[i] = {k: (v.reshape(-1)[a:b].clone() if isinstance(v, torch.Tensor)
-                                and v.dim() > 0 and v.numel() == shapes[p][1]
-                                else v.clone() if isinstance(v, torch.Tensor) else v)
+                state[i] = {k: _my_part(v, a, b, shapes[p][1], zero.whole is None)
                             for k, v in saved.items()}
             i += 1
     zero.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _my_part(v, a: int, b: int, numel: int, sliced: bool):
+    """This rank's part of one saved state value: elements ``[a, b)`` of an element-wise
+    tensor (``sliced``: the optimizer steps shard pieces), a copy of anything else."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    if sliced and v.dim() > 0 and v.numel() == numel:
+        return v.reshape(-1)[a:b].clone()
+    return v.clone()
 
 
 def to_torch(full: dict, model: torch.nn.Module) -> dict:
