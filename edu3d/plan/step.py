@@ -39,7 +39,7 @@ from functools import lru_cache
 
 from edu3d.config.sections import Run
 from edu3d.model.shapes import ModelSpec
-from edu3d.plan import links, recipes, roofline
+from edu3d.plan import cpu, links, recipes, roofline
 from edu3d.plan.formulas import as_moe, routed_per_token
 from edu3d.plan.hardware import Profile, load_profile
 from edu3d.plan.ops import Cut, embedding_ops, head_ops, layer
@@ -240,7 +240,8 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     state = rec.master + rec.moments + (4 if rec.name == "edu3d" else 0)
     per_param = 2 * state + 2 * rec.grad + (rec.weight if rec.master else 0)
     seconds = psi * per_param / (profile.mem_bandwidth * profile.mem_efficiency)
-    return seconds * (run.world_size / profile.cores if profile.cores else 1.0)
+    return (seconds * (run.world_size / profile.cores if profile.cores else 1.0)
+            + cpu.step_overhead(spec, run, profile, pp_rank))  # CPU: loops over tensors
 
 
 # ---- 3. the pipeline, and the step --------------------------------------------------------------
