@@ -9,6 +9,9 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
 ``matmul_efficiency``  the best fraction of bf16 peak a large GEMM reaches (a microbenchmark);
 ``matmul_half_flops``  the FLOPs of a matmul that reaches half that rate (smaller ones do worse);
 ``attention_efficiency`` the fraction of bf16 peak FlashAttention reaches at long sequences;
+``sustained``          the fraction of those microbenchmark rates a long training run sustains
+                       (clocks under the power cap, gaps between kernels): *fitted* to published
+                       single-node runs, the one constant here that is not a measurement;
 ``mem_efficiency``     the fraction of HBM bandwidth a streaming copy reaches (a microbenchmark);
 ``kernel_overhead``    seconds an eager PyTorch op costs before its kernel runs;
 ``runtime_memory``     bytes a rank loses before any tensor (CUDA context, library workspaces);
@@ -56,6 +59,7 @@ CONSTANTS = (
     ("matmul_efficiency", 0.05, 1.0),
     ("matmul_half_flops", 1e3, 1e13),
     ("attention_efficiency", 0.01, 1.0),
+    ("sustained", 0.2, 1.0),
     ("mem_efficiency", 0.05, 1.0),
     ("kernel_overhead", 1e-7, 1e-3),
     ("runtime_memory", 0.0, 2e10),
@@ -92,6 +96,7 @@ class Profile:
     matmul_efficiency: float
     matmul_half_flops: float
     attention_efficiency: float
+    sustained: float
     mem_efficiency: float
     kernel_overhead: float
     runtime_memory: float
@@ -206,7 +211,7 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         mem_bandwidth=values["mem_bandwidth"], memory=values["memory"],
         matmul_efficiency=values["matmul_efficiency"], mem_efficiency=values["mem_efficiency"],
         matmul_half_flops=values["matmul_half_flops"],
-        attention_efficiency=values["attention_efficiency"],
+        attention_efficiency=values["attention_efficiency"], sustained=values["sustained"],
         kernel_overhead=values["kernel_overhead"], runtime_memory=values["runtime_memory"],
         allocator_factor=values["allocator_factor"], gpus_per_node=int(values["gpus_per_node"]),
         intra_alpha=values["link.intra.alpha"], intra_bandwidth=values["link.intra.bandwidth"],

@@ -68,6 +68,7 @@ class Recipe:
     overlap_dp: bool = True  # gradient buckets reduce while backward runs
     overlap_gather: bool = False  # ZeRO-1/2 weight all-gather hidden behind the next forward
     prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes
+    host: float = 0.0  # seconds of the framework's own Python per kernel launched (fitted)
 
 
 RECIPES = {
@@ -79,7 +80,8 @@ RECIPES = {
                        grad=4, reduce=4, fused=True, overlap_gather=True),
     "nanotron": Recipe("nanotron", "nanotron: bf16 weights and gradients plus an fp32 "
                        "accumulation buffer and master copy, ZeRO-0/1, eager kernels but a "
-                       "fused (Triton) RMSNorm", grad=6, reduce=4, fused_norm=True),
+                       "fused (Triton) RMSNorm; ~40 us of Python around each kernel (fitted)",
+                       grad=6, reduce=4, fused_norm=True, host=40e-6),
     "torchtitan": Recipe("torchtitan", "torchtitan (FSDP2): fp32 sharded weights, gradients and "
                          "moments, bf16 compute copies, fp32 gradient reduce-scatter",
                          weight=4, grad=4, master=0, reduce=4),
@@ -136,17 +138,35 @@ def activations(spec: ModelSpec, run: Run, recipe: Recipe, recompute: str) -> li
 
 def state(spec: ModelSpec, run: Run, recipe: Recipe, pp_rank: int) -> dict[str, float]:
     """Weights, gradients and optimizer state on one rank of ``pp_rank``: dense parameters
-    sharded over ``dp·cp``, routed experts over ``dp·cp/ep`` (no padding: real models)."""
-    lay, zero = run.layout, run.parallel.zero
+    sharded over ``dp·cp``, routed experts over ``dp·cp/ep`` (no padding: real models). ZeRO-3
+    that reduces once per step (per-step mode, or under a pipeline, as torchtitan does) also
+    holds the stage's gathered 16-bit weights and their 16-bit gradients for the step."""
+    lay, par = run.layout, run.parallel
+    zero = par.zero
+    holds = zero >= 3 and (lay.pp > 1 or par.grad_reduce == "per-step")
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for experts, n in ((False, lay.dp * lay.cp), (True, lay.edp)):
         psi = held(spec, run, pp_rank, experts)
         n = n if zero else 1
-        out["params"] += recipe.weight * psi / (n if zero >= 3 else 1)
+        out["params"] += recipe.weight * psi / (n if zero >= 3 else 1) + 2 * psi * holds
         grad_n = 1 if recipe.grad_unsharded else n if zero >= 2 else 1
-        out["grads"] += recipe.grad * psi / grad_n
+        out["grads"] += recipe.grad * psi / grad_n + 2 * psi * holds
         out["optimizer"] += (recipe.master + recipe.moments) * psi / n
     return out
+
+
+def transient(spec: ModelSpec, run: Run, recipe: Recipe, last: bool) -> float:
+    """What lives for a moment at the backward's peak: on the last stage the loss's backward
+    (the log-softmax output it saved, counted in the activations, meets its gradient and the
+    logits' gradient, two more fp32 ``T·V/tp`` tensors, unless the loss is fused); under full
+    or op-level recomputation, one layer's recomputed activations while its backward runs."""
+    tokens = run.micro_batch * spec.seq_len / run.layout.cp
+    loss = 0.0 if recipe.fused_loss or not last else 2 * 4 * tokens * spec.vocab_rows(
+        run.layout.tp)
+    layer = 0.0
+    if run.memory.recompute in ("full", "op"):
+        layer = layer_activations(spec, run, "selective")
+    return max(loss, layer)
 
 
 def memory(spec: ModelSpec, run: Run, recipe: str | Recipe, profile: Profile | None = None
@@ -182,7 +202,7 @@ def framework_memory(spec: ModelSpec, run: Run, rec: Recipe) -> dict:
         # before the reduce-scatter; pipeline buffers: two activations per direction
         row["comm"] = (biggest * (2 * 2 + rec.reduce) if par.zero >= 3 else 0.0) + (
             4 * 2 * run.micro_batch * spec.seq_len * spec.d_model / lay.cp if lay.pp > 1 else 0)
-        row["transient"] = 0.0
+        row["transient"] = transient(spec, run, rec, r == lay.pp - 1)
         rows.append(row)
     top = max(rows, key=lambda x: sum(x.values()))
     top["allocated"] = sum(top.values())

@@ -15,9 +15,11 @@ hand from a hardware profile (:mod:`edu3d.plan.hardware`):
   ``efficiency(F) = matmul_efficiency · F / (F + matmul_half_flops)``. It is what makes a
   micro-batch of 1 sequence slower per token than one of 16;
 * **overhead**: the host launches every kernel (``kernel_overhead`` seconds in eager
-  PyTorch). On a GPU the host runs ahead, so a stretch of kernels takes the slower of the GPU's
-  sum and the host's; on a CPU the same core does both, so the two add. Ranks that share
-  fewer cores than there are ranks share their time (``cores``).
+  PyTorch, more in a framework with Python around each op). On a GPU the host runs ahead
+  and the GPU runs a kernel once it is launched and the previous one is done: big kernels hide
+  the launches, a stretch of tiny ones waits for the host (a micro-batch of one sequence split
+  eight ways is such a stretch). On a CPU the same core does both, so the two add, and ranks
+  that outnumber the cores share them (``cores``).
 
 Precisions pick the peak: bf16/fp16 their tensor-core peak, fp8 its own (twice), fp32 TF32's
 on a GPU that has it (PyTorch's matmul default in edu3d) and fp32's on a CPU.
@@ -55,18 +57,26 @@ def op_time(op: Op, profile: Profile, dtype: str) -> float:
     else:
         per_kernel = op.flops / max(op.kernels, 1)  # a batched matmul: its pieces' size
         rate = peak(profile, dtype) * matmul_efficiency(profile, per_kernel)
-    return max(op.flops / rate, memory)
+    return max(op.flops / (rate * profile.sustained), memory)
 
 
-def stretch_time(ops, profile: Profile, dtype: str, ranks_per_core: float = 1.0) -> float:
-    """Seconds a sequence of ops takes on one rank, host launches included: on a GPU the
-    slower of the device's sum and the host's (it runs ahead), on a CPU their sum, slowed by
-    ``ranks_per_core`` when ranks outnumber cores."""
-    device = sum(op_time(o, profile, dtype) for o in ops)
-    host = profile.kernel_overhead * sum(o.kernels for o in ops)
-    if profile.cores is None:
-        return max(device, host)
-    return (device + host) * max(1.0, ranks_per_core)
+def stretch_time(ops, profile: Profile, dtype: str, ranks_per_core: float = 1.0,
+                 framework: float = 0.0) -> float:
+    """Seconds a sequence of ops takes on one rank, launches included. The host spends the
+    profile's ``kernel_overhead`` plus ``framework`` seconds (the framework's own Python) on
+    each kernel it launches. On a GPU it runs ahead: a kernel starts when it has been launched
+    and the one before it is done, so big kernels hide the launches and a stretch of tiny ones
+    waits for the host. On a CPU one core does both, so the two add, and ranks beyond the
+    cores share them (``ranks_per_core``)."""
+    per_kernel = profile.kernel_overhead + framework
+    if profile.cores is not None:
+        device = sum(op_time(o, profile, dtype) for o in ops)
+        return (device + per_kernel * sum(o.kernels for o in ops)) * max(1.0, ranks_per_core)
+    launched = done = 0.0
+    for o in ops:
+        launched += per_kernel * o.kernels
+        done = max(done, launched) + op_time(o, profile, dtype)
+    return done
 
 
 def achieved(ops, profile: Profile, dtype: str) -> float:

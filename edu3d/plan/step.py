@@ -101,12 +101,12 @@ def moe_args(spec: ModelSpec, run: Run) -> tuple:
 
 # ---- 1. a stage's work per micro-batch ----------------------------------------------------------
 def phase_time(ops, comms, phase: str, profile: Profile, run: Run, ranks_per_core: float,
-               exposed: dict) -> float:
+               exposed: dict, framework: float = 0.0) -> float:
     """Seconds of one phase of a layer: its kernels, plus each collective's exposed part
     (added to ``exposed`` by axis)."""
     mine = [o for o in ops if o.phase == phase]
     dtype = run.precision.dtype
-    busy = roofline.stretch_time(mine, profile, dtype, ranks_per_core)
+    busy = roofline.stretch_time(mine, profile, dtype, ranks_per_core, framework)
     by_name = {}
     for o in mine:
         by_name[o.name] = by_name.get(o.name, 0.0) + roofline.op_time(o, profile, dtype)
@@ -150,7 +150,8 @@ def stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
         for (ops, comms), n in pieces:
             for phase in ("F", "R", "I", "W"):
                 exposed: dict = {}
-                row[phase] += n * phase_time(ops, comms, phase, profile, run, per_core, exposed)
+                row[phase] += n * phase_time(ops, comms, phase, profile, run, per_core, exposed,
+                                             rec.host)
                 for axis, v in exposed.items():
                     row["exposed"][axis] = row["exposed"].get(axis, 0.0) + n * v
             row["kernels"] += n * sum(roofline.op_time(o, profile, run.precision.dtype)

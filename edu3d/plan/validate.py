@@ -36,6 +36,7 @@ from edu3d.plan.step import Prediction, predict
 
 GIB = 2**30
 PRE_FLASH = ("Korthikanti", "Narayanan", "BigScience")  # sources before FlashAttention
+TP_OVERLAP = ("NVIDIA Megatron-LM README",)  # ran with --tp-comm-overlap (AsyncTP rows: by id)
 RULES = {
     "micro_batch": "micro-batch not published: 1 sequence",
     "vpp": "interleaved schedule without its chunk count: 2 chunks per rank",
@@ -99,8 +100,7 @@ def run_of(row: PublishedRun) -> tuple[Run, str, list[str]]:
                  global_batch=row.global_batch,
                  microbatches=row.global_batch // (lay.dp * b), precision=row.precision,
                  recompute=given(row.recompute, "recompute", "none"), compile=row.compile,
-                 tp_overlap="asynctp" in row.id or row.framework == "megatron-lm" and
-                 row.layout.sp is True)
+                 tp_overlap="asynctp" in row.id or row.source.startswith(TP_OVERLAP))
     if row.source.startswith(PRE_FLASH):
         flags["attn"] = "explicit"
         assumed.append("attn")
