@@ -223,6 +223,10 @@ def profile_from(m: dict, about: str) -> dict:
                                          "3.5 x 2·b·s²·heads·head_dim FLOPs (edu3d.plan.ops' "
                                          f"count) in {m['attention']['seconds'] * 1e3:.2f} ms "
                                          f"({m['clock']})"),
+        "sustained": constant(1.0, "fraction", f"{about}: every rate here is the minimum "
+                              "time of repeated real kernels on this machine, which is what a "
+                              "run sustains (a GPU profile's fraction is fitted to published "
+                              "runs instead)"),
         "mem_efficiency": constant(min(1.0, max(0.05, elementwise["bandwidth"] / stream)),
                                    "fraction of mem_bandwidth", elementwise_source(
                                        m, elementwise, stream, about)),
