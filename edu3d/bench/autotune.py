@@ -19,7 +19,8 @@ into measurements, and how well the guesses ranked:
   (:meth:`~edu3d.distributed.mesh.Mesh.build`, reused by the candidates of the same layout),
   the library's :class:`~edu3d.train.trainer.Trainer` and :func:`edu3d.train.loop.loop`, as
   ``edu3d train`` does; the first ``warmup`` steps are dropped, a step's time is its slowest
-  rank's, and the candidate's time is the median step. Memory is the fullest rank's peak:
+  rank's, and the candidate's time is the median step (its fastest is kept too: what other
+  processes' load moves least). Memory is the fullest rank's peak:
   CUDA's ``max_memory_allocated`` on a GPU, the tracked tensors (weights, gradients,
   optimizer state, and the step's peak of activations: ``Trainer.stats``) on CPU. Rank 0
   reports each candidate as it finishes (one ``@tune`` JSON line), so the parent prints
@@ -276,10 +277,11 @@ def measure_one(i: int, args: Run, meshes: dict, warmup: int, cuda: bool) -> Non
                         dtype=torch.float64, device=runtime.device())
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # bookkeeping: the slowest rank's
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    step_s = statistics.median(seconds.tolist()[warmup:])
+    timed = seconds.tolist()[warmup:]
+    step_s = statistics.median(timed)
     if rank == 0:
         print(MARK + json.dumps({
-            "done": i, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "done": i, "step_s": step_s, "fastest_s": min(timed), "tokens_per_s": tokens / step_s,
             "peak_bytes": int(peak.item()), "steps_timed": len(records) - warmup,
             "loss": records[-1]["loss"]}), flush=True)
     del trainer, records

@@ -16,12 +16,18 @@ constants a performance model needs, each with its source:
 * **alpha-beta** (:func:`alpha_beta`): a collective of ``S`` bytes over ``n`` ranks takes
   ``alpha·steps + S·factor / bandwidth`` (ring all-reduce ``2(n-1)`` steps and ``2(n-1)/n``
   of the buffer; all-gather and reduce-scatter ``n-1`` and ``(n-1)/n``; a send 1 and 1);
-  the fitted ``bandwidth`` is nccl-tests' *bus bandwidth*;
+  the fitted ``bandwidth`` is nccl-tests' *bus bandwidth*. Each kind is fitted by itself
+  (gloo's reduce-scatter is a full all-reduce), on the median times (the minima's fit is
+  kept in the source);
 * **eager overhead** (:func:`eager_fit`): a training step of ``m`` micro-batches of a model so
   narrow that its arithmetic is nil takes ``per_step + m·per_microbatch``; the slope over the
   kernels one micro-batch launches (as :mod:`edu3d.plan.ops` counts them) is the launch
   overhead per kernel, the intercept over the parameter tensors the per-step cost (the
-  optimizer, the norm and the clip loop over tensors in eager PyTorch).
+  optimizer, the norm and the clip loop over tensors in eager PyTorch); the same steps on
+  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`);
+* **elementwise ops** (:func:`elementwise_fit`): whole blocks timed, less what the model
+  already counts for their matmuls, attention and launches, leave the norms, GELU and residual
+  adds: the rate at which they moved the model's bytes, as a fraction of the streaming copy's.
 
 :func:`profile_from` assembles the fits into the schema of :mod:`edu3d.plan.hardware` (every
 constant ``{"value", "unit", "source"}``), each source saying when, where and with which
@@ -148,6 +154,18 @@ def eager_fit(microbatches: list[int], seconds: list[float], kernels: float,
             "per_microbatch": per_mb, "per_step": per_step}
 
 
+def hook_fit(microbatches: list[int], seconds: list[float], serial_per_microbatch: float,
+             tensors: int) -> float:
+    """Seconds per parameter tensor per micro-batch that data parallelism adds: the slope of
+    data-parallel steps over ``microbatches`` beyond the serial one, never below 0."""
+    _, per_mb = line([float(m) for m in microbatches], seconds)
+    return max(0.0, (per_mb - serial_per_microbatch) / tensors)
+
+
+def dp_text(dp: dict) -> str:
+    return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"], dp["seconds"]))
+
+
 # ---- the profile -------------------------------------------------------------------------------
 def constant(value: float, unit: str, source: str) -> dict:
     return {"value": value, "unit": unit, "source": source}
@@ -155,7 +173,7 @@ def constant(value: float, unit: str, source: str) -> dict:
 
 def profile_from(m: dict, about: str) -> dict:
     """The profile (:mod:`edu3d.plan.hardware`'s schema, plus ``cores`` and ``step_overhead``)
-    from the measurements ``m`` that :func:`edu3d.bench.calibrate.measure` returns; ``about``
+    from the measurements ``m`` that :func:`edu3d.bench.calibration.measure` returns; ``about``
     starts every source ("measured by edu3d calibrate on <date>, <host>, <torch>")."""
     mm = {p: matmul_fit([tuple(s) for s in v["shapes"]], v["seconds"], v["dispatch_s"])
           for p, v in m["matmul"].items()}
@@ -166,8 +184,13 @@ def profile_from(m: dict, about: str) -> dict:
                       m["eager"]["kernels"], m["eager"]["tensors"])
     elementwise = elementwise_fit(m["layers"], peak, mm[main]["half_flops"], attention,
                                   eager["per_kernel"])
+    dp = m["collectives"]["data_parallel"]
+    hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
+                     m["eager"]["tensors"])
     n = m["collectives"]["ranks"]
-    comm = {k: alpha_beta(k, n, [s for s, _ in v], [t for _, t in v])
+    comm = {k: alpha_beta(k, n, [p[0] for p in v], [p[1] for p in v])
+            for k, v in m["collectives"]["ops"].items()}
+    idle = {k: alpha_beta(k, n, [p[0] for p in v], [p[2] for p in v])
             for k, v in m["collectives"]["ops"].items()}
     stream = 2 * m["stream"]["bytes"] / m["stream"]["seconds"]
 
@@ -193,12 +216,15 @@ def profile_from(m: dict, about: str) -> dict:
     backend = m["collectives"]["backend"]
 
     def link_source(kind):
-        f, pts = comm[kind], m["collectives"]["ops"][kind]
-        return (f"{about}: {backend} {kind} on {n} ranks of one real edu3d launch, minimum of "
-                f"repetitions at {', '.join(f'{s:,.0f}' for s, _ in pts)} bytes, fitted as "
+        f, pts, best = comm[kind], m["collectives"]["ops"][kind], idle[kind]
+        return (f"{about}: {backend} {kind} on {n} ranks of one real edu3d launch, repeated "
+                "between slices of arithmetic as in a step (no barrier), median of the "
+                f"repetitions at {', '.join(f'{p[0]:,.0f}' for p in pts)} bytes, fitted as "
                 f"t = alpha x steps + S x factor / busbw (ring counts): alpha = "
                 f"{f['alpha'] * 1e6:.1f} us per step, busbw = {f['bandwidth'] / 1e9:.3f} GB/s, "
-                f"worst size off by {f['worst']:.0%}")
+                f"worst size off by {f['worst']:.0%}; the minimum of the same repetitions "
+                f"(the machine with nothing else running) gives {best['alpha'] * 1e6:.1f} us "
+                f"and {best['bandwidth'] / 1e9:.3f} GB/s")
 
     link = {"alpha": constant(ar["alpha"], "s", link_source("all_reduce")),
             "bandwidth": constant(ar["bandwidth"], "B/s", link_source("all_reduce")),
@@ -233,6 +259,13 @@ def profile_from(m: dict, about: str) -> dict:
         "kernel_overhead": constant(eager["per_kernel"], "s", eager_source(m, eager, about)),
         "step_overhead": constant(eager["per_tensor"], "s per parameter tensor",
                                   eager_source(m, eager, about)),
+        "hook_overhead": constant(hooks, "s per parameter tensor per micro-batch",
+                                  f"{about}: the same Trainer steps on {n} data-parallel ranks "
+                                  f"of that launch ({dp_text(dp)}): "
+                                  f"{(hooks * m['eager']['tensors'] + eager['per_microbatch']) * 1e6:.0f}"
+                                  f" us per micro-batch against {eager['per_microbatch'] * 1e6:.0f} "
+                                  f"serially, over {m['eager']['tensors']} parameter tensors "
+                                  "(the gradient hooks data parallelism adds to every backward)"),
         "runtime_memory": constant(m["collectives"]["runtime_bytes"], "B", f"{about}: resident "
                                    f"memory of a {backend} rank after init_process_group "
                                    "(VmRSS: Python, torch, the backend), before any tensor"),

@@ -5,7 +5,7 @@ goes:
 
 * it measures this machine for about ``--budget`` seconds (default 60; progress on stderr):
   matmuls by size, memory bandwidth, the attention core, eager PyTorch's overhead per kernel
-  and per step, and collectives over a real 2-rank launch (:mod:`edu3d.bench.calibrate`);
+  and per step, and collectives over a real 2-rank launch (:mod:`edu3d.bench.calibration`);
 * it fits the profile's constants, each with its source (:mod:`edu3d.bench.profile_fit`),
   checks the profile as any profile is checked (:func:`edu3d.plan.hardware.profile_from_dict`),
   and writes it to ``this-machine.json`` in :func:`edu3d.plan.hardware.user_profiles` (or
@@ -84,15 +84,15 @@ def rows(profile: dict, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def main_from_args(args) -> int:
-    from edu3d.bench import calibrate, profile_fit
+    from edu3d.bench import calibration, profile_fit
 
     path = args.output or hardware.user_profiles() / f"{hardware.USER_PROFILE}.json"
     t0 = time.perf_counter()
     try:
-        measured = calibrate.measure(args.budget, progress=say)
+        measured = calibration.measure(args.budget, progress=say)
         if args.output is not None:
             measured["name"] = path.stem
-        profile = profile_fit.profile_from(measured, calibrate.about())
+        profile = profile_fit.profile_from(measured, calibration.about())
         hardware.profile_from_dict(profile, str(path))  # refused here, not when plan reads it
         profile_fit.write(profile, path)
     except (profile_fit.CalibrationError, hardware.ProfileError) as err:

@@ -3,28 +3,36 @@
 After reading this file you should understand what a performance model needs to know about a
 machine and how each number is measured so that a busy machine disturbs it least:
 
-* **matmuls by size** (:func:`matmuls`): a handful of the shapes the course's models use, in
-  fp32 and bf16, one thread (``OMP_NUM_THREADS=1``, as every rank runs);
+* **linear layers by size** (:func:`linears`): forward and backward (three matmuls, in the
+  layouts autograd runs them) at a handful of the shapes the course's models use, in fp32
+  and bf16, one thread (``OMP_NUM_THREADS=1``, as every rank runs), and at 1x1x1 (what the
+  same calls cost with no arithmetic);
 * **memory bandwidth** (:func:`stream`): a copy of a buffer far larger than the caches;
 * **the attention core** (:func:`attention`): PyTorch's fused kernel, forward and backward;
-* **eager overhead** (:func:`eager`): serial :class:`~edu3d.train.trainer.Trainer` steps of
-  a GPT so narrow that its arithmetic is nil, with 1, 2 and 4 micro-batches: what Python,
-  the dispatcher and autograd cost per kernel and per step, which is most of a step of the
-  course's tiny models on a CPU;
+* **eager overhead** (:func:`eager`): Trainer steps of a GPT so narrow that its arithmetic
+  is nil, with 1, 2 and 4 micro-batches: what Python, the dispatcher and autograd cost per
+  kernel and per step, which is most of a step of the course's tiny models on a CPU;
+* **whole blocks** (:func:`layers`): one GPT block forward and backward at the tiny and
+  small presets' sizes, which the fit splits into the model's own ops;
 * **collectives** (:func:`collectives`): one real 2-rank launch through edu3d's launcher,
   timing edu3d's traced all-reduce, all-gather, reduce-scatter and send/recv
-  (:mod:`edu3d.distributed.comm`, what the trainer calls) from 4 bytes to 4 MiB;
+  (:mod:`edu3d.distributed.comm`, what the trainer calls) from 4 bytes to 4 MiB, between
+  slices of arithmetic as in a step, and the eager Trainer steps again on the 2
+  data-parallel ranks (what data parallelism's hooks add);
 * the **cores** this process may use and the host's memory.
 
-**Load.** Other processes steal time at random, never give it back: so a compute kernel is
-timed by this thread's CPU time (what another process's load moves least) and its *minimum*
-over repetitions; a collective, which waits for its peer, by the minimum of wall-clock
-repetitions. Each part has a share of the time budget and stops repeating when it is spent
-(at least 3 repetitions each). On a GPU everything runs on the GPU with a synchronised wall
+**Load.** Other processes steal time at random and never give it back: so a compute kernel
+is timed by this thread's CPU time (what another process's load moves least) and its
+*minimum* over repetitions. A collective waits for its peer, so it is timed on the wall
+clock; the fit takes the *median* of its repetitions (what a training step meets: every
+rank that loses its core for a moment makes the other wait) and the source records what the
+minimum gives (the same machine with nothing else running; on an idle machine the two
+agree). Each part has a share of the time budget and stops repeating when it is spent (at
+least 3 repetitions each). On a GPU everything runs on the GPU with a synchronised wall
 clock instead, and collectives use NCCL when there are two GPUs.
 
 :mod:`edu3d.bench.profile_fit` turns the measurements into the profile file that ``edu3d
-plan --hardware this-machine`` and ``edu3d tune`` read (:func:`edu3d.plan.hardware.user_profile`).
+plan --hardware this-machine`` and ``edu3d tune`` read (:func:`edu3d.plan.hardware.user_profiles`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import time
 from typing import Callable
 
@@ -40,7 +49,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edu3d.bench import profile_fit
+from edu3d.bench import autotune, profile_fit, records
+from edu3d.config.layout import Layout
 from edu3d.config.sections import Run
 from edu3d.distributed import comm, runtime
 from edu3d.launch import LaunchError, launch
@@ -66,9 +76,11 @@ EAGER = dict(model="tiny", layers=4, d_model=8, heads=2, seq=8, vocab=16)  # ari
 MICROBATCHES = (1, 2, 4)
 COLLECTIVE_SIZES = (4, 4096, 65536, 2**20, 4 * 2**20)  # bytes
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+STEP_WORK = 3  # small matmuls between two collectives (~0.1 ms of a step's arithmetic)
+DP_REPS = 10  # data-parallel Trainer steps per micro-batch count (the ranks must agree)
 SHARES = {"matmul": 0.2, "stream": 0.03, "attention": 0.05, "eager": 0.12,
           "layers": 0.08}  # the rest: the 2-rank launch
-MIN_REPS = 3
+MIN_REPS, MAX_REPS = 3, 200
 
 
 class Clock:
@@ -87,16 +99,24 @@ class Clock:
         return time.thread_time()
 
 
-def fastest(fn: Callable[[], object], clock: Clock, budget_s: float, max_reps: int = 200) -> float:
-    """The minimum time of ``fn`` over repetitions until ``budget_s`` of wall time is spent
-    (after one warm-up call; at least :data:`MIN_REPS`)."""
+def fastest(fn: Callable[[], object], clock: Clock, budget_s: float,
+            reps: int | None = None) -> float:
+    """The minimum time of ``fn`` over repetitions after one warm-up call: until ``budget_s``
+    of wall time is spent (at least :data:`MIN_REPS`, at most :data:`MAX_REPS`), or exactly
+    ``reps`` (ranks whose ``fn`` calls collectives must agree on the count)."""
     fn()
-    best, reps, end = float("inf"), 0, time.perf_counter() + budget_s
-    while reps < MIN_REPS or (time.perf_counter() < end and reps < max_reps):
+    best, done, end = float("inf"), 0, time.perf_counter() + budget_s
+
+    def more() -> bool:
+        if reps is not None:
+            return done < reps
+        return done < MIN_REPS or (time.perf_counter() < end and done < MAX_REPS)
+
+    while more():
         t0 = clock.now()
         fn()
         best = min(best, clock.now() - t0)
-        reps += 1
+        done += 1
     return best
 
 
@@ -180,21 +200,25 @@ class Dispatches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def eager(device: str, clock: Clock, budget_s: float) -> dict:
-    """Serial Trainer steps of :data:`EAGER` with :data:`MICROBATCHES` micro-batches of one
-    sequence each: the fastest step of each, and what a micro-batch launches."""
+def eager(device: str, clock: Clock, budget_s: float, mesh=None, reps: int | None = None) -> dict:
+    """Trainer steps of :data:`EAGER` with :data:`MICROBATCHES` micro-batches of one sequence
+    each (serial, or on ``mesh``'s data-parallel layout, each rank its own sequences): the
+    fastest step of each, and what a micro-batch launches."""
+    dp = mesh.layout.dp if mesh is not None else 1
     out = {"microbatches": list(MICROBATCHES), "seconds": [], "model": ", ".join(
         f"{k}={v}" for k, v in EAGER.items())}
     for m in MICROBATCHES:
-        run = Run.of(**EAGER, global_batch=m, microbatches=m, steps=1)
+        run = Run.of(**EAGER, global_batch=m * dp, microbatches=m, steps=1, dp=dp)
         config, _ = check_args(run)
         model = GPT(config, seed=0).to(device)
-        trainer = Trainer(model, None, run)
+        trainer = Trainer(model, mesh, run)
         x, y = (t.to(device) for t in SyntheticCorpus(config.vocab_size, config.seq_len,
-                                                       seed=0).batch(1, m))
+                                                       seed=0).batch(1, m * dp))
         step = iter(range(1, 10**9))
         out["seconds"].append(fastest(lambda: trainer.step(x, y, next(step)), clock,
-                                      budget_s / len(MICROBATCHES)))
+                                      budget_s / len(MICROBATCHES), reps))
+        if mesh is not None:
+            continue
         if m == 1:
             with Dispatches() as one:
                 trainer.step(x, y, next(step))
@@ -202,8 +226,9 @@ def eager(device: str, clock: Clock, budget_s: float) -> dict:
         elif m == MICROBATCHES[-1]:
             with Dispatches() as many:
                 trainer.step(x, y, next(step))
-    out["dispatches"] = round((many.count - one.count) / (MICROBATCHES[-1] - 1))
-    out["kernels"] = host_kernels(Run.of(**EAGER, global_batch=1, microbatches=1))
+    if mesh is None:
+        out["dispatches"] = round((many.count - one.count) / (MICROBATCHES[-1] - 1))
+        out["kernels"] = host_kernels(Run.of(**EAGER, global_batch=1, microbatches=1))
     return out
 
 
@@ -229,10 +254,12 @@ def resident_bytes() -> int:
 
 
 def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | None:
-    """Launch target: the fastest wall time of each collective at each size (a barrier
-    before every repetition); rank 0 returns them, with its resident memory at start."""
+    """Launch target: each collective at each size, repeated between slices of arithmetic as
+    in a training step (no barrier: the ranks arrive as they come); rank 0 returns the median
+    and the minimum wall time of each, with its resident memory at start."""
     rss, rank, n = resident_bytes(), dist.get_rank(), dist.get_world_size()
     dev = runtime.device()
+    a, w = torch.randn(128, 64, device=dev), torch.randn(64, 256, device=dev)
     out = {op: [] for op in OPS}
     for op in OPS:
         for size in sizes:
@@ -261,7 +288,8 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
             end = time.perf_counter() + budget_s / (len(OPS) * len(sizes))
             once()
             while True:  # every rank repeats as often as rank 0 says
-                dist.barrier()
+                for _ in range(STEP_WORK):
+                    a @ w
                 t0 = time.perf_counter()
                 once()
                 seconds.append(time.perf_counter() - t0)
@@ -270,11 +298,13 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
                 dist.broadcast(go, 0)
                 if not go.item() or len(seconds) >= 100:
                     break
-            best = min(seconds) / (2 if op == "send_recv" else 1)
+            half = 2 if op == "send_recv" else 1
             out[op].append([numel * 4 * (1 if op == "all_reduce" else n)
-                            if op != "send_recv" else numel * 4, best])
-    return {"ops": out, "runtime_bytes": rss, "ranks": n,
-            "backend": dist.get_backend()} if rank == 0 else None
+                            if op != "send_recv" else numel * 4,
+                            statistics.median(seconds) / half, min(seconds) / half])
+    hooks = eager(dev.type, Clock(dev.type), 0.0, mesh, reps=DP_REPS)  # data parallel: hooks
+    return {"ops": out, "runtime_bytes": rss, "ranks": n, "backend": dist.get_backend(),
+            "data_parallel": hooks} if rank == 0 else None
 
 
 def collectives(budget_s: float, ranks: int) -> dict:
@@ -283,7 +313,7 @@ def collectives(budget_s: float, ranks: int) -> dict:
     start-up)."""
     try:
         run = launch(collectives_worker, ranks, args=(budget_s,), timeout=max(120.0, 6 * budget_s),
-                     echo=False, name="calibrate", pool=False)
+                     layout=Layout(dp=ranks), echo=False, name="calibrate", pool=False)
     except LaunchError as err:
         raise profile_fit.CalibrationError(f"the {ranks}-rank launch failed: "
                                            f"{str(err).splitlines()[0]}") from None
@@ -291,19 +321,6 @@ def collectives(budget_s: float, ranks: int) -> dict:
 
 
 # ---- the machine ---------------------------------------------------------------------------------
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "CPU"
-
-
 def host_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -316,6 +333,27 @@ def about() -> str:
     """What every source starts with: when, where, with which torch."""
     return (f"measured by edu3d calibrate on {datetime.date.today().isoformat()}, "
             f"{platform.node()}, torch {torch.__version__}")
+
+
+def machine(device: str, gpus: int) -> dict:
+    """What the profile says of the machine beyond the timings, and where each came from."""
+    cores = autotune.cores()
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        return dict(name=hardware.USER_PROFILE, description=f"{props.name} x {gpus}, "
+                    f"{platform.node()}: measured by edu3d calibrate",
+                    memory_bytes=props.total_memory, memory_from="torch.cuda total_memory",
+                    allocator_factor=max(1.0, torch.cuda.max_memory_reserved()
+                                         / max(torch.cuda.max_memory_allocated(), 1)),
+                    allocator_from="max_memory_reserved / max_memory_allocated after the runs",
+                    ranks_per_node=max(1, gpus), ranks_per_node_from="GPUs visible", cores=cores)
+    return dict(name=hardware.USER_PROFILE, description=f"{records.cpu_name()}, {cores} cores, "
+                f"{platform.node()}: measured by edu3d calibrate (a CPU: gloo on loopback)",
+                memory_bytes=host_memory(), memory_from="MemTotal of /proc/meminfo, shared by "
+                "every rank of this machine", allocator_factor=1.0, allocator_from="no caching "
+                "allocator on a CPU: tensors are allocated and freed as they come, reserved = "
+                "allocated", ranks_per_node=64, ranks_per_node_from="one machine: every group "
+                "of ranks stays on loopback (64, the most a profile allows)", cores=cores)
 
 
 def measure(budget_s: float = 60.0, progress: Callable[[str], None] | None = None) -> dict:
@@ -353,24 +391,6 @@ def measure(budget_s: float = 60.0, progress: Callable[[str], None] | None = Non
     left = max(5.0, budget_s - (time.perf_counter() - start) - 8.0)  # launch start-up ~8 s
     m["collectives"] = part(f"collectives on {ranks} ranks (one launch)", 0.0,
                             lambda b: collectives(left, ranks))
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        m.update(name=hardware.USER_PROFILE, description=f"{props.name} x {gpus}, "
-                 f"{platform.node()}: measured by edu3d calibrate",
-                 memory_bytes=props.total_memory, memory_from="torch.cuda total_memory",
-                 allocator_factor=max(1.0, torch.cuda.max_memory_reserved()
-                                      / max(torch.cuda.max_memory_allocated(), 1)),
-                 allocator_from="max_memory_reserved / max_memory_allocated after the runs",
-                 ranks_per_node=max(1, gpus), ranks_per_node_from="GPUs visible",
-                 cores=cores())
-    else:
-        m.update(name=hardware.USER_PROFILE, description=f"{cpu_name()}, {cores()} cores, "
-                 f"{platform.node()}: measured by edu3d calibrate (a CPU: gloo on loopback)",
-                 memory_bytes=host_memory(), memory_from="MemTotal of /proc/meminfo, "
-                 "shared by every rank of this machine",
-                 allocator_factor=1.0, allocator_from="no caching allocator on a CPU: "
-                 "tensors are allocated and freed as they come, reserved = allocated",
-                 ranks_per_node=64, ranks_per_node_from="one machine: every group of ranks "
-                 "stays on loopback (64, the most a profile allows)", cores=cores())
+    m.update(machine(device, gpus))
     say(f"measured in {time.perf_counter() - start:.0f} s")
     return m
