@@ -177,7 +177,9 @@ def layers(device: str, clock: Clock, budget_s: float) -> list[dict]:
         def step():
             block.zero_grad(set_to_none=True)
             x.grad = None
-            block(x).backward(g)
+            with torch.autocast(device, torch.bfloat16, enabled=device == "cuda"):  # as trained
+                y = block(x)
+            y.backward(g)
 
         cut = cut_of(spec_of(run), run, recipes.recipe_of("edu3d"))
         layer, _ = ops.layer(cut, "none")
