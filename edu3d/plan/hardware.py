@@ -22,7 +22,18 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
 ``link.inter``         the same across 2 whole nodes, and ``falloff``: the fraction of bus
                        bandwidth lost each time the node count doubles (:meth:`Profile.inter_bandwidth_at`);
 ``cores``              optional, a CPU profile's cores (``edu3d calibrate`` writes it): ranks
-                       beyond it share them, and an op's launch and its work add up.
+                       beyond it share them, and an op's launch and its work add up;
+``step_overhead``      optional (a CPU profile): seconds per parameter tensor per step of the
+                       eager loops over tensors (optimizer, norm, clip), :mod:`edu3d.plan.cpu`;
+``hook_overhead``      optional (a CPU profile): seconds per parameter tensor per micro-batch of
+                       data parallelism's gradient hooks, :mod:`edu3d.plan.cpu`;
+``collectives``        optional (a CPU profile): ``alpha`` and ``bandwidth`` of each of gloo's
+                       ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send_recv``, measured
+                       one by one (:mod:`edu3d.plan.cpu`).
+
+A CPU core reaches ~1e10-1e11 FLOP/s and ~1e10 B/s, so the ranges below start there.
+``edu3d calibrate`` writes ``this-machine`` to :func:`user_profiles` (``$EDU3D_PROFILES``, else
+``~/.cache/edu3d/profiles``), where :func:`load_profile` finds it by name.
 
 Every constant in a profile file is ``{"value", "unit", "source"}``: the source is a citation, or
 says that the value was borrowed or is a bound. Measured numbers are data, not code, because they
@@ -34,7 +45,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
@@ -44,7 +56,7 @@ PRECISIONS = ("bf16", "fp16", "fp32", "tf32", "fp8")
 
 # (dotted key, lowest, highest): a value outside the range is a typo or a wrong unit.
 CONSTANTS = (
-    ("mem_bandwidth", 1e11, 1e14),
+    ("mem_bandwidth", 1e9, 1e14),
     ("memory", 1e9, 1e12),
     ("matmul_efficiency", 0.05, 1.0),
     ("matmul_half_flops", 1e3, 1e13),
@@ -63,7 +75,9 @@ CONSTANTS = (
     ("link.inter.gather_bandwidth", 1e8, 1e13),
     ("link.inter.falloff", 0.0, 0.95),
 )
-PEAK_RANGE = (1e12, 1e17)
+PEAK_RANGE = (1e9, 1e17)
+USER_PROFILE = "this-machine"  # the name edu3d calibrate writes
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")  # a CPU profile's
 
 
 class ProfileError(ValueError):
@@ -99,6 +113,9 @@ class Profile:
     inter_falloff: float
     sources: Mapping[str, str]
     cores: int | None = None
+    step_overhead: float = 0.0
+    hook_overhead: float = 0.0
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def inter_bandwidth_at(self, nodes: int, gather: bool = False) -> float:
         """Bus bandwidth across ``nodes`` nodes: the 2-node figure (all-reduce's, or with
@@ -115,6 +132,15 @@ def profiles() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.json"))
 
 
+def user_profiles() -> Path:
+    """Where a user's profiles live: ``$EDU3D_PROFILES``, else ``$XDG_CACHE_HOME/edu3d/profiles``
+    (``~/.cache/edu3d/profiles``)."""
+    if os.environ.get("EDU3D_PROFILES"):
+        return Path(os.environ["EDU3D_PROFILES"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "edu3d" / "profiles"
+
+
 def load_profile(name_or_path: str | Path) -> Profile:
     """A shipped profile by name (``"h100-sxm"``) or any profile file by path; refused in one
     line naming the file and the key when a constant is missing or out of range."""
@@ -122,8 +148,13 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if path.suffix != ".json":
         path = HARDWARE_DIR / f"{name_or_path}.json"
         if not path.is_file():
-            raise ProfileError(f"unknown hardware profile {str(name_or_path)!r}; "
-                               f"choose one of {', '.join(profiles())} or give a .json path")
+            path = user_profiles() / f"{name_or_path}.json"
+        if not path.is_file():
+            hint = (" (run edu3d calibrate to measure this machine, about a minute)"
+                    if str(name_or_path) == USER_PROFILE else "")
+            raise ProfileError(f"unknown hardware profile {str(name_or_path)!r}{hint}; "
+                               f"choose one of {', '.join(profiles())}, {USER_PROFILE} (edu3d "
+                               "calibrate) or give a .json path")
     try:
         return _load(str(path), path.stat().st_mtime_ns)
     except OSError as err:
@@ -163,6 +194,18 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         if cores != int(cores):
             raise ProfileError(f"{where}: cores = {cores:g} is not a whole number")
         cores = int(cores)
+    step_overhead, hook_overhead = (
+        in_range(constant(data, key, where, sources), 0.0, 1e-2, key, where) if key in data
+        else 0.0 for key in ("step_overhead", "hook_overhead"))
+    collectives = {}
+    if not isinstance(data.get("collectives", {}), dict):
+        raise ProfileError(f"{where}: collectives must be an object of {', '.join(COLLECTIVES)}")
+    for kind in COLLECTIVES:
+        if kind in data.get("collectives", {}):
+            collectives[kind] = tuple(
+                in_range(constant(data, f"collectives.{kind}.{k}", where, sources), low, high,
+                         f"collectives.{kind}.{k}", where)
+                for k, low, high in (("alpha", 1e-8, 1e-1), ("bandwidth", 1e6, 1e13)))
     for key in ("name", "description"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise ProfileError(f"{where}: missing {key!r} (a non-empty string)")
@@ -179,7 +222,8 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         intra_gather_bandwidth=values["link.intra.gather_bandwidth"],
         inter_alpha=values["link.inter.alpha"], inter_bandwidth=values["link.inter.bandwidth"],
         inter_gather_bandwidth=values["link.inter.gather_bandwidth"],
-        inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores)
+        inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores,
+        step_overhead=step_overhead, hook_overhead=hook_overhead, collectives=collectives)
 
 
 def constant(data: dict, key: str, where: str, sources: dict[str, str],

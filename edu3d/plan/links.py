@@ -21,15 +21,19 @@ After reading this file you should be able to time any collective of a layout by
   inside the switch, so its all-reduce bus bandwidth exceeds its all-gather's; a profile
   gives both (``bandwidth``, ``gather_bandwidth``).
 
-On a CPU the "link" is gloo on loopback, measured by ``edu3d calibrate`` in the same form.
+On a CPU the "link" is gloo on loopback, measured by ``edu3d calibrate`` in the same form, each
+kind of collective by itself (:func:`edu3d.plan.cpu.collective`: gloo's reduce-scatter is a
+full all-reduce, its latencies differ by kind).
 No torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from edu3d.config.layout import Layout
+from edu3d.plan import cpu
 from edu3d.plan.hardware import Profile
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -43,6 +47,7 @@ class Link:
     alpha: float
     allreduce: float
     gather: float
+    kinds: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # measured per kind
 
 
 def steps_and_factor(kind: str, n: int) -> tuple[int, float]:
@@ -61,8 +66,9 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     steps, factor = steps_and_factor(kind, n)
-    bandwidth = link.allreduce if kind == "all_reduce" else link.gather
-    return link.alpha * steps + nbytes * factor / bandwidth
+    alpha, bandwidth = link.kinds.get(kind) or (
+        link.alpha, link.allreduce if kind == "all_reduce" else link.gather)
+    return alpha * steps + nbytes * factor / bandwidth
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
@@ -91,7 +97,8 @@ def link_for(profile: Profile, nodes: int, per_node: int) -> Link:
     by the share of each node's NICs the group's ``per_node`` members use."""
     if nodes <= 1:
         return Link("intra-node", profile.intra_alpha, profile.intra_bandwidth,
-                    profile.intra_gather_bandwidth)
+                    profile.intra_gather_bandwidth, {k: m for k in KINDS if (
+                        m := cpu.collective(k, profile))})
     share = min(1.0, per_node / profile.gpus_per_node)
     return Link(f"inter-node ({nodes} nodes)", profile.inter_alpha,
                 min(profile.intra_bandwidth, share * profile.inter_bandwidth_at(nodes)),

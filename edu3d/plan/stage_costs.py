@@ -33,12 +33,12 @@ from functools import lru_cache
 from edu3d.config.layout import Layout
 from edu3d.config.sections import Batch, Run
 from edu3d.model.shapes import ModelSpec
-from edu3d.plan import links, recipes, roofline
+from edu3d.plan import cpu, links, recipes, roofline
 from edu3d.plan.formulas import as_moe, routed_per_token
 from edu3d.plan.hardware import Profile
 from edu3d.plan.inventory import frozen_share
 from edu3d.plan.kernels import Cut, embedding_ops, head_ops, layer
-from edu3d.schedules.actions import chunks
+from edu3d.schedules.actions import chunks, placement, stage_rank
 from edu3d.schedules.partition import uniform
 
 
@@ -149,6 +149,9 @@ def _stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recip
                 row[k] += n * cost[k]
             for axis, v in cost["exposed"].items():
                 row["exposed"][axis] = row["exposed"].get(axis, 0.0) + n * v
+        rank = stage_rank(s, lay.pp, placement(par.schedule))
+        row["W"] += (cpu.microbatch_overhead(spec, run, profile, rank)  # CPU: DP hooks
+                     / chunks(par.schedule, lay.vpp))
         out.append(row)
     return tuple(out)
 

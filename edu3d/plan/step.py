@@ -35,7 +35,7 @@ from functools import lru_cache
 
 from edu3d.config.sections import Run
 from edu3d.model.shapes import ModelSpec
-from edu3d.plan import links, recipes, roofline
+from edu3d.plan import cpu, links, recipes, roofline, trainer_comm
 from edu3d.plan.formulas import as_moe
 from edu3d.plan.hardware import Profile, load_profile
 from edu3d.plan.stage_costs import cut_of, stage_costs, zero3_cost
@@ -106,6 +106,9 @@ def reduce_tail(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
             gather = links.collective_time("all_gather", rec.gather * psi, n, link)
             if rec.overlap_gather:
                 gather = max(0.0, gather - backward / 2)  # behind the next step's forward
+        if par.zero in (1, 2) and rec.name == "edu3d":  # unit by unit, in series
+            tail, gather = trainer_comm.zero_reduce(spec, run, pp_rank, experts, rec.reduce,
+                                                    rec.gather, n, link)
         out[axis] = tail + gather
     return out
 
@@ -121,7 +124,9 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     state = rec.master + rec.moments + (4 if rec.name == "edu3d" else 0)
     per_param = 2 * state + 2 * rec.grad + (rec.weight if rec.master else 0)
     seconds = psi * per_param / (profile.mem_bandwidth * profile.mem_efficiency)
-    return seconds * (run.world_size / profile.cores if profile.cores else 1.0)
+    return (seconds * (run.world_size / profile.cores if profile.cores else 1.0)
+            + cpu.step_overhead(spec, run, profile, pp_rank)  # CPU: loops over tensors
+            + (trainer_comm.bookkeeping(run, profile) if rec.name == "edu3d" else 0.0))
 
 
 # ---- 2. the pipeline, and the step --------------------------------------------------------------
