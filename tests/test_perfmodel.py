@@ -146,7 +146,9 @@ def test_alpha_beta_and_where_a_group_sits():
 def test_the_parts_add_up_and_the_bubble_comes_out_of_the_replay():
     for flags in (dict(dp=8), dict(tp=4, dp=2, sp=True), dict(pp=4, microbatches=8),
                   dict(pp=4, microbatches=8, schedule="interleaved", vpp=2),
-                  dict(pp=2, microbatches=4, schedule="zb-h1"), dict(dp=4, zero=3)):
+                  dict(pp=2, microbatches=4, schedule="zb-h1"), dict(dp=4, zero=3),
+                  dict(pp=2, microbatches=8, schedule="zbv"),
+                  dict(pp=2, microbatches=8, schedule="dualpipev")):
         pred = step.predict(LLAMA, setup(**BF16, **flags), H100, "megatron")
         assert sum(pred.parts.values()) == pytest.approx(pred.step_time)
         assert pred.tokens_per_s_per_gpu * pred.step_time * setup(**BF16, **flags).world_size \
@@ -209,6 +211,37 @@ def test_bytes_per_parameter_of_each_recipe():
     assert recipes.state(LLAMA, z2, recipes.recipe_of("deepspeed"), 0)["grads"] == 6 * psi
     fsdp = recipes.state(LLAMA, setup(dp=8, zero=3, **BF16), recipes.recipe_of("torchtitan"), 0)
     assert sum(fsdp.values()) == pytest.approx(16 * psi / 8)
+
+
+def test_a_v_schedule_is_placed_by_its_v_and_replayed_or_closed_alike():
+    """ZBV/DualPipeV put stages 0 and 2p-1 on rank 0: the step reads each rank's stages off
+    the schedule's placement, and its closed form stays near the replay."""
+    run = setup(pp=2, microbatches=8, schedule="zbv", **BF16)
+    replayed = step.predict(LLAMA, run, H100, "megatron", memory=False)
+    closed = step.predict(LLAMA, run, H100, "megatron", memory=False, replay_limit=1)
+    assert closed.step_time == pytest.approx(replayed.step_time, rel=0.05)
+    loop = step.predict(LLAMA, setup(pp=2, microbatches=8, **BF16), H100, "megatron")
+    assert replayed.parts["bubble"] < loop.parts["bubble"]
+
+
+def test_fsdp2s_root_unit_and_a_compiled_loss():
+    """torchtitan's root unit (embedding, head) is whole through the backward: 16-bit weights
+    and the head's gradient, 6·V·h bytes untied; compiled (2025 recipe), the loss keeps
+    16-bit logits and one 16-bit gradient instead of fp32 ones."""
+    run = setup(dp=8, zero=3, **BF16)
+    titan = recipes.recipe_of("torchtitan")
+    rows = LLAMA.vocab_rows(1) * LLAMA.d_model
+    assert recipes.root_held(LLAMA, run, titan, 0) == 6 * rows
+    assert recipes.root_held(LLAMA, setup(dp=4, pp=2, zero=3, microbatches=2, **BF16), titan,
+                             0) == 0  # under a pipeline no unit reshards: held already
+    assert recipes.root_held(LLAMA, run, recipes.recipe_of("megatron"), 0) == 0
+    assert (recipes.memory(LLAMA, run, titan)["comm"]
+            - recipes.memory(LLAMA, run, dataclasses.replace(titan, root_unit=False))["comm"]
+            == 6 * rows)
+    compiled = setup(dp=8, zero=3, compile=True, **BF16)
+    new = recipes.recipe_of("torchtitan-2025")
+    assert recipes.loss_bytes(compiled, new, 10) == (20, 20)
+    assert recipes.loss_bytes(run, new, 10) == recipes.loss_bytes(compiled, titan, 10) == (40, 80)
 
 
 def test_edu3ds_recipe_is_the_exact_estimate_and_the_others_add_allocator_and_runtime():

@@ -43,10 +43,10 @@ def test_throughput_errors():
 
 
 def test_memory_errors_where_published():
-    """Issue 35 asks for 10 % median: the model reaches about 13 % (torchtitan's reserved
-    memory is under-counted by about a tenth, its 2025 H200 runs over-counted)."""
+    """Issue 35 asks for 10 % median: it holds (FSDP2's root unit and torchtitan's compiled
+    loss counted); torchtitan's 2D/pipelined fp8 runs stay under-counted by up to 30 %."""
     mem = validate.summary(list(rows()))["overall"]["memory"]
-    assert mem["rows"] >= 30 and mem["median"] <= 0.14 and mem["worst"] <= 0.35
+    assert mem["rows"] >= 30 and mem["median"] <= 0.10 and mem["worst"] <= 0.35
 
 
 def test_the_table_says_what_it_assumed_and_why_a_row_is_missed():

@@ -16,7 +16,12 @@ the same layout need different memory, and which few choices make the difference
   FlashAttention never stores the ``s²`` scores, so every framework recipe counts the
   selective form; torchtitan's op-level recomputation keeps the outputs of every second
   matmul and of the attention core only; full recomputation keeps each block's input; the
-  loss keeps fp32 logits unless it is fused (chunked);
+  loss keeps fp32 logits unless it is fused (chunked) or compiled (torchtitan compiles it with
+  the model since d1f62be, Feb 2025: 16-bit logits saved, a 16-bit gradient, no fp32 copy);
+* **what FSDP2 keeps gathered**: torchtitan wraps each block, then the model itself, whose
+  root unit (embedding, final norm, output head) is gathered before the output's backward and
+  freed after the embedding's, its head's 16-bit gradient held that long too
+  (``fully_shard(model, ...)`` in torchtitan's parallelize_llama.py, at 9dec370 and e7c0cae);
 * **what the allocator and runtime add**: PyTorch's caching allocator reserves more than it
   allocates (``allocator_factor``, "max reserved" / "max allocated"), and the CUDA context,
   cuBLAS and NCCL take ``runtime_memory`` before any tensor (a fit check counts it; torch's
@@ -65,6 +70,8 @@ class Recipe:
     fused: bool = False  # elementwise ops fused (Megatron/TE kernels); compile=True also fuses
     fused_norm: bool = False  # a fused norm kernel in otherwise eager code
     fused_loss: bool = False  # cross entropy without fp32 logits
+    compiled_loss: bool = False  # with precision.compile, the loss compiled too (16-bit logits)
+    root_unit: bool = False  # FSDP2's root unit (embedding, head) gathered through the backward
     overlap_dp: bool = True  # gradient buckets reduce while backward runs
     overlap_gather: bool = False  # ZeRO-1/2 weight all-gather hidden behind the next forward
     prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes
@@ -84,7 +91,11 @@ RECIPES = {
                        grad=6, reduce=4, fused_norm=True, host=40e-6),
     "torchtitan": Recipe("torchtitan", "torchtitan (FSDP2): fp32 sharded weights, gradients and "
                          "moments, bf16 compute copies, fp32 gradient reduce-scatter",
-                         weight=4, grad=4, master=0, reduce=4),
+                         weight=4, grad=4, master=0, reduce=4, root_unit=True),
+    "torchtitan-2025": Recipe("torchtitan-2025", "torchtitan from d1f62be (Feb 2025): as "
+                              "torchtitan, and with torch.compile the loss compiled too",
+                              weight=4, grad=4, master=0, reduce=4, root_unit=True,
+                              compiled_loss=True),
     "deepspeed": Recipe("deepspeed", "DeepSpeed BF16_Optimizer (BLOOM): ZeRO-1, bf16 weights "
                         "and gradients, an unsharded fp32 gradient buffer, fused kernels",
                         grad=6, reduce=4, grad_unsharded=True, fused=True),
@@ -128,7 +139,7 @@ def activations(spec: ModelSpec, run: Run, recipe: Recipe, recompute: str) -> li
     layer = layer_activations(spec, run, recompute)
     t, sp = lay.tp, par.sp and lay.tp > 1
     tokens = run.micro_batch * spec.seq_len / lay.cp
-    logits = 0 if recipe.fused_loss else 4 * tokens * spec.vocab_rows(t)
+    logits = loss_bytes(run, recipe, tokens * spec.vocab_rows(t))[0]
     last = 2 * tokens * spec.d_model / (t if sp else 1) + logits
     stage = [(hi - lo) * layer + (last if i == len(parts) - 1 else 0)
              for i, (lo, hi) in enumerate(parts)]
@@ -157,14 +168,35 @@ def state(spec: ModelSpec, run: Run, recipe: Recipe, pp_rank: int) -> dict[str, 
     return out
 
 
+def loss_bytes(run: Run, recipe: Recipe, logits: float) -> tuple[float, float]:
+    """``(saved, at the backward)`` bytes of the loss over ``logits`` values: eager, the fp32
+    log-softmax saved and two more fp32 tensors in its backward; compiled, the 16-bit logits
+    saved and one 16-bit gradient; fused (chunked), nothing the size of the logits."""
+    if recipe.fused_loss:
+        return 0.0, 0.0
+    if recipe.compiled_loss and run.precision.compile:
+        return 2 * logits, 2 * logits
+    return 4 * logits, 2 * 4 * logits
+
+
+def root_held(spec: ModelSpec, run: Run, recipe: Recipe, pp_rank: int) -> float:
+    """FSDP2's root unit at the backward's peak (one pipeline stage, ZeRO-3 with the
+    weights resharded after forward): the embedding's and head's 16-bit weights, gathered,
+    and the head's 16-bit gradient, both held until the embedding's backward ends."""
+    lay = run.layout
+    if not recipe.root_unit or run.parallel.zero < 3 or lay.pp > 1:
+        return 0.0
+    rows = spec.vocab_rows(lay.tp) * spec.d_model
+    return 2 * rows * (1 if spec.tied else 2) + 2 * rows
+
+
 def transient(spec: ModelSpec, run: Run, recipe: Recipe, last: bool) -> float:
     """What lives for a moment at the backward's peak: on the last stage the loss's backward
     (the log-softmax output it saved, counted in the activations, meets its gradient and the
     logits' gradient, two more fp32 ``T·V/tp`` tensors, unless the loss is fused); under full
     or op-level recomputation, one layer's recomputed activations while its backward runs."""
     tokens = run.micro_batch * spec.seq_len / run.layout.cp
-    loss = 0.0 if recipe.fused_loss or not last else 2 * 4 * tokens * spec.vocab_rows(
-        run.layout.tp)
+    loss = loss_bytes(run, recipe, tokens * spec.vocab_rows(run.layout.tp))[1] if last else 0.0
     layer = 0.0
     if run.memory.recompute in ("full", "op"):
         layer = layer_activations(spec, run, "selective")
@@ -205,6 +237,7 @@ def framework_memory(spec: ModelSpec, run: Run, rec: Recipe) -> dict:
         row["comm"] = (biggest * (2 * 2 + rec.reduce) if par.zero >= 3 else 0.0) + (
             4 * 2 * run.micro_batch * spec.seq_len * spec.d_model / lay.cp if lay.pp > 1 else 0)
         row["transient"] = transient(spec, run, rec, r == lay.pp - 1)
+        row["comm"] += root_held(spec, run, rec, r)
         rows.append(row)
     top = max(rows, key=lambda x: sum(x.values()))
     top["allocated"] = sum(top.values())

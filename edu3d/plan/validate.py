@@ -120,7 +120,7 @@ def run_of(row: PublishedRun) -> tuple[Run, str, list[str]]:
         flags["attn"] = "explicit"
         assumed.append("attn")
     recipe = given(row.recipe, "recipe", "megatron")
-    if flags["zero"] == 0 and recipe == "torchtitan":
+    if flags["zero"] == 0 and recipe.startswith("torchtitan"):
         flags["zero"] = 3
     return Run.of(**flags), recipe, assumed
 
