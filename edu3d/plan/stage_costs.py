@@ -19,7 +19,10 @@ why a collective costs a stage only what its compute does not hide:
   all-gathered before its forward and again before its backward, its gradients
   reduce-scattered after; with prefetch the next layer's all-gather runs while this one
   computes, so a layer costs the slower of its compute and its communication, plus the
-  first gather and the last scatter.
+  first gather and the last scatter;
+* **a stage's bytes per step** (:func:`stage_bytes`): what one rank of a stage sends on each
+  axis of a course run (fp32, no sequence parallelism), the numbers chapter 06 holds to a
+  traced run.
 
 :mod:`edu3d.plan.step` puts the stages into the pipeline schedule and adds data
 parallelism and the optimizer. No torch.
@@ -187,3 +190,27 @@ def zero3_cost(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe,
     fwd = overlapped([f] * layers, [gather] * layers, prefetch) - f * layers
     bwd = overlapped([b] * layers, [gather + scatter] * layers, prefetch) - b * layers
     return fwd, bwd + scatter  # the last layer's scatter waits for nothing after it
+
+
+# ---- a stage's bytes on the wire -----------------------------------------------------------------
+def stage_bytes(spec: ModelSpec, layout: Layout, m: int, stage: int, rank_params: int,
+                global_batch: int = 8, dtype_bytes: int = 4) -> dict[str, float]:
+    """Bytes one rank of pipeline ``stage`` sends per step on each axis (``tp pp dp``), for a
+    course run: ``m`` micro-batches, ``rank_params`` the parameters the rank holds (its
+    stage's, cut by tp), values of ``dtype_bytes``.
+
+    * TP (no sequence parallelism): per layer and micro-batch 2 all-reduces forward and 2
+      backward of the activation ``b·s·h``; the first stage adds the vocabulary-parallel
+      embedding's forward all-reduce, the last the LM head's backward one (the loss's
+      all-reduces of ``b·s`` numbers are left out);
+    * PP: per micro-batch an activation forward and a gradient back across each boundary;
+    * DP, ZeRO-1: the gradients reduce-scattered and the parameters all-gathered once."""
+    b = global_batch // layout.dp // m
+    act = b * spec.seq_len * spec.d_model * dtype_bytes
+    calls = 4 * spec.n_layers / layout.pp + (stage == 0) + (stage == layout.pp - 1)
+    boundaries = (stage > 0) + (stage < layout.pp - 1)
+    dp = rank_params * dtype_bytes
+    return {"tp": calls * m * links.wire_bytes("all_reduce", act, layout.tp),
+            "pp": m * act * boundaries if layout.pp > 1 else 0.0,
+            "dp": (links.wire_bytes("reduce_scatter", dp, layout.dp)
+                   + links.wire_bytes("all_gather", dp, layout.dp))}

@@ -96,7 +96,11 @@ def reduce_tail(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
             reduce = links.collective_time("all_reduce", rec.reduce * psi, n, link)
         else:
             reduce = links.collective_time("reduce_scatter", rec.reduce * psi, n, link)
-        overlap = rec.overlap_dp or par.dp_impl == "overlap"
+        if par.dp_impl == "naive" and rec.name == "edu3d":  # one all-reduce per tensor
+            reduce += (cpu.tensors_held(spec, run, pp_rank) - 1) * links.collective_time(
+                "all_reduce", 4, n, link)
+        # edu3d's overlap and bucketed modes both launch during backward (parallel/dp)
+        overlap = rec.overlap_dp or par.dp_impl in ("overlap", "bucketed")
         tail = max(0.0, reduce - backward) if overlap else reduce
         if overlap and reduce:  # the last bucket cannot start before the backward ends
             buckets = max(1.0, rec.reduce * psi / (par.bucket_mb * 2**20))
