@@ -168,6 +168,13 @@ def test_what_overlaps_costs_less():
     eager = dataclasses.replace(recipes.recipe_of("torchtitan"), prefetch=False)
     assert (step.predict(LLAMA, fsdp, H100, "torchtitan").parts["dp"]
             < step.predict(LLAMA, fsdp, H100, eager).parts["dp"])
+    # edu3d's own DDP: buckets (and per-tensor "overlap") reduce while backward runs, a flat
+    # buffer after it, one all-reduce per tensor ("naive") pays a latency each
+    course = Run.of(model="tiny", dp=2, global_batch=8)
+    dp = {impl: step.predict(spec_of(course), course.replace(dp_impl=impl, bucket_mb=0.01),
+                             "cpu-reference", memory=False).parts["dp"]
+          for impl in ("bucketed", "overlap", "flat", "naive")}
+    assert dp["bucketed"] < dp["flat"] < dp["naive"] and dp["overlap"] < dp["flat"]
 
 
 def test_a_bigger_micro_batch_runs_bigger_matmuls_and_crossing_nodes_costs_latency():
