@@ -10,7 +10,8 @@ into measurements, and how well the guesses ranked:
   takes the best row of every layout first, then of every ZeRO stage, micro-batch size and
   recomputation of those layouts: the tuner compares choices, not copies. With several
   ``bucket_mb`` sizes, every data-parallel candidate without ZeRO is tried at each (the
-  model tells them apart only where buckets overlap the backward, ``dp_impl="overlap"``);
+  model tells them apart: edu3d's buckets all-reduce while the backward runs, all but the
+  last);
 * **the performance model** (:mod:`edu3d.bench.predicted`): every candidate's step time
   from :func:`edu3d.plan.step.predict` on this machine's profile (``edu3d calibrate`` writes
   it; without one, a shipped stand-in and a note saying how to make one);
