@@ -41,8 +41,13 @@ COMM_AXES = ("tp", "pp", "dp", "edp", "cp", "ep")
 
 def run_of(name: str, overlap: str = "on", microbatches: int | None = None):
     """The :class:`~edu3d.config.sections.Run` of chapter layout ``name`` (the lesson's tiny
-    model, 8 sequences, fp32, as the chapter trains it)."""
-    return lesson_args(**layout_options(name, overlap, microbatches))
+    model, 8 sequences, fp32, as the chapter trains it); more micro-batches than a data-
+    parallel rank has sequences get one sequence each (the batch grows to ``dp·m``)."""
+    run = lesson_args(**layout_options(name, overlap, microbatches))
+    lay, m = run.layout, run.microbatches
+    if run.batch.global_batch < lay.dp * m:
+        run = run.replace(global_batch=lay.dp * m)
+    return run
 
 
 def profile_for(costs: dict | None = None, cores: int | None = None) -> Profile:
