@@ -1,7 +1,7 @@
 """Chapter 12 and exercise 12: the grader is honest both ways and catches the classic
 mistakes; the chapter's measurements agree with their formulas.
 
-* solutions pass every check of :mod:`edu3d.course.grade_moe`; the untouched stubs fail every
+* solutions pass every check of :mod:`edu3d.course.ch12_mixture_of_experts_grade`; the untouched stubs fail every
   check (``NotImplementedError``); per-token shares, top-1-only counts, gate means, a detached
   loss, a floor capacity, index-order drops and reversed ties each fail, naming the case;
 * the chapter's serial runs: every step routes ``T·k`` assignments, dropless drops nothing,
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from edu3d.course import ch12_mixture_of_experts as moe
-from edu3d.course import grade_moe, grading
+from edu3d.course import ch12_mixture_of_experts_grade as grade_moe, grading
 
 CHECKS = (grade_moe.check_loss_value, grade_moe.check_loss_grad, grade_moe.check_capacity)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edu3d.course import ch13_context_parallelism as ch13
-from edu3d.course import grade_cp, grading
+from edu3d.course import ch13_context_parallelism_grade as grade_cp, grading
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.parallel.cp import work

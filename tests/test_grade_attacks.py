@@ -42,7 +42,7 @@ from edu3d.course.verdict_channel import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = nbformat.read(ROOT / "exercises" / "00_ranks.ipynb", as_version=4)
-CELL3 = grade.committed_titles(NOTEBOOK.cells[3])  # coords_of's 11 checks
+CELL3 = grade.declared_titles(NOTEBOOK.cells[3])  # coords_of's 11 checks
 
 EVIL = '''"""A submission that attacks the grader instead of computing anything."""
 import json
