@@ -59,6 +59,20 @@ def ring_all_reduce(t):
     dist.all_reduce(t)
     return t
 """, "bytes"),
+        ("the receive buffer made in the default dtype (fp32), not the buffer's", """
+def ring_all_reduce(t):
+    n, i = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(t.view(-1), n)
+    for s in range(n - 1):
+        incoming = torch.empty(chunks[(i - s - 2) % n].numel())
+        exchange(chunks[(i - s - 1) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 2) % n].add_(incoming)
+    for s in range(n - 1):
+        incoming = torch.empty(chunks[(i - s - 1) % n].numel())
+        exchange(chunks[(i - s) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 1) % n].copy_(incoming)
+    return t
+""", "1003 bf16"),
     ],
     "bucketed_ddp": [
         ("sums the gradients without dividing by N", """
