@@ -105,6 +105,18 @@ class BucketedDDP(BucketedDDP):
             self.launched_at.append(self.grads_seen)
         super().finish()
 """, "before backward has finished"),
+        ("finish() keeps the step's counts: the next step launches nothing", """
+class BucketedDDP(BucketedDDP):
+    def finish(self):
+        for i, flat, handle in self.pending:
+            handle.wait()
+            flat /= self.n
+            off = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        self.pending = []
+""", "two steps in a row"),
     ],
     "zero1": [
         ("slices of numel // n, no padding", """
