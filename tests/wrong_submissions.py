@@ -137,6 +137,12 @@ def zero1_sgd_step(params, lr, group=None):
         comm.all_reduce(p.grad, group)
         p -= lr * p.grad / n
 """, "exactly one reduce-scatter"),
+        ("a whole extra row of padding when N already divides the buffer", """
+def shard_range(numel, n, rank):
+    padded = numel + n - numel % n
+    k = padded // n
+    return rank * k, (rank + 1) * k, padded
+""", "no padding where 8 divides"),
     ],
     "tp_layers": [
         ("f's backward does not all-reduce", """
