@@ -1,5 +1,5 @@
 """The grader of exercise 06 (``exercises/grad_norm_3d.py``): the real 3D trainer, checked
-against the serial model.
+against the serial model, then a cut of the layers into pipeline stages.
 
 :func:`grade` is a launch target (``launch(grade, 4, layout=Layout(tp=2, pp=2))``). Every
 rank builds the library's :class:`~edu3d.train.trainer.Trainer` on a tp2-pp2 layout with tied
@@ -16,15 +16,25 @@ functions the pieces this rank really holds:
 Every verdict is a bool agreed by all ranks (:func:`~edu3d.distributed.runtime.all_ok`): an unfinished
 stub or a wrong answer is ``False`` everywhere, never an exception that would leave the
 other ranks waiting in a collective.
+
+The design: ``split_layers(job)`` returns how many transformer layers each pipeline stage
+holds, for a job of :data:`JOBS` whose first stage also holds the embedding and whose last
+holds the LM head and the loss (the tied embedding's two homes). :func:`cost` prices it
+under 1F1B: the step is ``(m + p - 1)`` times the slowest stage's forward and backward, and
+stage ``s`` keeps ``p - s`` micro-batches of activations beside its weights' state. The
+target: the fullest stage fits, the step within 2 % of the best cut (every cut is listed).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from edu3d.course import grading, lesson_args
+from edu3d.course.targets import Cost, Target, best, fmt_bytes, meet
 from edu3d.config.layout import Layout
 from edu3d.distributed.runtime import all_ok
 from edu3d.launch import launch
@@ -126,3 +136,78 @@ def run(timeout: float = 180, **kwargs) -> dict:
     res = launch(grade, 4, layout=Layout(tp=2, pp=2), echo=False, progress=False,
                  timeout=timeout, name="grade_3d", kwargs=kwargs)
     return res.results[0]
+
+
+# ---- the design: which layers go to which stage --------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    layers: int
+    pp: int
+    microbatches: int
+    gpu_gb: float
+    layer_state: float  # bytes of one layer's state (16 per parameter)
+    layer_act: float  # bytes of one layer's activations for one micro-batch
+
+
+EMB_UNITS, HEAD_UNITS = 0.2, 6.0  # forward + backward, in units of one layer's
+EMB_STATE, HEAD_STATE, HEAD_ACT = 1.6e9, 1.6e9, 3.0e9  # the embedding and its tied copy
+JOBS = {"a": Job(layers=24, pp=4, microbatches=16, gpu_gb=40, layer_state=3.2e9,
+                 layer_act=1.0e9),
+        "b": Job(layers=32, pp=4, microbatches=32, gpu_gb=30, layer_state=1.6e9,
+                 layer_act=0.5e9)}
+SLACK = 1.02
+
+
+def stage_costs(job: str, split) -> list[Cost]:
+    """Each stage's forward and backward (units) and bytes, for ``split`` layers per stage."""
+    j = JOBS[job]
+    assert isinstance(split, (list, tuple)) and len(split) == j.pp, \
+        f"job {job}: split_layers must return {j.pp} layer counts, one per stage"
+    split = [int(n) for n in split]
+    assert min(split) >= 0 and sum(split) == j.layers, \
+        f"job {job}: the stages hold {sum(split)} layers, the model has {j.layers}"
+    out = []
+    for s, n in enumerate(split):
+        first, last = s == 0, s == j.pp - 1
+        units = n + (EMB_UNITS if first else 0) + (HEAD_UNITS if last else 0)
+        state = n * j.layer_state + (EMB_STATE if first else 0) + (HEAD_STATE if last else 0)
+        act = n * j.layer_act + (HEAD_ACT if last else 0)
+        out.append(Cost(units, state + (j.pp - s) * act))  # 1F1B: p - s micro-batches alive
+    return out
+
+
+def cost(job: str, split) -> Cost:
+    stages = stage_costs(job, split)
+    return Cost(time=(JOBS[job].microbatches + JOBS[job].pp - 1) * max(c.time for c in stages),
+                memory=max(c.memory for c in stages))
+
+
+def splits(job: str):
+    """Every cut of the layers into ``pp`` stages of at least one layer."""
+    n, p = JOBS[job].layers, JOBS[job].pp
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        yield [b - a for a, b in zip((0,) + cuts, cuts + (n,))]
+
+
+def target(job: str) -> Target:
+    memory = JOBS[job].gpu_gb * 1e9
+    _, top = best(splits(job), lambda s: cost(job, s), memory)
+    return Target(time=SLACK * top.time, memory=memory)
+
+
+def check_design(ex, job: str) -> None:
+    split = ex.split_layers(job)
+    meet(f"job {job}: stages of {list(split)} layers", cost(job, split), target(job),
+         fmt=lambda u: f"{u:g} units")
+
+
+def describe(job: str, split) -> str:
+    try:
+        stages = stage_costs(job, split)
+    except AssertionError as why:
+        return str(why)
+    c, t = cost(job, split), target(job)
+    per = ", ".join(f"{s.time:g} u / {fmt_bytes(s.memory)}" for s in stages)
+    return (f"job {job}: {list(split)}: step {c.time:g} units (target {t.time:g}), fullest "
+            f"stage {fmt_bytes(c.memory)} (at most {fmt_bytes(t.memory)}); per stage: {per}")
+
