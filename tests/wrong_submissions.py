@@ -223,6 +223,16 @@ def sum_tied_embedding_grads(grad, group=None):
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
     grad /= 2
 """, "sum_tied_embedding_grads"),
+        ("the squares summed over the whole world, not the model-parallel group", """
+def global_grad_norm(pieces, tp_index, group=None):
+    sq = torch.zeros(1, dtype=torch.float64)
+    for name, grad, replicated, tied_copy in pieces:
+        if (replicated and tp_index != 0) or tied_copy:
+            continue
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    return sq.sqrt().float()[0]
+""", "dp2-tp2"),
     ],
     "rank_memory": [
         ("the vocabulary split as vocab // tp, no padding", """

@@ -11,7 +11,10 @@ functions the pieces this rank really holds:
   its half); after it, both must equal this rank's shard of the serial model's gradient;
 * ``global_grad_norm(pieces, tp_index, group)`` gets every gradient after the library's
   fixes, as :class:`GradPiece` s, and must return the serial model's gradient norm on every
-  rank. The provided buggy norm is measured alongside, to show how far off it is.
+  rank, on tp2-pp2 and again with the same 4 ranks as dp2-tp2: two replicas, so the
+  model-parallel group it is given is no longer the whole world (a norm that sums over the
+  world counts every square twice). The provided buggy norm is measured alongside, to show
+  how far off it is.
 
 Every verdict is a bool agreed by all ranks (:func:`~edu3d.distributed.runtime.all_ok`): an unfinished
 stub or a wrong answer is ``False`` everywhere, never an exception that would leave the
@@ -36,6 +39,7 @@ import torch
 from edu3d.course import grading, lesson_args
 from edu3d.course.targets import Cost, Target, best, fmt_bytes, meet
 from edu3d.config.layout import Layout
+from edu3d.distributed.mesh import Mesh
 from edu3d.distributed.runtime import all_ok
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
@@ -120,11 +124,24 @@ def grade(mesh, *, layers: int = 3, global_batch: int = 4, use: dict | None = No
               for name, p, g in t.grads.held()]
     group = mesh.group("mp")
     norm = _safe(norm_fn, pieces, tp_index, group)
-    ok = (isinstance(norm, torch.Tensor) and norm.numel() == 1
-          and torch.allclose(norm.detach().double().reshape(()), serial_norm.double(),
-                             rtol=1e-4))
-    norm_ok = all_ok(bool(ok))
+
+    def right(value) -> bool:
+        return (isinstance(value, torch.Tensor) and value.numel() == 1
+                and torch.allclose(value.detach().double().reshape(()), serial_norm.double(),
+                                   rtol=1e-4))
+
+    ok = right(norm)
     buggy = _safe(mod.buggy_global_grad_norm, pieces, tp_index, group)
+
+    # 3. the same ranks as dp2-tp2: two replicas, so the model-parallel group is not the world
+    replica = Mesh.build(Layout(dp=2, tp=2))
+    t2 = Trainer(GPT(config, seed=0), replica, lesson_args(
+        dp=2, tp=2, tie=True, microbatches=2, optimizer="sgd", lr=0.1, clip=0.0))
+    t2.forward_backward(x, y)
+    pieces2 = [GradPiece(name, g.detach(), t2.par.specs.get(name) is None, False)
+               for name, p, g in t2.grads.held()]
+    ok = ok and right(_safe(norm_fn, pieces2, replica.index("tp"), replica.group("mp")))
+    norm_ok = all_ok(bool(ok))
     return {"tied": tied_ok, "norm": norm_ok, "serial_norm": float(serial_norm),
             "norm_value": float(norm) if ok else None,
             "buggy_norm": float(buggy) if isinstance(buggy, torch.Tensor) else None,
