@@ -308,11 +308,11 @@ def test_rank_memory_grader_catches_the_classic_mistakes():
     micro-batches on every rank each fail their check, with a message naming the case."""
     from types import SimpleNamespace
 
-    from edu3d.course import ch07_memory_plan as memory_plan
+    from edu3d.course import ch07_memory_grade as g
 
     sol = grading.load("rank_memory", solutions=True)
-    for check in (memory_plan.check_counts, memory_plan.check_state,
-                  memory_plan.check_in_flight):
+    for check in (g.check_counts, g.check_state,
+                  g.check_in_flight):
         check(sol)
 
     def all_split(L, h, V, s, tp, pp, r, tied=False):
@@ -324,8 +324,8 @@ def test_rank_memory_grader_catches_the_classic_mistakes():
     wrong = SimpleNamespace(rank_params=all_split, state_bytes=grads_whole,
                             in_flight=lambda s, pp, m, r: m if s == "gpipe" else min(m, pp))
     with pytest.raises(AssertionError, match=r"tp=2, pp=1, tied=False: pp rank 0 holds"):
-        memory_plan.check_counts(wrong)
+        g.check_counts(wrong)
     with pytest.raises(AssertionError, match=r"dp=2 ZeRO-2: grads should be about"):
-        memory_plan.check_state(wrong)
+        g.check_state(wrong)
     with pytest.raises(AssertionError, match=r"1f1b, pp=2, m=2: pp rank 1 keeps 1"):
-        memory_plan.check_in_flight(wrong)
+        g.check_in_flight(wrong)

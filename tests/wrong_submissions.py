@@ -250,6 +250,10 @@ def state_bytes(n_params, dp, zero):
 def in_flight(schedule, pp, m, pp_rank):
     return m if schedule == "gpipe" else min(m, pp)
 """, "in_flight"),
+        ("the least memory first: ZeRO-3 and recompute, the whole batch at once", """
+def memory_plan(job):
+    return {"zero": 3, "micro_batch": 32, "recompute": True}
+""", "design, job a"),
     ],
     "reshard": [
         ("a ZeRO piece written from the start of its box", """
