@@ -281,6 +281,15 @@ def full_tensor(pieces):
 def piece_for(full, placement):
     return full[_box(placement)].reshape(-1).clone()
 """, "piece_for"),
+        ("the full tensor made in the default dtype (fp32), not the pieces'", """
+_right = full_tensor
+def full_tensor(pieces):
+    return _right([(place, data.float()) for place, data in pieces])
+""", "bf16 tensor"),
+        ("a checkpoint every step, asynchronously", """
+def checkpoint_plan(job):
+    return {"every": 1, "async": True}
+""", "design, job a"),
     ],
     "moe_routing": [
         ("shares of tokens (N), not of assignments (N*k)", """
@@ -344,6 +353,10 @@ def fsdp2(model, mesh, zero=3):
 def ddp_zero1(model, group, groups, **adamw):
     return DistributedDataParallel(model, process_group=group), torch.optim.AdamW(groups, **adamw)
 """, "state is split"),
+        ("the least memory: one block a unit, resharded", """
+def fsdp_plan(job):
+    return {"blocks_per_unit": 1, "reshard": True}
+""", "design, job a"),
     ],
     "trace_overlap": [
         ("a nested span shortens the merged one", """

@@ -36,8 +36,8 @@ class Target:
 
 
 def fmt_bytes(n: float) -> str:
-    """``12.3 GB``, ``840 MB``, ``4 KB`` (powers of 1000, as the course's charts)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    """``1.2 TB``, ``12.3 GB``, ``840 MB``, ``4 KB`` (powers of 1000, as the course's charts)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
