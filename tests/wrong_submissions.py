@@ -336,6 +336,15 @@ def zigzag_positions(seq_len, cp, rank):
     size = seq_len // (2 * cp)
     return [p for c in (rank, cp + rank) for p in range(c * size, (c + 1) * size)]
 """, "zigzag_positions"),
+        ("no cast to fp32: right while an fp32 lse promotes the arithmetic, off by 1e-2 "
+         "when everything is bf16", """
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a - ref).unsqueeze(-1)
+    wb = torch.exp(lse_b - ref).unsqueeze(-1)
+    return (wa * out_a + wb * out_b).float(), lse.float()
+""", "all-bf16"),
     ],
     "torch_wrap": [
         ("the blocks sharded, the root forgotten (embeddings and head whole, never averaged)", """
@@ -378,6 +387,10 @@ def exposed_time(comm, compute):
 def mfu(step_seconds, tokens, flops_per_token, peak_flops, gpus):
     return tokens * flops_per_token / (step_seconds * peak_flops)
 """, "mfu"),
+        ("one bucket a gradient: the latency paid 13 times", """
+def bucket_plan(job):
+    return [1] * 13
+""", "design, job a"),
     ],
     "layout_choice": [
         ("plain data parallelism everywhere (does not fit)", """
