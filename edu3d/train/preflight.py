@@ -32,6 +32,7 @@ from edu3d.config.layout import Layout, LayoutError
 from edu3d.config.sections import Run
 from edu3d.launch import cores as launch_cores
 from edu3d.launch.api import NODE_OPTIONS, check_launch, node_args
+from edu3d.model.config_schema import config_from
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
 from edu3d.train.axis_rules import check_cp, check_moe
@@ -88,8 +89,6 @@ def preflight(run: Run, available: int | None = None) -> Checked:
 def model_config(run: Run):
     """The model's :class:`~edu3d.model.gpt.GPTConfig`: the preset with the overrides (and
     the mixture of experts, when ``run.model.experts`` > 0)."""
-    from edu3d.model.gpt import config_from  # torch: the model module
-
     m = run.model
     config = config_from(m.preset, layers=m.layers, heads=m.heads, d_model=m.d_model,
                          seq=m.seq, vocab=m.vocab, tie=m.tie, vocab_pad=m.vocab_pad)
