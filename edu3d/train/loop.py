@@ -256,7 +256,11 @@ def _describe(run, config, corpus) -> None:
     if getattr(config, "n_experts", 0):
         params = (f"{total_params(config):,} parameters, {active_params(config):,} active per "
                   "token")
-    print(f"{run.model.preset} {config}: {params}; loss at "
+    shape = (f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, "
+             f"seq {config.seq_len}, vocab {config.vocab_size}"
+             + (" (tied)" if config.tie_weights else "")
+             + (f", {config.n_experts} experts, top-{config.topk}" if config.n_experts else ""))
+    print(f"{run.model.preset} ({shape}): {params}; loss at "
           f"init ~ ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
           f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
 
