@@ -36,7 +36,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank     warm ranks for notebook cells
     config/     layout sections   what a run is: the layout and its rank order, the Run in sections
-    distributed/  mesh runtime comm algorithms trace meter
+    distributed/  mesh runtime comm algorithms trace coverage meter
                                      what every rank uses
     model/      gpt moe shapes param_globs config_schema
                                      the serial reference GPT, mixture of experts, model shapes
