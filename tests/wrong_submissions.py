@@ -24,6 +24,10 @@ def group_members(rank, dim, dp, tp, pp):
     return sorted(({**c, dim: i}["dp"] + dp * ({**c, dim: i}["tp"] + tp * ({**c, dim: i}["pp"]))
                    for i in range(size)))
 """, "groups"),
+        ("tensor parallelism over the whole job: every tp group crosses nodes", """
+def layout_for(job):
+    return {"a": (1, 16, 1), "b": (1, 32, 1)}[job]
+""", "design, job a"),
     ],
     "ring_allreduce": [
         ("the all-gather adds instead of copying", """
@@ -202,6 +206,12 @@ def gradient_scale(pipeline_grads, serial_grads):
     sq = lambda g: float(sum(t.double().norm() ** 2 for t in g.values()))
     return sq(pipeline_grads) / sq(serial_grads)
 """, "measures the missing 1/m"),
+        ("the backward split, but each W run at once: 1F1B's bubble again", """
+def faster_schedule(pp, m):
+    return [[x for op in ops for x in ((op.replace("B", "I"), op.replace("B", "W"))
+                                       if "B" in op else (op,))]
+            for ops in one_f_one_b(pp, m)]
+""", "design"),
     ],
     "grad_norm_3d": [
         ("replicated tensors counted on every tp rank (the given bug)", """
