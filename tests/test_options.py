@@ -76,7 +76,7 @@ def test_positive_int_says_what_a_count_is(text):
     (["--dp", "0"], "--dp: 0: must be a positive integer"),
     (["--microbatches", "0"], "--microbatches: 0: must be a positive integer"),
     (["--global-batch", "-8"], "--global-batch: -8: must be a positive integer"),
-    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--precision", "fp4"], "invalid choice: 'fp4'"),  # fp8 is a choice (edu3d.parallel.fp8)
     (["--lr-schedule", "linear"], "invalid choice: 'linear'"),
 ])
 def test_every_number_is_checked_with_its_range(capsys, argv, message):
@@ -256,3 +256,15 @@ def test_oversubscription_warns_in_one_line():
     warning = oversubscribed(Layout(dp=64), cores=2)
     assert warning.startswith("warning: 64 ranks on 2 CPU core(s)") and "\n" not in warning
     assert oversubscribed(Layout(dp=8), cores=2) is None
+
+
+def test_the_preflight_hands_the_launcher_every_node_option():
+    """The pre-flight reads the launch section's fields by name, one by one (no getattr over
+    the launcher's list): the keywords it hands node_args must be the launcher's list."""
+    from edu3d.launch.api import NODE_OPTIONS
+    from edu3d.train.preflight import node_options
+
+    run = Run.of(nnodes=2, node_rank=1, master_port=29400)
+    assert sorted(node_options(run)) == sorted(NODE_OPTIONS)
+    assert {k: v for k, v in node_options(run).items() if v is not None} == {
+        "nnodes": 2, "node_rank": 1, "master_port": 29400}

@@ -30,7 +30,8 @@ from edu3d.course import grading
 from edu3d.course.ch02_data_parallel import StepCosts, backward_sizes, simulate_dp_step
 from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
 from edu3d.model.gpt import GPT, config_from
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 
 
 def ddp_on_ranks(mesh, bucket_mb: float = 0.02) -> dict:

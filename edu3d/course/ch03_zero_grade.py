@@ -30,7 +30,8 @@ from edu3d.course import grading
 from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
 from edu3d.distributed import trace
 from edu3d.model.gpt import GPT, config_from
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 
 
 def zero1_on_ranks(mesh, lr: float = 0.1) -> bool:

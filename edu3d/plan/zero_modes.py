@@ -36,7 +36,8 @@ ZeRO-3 per-microbatch      ``m`` x (2 all-gathers + 1 reduce-scatter)   ``m(N-1)
 =========================  ===========================================  ==================
 
 With 16-bit weights and gradients and ``m = 1`` these are the paper's ``2Ψ`` values
-(DDP, ZeRO-1, ZeRO-2) and ``3Ψ`` (ZeRO-3) times 2 bytes.
+(DDP, ZeRO-1, ZeRO-2) and ``3Ψ`` (ZeRO-3) times 2 bytes. Under FP8 (tensorwise) ZeRO-3
+gathers the blocks' linear weights in 1 byte (:func:`gather_bytes`): half of bf16's.
 
 **Memory** (the planner's ``estimate`` at the peak, :mod:`edu3d.plan.estimate`): the state
 columns hold the sharded state (:func:`edu3d.plan.formulas.zero_bytes`) plus what a mode
@@ -130,3 +131,18 @@ def in_flight_bytes(unit: float, zero: int, grad_reduce: str, m: int, param_byte
     if not holds_step(zero, grad_reduce, m):
         out += grad_bytes * unit + (2 * param_bytes * unit if zero == 3 else 0)
     return out
+
+
+def gather_bytes(units: list, n: int, param_bytes: int, fp8: bool = False) -> int:
+    """Bytes one all-gather of every ZeRO-3 unit fills (each unit's full flat buffer, padded
+    to a multiple of ``n``: what the trace records per gather; a rank sends ``(n-1)/n`` of
+    it). ``units``: ``[(name, [(elements, cast to FP8)])]``. With ``fp8`` (``--precision
+    fp8`` tensorwise, :mod:`edu3d.parallel.fp8.fp8_gather`) a unit's FP8 weights are a unit
+    of their own, 1 byte per element, beside the rest at ``param_bytes``: the weights' share
+    of the ``2p_b`` of the table above becomes ``2·1``."""
+    total = 0
+    for _, tensors in units:
+        low = sum(k for k, cast in tensors if cast) if fp8 else 0
+        rest = sum(k for k, _ in tensors) - low
+        total += param_bytes * -(-rest // n) * n + -(-low // n) * n
+    return total

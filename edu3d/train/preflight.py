@@ -6,7 +6,8 @@ After reading this file you should understand:
   any layout, because a one-stage pipeline *is* gradient accumulation) and the few
   combinations that cannot work, each refused with what would work instead
   (:func:`check_args`, with the mixture-of-experts and context-parallel rules of
-  :mod:`edu3d.train.axis_rules` and the batching rules of :mod:`edu3d.train.batching`);
+  :mod:`edu3d.train.axis_rules`, FP8's of :mod:`edu3d.train.fp8_rules` and the batching
+  rules of :mod:`edu3d.train.batching`);
 * that a run's description (:class:`~edu3d.config.sections.Run`) is *resolved* here, once:
   ``--ep N`` alone becomes ``--dp N --ep N``, ``--resume-step N`` implies ``--resume``, an
   output path becomes absolute;
@@ -31,11 +32,13 @@ from dataclasses import dataclass
 from edu3d.config.layout import Layout, LayoutError
 from edu3d.config.sections import Run
 from edu3d.launch import cores as launch_cores
-from edu3d.launch.api import NODE_OPTIONS, check_launch, node_args
+from edu3d.launch.api import check_launch, node_args
 from edu3d.model.config_schema import config_from
+from edu3d.model.shapes import COURSE_PRESETS
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
 from edu3d.train.axis_rules import check_cp, check_moe
+from edu3d.train.fp8_rules import check_fp8
 from edu3d.train.pipeline_rules import check_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
@@ -44,7 +47,7 @@ BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.
 GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE
 ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
 FAULT_KINDS = ("exit", "kill", "hang", "slow")
-PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
+PRESET_NAMES = COURSE_PRESETS  # edu3d.model.gpt.PRESETS' names, torch-free; a test checks
 MIN_VOCAB = 4  # edu3d.train.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
 
 
@@ -124,6 +127,7 @@ def check_args(run: Run) -> tuple[object, Layout]:
     run = resolve(run)
     lay = run.layout
     check_moe(run)
+    check_fp8(run)
     config = model_config(run)
     par, m = run.parallel, run.microbatches
     lay.validate(config=config, global_batch=run.batch.global_batch, microbatches=m)
@@ -207,8 +211,12 @@ def compiler() -> str | None:
 
 
 def node_options(run: Run) -> dict:
-    """The run's multi-node options by name, for :func:`edu3d.launch.api.node_args`."""
-    return {k: getattr(run.launch, k) for k in NODE_OPTIONS}
+    """The run's multi-node options, as :func:`edu3d.launch.api.node_args` takes them."""
+    lc = run.launch
+    return {"nnodes": lc.nnodes, "node_rank": lc.node_rank, "rdzv_endpoint": lc.rdzv_endpoint,
+            "rdzv_backend": lc.rdzv_backend, "rdzv_id": lc.rdzv_id, "rdzv_conf": lc.rdzv_conf,
+            "master_addr": lc.master_addr, "master_port": lc.master_port,
+            "local_addr": lc.local_addr}
 
 
 def check_nodes(run: Run, layout: Layout) -> None:
