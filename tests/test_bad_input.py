@@ -155,7 +155,8 @@ def test_a_cp_refusal_comes_before_torch_is_imported():
             "from edu3d.config.layout import LayoutError\n"
             "from edu3d.train.preflight import check_args\n"
             "try:\n"
-            "    check_args(from_flags('--heads 6 --d-model 48 --cp 4 --cp-impl ulysses'.split()))\n"
+            "    argv = '--heads 6 --d-model 48 --cp 4 --cp-impl ulysses'.split()\n"
+            "    check_args(from_flags(argv))\n"
             "except LayoutError as e:\n"
             "    print('refused', 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

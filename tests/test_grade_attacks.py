@@ -13,11 +13,11 @@ attack, each aimed at its own checked cell, so the report shows which defence he
 * **a write into the grade's output** while the grade runs (the path is no secret).
 
 Before issue 41 this submission scored 19/19, exit code 0, and the daemon left the forged
-report in the output file. Here: 0 of them all (21 since the design part), every failure saying what happened, the output file
-holding the grader's report alone, the submission's home and folder gone, and no process of
-the grade left. With ``--isolate`` (where the machine allows namespaces) the same submission
-cannot write outside the grade's folder, see the grader or reach a port of the machine, and
-nothing of it survives either.
+report in the output file. Here: 0 of them all (21 since the design part), every failure saying
+what happened, the output file holding the grader's report alone, the submission's home and
+folder gone, and no process of the grade left. With ``--isolate`` (where the machine allows
+namespaces) the same submission cannot write outside the grade's folder, see the grader or
+reach a port of the machine, and nothing of it survives either.
 
 Plus the verdict channel's own rules, without a kernel: a forged or replayed line is
 rejected, and a process outside the grader's tree is turned away.
