@@ -9,12 +9,20 @@ you to change instead. :func:`edu3d.train.preflight.check_args` calls both, with
 
 from __future__ import annotations
 
+import dataclasses
+
 from edu3d.config.layout import LayoutError
 from edu3d.config.sections import Model, Parallel, Run
 
 CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
+
+
+def default(section, name: str):
+    """A field's default in a section of the run (the sections are slotted: the class
+    attribute is a descriptor, not the default)."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 def check_moe(run: Run) -> None:
@@ -26,9 +34,9 @@ def check_moe(run: Run) -> None:
         moe_only = [f for f, v in (("--ep", ep > 1), ("--shared-experts", o.shared_experts),
                                    ("--capacity-factor", o.capacity_factor),
                                    ("--balance bias", o.balance == "bias"),
-                                   (f"--topk {o.topk}", o.topk != Model.topk),
+                                   (f"--topk {o.topk}", o.topk != default(Model, "topk")),
                                    (f"--moe-every {o.moe_every}",
-                                    o.moe_every != Model.moe_every)) if v]
+                                    o.moe_every != default(Model, "moe_every"))) if v]
         if moe_only:
             raise LayoutError(f"{moe_only[0]} needs a mixture of experts: add --experts 4 "
                               "(or another count)")
@@ -61,7 +69,7 @@ def check_cp(run: Run, config) -> None:
                           f"{', '.join(CP_IMPLS)} and --cp-split in {', '.join(CP_SPLITS)}")
     if cp == 1:
         idle = [f"--{flag.replace('_', '-')} {getattr(par, flag)}" for flag in ("cp_impl", "cp_split")
-                if getattr(par, flag) != getattr(Parallel, flag)]
+                if getattr(par, flag) != default(Parallel, flag)]
         if idle:
             raise LayoutError(f"{idle[0]} chooses how context parallelism works, and this run has "
                               "none: add --cp 2 (or more), or drop it")
