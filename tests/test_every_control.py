@@ -25,7 +25,8 @@ import pytest
 
 from edu3d.widgets.panels import (ch00_launching_ranks, ch01_collectives, ch02_data_parallel,
                                   ch03_zero, ch04_tensor_parallel, ch05_pipeline_parallel,
-                                  ch06_3d_parallelism, ch07_memory, ch08_checkpoints,
+                                  ch06_3d_parallelism, ch07_memory, ch07_memory_fp8,
+                                  ch08_checkpoints,
                                   ch09_in_production, ch10_performance, ch11_review,
                                   ch12_mixture_of_experts, ch13_context_parallelism)
 from tests.test_charts_grammar import tune_report
@@ -113,6 +114,7 @@ def panels() -> dict:
         "07 planner": lambda: ch07_memory.controls(
             dict(model="tiny", dp=1, pp=2, zero=0, microbatches=4, micro_batch=2)),
         "07 tune": lambda: ch07_memory.tune_controls(tune_report(), dict(view="ranks")),
+        "07 fp8": lambda: ch07_memory_fp8.controls(dict(steps=4)),
         "08 reshard": lambda: ch08_checkpoints.controls(
             {"dp2-tp2-pp2 ZeRO-1 (recorded)": manifest, "one rank": one_rank(manifest)}),
         "09 production": lambda: ch09_in_production.controls(
@@ -125,13 +127,18 @@ def panels() -> dict:
         "11 quiz": lambda: ch11_review.controls({"question": "bubble_1f1b"}),
         "12 capacity": lambda: ch12_mixture_of_experts.CapacityControls(
             caps, tokens=8, k=2, experts=4, chosen=1.0),
-        "12 ep": lambda: ch12_mixture_of_experts.ExpertParallelControls(
+        "12 tokens": lambda: ch12_mixture_of_experts.TokenMatrixControls(
+            {2: ep_run(2), 4: ep_run(4)}),
+        "12 timeline": lambda: ch12_mixture_of_experts.DispatchTimelineControls(
             {2: ep_run(2), 4: ep_run(4)}),
         "13 blocks": lambda: ch13_context_parallelism.block_controls(
             dict(cp=4, split="zigzag", seq_len=32)),
         "13 merge": lambda: ch13_context_parallelism.merge_controls(dict(cut=4, seed=0)),
-        "13 costs": lambda: ch13_context_parallelism.cost_controls(
-            dict(cp=4, seq_len=32, heads=4, tp=1)),
+        "13 exchange": lambda: ch13_context_parallelism.exchange_controls(
+            dict(cp=4, seq_len=32, heads=4)),
+        "13 scale": lambda: ch13_context_parallelism.scale_controls(
+            [{"seq_len": s, "cp": c, "measured": 1000 * s // c, "formula": 1000 * s // c}
+             for s in (32, 64) for c in (1, 2, 4)], dict(tp=1, context_k=128)),
     }
 
 

@@ -18,17 +18,21 @@ SCALE_COLORS = {"tensorwise": style.BLUE, "rowwise": style.ORANGE, "unscaled": s
 PRECISION_COLORS = {"fp32": style.BLACK, "bf16": style.BLUE, "fp8": style.VERMILLION}
 
 
-def scale_error_figure(report: dict):
+def scale_error_figure(report: dict, chosen: str | None = None):
     """Each row's relative cast error (log) against its largest magnitude (log), one line
-    per way of scaling (:func:`edu3d.course.ch07_memory_fp8.tensor_report`)."""
+    per way of scaling (:func:`edu3d.course.ch07_memory_fp8.tensor_report`); ``chosen``
+    (a way of scaling) drawn bold, the others faded."""
     x = report["row_amax"]
     fig = go.Figure()
     for name, color in SCALE_COLORS.items():
         r = report[name]
+        bold = chosen is None or name == chosen
         fig.add_trace(go.Scatter(
             x=x, y=[max(e, 1e-4) for e in r["row_errors"]], mode="lines+markers",
             name=f"{name}: {r['rel_error']:.1%} overall, {r['flushed']:.0%} flushed",
-            line={"color": color, "dash": "dot" if name == "unscaled" else None}))
+            opacity=1.0 if bold else 0.35,
+            line={"color": color, "dash": "dot" if name == "unscaled" else None,
+                  "width": 3 if chosen is not None and bold else 2}))
     fig.add_hline(y=2.0**-4, line={"color": style.GREY, "dash": "dash"},
                   annotation_text="2^-4: E4M3's worst rounding of a normal number")
     fig.update_xaxes(type="log")

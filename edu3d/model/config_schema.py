@@ -35,6 +35,7 @@ FLOAT_RANGES = {"capacity_factor": 1e6, "aux_loss_coef": 1e6, "z_loss_coef": 1e6
 BOOLS = ("tie_weights", "norm_topk")
 MAX_TENSORS = 2**16  # n_layers * (1 + n_experts + shared_experts): the parameter tensors
 MAX_SHOWN = 16  # divisors listed in an error; more are elided
+SCOPES = ("microbatch", "sequence", "global")  # the tokens the aux loss counts (model/balance)
 
 
 def _short(value) -> str:
@@ -135,6 +136,7 @@ class GPTConfig:
     shared_experts: int = 0     # always-on experts every token also goes through (DeepSeek)
     capacity_factor: float = 0.0  # 0: dropless; C > 0: each expert takes ceil(N*k/E*C)
     aux_loss_coef: float = 1e-2   # Switch/GShard load-balancing loss weight
+    aux_scope: str = "microbatch"  # the tokens it counts: "microbatch", "sequence", "global"
     z_loss_coef: float = 0.0      # ST-MoE router z-loss weight
     balance: str = "aux"        # "aux" (loss only) or "bias" (DeepSeek-V3 selection bias)
     bias_rate: float = 1e-3     # step of the "bias" balancer's update
@@ -157,6 +159,8 @@ class GPTConfig:
         if self.balance not in ("aux", "bias"):
             raise ValueError(f"balance={self.balance!r}: choose 'aux' (the loss alone) or "
                              f"'bias' (DeepSeek-V3's selection bias)")
+        if self.aux_scope not in SCOPES:
+            raise ValueError(f"aux_scope={self.aux_scope!r}: choose one of {', '.join(SCOPES)}")
         if self.router_dtype not in ("fp32", "fp64"):
             raise ValueError(f"router_dtype={self.router_dtype!r}: choose 'fp32' or 'fp64'")
 
