@@ -34,11 +34,13 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "tp": "edu3d.bench.bench_tp:run_benchmark",
     "3d": "edu3d.bench.bench_3d:run_benchmark",
     "recompute": "edu3d.bench.bench_recompute:run_benchmark",
+    "offload": "edu3d.bench.bench_offload:run_benchmark",
     "ep": "edu3d.bench.bench_5d:run_ep_benchmark",
     "cp": "edu3d.bench.bench_5d:run_cp_benchmark",
     "overhead": "edu3d.bench.bench_overhead:run_benchmark",
     "mfu": "edu3d.bench.bench_mfu:run_benchmark",
     "goals": "edu3d.bench.bench_goals:run_benchmark",
+    "tune-model": "edu3d.bench.bench_tune_model:run_benchmark",
 }
 PLOT = "edu3d.bench.plot:draw"  # edu3d bench plot FILE -o OUT: (csv, out) -> panel titles
 
