@@ -35,3 +35,27 @@ def choose(job: str) -> dict:
         "hint: for each job, first make the model's state and activations fit on one GPU "
         "(shard what must be sharded), then keep the chattiest axis on the fastest links "
         "and leave the rest to data parallelism")
+
+
+# ---- design: micro-batch and recomputation for a fixed layout ------------------------------------
+def micro_plan(job: str) -> dict:
+    """``{"micro_batch": sequences, "recompute": "none" | "selective" | "full"}`` for a job
+    whose layout is already chosen (bf16 with AdamW, 1F1B, sequence parallelism when
+    ``tp > 1``, 90 % of a GPU usable):
+
+    ======  ==========  ======================  =========================  ============
+    job     model       GPUs                    layout                     global batch
+    ======  ==========  ======================  =========================  ============
+    ``a``   gpt2-xl     8 of 16 GB              dp 8, ZeRO-1               128
+    ``b``   llama2-7b   16 of 40 GB (2 nodes)   dp 4 x tp 2 x pp 2, ZeRO-1  128
+    ======  ==========  ======================  =========================  ============
+
+    The micro-batch must divide a data-parallel rank's sequences (the rest are
+    micro-batches). The target: the fullest rank fits, and the planner's step is within 2 %
+    of the best micro-batch and recomputation (the grader: ``tune_cost`` in
+    ``edu3d/course/ch11_review_grade.py``; try plans with ``g.describe_tuning(job, plan)``).
+    """
+    raise NotImplementedError(
+        "hint: a bigger micro-batch runs faster matmuls but holds more activations, and "
+        "under a pipeline leaves fewer micro-batches to fill the bubble; each recomputation "
+        "buys memory with compute: which buys the most for the least?")

@@ -417,5 +417,9 @@ def choose(job):
 def choose(job):
     return {**LAYOUTS[job], "recompute": "full"}
 """, "job c"),
+        ("selective recomputation and one sequence a micro-batch, safe on every job", """
+def micro_plan(job):
+    return {"micro_batch": 1, "recompute": "selective"}
+""", "tuning a"),
     ],
 }

@@ -9,13 +9,22 @@ the GPUs, the batch split evenly), fits (the fullest rank within ``usable`` of a
 its step is at most 10 % slower than the fastest layout that fits. Many layouts pass: the
 point is the reasoning, not one answer.
 
+The design (:func:`check_tuning`): for a job of :data:`TUNING` whose layout is fixed, the
+learner's ``micro_plan(job)`` picks the micro-batch size and the recomputation. The
+planner prices it (:func:`tune_cost`: its step time and its fullest rank's peak); the target
+(:mod:`edu3d.course.targets`): it fits ``usable`` of the GPU and its step is within 2 % of
+the best plan, every micro-batch and recomputation listed (:func:`tune_plans`).
+
 Each ``check_*`` raises ``AssertionError`` saying what is wrong, in the planner's numbers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
+from edu3d.course import targets
+from edu3d.course.targets import Cost, Target, fmt_bytes, fmt_time, meet
 from edu3d.model.shapes import spec_from
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import setup, estimate
@@ -94,3 +103,84 @@ def describe(job: str, choice: dict) -> str:
             f"       the planner's best: dp {top.layout.dp} tp {top.layout.tp} pp {top.layout.pp} "
             f"ZeRO-{top.parallel.zero}, micro-batch {top.micro_batch}, recompute "
             f"{top.memory.recompute}: {v['best_s']:.2f} s")
+
+
+# ---- the design: micro-batch and recomputation for a given layout and memory --------------------
+@dataclass(frozen=True)
+class Tuning:
+    """A job whose layout is fixed: the learner tunes its micro-batch and recomputation."""
+
+    preset: str
+    cluster: Cluster
+    global_batch: int
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+
+
+TUNING = {  # the table of ``micro_plan``'s docstring in exercises/layout_choice.py
+    "a": Tuning("gpt2-xl", Cluster(gpus=8, gpu_mem_gb=16), 128, dp=8, tp=1, pp=1, zero=1),
+    "b": Tuning("llama2-7b", Cluster(gpus=16, gpu_mem_gb=40), 128, dp=4, tp=2, pp=2, zero=1),
+}
+TUNE_SLACK = 1.02  # within 2 % of the planner's best micro-batch and recomputation
+RECOMPUTE = ("none", "selective", "full")
+
+
+def tuned_run(job: str, plan) -> Run:
+    """The planner's run for ``plan`` (``{"micro_batch", "recompute"}``) on the job's fixed
+    layout, or ``AssertionError`` saying why it is no plan."""
+    j = TUNING[job]
+    assert isinstance(plan, dict) and {"micro_batch", "recompute"} <= set(plan), \
+        f"tuning {job}: micro_plan must return a dict with micro_batch and recompute"
+    b, rec = int(plan["micro_batch"]), plan["recompute"]
+    assert rec in RECOMPUTE, \
+        f"tuning {job}: recompute is 'none', 'selective' or 'full', got {rec!r}"
+    assert b >= 1 and j.global_batch % (j.dp * b) == 0, \
+        f"tuning {job}: a micro-batch of {b} does not divide the {j.global_batch // j.dp} " \
+        f"sequences of a data-parallel rank"
+    return setup(dp=j.dp, tp=j.tp, pp=j.pp, zero=j.zero, micro_batch=b,
+                 microbatches=j.global_batch // (j.dp * b), sp=j.tp > 1, recompute=rec,
+                 precision="bf16")
+
+
+def tune_cost(job: str, plan) -> Cost:
+    """The planner's step (:func:`~edu3d.plan.search.step_time`) and the fullest rank's
+    peak (:func:`~edu3d.plan.estimate.estimate`) for ``plan``."""
+    j = TUNING[job]
+    spec, run = spec_from(j.preset), tuned_run(job, plan)
+    return Cost(time=step_time(spec, run, j.cluster)["total"],
+                memory=estimate(spec, run)["total_bytes"])
+
+
+def tune_plans(job: str):
+    """Every plan: each micro-batch dividing a rank's sequences, each recomputation."""
+    j = TUNING[job]
+    per_rank = j.global_batch // j.dp
+    for b in (b for b in range(1, per_rank + 1) if per_rank % b == 0):
+        for rec in RECOMPUTE:
+            yield {"micro_batch": b, "recompute": rec}
+
+
+@lru_cache(maxsize=None)
+def tune_target(job: str) -> Target:
+    cl = TUNING[job].cluster
+    memory = cl.usable * cl.gpu_mem_gb * 1e9
+    _, top = targets.best(tune_plans(job), lambda p: tune_cost(job, p), memory)
+    return Target(time=TUNE_SLACK * top.time, memory=memory)
+
+
+def check_tuning(ex, job: str) -> None:
+    plan = ex.micro_plan(job)
+    meet(f"tuning {job}: {plan}", tune_cost(job, plan), tune_target(job))
+
+
+def describe_tuning(job: str, plan) -> str:
+    """What ``plan`` costs next to the target, or why it is no plan."""
+    try:
+        c = tune_cost(job, plan)
+    except AssertionError as why:
+        return str(why)
+    t = tune_target(job)
+    return (f"tuning {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}), "
+            f"{fmt_bytes(c.memory)} on the fullest rank (at most {fmt_bytes(t.memory)})")
