@@ -35,6 +35,20 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
     return [p for c in chunks for p in range(c * size, (c + 1) * size)]
 
 
+
+# ---- design: the cp degree and implementation for a sequence and a memory budget ----------------
+def cp_plan(job: str) -> dict:
+    """a (16k tokens, 40 GB): without cp only full recomputation fits (21 GB, 3.57 s);
+    cp = 4 with selective recomputation fits too (34 GB) and is faster (3.49 s): the ring
+    hides its K,V sends under each block's attention, and the extra forward is gone.
+    cp = 8 is slower again (4.0 s): every rank's matmuls shrink with its tokens.
+    b (32k tokens, 24 GB): selective recomputation fits only at cp = 16 (17.6 GB, 11.2 s);
+    full recomputation fits from cp = 2 (15.2 GB, 10.2 s), the smallest degree and so the
+    largest matmuls."""
+    return {"a": {"cp": 4, "cp_impl": "ring", "recompute": "selective"},
+            "b": {"cp": 2, "cp_impl": "ring", "recompute": "full"}}[job]
+
+
 # The deeper hints of exercises/cp_merge.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'merge': ('lse = log(e^lse_a + e^lse_b); each output weighs e^(lse_x - lse); where lse is '
@@ -45,4 +59,9 @@ HINTS = {'merge': ('lse = log(e^lse_a + e^lse_b); each output weighs e^(lse_x - 
  'zigzag_positions': ('2*cp chunks of seq_len / (2*cp) tokens; rank r holds one chunk from the '
                       'front and its mirror image from the back',
                       'chunks r and 2*cp - 1 - r, each range(c * size, (c + 1) * size), front '
-                      'one first')}
+                      'one first'),
+ 'cp_plan': ('first find what fits: each doubling of cp halves the activations, full '
+             'recomputation keeps only block inputs; then compare the smallest cp that fits '
+             'with each recomputation: a rank with fewer tokens runs smaller matmuls',
+             'a: cp 4 with selective recomputation; b: cp 2 with full recomputation; the ring '
+             'hides its sends (compare every plan with g.describe(job, plan))')}

@@ -355,6 +355,10 @@ def merge(out_a, lse_a, out_b, lse_b):
     wb = torch.exp(lse_b - ref).unsqueeze(-1)
     return (wa * out_a + wb * out_b).float(), lse.float()
 """, "all-bf16"),
+        ("the most cp there is, to be safe: every rank's work shrinks with its tokens", """
+def cp_plan(job):
+    return {"cp": {"a": 8, "b": 16}[job], "cp_impl": "ring", "recompute": "selective"}
+""", "design, job a"),
     ],
     "torch_wrap": [
         ("the blocks sharded, the root forgotten (embeddings and head whole, never averaged)", """

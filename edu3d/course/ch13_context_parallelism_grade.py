@@ -16,14 +16,29 @@ catches (each raises ``AssertionError`` with one line naming the failing case):
   ranks, each merging the blocks of every rank's keys in ring order from an empty start
   (output 0, ``lse = -inf``). Pure tensor arithmetic in one process: each check takes
   milliseconds.
+
+The design (:func:`check_design`): ``cp_plan(job)`` picks the context-parallel degree, its
+implementation (ring, all-gather, Ulysses) and the recomputation for a long-sequence job of
+:data:`JOBS` (llama2-7b's shape with 8 KV heads). The planner prices it (:func:`cost`: its
+predicted step and its fullest rank's peak); the target (:mod:`edu3d.course.targets`): it
+fits 90 % of a GPU, and its step is within 2 % of the best plan the planner accepts (every
+one listed, :func:`plans`: Ulysses only where cp divides the heads).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
+from edu3d.config.sections import Run
+from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.model.shapes import spec_from
 from edu3d.parallel.cp import block_attention, merge, positions
+from edu3d.plan.estimate import estimate, setup
+from edu3d.plan.search import Cluster, step_time
 
 INF = float("-inf")
 TOL = 1e-5
@@ -128,3 +143,89 @@ def check_ring(mod, seq_len: int = 32, cp: int = 4) -> bool:
         assert err <= 1e-5, f"rank {r} of cp={cp}: ring attention built with your merge " \
                             f"differs from full attention by {err:.3g}"
     return True
+
+
+# ---- the design: the cp degree and implementation for a sequence and a memory budget ------------
+@dataclass(frozen=True)
+class Job:
+    """A long-sequence job: ``gpus`` of ``gpu_gb`` hold ``sequences`` a step of ``seq_len``
+    tokens (one a micro-batch), ZeRO-3 over ``dp x cp``, bf16 with AdamW."""
+
+    seq_len: int
+    gpus: int
+    gpu_gb: float
+    sequences: int
+
+
+MODEL = dict(n_kv_heads=8)  # llama2-7b's shape (32 query heads) with 8 KV heads (GQA)
+JOBS = {"a": Job(seq_len=16384, gpus=8, gpu_gb=40, sequences=8),
+        "b": Job(seq_len=32768, gpus=16, gpu_gb=24, sequences=16)}
+SLACK = 1.02  # within 2 % of the planner's best plan
+IMPLS = ("ring", "allgather", "ulysses")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def spec_of(job: str):
+    return spec_from("llama2-7b", seq_len=JOBS[job].seq_len, **MODEL)
+
+
+def run_of(job: str, plan) -> Run:
+    """The planner's run for ``plan`` (``{"cp", "cp_impl", "recompute"}``), or
+    ``AssertionError`` saying why it is no plan of the job."""
+    j = JOBS[job]
+    assert isinstance(plan, dict) and {"cp", "cp_impl", "recompute"} <= set(plan), \
+        f"job {job}: cp_plan must return a dict with cp, cp_impl and recompute"
+    cp, impl, rec = int(plan["cp"]), plan["cp_impl"], plan["recompute"]
+    assert cp >= 1 and j.gpus % cp == 0, f"job {job}: cp={cp} must divide the {j.gpus} GPUs"
+    assert impl in IMPLS, f"job {job}: cp_impl is 'ring', 'allgather' or 'ulysses', got {impl!r}"
+    assert rec in RECOMPUTE, \
+        f"job {job}: recompute is 'none', 'selective' or 'full', got {rec!r}"
+    dp = j.gpus // cp
+    return setup(dp=dp, cp=cp, cp_impl=impl, zero=3, micro_batch=1,
+                 microbatches=j.sequences // dp, recompute=rec, precision="bf16")
+
+
+def cost(job: str, plan) -> Cost:
+    """The planner's step (:func:`~edu3d.plan.search.step_time`) and the fullest rank's
+    peak (:func:`~edu3d.plan.estimate.estimate`) for ``plan``."""
+    j, spec, run = JOBS[job], spec_of(job), run_of(job, plan)
+    try:
+        mem = estimate(spec, run)["total_bytes"]
+    except ValueError as err:
+        raise AssertionError(f"job {job}: the planner refuses {plan}: {err}") from None
+    return Cost(time=step_time(spec, run, Cluster(gpus=j.gpus, gpu_mem_gb=j.gpu_gb))["total"],
+                memory=mem)
+
+
+def plans(job: str):
+    """Every plan the planner accepts: each cp dividing the GPUs, impl, recomputation."""
+    j = JOBS[job]
+    for cp in (c for c in range(1, j.gpus + 1) if j.gpus % c == 0):
+        for impl in IMPLS:
+            if impl == "ulysses" and spec_of(job).n_heads % cp:
+                continue
+            for rec in RECOMPUTE:
+                yield {"cp": cp, "cp_impl": impl, "recompute": rec}
+
+
+@lru_cache(maxsize=None)
+def target(job: str) -> Target:
+    memory = 0.9 * JOBS[job].gpu_gb * 1e9
+    _, top = best(plans(job), lambda p: cost(job, p), memory)
+    return Target(time=SLACK * top.time, memory=memory)
+
+
+def check_design(ex, job: str) -> None:
+    plan = ex.cp_plan(job)
+    meet(f"job {job}: {plan}", cost(job, plan), target(job))
+
+
+def describe(job: str, plan) -> str:
+    """What ``plan`` costs next to the target, or why it is no plan."""
+    try:
+        c = cost(job, plan)
+    except AssertionError as why:
+        return str(why)
+    t = target(job)
+    return (f"job {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}), "
+            f"{fmt_bytes(c.memory)} on the fullest rank (at most {fmt_bytes(t.memory)})")
