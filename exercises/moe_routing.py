@@ -54,3 +54,38 @@ def capacity_keep(gates: torch.Tensor, expert_idx: torch.Tensor, n_experts: int,
         "hint: first find the one capacity every expert gets, then let each expert "
         "asked for more keep the assignments that matter most to it (equal ones settled "
         "the same way on every rank)")
+
+
+# ---- design: capacity factor and ep degree for a drop target and a memory budget ----------------
+def moe_plan(job: str) -> dict:
+    """``{"capacity_factor": C, "ep": degree}`` for a mixture of experts trained on one node
+    of 8 GPUs: 16 MoE blocks of 16 SwiGLU experts (d_model 2048, expert width 2816), top-2,
+    one sequence of 4,096 tokens a rank per micro-batch. Its router sends a rank's 8,192
+    assignments to the 16 experts as (every rank alike)::
+
+        1100, 820, 700, 640, 600, 560, 520, 500, 470, 440, 400, 380, 340, 300, 240, 182
+
+    An expert keeps at most ``ceil(T·k/E · C)`` assignments of a rank (your
+    ``capacity_keep``), and its buffer holds that many slots whether it is full or not: the
+    experts compute every slot (18 · 2048 · 2816 FLOPs each, forward and backward, at
+    400 TFLOP/s) and the all-to-alls send every slot (``edu3d.plan.formulas.ep_bytes``, at
+    100 GB/s). ``ep`` (1, 2, 4 or 8) splits the experts' state (16 bytes a parameter) over
+    that many ranks; the MoE halves' activations (``moe_mlp_activation_bytes``) grow with
+    the slots; the rest of a rank holds 12 GB.
+
+    ======  ============================  ==================
+    job     dropped assignments           memory of a rank
+    ======  ============================  ==================
+    ``a``   at most 2 %                   64 GB
+    ``b``   none                          40 GB
+    ======  ============================  ==================
+
+    The target: the drops and the memory within the job's limits, and the experts' step
+    within 2 % of the best plan (the grader: ``cost`` in
+    ``edu3d/course/ch12_mixture_of_experts_grade.py``; try plans with
+    ``grade_moe.describe(job, plan)``).
+    """
+    raise NotImplementedError(
+        "hint: every slot of capacity costs compute and all-to-all bytes whether it is used "
+        "or not, and every doubling of ep costs more of the all-to-all: how little of each "
+        "does the job allow?")

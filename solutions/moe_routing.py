@@ -63,6 +63,19 @@ def capacity_keep(gates: torch.Tensor, expert_idx: torch.Tensor, n_experts: int,
     return keep
 
 
+
+# ---- design: capacity factor and ep degree for a drop target and a memory budget ----------------
+def moe_plan(job: str) -> dict:
+    """The smallest capacity that meets the drop target (every slot is computed and sent),
+    then the smallest ep that fits (each doubling sends more of the slots away).
+    a: dropping 2 % of 8,192 assignments is 163; a capacity of 937 drops the busiest
+    expert's 1100 - 937 = 163 (1.99 %): C = 937 / 512 = 1.83; ep = 2 fits (55.2 GB; ep = 1
+    needs 90.6). b: no drops: the busiest expert's 1100, C = 1100 / 512 = 2.148; ep = 2
+    needs 56.5 GB, ep = 4 fits (38.8 GB)."""
+    return {"a": {"capacity_factor": 1.83, "ep": 2},
+            "b": {"capacity_factor": 2.148, "ep": 4}}[job]
+
+
 # The deeper hints of exercises/moe_routing.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'load_balancing_loss': ('count assignments (N*k of them), not tokens; the mean probability is '
@@ -72,4 +85,9 @@ HINTS = {'load_balancing_loss': ('count assignments (N*k of them), not tokens; t
  'capacity_keep': ('capacity = ceil(N * k / E * C), the same for every expert; order an '
                    "expert's assignments by gate (highest first), then by token index",
                    'for each expert e: its (token, slot) pairs sorted by (-gate, token); keep '
-                   'the first `capacity`')}
+                   'the first `capacity`'),
+ 'moe_plan': ('every slot of capacity is computed and sent, used or not; count the '
+              'assignments each capacity drops from the load list; each doubling of ep '
+              'halves the experts\' state and sends more of the slots away',
+              'the smallest capacity whose drops meet the target (C = capacity / 512), then '
+              'the smallest ep whose memory fits: compare with grade_moe.describe(job, plan)')}

@@ -328,6 +328,10 @@ def capacity_keep(gates, expert_idx, n_experts, capacity_factor):
             keep[rows[i], cols[i]] = True
     return keep
 """, "capacity_keep"),
+        ("the usual defaults, C = 1.25 and the most ep: the busiest experts drop 8.5 %", """
+def moe_plan(job):
+    return {"capacity_factor": 1.25, "ep": 8}
+""", "design, job a"),
     ],
     "cp_merge": [
         ("the two outputs averaged", """

@@ -20,17 +20,33 @@ compare, and why a plausible wrong answer fails each:
   instead of the lowest gates keeps the wrong ones; breaking ties the other way too.
 
 Each failure names the case and what differed, never the formula.
+
+The design (:func:`check_design`): ``moe_plan(job)`` picks the capacity factor and the
+expert-parallel degree of a 16-expert, top-2 model (:data:`MODEL`) whose router sends a
+rank's assignments as :data:`LOAD` says, for a job of :data:`JOBS` (a drop target and a
+memory budget). :func:`cost` prices it with edu3d's own formulas: the capacity
+``ceil(T·k/E · C)`` sets every expert's padded buffer, hence the experts' matmuls, the
+all-to-all bytes (:func:`edu3d.plan.formulas.ep_bytes`) and the activations
+(:func:`edu3d.plan.formulas.moe_mlp_activation_bytes`); ep divides the experts' state. The
+target: at most the job's drop share, within its memory, and a step within 2 % of the best
+plan (every ep and capacity listed, :func:`plans`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
+from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
 from edu3d.model.balance import set_aux_scale
 from edu3d.model.gpt import MLP, GPTConfig
 from edu3d.model.moe import MoE, capacity_keep, route
+from edu3d.plan.estimate import state_bytes
+from edu3d.plan.formulas import MoESpec, ep_bytes, moe_mlp_activation_bytes
 
 LOSS_CASES = [(32, 4, 1, 0.0), (32, 4, 2, 0.0), (48, 8, 2, 0.0), (40, 8, 4, 0.0),
               (64, 4, 2, 3.0), (24, 8, 1, 3.0), (36, 8, 2, 6.0)]  # tokens, E, k, skew
@@ -142,3 +158,99 @@ def check_capacity(mod) -> bool:
                     f"{n} tokens, E={E}, k={k}, C={C}: expert {e} keeps the right number but "
                     f"not the right assignments (tokens {wrong[:4]} differ)")
     return True
+
+
+# ---- the design: capacity factor and ep degree for a drop rate and a memory budget --------------
+@dataclass(frozen=True)
+class Job:
+    drop: float  # the largest share of the assignments the experts may drop
+    memory_gb: float  # what one rank may hold
+
+
+MODEL = MoESpec("moe-4b", 16, 2048, 16, 4096, 32000, d_ff=2816, mlp="swiglu", norm="rmsnorm",
+                bias=False, learned_pos=False, experts=16, topk=2)
+TOKENS = 4096  # one sequence a rank per micro-batch
+LOAD = (1100, 820, 700, 640, 600, 560, 520, 500, 470, 440, 400, 380, 340, 300, 240, 182)
+GPUS, EPS = 8, (1, 2, 4, 8)  # one node; ep divides both the GPUs and the 16 experts
+FLOPS, A2A_GBS, REST_GB = 400e12, 100.0, 12.0  # experts' matmul rate, all-to-all, the rest
+JOBS = {"a": Job(drop=0.02, memory_gb=64), "b": Job(drop=0.0, memory_gb=40)}
+SLACK = 1.02
+
+
+def capacity(factor: float) -> int:
+    """Assignments one expert keeps of a rank's micro-batch: ``ceil(T·k/E · C)``."""
+    return math.ceil(TOKENS * MODEL.topk / MODEL.experts * factor)
+
+
+def dropped(factor: float) -> float:
+    """The share of the :data:`LOAD` assignments that no expert keeps."""
+    cap = capacity(factor)
+    return sum(max(0, n - cap) for n in LOAD) / (TOKENS * MODEL.topk)
+
+
+def _plan(job: str, plan) -> tuple[float, int]:
+    assert isinstance(plan, dict) and {"capacity_factor", "ep"} <= set(plan), \
+        f"job {job}: moe_plan must return a dict with capacity_factor and ep"
+    factor, ep = float(plan["capacity_factor"]), int(plan["ep"])
+    assert factor > 0, f"job {job}: a capacity factor of {factor} keeps nothing"
+    assert ep in EPS, f"job {job}: ep={ep}: choose 1, 2, 4 or 8 (it divides 8 GPUs and 16 experts)"
+    return factor, ep
+
+
+def cost(job: str, plan) -> Cost:
+    """A step's expert time (their matmuls on every padded slot, the four all-to-alls of
+    :func:`edu3d.plan.formulas.ep_bytes`) and the rank's bytes (the routed experts' state
+    at 16 bytes a parameter, the MoE halves' activations of
+    :func:`edu3d.plan.formulas.moe_mlp_activation_bytes`, the rest)."""
+    factor, ep = _plan(job, plan)
+    slots = MODEL.experts * capacity(factor)  # every expert's buffer, padded, on every rank
+    spec = dataclasses.replace(MODEL, capacity_factor=slots / (TOKENS * MODEL.topk))
+    h, layers = MODEL.d_model, MODEL.moe_layers
+    matmuls = 18 * h * MODEL.e_ff * slots / FLOPS  # SwiGLU's 3 matrices, forward + backward
+    a2a = ep_bytes(TOKENS, slots / TOKENS, h, ep) / (A2A_GBS * 1e9)
+    weights, grads, optimizer = state_bytes("bf16")
+    state = (weights + grads + optimizer) * layers * sum(k for _, k, _ in spec.expert_tensors(ep))
+    acts = layers * moe_mlp_activation_bytes(spec, TOKENS, 1)
+    return Cost(time=layers * (matmuls + a2a), memory=state + acts + REST_GB * 1e9)
+
+
+def plans(job: str):
+    """Every plan that meets the drop target: each ep, each capacity up to the busiest
+    expert's load (beyond it nothing more is kept), as the factor that rounds up to it."""
+    per_fair = TOKENS * MODEL.topk / MODEL.experts
+    for ep in EPS:
+        for cap in range(1, max(LOAD) + 1):
+            factor = (cap - 0.5) / per_fair
+            if dropped(factor) <= JOBS[job].drop:
+                yield {"capacity_factor": factor, "ep": ep}
+
+
+@functools.cache
+def target(job: str) -> Target:
+    memory = JOBS[job].memory_gb * 1e9
+    _, top = best(plans(job), lambda p: cost(job, p), memory)
+    return Target(time=SLACK * top.time, memory=memory)
+
+
+def check_design(ex, job: str) -> None:
+    plan = ex.moe_plan(job)
+    what = f"job {job}: {plan}"
+    c = cost(job, plan)
+    lost, most = dropped(float(plan["capacity_factor"])), JOBS[job].drop
+    assert lost <= most, f"{what}: the experts drop {lost:.2%} of the assignments, more than " \
+                         f"the {most:.0%} allowed"
+    meet(what, c, target(job))
+
+
+def describe(job: str, plan) -> str:
+    """What ``plan`` costs next to the target, or why it is no plan."""
+    try:
+        c = cost(job, plan)
+    except AssertionError as why:
+        return str(why)
+    t, j = target(job), JOBS[job]
+    factor = float(plan["capacity_factor"])
+    return (f"job {job}: {plan}: capacity {capacity(factor)} a rank, drops "
+            f"{dropped(factor):.2%} (at most {j.drop:.0%}); experts' step {fmt_time(c.time)} "
+            f"(target {fmt_time(t.time)}), {fmt_bytes(c.memory)} a rank (at most "
+            f"{fmt_bytes(t.memory)})")
