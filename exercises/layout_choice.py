@@ -43,12 +43,12 @@ def micro_plan(job: str) -> dict:
     whose layout is already chosen (bf16 with AdamW, 1F1B, sequence parallelism when
     ``tp > 1``, 90 % of a GPU usable):
 
-    ======  ==========  ======================  =========================  ============
-    job     model       GPUs                    layout                     global batch
-    ======  ==========  ======================  =========================  ============
-    ``a``   gpt2-xl     8 of 16 GB              dp 8, ZeRO-1               128
+    ======  ==========  ======================  ==========================  ============
+    job     model       GPUs                    layout                      global batch
+    ======  ==========  ======================  ==========================  ============
+    ``a``   gpt2-xl     8 of 16 GB              dp 8, ZeRO-1                128
     ``b``   llama2-7b   16 of 40 GB (2 nodes)   dp 4 x tp 2 x pp 2, ZeRO-1  128
-    ======  ==========  ======================  =========================  ============
+    ======  ==========  ======================  ==========================  ============
 
     The micro-batch must divide a data-parallel rank's sequences (the rest are
     micro-batches). The target: the fullest rank fits, and the planner's step is within 2 %
