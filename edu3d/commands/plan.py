@@ -43,8 +43,8 @@ from edu3d.plan import zero_modes
 from edu3d.plan.fit import size_text
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
-                                 PRECISIONS, RECOMPUTE, check_ep, estimate, setup, setup_dict,
-                                 state_bytes, validate)
+                                 PRECISIONS, RECOMPUTE, check_ep, estimate, hsdp_traffic, setup,
+                                 setup_dict, state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.plan.inventory import frozen_params
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
@@ -109,6 +109,8 @@ def add_arguments(parser):
     lay.add_argument("--cp-impl", choices=CP_IMPLS, default="ring",
                      help="context parallelism: ring attention, all-gathered K/V, or Ulysses")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    lay.add_argument("--hsdp", type=between(1, MAX_GPUS), default=1,
+                     help="HSDP replica groups: ZeRO shards within dp*cp/HSDP ranks")
     lay.add_argument("--grad-reduce", choices=zero_modes.GRAD_REDUCE,
                      default=zero_modes.DEFAULT,
                      help="ZeRO-2/3 over micro-batches: reduce-scatter every micro-batch and "
@@ -195,7 +197,7 @@ def setup_from_args(args) -> tuple[ModelSpec, Run]:
                micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=precision, optimizer=args.optimizer, ep=args.ep or 1,
                cp=args.cp or 1, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce,
-               freeze=args.freeze or ())
+               freeze=args.freeze or (), hsdp=args.hsdp)
     validate(spec, st)
     return spec, st
 
@@ -223,6 +225,7 @@ def describe(spec: ModelSpec, st: Run) -> str:
             + f" tp={st.layout.tp} pp={st.layout.pp}" + (f" vpp={st.layout.vpp}" if st.layout.vpp > 1 else "")
             + (f" ep={st.layout.ep}" if st.layout.ep > 1 else "")
             + f" ZeRO-{st.parallel.zero}" + (f" {st.parallel.grad_reduce}" if st.parallel.zero >= 2 else "")
+            + (f" HSDP x{st.parallel.hsdp}" if st.parallel.hsdp > 1 else "")
             + f", {st.microbatches} micro-batch(es) of {st.micro_batch} x "
             f"{spec.seq_len} tokens, {st.parallel.schedule}, recompute {st.memory.recompute}, {st.precision.dtype} "
             f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.parallel.sp else ""))
@@ -297,6 +300,8 @@ def main_from_args(args) -> int:
     out.update(est)
     out["setup"] = _json_setup(st)
     out["traffic_bytes"] = plan_search.traffic(spec, st)
+    if st.parallel.hsdp > 1:  # the dp bytes split into a replica group's and across groups
+        out["hsdp_bytes"] = hsdp_traffic(spec, st)
     fits = None if mem_gb is None else est["total_bytes"] <= cluster.usable * mem_gb * 1e9
     out["fits"] = fits
     if args.json:
@@ -333,6 +338,9 @@ def main_from_args(args) -> int:
               "no gradients, no optimizer state")
     sent = [f"{axis} {size_text(v, '.3f')}" for axis, v in out["traffic_bytes"].items() if v]
     print("sent per rank and step: " + (", ".join(sent) or "nothing (one rank)"))
+    if "hsdp_bytes" in out:
+        print(f"HSDP x{st.parallel.hsdp}, by group: " + ", ".join(
+            f"{g} {size_text(v, '.3f')}" for g, v in out["hsdp_bytes"].items()))
     return 0 if fits is not False else 1
 
 

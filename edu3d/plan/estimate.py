@@ -33,7 +33,11 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
   dense state over ``dp·cp``). CP gives each rank ``s/cp`` tokens of every sequence, so
   every activation is divided by ``cp`` (its queries still see all ``s`` keys: the
-  ``5as²b`` term divides once).
+  ``5as²b`` term divides once);
+* **HSDP** (``--hsdp R``): ZeRO shards within each of ``R`` replica groups, so the dense
+  shards are ``1/(dp·cp/R)`` and the experts' ``1/(edp/R)`` (:func:`shard_sizes`); the
+  all-reduce across the groups runs in place on the gradient shard, holding nothing more
+  (its bytes: :func:`edu3d.plan.zero_modes.hsdp_wire_bytes`).
 
 The layout search, its cost model and the bytes each rank sends by axis (``traffic``) live
 in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.commands.plan`.
@@ -73,7 +77,7 @@ def setup(micro_batch: int = 1, microbatches: int = 1, **flags) -> Run:
 
 SETUP_KEYS = ("dp", "tp", "pp", "vpp", "zero", "microbatches", "micro_batch", "schedule", "sp",
               "recompute", "precision", "optimizer", "ep", "cp", "cp_impl", "grad_reduce",
-              "freeze")  # what the planner weighs of a run: edu3d plan's JSON "setup"
+              "freeze", "hsdp")  # what the planner weighs of a run: edu3d plan's JSON "setup"
 
 
 def setup_dict(run: Run) -> dict:
@@ -103,6 +107,10 @@ def validate(spec: ModelSpec, run: Run) -> None:
     if par.zero and lay.dp * lay.cp == 1:
         raise ValueError(f"ZeRO-{par.zero} shards over dp*cp; use dp*cp >= 2")
     check_ep(spec, lay.dp * lay.cp, lay.ep)
+    if par.hsdp != 1 and not par.zero:
+        raise ValueError(f"hsdp={par.hsdp} shards ZeRO's state within replica groups; "
+                         "choose zero 1, 2 or 3 (or hsdp 1)")
+    shard_sizes(run)
     if spec.seq_len % lay.cp:
         raise ValueError(f"cp={lay.cp} must divide seq={spec.seq_len}")
     if par.cp_impl == "ulysses" and spec.n_heads % (lay.cp * lay.tp):
@@ -148,12 +156,34 @@ def _autocast(spec: ModelSpec, run: Run) -> bool:  # a course model in 16 bits: 
     return spec.course and run.precision.dtype != "fp32"
 
 
+def shard_sizes(run: Run) -> tuple[int, int]:
+    """``(S, E)``: the ranks ZeRO shards the dense units and the experts over: ``dp·cp`` and
+    ``edp``, or under HSDP one replica group's ``dp·cp/R`` and ``edp/R``
+    (:meth:`~edu3d.config.layout.Layout.hsdp_sizes`, a ``ValueError`` naming ``--hsdp``)."""
+    return run.layout.hsdp_sizes(run.parallel.hsdp)
+
+
+def hsdp_traffic(spec: ModelSpec, run: Run, value_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per step under HSDP, by group, in ``value_bytes`` values (16-bit,
+    as :func:`edu3d.plan.search.traffic` counts): ``shard`` and ``replicate`` for the dense
+    units, ``eshard`` and ``ereplicate`` for the experts
+    (:func:`~edu3d.plan.zero_modes.hsdp_wire_bytes` of the fullest pipeline rank's)."""
+    par, out = run.parallel, {}
+    for (n, prefix), experts in zip(zip(shard_sizes(run), ("", "e")), (False, True)):
+        psi = max(held(spec, run, r, experts) for r in range(run.layout.pp))
+        got = zero_modes.hsdp_wire_bytes(psi, n, par.hsdp, par.zero, par.grad_reduce,
+                                         run.microbatches, value_bytes, value_bytes)
+        out.update({prefix + k: v for k, v in got.items()} if psi else {})
+    return out
+
+
 # ---- parameters per rank: units, held, frozen_held (edu3d.plan.inventory) ----------------------
 def state_per_rank(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
-    units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
+    units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep`` (under HSDP
+    over a replica group's: :func:`shard_sizes`; ``dp_index`` is then taken modulo them)."""
     return dict(_state_of(spec, _state_setup(run), pp_rank, dp_index, at))
 
 
@@ -171,14 +201,15 @@ def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -
     lay, par = run.layout, run.parallel
     zero = (par.zero, zero_modes.holds_step(par.zero, par.grad_reduce, run.microbatches), at,
             *state_bytes(run.precision.dtype, run.training.optimizer, _autocast(spec, run)))
-    dense = memory.zero_unit_bytes(units(spec, run, pp_rank), lay.dp * lay.cp, dp_index, *zero)
+    n, en = shard_sizes(run)
+    dense = memory.zero_unit_bytes(units(spec, run, pp_rank), n, dp_index % n, *zero)
     # frozen weights: whole on every rank, in no unit; no gradient, no optimizer state
     dense["params"] += zero[3] * (frozen_held(spec, run, pp_rank) +
                                   frozen_held(spec, run, pp_rank, experts=True))
     ex = units(spec, run, pp_rank, experts=True)
     if not ex:
         return dense
-    expert = memory.zero_unit_bytes(ex, lay.edp, dp_index % lay.edp, *zero)
+    expert = memory.zero_unit_bytes(ex, en, dp_index % en, *zero)
     return {c: dense[c] + expert[c] for c in dense}
 
 
@@ -309,7 +340,7 @@ def _fullest_states(spec: ModelSpec, run: Run, at: str) -> tuple[dict, ...]:
     """Each pipeline rank's state on its fullest dp rank (ZeRO's shards differ by a few optimizer
     pieces): rank 0 or one in :func:`~edu3d.plan.formulas.shard_starts` (experts': per ``edp``)."""
     lay = run.layout
-    out, n, edp = [], lay.dp * lay.cp, lay.edp
+    (n, edp), out = shard_sizes(run), []
     for r in range(lay.pp):
         weigh = {0}  # for real models, rank 0 stands for all
         if run.parallel.zero and spec.course:

@@ -38,6 +38,12 @@ ZeRO-3 per-microbatch      ``m`` x (2 all-gathers + 1 reduce-scatter)   ``m(N-1)
 With 16-bit weights and gradients and ``m = 1`` these are the paper's ``2Ψ`` values
 (DDP, ZeRO-1, ZeRO-2) and ``3Ψ`` (ZeRO-3) times 2 bytes.
 
+**HSDP** (``--hsdp R``, :mod:`edu3d.parallel.zero.hybrid`) splits these bytes over two
+groups (:func:`hsdp_wire_bytes`): inside a replica group of ``S = N/R`` ranks, the table's
+row with ``S`` for ``N`` (every reduce-scatter and all-gather); across the groups, one
+all-reduce of this rank's gradient shard per step, ``2(R-1)/R·g_bΨ/S``, in either mode (the
+shard adds up the micro-batches first). Memory is the table's with ``S`` for ``N``.
+
 **Memory** (the planner's ``estimate`` at the peak, :mod:`edu3d.plan.estimate`): the state
 columns hold the sharded state (:func:`edu3d.plan.formulas.zero_bytes`) plus what a mode
 keeps for the whole step (:func:`step_extra`: per-step ZeRO-2/3 the full gradients ``g_bΨ``,
@@ -97,6 +103,17 @@ def dp_wire_bytes(psi: float, n: int, zero: int, grad_reduce: str = DEFAULT, m: 
     if zero == 2:
         return ring * (each * grad_bytes + param_bytes)
     return each * ring * (2 * param_bytes + grad_bytes)
+
+
+def hsdp_wire_bytes(psi: float, n: int, replicas: int, zero: int, grad_reduce: str = DEFAULT,
+                    m: int = 1, param_bytes: int = 2, grad_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per step under HSDP, by group: ``"shard"`` (ZeRO over the ``n``
+    ranks of its replica group, :func:`dp_wire_bytes`) and ``"replicate"`` (the all-reduce
+    of its ``psi/n`` gradient shard across the ``replicas`` groups). ``psi``: this rank's
+    parameters (edu3d's padded flat units, a multiple of ``n``)."""
+    across = 2 * (replicas - 1) / replicas * grad_bytes * psi / n if zero else 0.0
+    return {"shard": dp_wire_bytes(psi, n, zero, grad_reduce, m, param_bytes, grad_bytes),
+            "replicate": across}
 
 
 def step_extra(psi: float, zero: int, grad_reduce: str, m: int, param_bytes: int = 2,
