@@ -3,7 +3,6 @@ edu3d.launch.api): every layout of a world size runs in one launch, on its own m
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -23,7 +22,7 @@ SGD = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
 def options(argv: list[str]) -> Run:
     """``argv``'s options, checked, with the routers scored in float64 (a near-tie between
     two experts must not flip because TP or CP summed in another order)."""
-    args = dataclasses.replace(parse(argv), router_dtype="fp64")
+    args = parse(argv).replace(router_dtype="fp64")
     check_args(args)
     return args
 

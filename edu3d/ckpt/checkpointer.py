@@ -164,7 +164,9 @@ class Checkpointer:
                 "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
                 "steps": self.run.training.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: self.run.flat()[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)},
+                "options": {k: ",".join(v) if k == "freeze" else v  # plain JSON values
+                            for k, v in self.run.flat().items()
+                            if k in (*MUST_MATCH, *MUST_MATCH_LATER)},
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},

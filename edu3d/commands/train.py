@@ -288,8 +288,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def options_from(namespace: argparse.Namespace) -> Run:
     """The parsed command line as one :class:`~edu3d.config.sections.Run` (argparse's own
-    entries, such as the subcommand's ``func``, left out)."""
-    return Run.of(**{k: v for k, v in vars(namespace).items() if k in FLAGS or k in ALIASES})
+    entries, such as the subcommand's ``func``, left out). ``--ep N`` alone is ``--dp N --ep
+    N`` (:func:`edu3d.train.preflight.resolve`'s rule, applied before the layout is built,
+    which refuses ep > dp*cp)."""
+    flags = {k: v for k, v in vars(namespace).items() if k in FLAGS or k in ALIASES}
+    if flags.get("ep", 1) > 1 and flags.get("dp", 1) * flags.get("cp", 1) == 1:
+        flags["dp"] = flags["ep"]
+    return Run.of(**flags)
 
 
 def parse(argv: list[str]) -> Run:
