@@ -178,3 +178,27 @@ def test_closed_form_is_the_paper_per_microbatch():
             got = zero_modes.state_bytes_per_rank(7.5e9, 64, zero, "per-microbatch", m, **MIXED)
             assert round(got["total"] / 1e9, 1) == want
             assert got["total"] == zero_bytes(7.5e9, 64, zero, **MIXED)["total"]
+
+
+def test_hsdp_holds_a_replica_groups_shards_and_splits_the_bytes(capsys):
+    """``--hsdp 8`` over the paper's 64 ranks: a rank holds ZeRO's state over the 8 ranks of
+    its replica group (what dp=8 without HSDP holds, to the byte: 15 GB at ZeRO-3, (4+K)Ψ/8),
+    and sends ZeRO's bytes over 8 plus one all-reduce of its gradient shard across the 8
+    groups, ``2(R-1)/R·2Ψ/8`` whatever the micro-batches; ``edu3d plan`` prints both."""
+    spec = _paper_spec()
+    for zero in (1, 2, 3):
+        for m in (1, 4):
+            hsdp = plan_memory.setup(dp=64, zero=zero, hsdp=8, microbatches=m, precision="bf16")
+            eight = plan_memory.setup(dp=8, zero=zero, microbatches=m, precision="bf16")
+            assert (plan_memory.estimate(spec, hsdp)["state_bytes"] ==
+                    plan_memory.estimate(spec, eight)["state_bytes"])
+            psi = plan_memory.held(spec, hsdp, 0)
+            got = plan_memory.hsdp_traffic(spec, hsdp)
+            assert got["shard"] == zero_modes.dp_wire_bytes(psi, 8, zero, "per-microbatch", m)
+            assert got["replicate"] == pytest.approx(2 * 7 / 8 * 2 * psi / 8)
+    assert round(_printed_state_gb(["--params", "7.5e9", "--vocab", str(VOCAB), "--dp", "64",
+                                    "--zero", "3", "--hsdp", "8"], capsys), 1) == 15.0
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--hsdp", "8"]) == 0
+    assert "HSDP x8, by group: shard " in capsys.readouterr().out
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--hsdp", "8"]) == 2
+    assert "hsdp=8 shards ZeRO's state within replica groups" in capsys.readouterr().err
