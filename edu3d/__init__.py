@@ -13,7 +13,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      each chapter's knobs, on one Panel base
     course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch07_memory_plan ch07_memory_tune ch08_checkpoints ch09_in_production ch10_performance ch10_performance_hangs ch10_performance_live ch11_review ch13_context_parallelism ch13_context_parallelism_capstone ch12_mixture_of_experts grade_3d grade_moe grade_reshard grade_cp grading nbtools ch08_checkpoints_incremental ch07_memory_timeline ch03_zero_reduce ch10_performance_verdicts ch11_review_recipe grade_overlap grade_layout grade_production verdict_channel
                                      what each chapter computes and runs; graders
-    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute bench_5d bench_launch bench_gpu bench_overhead bench_mfu records plot autotune ranking
+    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals records plot autotune ranking
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed

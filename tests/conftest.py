@@ -86,6 +86,23 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+# The long files, marked slow as a whole (besides the world-size-8 tests marked in their own
+# files): the browser, every layout held against the serial model, and the runs of the
+# launcher, the pools and the grader that wait for failures. `-m "not slow"` leaves them out:
+# README's quick check of an install (Tests), every other file in a few minutes.
+SLOW_FILES = {
+    "tests/test_browser.py", "tests/test_browser_exercises.py",
+    "tests/test_3d_parity.py", "tests/test_5d_parity.py", "tests/test_pp_parity.py",
+    "tests/test_tp_parity.py", "tests/test_dp.py", "tests/test_zero.py",
+    "tests/test_impl_torch.py", "tests/test_freeze.py", "tests/test_batching.py",
+    "tests/test_zero_grad_reduce.py", "tests/test_recompute.py", "tests/test_precision.py",
+    "tests/test_multinode.py", "tests/test_launch_hardening.py", "tests/test_failures.py",
+    "tests/test_pool.py", "tests/test_zygote.py", "tests/test_grading.py",
+    "tests/test_grade_robust.py", "tests/test_hints_tiered.py", "tests/test_wrong_answers.py",
+    "tests/test_every_control.py", "tests/test_compile.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
 
@@ -94,3 +111,6 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=key)  # stable: tests keep their order inside a file
+    for item in items:
+        if item.nodeid.split("::", 1)[0] in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

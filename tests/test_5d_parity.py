@@ -5,8 +5,12 @@ plain-SGD backward (Adam would hide a wrong divisor) and the global gradient nor
 weights after that SGD step, the losses and norms of 5 AdamW steps and the weights after
 them, each within 1e-5 relative of :func:`edu3d.train.loop.serial_step` run micro-batch by
 micro-batch as the layout's ranks see the batch (a mixture of experts' load-balancing loss
-and capacity count the tokens of one micro-batch). Layouts of one world size share one
-launch; the serial references are computed here, in the test process.
+and capacity count the tokens of one micro-batch). After AdamW, beyond what rounding can do
+there: AdamW divides each gradient by its own root mean square, so an entry whose gradients
+are all ~0 turns float noise into a large move, which then spreads; :mod:`tests.adamw_noise`
+derives, entry by entry, how far noise the gradient checks accept can move each weight.
+Layouts of one world size share one launch; the serial references are computed here, in the
+test process.
 
 Model: 2 layers, d_model 32, 4 heads, sequence 16, vocabulary 64; MoE: 4 experts, top-2.
 """
@@ -22,11 +26,6 @@ from tests.workers_5d import options, parity_all, serial_reference
 from edu3d.train.preflight import check_args
 
 TOL = 1e-5
-# the weights after the AdamW steps: Adam divides each update by sqrt(v), so an entry whose
-# gradient is near zero turns float noise of the reduction order (1e-7 in the gradients)
-# into a larger share of its update; measured worst 1.13e-5 (dp2 ep2 tp2 zloss, a 2-core
-# CPU of 2026-11), under 1e-5 on another. Gradients, losses and norms keep TOL.
-FINAL_TOL = 3e-5
 ADAM_STEPS = 5
 MODEL = "--layers 2 --d-model 32 --heads 4 --seq 16 --vocab 64 --global-batch 8"
 MOE = "--experts 4 --topk 2"
@@ -76,7 +75,7 @@ def _world(name: str) -> int:
 def _results(world: int) -> dict[str, dict]:
     """Every layout of ``world`` ranks, in one launch."""
     names = [n for n in LAYOUTS if _world(n) == world]
-    cases = [(_argv(n), serial_reference(_argv(n), ADAM_STEPS)) for n in names]
+    cases = [(_argv(n), serial_reference(_argv(n), ADAM_STEPS, TOL)) for n in names]
     first = check_args(options(cases[0][0]))[1]
     run = launch(parity_all, world, args=(cases,), layout=first, timeout=400, name="parity5d")
     return dict(zip(names, run.results[0]))
@@ -87,10 +86,9 @@ def test_layout_equals_serial(name):
     res = _results(_world(name))[name]
     print(f"\n{name} (ws {_world(name)}): grad {res['grad_err']:.1e} norm {res['norm0_err']:.1e} "
           f"param {res['param_err']:.1e} loss {res['loss_err']:.1e} "
-          f"final {res['final_err']:.1e}")
-    for key in ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err"):
+          f"final {res['final_err']:.1e} (before the allowance {res['final_raw']:.1e})")
+    for key in ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err", "final_err"):
         assert res[key] < TOL, (key, res[key])
-    assert res["final_err"] < FINAL_TOL, ("final_err", res["final_err"])
     if "--experts" in LAYOUTS[name]:
         rec = res["record"]
         tokens = 8 * 16  # the global batch's tokens

@@ -7,8 +7,8 @@ sequence's loss is the documents' losses computed one at a time; then parity: dp
 pp2 (pad, bucket, tokens and pack, on every schedule), dp2 x pp2 (tokens) and, with packing,
 cp2 (every CP attention, both splits), dp2 x cp2 and cp2 x pp2 equal the per-document
 reference at the gradient level with plain SGD and after 3 AdamW steps, within 1e-5 relative
-(the weights over the whole model: workers_batching says why). The layouts of one world size
-share one launch."""
+(after AdamW, beyond what rounding can do there: tests/adamw_noise.py). The layouts of one
+world size share one launch."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def _layout(argv):
 def _results(world: int) -> dict:
     """Every layout of ``world`` ranks in one launch (each on a mesh of its own)."""
     names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()).world_size == world]
-    run = launch(parity_many, world, args=([LAYOUTS[n].split() for n in names],),
+    run = launch(parity_many, world, args=([LAYOUTS[n].split() for n in names], TOL),
                  layout=_layout(LAYOUTS[names[0]].split()), timeout=300, name="batching")
     return dict(zip(names, run.results[0]))
 

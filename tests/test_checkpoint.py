@@ -165,12 +165,20 @@ def test_corrupted_missing_and_foreign_checkpoints_fail_before_any_process(tmp_p
 def test_async_save_blocks_for_the_snapshot_only_one_save_in_flight(tmp_path, monkeypatch):
     """Writes slowed to 0.3 s per file: a synchronous save blocks its step for all of them,
     an asynchronous one only for its snapshot, unless the previous save is still in flight
-    (never two at once). Both write the same tensors."""
-    active, most = [0], [0]
-    lock = threading.Lock()
-    real = checkpoint.write_atomic
+    (never two at once). Both write the same tensors.
+
+    Order, not seconds (a busy machine stretches any step): the background writes of step
+    2's save are held until step 3's save waits for them, so step 2's save must have returned
+    before any of its files was written, and step 3's must wait for all three (0.9 s at least,
+    the writes' own sleeps)."""
+    active, most, events = [0], [0], []
+    lock, release = threading.Lock(), threading.Event()
+    real, real_wait, real_after = (checkpoint.write_atomic, checkpointer.Checkpointer.wait,
+                                   checkpointer.Checkpointer.after_step)
 
     def slow(path, data):
+        if threading.current_thread() is not threading.main_thread():  # a background write
+            assert release.wait(timeout=120), "a background write waited 120 s for a save"
         with lock:
             active[0] += 1
             most[0] = max(most[0], active[0])
@@ -178,14 +186,29 @@ def test_async_save_blocks_for_the_snapshot_only_one_save_in_flight(tmp_path, mo
         real(path, data)
         with lock:
             active[0] -= 1
+            events.append(("written", path.parent.name))
+
+    def wait(self):  # the next save waits for the one in flight: let its writes go
+        if self.thread is not None:
+            release.set()
+        real_wait(self)
+
+    def after_step(self, step, records):
+        real_after(self, step, records)
+        events.append(("returned", step))
 
     monkeypatch.setattr(checkpointer, "write_atomic", slow)
+    monkeypatch.setattr(checkpointer.Checkpointer, "wait", wait)
+    monkeypatch.setattr(checkpointer.Checkpointer, "after_step", after_step)
     sync = _train(steps=3, ckpt_dir=str(tmp_path / "sync"), save_every=2)
+    events.clear()
     background = _train(steps=3, ckpt_dir=str(tmp_path / "async"), save_every=2, async_save=True)
     assert _numbers(sync) == _numbers(background)
     assert sync[1]["ckpt_blocked_s"] >= 0.9  # three files: shard, receipt, manifest
-    assert background[1]["ckpt_blocked_s"] < 0.3  # the snapshot alone
-    assert background[2]["ckpt_blocked_s"] > 0.3  # waited for step 2's save to finish
+    step2 = [i for i, e in enumerate(events) if e == ("written", "step-000002")]
+    assert len(step2) == 3 and events.index(("returned", 2)) < step2[0], events  # snapshot only
+    assert events.index(("returned", 3)) > step2[-1], events  # waited for step 2's save
+    assert background[2]["ckpt_blocked_s"] >= 0.9  # and for all three of its writes
     assert most[0] == 1
     for step in (2, 3):
         a, b = full_state(tmp_path / "sync", step)[1], full_state(tmp_path / "async", step)[1]

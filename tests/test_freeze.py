@@ -1,6 +1,7 @@
 """``--freeze GLOB[,GLOB...]``: frozen parameters get no gradient and no optimizer state, stay
 bitwise at their initial values, and every layout still equals the serial model frozen by
-hand, at the gradient level (plain SGD) and after several AdamW steps."""
+hand, at the gradient level (plain SGD) and after several AdamW steps, within 1e-5 (after
+AdamW, beyond what rounding can do there: tests/adamw_noise.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _layout(argv: list[str]) -> Layout:
 def _results(layout: Layout) -> dict:
     names = [n for n in LAYOUTS if _layout(LAYOUTS[n].split()) == layout]
     argvs = [LAYOUTS[n].split() for n in names]
-    refs = [serial_reference(a, ADAM_STEPS) for a in argvs]
+    refs = [serial_reference(a, ADAM_STEPS, TOL) for a in argvs]
     run = launch(parity_many, layout.world_size, args=(argvs, refs), layout=layout,
                  timeout=300, name="freeze")
     return dict(zip(names, run.results[0]))
@@ -53,11 +54,8 @@ def test_frozen_layout_equals_frozen_serial(name):
     assert res["frozen"], "the case froze nothing"
     assert res["frozen_grad_zero"] and res["frozen_bitwise"]
     assert res["optimizer_state_of_frozen"] == 0
-    for key in ("grad_err", "sgd_err", "loss_err", "norm_err"):
+    for key in ("grad_err", "sgd_err", "loss_err", "norm_err", "adam_err"):
         assert res[key] < TOL, (key, res[key])
-    # AdamW divides by sqrt(v): an element whose gradient is ~0 moves by up to lr on float
-    # noise, so the weights after AdamW agree less tightly than its losses and norms
-    assert res["adam_err"] < 1e-3
 
 
 def test_freezing_changes_the_run():

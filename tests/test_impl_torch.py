@@ -10,12 +10,13 @@ gave). edu3d's own layouts equal the serial run to 1e-5 (tests/test_3d_parity.py
 equality with serial is equality with edu3d. One launch per world size runs all its layouts,
 each with its own meshes and model.
 
-Tolerance, from measurement (pytest -s prints it; measured over 5 AdamW steps): the worst
-relative error over these layouts was 4.2e-6 (AdamW's gradient norm, tp2 with tied
-embeddings; gradients 6e-7). The
-arithmetic is the same but not bitwise (DDP's bucketed all-reduce, DTensor's reductions and
-the TP matmuls sum in other orders than one process does), and AdamW amplifies rounding in
-tiny gradients.
+Tolerance: 1e-5 relative (fp32), as every parity test; the arithmetic is the same but not
+bitwise (DDP's bucketed all-reduce, DTensor's reductions and the TP matmuls sum in other
+orders than one process does). The losses and gradient norms of the AdamW steps are allowed,
+besides, what rounding can do to them through AdamW, which amplifies it in tiny gradients:
+how far the serial run's control ends from the serial run itself, scaled to the layout's
+measured gradient error (:func:`tests.adamw_noise.beyond_records`; measured worst before
+that allowance: 4.2e-6, AdamW's gradient norm, tp2 with tied embeddings; gradients 6e-7).
 """
 
 from __future__ import annotations
@@ -26,10 +27,16 @@ import pytest
 
 from edu3d.launch import launch
 from edu3d.commands.train import parse
-from edu3d.production.compare import parity_many, world_size
+from edu3d.model.gpt import GPT
+from edu3d.production.compare import options, parity_many, world_size
 from edu3d.production.torch_check import unsupported
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import train_step
+from edu3d.train.optim import make_optimizer
+from edu3d.train.preflight import config_from
+from tests.adamw_noise import serial_and_control
 
-TOL = 2e-5
+TOL = 1e-5
 ADAMW_STEPS = 3
 
 LAYOUTS = {
@@ -57,6 +64,29 @@ def _results(ws: int) -> dict[str, dict]:
     return dict(zip(names, run.results[0]))
 
 
+@functools.lru_cache(maxsize=None)
+def rounding_spread(argv: tuple[str, ...], steps: int = ADAMW_STEPS) -> dict[str, float]:
+    """How far the serial AdamW run's control ends from the serial run itself, worst step,
+    relative, for gradient noise of ``TOL``: what rounding can do to the losses and gradient
+    norms the layouts are compared on, in proportion to their noise
+    (:mod:`tests.adamw_noise`; the serial run of :func:`edu3d.production.compare.parity`)."""
+    args = options([*argv, "--impl", "torch"])
+    config = config_from(args)
+    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
+
+    def build():
+        model = GPT(config, seed=args.training.seed)
+        return model, make_optimizer(model, args)
+
+    def train(model, opt):
+        return [train_step(model, opt, *corpus.batch(s, args.batch.global_batch), s, args)
+                for s in range(1, steps + 1)]
+
+    run = serial_and_control(build, train, TOL)
+    return {k: max(abs(c[k] - r[k]) / abs(r[k]) for c, r in zip(run["control"], run["records"]))
+            for k in ("loss", "grad_norm")}
+
+
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.slow) if world_size(a.split()) == 8 else n
     for n, a in LAYOUTS.items()])
@@ -64,8 +94,13 @@ def test_torch_layout_equals_serial(name):
     res = _results(world_size(LAYOUTS[name].split()))[name]
     errs = {k: res[k] for k in ("grad_err", "sgd_norm_err", "sgd_loss2_err",
                                 "adam_loss_err_serial", "adam_norm_err_serial")}
-    print(f"\n{name}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
-    assert max(errs.values()) < TOL, errs
+    spread = rounding_spread(tuple(LAYOUTS[name].split()))
+    print(f"\n{name}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items())
+          + f" (AdamW's rounding spread: loss {spread['loss']:.1e} norm {spread['grad_norm']:.1e})")
+    noise = res["grad_err"] / TOL  # the layout's gradient noise, against the control's
+    allowed = {"adam_loss_err_serial": noise * spread["loss"],
+               "adam_norm_err_serial": noise * spread["grad_norm"]}
+    assert all(v < TOL + allowed.get(k, 0.0) for k, v in errs.items()), errs
     assert res["losses_torch"][-1] < res["losses_torch"][0]  # it trains
 
 

@@ -19,7 +19,7 @@ def _pids(run_dir: Path) -> list[int]:
     return [int(p.read_text()) for p in (run_dir / "pids").glob("rank*.pid")]
 
 
-def _assert_all_gone(run_dir: Path, wait_s: float = 5.0):
+def _assert_all_gone(run_dir: Path, wait_s: float = 60.0):  # a hang guard: busy machines
     deadline = time.monotonic() + wait_s
     while any(running(p) for p in _pids(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -70,6 +70,9 @@ def test_output_is_streamed_with_rank_prefix_and_script_arguments(tmp_path):
 
 
 def test_raising_rank_is_named_with_traceback_and_nothing_is_left(tmp_path):
+    """The partners wait in a barrier with no collective timeout of their own (an hour), so
+    only the launcher can end them: a RankError, not the hang guard's LaunchTimeout (240 s,
+    for a busy machine), proves it killed them (how soon: ``edu3d bench goals``)."""
     script = _script(tmp_path, """
         import os, time
         import torch.distributed as dist
@@ -80,14 +83,12 @@ def test_raising_rank_is_named_with_traceback_and_nothing_is_left(tmp_path):
             raise RuntimeError("rank three is broken")
         dist.barrier()
     """)
-    t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        launch(script, 4, echo=False, timeout=120)
+        launch(script, 4, echo=False, timeout=240, env={"EDU3D_TIMEOUT": "3600"})
     err = info.value
     assert err.rank == 3
     assert "rank 3 failed: RuntimeError: rank three is broken" in str(err)
     assert 'script.py", line 8' in err.traceback and "worker.py" not in err.traceback
-    assert time.monotonic() - t0 < 30
     _assert_all_gone(err.run_dir)
 
 
@@ -106,21 +107,21 @@ def test_rank_dying_without_python_error(tmp_path, body, reason):
         import os, signal, sys, time
         if os.environ["RANK"] == "1":
             {body}
-        time.sleep(60)
+        time.sleep(3600)
     """)
     with pytest.raises(RankError) as info:
-        launch(script, 2, echo=False, timeout=60)
+        launch(script, 2, echo=False, timeout=240)
     assert info.value.rank == 1 and reason in str(info.value)
     _assert_all_gone(info.value.run_dir)
 
 
 def test_timeout_kills_every_rank(tmp_path):
-    # ranks that import nothing (a function's would each import torch first): the same kill
+    """Ranks that sleep an hour: the launch returning at all proves the kill (how soon after
+    the timeout: ``edu3d bench goals``). They import nothing (a function's would each import
+    torch first): the same kill."""
     script = _script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(3600)\n")
-    t0 = time.monotonic()
     with pytest.raises(LaunchTimeout, match=r"within 8 s; rank\(s\) \[0, 1, 2\]") as info:
         launch(script, 3, echo=False, timeout=8)
-    assert time.monotonic() - t0 < 20
     run_dir = Path(str(info.value).rsplit("run folder: ", 1)[1].rstrip(")"))
     _assert_all_gone(run_dir)
 
@@ -131,14 +132,14 @@ def _start_cli_run(tmp_path, n=2):
     env = {**os.environ, "EDU3D_RUNS": str(runs)}
     proc = subprocess.Popen([sys.executable, "-m", "edu3d.cli", "run", "-n", str(n), str(script)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # a hang guard, generous for a busy machine
     while time.monotonic() < deadline:
         dirs = list(runs.glob("*")) if runs.exists() else []
         if dirs and len(_pids(dirs[0])) == n:
             return proc, dirs[0]
         time.sleep(0.1)
     proc.kill()
-    pytest.fail("ranks did not start within 60 s")
+    pytest.fail("ranks did not start within 240 s")
 
 
 # Ctrl-C of `edu3d run`: test_launch_hardening's test_interrupted_edu3d_run_is_one_line_and_130
@@ -150,7 +151,7 @@ def test_launcher_killed_hard_leaves_no_orphans(tmp_path):
     proc, run_dir = _start_cli_run(tmp_path)
     proc.kill()
     proc.wait()
-    _assert_all_gone(run_dir, wait_s=15)
+    _assert_all_gone(run_dir, wait_s=120)  # the watchdogs poll; a busy machine is slow
 
 
 def test_bad_input_fails_before_any_process(tmp_path):

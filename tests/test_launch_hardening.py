@@ -14,6 +14,8 @@ import pytest
 from edu3d.distributed import trace
 from edu3d.launch.api import LaunchError, LaunchTimeout, RankError, kill_run, launch
 from edu3d.launch.procs import running
+from edu3d.launch.warm import pool
+from tests import workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +30,7 @@ def _pids(run_dir: Path) -> list[int]:
     return [int(p.read_text()) for p in (run_dir / "pids").glob("rank*.pid")]
 
 
-def _assert_all_gone(run_dir: Path, wait_s: float = 10.0):
+def _assert_all_gone(run_dir: Path, wait_s: float = 60.0):  # a hang guard: busy machines
     deadline = time.monotonic() + wait_s
     pids = _pids(run_dir)
     while any(running(p) for p in pids) and time.monotonic() < deadline:
@@ -132,7 +134,7 @@ def dying_script(tmp_path, how: str, victim: int) -> Path:
 
 def _blamed(tmp_path, how: str, n: int, victim: int) -> RankError:
     with pytest.raises(RankError) as info:
-        launch(dying_script(tmp_path, how, victim), n, echo=False, timeout=120,
+        launch(dying_script(tmp_path, how, victim), n, echo=False, timeout=240,
                env={"EDU3D_TIMEOUT": "60"})
     return info.value
 
@@ -192,19 +194,28 @@ def mismatched_collectives(mesh):
 
 
 def test_hang_report_names_every_ranks_operation():
-    t0 = time.monotonic()
+    """Named by the 4 s collective timeout and its heartbeat, not by the launch's own
+    timeout (a hang guard of 240 s, for a busy machine; how soon: ``edu3d bench goals``)."""
     with pytest.raises(LaunchError) as info:
-        launch(mismatched_collectives, 2, echo=False, timeout=90, env={"EDU3D_TIMEOUT": "4"})
+        launch(mismatched_collectives, 2, echo=False, timeout=240, env={"EDU3D_TIMEOUT": "4"})
     text = str(info.value)
+    assert not isinstance(info.value, LaunchTimeout), text
     assert "rank 0 " in text and "all_reduce(world) at step 3" in text, text
     assert "rank 1 waits in broadcast(world) at step 3" in text or \
         "rank 1 failed in broadcast(world) at step 3" in text, text
-    assert time.monotonic() - t0 < 60
 
 
 def test_launcher_timeout_reports_flight(tmp_path):
-    with pytest.raises(LaunchTimeout) as info:
-        launch(mismatched_collectives, 2, echo=False, timeout=20, env={"EDU3D_TIMEOUT": "300"})
+    """The ranks must be in their hang when the 30 s timeout fires, so they start on a warm
+    pool (torch imported before the clock starts): on a busy machine, two ranks importing
+    torch cold took most of the 20 s this test once gave them."""
+    launch(workers.rank_info, 2, echo=False, timeout=240, pool=True)  # the pool, warm
+    try:
+        with pytest.raises(LaunchTimeout) as info:
+            launch(mismatched_collectives, 2, echo=False, timeout=30, pool=True,
+                   env={"EDU3D_TIMEOUT": "300"})
+    finally:
+        pool.shutdown()
     text = str(info.value)
     assert "rank 0 waits in all_reduce(world) at step 3" in text, text
     assert "rank 1 waits in broadcast(world) at step 3" in text, text
@@ -357,14 +368,17 @@ def test_interrupted_edu3d_run_is_one_line_and_130(tmp_path):
                             env={**os.environ, "EDU3D_RUNS": str(runs_dir)}, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 240  # a hang guard, generous for a busy machine
     while time.monotonic() < deadline:
         dirs = list(runs_dir.glob("*")) if runs_dir.exists() else []
         if dirs and len(_pids(dirs[0])) == 2:
             break
         time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the ranks of edu3d run did not start within 240 s")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("edu3d run:")] == \

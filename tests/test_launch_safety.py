@@ -3,13 +3,12 @@ are written atomically, only a trusted runs folder is used, ``edu3d runs clean``
 what edu3d made, and short DP/ZeRO runs on gloo end without an abort at process exit."""
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from edu3d.launch import runs
-from edu3d.launch.api import LaunchError, RankError, launch
+from edu3d.launch.api import LaunchError, LaunchTimeout, RankError, launch
 from edu3d.launch.warm import pool
 from tests import workers_launch_safety as work
 
@@ -28,13 +27,11 @@ def test_a_fork_server_killed_mid_job_is_named_and_the_next_launch_recovers(tmp_
     launch(work.world_sum, 2, timeout=120, echo=False, pool=True)  # warm
     p = pool.pools()[0]
     assert p.zygote is not None
-    t0 = time.monotonic()
-    with pytest.raises(LaunchError) as info:
-        launch(work.kill_the_fork_server, 2, timeout=60, echo=False, pool=True)
+    with pytest.raises(LaunchError) as info:  # its ranks sleep an hour: only this ends them
+        launch(work.kill_the_fork_server, 2, timeout=240, echo=False, pool=True)
     text = str(info.value)
-    assert not isinstance(info.value, RankError), text  # no rank is to blame
+    assert not isinstance(info.value, (RankError, LaunchTimeout)), text  # named, at once
     assert "the warm pool's fork server died (killed by signal SIGKILL)" in text, text
-    assert time.monotonic() - t0 < 30
     assert not p.alive() and p not in pool.pools()
     again = launch(work.world_sum, 2, timeout=120, echo=False, pool=True)
     assert again.results == [3.0, 3.0]

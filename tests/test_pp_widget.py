@@ -1,8 +1,7 @@
-"""The pipeline Gantt chart: lanes, colours, ghosts, bubble in the title, memory strip, speed."""
+"""The pipeline Gantt chart: lanes, colours, ghosts, bubble in the title, memory strip, and
+the trace count that keeps it fast."""
 
 from __future__ import annotations
-
-import time
 
 from edu3d.schedules.simulate import bubble_formula
 from edu3d.widgets import style
@@ -37,11 +36,12 @@ def test_zero_bubble_colours_and_side_by_side():
     assert len([a for a in fig.layout.annotations if "bubble measured" in a.text]) == 2
 
 
-def test_eight_ranks_32_microbatches_render_fast():
-    events = synthetic_trace("1f1b", 8, 32)
-    pipeline_figure(synthetic_trace("1f1b", 2, 2), "1f1b", 2, 2)  # import plotly first
-    t0 = time.perf_counter()
-    fig = pipeline_figure(events, "1f1b", 8, 32)
-    elapsed = time.perf_counter() - t0
+def test_eight_ranks_32_microbatches_draw_one_trace_per_kind_of_box():
+    """What keeps the chart fast, counted (its seconds: ``edu3d bench goals``): plotly's cost
+    grows with traces and shapes, so every box of one kind is one trace, and the number of
+    traces does not grow with the micro-batches (one memory strip per rank besides)."""
+    fig = pipeline_figure(synthetic_trace("1f1b", 8, 32), "1f1b", 8, 32)
     assert sum(len(t.x) for t in fig.data if t.name == "F") == 8 * 32
-    assert elapsed < 2.0, f"rendering took {elapsed:.2f} s"
+    fewer = pipeline_figure(synthetic_trace("1f1b", 8, 8), "1f1b", 8, 8)
+    assert len(fig.data) == len(fewer.data) and not fig.layout.shapes
+    assert len({t.name for t in fig.data}) == len(fig.data)

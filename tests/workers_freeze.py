@@ -14,6 +14,7 @@ from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
 from edu3d.train.preflight import model_config
 from edu3d.train.trainer import Trainer
+from tests.adamw_noise import beyond, beyond_records, serial_and_control, without_key_bias
 from tests.workers_3d import options
 
 # bad --freeze inputs and the one-line refusal each gets, from edu3d train and edu3d plan alike
@@ -28,14 +29,16 @@ BAD_FREEZE = [
 def frozen_serial(args) -> GPT:
     model = GPT(model_config(args), seed=args.training.seed)
     for name, p in model.named_parameters():
-        if any(fnmatch.fnmatchcase(name, g.strip()) for g in args.freeze.split(",")):
+        if any(fnmatch.fnmatchcase(name, g.strip()) for g in args.memory.freeze):
             p.requires_grad_(False)
     return model
 
 
-def serial_reference(argv: list[str], steps: int) -> dict:
+def serial_reference(argv: list[str], steps: int, tol: float = 1e-5) -> dict:
     """Gradients of one backward (None for a frozen parameter), weights after one plain-SGD
-    step, and the records and weights after ``steps`` AdamW steps, of the hand-frozen GPT."""
+    step, and the records and weights after ``steps`` AdamW steps, of the hand-frozen GPT,
+    with what rounding can do to the latter (:mod:`tests.adamw_noise`, for gradient noise
+    within ``tol``)."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
     corpus = SyntheticCorpus(model_config(sgd).vocab_size, model_config(sgd).seq_len,
                              seed=sgd.training.seed)
@@ -47,12 +50,19 @@ def serial_reference(argv: list[str], steps: int) -> dict:
     train_step(model, make_optimizer(model, sgd), x, y, 1, sgd)
     sgd_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     adam = options(argv)
-    model = frozen_serial(adam)
-    opt = make_optimizer(model, adam)
-    records = [train_step(model, opt, *corpus.batch(s, adam.batch.global_batch), s, adam)
-               for s in range(1, steps + 1)]
-    return {"grads": grads, "sgd_params": sgd_params, "records": records,
-            "adam_params": {n: p.detach().clone() for n, p in model.named_parameters()},
+
+    def build():
+        model = frozen_serial(adam)
+        return model, make_optimizer(model, adam)
+
+    def train(model, opt):
+        return [train_step(model, opt, *corpus.batch(s, adam.batch.global_batch), s, adam)
+                for s in range(1, steps + 1)]
+
+    adamw = serial_and_control(build, train, tol)
+    return {"grads": grads, "sgd_params": sgd_params, "records": adamw["records"],
+            "control": adamw["control"], "tol": tol, "adam_params": adamw["final"],
+            "allowed": adamw["allowed"],
             "init": {n: p.detach().clone() for n, p in GPT(model_config(adam),
                                                             seed=adam.training.seed).named_parameters()}}
 
@@ -64,7 +74,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def parity(mesh, argv: list[str], ref: dict) -> dict:
     """The layout ``argv`` against ``ref``: worst relative errors of the trainable gradients
     (a frozen one must be absent: zero here), of the weights after SGD and after the AdamW
-    steps, of the losses and norms; and whether every frozen weight is bitwise its init."""
+    steps, of the losses and norms (after AdamW, beyond what rounding explains there:
+    :mod:`tests.adamw_noise`); and whether every frozen weight is bitwise its init."""
     sgd = options([*argv, "--optimizer", "sgd", "--lr", "0.1"])
     config = model_config(sgd)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=sgd.training.seed)
@@ -84,12 +95,11 @@ def parity(mesh, argv: list[str], ref: dict) -> dict:
     ours = [trainer.step(*corpus.batch(s, adam.batch.global_batch), s)
             for s in range(1, len(ref["records"]) + 1)]
     params = trainer.gather("param")
-    adam_err = max(_rel(params[n], p) for n, p in ref["adam_params"].items())
-    pairs = list(zip(ours, ref["records"], strict=True))
+    adam_err = max(beyond(without_key_bias(n, params[n]), without_key_bias(n, p),
+                          ref["allowed"][n]) for n, p in ref["adam_params"].items())
     return {"grad_err": grad_err, "sgd_err": sgd_err, "adam_err": adam_err,
-            "loss_err": max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs),
-            "norm_err": max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
-                            for a, b in pairs),
+            "loss_err": beyond_records(ours, ref, grad_err, ("loss",)),
+            "norm_err": beyond_records(ours, ref, grad_err, ("grad_norm",)),
             "frozen": frozen, "frozen_grad_zero": frozen_grad_zero,
             "frozen_bitwise": all(torch.equal(params[n], ref["init"][n]) for n in frozen),
             "optimizer_state_of_frozen": _state_of_frozen(trainer)}

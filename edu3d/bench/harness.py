@@ -152,11 +152,13 @@ def report(benchmark: str, world_size: int, results: list[dict],
 
 def format_table(rep: dict) -> str:
     """A readable table of a report (the non-JSON output of ``edu3d bench``)."""
+    w = max([22] + [len(r["name"]) for r in rep["results"]])
     lines = [f"benchmark {rep['benchmark']} on {rep['world_size']} ranks "
              f"(medians of interleaved repetitions)",
-             f"{'name':<22} {'edu3d':>10} {'reference':>10} {'ratio':>7}  reference"]
+             f"{'name':<{w}} {'edu3d':>10} {'reference':>10} {'ratio':>7}  reference"]
     for r in rep["results"]:
-        lines.append(f"{r['name']:<22} {r['edu3d_s'] * 1e3:>8.2f}ms {r['reference_s'] * 1e3:>8.2f}ms "
-                     f"{r['ratio']:>7.3f}  {r['reference']}")
+        lines.append(f"{r['name']:<{w}} {r['edu3d_s'] * 1e3:>8.2f}ms {r['reference_s'] * 1e3:>8.2f}ms "
+                     f"{r['ratio']:>7.3f}  {r['reference']}"
+                     + ("" if "met" not in r else "  met" if r["met"] else "  MISSED"))
     return "\n".join(lines)
 

@@ -164,9 +164,7 @@ class Checkpointer:
                 "format": FORMAT_BLOBS if self.store else FORMAT, "step": step,
                 "steps": self.run.training.steps,
                 "config": dataclasses.asdict(self.config),
-                "options": {k: ",".join(v) if k == "freeze" else v  # plain JSON values
-                            for k, v in self.run.flat().items()
-                            if k in (*MUST_MATCH, *MUST_MATCH_LATER)},
+                "options": self.options(),
                 "layout": self.layout(), "optimizer_step": self.trainer.optimizer_step,
                 "precision": {"mode": prec.mode, "scale": prec.scale,
                               "good_steps": prec.good_steps, "skipped": prec.skipped},
@@ -174,6 +172,14 @@ class Checkpointer:
                 "records": json.loads(json.dumps(records[:step])),
             }
         return job
+
+    def options(self) -> dict:
+        """The options a continuation must share (``MUST_MATCH``), as plain values: the
+        ``--freeze`` globs as the flag wrote them (``"a.*,b.*"``, or null)."""
+        flat = self.run.flat()
+        out = {k: flat[k] for k in (*MUST_MATCH, *MUST_MATCH_LATER)}
+        out["freeze"] = ",".join(self.run.memory.freeze) or None
+        return out
 
     def layout(self) -> dict:
         layout, run = self.trainer.mesh.layout, self.trainer.run

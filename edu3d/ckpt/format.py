@@ -196,8 +196,8 @@ def differences(manifest: dict, config, run) -> list[str]:
     saved = {**MUST_MATCH_LATER, **manifest["options"]}
     for k, v in saved.items():
         mine = options.get(k)
-        if k == "freeze" and isinstance(v, (str, list, type(None))):  # "a,b" (older saves)
-            v, mine = globs(v), globs(mine)
+        if k == "freeze" and isinstance(v, (str, list, type(None))):  # the globs, as typed
+            v, mine = ",".join(globs(v)) or None, ",".join(globs(mine)) or None
         if mine != v:
             diff.append(f"--{k.replace('_', '-')}: checkpoint {v}, this run {mine}")
     if run.training.lr_schedule == "cosine" and manifest["steps"] != run.training.steps:

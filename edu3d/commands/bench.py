@@ -38,6 +38,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "cp": "edu3d.bench.bench_5d:run_cp_benchmark",
     "overhead": "edu3d.bench.bench_overhead:run_benchmark",
     "mfu": "edu3d.bench.bench_mfu:run_benchmark",
+    "goals": "edu3d.bench.bench_goals:run_benchmark",
 }
 PLOT = "edu3d.bench.plot:draw"  # edu3d bench plot FILE -o OUT: (csv, out) -> panel titles
 
