@@ -43,8 +43,8 @@ from edu3d.plan import zero_modes
 from edu3d.plan.fit import size_text
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
-                                 PRECISIONS, RECOMPUTE, check_ep, estimate, hsdp_traffic, setup,
-                                 setup_dict, state_bytes, validate)
+                                 PRECISIONS, RECOMPUTE, check_ep, estimate, setup, setup_dict,
+                                 state_bytes, validate)
 from edu3d.plan.formulas import MoESpec, as_moe
 from edu3d.plan.inventory import frozen_params
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
@@ -300,8 +300,6 @@ def main_from_args(args) -> int:
     out.update(est)
     out["setup"] = _json_setup(st)
     out["traffic_bytes"] = plan_search.traffic(spec, st)
-    if st.parallel.hsdp > 1:  # the dp bytes split into a replica group's and across groups
-        out["hsdp_bytes"] = hsdp_traffic(spec, st)
     fits = None if mem_gb is None else est["total_bytes"] <= cluster.usable * mem_gb * 1e9
     out["fits"] = fits
     if args.json:
@@ -338,9 +336,6 @@ def main_from_args(args) -> int:
               "no gradients, no optimizer state")
     sent = [f"{axis} {size_text(v, '.3f')}" for axis, v in out["traffic_bytes"].items() if v]
     print("sent per rank and step: " + (", ".join(sent) or "nothing (one rank)"))
-    if "hsdp_bytes" in out:
-        print(f"HSDP x{st.parallel.hsdp}, by group: " + ", ".join(
-            f"{g} {size_text(v, '.3f')}" for g, v in out["hsdp_bytes"].items()))
     return 0 if fits is not False else 1
 
 

@@ -55,7 +55,7 @@ from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
 from edu3d.config.sections import Run
-from edu3d.plan.estimate import MAX_GPUS, estimate, held, setup
+from edu3d.plan.estimate import MAX_GPUS, estimate, held, hsdp_traffic, setup
 from edu3d.plan.formulas import as_moe, divisors
 from edu3d.plan.inventory import frozen_active
 from edu3d.model.shapes import ModelSpec
@@ -104,7 +104,10 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
             (``/t`` with SP);
     ``dp``  :func:`~edu3d.plan.zero_modes.dp_wire_bytes` of the rank's dense 16-bit
             weights and gradients, ``N = dp·cp``, for its ZeRO stage, ``grad_reduce`` and
-            ``m``; ``edp``: the routed experts' over ``dp·cp/ep``;
+            ``m``; ``edp``: the routed experts' over ``dp·cp/ep``; under HSDP (``--hsdp R``)
+            both within a replica group, and ``dp_replicate``/``edp_replicate`` the
+            all-reduce of the gradient shard across the groups
+            (:func:`~edu3d.plan.estimate.hsdp_traffic`);
     ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
             recomputation: its forward runs again);
     ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
@@ -121,6 +124,10 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
     for axis, n, experts in (("dp", lay.dp * lay.cp, False), ("edp", lay.edp, True)):
         psi = max(held(spec, run, r, experts) for r in range(p))
         out[axis] = zero_modes.dp_wire_bytes(psi, n, par.zero, par.grad_reduce, m)
+    if par.hsdp > 1:  # ZeRO within a replica group, one all-reduce of the shard across them
+        by = hsdp_traffic(spec, run)
+        out.update({f"{e}dp": by.get(f"{e}shard", 0.0) for e in ("", "e")},
+                   dp_replicate=by["replicate"], edp_replicate=by.get("ereplicate", 0.0))
     k = memory.routed_per_token(spec)
     out["ep"] = (memory.ep_bytes(b * s // lay.cp, k, h, lay.ep) * (1.5 if full else 1)
                  * spec.moe_layers / p * m)
@@ -145,8 +152,10 @@ def step_time(spec: ModelSpec, run: Run, cl: Cluster) -> dict[str, float]:
     bubble = compute * (p - 1) / (v * m) / {"zb-h1": 3, "zbv": 6,
                                              "dualpipev": 6}.get(par.schedule, 1)
     node, t, dpc = cl.gpus_per_node, lay.tp, lay.dp * lay.cp
-    inside = {"tp": t, "pp": t * dpc * p, "dp": t * dpc, "edp": t * dpc, "ep": t * lay.ep,
-              "cp": t * lay.cp}  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
+    group = t * dpc // par.hsdp  # HSDP: a replica group is dp*cp/hsdp consecutive dp*cp ranks
+    inside = {"tp": t, "pp": t * dpc * p, "dp": group, "edp": group, "ep": t * lay.ep,
+              "cp": t * lay.cp, "dp_replicate": t * dpc, "edp_replicate": t * dpc
+              }  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
     out = {"compute": compute, "bubble": bubble}
     for axis, sent in traffic(spec, run).items():
         out[axis] = sent / ((cl.intra_gbps if inside[axis] <= node else cl.inter_gbps) * GB)
