@@ -33,7 +33,7 @@ from edu3d.production.torch_check import unsupported
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
-from edu3d.train.preflight import config_from
+from edu3d.train.preflight import model_config
 from tests.adamw_noise import serial_and_control
 
 TOL = 1e-5
@@ -71,7 +71,7 @@ def rounding_spread(argv: tuple[str, ...], steps: int = ADAMW_STEPS) -> dict[str
     norms the layouts are compared on, in proportion to their noise
     (:mod:`tests.adamw_noise`; the serial run of :func:`edu3d.production.compare.parity`)."""
     args = options([*argv, "--impl", "torch"])
-    config = config_from(args)
+    config = model_config(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
 
     def build():
