@@ -233,7 +233,7 @@ def hsdp_figure(rows: list[dict], chosen: int | None = None):
     x = [f"<b>R = {r['R']} ◀</b><br>{r['R']} x {r['S']}" if r["R"] == chosen
          else f"R = {r['R']}<br>{r['R']} x {r['S']}" for r in rows]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
-        "sent per rank and step (MB)", "state held per rank (MB)"))
+        "bytes sent per rank and step, by group", "training state held per rank"))
     for g, (label, color) in HSDP_GROUPS.items():
         fig.add_bar(x=x, y=[r[g] / MB for r in rows], name=f"{label}, formula",
                     marker=style.estimate_marker(color), offsetgroup=f"{g}-formula",
@@ -260,4 +260,6 @@ def hsdp_figure(rows: list[dict], chosen: int | None = None):
                 f"{rows[0].get('zero', 3)})", line, height=420)
     fig.update_layout(barmode="group")
     fig.update_xaxes(title_text="replica groups R (R x shards)")
+    fig.update_yaxes(title_text="sent per step (MB)", row=1, col=1)
+    fig.update_yaxes(title_text="held (MB)", row=1, col=2)
     return fig
