@@ -258,7 +258,7 @@ def hsdp_figure(rows: list[dict], chosen: int | None = None):
             if done else "the formula (ghosts); 'run it' measures")
     style.frame(fig, f"HSDP on {n} ranks: R replica groups of N/R shards (ZeRO-"
                 f"{rows[0].get('zero', 3)})", line, height=420)
-    fig.update_layout(barmode="group")
+    fig.update_layout(barmode="group", margin={"t": 130})  # room for the panels' titles
     fig.update_xaxes(title_text="replica groups R (R x shards)")
     fig.update_yaxes(title_text="sent per step (MB)", row=1, col=1)
     fig.update_yaxes(title_text="held (MB)", row=1, col=2)
