@@ -4,44 +4,77 @@ The library is mechanics; the course is built on it; nothing in the library impo
 course. Each folder is one concept, each module one idea (floors: a folder imports only
 folders listed below it; README's "How the package is organised" says the rules)::
 
-    edu3d/      __init__ cli         torch-free; ``from edu3d import comm``; the ``edu3d`` parser
-    commands/   run doctor train plan schedule ckpt generate grade grade_kernel grade_hints grade_channel grade_processes grade_isolate grade_report bench tune run_folders top course argtypes
+    edu3d/      __init__ cli
+                                     torch-free; ``from edu3d import comm``;
+                                     the ``edu3d`` parser
+    commands/   run doctor train plan schedule ckpt generate grade bench tune run_folders
+                top course argtypes
                                      one module per subcommand; the door to production/
-    widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer pipeline threed memory_plan checkpoint production perf review context experts monitor tuning ckpt_reuse memory_timeline grad_reduce
-                                     (``edu3d.widgets``, source in widgets/) charts: data in, figure out
-      panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch08_checkpoints ch09_in_production ch10_performance ch11_review ch13_context_parallelism ch12_mixture_of_experts
+    widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer
+                pipeline threed memory_plan checkpoint production perf review context
+                experts monitor tuning ckpt_reuse memory_timeline grad_reduce
+                                     (``edu3d.widgets``, source in widgets/)
+                                     charts: data in, figure out
+      panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero
+                ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory
+                ch08_checkpoints ch09_in_production ch10_performance ch11_review
+                ch12_mixture_of_experts ch13_context_parallelism
                                      each chapter's knobs, on one Panel base
-    course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching ch03_zero ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory ch07_memory_plan ch07_memory_tune ch08_checkpoints ch09_in_production ch10_performance ch10_performance_hangs ch10_performance_live ch11_review ch13_context_parallelism ch13_context_parallelism_capstone ch12_mixture_of_experts grade_3d grade_moe grade_reshard grade_cp grading nbtools ch08_checkpoints_incremental ch07_memory_timeline ch03_zero_reduce ch03_zero_hsdp ch10_performance_verdicts ch11_review_recipe grade_overlap grade_layout grade_production verdict_channel
+    course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching
+                ch03_zero ch03_zero_reduce ch03_zero_hsdp ch04_tensor_parallel
+                ch05_pipeline_parallel ch06_3d_parallelism ch06_3d_parallelism_grade ch07_memory
+                ch07_memory_plan
+                ch07_memory_timeline ch07_memory_tune ch08_checkpoints ch08_checkpoints_grade
+                ch08_checkpoints_incremental ch09_in_production ch09_in_production_grade
+                ch10_performance ch10_performance_grade ch10_performance_hangs ch10_performance_live
+                ch10_performance_verdicts ch11_review ch11_review_grade ch11_review_recipe
+                ch12_mixture_of_experts ch12_mixture_of_experts_grade ch13_context_parallelism
+                ch13_context_parallelism_capstone ch13_context_parallelism_grade grading nbtools
+                verdict_channel
                                      what each chapter computes and runs; graders
-    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals records plot autotune ranking
+      autograde/  scoring kernel channel hints processes isolate report
+                                     edu3d grade's engine: notebooks in sealed kernels, scored
+    bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute
+                bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals
+                records plot autotune ranking
                                      edu3d timed against PyTorch's own implementations
-    production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train deepspeed_map
+    production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train
+                deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
-    train/      trainer loop preflight axis_rules pipeline_rules data documents batching optim faults publish step_stats memory_recorder cuda_memory
-                                     one Trainer for every layout; one pre-flight
+    train/      trainer state_slots full_tensors moe_stats loop preflight axis_rules
+                pipeline_rules data documents batching cut optim faults publish step_stats
+                memory_recorder cuda_memory generation
+                                     one Trainer for every layout; one pre-flight; generation
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync
       dp/       data_parallel buckets same_start step_guard compress
-      zero/     units flat_unit gathering sharding reduction sharded_grads shard_optimizer whole_tensors mixed_precision holdings zero_state hybrid
+      zero/     units flat_unit gathering sharding reduction sharded_grads shard_optimizer
+                whole_tensors mixed_precision holdings zero_state
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence
-      ep/       dispatch placement   expert parallelism
+      ep/       dispatch placement
+                                     expert parallelism
     ckpt/       format checkpointer reshard export untrusted blobs bounds manifest_schema
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory hardware published
+                moe_presets
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
-    launch/     api agent supervise worker procs runs rank_files heartbeat cores magic status live
+    launch/     api agent supervise worker procs runs run_files heartbeat cores magic status
+                live
                                      start, watch (one loop), end ranks; torch-free
-      warm/     pool zygote rank     warm ranks for notebook cells
-    config/     layout sections   what a run is: the layout and its rank order, the Run in sections
+      warm/     pool zygote rank
+                                     warm ranks for notebook cells
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
     model/      gpt moe shapes param_globs config_schema
                                      the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data
+    config/     layout sections
+                                     what a run is: the layout and its rank order,
+                                     the Run in sections
 
 The package is deliberately light to import: nothing here imports torch, so the launcher
 (``edu3d run``) and the rank wrapper start as fast as a bare ``torchrun``. Import the modules
@@ -62,7 +95,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     """``from edu3d import comm`` (the path learners' exercise files use) gives
-    :mod:`edu3d.distributed.comm`, imported on first use so that ``import edu3d`` stays torch-free."""
+    :mod:`edu3d.distributed.comm`, imported on first use so that ``import edu3d`` stays
+    torch-free."""
     if name == "comm":
         return importlib.import_module("edu3d.distributed.comm")
     raise AttributeError(f"module 'edu3d' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from edu3d.commands.generate import generate as generate_tokens, load_model
+from edu3d.train.generation import generate as generate_tokens, load_model
 from edu3d.train.loop import run
 from edu3d.config.sections import Run
 

@@ -234,7 +234,7 @@ def test_the_largest_accepted_inputs_do_bounded_work(argv, capsys, monkeypatch):
 def test_a_search_weighs_a_bounded_number_of_layouts(monkeypatch):
     """Deterministic: however many layouts the GPUs allow, the search estimates at most
     ``MAX_WORK / (layers x (1 + experts/64))`` of them, or refuses in one line."""
-    from edu3d.commands.plan import MOE_PRESETS
+    from edu3d.plan.moe_presets import MOE_PRESETS
 
     weighed = []
     real = plan_search.estimate

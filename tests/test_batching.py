@@ -25,6 +25,7 @@ from edu3d.parallel.pp.engine import PipelineEngine
 from edu3d.parallel.pp.stage import split_model
 from edu3d.train.batching import (IGNORE, MODES, POOL_DOCS, expected_pad_waste, per_document_loss,
                                   step_batch)
+from edu3d.train.cut import cut
 from edu3d.train.documents import DocumentCorpus
 from edu3d.train.preflight import BATCHING, check_args
 from tests.workers_batching import parity_many
@@ -69,7 +70,7 @@ def test_batches_keep_their_invariants(mode):
         assert b.waste(4) < step_batch(CORPUS, "pad", 3, 8).waste(4)
     if mode in ("pad", "bucket"):
         assert len(b.rows) == 8 and all(len(r) == 1 for r in b.rows)
-    x, y, doc, w = zip(*b.microbatches(1, 2, 2))
+    x, y, doc, w = zip(*cut(b, None, 2, dp_index=1, dp_size=2))
     assert sum(int((t != IGNORE).sum()) for t in y) * 2 * 2 / b.targets == pytest.approx(sum(w))
     assert (doc[0] is not None) == (mode == "pack")
 
@@ -100,7 +101,7 @@ def test_packed_loss_equals_the_documents_alone(attn):
     model = GPT(PRESETS["tiny"], seed=0)
     set_attention(model, attn)
     b = step_batch(CORPUS, "pack", 1, 8)
-    (x, y, doc, w), = b.microbatches(0, 1, 1)
+    (x, y, doc, w), = cut(b, None, 1)
     want = per_document_loss(model, b).detach()
     got = (model(x, y, doc)[1] * w).detach()
     assert float(got) == pytest.approx(float(want), rel=1e-6)
@@ -115,12 +116,13 @@ def test_cp_pieces_are_weighted_by_their_own_targets():
     needs. Equal weights (a loss divided by cp) would be wrong exactly there."""
     b = step_batch(DocumentCorpus(256, 32, seed=0, mean=12), "pack", 1, 8)
     weights = [w for dp in (0, 1) for r in (0, 1)
-               for *_, w in b.microbatches(dp, 2, 4, cp=2, cp_rank=r, split="plain")]
+               for *_, w in cut(b, None, 4, dp_index=dp, dp_size=2, cp_size=2, cp_rank=r,
+                                split="plain")]
     assert sum(weights) == pytest.approx(2 * 2 * 4) and 0.0 in weights
-    x, y, doc, _ = b.microbatches(0, 2, 4, cp=2, cp_rank=1)[0]
+    x, y, doc, _ = cut(b, None, 4, dp_size=2, cp_size=2, cp_rank=1)[0]
     assert x.shape == y.shape == (1, 16) and doc.shape == (1, 32)  # doc ids stay whole
     with pytest.raises(ValueError, match="--batching pack, not pad"):
-        step_batch(CORPUS, "pad", 1, 8).microbatches(0, 1, 1, cp=2)
+        cut(step_batch(CORPUS, "pad", 1, 8), None, 1, cp_size=2)
 
 
 def test_pad_waste_formula_matches_batches():

@@ -1,9 +1,9 @@
 """Chapter 12 and exercise 12: the grader is honest both ways and catches the classic
 mistakes; the chapter's measurements agree with their formulas.
 
-* solutions pass every check of :mod:`edu3d.course.grade_moe`; the untouched stubs fail every
-  check (``NotImplementedError``); per-token shares, top-1-only counts, gate means, a detached
-  loss, a floor capacity, index-order drops and reversed ties each fail, naming the case;
+* solutions pass every check of :mod:`edu3d.course.ch12_mixture_of_experts_grade`; the
+  untouched stubs fail every check (``NotImplementedError``); per-token shares, top-1-only
+  counts, gate means, a detached loss, a floor capacity, index-order drops and reversed ties each fail, naming the case;
 * the chapter's serial runs: every step routes ``T·k`` assignments, dropless drops nothing,
   ``C = 0.5`` drops half or more, the capacity formula; one ep=2 launch: dispatch carries
   exactly ``T·k·h·4`` bytes per MoE layer on each rank, the token matrix rows add up.
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from edu3d.course import ch12_mixture_of_experts as moe
-from edu3d.course import grade_moe, grading
+from edu3d.course import ch12_mixture_of_experts_grade as grader, grading
 
-CHECKS = (grade_moe.check_loss_value, grade_moe.check_loss_grad, grade_moe.check_capacity)
+CHECKS = (grader.check_loss_value, grader.check_loss_grad, grader.check_capacity)
 
 
 def test_solutions_pass_every_check():
@@ -65,16 +65,16 @@ def test_grader_catches_the_classic_mistakes():
         return sol.capacity_keep(gates.flip(0), idx.flip(0), E, C).flip(0)
 
     for fn, check, msg in (
-            (per_token, grade_moe.check_loss_value, r"k=2: your loss is 2\.01"),
-            (gate_mean, grade_moe.check_loss_value, r"k=1: your loss is"),
-            (detached, grade_moe.check_loss_grad, "has no gradient")):
+            (per_token, grader.check_loss_value, r"k=2: your loss is 2\.01"),
+            (gate_mean, grader.check_loss_value, r"k=1: your loss is"),
+            (detached, grader.check_loss_grad, "has no gradient")):
         with pytest.raises(AssertionError, match=msg):
             check(SimpleNamespace(load_balancing_loss=fn))
     for fn, msg in ((floor_cap, r"C=1.25: expert 0 keeps 6 of its 8 assignments, edu3d keeps 7"),
                     (by_index, "not the right assignments"),
                     (ties_high, "not the right assignments")):
         with pytest.raises(AssertionError, match=msg):
-            grade_moe.check_capacity(SimpleNamespace(capacity_keep=fn))
+            grader.check_capacity(SimpleNamespace(capacity_keep=fn))
 
 
 def test_capacity_formula_and_runs():

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from edu3d.course import ch13_context_parallelism as ch13
-from edu3d.course import grade_cp, grading
+from edu3d.course import ch13_context_parallelism_grade as grader, grading
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.parallel.cp import work
 
-CHECKS = (grade_cp.check_merge, grade_cp.check_merge_is_safe, grade_cp.check_positions,
-          grade_cp.check_ring)
+CHECKS = (grader.check_merge, grader.check_merge_is_safe, grader.check_positions,
+          grader.check_ring)
 
 
 # ---- the numbers without ranks ------------------------------------------------------------
@@ -195,12 +195,12 @@ def _off_by_one(s, cp, r):
 
 
 @pytest.mark.parametrize("wrong, check, message", [
-    (dict(merge=_average), grade_cp.check_merge, "the merged output is off"),
-    (dict(merge=_average), grade_cp.check_ring, "differs from full attention"),
-    (dict(merge=_no_inf_guard), grade_cp.check_merge_is_safe, "nan values"),
-    (dict(zigzag_positions=_plain), grade_cp.check_positions, "expected"),
-    (dict(zigzag_positions=_off_by_one), grade_cp.check_positions, "expected"),
-    (dict(zigzag_positions=_off_by_one), grade_cp.check_ring, "exactly once"),
+    (dict(merge=_average), grader.check_merge, "the merged output is off"),
+    (dict(merge=_average), grader.check_ring, "differs from full attention"),
+    (dict(merge=_no_inf_guard), grader.check_merge_is_safe, "nan values"),
+    (dict(zigzag_positions=_plain), grader.check_positions, "expected"),
+    (dict(zigzag_positions=_off_by_one), grader.check_positions, "expected"),
+    (dict(zigzag_positions=_off_by_one), grader.check_ring, "exactly once"),
 ], ids=["average", "average-ring", "no-inf-guard", "plain-split", "mirror-off-by-one",
         "mirror-off-by-one-ring"])
 def test_classic_mistakes_fail_their_check(wrong, check, message):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from edu3d.train.data import STEP_ENTROPY, SyntheticCorpus, microbatches, shard_rows
+from edu3d.train.cut import microbatches, shard_rows
+from edu3d.train.data import STEP_ENTROPY, SyntheticCorpus
 
 
 def test_batch_shapes_and_shift():

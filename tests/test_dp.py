@@ -35,9 +35,8 @@ def make_args(optimizer: str, **extra) -> Run:
     lr = ["--lr", "0.1"] if optimizer == "sgd" else ["--lr", "1e-3", "--warmup", "10"]
     args = parse(
         MODEL + ["--optimizer", optimizer] + lr)
-    args.__dict__.update(dict(dp=1, zero=0, grad_accum=1, dp_impl="bucketed", bucket_mb=0.01))
-    args.__dict__.update(extra)
-    return args
+    return args.replace(**{**dict(dp=1, zero=0, grad_accum=1, dp_impl="bucketed",
+                                  bucket_mb=0.01), **extra})
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

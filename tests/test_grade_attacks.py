@@ -36,8 +36,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from edu3d.commands import grade, grade_isolate
-from edu3d.commands.grade_channel import Channel
+from edu3d.course.autograde import isolate as grade_isolate
+from edu3d.course.autograde import scoring as grade
+from edu3d.course.autograde.channel import Channel
 from edu3d.course.verdict_channel import encode
 
 ROOT = Path(__file__).resolve().parent.parent

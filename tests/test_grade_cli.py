@@ -23,7 +23,7 @@ import pytest
 
 from edu3d import cli
 from edu3d.course import grading
-from edu3d.commands import grade
+from edu3d.course.autograde import scoring as grade
 
 from .test_grading import edu3d_grade
 
@@ -158,7 +158,7 @@ def _out(name, text):
 
 
 def _rec(title, passed, hint=None):
-    """A record of the verdict channel, as :mod:`edu3d.commands.grade_channel` returns it."""
+    """A record of the verdict channel, as :mod:`edu3d.course.autograde.channel` returns it."""
     return {"n": 0, "title": title, "passed": passed, "hint": hint}
 
 

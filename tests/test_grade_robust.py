@@ -21,7 +21,7 @@ import re
 
 import nbformat
 
-from edu3d.commands import grade
+from edu3d.course.autograde import scoring as grade
 
 from .test_grading import edu3d_grade
 

@@ -274,12 +274,12 @@ def test_grad_norm_3d_stubs_are_found_and_the_buggy_norm_is_given(monkeypatch):
 
 def test_grad_norm_3d_grader_rejects_the_replicated_layernorm_counted_tp_times(monkeypatch,
                                                                                tmp_path):
-    from edu3d.course import grade_3d
+    from edu3d.course import ch06_3d_parallelism_grade
 
     monkeypatch.setenv("EDU3D_SOLUTIONS", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("EDU3D_RUNS", str(tmp_path))
-    r = grade_3d.run(use={"global_grad_norm": "buggy_global_grad_norm"})
+    r = ch06_3d_parallelism_grade.run(use={"global_grad_norm": "buggy_global_grad_norm"})
     assert r["tied"] is True and r["norm"] is False, r
     assert r["buggy_norm"] > r["serial_norm"] * 1.01, r  # too large, not a rounding matter
     assert abs(r["library_norm"] - r["serial_norm"]) <= 1e-4 * r["serial_norm"], r
@@ -289,7 +289,7 @@ def test_grad_norm_3d_grader_rejects_the_replicated_layernorm_counted_tp_times(m
 def test_reshard_grader_catches_a_zero_piece_written_at_the_box_start(monkeypatch):
     import torch
 
-    from edu3d.course import grade_reshard as g
+    from edu3d.course import ch08_checkpoints_grade as g
 
     monkeypatch.delenv("EDU3D_SOLUTIONS", raising=False)
     assert "not written yet (exercises/reshard.py)" in grading.unfinished("reshard",

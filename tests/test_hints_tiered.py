@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from edu3d.commands import grade_hints
+from edu3d.course.autograde import hints as grade_hints
 from edu3d.commands.course import NEWS_PLUGIN, course_env
-from edu3d.commands.grade_kernel import kernel_env
+from edu3d.course.autograde.kernel import kernel_env
 from edu3d.course import grading
 
 from .test_grading import edu3d_grade

@@ -30,7 +30,8 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
 4. No file is longer than MAX_LINES lines: one concept, read in one go.
 5. No file name repeats, so a name in a traceback is unambiguous; the one exception is a
    chapter's `chNN_topic.py` in `edu3d/course/` (numbers) and `widgets/panels/` (knobs),
-   and then a notebook `notebooks/NN_topic.ipynb` must exist.
+   and then a notebook `notebooks/NN_topic.ipynb` must exist. An exercise's grader is named
+   the same way: in its chapter's `chNN_topic.py`, or `chNN_topic_grade.py` beside it.
 6. Imports sit at the top, where a reader looks for a file's dependencies; a module with
    imports inside functions says why in its docstring (the phrase "imports inside
    functions", then the reason, e.g. the launcher starts without importing torch).
@@ -38,7 +39,14 @@ These rules keep it that way (DESIGN.md, "The shape of the package"):
    distributed, model, schedules, parallel, train, ckpt, plan or launch (see test_the_core_takes_typed_config
    for the launcher's own entry points).
 8. README's table and `edu3d/__init__.py`'s docstring show the real tree (formats in
-   test_readme_table_lists_every_module and test_init_docstring_draws_the_tree).
+   test_readme_table_lists_every_module and test_init_docstring_draws_the_tree), the tree
+   in lines a screen shows whole.
+9. One function cuts a global batch into a rank's micro-batches (`edu3d.train.cut.cut`):
+   no other core module imports or calls the cuts it composes.
+10. `edu3d train`'s checks run once, in the pre-flight: the command and the rank side import
+   none of its `check_*` functions.
+11. The launcher never imports the per-rank wrapper (`edu3d/launch/worker.py`; only a warm
+   rank's wrapper does): a run folder's names and readers are `edu3d/launch/run_files.py`'s.
 
 Each rule is a test on this checkout, or on another tree named by $EDU3D_HOUSE_ROOT
 (`EDU3D_HOUSE_ROOT=/path/to/edu3d python -m pytest tests/test_house.py`), and each checker is
@@ -487,6 +495,31 @@ def test_chapter_modules_are_named_after_their_notebook(house):
           "notebooks/NN_topic.ipynb:")
 
 
+def find_graders_not_named_by_chapter(house: House) -> list[str]:
+    """An exercise's grader is named after its chapter, one way: it sits in the chapter's
+    course module, or, a module of its own, in `edu3d/course/chNN_topic_grade.py` beside that
+    chapter's `chNN_topic.py`; never in a module named by topic (`grade_moe.py`)."""
+    out = []
+    for mod in house.modules.values():
+        folder, _, name = mod.rel.rpartition("/")
+        if folder != "edu3d/course":
+            continue
+        if name.startswith("grade_"):
+            out.append(f"{mod.rel}:1: a grader named by its topic; name it after its chapter, "
+                       f"edu3d/course/chNN_topic_grade.py")
+        elif name.endswith("_grade.py"):
+            chapter = name[:-len("_grade.py")] + ".py"
+            module = f"edu3d.course.{chapter[:-3]}"
+            if not CHAPTER.fullmatch(chapter) or module not in house.modules:
+                out.append(f"{mod.rel}:1: no chapter module edu3d/course/{chapter} beside it")
+    return sorted(out)
+
+
+def test_graders_are_named_after_their_chapter(house):
+    check(find_graders_not_named_by_chapter(house),
+          "An exercise's grader lives in its chapter's module or in chNN_topic_grade.py:")
+
+
 # ---------------------------------------------------------------- 6. imports at the top
 
 def find_unexplained_local_imports(house: House) -> list[str]:
@@ -541,6 +574,93 @@ def test_the_core_takes_typed_config(house):
     banned there too: its own parser's attributes are known, read them as `args.name`."""
     check(find_namespace_config(house),
           "The core takes typed configuration, not an argparse.Namespace:")
+
+
+# ---------------------------------------------------------------- 9. one batch cutter
+
+BATCH_CUTTER = "edu3d.train.cut"
+BATCH_CUTS = ("split_batch", "shard_rows", "microbatches")
+
+
+def find_batch_cuts_outside_the_cutter(house: House) -> list[str]:
+    """In the core, one module cuts a global batch (dp rows, cp pieces, micro-batches):
+    edu3d/train/cut.py. No other core module imports or calls the cuts it composes
+    (`split_batch`, `shard_rows`, `microbatches`); above the core, a course or production
+    module may (it shows one cut on its own, or cuts for PyTorch's classes)."""
+    out = []
+    for m, mod in house.modules.items():
+        if m == BATCH_CUTTER or not _within(m, *CORE) or mod.is_package:
+            continue  # a package's __init__ re-exports its modules' names; it cuts nothing
+        for imp in house.imports(m):
+            cut = [n for n in imp.names if _within(n, "edu3d")
+                   and n.rpartition(".")[2] in BATCH_CUTS]
+            if cut:
+                out.append(f"{house.where(m, imp.line)}: imports {cut[0]}")
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in BATCH_CUTS[:2]:
+                out.append(f"{house.where(m, node.lineno)}: calls .{node.func.attr}")
+    return out
+
+
+def test_one_function_cuts_a_batch(house):
+    check(find_batch_cuts_outside_the_cutter(house),
+          f"Cut a batch with {BATCH_CUTTER}.cut (or move the new cut there):")
+
+
+# ---------------------------------------------------------------- 10. one pre-flight
+
+PREFLIGHT = ("edu3d.train.preflight", "edu3d.train.axis_rules", "edu3d.train.pipeline_rules")
+PREFLIGHT_CALLERS = ("edu3d.commands", "edu3d.train.loop", "edu3d.train.trainer")
+
+
+def find_checks_outside_the_preflight(house: House) -> list[str]:
+    """`edu3d train`'s checks run once, before launch: the command and the rank side
+    (edu3d/commands/, train/loop.py, train/trainer.py) call `preflight()` and trust the
+    checked run it returns; none of them imports one of its `check_*` functions."""
+    out = []
+    for m in house.modules:
+        if not _within(m, *PREFLIGHT_CALLERS):
+            continue
+        for imp in house.imports(m):
+            checks = [n for n in imp.names if _within(n, *PREFLIGHT)
+                      and n.rpartition(".")[2].startswith("check_")]
+            if checks:
+                out.append(f"{house.where(m, imp.line)}: imports {checks[0]}")
+        for node in ast.walk(house.modules[m].tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("check_") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "preflight":
+                out.append(f"{house.where(m, node.lineno)}: reads preflight.{node.attr}")
+    return sorted(out)
+
+
+def test_the_checks_run_once_in_the_preflight(house):
+    check(find_checks_outside_the_preflight(house),
+          "Call edu3d.train.preflight.preflight(run) once, before launch, and trust the checked "
+          "run; no second check on the command or the rank side:")
+
+
+# ---------------------------------------------------------------- 11. the run folder's rules
+
+RANK_WRAPPER = "edu3d.launch.worker"
+WARM_WRAPPER = "edu3d.launch.warm.rank"  # a warm rank runs each job as the cold wrapper does
+
+
+def find_imports_of_the_rank_wrapper(house: House) -> list[str]:
+    """The per-rank wrapper (edu3d/launch/worker.py) is what each rank runs, not a library:
+    the launcher and everyone else take a run folder's names and readers from
+    edu3d/launch/run_files.py, so only the other rank-side wrapper (a warm rank,
+    edu3d/launch/warm/rank.py) imports it."""
+    return sorted(f"{house.where(m, imp.line)}: imports {RANK_WRAPPER}"
+                  for m in house.modules if m not in (RANK_WRAPPER, WARM_WRAPPER)
+                  for imp in house.imports(m)
+                  if any(_within(n, RANK_WRAPPER) for n in imp.names))
+
+
+def test_only_the_ranks_import_the_rank_wrapper(house):
+    check(find_imports_of_the_rank_wrapper(house),
+          "Take a run folder's names and readers from edu3d.launch.run_files, not from the "
+          "per-rank wrapper:")
 
 
 # ---------------------------------------------------------------- 8. the map equals the land
@@ -640,21 +760,30 @@ def docstring_listing(house: House) -> tuple[dict[str, set[str]], dict[str, str]
     if not init.docstring:
         return {}, {}, [f"{init.rel}:1: no docstring"]
     listed, where, bad, stack = defaultdict(set), {}, [], []
+    stems_at = None  # (column, folder) of the stems a next line may continue
     for k, line in enumerate(first.value.value.splitlines()):
         spot = f"{init.rel}:{first.lineno + k}"
         m = re.match(r"(\s*)((?:\w+/)+)(?:\s+(.*))?$", line)
-        if not m:
-            continue
-        indent, word, rest = len(m[1]), m[2], (m[3] or "").strip()
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        if word.startswith(("edu3d/", "widgets/")):
-            folder = word
+        more = re.match(r"(\s*)(\S.*)$", line)
+        if m:
+            indent, word, rest = len(m[1]), m[2], (m[3] or "").strip()
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            if word.startswith(("edu3d/", "widgets/")):
+                folder = word
+            else:
+                folder = (stack[-1][1] if stack else "edu3d/") + word
+            stack.append((indent, folder))
+            where.setdefault(folder, spot)
+            listed[folder]  # a folder named without modules is still named
+            stems_at = (m.start(3), folder) if m[3] else None
+        elif more and stems_at and len(more[1]) == stems_at[0]:  # the stems go on
+            folder, rest = stems_at[1], more[2].strip()
         else:
-            folder = (stack[-1][1] if stack else "edu3d/") + word
-        stack.append((indent, folder))
-        where.setdefault(folder, spot)
-        listed[folder]  # a folder named without modules is still named
+            stems_at = None
+            continue
+        if re.search(r"\s{2,}", rest):
+            stems_at = None  # a description ends the stems
         for stem in re.split(r"\s{2,}", rest, maxsplit=1)[0].split():
             if not re.fullmatch(r"\w+(\.py)?", stem):
                 bad.append(f"{spot}: `{stem}` is not a module stem (stems, then two spaces, "
@@ -689,8 +818,32 @@ def test_init_docstring_draws_the_tree(house):
     A folder line indented under another is its subfolder; a line at the outermost level
     is under `edu3d/` unless it starts with `edu3d/` or `widgets/` (so a flat list of
     `distributed/`, `launch/warm/`, `widgets/panels/` works too). Only lines whose first word ends
-    in `/` are read; the rest of the docstring is prose."""
+    in `/` are read, and the lines that go on with their stems: a line that starts exactly at
+    the column where the stems above it started (and the stems did not end in a
+    description). The rest of the docstring is prose."""
     check(find_docstring_differences(house), "edu3d/__init__.py's tree differs from the tree:")
+
+
+MAP_WIDTH = 100
+
+
+def find_wide_map_lines(house: House) -> list[str]:
+    """The tree in edu3d/__init__.py's docstring is read on a screen: no line wider than
+    MAP_WIDTH characters (a folder's stems go on under the first stem)."""
+    init = house.modules.get("edu3d")
+    if init is None or not init.tree.body:
+        return []
+    first = init.tree.body[0]
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return []
+    return [f"{init.rel}:{first.lineno + k}: {len(line)} characters"
+            for k, line in enumerate(first.value.value.splitlines()) if len(line) > MAP_WIDTH]
+
+
+def test_the_tree_fits_the_screen(house):
+    check(find_wide_map_lines(house),
+          f"edu3d/__init__.py's tree has lines over {MAP_WIDTH} characters (wrap the stems):")
 
 
 # ====================================================================== meta-tests
@@ -812,7 +965,10 @@ FINDERS = [find_loose_modules, find_cycles, find_packages_without_layer, find_up
            find_core_importing_above, find_production_importers, find_charts_importing_course,
            find_course_drawing, find_too_tall, find_private_reaches, find_long_files,
            find_repeated_names, find_chapters_without_notebook, find_unexplained_local_imports,
-           find_namespace_config, find_readme_differences, find_docstring_differences]
+           find_namespace_config, find_readme_differences, find_docstring_differences,
+           find_graders_not_named_by_chapter, find_batch_cuts_outside_the_cutter,
+           find_wide_map_lines, find_checks_outside_the_preflight,
+           find_imports_of_the_rank_wrapper]
 
 
 
@@ -1105,3 +1261,59 @@ def test_meta_init_docstring_flat_tree(tmp_path):
         """
         '''
     assert find_docstring_differences(toy(tmp_path, {"edu3d/__init__.py": flat})) == []
+
+
+def test_meta_graders_named_after_their_chapter(tmp_path):
+    h = toy(tmp_path, {"edu3d/course/grade_moe.py": "", "edu3d/course/grading.py": "",
+                       "edu3d/course/ch01_collectives_grade.py": "",
+                       "edu3d/course/ch07_memory_grade.py": ""})
+    assert find_graders_not_named_by_chapter(h) == [
+        "edu3d/course/ch07_memory_grade.py:1: no chapter module edu3d/course/ch07_memory.py "
+        "beside it",
+        "edu3d/course/grade_moe.py:1: a grader named by its topic; name it after its chapter, "
+        "edu3d/course/chNN_topic_grade.py"]
+
+
+def test_meta_batch_cuts_outside_the_cutter(tmp_path):
+    h = toy(tmp_path, {
+        "edu3d/train/cut.py": "from edu3d.parallel.cp.sequence import split_batch\n",
+        "edu3d/train/trainer.py": "from edu3d.train.cut import shard_rows\n"
+                                  "from edu3d.parallel import cp\n\n\n"
+                                  "def step(x, y):\n    return cp.split_batch(x, y, 2, 0)\n",
+        "edu3d/parallel/cp/__init__.py": "from edu3d.parallel.cp.sequence import split_batch\n",
+        "edu3d/parallel/cp/sequence.py": "def split_batch(x, y, cp, r):\n    return x, y\n",
+        "edu3d/course/ch01_collectives.py": "from edu3d.train.cut import shard_rows\n"})
+    assert find_batch_cuts_outside_the_cutter(h) == [
+        "edu3d/train/trainer.py:1: imports edu3d.train.cut.shard_rows",
+        "edu3d/train/trainer.py:6: calls .split_batch"]
+
+
+def test_meta_wide_map_lines(tmp_path):
+    wide = '"""The tree.\n\n    edu3d/    cli ' + "x" * 90 + '   the face\n"""\n'
+    assert find_wide_map_lines(toy(tmp_path, {"edu3d/__init__.py": wide})) == [
+        "edu3d/__init__.py:3: 119 characters"]
+
+
+def test_meta_checks_outside_the_preflight(tmp_path):
+    h = toy(tmp_path, {
+        "edu3d/train/preflight.py": "def preflight(run):\n    return run\n\n\n"
+                                    "def check_args(run):\n    return run\n",
+        "edu3d/train/loop.py": "from edu3d.train.preflight import check_args, preflight\n",
+        "edu3d/commands/train.py": "from edu3d.train import preflight\n"
+                                   "from edu3d.train.preflight import check_args\n\n\n"
+                                   "def main(run):\n    preflight.check_args(run)\n",
+        "edu3d/course/ch01_collectives.py": "from edu3d.train.preflight import check_args\n"})
+    assert find_checks_outside_the_preflight(h) == [
+        "edu3d/commands/train.py:2: imports edu3d.train.preflight.check_args",
+        "edu3d/commands/train.py:6: reads preflight.check_args",
+        "edu3d/train/loop.py:1: imports edu3d.train.preflight.check_args"]
+
+
+def test_meta_imports_of_the_rank_wrapper(tmp_path):
+    h = toy(tmp_path, {"edu3d/launch/worker.py": "PREFIX = '[rank {}] '\n",
+                       "edu3d/launch/agent.py": "from edu3d.launch.worker import PREFIX\n",
+                       "edu3d/launch/live.py": "import edu3d.launch.worker\n",
+                       "edu3d/launch/warm/rank.py": "from edu3d.launch import worker\n"})
+    assert find_imports_of_the_rank_wrapper(h) == [
+        "edu3d/launch/agent.py:1: imports edu3d.launch.worker",
+        "edu3d/launch/live.py:1: imports edu3d.launch.worker"]

@@ -142,6 +142,27 @@ def test_the_launchers_state_files_go_through_write_atomic(tmp_path, monkeypatch
     assert {"env.json", "command.json", "current"} <= set(written), written
 
 
+def test_the_recorders_files_are_where_the_run_folders_rules_say(tmp_path):
+    """edu3d.distributed.trace writes the flight and trace files from below the launcher's
+    floor, so it spells their names itself: they must be edu3d.launch.run_files' names."""
+    from edu3d.distributed import trace
+    from edu3d.launch import run_files
+
+    assert trace.flight_file(tmp_path, 3) == run_files.path(tmp_path, "flight", 3)
+    assert trace.rank_file(tmp_path, 3) == tmp_path / run_files.TRACE_FILE.format(3)
+
+
+def test_a_ranks_file_counts_under_its_own_name_only(tmp_path):
+    from edu3d.launch import run_files
+
+    for name in ("rank0", "rank12", "rank03", "rankx", "rank-1", ".rank4.1.2.tmp"):
+        (tmp_path / "done").mkdir(exist_ok=True)
+        (tmp_path / "done" / name).write_text("")
+    assert run_files.ranks(tmp_path, "done") == {0, 12}
+    run_files.write_atomic(run_files.path(tmp_path, "pids", 5), "123")
+    assert run_files.pid_files(tmp_path) == {5: 123}
+
+
 # ---- no abort at process exit ---------------------------------------------------------------------
 def test_short_dp_and_zero_runs_end_without_an_abort(tmp_path):
     """Five 2-rank DP + ZeRO-1 runs on gloo whose ranks end as a user's own script does (the

@@ -265,3 +265,15 @@ def test_oversubscription_warns_in_one_line():
     warning = oversubscribed(Layout(dp=64), cores=2)
     assert warning.startswith("warning: 64 ranks on 2 CPU core(s)") and "\n" not in warning
     assert oversubscribed(Layout(dp=8), cores=2) is None
+
+
+def test_the_preflight_hands_the_launcher_every_node_option():
+    """The pre-flight reads the launch section's fields by name, one by one (no getattr over
+    the launcher's list): the keywords it hands node_args must be the launcher's list."""
+    from edu3d.launch.api import NODE_OPTIONS
+    from edu3d.train.preflight import node_options
+
+    run = Run.of(nnodes=2, node_rank=1, master_port=29400)
+    assert sorted(node_options(run)) == sorted(NODE_OPTIONS)
+    assert {k: v for k, v in node_options(run).items() if v is not None} == {
+        "nnodes": 2, "node_rank": 1, "master_port": 29400}

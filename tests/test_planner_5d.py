@@ -22,10 +22,11 @@ from edu3d.plan import formulas
 from edu3d.plan import estimate as est
 from edu3d.plan import search
 from edu3d.plan.formulas import MoESpec, as_moe
+from edu3d.plan.moe_presets import MOE_PRESETS, MOE_PUBLISHED
 from edu3d.config.sections import Run
 
-MIXTRAL = planner.MOE_PRESETS["mixtral-8x7b"]
-DEEPSEEK = planner.MOE_PRESETS["deepseek-v3"]
+MIXTRAL = MOE_PRESETS["mixtral-8x7b"]
+DEEPSEEK = MOE_PRESETS["deepseek-v3"]
 BF16 = dict(precision="bf16", microbatches=4)
 
 
@@ -49,8 +50,8 @@ def test_a_dense_model_is_unchanged():
 
 
 def test_published_totals_and_active_parameters():
-    for name, (total, active) in planner.MOE_PUBLISHED.items():
-        spec = planner.MOE_PRESETS[name]
+    for name, (total, active) in MOE_PUBLISHED.items():
+        spec = MOE_PRESETS[name]
         assert abs(spec.num_params() / total - 1) < 0.02, (name, spec.num_params())
         assert abs(spec.active_params() / active - 1) < 0.02, (name, spec.active_params())
     assert round(MIXTRAL.num_params() / 1e9, 1) == 46.7

@@ -28,7 +28,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from edu3d.commands.grade import exercises
+from edu3d.course.autograde.scoring import exercises
 from edu3d.course import nbtools
 
 from .test_grading import edu3d_grade

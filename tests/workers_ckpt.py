@@ -92,7 +92,7 @@ def resume_then_reshard(mesh, cases, steps: int, save_at: int, into: list[list[s
 
 def generate_tp(mesh, ckpt_dir: str, prompt: list[int], new: int) -> dict:
     """Greedy and sampled tokens under this launch's tensor parallelism."""
-    from edu3d.commands.generate import generate, load_model
+    from edu3d.train.generation import generate, load_model
 
     model = load_model(ckpt_dir, mesh)
     return {"greedy": generate(model, prompt, new, temperature=0.0, mesh=mesh),

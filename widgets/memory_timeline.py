@@ -15,7 +15,7 @@ After reading this file you should know how to read the charts:
   kinds at that moment, the planner's peak as a dash over each bar.
 
 Units follow the size (bytes, KB, MB, GB, powers of 1000). The chapter's knobs are
-:mod:`edu3d.widgets.panels.ch07_memory_timeline`.
+:mod:`edu3d.widgets.panels.ch07_memory`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ comes from:
   ``recommended`` layout with its ``reasons``;
 * mixtures of experts and long sequences: ``--experts --topk --moe-every --shared-experts
   --expert-ffn`` make any model a MoE (or start from ``--model mixtral-8x7b`` /
-  ``deepseek-v3``, :data:`MOE_PRESETS`), ``--ep`` cuts its experts, ``--cp`` (``--cp-impl``)
+  ``deepseek-v3``, :data:`edu3d.plan.moe_presets.MOE_PRESETS`), ``--ep`` cuts its experts, ``--cp`` (``--cp-impl``)
   its sequences: ``world = dp·cp·tp·pp``, EP inside the ``dp·cp`` ranks;
 * ``--freeze 'tok_emb.*,blocks.0.*'`` (``edu3d train``'s globs over the serial names):
   those parameters keep their weights, whole on every rank, and lose their gradients and
@@ -45,28 +45,11 @@ from edu3d.config.sections import Run
 from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MAX_LAYERS,
                                  PRECISIONS, RECOMPUTE, check_ep, estimate, setup, setup_dict,
                                  state_bytes, validate)
-from edu3d.plan.formulas import MoESpec, as_moe
+from edu3d.plan.formulas import as_moe
 from edu3d.plan.inventory import frozen_params
+from edu3d.plan.moe_presets import MOE_PRESETS
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
 
-
-def _moe(name, layers, d, heads, vocab, ff, batch, **moe):
-    return MoESpec(name, layers, d, heads, 4096, vocab, d_ff=ff, mlp="swiglu", norm="rmsnorm",
-                   bias=False, learned_pos=False, global_batch=batch, **moe)
-
-
-MOE_PRESETS = {  # published shapes; MOE_PUBLISHED: (total, active) parameters as reported
-    # Mixtral 8x7B (Jiang et al. 2024): 8 SwiGLU experts of 14336, top-2, GQA with 8 KV heads
-    "mixtral-8x7b": _moe("mixtral-8x7b", 32, 4096, 32, 32000, 14336, 1024, n_kv_heads=8,
-                         experts=8, topk=2),
-    # DeepSeek-V3 (2024): 3 dense blocks (MLP 18432), then 256 routed experts of 2048, top-8,
-    # plus 1 shared; its multi-head latent attention counted as MLA, modelled as standard
-    # attention (128 heads x 7168) for activations and FLOPs; 4096-token sequences, 15360 a step
-    "deepseek-v3": _moe("deepseek-v3", 61, 7168, 128, 129280, 18432, 15360, experts=256, topk=8,
-                        dense_first=3, shared_experts=1, expert_ff=2048,
-                        mla=(1536, 512, 128, 64, 128)),
-}
-MOE_PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek-v3": (671e9, 37e9)}
 MOE_FLAGS = ("experts", "topk", "moe_every", "shared_experts", "expert_ff", "capacity_factor")
 MAX_PARAMS = 1e13  # ten trillion: beyond any published model (the search answers in seconds)
 WIDE = 2**20  # the most of any width, sequence length, vocabulary or batch the planner takes

@@ -48,7 +48,7 @@ def globs(text) -> tuple[str, ...]:
     return tuple(p.strip() for p in parts if p.strip())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Model:
     """The model: a preset, each override (None: the preset's) replacing one field, and its
     mixture of experts (0 experts: every block keeps its dense MLP)."""
@@ -72,7 +72,7 @@ class Model:
     router_dtype: str = "fp32"  # "fp64": parity tests score routers in double (no near-tie flips)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Parallel:
     """How each axis of the layout does its work."""
 
@@ -93,7 +93,7 @@ class Parallel:
     impl: str = "edu3d"  # or "torch": PyTorch's own APIs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Batch:
     """The global batch (the same tokens whatever the layout) and how it is cut."""
 
@@ -105,7 +105,7 @@ class Batch:
     doc_sigma: float = 0.8  # spread: the standard deviation of the length's logarithm
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Precision:
     """The numbers a step computes in, and how fast (the same numbers)."""
 
@@ -115,7 +115,7 @@ class Precision:
     no_tf32: bool = False  # keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Memory:
     """What is kept, where: recomputation, ZeRO's optimizer offload, frozen parameters."""
 
@@ -127,7 +127,7 @@ class Memory:
         object.__setattr__(self, "freeze", globs(self.freeze))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Training:
     """The optimization: steps, seed, the optimizer and its learning-rate schedule."""
 
@@ -141,7 +141,7 @@ class Training:
     optimizer: str = "adamw"  # or "sgd"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Sharded checkpoints, and restarts from them."""
 
@@ -155,7 +155,7 @@ class Checkpoint:
     max_restarts: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fault:
     """``--inject-fault``: rank ``rank`` exits, is killed or hangs at step ``step`` (once), or
     sleeps ``seconds`` before every step from ``step`` on (``kind="slow"``)."""
@@ -166,7 +166,7 @@ class Fault:
     seconds: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Launch:
     """How the ranks are started, watched and heard: nodes, timeouts, faults, output."""
 
@@ -211,7 +211,7 @@ FLAGS = _flags()  # flag name ("bucket_mb") -> (section, field): ("parallel", "b
 ALIASES = {"grad_accum": "microbatches"}  # --grad-accum is --microbatches
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Run:
     """One training run: every section, each at ``edu3d train``'s defaults."""
 

@@ -30,7 +30,8 @@ from edu3d.distributed import meter, trace
 from edu3d.model.gpt import GPT, config_from, num_params
 from edu3d.parallel.dp.compress import HOOKS
 from edu3d.parallel.dp.data_parallel import make_buckets
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
 from edu3d.train.preflight import model_config

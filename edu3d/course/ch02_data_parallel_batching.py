@@ -22,6 +22,7 @@ import torch
 
 from edu3d.model.gpt import GPT, document_mask
 from edu3d.train.batching import MODES, expected_pad_waste, per_document_loss, step_batch
+from edu3d.train.cut import cut
 from edu3d.train.documents import DocumentCorpus
 from edu3d.train.loop import run
 from edu3d.config.sections import Run
@@ -73,7 +74,7 @@ def packing_checks(mean: float = 8, sigma: float = 0.8) -> dict:
     mask it does not."""
     corpus = DocumentCorpus(256, SEQ, mean=mean, sigma=sigma)
     batch = step_batch(corpus, "pack", 1, ROWS)
-    (x, y, doc, w), = batch.microbatches(0, 1, 1)
+    (x, y, doc, w), = cut(batch, None, 1)
     mask = document_mask(doc)
     across = (mask & (doc[:, :, None] != doc[:, None, :])[:, None]).any()
     model = GPT(model_config(lesson_options("pack", mean, sigma)), seed=0)

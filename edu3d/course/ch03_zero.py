@@ -25,7 +25,8 @@ from edu3d.model.shapes import spec_from_config
 from edu3d.parallel.zero.units import model_units
 from edu3d.plan import estimate as plan_memory
 from edu3d.plan.formulas import zero_bytes
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 from edu3d.train.preflight import model_config
 
 #: traffic per step in units of Ψ parameters (the ZeRO paper's count, section 7)

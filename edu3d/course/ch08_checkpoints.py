@@ -27,7 +27,7 @@ import torch
 
 from edu3d.ckpt import format as checkpoint
 from edu3d.distributed import comm, trace
-from edu3d.launch import runs
+from edu3d.launch import run_files, runs
 from edu3d.launch.api import LaunchError, launch
 from edu3d.train import loop as train
 from edu3d.config.sections import Run
@@ -118,11 +118,11 @@ def _deaths(rank: int, since: float) -> list[float]:
     """When the launcher's agent saw ``rank`` die in runs started after ``since`` (wall)."""
     found = []
     for folder in runs.list_runs():
-        try:
-            exit_ = json.loads((folder / "exits" / f"rank{rank}.json").read_text())
-            died = exit_["time_ns"]
-        except (OSError, ValueError, KeyError):
+        exit_ = run_files.read_record(run_files.path(folder, "exits", rank), run_files.EXIT,
+                                      ("time_ns",))
+        if exit_ is None:
             continue
+        died = exit_["time_ns"]
         if exit_.get("code") != 0 and died / 1e9 >= since:  # a death, not a clean end
             found.append(died / 1e9)
     return sorted(found)

@@ -13,7 +13,7 @@ nothing, what the grader counts instead, and where that stops:
   key made for this run and the source of the notebook's cells. From then on every
   :func:`edu3d.course.grading.check` sends one record, ``{"n", "title", "passed", "hint"}``,
   with the HMAC-SHA256 of it under that key; the grader drops a line whose MAC or number is
-  wrong (:mod:`edu3d.commands.grade_channel`);
+  wrong (:mod:`edu3d.course.autograde.channel`);
 * a submission that patches the checker from its own module is caught where the record is
   made. A record says ``passed`` only when it was made by :func:`edu3d.course.grading.check`
   as sealed (the same code object), called from the code of the notebook's own cells (a frame

@@ -5,8 +5,9 @@
 * :mod:`~edu3d.launch.supervise`: the one loop that watches a run, cold or warm;
 * :mod:`~edu3d.launch.worker`: what wraps your code on each rank;
 * :mod:`~edu3d.launch.procs`: a run's processes, their ending, and the errors that name a rank;
-* :mod:`~edu3d.launch.runs`: run folders; :mod:`~edu3d.launch.rank_files`: what ranks leave
-  there, read as anyone's; :mod:`~edu3d.launch.heartbeat`: a hung or stopped rank named;
+* :mod:`~edu3d.launch.run_files`: a run folder's rules, every file's name, writer and reader
+  (read as anyone's); :mod:`~edu3d.launch.runs`: run folders made, kept tidy, and what their
+  ranks left read back; :mod:`~edu3d.launch.heartbeat`: a hung or stopped rank named;
   :mod:`~edu3d.launch.cores`: how many ranks the cores hold;
 * :mod:`~edu3d.launch.magic`: ``%%torchrun``; :mod:`~edu3d.launch.status`: a notebook's status line;
 * :mod:`edu3d.launch.warm`: warm rank pools for notebook launches.

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from edu3d.launch import procs, runs
-from edu3d.launch import rank_files as files
-from edu3d.launch.worker import write_atomic
+from edu3d.launch import run_files as files
+from edu3d.launch.run_files import write_atomic
 
 __all__ = ["bind_stores_to_loopback", "SharedFailures", "main"]
 
@@ -153,13 +153,13 @@ def _record_exits(run_dir: Path, also: Callable[[], Path | None] = lambda: None,
             return
         text = json.dumps({"rank": rank, "pid": pid, "time_ns": time.time_ns(), **how})
         for folder in dict.fromkeys(d for d in (run_dir, also()) if d is not None):
-            write_atomic(folder / "exits" / f"rank{rank}.json", text)
+            write_atomic(files.path(folder, "exits", rank), text)
         then()
 
     def scan() -> None:
         last_new = time.monotonic()
         while True:
-            for rank, pid in runs.pid_files(run_dir).items():
+            for rank, pid in files.pid_files(run_dir).items():
                 if (rank, pid) not in seen:
                     seen.add((rank, pid))
                     last_new = time.monotonic()
@@ -214,9 +214,9 @@ class SharedFailures:
         with self.lock:
             for cause in runs.failures(self.run_dir)[0]:
                 rank = cause["rank"]
-                erred = (self.run_dir / "errors" / f"rank{rank}.json").exists()
+                erred = files.path(self.run_dir, "errors", rank).exists()
                 kind = "errors" if erred else "exits"
-                data = files.read_small(self.run_dir / kind / f"rank{rank}.json")
+                data = files.read_small(files.path(self.run_dir, kind, rank))
                 if data is None:
                     continue
                 text = data.decode(errors="replace")
@@ -228,7 +228,7 @@ class SharedFailures:
                     self.sent[rank] = n
             for rank, n in list(self.sent.items()):
                 if self.store.add(f"{FAILURES}/{n}/got", 0) >= self.nodes - 1:
-                    write_atomic(self.run_dir / "shared" / f"rank{rank}", "")
+                    write_atomic(files.path(self.run_dir, "shared", rank), "")
                     del self.sent[rank]
 
     def receive(self) -> None:
@@ -242,7 +242,7 @@ class SharedFailures:
                 if msg is None or msg["node"] == self.node or msg["kind"] not in ("errors", "exits"):
                     continue  # its own, or not a message of an agent
                 self.store.add(f"{key}/got", 1)
-                path = self.run_dir / msg["kind"] / f"rank{msg['rank']}.json"
+                path = files.path(self.run_dir, msg["kind"], msg["rank"])
                 if msg["rank"] >= 0 and msg["rank"] not in self.known and not path.exists():
                     self.known.add(msg["rank"])
                     write_atomic(path, msg["text"])
@@ -286,7 +286,7 @@ def _share_failures_after_rendezvous(run_dir: Path, started: list) -> None:
 def _pool_job_dir(pool_dir: Path) -> Path | None:
     """The run folder of the job a warm pool is running now (None between jobs)."""
     try:
-        text = (pool_dir / "current").read_text().strip()
+        text = (pool_dir / files.CURRENT).read_text().strip()
     except OSError:
         return None
     return Path(text) if text else None
@@ -342,8 +342,8 @@ def main(argv: Sequence[str]) -> None:
     def close_noting_teardown(self, *args, **kwargs):
         stamp = json.dumps({"time_ns": time.time_ns()})
         for folder in dict.fromkeys(d for d in (run_dir, job()) if d is not None):
-            if not (folder / "exits" / "teardown").exists():
-                write_atomic(folder / "exits" / "teardown", stamp)
+            if not (folder / files.TEARDOWN).exists():
+                write_atomic(folder / files.TEARDOWN, stamp)
         return close(self, *args, **kwargs)
 
     api.PContext.close = close_noting_teardown

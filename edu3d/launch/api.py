@@ -53,8 +53,8 @@ from edu3d.launch import cores, procs, runs, supervise
 from edu3d.launch.procs import (LaunchError, LaunchTimeout, RankError, RankHung, RunResult,
                                 child_environment, kill_run, torchrun_command)
 from edu3d.launch.runs import RunsError, new_run_dir
+from edu3d.launch.run_files import ARGS_FILE, COMMAND_FILE, write_atomic
 from edu3d.launch.warm import pool as pools
-from edu3d.launch.worker import write_atomic
 
 __all__ = ["launch", "LaunchError", "LaunchTimeout", "RankError", "RankHung", "RunResult",
            "RunsError", "child_environment", "kill_run", "new_run_dir", "torchrun_command",
@@ -165,7 +165,7 @@ def _worker_args(target, module: bool, args, kwargs, layout, init: bool, run_dir
             out += ["--layout", json.dumps(layout.__dict__)]
         payload = pickle.dumps((tuple(args), dict(kwargs or {}))) if args or kwargs else None
         if payload:
-            out += ["--args-file", str(run_dir / "call-args.pkl")]
+            out += ["--args-file", str(run_dir / ARGS_FILE)]
         return out + ([] if init else ["--no-init"]), payload
     if not os.path.isfile(target):
         raise LaunchError(f"script {target!r} does not exist (for a module use module=True / "
@@ -237,7 +237,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if echo is True and not procs.in_kernel():
         print(f"edu3d: run folder {run_dir}", file=sys.stderr, flush=True)
     if payload:
-        write_atomic(run_dir / "call-args.pkl", payload)
+        write_atomic(run_dir / ARGS_FILE, payload)
 
     child_env = child_environment(env, torchrun_args, _import_root(target))
     if multinode_loopback:
@@ -249,7 +249,7 @@ def launch(target, nprocs: int = 2, *, args: Sequence = (), kwargs: dict | None 
     if not torchrun_args:
         warm = pools.acquire(nprocs, child_env, pool, env)
     if warm is None:
-        write_atomic(run_dir / "command.json", json.dumps({"argv": cmd, "nprocs": nprocs,
+        write_atomic(run_dir / COMMAND_FILE, json.dumps({"argv": cmd, "nprocs": nprocs,
                                                             "run_id": rid}))
 
     if progress is None:

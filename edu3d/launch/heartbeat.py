@@ -46,7 +46,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from edu3d.launch import runs
+from edu3d.launch import run_files, runs
 from edu3d.launch.runs import describe, read_flight
 
 CPU_BUSY = 0.08  # share of a core (used, or waited for) above which a rank is computing
@@ -159,7 +159,7 @@ class Watch:
 
     def _sample(self, now: float) -> list[int]:
         """Read every rank of this node once; returns them."""
-        pids = runs.pid_files(self.run_dir)
+        pids = run_files.pid_files(self.run_dir)
         ranks = runs.ranks_here(self.run_dir, self.nprocs)
         for r in ranks:
             rec, old = read_flight(self.run_dir, r), self.rec.get(r)
@@ -190,8 +190,8 @@ class Watch:
         ranks = self._sample(now)
         if self.started is None:
             return None
-        done = {p.name for p in (self.run_dir / "done").glob("rank*")}
-        active = [r for r in ranks if f"rank{r}" not in done]
+        done = run_files.ranks(self.run_dir, "done")
+        active = [r for r in ranks if r not in done]
         waiting = {r for r in active
                    if (self.rec.get(r) or {}).get("state") == "in"
                    and (self.rec.get(r) or {}).get("lane") == "comm"}
@@ -235,7 +235,7 @@ class Watch:
         return None
 
     def _pid(self, rank: int) -> int | None:
-        return runs.pid_files(self.run_dir).get(rank)
+        return run_files.pid_files(self.run_dir).get(rank)
 
     def _stopped(self, rank: int) -> str:
         state = process_state(self._pid(rank))

@@ -10,7 +10,7 @@ ranks nothing when nobody watches:
   group's collectives (from the trace), and its memory (CUDA's allocator on a GPU, the
   tensors it holds on a CPU). Each record overwrites the last in place behind a sequence
   lock, so a reader never takes half a record (:class:`StatusFile`), and a reader keeps only
-  a record of the right shape (:data:`edu3d.launch.rank_files.STATUS`): whatever else is
+  a record of the right shape (:data:`edu3d.launch.run_files.STATUS`): whatever else is
   written there, by a watcher or any other process, shows as no record and crashes nothing;
 * a rank publishes **only while someone watches**: a watcher touches ``status/watching`` at
   every refresh (:func:`touch_watch`); a rank looks at that file's age at most every
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from edu3d.launch import procs, runs
-from edu3d.launch import rank_files as files
+from edu3d.launch import run_files as files
 
 PUBLISH_S = 0.25  # a rank looks for a watcher (and publishes) at most this often
 REFRESH_S = 0.5  # a watcher reads the records this often
@@ -55,11 +55,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # an escape sequence takes no colum
 
 # ---- the files ------------------------------------------------------------------------------
 def status_file(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / "status" / f"rank{rank}.json"
+    return files.path(run_dir, "status", rank)
 
 
 def watch_file(run_dir: Path) -> Path:
-    return Path(run_dir) / "status" / "watching"
+    return Path(run_dir) / files.WATCHING
 
 
 def touch_watch(run_dir: Path) -> None:
@@ -126,7 +126,7 @@ class StatusFile:
 
 def read_status(path: Path, shape: dict | None = None, tries: int = 3) -> dict | None:
     """The record in a :class:`StatusFile`, or None: none yet, a write kept racing us, or
-    not a JSON object (of ``shape`` if given, :data:`edu3d.launch.rank_files.STATUS`)."""
+    not a JSON object (of ``shape`` if given, :data:`edu3d.launch.run_files.STATUS`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
@@ -155,8 +155,7 @@ def ranks_of(run_dir: Path) -> int:
     nprocs = runs.command(run_dir).get("nprocs")
     if nprocs is not None and 0 < nprocs <= MAX_RANKS:
         return nprocs
-    seen = [int(p.stem.split(".")[0][4:]) for sub in ("status", "flight", "pids")
-            for p in (run_dir / sub).glob("rank*") if p.stem.split(".")[0][4:].isdigit()]
+    seen = [r for kind in ("status", "flight", "pids") for r in files.ranks(run_dir, kind)]
     return min(max(seen) + 1, MAX_RANKS) if seen else 0
 
 
@@ -164,14 +163,14 @@ def finished(run_dir: Path, nprocs: int) -> bool:
     """True when every rank is done (its marker, or a final record), a rank failed, or none
     of the run's processes is alive any more."""
     run_dir = Path(run_dir)
-    if len(list((run_dir / "done").glob("rank*"))) >= nprocs > 0:
+    if len(files.ranks(run_dir, "done")) >= nprocs > 0:
         return True
-    if any((run_dir / "errors").glob("rank*.json")):
+    if files.ranks(run_dir, "errors"):
         return True
     records = read(run_dir, nprocs)
     if records and all(r.get("done") for r in records) and len(records) == nprocs:
         return True
-    rid, pids = runs.run_id(run_dir), runs.pid_files(run_dir)
+    rid, pids = runs.run_id(run_dir), files.pid_files(run_dir)
     return bool(rid and pids) and not any(runs.belongs_to(p, rid) for p in pids.values())
 
 
@@ -182,14 +181,14 @@ def read(run_dir: Path, nprocs: int | None = None) -> list[dict]:
     when the record is stale (:data:`STALE_S`)."""
     run_dir = Path(run_dir)
     nprocs = ranks_of(run_dir) if nprocs is None else nprocs
-    failed = {p.stem for p in (run_dir / "errors").glob("rank*.json")}
+    failed = files.ranks(run_dir, "errors")
     out = []
     for r in range(nprocs):
         rec = read_status(status_file(run_dir, r), files.STATUS)
         if rec is None or rec["rank"] != r:
             continue
         rec["age_s"] = max(time.time() - rec["t"], 0.0)
-        if f"rank{r}" in failed:
+        if r in failed:
             rec["state"] = "failed"
         elif rec.get("done"):
             rec["state"] = "done"

@@ -27,8 +27,8 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from edu3d.launch.api import LaunchError, launch, new_run_dir
+from edu3d.launch.run_files import CELL_FILE, write_atomic
 from edu3d.launch.runs import RunsError
-from edu3d.launch.worker import write_atomic
 
 
 class Interrupted(KeyboardInterrupt):
@@ -60,7 +60,7 @@ class TorchrunMagics(Magics):
             run_dir = new_run_dir("cell")
         except RunsError as err:
             raise LaunchError(str(err)) from None
-        script = run_dir / "cell.py"
+        script = run_dir / CELL_FILE
         write_atomic(script, cell)
         try:
             self.shell.user_ns["_torchrun"] = launch(script, args.nprocs, timeout=args.timeout,

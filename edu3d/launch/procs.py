@@ -36,13 +36,13 @@ from typing import Callable, Sequence
 
 from edu3d.distributed import trace
 from edu3d.distributed.runtime import loopback_ifname
-from edu3d.launch import runs
-from edu3d.launch.worker import PREFIX_FMT, alive, write_atomic
+from edu3d.launch import run_files, runs
+from edu3d.launch.run_files import PREFIX_FMT, write_atomic
+from edu3d.launch.runs import alive
 
 # torchrun options that mean "the user is setting up rendezvous themselves" (multi-node)
 _MULTINODE = ("--nnodes", "--node-rank", "--node_rank", "--rdzv", "--master-addr",
               "--master_addr", "--master-port", "--master_port", "--local-addr", "--local_addr")
-PREFIX_RE = re.compile(r"^\[rank (\d+)\] ?(.*)$")  # a rank's line, as edu3d.launch.worker prefixes it
 
 
 class LaunchError(RuntimeError):
@@ -180,7 +180,7 @@ def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> Non
     had started (its orderly shutdown takes seconds and has nothing left to stop), else
     politely, so that it stops the ranks that had not yet written their pid file."""
     nprocs = runs.command(run_dir).get("nprocs")
-    all_started = nprocs is not None and len(runs.pid_files(run_dir)) >= nprocs
+    all_started = nprocs is not None and len(run_files.pid_files(run_dir)) >= nprocs
     runs.signal_ranks(run_dir)
     if proc.poll() is None and not all_started:
         try:
@@ -197,7 +197,7 @@ def kill_run(proc: subprocess.Popen, run_dir: Path, grace_s: float = 3.0) -> Non
     rid = runs.run_id(run_dir)
 
     def ours_running():
-        return [p for p in runs.pid_files(run_dir).values()
+        return [p for p in run_files.pid_files(run_dir).values()
                 if running(p) and runs.belongs_to(p, rid)]
 
     deadline = time.monotonic() + grace_s
@@ -244,7 +244,7 @@ def root_cause(output: list) -> tuple[int, str]:
 def stack_of(run_dir: Path, rank: int, wait_s: float = 1.5) -> str:
     """Ask a (hung) rank for its Python stack (``SIGUSR1``, see :mod:`edu3d.launch.worker`) and
     return its main thread's, most recent call first ("" if it cannot answer)."""
-    pid, path = runs.pid_files(run_dir).get(rank), run_dir / "stacks" / f"rank{rank}.txt"
+    pid, path = run_files.pid_files(run_dir).get(rank), run_files.path(run_dir, "stacks", rank)
     if pid is None or not runs.belongs_to(pid, runs.run_id(run_dir)):
         return ""
     try:
@@ -311,19 +311,20 @@ def tell_the_nodes(run_dir: Path, rank: int, kind: str, message: str, wait_s: fl
     rank itself would), and, when the run spans several nodes (its agent made ``shared/``),
     wait until every other node has it (``shared/rank{R}``, :class:`edu3d.launch.agent.
     SharedFailures`): the kill that follows also ends this node's agent, the messenger."""
-    if not (run_dir / "errors" / f"rank{rank}.json").exists():
-        write_atomic(run_dir / "errors" / f"rank{rank}.json", json.dumps(
+    error = run_files.path(run_dir, "errors", rank)
+    if not error.exists():
+        write_atomic(error, json.dumps(
             {"rank": rank, "type": kind, "message": message, "time_ns": time.time_ns()}))
     deadline = time.monotonic() + wait_s
-    while (run_dir / "shared").is_dir() and not (run_dir / "shared" / f"rank{rank}").exists() \
+    while (run_dir / "shared").is_dir() and not run_files.path(run_dir, "shared", rank).exists() \
             and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
 def timeout_error(run_dir: Path, nprocs: int, timeout: float,
                    kill: Callable[[], None]) -> LaunchTimeout:
-    done = {p.name for p in (run_dir / "done").glob("rank*")}
-    pending = [r for r in runs.ranks_here(run_dir, nprocs) if f"rank{r}" not in done]
+    done = run_files.ranks(run_dir, "done")
+    pending = [r for r in runs.ranks_here(run_dir, nprocs) if r not in done]
     report = runs.flight_report(run_dir, nprocs)
     kill()
     return LaunchTimeout(
@@ -356,7 +357,7 @@ def rank_error(run_dir: Path, nprocs: int, failure: dict | None,
 def read_results(run_dir: Path, nprocs: int) -> list:
     results = []
     for r in range(nprocs):
-        f = run_dir / "results" / f"rank{r}.pkl"
+        f = run_files.path(run_dir, "results", r)
         results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
     return results
 

@@ -6,7 +6,7 @@ After reading this file you should understand what a run folder holds and its li
   ``YYYYmmdd-HHMMSS-<name>-<id>``: ``command.json``, the ranks' ``pids/``, ``errors/``,
   ``exits/``, ``done/`` markers, ``flight/`` (what each rank is doing now),
   ``trace-rank{R}.jsonl`` and ``results/`` (and ``shared/``, with several nodes: which
-  failures the other nodes have);
+  failures the other nodes have), each file as :mod:`edu3d.launch.run_files` names it;
 * the files that describe *a* run's state (pids, errors, exits, done, flight) are cleared when
   a folder is reused, so a new run is never judged by an old run's error;
 * only the newest ``$EDU3D_KEEP_RUNS`` folders (default 50) are kept; ``edu3d runs list`` and
@@ -18,7 +18,7 @@ After reading this file you should understand what a run folder holds and its li
   folder must be the user's own and not writable by every user (unless it has the sticky
   bit, as ``/tmp``): anything else is refused in one line (:func:`check_private`);
 * the records there (pids, errors, exits, flight) are read as anyone's, bounded and checked
-  against their shape (:mod:`edu3d.launch.rank_files`): a watcher's or a careless script's
+  against their shape (:mod:`edu3d.launch.run_files`): a watcher's or a careless script's
   writes there are no record, and crash nothing;
 * with several nodes a node's folder holds only its own ranks' records, one block of global
   ranks (:func:`ranks_here`).
@@ -38,12 +38,11 @@ import time
 import uuid
 from pathlib import Path
 
-from edu3d.launch import rank_files as files
+from edu3d.launch import run_files as files
+from edu3d.launch.run_files import STATE_DIRS, pid_files
 
 DEFAULT_KEEP = 50
 MARKER = ".edu3d-run"  # written into every run folder edu3d creates, and only there
-# per-run state: stale copies from an earlier run in the same folder would mislead the launcher
-STATE_DIRS = ("pids", "errors", "exits", "done", "flight", "results", "stacks", "shared")
 
 
 class RunsError(RuntimeError):
@@ -119,7 +118,7 @@ def prepare(path: Path) -> None:
                                    "this folder\n")
     for sub in STATE_DIRS:
         shutil.rmtree(path / sub, ignore_errors=True)
-    for old in path.glob("trace-rank*.jsonl"):
+    for old in path.glob(files.TRACE_FILE.format("*")):
         old.unlink(missing_ok=True)
     if in_base:
         prune(keep_runs(), protect=path)
@@ -149,7 +148,7 @@ def list_runs(root: Path | None = None) -> list[Path]:
         try:  # another process may prune a folder between listing and reading it
             if not is_run_folder(p):
                 continue
-            stamp = p / "command.json" if (p / "command.json").exists() else p / MARKER
+            stamp = p / files.COMMAND_FILE if (p / files.COMMAND_FILE).exists() else p / MARKER
             found.append((stamp.stat().st_mtime, p.name, p))
         except (FileNotFoundError, NotADirectoryError):
             continue
@@ -182,7 +181,7 @@ def live(paths: list[Path]) -> set[Path]:
     for path in paths:
         rid = run_id(path)
         if os.fsencode(str(path.resolve())) in used or any(
-                not (path / "done" / f"rank{rank}").exists() and belongs_to(pid, rid)
+                not files.path(path, "done", rank).exists() and belongs_to(pid, rid)
                 for rank, pid in pid_files(path).items()):
             out.add(path)
     return out
@@ -203,17 +202,6 @@ def prune(keep: int, root: Path | None = None, protect: Path | None = None) -> l
 
 
 # ---- what the ranks left: pids, errors, exits, flight -----------------------------------------
-def pid_files(run_dir: Path) -> dict[int, int]:
-    """``{rank: pid}`` from ``pids/rank{R}.pid`` (written by each rank as it starts)."""
-    pids = {}
-    for f in (run_dir / "pids").glob("rank*.pid"):
-        try:
-            pids[int(f.stem[4:])] = int(files.read_small(f, 32) or b"")
-        except ValueError:
-            pass
-    return pids
-
-
 def ranks_here(run_dir: Path, nprocs: int) -> list[int]:
     """The global ranks of this node's ``nprocs``: ``0..nprocs-1`` on one node; with several
     nodes, the block of ``nprocs`` that holds the ranks whose pid files are here (torchrun
@@ -225,11 +213,22 @@ def ranks_here(run_dir: Path, nprocs: int) -> list[int]:
 
 def command(run_dir: Path) -> dict:
     """``command.json``'s ``nprocs`` and ``run_id``, those that are well formed."""
-    return files.read_record(run_dir / "command.json", files.COMMAND) or {}
+    return files.read_record(run_dir / files.COMMAND_FILE, files.COMMAND) or {}
 
 
 def run_id(run_dir: Path) -> str | None:
     return command(run_dir).get("run_id")
+
+
+def alive(pid: int) -> bool:
+    """True if process ``pid`` exists (a zombie too: see :func:`edu3d.launch.procs.running`)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def belongs_to(pid: int, rid: str | None) -> bool:
@@ -257,12 +256,14 @@ def signal_ranks(run_dir: Path, sig: int = signal.SIGKILL) -> None:
             pass
 
 
-def _read_all(folder: Path, shape: dict, required: tuple) -> list[dict]:
-    """The well-formed records of ``folder``'s ``rank{R}.json`` files, each of its own rank."""
+def _read_all(run_dir: Path, kind: str, shape: dict, required: tuple) -> list[dict]:
+    """The well-formed records of the run's files of ``kind`` (``errors``, ``exits``), each
+    of its own rank."""
     out = []
-    for f in folder.glob("rank*.json"):
-        rec = files.read_record(f, shape, ("rank", *required), 8 * files.SMALL)
-        if rec is not None and f.stem == f"rank{rec['rank']}" and rec["rank"] >= 0:
+    for rank in files.ranks(run_dir, kind):
+        rec = files.read_record(files.path(run_dir, kind, rank), shape, ("rank", *required),
+                                8 * files.SMALL)
+        if rec is not None and rec["rank"] == rank:
             out.append(rec)
     return out
 
@@ -290,16 +291,16 @@ def failures(run_dir: Path) -> tuple[list[dict], list[dict]]:
     (SIGTERM after ``exits/teardown``) are not causes. A death is recorded by a thread of the
     agent and may be stamped a little after the agent noticed it (and began its teardown), so
     a SIGKILL or a crash always counts, whatever its time."""
-    errors = _read_all(run_dir / "errors", files.ERROR, ("type", "message", "time_ns"))
+    errors = _read_all(run_dir, "errors", files.ERROR, ("type", "message", "time_ns"))
     erred = {e["rank"] for e in errors}
-    teardown = (files.read_record(run_dir / "exits" / "teardown", {"time_ns": int},
+    teardown = (files.read_record(run_dir / files.TEARDOWN, {"time_ns": int},
                                   ("time_ns",)) or {}).get("time_ns")
     causes, consequences = [], []
     for e in errors:
         e = {**e, "message": f"{e['type']}: {e['message']}"}
         lost = _PEER_LOST.search(e["message"]) or _PEER_LOST.search(e.get("traceback", ""))
         (consequences if lost else causes).append(e)
-    for x in _read_all(run_dir / "exits", files.EXIT, ("time_ns",)):
+    for x in _read_all(run_dir, "exits", files.EXIT, ("time_ns",)):
         if x["rank"] in erred or x.get("code") == 0 or ("code" not in x and "signal" not in x):
             continue
         if teardown is not None and x["time_ns"] >= teardown and x.get("signal") == signal.SIGTERM:
@@ -323,7 +324,7 @@ def describe(rec: dict | None) -> str:
 def read_flight(run_dir: Path, rank: int) -> dict | None:
     """A rank's flight record (:class:`edu3d.distributed.trace.Flight`), or None before its
     first note (or when the file holds anything but such a record)."""
-    data = files.read_small(run_dir / "flight" / f"rank{rank}.json", 4096)
+    data = files.read_small(files.path(run_dir, "flight", rank), 4096)
     return files.parse((data or b"").strip(b" \0"), files.FLIGHT, ("state", "op"))
 
 

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Callable
 
 from edu3d.launch import heartbeat as hb
-from edu3d.launch import procs
+from edu3d.launch import procs, run_files
 from edu3d.launch.procs import RunResult
 
 __all__ = ["watch", "chatter", "ranks_done"]
@@ -65,8 +65,7 @@ __all__ = ["watch", "chatter", "ranks_done"]
 
 def ranks_done(run_dir: Path) -> int:
     """How many ranks wrote their ``done/rank{R}`` marker."""
-    done_dir = run_dir / "done"
-    return len(list(done_dir.glob("rank*"))) if done_dir.exists() else 0
+    return len(run_files.ranks(run_dir, "done"))
 
 
 def chatter(pipes: procs.Pipes) -> tuple[list, int]:
@@ -105,7 +104,7 @@ def watch(proc: subprocess.Popen, pipes: procs.Pipes, run_dir: Path, nprocs: int
                 if text is None:
                     shut += 1
                 else:
-                    m = procs.PREFIX_RE.match(text)
+                    m = run_files.PREFIX_RE.match(text)
                     rank, body = (int(m.group(1)), m.group(2)) if m else (None, text)
                     if job is not None and rank is not None:
                         body = job.keep(rank, tag, body)

@@ -45,9 +45,9 @@ from pathlib import Path
 
 from edu3d.distributed import runtime, trace
 from edu3d.config.layout import Layout
-
-PREFIX_FMT = "[rank {}] "
-
+from edu3d.launch import run_files
+from edu3d.launch.run_files import PREFIX_FMT, write_atomic
+from edu3d.launch.runs import alive
 
 _EOL = re.compile(rb"([^\r\n]*)(\r\n|\n|\r)")
 
@@ -111,17 +111,6 @@ def _close_output(pumps: list[threading.Thread], timeout_s: float = 2.0) -> None
             t.join(timeout_s)
 
 
-def alive(pid: int) -> bool:
-    """True if process ``pid`` exists (a zombie too: see :func:`edu3d.launch.procs.running`)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _start_watchdog(interval: float = 0.2, also_watch: int = 0) -> None:
     """Exit (code 3) when the parent, the launcher (``EDU3D_LAUNCHER_PID``) or the process
     ``also_watch`` (a forked pool rank's stub, :mod:`edu3d.launch.warm.zygote`) is gone."""
@@ -144,7 +133,7 @@ _STACKS = []  # the open file faulthandler writes to (kept open while it is regi
 def stack_on_signal(run_dir: Path, rank: int) -> None:
     """``SIGUSR1`` dumps every thread's Python stack to ``stacks/rank{R}.txt`` of ``run_dir``
     (a warm rank calls it again for each job's folder: the previous file is then closed)."""
-    path = run_dir / "stacks" / f"rank{rank}.txt"
+    path = run_files.path(run_dir, "stacks", rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = list(_STACKS)
     _STACKS.append(open(path, "w"))
@@ -152,23 +141,6 @@ def stack_on_signal(run_dir: Path, rank: int) -> None:
     for f in old:
         f.close()
         _STACKS.remove(f)
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write atomically: a temporary file of this process's own, flushed to disk (fsync),
-    then renamed over ``path``. A reader (the launcher, another process) sees the old file or
-    the whole new one, never half of it, even after a crash; on an error the temporary goes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def user_traceback(err: BaseException) -> str:
@@ -232,7 +204,7 @@ def run_target(a, rest: list[str], rank: int, run_dir: Path | None) -> dict | No
         else:
             result = _call(a.call, a.layout, a.args_file, not a.no_init)
             if run_dir:
-                write_atomic(run_dir / "results" / f"rank{rank}.pkl", pickle.dumps(result))
+                write_atomic(run_files.path(run_dir, "results", rank), pickle.dumps(result))
     except SystemExit as e:
         if e.code not in (None, 0):
             return {"type": "SystemExit", "message": f"exited with code {e.code}",
@@ -246,7 +218,7 @@ def fail(error: dict, rank: int, run_dir: Path | None, pumps: list) -> None:
     """Write the error file and the traceback, then leave at once."""
     error.update(rank=rank, time_ns=time.time_ns(), pid=os.getpid())
     if run_dir:
-        write_atomic(run_dir / "errors" / f"rank{rank}.json", json.dumps(error))
+        write_atomic(run_files.path(run_dir, "errors", rank), json.dumps(error))
     sys.stderr.write(error["traceback"])
     _close_output(pumps)
     os._exit(1)  # skip finalization: a broken process group can hang on teardown
@@ -258,7 +230,7 @@ def start_rank(rank: int, run_dir: Path | None, also_watch: int = 0) -> list:
     _start_watchdog(also_watch=also_watch)
     if run_dir:
         stack_on_signal(run_dir, rank)
-        write_atomic(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+        write_atomic(run_files.path(run_dir, "pids", rank), str(os.getpid()))
     pumps = []
     if os.environ.get("EDU3D_PREFIX", "1") != "0":
         for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
@@ -279,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(error, rank, run_dir, pumps)
     trace.current().flush()
     if run_dir:
-        write_atomic(run_dir / "done" / f"rank{rank}", "")
+        write_atomic(run_files.path(run_dir, "done", rank), "")
     _close_output(pumps)
     # Everything is written. Leaving through os._exit skips interpreter finalization, where
     # process-group objects a script kept alive would be destroyed late and abort gloo.

@@ -8,9 +8,9 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
    vocabulary-parallel one (:func:`~edu3d.parallel.tp.apply_tp`);
 2. **context and expert parallelism**, module swaps like TP's: CP gives every block's
    attention core its ring / all-gather / Ulysses version and the position embedding this
-   rank's positions (:func:`~edu3d.parallel.cp.apply.apply_cp`; the trainer cuts the batch's
+   rank's positions (:func:`~edu3d.parallel.cp.apply_cp`; the trainer cuts the batch's
    sequences the same way); EP keeps this rank's experts of every mixture-of-experts layer and
-   routes tokens to the others by all-to-all (:func:`~edu3d.parallel.ep.apply.apply_ep`);
+   routes tokens to the others by all-to-all (:func:`~edu3d.parallel.ep.apply_ep`);
 3. **activation recomputation** wraps the blocks (``full``) or their attention cores
    (``selective``), after TP so that it wraps the parallel block (a recomputed block repeats
    its TP forward communication) and before the cut, which keeps the wrapped blocks

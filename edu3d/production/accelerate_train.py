@@ -60,7 +60,8 @@ from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static
 from edu3d.distributed.runtime import loopback_ifname
 from edu3d.launch.agent import bind_stores_to_loopback
 from edu3d.model.gpt import GPT
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import lr_at, make_optimizer, set_lr
 from edu3d.config.sections import Run
 from edu3d.train.preflight import model_config

@@ -37,7 +37,8 @@ from torch.distributed import run as torchrun
 
 from edu3d.model.gpt import GPT
 from edu3d.production.accelerate_train import loopback_only
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import param_groups
 from edu3d.config.sections import Run
 from edu3d.train.preflight import model_config

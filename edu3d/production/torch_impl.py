@@ -60,7 +60,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from edu3d.train.data import microbatches, shard_rows
+from edu3d.train.cut import microbatches, shard_rows
 from edu3d.config.layout import Layout
 from edu3d.distributed.mesh import Mesh
 from edu3d.train.optim import lr_at, optimizer_for, param_groups, set_lr

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 
 from edu3d.config.layout import LayoutError
-from edu3d.parallel.cp.sequence import split_batch
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.documents import DocumentCorpus
 
@@ -66,8 +65,8 @@ class StepBatch:
 
     ``rows``: each row's documents (token tensors, ``n + 1`` long; one per row except when
     packing). ``slots``: where each micro-batch slot starts in ``rows`` (``dp * m + 1``
-    bounds, ``tokens`` mode), or ``None``: the rows are cut evenly, as :func:`shard_rows`
-    and :func:`microbatches` cut a fixed batch."""
+    bounds, ``tokens`` mode), or ``None``: the rows are cut evenly, as a fixed batch's are.
+    Each rank's micro-batches of it are :func:`edu3d.train.cut.cut`'s."""
 
     mode: str
     seq_len: int
@@ -105,30 +104,6 @@ class StepBatch:
     def waste(self, count: int) -> float:
         """The share of computed positions that are padding, with ``count`` slots."""
         return 1.0 - self.targets / self.fed(count)
-
-    def microbatches(self, dp_index: int, dp_size: int, m: int, device=None, cp: int = 1,
-                     cp_rank: int = 0, split: str = "zigzag") -> list[tuple]:
-        """Data-parallel rank ``dp_index``'s ``m`` micro-batches, each ``(x, y, doc, weight)``
-        (what :class:`~edu3d.parallel.pp.engine.PipelineEngine` runs): ``doc`` is the packed
-        documents' ids (``None`` unless packing), ``weight`` turns the micro-batch's mean loss
-        into its share of the global mean (times ``dp * cp * m``, which the engine's ``1/m``
-        and the dp x cp gradient average divide back out). With ``cp > 1`` (packing only) x
-        and y are context-parallel rank ``cp_rank``'s pieces and ``n`` counts its targets;
-        ``doc`` stays whole (the model cuts it, :func:`~edu3d.parallel.cp.apply_cp`)."""
-        if cp > 1 and self.mode != "pack":
-            raise ValueError(f"context parallelism cuts rows of seq_len tokens: --batching "
-                             f"pack, not {self.mode}")
-        total = self.targets
-        out = []
-        for rows in self.groups(dp_size * m)[dp_index * m:(dp_index + 1) * m]:
-            x, y, doc = collate(rows, width(rows, self.mode, self.seq_len),
-                                self.mode == "pack")
-            if cp > 1:  # this rank's pieces of every row, labels with their tokens
-                x, y = split_batch(x, y, cp, cp_rank, split)
-            n = int((y != IGNORE).sum())
-            moved = [t if t is None or device is None else t.to(device) for t in (x, y, doc)]
-            out.append((*moved, n * dp_size * cp * m / total))
-        return out
 
 
 def width(rows: list[list[torch.Tensor]], mode: str, seq_len: int) -> int:

@@ -1,4 +1,4 @@
-"""A deterministic synthetic corpus, generated in code, and how a batch is cut up.
+"""A deterministic synthetic corpus, generated in code.
 
 After reading this file you should understand:
 
@@ -8,9 +8,8 @@ After reading this file you should understand:
   the repeat, so the loss keeps falling once attention finds it;
 * the best achievable loss is known exactly (:meth:`SyntheticCorpus.entropy_floor`);
 * batch ``step`` depends only on ``(vocab_size, seq_len, seed, step, global_batch)``, never on
-  the parallel layout: every layout trains on the same tokens, and a data-parallel rank simply
-  takes its rows of the global batch (:func:`shard_rows`), then splits them into
-  micro-batches (:func:`microbatches`).
+  the parallel layout: every layout trains on the same tokens, each rank its cut of them
+  (:func:`edu3d.train.cut.cut`).
 """
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ class SyntheticCorpus:
         tokens = torch.cat([walk, walk], dim=1)[:, : self.seq_len + 1]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-
     def walks(self, count: int, length: int, g: torch.Generator) -> torch.Tensor:
         """``[count, length]`` Markov walks on the chain, drawn from generator ``g``."""
         walk = torch.empty(count, length, dtype=torch.long)
@@ -85,25 +83,3 @@ class SyntheticCorpus:
         for t in range(1, length):
             walk[:, t] = self.successors[walk[:, t - 1], choice[:, t]]
         return walk
-
-
-def shard_rows(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Rows ``[index * n/count, (index+1) * n/count)`` of ``t``: data-parallel rank ``index``'s
-    share of a global batch of ``n`` rows."""
-    rows = t.shape[0]
-    if rows % count:
-        raise ValueError(f"{rows} rows do not split evenly over {count} data-parallel ranks; "
-                         f"use a global batch that is a multiple of {count}")
-    if not 0 <= index < count:
-        raise ValueError(f"shard index {index} is outside 0..{count - 1}")
-    n = rows // count
-    return t[index * n:(index + 1) * n]
-
-
-def microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Split a (local) batch into ``m`` equal micro-batches, in row order."""
-    rows = x.shape[0]
-    if m < 1 or rows % m:
-        raise ValueError(f"{rows} rows do not split into {m} micro-batches; choose m among "
-                         f"{', '.join(str(d) for d in range(1, rows + 1) if rows % d == 0)}")
-    return list(zip(x.chunk(m), y.chunk(m)))

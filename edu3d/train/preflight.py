@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from edu3d.config.layout import Layout, LayoutError
 from edu3d.config.sections import Run
 from edu3d.launch import cores as launch_cores
-from edu3d.launch.api import NODE_OPTIONS, check_launch, node_args
+from edu3d.launch.api import check_launch, node_args
+from edu3d.model.shapes import COURSE_PRESETS
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
 from edu3d.train.axis_rules import check_cp, check_moe
@@ -43,7 +44,7 @@ BATCHING = ("fixed", "pad", "bucket", "tokens", "pack")  # edu3d.train.batching.
 GRAD_REDUCE = ("per-microbatch", "per-step")  # edu3d.parallel.zero.sharding.GRAD_REDUCE
 ATTENTION = ("sdpa", "explicit")  # edu3d.model.gpt.ATTENTION; a test checks
 FAULT_KINDS = ("exit", "kill", "hang", "slow")
-PRESET_NAMES = ("tiny", "small", "medium", "gpt2-small")  # edu3d.model.gpt.PRESETS; a test checks
+PRESET_NAMES = COURSE_PRESETS  # edu3d.model.gpt.PRESETS' names, torch-free; a test checks
 MIN_VOCAB = 4  # edu3d.train.data.SUCCESSORS: each token of the synthetic corpus has 4 successors
 
 
@@ -221,8 +222,12 @@ def compiler() -> str | None:
 
 
 def node_options(run: Run) -> dict:
-    """The run's multi-node options by name, for :func:`edu3d.launch.api.node_args`."""
-    return {k: getattr(run.launch, k) for k in NODE_OPTIONS}
+    """The run's multi-node options, as :func:`edu3d.launch.api.node_args` takes them."""
+    lc = run.launch
+    return {"nnodes": lc.nnodes, "node_rank": lc.node_rank, "rdzv_endpoint": lc.rdzv_endpoint,
+            "rdzv_backend": lc.rdzv_backend, "rdzv_id": lc.rdzv_id, "rdzv_conf": lc.rdzv_conf,
+            "master_addr": lc.master_addr, "master_port": lc.master_port,
+            "local_addr": lc.local_addr}
 
 
 def check_nodes(run: Run, layout: Layout) -> None:

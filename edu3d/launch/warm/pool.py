@@ -79,11 +79,11 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from edu3d.launch import procs, runs, supervise
+from edu3d.launch import procs, run_files, runs, supervise
 from edu3d.launch.procs import RunResult, pool_pids  # (pool_pids: part of this API too)
 from edu3d.launch.warm import zygote
+from edu3d.launch.run_files import COMMAND_FILE, CURRENT, ENV_FILE, write_atomic
 from edu3d.launch.warm.rank import SENTINEL
-from edu3d.launch.worker import write_atomic
 
 MAX_POOLS = 2
 # variables a process reads only when it starts (or torch when it is imported): a job that
@@ -111,12 +111,12 @@ class Pool:
         self.jobs = 0  # jobs submitted so far
         self.broken = False
         self.busy = False  # a job is running (another launch meanwhile runs cold)
-        write_atomic(self.dir / "env.json", json.dumps(self.env))
+        write_atomic(self.dir / ENV_FILE, json.dumps(self.env))
         self.zygote = None  # the fork server the ranks are forked from (edu3d.launch.warm.zygote)
         agent_env = self.env
         if zygote.enabled(self.env):
-            sock = str(self.dir / "zygote.sock")
-            with open(self.dir / "zygote.log", "wb") as log:
+            sock = str(self.dir / run_files.ZYGOTE_SOCKET)
+            with open(self.dir / run_files.ZYGOTE_LOG, "wb") as log:
                 self.zygote = subprocess.Popen(
                     [sys.executable, "-u", "-m", "edu3d.launch.warm.zygote", "--serve", sock],
                     env=self.env, stdin=subprocess.DEVNULL, stdout=log,
@@ -124,7 +124,7 @@ class Pool:
             agent_env = {**self.env, "EDU3D_ZYGOTE": sock}
         entry = "edu3d.launch.warm.rank" if self.zygote is None else "edu3d.launch.warm.zygote"  # the stub
         cmd = procs.torchrun_command(nprocs, [str(self.dir)], entry=entry)
-        write_atomic(self.dir / "command.json", json.dumps({"argv": cmd, "nprocs": nprocs,
+        write_atomic(self.dir / COMMAND_FILE, json.dumps({"argv": cmd, "nprocs": nprocs,
                                                            "run_id": self.id}))
         self.proc, self.pipes = procs.start(cmd, agent_env)
 
@@ -140,11 +140,11 @@ class Pool:
             return False
         if self.zygote is not None and self.zygote.poll() is not None:
             return False
-        return all(procs.running(p) for p in runs.pid_files(self.dir).values())
+        return all(procs.running(p) for p in run_files.pid_files(self.dir).values())
 
     def pids(self) -> list[int]:
         zygote = [] if self.zygote is None else [self.zygote.pid]
-        return [self.proc.pid, *zygote, *runs.pid_files(self.dir).values()]
+        return [self.proc.pid, *zygote, *run_files.pid_files(self.dir).values()]
 
     def kill(self) -> None:
         """Kill the agent and every rank (each checked to carry this pool's id); forget the
@@ -308,12 +308,12 @@ def run_job(p: Pool, worker_argv: list[str], env: dict, run_dir: Path, timeout: 
         if not 0 < nprocs <= p.nprocs:
             raise ValueError(f"a job of {nprocs} ranks cannot run on a pool of {p.nprocs}")
         job = Job(p, nprocs)
-        write_atomic(run_dir / "command.json", json.dumps({
+        write_atomic(run_dir / COMMAND_FILE, json.dumps({
             "argv": worker_argv, "nprocs": nprocs, "run_id": p.id, "pool": p.id, "job": job.n,
             "pool_ranks": p.nprocs}))
         env = {**env, "EDU3D_RUN_ID": p.id, "EDU3D_POOL_ID": p.id, "EDU3D_RUN_DIR": str(run_dir)}
-        write_atomic(p.dir / "current", str(run_dir))
-        write_atomic(p.dir / "jobs" / f"{job.n}.json", json.dumps({
+        write_atomic(p.dir / CURRENT, str(run_dir))  # the agent writes the job's exits there
+        write_atomic(run_files.job_file(p.dir, job.n), json.dumps({
             "n": job.n, "argv": worker_argv, "run_dir": str(run_dir), "env": env,
             "cwd": os.getcwd(), "nprocs": nprocs}))
         result = supervise.watch(p.proc, p.pipes, run_dir, nprocs, lambda: _forget(p),
@@ -370,7 +370,7 @@ class Job:
     def leave(self) -> None:
         """The agent stops writing the ranks' exits into this job's run folder."""
         try:
-            write_atomic(self.pool.dir / "current", "")
+            write_atomic(self.pool.dir / CURRENT, "")
         except OSError:
             pass
 

@@ -28,7 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from edu3d.distributed import runtime, trace
-from edu3d.launch import worker
+from edu3d.launch import run_files, worker
+from edu3d.launch.run_files import write_atomic
 
 SENTINEL = "\x1eedu3d-job-end"  # the last line of every job on each stream of every rank
 
@@ -37,7 +38,7 @@ def _wait_for_job(pool_dir: Path, n: int) -> dict:
     """Poll for job ``n``: a few ms apart right after a job (a notebook's next cell often
     comes at once), backing off to a quarter second when idle, so a kernel's idle pools
     cost next to no CPU on a 2-core laptop (a job then waits at most that long to start)."""
-    path, delay = pool_dir / "jobs" / f"{n}.json", 0.002
+    path, delay = run_files.job_file(pool_dir, n), 0.002
     while True:
         try:
             return json.loads(path.read_text())
@@ -98,7 +99,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    launcher_env = json.loads((pool_dir / "env.json").read_text())
+    launcher_env = json.loads((pool_dir / run_files.ENV_FILE).read_text())
     own_env = dict(os.environ)
     size = int(own_env["WORLD_SIZE"])  # the pool's ranks; a job may use fewer
     torchrun_keys = {k for k, v in own_env.items() if launcher_env.get(k) != v}
@@ -126,7 +127,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
                 getattr(module, "init_process_group", None) is original_init:
             module.init_process_group = init_process_group
     threads = torch.get_num_threads()
-    worker.write_atomic(pool_dir / "ready" / f"rank{rank}", "")
+    write_atomic(run_files.path(pool_dir, "ready", rank), "")
 
     n = 0
     while True:
@@ -155,7 +156,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
         torch.seed()  # a fresh process's generators start from a random seed too
         random.seed()
         worker.stack_on_signal(run_dir, rank)  # SIGUSR1 now writes into the job's folder
-        worker.write_atomic(run_dir / "pids" / f"rank{rank}.pid", str(os.getpid()))
+        write_atomic(run_files.path(run_dir, "pids", rank), str(os.getpid()))
 
         a = worker.parser().parse_args(job["argv"])
         rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
@@ -171,7 +172,7 @@ def serve(pool_dir: Path, rank: int, pumps: list) -> None:
                          "traceback": worker.user_traceback(e)}
         if error is not None:
             worker.fail(error, rank, run_dir, pumps)  # the launcher kills the pool
-        worker.write_atomic(run_dir / "done" / f"rank{rank}", "")
+        write_atomic(run_files.path(run_dir, "done", rank), "")
 
         # back to the pool's own state for the next job
         prefix["job"] = None

@@ -46,9 +46,9 @@ import sys
 import time
 
 from edu3d.launch.procs import running
+from edu3d.launch.run_files import PREFIX_FMT, ZYGOTE_LOG, ZYGOTE_SOCKET
 from edu3d.launch.runs import belongs_to
 from edu3d.launch.warm import rank as pool_rank
-from edu3d.launch.worker import PREFIX_FMT
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 ENDED = "the pool's fork server ended"  # what a stub says when the zygote is gone
@@ -269,7 +269,7 @@ def _receive(conn: socket.socket) -> dict | None:
 
 def _zygote_log(path: str) -> str:
     try:
-        with open(os.path.join(os.path.dirname(path), "zygote.log")) as f:
+        with open(os.path.join(os.path.dirname(path), ZYGOTE_LOG)) as f:
             tail = f.read()[-2000:].strip()
     except OSError:
         return ""
@@ -283,7 +283,7 @@ def death(returncode: int, pool_dir, job: int) -> str:
         f"killed by signal {signal.Signals(-returncode).name}"
     return (f"the warm pool's fork server died ({how}) while job {job} ran: every rank of the "
             "pool was stopped, and the next launch starts a fresh pool"
-            + _zygote_log(os.path.join(pool_dir, "zygote.sock")))
+            + _zygote_log(os.path.join(pool_dir, ZYGOTE_SOCKET)))
 
 
 def _die(message: str) -> None:

@@ -24,7 +24,7 @@ After reading this file you should understand:
   chunk or exactly between two chunks is the same thing to it: only ids are compared.
   With packing the ranks hold different numbers of target tokens (padding sits at a row's
   end), so the loss is weighted by the global token count
-  (:meth:`edu3d.train.batching.StepBatch.microbatches`), not by ``1/cp``.
+  (:func:`edu3d.train.cut.cut`, which cuts every batch), not by ``1/cp``.
 
 Parameter names and tensors are untouched: a checkpoint or an optimizer sees the serial model.
 Order: ``apply_tp``, then ``apply_cp``, then recomputation (it wraps the core set here), then

@@ -19,7 +19,7 @@ what each costs:
 A hook is ``hook(t, group) -> handle``: it leaves the **sum** over the group in ``t`` by the
 time ``handle.wait()`` returns (:class:`~edu3d.parallel.dp.data_parallel.DataParallel` divides by N). Pass
 one as ``DataParallel(..., comm_hook=make_hook("bf16"))`` or ``edu3d train --compress bf16``
-(``args.compress``).
+(``run.parallel.compress``).
 """
 
 from __future__ import annotations

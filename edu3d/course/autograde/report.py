@@ -13,7 +13,7 @@ its own standard output while a submission runs:
   its own (not shared with standard error), :func:`output_state` notes its size before any
   kernel starts, and :func:`restore_output` cuts off whatever was written there meanwhile,
   and says so, before the report is written. Every process of the grade is dead by then
-  (:mod:`edu3d.commands.grade_processes`), so nothing writes after the report. Bytes the file
+  (:mod:`edu3d.course.autograde.processes`), so nothing writes after the report. Bytes the file
   held before the grade cannot be restored if they were changed; a replaced file (removed
   and made again) is said, not repaired; a pipe or a terminal cannot be taken back.
   ``--isolate`` keeps the submission from finding the grader's files at all.

@@ -22,7 +22,7 @@ what is done instead:
 
 What escapes all of this: a process another service starts on the submission's request (a
 ``systemd-run --user`` unit, an ``at`` job, a login over ``ssh``) is nobody's descendant and
-carries no marker. ``edu3d grade --isolate`` (:mod:`edu3d.commands.grade_isolate`) closes most of
+carries no marker. ``edu3d grade --isolate`` (:mod:`edu3d.course.autograde.isolate`) closes most of
 those doors. On a system without ``prctl`` (not Linux) only the marker and the kernel's own
 process group remain.
 """

@@ -35,7 +35,8 @@ from edu3d.course import grading, lesson_args
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
-from edu3d.train.data import SyntheticCorpus, shard_rows
+from edu3d.train.cut import shard_rows
+from edu3d.train.data import SyntheticCorpus
 from edu3d.train.optim import lr_at, optimizer_for, param_groups, set_lr
 from edu3d.train.trainer import Trainer
 

@@ -12,18 +12,18 @@ not simply pass or fail:
   was running, with the exit code (or signal) and, where Python could write one, its last
   frame: an IPython startup file makes ``os._exit`` and fatal signals dump the stack
   (faulthandler) into a file the grader reads. The cells after it cannot run
-  (:data:`STOPPED`, said by :func:`edu3d.commands.grade.grade_one`);
+  (:data:`STOPPED`, said by :func:`edu3d.course.autograde.scoring.grade_one`);
 * the kernel starts in the grade's own temporary folder: a fresh ``HOME``, working folder,
   ``TMPDIR`` and ``EDU3D_RUNS``, all removed after the grade, and the marker
-  ``EDU3D_GRADE_TOKEN`` its processes are found by (:mod:`edu3d.commands.grade_processes`).
+  ``EDU3D_GRADE_TOKEN`` its processes are found by (:mod:`edu3d.course.autograde.processes`).
   The same startup file seals the checker before the first cell
   (:func:`edu3d.course.verdict_channel.seal`), and the cells' boundaries are marked on the
-  verdict channel (:mod:`edu3d.commands.grade_channel`). The kernel's own channels are Unix
+  verdict channel (:mod:`edu3d.course.autograde.channel`). The kernel's own channels are Unix
   sockets in that folder (ZMQ's ``ipc`` transport), not TCP ports: no port chosen then taken
   by another process before the kernel binds it, none that another local user can reach.
-  With ``--isolate`` the kernel's command line is prefixed (:mod:`edu3d.commands.grade_isolate`).
+  With ``--isolate`` the kernel's command line is prefixed (:mod:`edu3d.course.autograde.isolate`).
 
-How the verdicts are counted is :mod:`edu3d.commands.grade`'s.
+How the verdicts are counted is :mod:`edu3d.course.autograde.scoring`'s.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from pathlib import Path
 
 from jupyter_client import AsyncKernelManager
 
-from edu3d.commands.grade_channel import Channel
-from edu3d.commands.grade_processes import TOKEN
+from edu3d.course.autograde.channel import Channel
+from edu3d.course.autograde.processes import TOKEN
 from edu3d.course.nbtools import notebook_client
 
 # a cell the grader stopped, one whose kernel died, one not run after that
@@ -49,7 +49,7 @@ def kernel_env(solutions: bool, submission: Path | None, runs: Path,
                hints: dict[str, str] | None = None, home: Path | None = None,
                token: str | None = None) -> dict[str, str]:
     """The graded kernel's environment; ``hints``: ``EDU3D_HINT_LEVEL`` / ``EDU3D_HINT_PRIOR``
-    (:mod:`edu3d.commands.grade_hints`), never inherited from the caller's shell; ``home``:
+    (:mod:`edu3d.course.autograde.hints`), never inherited from the caller's shell; ``home``:
     a fresh folder for ``HOME``, ``TMPDIR`` and the XDG folders; ``token``: the grade's
     process marker."""
     env = {k: v for k, v in os.environ.items() if k not in (

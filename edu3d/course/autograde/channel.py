@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from edu3d.commands.grade_processes import descends
+from edu3d.course.autograde.processes import descends
 from edu3d.course.verdict_channel import ADDRESS, decode
 
 LINE_MAX = 1 << 20  # a longer line is no record: dropped
