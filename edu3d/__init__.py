@@ -49,7 +49,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      the one place strategies compose; GradSync
       dp/       data_parallel buckets same_start step_guard compress
       zero/     units flat_unit gathering sharding reduction sharded_grads shard_optimizer
-                whole_tensors mixed_precision holdings zero_state
+                whole_tensors mixed_precision holdings zero_state hybrid
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence
