@@ -134,7 +134,7 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
     row = 1
     for k, (evs, ghost, pp) in enumerate(rows):
         ranks = list(range(pp))
-        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=(k == 0))
+        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=True)
         fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext,
                          range=where.extent[::-1], showgrid=False, zeroline=False,
                          row=row, col=1)
@@ -143,6 +143,12 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
             _memory_strip(fig, evs, row, ranks, show_legend=(k == 0))
             fig.update_yaxes(title_text="MiB", rangemode="tozero", nticks=3, row=row, col=1)
             row += 1
+    named = set()  # each operation once in the legend, where it first appears (a V's I, W)
+    for trace in fig.data:
+        if trace.legendgroup in named:
+            trace.showlegend = False
+        elif trace.showlegend is not False:
+            named.add(trace.legendgroup)
     style.frame(fig, title, takeaway or "Bars: measured; translucent: the schedule simulated "
                 "with the measured costs; hatched: idle (the bubble).",
                 height=max(360, int(170 * sum(heights))) + 120)
