@@ -12,19 +12,19 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      one module per subcommand; the door to production/
     widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer
                 pipeline threed memory_plan checkpoint production perf review context
-                experts monitor tuning ckpt_reuse memory_timeline grad_reduce
+                experts monitor tuning ckpt_reuse memory_timeline grad_reduce fp8_numbers
                                      (``edu3d.widgets``, source in widgets/)
                                      charts: data in, figure out
       panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero
                 ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory
-                ch08_checkpoints ch09_in_production ch10_performance ch11_review
+                ch07_memory_fp8 ch08_checkpoints ch09_in_production ch10_performance ch11_review
                 ch12_mixture_of_experts ch13_context_parallelism
                                      each chapter's knobs, on one Panel base
     course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching
                 ch03_zero ch03_zero_reduce ch03_zero_hsdp ch04_tensor_parallel
                 ch05_pipeline_parallel ch06_3d_parallelism ch06_3d_parallelism_grade ch07_memory
-                ch07_memory_plan
-                ch07_memory_timeline ch07_memory_tune ch08_checkpoints ch08_checkpoints_grade
+                ch07_memory_plan ch07_memory_timeline ch07_memory_tune ch07_memory_fp8
+                ch08_checkpoints ch08_checkpoints_grade
                 ch08_checkpoints_incremental ch09_in_production ch09_in_production_grade
                 ch10_performance ch10_performance_grade ch10_performance_hangs ch10_performance_live
                 ch10_performance_verdicts ch11_review ch11_review_grade ch11_review_recipe
@@ -42,7 +42,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                 deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
     train/      trainer state_slots full_tensors moe_stats loop preflight axis_rules
-                pipeline_rules data documents batching cut optim faults publish step_stats
+                pipeline_rules fp8_rules data documents batching cut optim faults publish step_stats
                 memory_recorder cuda_memory generation
                                      one Trainer for every layout; one pre-flight; generation
     parallel/   parallelize grads precision recompute optim_state freeze
@@ -55,6 +55,8 @@ folders listed below it; README's "How the package is organised" says the rules)
       cp/       zigzag attention sequence
       ep/       dispatch placement
                                      expert parallelism
+      fp8/      scaling scales fp8_linear fp8_gather
+                                     FP8 casts, layers, gathers
     ckpt/       format checkpointer reshard export untrusted blobs bounds manifest_schema
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory hardware published

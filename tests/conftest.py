@@ -57,6 +57,8 @@ def _warm_ranks(request):
 SLOWEST_FIRST = (
     "tests/test_browser.py",            # 362: every chapter in Chromium
     "tests/test_browser_exercises.py",  # 122: every exercise in Chromium
+    "tests/test_fp8_parity.py",         # 123 loaded: 13 FP8 layouts, four serial references
+    "tests/test_fp8.py",                # 78 loaded: ZeRO-3's FP8 bytes, the planner's run
     "tests/test_multinode.py",          # 60 idle (160 loaded): two 4-rank nodes, twice
     "tests/test_launch_hardening.py",   # 66
     "tests/test_failures.py",           # 60
@@ -97,6 +99,7 @@ SLOW_FILES = {
     "tests/test_impl_torch.py", "tests/test_freeze.py", "tests/test_batching.py",
     "tests/test_zero_grad_reduce.py", "tests/test_recompute.py", "tests/test_precision.py",
     "tests/test_multinode.py", "tests/test_launch_hardening.py", "tests/test_failures.py",
+    "tests/test_fp8_parity.py",
     "tests/test_pool.py", "tests/test_zygote.py", "tests/test_grading.py",
     "tests/test_grade_robust.py", "tests/test_hints_tiered.py", "tests/test_wrong_answers.py",
     "tests/test_every_control.py", "tests/test_compile.py",

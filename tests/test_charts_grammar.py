@@ -356,6 +356,27 @@ BUILDERS.update({
 })
 
 
+def _fp8_live() -> dict:
+    """Chapter 07's FP8 run in the schema of :func:`edu3d.course.ch07_memory_fp8.live`."""
+    from edu3d.course import ch07_memory_fp8
+
+    losses = {p: [5.5 - 0.05 * s + e * (s % 3) for s in range(20)]
+              for p, e in (("fp32", 0.0), ("bf16", 1e-4), ("fp8", 1e-3))}
+    table = {"weights": {"fp32": 786432, "bf16": 393216, "fp8": 196608},
+             "whole": {"fp32": 939520, "bf16 gathers": 469760, "fp8": 349696},
+             "formula": {"fp32": 939520, "fp8": 349696}}
+    return {"losses": losses, "gaps": ch07_memory_fp8.loss_gaps(losses), "table": table,
+            "report": ch07_memory_fp8.tensor_report()}
+
+
+BUILDERS.update({
+    "fp8_numbers.scale_error_figure": lambda m: m.scale_error_figure(_fp8_live()["report"]),
+    "fp8_numbers.loss_curves_figure": lambda m: m.loss_curves_figure(
+        _fp8_live()["losses"], _fp8_live()["gaps"]),
+    "fp8_numbers.gather_bytes_figure": lambda m: m.gather_bytes_figure(_fp8_live()["table"]),
+})
+
+
 def figure_functions() -> list[str]:
     names = []
     for info in pkgutil.iter_modules(widgets_pkg.__path__):

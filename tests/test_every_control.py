@@ -25,7 +25,8 @@ import pytest
 
 from edu3d.widgets.panels import (ch00_launching_ranks, ch01_collectives, ch02_data_parallel,
                                   ch03_zero, ch04_tensor_parallel, ch05_pipeline_parallel,
-                                  ch06_3d_parallelism, ch07_memory, ch08_checkpoints,
+                                  ch06_3d_parallelism, ch07_memory, ch07_memory_fp8,
+                                  ch08_checkpoints,
                                   ch09_in_production, ch10_performance, ch11_review,
                                   ch12_mixture_of_experts, ch13_context_parallelism)
 from tests.test_charts_grammar import tune_report
@@ -114,6 +115,7 @@ def panels() -> dict:
         "07 planner": lambda: ch07_memory.controls(
             dict(model="tiny", dp=1, pp=2, zero=0, microbatches=4, micro_batch=2)),
         "07 tune": lambda: ch07_memory.tune_controls(tune_report(), dict(view="ranks")),
+        "07 fp8": lambda: ch07_memory_fp8.controls(dict(steps=4)),
         "08 reshard": lambda: ch08_checkpoints.controls(
             {"dp2-tp2-pp2 ZeRO-1 (recorded)": manifest, "one rank": one_rank(manifest)}),
         "09 production": lambda: ch09_in_production.controls(

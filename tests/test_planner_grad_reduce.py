@@ -193,7 +193,7 @@ def test_hsdp_holds_a_replica_groups_shards_and_splits_the_bytes(capsys):
             assert (plan_memory.estimate(spec, hsdp)["state_bytes"] ==
                     plan_memory.estimate(spec, eight)["state_bytes"])
             psi = plan_memory.held(spec, hsdp, 0)
-            got = plan_memory.hsdp_traffic(spec, hsdp)
+            got = zero_modes.hsdp_traffic(spec, hsdp)
             assert got["shard"] == zero_modes.dp_wire_bytes(psi, 8, zero, "per-microbatch", m)
             assert got["replicate"] == pytest.approx(2 * 7 / 8 * 2 * psi / 8)
             sent = plan_search.traffic(spec, hsdp)  # edu3d plan's bytes by axis

@@ -142,9 +142,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="max global gradient norm; 0 disables" + D)
     opt.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                      help="sgd is plain SGD, the honest check of gradient scale" + D)
-    opt.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    opt.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default="fp32",
                      help="bf16: autocast, fp32 master weights; fp16: plus dynamic "
-                                    "loss scaling" + D)
+                                    "loss scaling; fp8: the blocks' matrix products in FP8 "
+                                    "(emulated on a CPU), fp32 elsewhere" + D)
+    opt.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
+                     help="--precision fp8: one scale per tensor, or one per row along the "
+                          "product's sum (torchao's recipes)" + D)
+    opt.add_argument("--fp8-recipe", choices=("current", "delayed"), default="current",
+                     help="--precision fp8: scales from each tensor as it is cast, or from "
+                          "the amax history of earlier steps (tensorwise)" + D)
+    opt.add_argument("--fp8-history", type=integer(1, POSITIVE, MAX_COUNT), default=16,
+                     help="--fp8-recipe delayed: steps of amax history" + D)
     par = parser.add_argument_group("parallelism (ranks = dp * cp * tp * pp, launched with "
                                     "torchrun)")
     par.add_argument("--dp", type=ranks, default=1,

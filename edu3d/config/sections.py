@@ -109,7 +109,10 @@ class Batch:
 class Precision:
     """The numbers a step computes in, and how fast (the same numbers)."""
 
-    dtype: str = field(default="fp32", metadata=flag("precision"))  # or "bf16", "fp16"
+    dtype: str = field(default="fp32", metadata=flag("precision"))  # or "bf16", "fp16", "fp8"
+    fp8_scaling: str = "tensorwise"  # fp8: one scale per tensor, or "rowwise" (per row)
+    fp8_recipe: str = "current"  # fp8: scales from this tensor, or "delayed" (amax history)
+    fp8_history: int = 16  # fp8 delayed: steps of amax history
     attn: str = "sdpa"  # or "explicit": the attention scores as a tensor
     compile: bool = False  # torch.compile each block (inductor)
     no_tf32: bool = False  # keep fp32 matmuls in full fp32 on a GPU (TF32 is on by default)

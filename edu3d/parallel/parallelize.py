@@ -6,25 +6,30 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
 1. **tensor parallelism** is applied to the whole plain model: its linear layers and
    embedding become their parallel versions (serial parameter names kept), its loss the
    vocabulary-parallel one (:func:`~edu3d.parallel.tp.apply_tp`);
-2. **context and expert parallelism**, module swaps like TP's: CP gives every block's
+2. **FP8** (``--precision fp8``) swaps every block's four linear layers, plain or TP's, for
+   their FP8 versions (:func:`~edu3d.parallel.fp8.apply_fp8`): same parameters, the
+   products in FP8, their scales reduced over tp where a tensor is cut;
+3. **context and expert parallelism**, module swaps like TP's: CP gives every block's
    attention core its ring / all-gather / Ulysses version and the position embedding this
    rank's positions (:func:`~edu3d.parallel.cp.apply_cp`; the trainer cuts the batch's
    sequences the same way); EP keeps this rank's experts of every mixture-of-experts layer and
    routes tokens to the others by all-to-all (:func:`~edu3d.parallel.ep.apply_ep`);
-3. **activation recomputation** wraps the blocks (``full``) or their attention cores
+4. **activation recomputation** wraps the blocks (``full``) or their attention cores
    (``selective``), after TP so that it wraps the parallel block (a recomputed block repeats
    its TP forward communication) and before the cut, which keeps the wrapped blocks
    (:func:`~edu3d.parallel.recompute.apply_recompute`);
-4. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
+5. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
    (:func:`~edu3d.schedules.partition.partition`, :func:`~edu3d.parallel.pp.stage.split_model`);
    the schedule's action list for this rank is built alongside;
-5. **data parallelism or ZeRO** wraps what is left, the parameters this rank really holds
+6. **data parallelism or ZeRO** wraps what is left, the parameters this rank really holds
    (last, because it must see the final parameters: TP shards of this rank's stages only).
    Dense parameters are averaged over every ``dp x cp`` rank; an expert's over the ranks
    holding the same experts (``edp``), divided by the same ``dp x cp``: each of those ranks
    routed its own tokens to every expert, so the sums cover all ``dp x cp`` ranks' tokens.
    Under HSDP (``--hsdp R``) ZeRO shards over a replica group's ranks (``shard``, experts'
    ``eshard``) and all-reduces across the groups (``replicate``, ``ereplicate``).
+   Under ZeRO-3 the FP8 layers' tensorwise weights get units of their own, gathered in FP8
+   (:mod:`edu3d.parallel.fp8.fp8_gather`).
 
 Each step is a function a reader can call alone; :class:`Parallel` carries what the trainer
 and :mod:`edu3d.parallel.grads` need: the stages, the actions, the shard specs, the serial
@@ -48,6 +53,7 @@ from edu3d.parallel.cp.zigzag import positions as cp_positions
 from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel
 from edu3d.parallel.ep.placement import apply_ep, expert_param_names
+from edu3d.parallel.fp8 import apply_fp8, gathered_weights, install, split_units
 from edu3d.parallel.freeze import apply_freeze
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import Action, build, chunks, placement, with_comms
@@ -132,10 +138,13 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
         dense = [u for u in dense if u[2]]
         group, across = zero_groups(mesh, pl.hsdp, experts=False)
+        fp8 = gathered_weights(par.module) if pl.zero == 3 else {}
+        dense = split_units(dense, set(fp8))
         par.zero = Zero(par.module, group, pl.zero, prefetch=pl.prefetch, offload=offload,
                         units=dense, grad_reduce=pl.grad_reduce, reduce_scatter=True,
                         replicate_group=across,
                         **options([p for _, _, ps in dense for p in ps]))
+        install(par.zero, fp8)
         if is_expert:
             experts = _expert_units(par, is_expert)
             group, across = zero_groups(mesh, pl.hsdp, experts=True)
@@ -228,6 +237,8 @@ def parallelize(model: nn.Module, mesh: Mesh, run: Run, optimizer=None,
                          overlap=run.parallel.tp_overlap)
     else:
         specs = {n: None for n in shapes}
+    if run.precision.dtype == "fp8":
+        apply_fp8(model, run.precision)
     layout = mesh.layout
     if layout.cp > 1:
         cp_rank = mesh.index("cp")

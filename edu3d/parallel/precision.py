@@ -16,6 +16,9 @@ After reading this file you should understand the two 16-bit recipes (Micikevici
   not see another replica's inf). So all ranks skip the same step and keep the same scale;
   deciding locally, one rank would skip while the others step, and the replicas would
   silently diverge.
+
+``fp8`` needs no autocast: its layers cast their own operands (:mod:`edu3d.parallel.fp8`),
+and everything else computes in fp32.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class MixedPrecision:
 
     def __init__(self, mode: str = "fp32", device_type: str = "cpu", init_scale: float = 2.0**16,
                  growth_interval: int = 2000, world: bool = False):
-        if mode not in ("fp32", *DTYPES):
-            raise ValueError(f"precision {mode!r}: choose fp32, bf16 or fp16")
+        if mode not in ("fp32", "fp8", *DTYPES):
+            raise ValueError(f"precision {mode!r}: choose fp32, bf16, fp16 or fp8")
         self.mode, self.device_type, self.world = mode, device_type, world
         self.scale = init_scale if mode == "fp16" else 1.0
         self.growth_interval, self.good_steps = growth_interval, 0
@@ -42,7 +45,7 @@ class MixedPrecision:
 
     def autocast(self):
         """Where the forward runs: 16-bit matrix multiplications, fp32 weights."""
-        if self.mode == "fp32":
+        if self.mode not in DTYPES:  # fp8: the FP8 layers cast for themselves
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=DTYPES[self.mode])
 

@@ -22,6 +22,12 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   gradients (and ZeRO-3 its gathered weights) while its micro-batches run, and
   ``"per-microbatch"`` (the default) only the shards (:mod:`edu3d.plan.zero_modes`). The
   peak is what must fit; the rest is what ``edu3d train`` measures after a step;
+* **FP8** (``--precision fp8``): this course's GPT keeps fp32 weights, gradients and
+  activations (its blocks' products cast their operands on the fly) plus each FP8 layer's
+  scales (:func:`~edu3d.plan.formulas.fp8_scale_bytes`); a real model is counted as bf16
+  (torchtitan's FP8 runs inside a bf16 model). ZeRO-3 gathers the FP8 weights in 1 byte
+  (:func:`zero3_gather_bytes`) and its matrix products run at the profile's FP8 rate
+  (:func:`edu3d.plan.hardware.matmul_rate`);
 * **communication buffers**: pipeline receive buffers (edu3d posts all of a step's receives
   at its start) and ZeRO's unit in flight (:func:`~edu3d.plan.zero_modes.in_flight_bytes`);
 * **frozen parameters** (``run.memory.freeze``, ``--freeze``'s globs over the serial names): their
@@ -33,11 +39,7 @@ stage, and how the classic answer to "how do I train this model on G GPUs" follo
   the expert-data-parallel group of ``dp·cp/ep`` ranks, over which ZeRO shards them (the
   dense state over ``dp·cp``). CP gives each rank ``s/cp`` tokens of every sequence, so
   every activation is divided by ``cp`` (its queries still see all ``s`` keys: the
-  ``5as²b`` term divides once);
-* **HSDP** (``--hsdp R``): ZeRO shards within each of ``R`` replica groups, so the dense
-  shards are ``1/(dp·cp/R)`` and the experts' ``1/(edp/R)`` (:func:`shard_sizes`); the
-  all-reduce across the groups runs in place on the gradient shard, holding nothing more
-  (its bytes: :func:`edu3d.plan.zero_modes.hsdp_wire_bytes`).
+  ``5as²b`` term divides once).
 
 The layout search, its cost model and the bytes each rank sends by axis (``traffic``) live
 in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.commands.plan`.
@@ -52,15 +54,17 @@ from edu3d.config.sections import Batch, Memory, Precision, Run, Training
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
-from edu3d.plan.inventory import check_freeze, frozen_held, held, shape_of, units  # noqa: F401
+from edu3d.plan.inventory import (check_freeze, frozen_held, held, named_units,  # noqa: F401
+                                  shape_of, units)
 from edu3d.schedules.partition import uniform
 from edu3d.schedules.actions import build, chunks, placement, stage_rank
 from edu3d.schedules.simulate import simulate
+from edu3d.model.param_globs import frozen
 from edu3d.model.shapes import ModelSpec, spec_from
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "transient")
 CP_IMPLS = ("ring", "allgather", "ulysses")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
 MAX_GPUS, MAX_LAYERS, MAX_EXPERTS = 2**20, 1024, 4096  # what the estimator takes (so that
 MAX_REPLAY = 8192  # it answers in a second): interleaved replays of pp=32 x vpp=2 at most
@@ -108,9 +112,8 @@ def validate(spec: ModelSpec, run: Run) -> None:
         raise ValueError(f"ZeRO-{par.zero} shards over dp*cp; use dp*cp >= 2")
     check_ep(spec, lay.dp * lay.cp, lay.ep)
     if par.hsdp != 1 and not par.zero:
-        raise ValueError(f"hsdp={par.hsdp} shards ZeRO's state within replica groups; "
-                         "choose zero 1, 2 or 3 (or hsdp 1)")
-    shard_sizes(run)
+        raise ValueError(f"hsdp={par.hsdp} shards ZeRO's state in replica groups; add zero 1-3")
+    lay.hsdp_sizes(par.hsdp)  # HSDP's R divides dp (and the experts' edp), or a ValueError
     if spec.seq_len % lay.cp:
         raise ValueError(f"cp={lay.cp} must divide seq={spec.seq_len}")
     if par.cp_impl == "ulysses" and spec.n_heads % (lay.cp * lay.tp):
@@ -156,25 +159,10 @@ def _autocast(spec: ModelSpec, run: Run) -> bool:  # a course model in 16 bits: 
     return spec.course and run.precision.dtype != "fp32"
 
 
-def shard_sizes(run: Run) -> tuple[int, int]:
-    """``(S, E)``: the ranks ZeRO shards the dense units and the experts over: ``dp·cp`` and
-    ``edp``, or under HSDP one replica group's ``dp·cp/R`` and ``edp/R``
-    (:meth:`~edu3d.config.layout.Layout.hsdp_sizes`, a ``ValueError`` naming ``--hsdp``)."""
-    return run.layout.hsdp_sizes(run.parallel.hsdp)
-
-
-def hsdp_traffic(spec: ModelSpec, run: Run, value_bytes: int = 2) -> dict[str, float]:
-    """Bytes one rank sends per step under HSDP, by group, in ``value_bytes`` values (16-bit,
-    as :func:`edu3d.plan.search.traffic` counts): ``shard`` and ``replicate`` for the dense
-    units, ``eshard`` and ``ereplicate`` for the experts
-    (:func:`~edu3d.plan.zero_modes.hsdp_wire_bytes` of the fullest pipeline rank's)."""
-    par, out = run.parallel, {}
-    for (n, prefix), experts in zip(zip(shard_sizes(run), ("", "e")), (False, True)):
-        psi = max(held(spec, run, r, experts) for r in range(run.layout.pp))
-        got = zero_modes.hsdp_wire_bytes(psi, n, par.hsdp, par.zero, par.grad_reduce,
-                                         run.microbatches, value_bytes, value_bytes)
-        out.update({prefix + k: v for k, v in got.items()} if psi else {})
-    return out
+def _fp32_numbers(spec: ModelSpec, run: Run) -> bool:
+    """Whether what the step keeps is fp32: fp32 training, or FP8 on this course's GPT (only
+    its blocks' products are FP8; real models run FP8 inside bf16, torchtitan's recipe)."""
+    return run.precision.dtype == "fp32" or spec.course and run.precision.dtype == "fp8"
 
 
 # ---- parameters per rank: units, held, frozen_held (edu3d.plan.inventory) ----------------------
@@ -182,8 +170,7 @@ def state_per_rank(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
-    units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep`` (under HSDP
-    over a replica group's: :func:`shard_sizes`; ``dp_index`` is then taken modulo them)."""
+    units sharded over ``dp·cp`` ranks, routed experts' over ``dp·cp/ep`` (``--hsdp R``: /R)."""
     return dict(_state_of(spec, _state_setup(run), pp_rank, dp_index, at))
 
 
@@ -198,10 +185,9 @@ def _state_setup(run: Run) -> Run:  # all the model's state depends on
 
 @lru_cache(maxsize=4096)
 def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -> dict:
-    lay, par = run.layout, run.parallel
+    par, (n, en) = run.parallel, run.layout.hsdp_sizes(run.parallel.hsdp)
     zero = (par.zero, zero_modes.holds_step(par.zero, par.grad_reduce, run.microbatches), at,
             *state_bytes(run.precision.dtype, run.training.optimizer, _autocast(spec, run)))
-    n, en = shard_sizes(run)
     dense = memory.zero_unit_bytes(units(spec, run, pp_rank), n, dp_index % n, *zero)
     # frozen weights: whole on every rank, in no unit; no gradient, no optimizer state
     dense["params"] += zero[3] * (frozen_held(spec, run, pp_rank) +
@@ -222,8 +208,10 @@ def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
     rec = None if run.memory.recompute == "none" else run.memory.recompute
     parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
     sp = par.sp and t > 1
-    if spec.course and run.precision.dtype == "fp32":
+    if spec.course and _fp32_numbers(spec, run):
         layer = memory.layer_activation_bytes(s, b, h, a, t, sp, run.memory.recompute)
+        if run.precision.dtype == "fp8" and run.memory.recompute != "full":
+            layer += memory.fp8_scale_bytes(s, b, h, t, run.precision.fp8_scaling)
         ids = 8 * run.batch.global_batch * s  # a view into the global batch keeps its whole storage
         if t > 1:  # the vocabulary-parallel embedding keeps its local ids and mask
             first = 9 * s * b + 8 * s
@@ -249,7 +237,7 @@ def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
         last = 4 * s * b * h / (t if sp else 1) + 4 * s * b * spec.vocab_rows(t)
     moe = layer  # a MoE block: the dense MLP half's count out, the MoE half's in
     if spec.moe_layers and run.memory.recompute != "full":
-        exact = spec.course and run.precision.dtype == "fp32"
+        exact = spec.course and _fp32_numbers(spec, run)
         vb, drop = (4, False) if exact else (2, not spec.course)
         moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
                                                   drop) / (t if sp else 1)
@@ -322,14 +310,14 @@ def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     lay = run.layout
     # a V's last stage sits on rank 0
     last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))
-    logit = (4 if run.precision.dtype == "fp32" else 2) * (pp_rank == last)
+    logit = (4 if _fp32_numbers(spec, run) else 2) * (pp_rank == last)
     return float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp
 
 
 def activation_model(spec: ModelSpec, run: Run) -> str:
     """Which count the estimate's activations use."""
-    if spec.course and run.precision.dtype == "fp32":
-        return "edu3d's GPT in fp32 (exact)"
+    if spec.course and _fp32_numbers(spec, run):
+        return f"edu3d's GPT in {run.precision.dtype} (exact)"
     return ("edu3d's GPT under autocast (fp32 weights, 16-bit matmuls)" if _autocast(spec, run)
             and run.layout.tp == 1 else "Korthikanti et al. 2022, 16-bit")
 
@@ -340,7 +328,7 @@ def _fullest_states(spec: ModelSpec, run: Run, at: str) -> tuple[dict, ...]:
     """Each pipeline rank's state on its fullest dp rank (ZeRO's shards differ by a few optimizer
     pieces): rank 0 or one in :func:`~edu3d.plan.formulas.shard_starts` (experts': per ``edp``)."""
     lay = run.layout
-    (n, edp), out = shard_sizes(run), []
+    (n, edp), out = lay.hsdp_sizes(run.parallel.hsdp), []
     for r in range(lay.pp):
         weigh = {0}  # for real models, rank 0 stands for all
         if run.parallel.zero and spec.course:
@@ -372,6 +360,25 @@ def estimate(spec: ModelSpec, run: Run, at: str = "peak") -> dict:
                num_params=spec.num_params(), activation_model=activation_model(spec, run),
                active_params=as_moe(spec).active_params())
     return out
+
+
+FP8_WEIGHTS = (".attn.qkv.weight", ".attn.proj.weight", ".mlp.fc.weight", ".mlp.proj.weight")
+
+
+def zero3_gather_bytes(spec: ModelSpec, run: Run, pp_rank: int = 0) -> int:
+    """Bytes one all-gather of all of pipeline rank ``pp_rank``'s ZeRO-3 units fills, as the
+    trace records it (:func:`edu3d.plan.zero_modes.gather_bytes`; forward and backward each
+    gather once per micro-batch, or once per step with ``grad_reduce="per-step"``): fp32
+    weights on this course's GPT (2 bytes on a real model), and under ``--precision fp8``
+    with tensorwise scaling the blocks' linear weights in 1 byte (each block's in a unit of
+    their own, :mod:`edu3d.parallel.fp8.fp8_gather`)."""
+    lay, pb = run.layout, state_bytes(run.precision.dtype, run.training.optimizer,
+                                      _autocast(spec, run))[0]
+    fp8 = run.precision.dtype == "fp8" and run.precision.fp8_scaling == "tensorwise"
+    us = [(u, [(k, n.endswith(FP8_WEIGHTS) and ".experts." not in n) for n, k, _ in ts
+               if not frozen(n, run.memory.freeze)])
+          for u, ts in named_units(spec, run, pp_rank)]
+    return zero_modes.gather_bytes([u for u in us if u[1]], lay.dp * lay.cp, pb, fp8)
 
 
 def estimate_for(run: Run, at: str = "peak") -> dict:

@@ -196,6 +196,16 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     return int(round(values * value_bytes))
 
 
+def fp8_scale_bytes(s: int, b: int, h: int, t: int = 1, scaling: str = "tensorwise") -> int:
+    """What one block's four FP8 layers keep for backward beyond an fp32 block (their fp32
+    inputs are the same tensors): the scales of ``x`` and ``w``, one fp32 number each
+    (tensorwise), or one per token of ``x`` and per output row of ``w`` (rowwise: ``qkv``
+    ``3h/t``, ``fc`` ``4h/t``, the projections ``h`` each). :mod:`edu3d.parallel.fp8`."""
+    if scaling == "tensorwise":
+        return 4 * 2 * 4
+    return 4 * (4 * s * b + 7 * h // t + 2 * h)
+
+
 def autocast_activation_bytes_per_layer(s: int, b: int, h: int, a: int,
                                         recompute: str | None = None) -> int:
     """What one layer of this course's GPT saves under ``torch.autocast`` (bf16 or fp16,

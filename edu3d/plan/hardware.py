@@ -169,3 +169,16 @@ def in_range(value: float, low: float, high: float, key: str, where: str) -> flo
         raise ProfileError(f"{where}: {key} = {value:g} is outside [{low:g}, {high:g}]; "
                            "check the unit (SI: FLOP/s, B/s, B, s)")
     return value
+
+
+def matmul_rate(profile: Profile, precision: str) -> float:
+    """FLOP/s a large matrix product reaches in ``precision``: the peak times the profile's
+    ``matmul_efficiency``. Under ``fp8`` only the blocks' linear layers run at this rate
+    (attention's own products and the LM head stay bf16, torchtitan's recipe). The one
+    efficiency is measured in bf16; FP8 GEMMs reach a little less of their peak (the H100
+    profile's source: 70.9 % against 80.3 %), so the FP8 rate is an upper bound."""
+    peak = profile.peak_flops.get(precision)
+    if peak is None:
+        raise ValueError(f"{profile.name} has no {precision} tensor cores (its peak_flops."
+                         f"{precision} is null): plan it in bf16, or pick an H100-class profile")
+    return peak * profile.matmul_efficiency

@@ -55,7 +55,7 @@ from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
 from edu3d.config.sections import Run
-from edu3d.plan.estimate import MAX_GPUS, estimate, held, hsdp_traffic, setup
+from edu3d.plan.estimate import MAX_GPUS, estimate, held, setup
 from edu3d.plan.formulas import as_moe, divisors
 from edu3d.plan.inventory import frozen_active
 from edu3d.model.shapes import ModelSpec
@@ -107,7 +107,7 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
             ``m``; ``edp``: the routed experts' over ``dp·cp/ep``; under HSDP (``--hsdp R``)
             both within a replica group, and ``dp_replicate``/``edp_replicate`` the
             all-reduce of the gradient shard across the groups
-            (:func:`~edu3d.plan.estimate.hsdp_traffic`);
+            (:func:`~edu3d.plan.zero_modes.hsdp_traffic`);
     ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
             recomputation: its forward runs again);
     ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
@@ -125,7 +125,7 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
         psi = max(held(spec, run, r, experts) for r in range(p))
         out[axis] = zero_modes.dp_wire_bytes(psi, n, par.zero, par.grad_reduce, m)
     if par.hsdp > 1:  # ZeRO within a replica group, one all-reduce of the shard across them
-        by = hsdp_traffic(spec, run)
+        by = zero_modes.hsdp_traffic(spec, run)
         out.update({f"{e}dp": by.get(f"{e}shard", 0.0) for e in ("", "e")},
                    dp_replicate=by["replicate"], edp_replicate=by.get("ereplicate", 0.0))
     k = memory.routed_per_token(spec)

@@ -36,7 +36,8 @@ ZeRO-3 per-microbatch      ``m`` x (2 all-gathers + 1 reduce-scatter)   ``m(N-1)
 =========================  ===========================================  ==================
 
 With 16-bit weights and gradients and ``m = 1`` these are the paper's ``2Ψ`` values
-(DDP, ZeRO-1, ZeRO-2) and ``3Ψ`` (ZeRO-3) times 2 bytes.
+(DDP, ZeRO-1, ZeRO-2) and ``3Ψ`` (ZeRO-3) times 2 bytes. Under FP8 (tensorwise) ZeRO-3
+gathers the blocks' linear weights in 1 byte (:func:`gather_bytes`): half of bf16's.
 
 **HSDP** (``--hsdp R``, :mod:`edu3d.parallel.zero.hybrid`) splits these bytes over two
 groups (:func:`hsdp_wire_bytes`): inside a replica group of ``S = N/R`` ranks, the table's
@@ -58,7 +59,10 @@ plus the ``2Ψ/N`` shard. No torch here.
 
 from __future__ import annotations
 
+from edu3d.config.sections import Run
+from edu3d.model.shapes import ModelSpec
 from edu3d.plan.formulas import zero_bytes
+from edu3d.plan.inventory import held
 
 GRAD_REDUCE = ("per-microbatch", "per-step")
 DEFAULT = "per-microbatch"  # DeepSpeed ZeRO-2/3 and FSDP2's default
@@ -116,6 +120,22 @@ def hsdp_wire_bytes(psi: float, n: int, replicas: int, zero: int, grad_reduce: s
             "replicate": across}
 
 
+def hsdp_traffic(spec: ModelSpec, run: Run, value_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per step under HSDP, by group, in ``value_bytes`` values (16-bit,
+    as :func:`edu3d.plan.search.traffic` counts): ``shard`` and ``replicate`` for the dense
+    units, ``eshard`` and ``ereplicate`` for the experts (:func:`hsdp_wire_bytes` of the
+    fullest pipeline rank's, over the replica groups of
+    :meth:`~edu3d.config.layout.Layout.hsdp_sizes`)."""
+    par, out = run.parallel, {}
+    sizes = run.layout.hsdp_sizes(par.hsdp)
+    for n, prefix, experts in zip(sizes, ("", "e"), (False, True)):
+        psi = max(held(spec, run, r, experts) for r in range(run.layout.pp))
+        got = hsdp_wire_bytes(psi, n, par.hsdp, par.zero, par.grad_reduce, run.microbatches,
+                              value_bytes, value_bytes)
+        out.update({prefix + k: v for k, v in got.items()} if psi else {})
+    return out
+
+
 def step_extra(psi: float, zero: int, grad_reduce: str, m: int, param_bytes: int = 2,
                grad_bytes: int = 2) -> dict[str, float]:
     """What a mode keeps for the whole step beyond the sharded state: per-step ZeRO-2/3 the
@@ -147,3 +167,18 @@ def in_flight_bytes(unit: float, zero: int, grad_reduce: str, m: int, param_byte
     if not holds_step(zero, grad_reduce, m):
         out += grad_bytes * unit + (2 * param_bytes * unit if zero == 3 else 0)
     return out
+
+
+def gather_bytes(units: list, n: int, param_bytes: int, fp8: bool = False) -> int:
+    """Bytes one all-gather of every ZeRO-3 unit fills (each unit's full flat buffer, padded
+    to a multiple of ``n``: what the trace records per gather; a rank sends ``(n-1)/n`` of
+    it). ``units``: ``[(name, [(elements, cast to FP8)])]``. With ``fp8`` (``--precision
+    fp8`` tensorwise, :mod:`edu3d.parallel.fp8.fp8_gather`) a unit's FP8 weights are a unit
+    of their own, 1 byte per element, beside the rest at ``param_bytes``: the weights' share
+    of the ``2p_b`` of the table above becomes ``2·1``."""
+    total = 0
+    for _, tensors in units:
+        low = sum(k for k, cast in tensors if cast) if fp8 else 0
+        rest = sum(k for k, _ in tensors) - low
+        total += param_bytes * -(-rest // n) * n + -(-low // n) * n
+    return total

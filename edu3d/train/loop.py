@@ -37,6 +37,7 @@ from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, no
 from edu3d.model.gpt import GPT
 from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
 from edu3d.model.shapes import num_params_from_config
+from edu3d.parallel.fp8 import end_step
 from edu3d.train import faults, memory_recorder
 from edu3d.train.batching import batch_tokens, global_batch, make_corpus
 from edu3d.train.data import SyntheticCorpus
@@ -94,6 +95,7 @@ def serial_step(model, optimizer, x, y, step: int, run: Run,
         (loss / microbatches).backward()
         total += loss.item() / microbatches
     set_aux_scale(1.0)
+    end_step(model)  # fp8's delayed scaling: this step's amaxes join the histories
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))

@@ -6,7 +6,8 @@ After reading this file you should understand:
   any layout, because a one-stage pipeline *is* gradient accumulation) and the few
   combinations that cannot work, each refused with what would work instead
   (:func:`check_args`, with the mixture-of-experts and context-parallel rules of
-  :mod:`edu3d.train.axis_rules` and the batching rules of :mod:`edu3d.train.batching`);
+  :mod:`edu3d.train.axis_rules`, FP8's of :mod:`edu3d.train.fp8_rules` and the batching
+  rules of :mod:`edu3d.train.batching`);
 * that a run's description (:class:`~edu3d.config.sections.Run`) is *resolved* here, once:
   ``--ep N`` alone becomes ``--dp N --ep N``, ``--resume-step N`` implies ``--resume``, an
   output path becomes absolute;
@@ -36,6 +37,7 @@ from edu3d.model.shapes import COURSE_PRESETS
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
 from edu3d.train.axis_rules import check_cp, check_moe
+from edu3d.train.fp8_rules import check_fp8
 from edu3d.train.pipeline_rules import check_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
@@ -126,6 +128,7 @@ def check_args(run: Run) -> tuple[object, Layout]:
     run = resolve(run)
     lay = run.layout
     check_moe(run)
+    check_fp8(run)
     config = model_config(run)
     par, m = run.parallel, run.microbatches
     lay.validate(config=config, global_batch=run.batch.global_batch, microbatches=m)

@@ -45,6 +45,7 @@ from edu3d.train.optim import (clip_coef, lr_at, make_optimizer, optimizer_kwarg
                                param_groups, set_lr)
 from edu3d.config.sections import Run
 from edu3d.train.step_stats import StepMeter
+from edu3d.parallel.fp8 import end_step
 from edu3d.parallel.grads import GradSync
 from edu3d.parallel.parallelize import parallelize
 from edu3d.parallel.pp.engine import PipelineEngine, scaled_loss
@@ -131,6 +132,7 @@ class Trainer:
         self.grads.zero_grad()
         losses = self.engine.run(batch)
         self.grads.finish()
+        end_step(self.par.module, [self.mesh.groups.get(d) for d in ("tp", "dpcp")])  # fp8
         return self._global_loss(losses, self.device)
 
     def _global_loss(self, losses: list, device) -> torch.Tensor:

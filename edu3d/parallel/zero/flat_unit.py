@@ -19,7 +19,9 @@ After reading this file you should understand the bookkeeping under every ZeRO s
   buffer holds the parameters in that dtype (what forward and backward compute with, and what
   the all-gathers move) and :attr:`FlatUnit.master_init` keeps this rank's shard in the
   parameters' own dtype: the master copy the optimizer steps. The gradient shard of stages
-  2-3 has the master's dtype too, so micro-batches accumulate in full precision.
+  2-3 has the master's dtype too, so micro-batches accumulate in full precision;
+* a unit of **FP8 weights** keeps its fp32 buffer and shard; only its gathers for forward
+  and backward (:attr:`FlatUnit.gather_as`, :mod:`edu3d.parallel.fp8.fp8_gather`) move FP8.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class FlatUnit:
         self.reduced = False  # stages 2-3: reduce-scattered in this step
         self.gathered = True
         self.pending = None  # an asynchronous all-gather in flight (prefetch)
+        self.gather_as = None  # ZeRO-3 in FP8: its gather for compute (edu3d.parallel.fp8)
 
     @property
     def host_param(self) -> torch.Tensor | None:

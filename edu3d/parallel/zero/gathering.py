@@ -14,6 +14,8 @@ unit still runs the whole model (FSDP's unshard / reshard):
 * ``prefetch=True`` starts the next unit's all-gather (asynchronous) while this one
   computes: forward order in forward, reverse order in backward;
 * a freed unit's parameters are empty tensors (:meth:`FlatUnit.free`), safe to touch;
+* a unit that computes in FP8 (:attr:`FlatUnit.gather_as`) is gathered in FP8 for forward
+  and backward; every other gather (a ``state_dict``) moves its exact fp32 shards;
 * ``model.state_dict()`` gathers every freed unit, copies the full tensors into the state
   dict and frees them again: FSDP's ``FULL_STATE_DICT`` (the hooks are in
   :mod:`edu3d.parallel.zero.zero_state`). It is collective: every rank of the group must call
@@ -55,17 +57,21 @@ class Gathering:
         shards = sum(u.shard_param.untyped_storage().nbytes() for u in self.units)
         trace.current().mark_memory("params", params=full + shards)
 
-    def _start(self, u: FlatUnit, async_op: bool):
+    def _start(self, u: FlatUnit, async_op: bool, compute: bool = True):
         u.regrow()
         with trace.current().context(chunk=self.units.index(u)):
+            if compute and u.gather_as is not None:
+                return u.gather_as.start(u, self.group, async_op)
             return comm.all_gather(u.flat_param, u.shard_param, self.group, async_op=async_op)
 
-    def gather(self, u: FlatUnit) -> None:
+    def gather(self, u: FlatUnit, compute: bool = False) -> None:
+        """All-gather ``u``'s parameters (``compute``: for forward or backward, in FP8 where
+        the unit computes in FP8; else its exact shards, as ``state_dict`` needs)."""
         if u.pending is not None:
             u.pending.wait()
             u.pending = None
         elif not u.gathered:
-            self._start(u, async_op=False)
+            self._start(u, async_op=False, compute=compute)
         else:
             return
         u.point_at_views()
@@ -81,7 +87,7 @@ class Gathering:
     def _install_hooks(self) -> None:
         for i, u in enumerate(self.units):
             def before_forward(module, inputs, u=u, i=i):
-                self.gather(u)
+                self.gather(u, compute=True)
                 self._prefetch(i + 1)
 
             def after_forward(module, inputs, output, u=u, i=i):
@@ -106,5 +112,5 @@ class Gathering:
                     self.free(u)
 
     def _before_backward(self, u: FlatUnit, i: int) -> None:
-        self.gather(u)
+        self.gather(u, compute=True)
         self._prefetch(i - 1)
