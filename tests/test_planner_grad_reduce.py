@@ -203,7 +203,7 @@ def test_hsdp_holds_a_replica_groups_shards_and_splits_the_bytes(capsys):
     assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--hsdp", "8"]) == 0
     assert re.search(r"dp \S+ GB, dp_replicate \S+ GB", capsys.readouterr().out)
     assert plan_main(["--params", "7.5e9", "--dp", "64", "--hsdp", "8"]) == 2
-    assert "hsdp=8 shards ZeRO's state within replica groups" in capsys.readouterr().err
+    assert "hsdp=8 shards ZeRO's state in replica groups" in capsys.readouterr().err
 
 
 def test_hsdp_keeps_zero3_on_the_node_and_sends_less_across_nodes():
