@@ -29,7 +29,8 @@ folders listed below it; README's "How the package is organised" says the rules)
                 ch10_performance ch10_performance_grade ch10_performance_hangs ch10_performance_live
                 ch10_performance_verdicts ch11_review ch11_review_grade ch11_review_recipe
                 ch12_mixture_of_experts ch12_mixture_of_experts_grade ch13_context_parallelism
-                ch13_context_parallelism_capstone ch13_context_parallelism_grade grading nbtools
+                ch13_context_parallelism_capstone ch13_context_parallelism_grade
+                ch13_context_parallelism_ring ch00_launching_ranks_text grading nbtools
                 verdict_channel
                                      what each chapter computes and runs; graders
       autograde/  scoring kernel channel hints processes isolate report
@@ -42,8 +43,8 @@ folders listed below it; README's "How the package is organised" says the rules)
                 deepspeed_map
                                      the same layouts on PyTorch's APIs, Accelerate, DeepSpeed
     train/      trainer state_slots full_tensors moe_stats loop preflight axis_rules
-                pipeline_rules fp8_rules data documents batching cut optim faults publish step_stats
-                memory_recorder cuda_memory generation
+                pipeline_rules fp8_rules data text documents batching cut optim faults publish
+                step_stats memory_recorder cuda_memory generation
                                      one Trainer for every layout; one pre-flight; generation
     parallel/   parallelize grads precision recompute optim_state freeze
                                      the one place strategies compose; GradSync
@@ -70,7 +71,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      warm ranks for notebook cells
     distributed/  mesh runtime comm algorithms trace meter
                                      what every rank uses
-    model/      gpt moe shapes param_globs config_schema
+    model/      gpt moe balance shapes param_globs config_schema
                                      the serial reference GPT, mixture of experts, model shapes
     schedules/  actions check simulate partition
                                      pipeline schedules as data

@@ -14,9 +14,11 @@ COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_zygote", "tes
 
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_machine(tmp_path_factory):
-    """One thread per rank, and run folders in a temporary directory, not the checkout."""
+    """One thread per rank, and run folders and prepared text in a temporary directory, not
+    the checkout or the home folder."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["EDU3D_RUNS"] = str(tmp_path_factory.mktemp("runs"))
+    os.environ["EDU3D_DATA"] = str(tmp_path_factory.mktemp("data"))  # prepared text corpora
     yield
 
 

@@ -86,8 +86,11 @@ def test_capacity_formula_and_runs():
 
 
 def test_balance_metrics():
-    assert moe.imbalance([128, 128, 128, 128]) == 1.0 and moe.imbalance([512, 0, 0, 0]) == 4.0
+    assert moe.imbalance([128, 128, 128, 128]) == 1.0
+    assert moe.imbalance([256, 0, 0, 0]) == 4.0  # k = 1: 256 tokens, one expert: E
+    assert moe.imbalance([256, 256, 0, 0]) == 2.0  # k = 2: every token on the same 2: E/k
     assert moe.switch_loss([1, 1, 1, 1], [0.25] * 4, 2) == pytest.approx(1.0)
+    assert moe.switch_loss([256, 256, 0, 0], [0.5, 0.5, 0, 0], 2) == pytest.approx(2.0)
     assert moe.leaving_share([[3, 1], [1, 3]]) == pytest.approx(0.25)
 
 
@@ -103,3 +106,30 @@ def test_expert_parallel_bytes_match_the_formula():
     rec = next(r for r in run.results if r["rank"] == 0)["records"][1]
     assert all(sum(row) == 128 * 2 for row in rec["ep_tokens"])
     assert sorted(r["experts"] for r in run.results) == [[0, 1], [2, 3]]
+
+
+def test_the_takeaways_say_what_their_data_shows():
+    """Chapter 12's computed captions: capacity (drops, distance from dropless), the scopes'
+    means as drawn, memory against the dense model with the active parameters."""
+    rec = lambda dropped, loss: {"dropped": dropped, "loss": loss}  # noqa: E731
+    runs = {0.0: [rec(0, 4.0)] * 2, 0.5: [rec(8, 4.2)] * 2, 2.0: [rec(0, 3.95)] * 2}
+    summary = moe.capacity_summary(runs, tokens=8, k=2)
+    assert summary[0.5] == {"dropped_pct": 50.0, "final": 4.2, "gap": pytest.approx(0.2)}
+    said = moe.capacity_takeaway(summary)
+    assert said.startswith("C = 0.5 drops the most (50.0% of the assignments); C = 2 drops "
+                           "nothing; the final loss lies furthest from dropless at C = 0.5")
+
+    class Run:  # two data ranks, two steps: loads per expert of each rank's micro-batch
+        results = [{"rank": 1, "loads": [[2, 2, 0, 0], [1, 1, 1, 1]]},
+                   {"rank": 0, "loads": [[0, 0, 2, 2], [2, 2, 0, 0]]}]
+    series = moe.scope_series(Run())
+    assert series == {"whole step": [1.0, 1.5], "each rank's micro-batch (busiest)": [2.0, 2.0]}
+    assert moe.scope_takeaway({"global": series}, last=2) == (
+        "busiest expert / mean, last 2 steps; global: whole step 1.25, each rank's micro-batch 2.00")
+
+    rows = [{"name": "dense", "params": 1, "grads": 1, "optimizer": 2},
+            {"name": "MoE, 1 rank", "params": 40, "grads": 40, "optimizer": 80},
+            {"name": "MoE ep=2, rank 0 (experts 0,1)", "params": 25, "grads": 25, "optimizer": 50},
+            {"name": "MoE ep=2, rank 1 (experts 2,3)", "params": 20, "grads": 20, "optimizer": 40}]
+    said = moe.memory_takeaway(rows, {"total": 10, "active": 8})
+    assert said.endswith("one rank 1.25x (above); ep=2 0.78x (below)"), said

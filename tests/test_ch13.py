@@ -12,6 +12,7 @@ import torch
 
 from edu3d.course import ch13_context_parallelism as ch13
 from edu3d.course import ch13_context_parallelism_grade as grader, grading
+from edu3d.course import ch13_context_parallelism_ring as ring
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.parallel.cp import work
@@ -77,7 +78,7 @@ def test_traced_bytes_equal_the_formulas_and_the_ring_steps_read_right():
     _, events = _lesson()
     for rank in range(4):
         assert ch13.impl_bytes(events, rank) == ch13.impl_formulas(32, 4, 32), rank
-    steps = ch13.ring_steps(events, step=1)
+    steps = ring.ring_steps(events, step=1)
     kinds = {}
     for row in steps:
         kinds[(row["rank"], row["phase"], row["kind"])] = \
@@ -135,10 +136,10 @@ def test_panels_redraw_every_knob_and_refuse_with_a_knob_named():
     merge = panels.merge_controls()
     merge.run()
     assert merge.state["seed"] == 1 and merge.demo["error"] < 1e-6
-    costs = panels.cost_controls()
+    costs = panels.exchange_controls()
     costs.redraw(cp=8, heads=4)
     assert "ulysses" not in costs.formulas() and "cp" in costs.message
-    costs.redraw(cp=4, tp=2)
+    costs.redraw(cp=4)
     assert "ulysses" in costs.formulas() and not costs.message
     costs.redraw(cp=16)
     assert costs.run() is None and "cp" in costs.message

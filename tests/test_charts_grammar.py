@@ -225,6 +225,12 @@ BUILDERS.update({
 })
 
 
+def _ring():
+    from edu3d.course import ch13_context_parallelism_ring as ring
+
+    return ring
+
+
 def _ch13():
     from edu3d.course import ch13_context_parallelism as ch13
 
@@ -247,6 +253,13 @@ BUILDERS.update({
         [{"seq_len": s, "cp": c, "measured": 1000 * s // c, "formula": 1000 * s // c}
          for s in (32, 64) for c in (1, 2)]),
     "context.scale_figure": lambda m: m.scale_figure(_ch13().playbook_scale()),
+    "context.ring_work_figure": lambda m: m.ring_work_figure(
+        _ring().ring_step_work(16, 2, "plain"), _ring().ring_step_work(16, 2, "zigzag"),
+        {s: _ring().step_imbalance(_ring().ring_step_work(16, 2, s))
+         for s in ("plain", "zigzag")}),
+    "context.overlap_figure": lambda m: m.overlap_figure(
+        [{"seq_len": s, "tokens": s // 4, "kv_bytes": 64 * s, "attention_ms": s / 100,
+          "transfer_ms": 1.0} for s in (64, 256, 1024)], 256, 4),
 })
 
 

@@ -128,13 +128,18 @@ def panels() -> dict:
         "11 quiz": lambda: ch11_review.controls({"question": "bubble_1f1b"}),
         "12 capacity": lambda: ch12_mixture_of_experts.CapacityControls(
             caps, tokens=8, k=2, experts=4, chosen=1.0),
-        "12 ep": lambda: ch12_mixture_of_experts.ExpertParallelControls(
+        "12 tokens": lambda: ch12_mixture_of_experts.TokenMatrixControls(
+            {2: ep_run(2), 4: ep_run(4)}),
+        "12 timeline": lambda: ch12_mixture_of_experts.DispatchTimelineControls(
             {2: ep_run(2), 4: ep_run(4)}),
         "13 blocks": lambda: ch13_context_parallelism.block_controls(
             dict(cp=4, split="zigzag", seq_len=32)),
         "13 merge": lambda: ch13_context_parallelism.merge_controls(dict(cut=4, seed=0)),
-        "13 costs": lambda: ch13_context_parallelism.cost_controls(
-            dict(cp=4, seq_len=32, heads=4, tp=1)),
+        "13 exchange": lambda: ch13_context_parallelism.exchange_controls(
+            dict(cp=4, seq_len=32, heads=4)),
+        "13 scale": lambda: ch13_context_parallelism.scale_controls(
+            [{"seq_len": s, "cp": c, "measured": 1000 * s // c, "formula": 1000 * s // c}
+             for s in (32, 64) for c in (1, 2, 4)], dict(tp=1, context_k=128)),
     }
 
 

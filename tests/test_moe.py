@@ -1,6 +1,7 @@
 """Mixture of experts: routing, balance losses, capacity, statistics (serial), and expert
 parallelism against the serial layer (one 4-rank launch, workers in tests/workers_moe.py)."""
 
+import io
 import math
 
 import pytest
@@ -8,12 +9,17 @@ import torch
 
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
-from edu3d.model import moe as moe_mod
+from edu3d.model import balance as balance_mod
 from edu3d.model.gpt import (GPT, MLP, PRESETS, GPTConfig, config_from, flops_per_token,
                              num_params)
-from edu3d.model.moe import (AuxLoss, MoE, active_params, capacity_keep, route, set_aux_scale,
-                             total_params)
+from edu3d.model.balance import AuxLoss, set_aux_scale
+from edu3d.model.moe import MoE, active_params, capacity_keep, route, total_params
 from edu3d.parallel.ep import apply_ep, expert_param_names
+from edu3d.config.sections import Run
+from edu3d.train.data import SyntheticCorpus
+from edu3d.train.loop import run as train
+from edu3d.train.preflight import model_config
+from edu3d.train.trainer import Trainer
 from tests.workers_moe import moe_checks
 
 
@@ -104,16 +110,88 @@ def one_hot_layer(E=4, k=1, **kw):
     return layer
 
 
-def test_aux_loss_is_one_balanced_and_E_collapsed():
-    layer = one_hot_layer()
+@pytest.mark.parametrize("k", [1, 2])
+def test_aux_loss_is_one_balanced_and_E_over_k_collapsed(k):
+    """1 at perfect balance; at collapse every token sends its k assignments to the same k
+    experts, f_i = 1/k for them, so the maximum is E/k (4 for top-1, 2 for top-2)."""
+    layer = one_hot_layer(k=k)
     balanced = torch.eye(4).repeat(2, 1).view(1, 8, 4)
     layer(balanced)
     assert layer.take_stats()["aux"] == pytest.approx(1.0, abs=1e-9)
     collapsed = torch.eye(4)[[0] * 8].view(1, 8, 4)
     layer(collapsed)
     stats = layer.take_stats()
+    assert stats["aux"] == pytest.approx(4 / k, abs=1e-9)
+    assert stats["counts"][0] == 8 and stats["counts"].sum() == 8 * k
+    assert stats["forwards"] == 1
+
+
+def router_dtypes(layer, x, **autocast) -> dict:
+    """The dtypes of the router's logits path (probabilities, gates, aux, z) on ``x`` under
+    ``torch.autocast(**autocast)``, and its probabilities."""
+    with torch.autocast("cpu", **autocast):
+        r = layer.route(x.reshape(-1, x.shape[-1]), x.shape[0])
+    return {"probs": r.probs.dtype, "gates": r.gates.dtype, "aux": r.aux.dtype,
+            "z": r.z.dtype}, r.probs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_stays_in_router_dtype_under_autocast(dtype):
+    """Autocast recasts a matmul to 16 bits; the router's logits, softmax and z-loss must
+    not follow it: they come out in fp32, bit for bit what autocast off gives."""
+    cfg = GPTConfig(d_model=16, n_heads=1, n_experts=4, topk=2)
+    layer = MoE(cfg, MLP)
+    x = torch.randn(2, 8, 16, generator=gen(5))
+    got, probs = router_dtypes(layer, x, dtype=dtype)
+    assert set(got.values()) == {torch.float32}, got
+    _, plain = router_dtypes(layer, x, enabled=False)
+    assert torch.equal(probs, plain)
+
+
+def test_bias_balance_counts_the_unbiased_topk_and_defaults_to_no_aux_loss():
+    """DeepSeek-V3, Megatron: with the bias on, the loss's f_i counts the router's own top-k
+    (the bias only selects). Every token prefers expert 0, the bias sends all to expert 2:
+    routed counts say expert 2, the loss sees the collapse on expert 0 (E/k = 4)."""
+    layer = one_hot_layer(E=4, k=1, balance="bias")
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    layer(torch.eye(4)[[0] * 8].view(1, 8, 4))
+    stats = layer.take_stats()
+    assert stats["counts"].tolist() == [0, 0, 8, 0]
     assert stats["aux"] == pytest.approx(4.0, abs=1e-9)
-    assert stats["counts"].tolist() == [8, 0, 0, 0] and stats["forwards"] == 1
+    bias = model_config(Run.of(experts=4, balance="bias"))
+    assert bias.aux_loss_coef == 0.0 and bias.balance == "bias"
+    both = model_config(Run.of(experts=4, balance="bias", aux_loss_coef=1e-3))
+    assert both.aux_loss_coef == 1e-3
+    assert model_config(Run.of(experts=4)).aux_loss_coef == 1e-2
+
+
+def test_sequence_scope_is_the_mean_over_sequences():
+    """--aux-scope sequence: each sequence its own group (DeepSeek-V3's sequence-wise loss):
+    the value and the router's gradient are the mean of one forward per sequence."""
+    x = torch.randn(3, 5, 16, generator=gen(6))
+    kw = dict(d_model=16, n_heads=1, n_experts=4, topk=2, router_dtype="fp64",
+              aux_loss_coef=1.0)
+    seq = MoE(GPTConfig(aux_scope="sequence", **kw), MLP)
+    one = MoE(GPTConfig(**kw), MLP)
+    one.load_state_dict(seq.state_dict())
+    (seq(x) * 0).sum().backward()
+    value = seq.take_stats()["aux"]
+    try:
+        set_aux_scale(1 / 3)
+        values = []
+        for b in range(3):
+            (one(x[b:b + 1]) * 0).sum().backward()
+            values.append(one.take_stats()["aux"])
+    finally:
+        set_aux_scale(1.0)
+    assert value == pytest.approx(sum(values) / 3, rel=1e-12)
+    torch.testing.assert_close(seq.router.weight.grad, one.router.weight.grad, rtol=1e-6,
+                               atol=1e-9)
+    whole = MoE(GPTConfig(**kw), MLP)
+    whole.load_state_dict(seq.state_dict())
+    whole(x)
+    assert abs(whole.take_stats()["aux"] - value) > 1e-4  # the scope changes the loss
 
 
 def test_z_loss_and_aux_scale_reach_the_router():
@@ -140,7 +218,7 @@ def test_auxloss_passes_output_and_gives_scaled_gradient():
     finally:
         set_aux_scale(1.0)
     assert out.grad.tolist() == [1.0, 1.0, 1.0] and aux.grad.item() == pytest.approx(1.5)
-    assert moe_mod.aux_scale() == 1.0
+    assert balance_mod.aux_scale() == 1.0
 
 
 def test_capacity_keeps_highest_gates_ties_to_lower_index():
@@ -271,3 +349,37 @@ def test_sequence_group_equals_serial(ranks, case):
         assert got["aux"] < 1e-12
         assert got["dropped"][0] == got["dropped"][1]
     assert ranks[0]["cp2 cap1.0"]["dropped"][0] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_training_step_routes_in_fp32_under_mixed_precision(precision, monkeypatch):
+    """Through the Trainer's own autocast (``--precision bf16/fp16``): every MoE forward's
+    router probabilities and z-loss are fp32, and the step trains."""
+    seen = []
+    plain_route = MoE.route
+
+    def spy(self, tokens, sequences):
+        r = plain_route(self, tokens, sequences)
+        seen.append({r.probs.dtype, r.z.dtype, r.aux.dtype})
+        return r
+
+    monkeypatch.setattr(MoE, "route", spy)
+    run = Run.of(experts=4, topk=2, layers=2, d_model=32, heads=2, seq=16, vocab=64,
+                 global_batch=4, precision=precision, z_loss_coef=1e-3)
+    config = model_config(run)
+    trainer = Trainer(GPT(config), None, run)
+    x, y = SyntheticCorpus(config.vocab_size, config.seq_len).batch(1, 4)
+    out = trainer.step(x, y, 1)
+    assert len(seen) == 2 and all(s == {torch.float32} for s in seen), seen
+    assert math.isfinite(out["loss"]) and out["aux_loss"] > 0.5
+
+
+@pytest.mark.parametrize("experts, says", [(0, "234,880 parameters"),
+                                           (4, "experts top-2")])
+def test_a_run_names_its_model_in_one_line(experts, says, capsys):
+    """``edu3d train``'s banner on stderr: one line naming the model (a dense model's without
+    the MoE fields), never the configuration's repr."""
+    train(Run.of(experts=experts, steps=1), out=io.StringIO())
+    banner = [line for line in capsys.readouterr().err.splitlines() if "parameters" in line]
+    assert len(banner) == 1 and says in banner[0] and "GPTConfig" not in banner[0], banner
+    assert ("router" in banner[0]) is False and ("experts" in banner[0]) == bool(experts)

@@ -3,7 +3,6 @@ edu3d.launch.api): every layout of a world size runs in one launch, on its own m
 
 from __future__ import annotations
 
-
 import torch
 
 from edu3d.commands.train import parse

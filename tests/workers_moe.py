@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from edu3d.distributed import comm
 from edu3d.model.gpt import MLP, GPTConfig
-from edu3d.model.moe import MoE
+from edu3d.model.moe import MoE, TokenGroups
 from edu3d.parallel.ep import apply_ep, combine, dispatch, expert_param_names
 
 
@@ -108,7 +108,7 @@ def cp_vs_serial(group, members: list[int], rank: int, cap: float) -> dict:
     layer = copy.deepcopy(serial)
     c = members.index(rank)
     pos = torch.tensor([0, 1, 2, 9, 10, 11]) if c == 0 else torch.arange(3, 9)
-    layer.seq_group, layer.positions, layer.collectives = group, pos, comm
+    layer.use_groups(TokenGroups(group, len(members), c, pos, collectives=comm))
 
     x = torch.randn(2, 12, 16, generator=gen(3)).requires_grad_()
     w = torch.randn(2, 12, 16, generator=gen(4))

@@ -7,7 +7,9 @@ After reading this file you should know how to read chapter 12's charts:
 * :func:`gate_histogram` — how sure the router is: the gate of each token's first and second
   choice (with k = 2 and renormalised gates they sum to 1: 0.5/0.5 is a coin toss);
 * :func:`balance_chart` — one line per balancer, the busiest expert's load over the mean per
-  step (1 = perfect balance, E = every token on one expert);
+  step (1 = perfect balance, ``E/k`` = every token on the same k experts);
+* :func:`scope_chart` — the same measure side by side for two ``--aux-scope`` runs: the whole
+  step's loads and the busiest data rank's own micro-batch;
 * :func:`capacity_chart` — for one capacity factor, the share of assignments dropped and the
   loss per step, the dropless run as a grey ghost;
 * :func:`token_matrix` — the all-to-all's rank-to-rank token matrix (row = sender, column =
@@ -57,18 +59,53 @@ def gate_histogram(gates: list[list[float]], *, title: str, takeaway: str):
 
 
 def balance_chart(series: dict[str, list[float]], *, title: str, takeaway: str,
-                  experts: int):
-    """``series[name][step]``: max load / mean load per step, one line per balancer."""
+                  collapse: float):
+    """``series[name][step]``: max load / mean load per step, one line per balancer;
+    ``collapse`` = ``E/k``, the most it can be."""
     fig = go.Figure()
     for i, (name, ys) in enumerate(series.items()):
         fig.add_trace(go.Scatter(x=list(range(1, len(ys) + 1)), y=ys, name=name,
                                  mode="lines", line={"color": LINE_COLORS[i % 5]}))
+    _balance_axes(fig, series.values(), collapse)
+    style.frame(fig, title, takeaway, x="training step", y=BALANCE_AXIS, height=380)
+    return fig
+
+
+BALANCE_AXIS = "busiest / mean load (ratio)"  # short: a rotated title longer than the plot overlaps
+
+
+def _balance_axes(fig, curves, collapse: float, **where) -> None:
+    """The perfect-balance line and a y range from 0.9 to the highest point (at most the
+    collapse value ``E/k``)."""
     fig.add_hline(y=1.0, line={"dash": "dot", "color": style.GREY},
-                  annotation_text="perfect balance", annotation_position="bottom right")
-    style.frame(fig, title, takeaway, x="training step",
-                y="busiest expert / mean load (1 = balanced)", height=340)
-    fig.update_yaxes(range=[0.9, min(experts, 1.1 * max((max(s) for s in series.values()),
-                                                         default=2))])
+                  annotation_text="perfect balance", annotation_position="bottom right",
+                  **where)
+    top = max((max(c) for c in curves if c), default=2)
+    fig.update_yaxes(range=[0.9, min(collapse, 1.1 * top)], **where)
+
+
+def scope_chart(series: dict[str, dict[str, list[float]]], *, title: str, takeaway: str,
+                collapse: float):
+    """``series[scope][curve][step]``: one panel per ``--aux-scope`` run, side by side, the
+    same curves in each (the whole step, each rank's micro-batch), on one y scale."""
+    scopes = list(series)
+    fig = make_subplots(rows=1, cols=len(scopes), shared_yaxes=True,
+                        subplot_titles=[f"--aux-scope {s}" for s in scopes])
+    curves = list(series[scopes[0]])
+    for col, scope in enumerate(scopes, start=1):
+        for i, name in enumerate(curves):
+            ys = series[scope][name]
+            fig.add_trace(go.Scatter(x=list(range(1, len(ys) + 1)), y=ys, name=name,
+                                     legendgroup=name, showlegend=col == 1, mode="lines",
+                                     line={"color": LINE_COLORS[i % 5]}), row=1, col=col)
+    every = [ys for curves_ in series.values() for ys in curves_.values()]
+    for col in range(1, len(scopes) + 1):
+        _balance_axes(fig, every, collapse, row=1, col=col)
+    style.frame(fig, title, takeaway, x="training step", height=400)
+    fig.update_yaxes(title_text=BALANCE_AXIS, row=1, col=1)
+    fig.update_xaxes(dtick=5, tick0=0)  # half-width panels: a tick per step would stand on end
+    top = fig.layout.margin.t
+    fig.update_layout(margin={"t": top + 50})  # the panels' titles under the takeaway
     return fig
 
 

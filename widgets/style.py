@@ -53,6 +53,9 @@ OP_COLORS = {
     "broadcast": "#E5D36B", "send": SEND, "recv": RECV,
     "SEND_F": SEND, "RECV_F": RECV, "SEND_B": SEND, "RECV_B": RECV,
     "barrier": "#D8D3A0",
+    # expert parallelism's all-to-alls (chapter 12): rows out dark, outputs back light, the
+    # tiny exchange of counts before them grey (never an extra colour an optimizer has)
+    "dispatch": SEND, "combine": SAND, "counts": GREY,
     "idle": GREY,
 }
 #: colours for operations that have no fixed colour, handed out in order of first use.

@@ -53,7 +53,7 @@ MUST_MATCH = ("seed", "global_batch", "optimizer", "lr", "weight_decay", "clip",
               "lr_schedule")
 # options added later, that change the computation too: absent from an older manifest means
 # the default (a checkpoint from before --freeze trained every parameter)
-MUST_MATCH_LATER = {"freeze": None}
+MUST_MATCH_LATER = {"freeze": None, "data": "synthetic"}  # --data: what edu3d generate reads
 RANK_FILE = re.compile(r"rank-\d{5}\.pt")  # the only names a manifest may list
 # --incremental (edu3d.ckpt.blobs): a rank's entry is a list of blobs, each named by its
 # sha256 in the checkpoint root's blobs/ folder: a reference is 64 hex digits, never a path

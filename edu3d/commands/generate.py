@@ -6,6 +6,12 @@ is explained): every check before any process starts (the temperature, the check
 and verified, the prompt against its vocabulary, ``--tp`` against its heads), then one
 process, or ``--tp N`` ranks launched with :func:`edu3d.launch.api.launch`, and the new
 token ids printed (``--json``: one object).
+
+A checkpoint trained on the synthetic corpus (:mod:`edu3d.train.data`) reads and writes token
+ids, so a prompt is a list of them, ``"3 17 42"``. One trained on real text (``edu3d train
+--data stdlib`` or ``text:PATH``, its manifest says which) reads bytes: the prompt is text,
+``"def "``, encoded to its UTF-8 bytes (:mod:`edu3d.train.text`), and the bytes generated
+are printed as text after it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from edu3d.config.layout import Layout, LayoutError
 from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPTConfig
 from edu3d.train.generation import generate, load_model, parse_prompt, worker
+from edu3d.train.text import decode, is_text
 
 
 def main_from_args(args) -> int:
@@ -30,7 +37,8 @@ def main_from_args(args) -> int:
                              "(0: greedy; above 0: sample from softmax(logits/T))")
         manifest = read_manifest(args.ckpt, args.step)
         config = GPTConfig(**manifest["config"])
-        prompt = parse_prompt(args.prompt, config.vocab_size)
+        data = manifest["options"].get("data", "synthetic")  # older checkpoints: synthetic
+        prompt = parse_prompt(args.prompt, config.vocab_size, data)
         layout = Layout(tp=args.tp)
         layout.validate(config=config)
         model = load_model(args.ckpt, None, manifest["step"])  # every shard, verified
@@ -49,23 +57,27 @@ def main_from_args(args) -> int:
         except LaunchError as err:
             print(f"edu3d generate: {err}", file=sys.stderr)
             return 1
+    text = is_text(data)
     if args.json:
-        print(json.dumps({"step": manifest["step"], "prompt": prompt, "tokens": tokens}))
+        out = {"step": manifest["step"], "prompt": prompt, "tokens": tokens}
+        print(json.dumps({**out, "text": decode(tokens)} if text else out))
     else:
-        print(" ".join(map(str, tokens)))
+        print(args.prompt + decode(tokens) if text else " ".join(map(str, tokens)))
     return 0
 
 
 def add_subcommand(sub) -> None:
     p = sub.add_parser(
         "generate", help="generate tokens from a checkpoint, serially or under TP",
-        description="Generate tokens from a checkpoint of edu3d train --ckpt-dir. The course's "
-                    "corpus is synthetic token ids, so the prompt is token ids (\"3 17 42\") "
-                    "and the output is the new token ids, space-separated.")
+        description="Generate tokens from a checkpoint of edu3d train --ckpt-dir. A model of "
+                    "the synthetic corpus takes token ids (\"3 17 42\") and prints the new "
+                    "ids, space-separated; a model of real text (--data stdlib or text:PATH) "
+                    "takes text (\"def \") and prints it with what follows.")
     p.add_argument("--ckpt", required=True, help="checkpoint folder (edu3d train --ckpt-dir)")
     p.add_argument("--step", type=step_number, default=None,
                    help="which step (default: the newest)")
-    p.add_argument("--prompt", required=True, help="token ids, e.g. \"3 17 42\"")
+    p.add_argument("--prompt", required=True,
+                   help="token ids, e.g. \"3 17 42\"; text for a model of real text, \"def \"")
     p.add_argument("--tp", type=ranks, default=1, help="tensor-parallel ranks (default: 1)")
     p.add_argument("--max-new-tokens", type=between(0, MAX_NEW_TOKENS), default=16,
                    help="tokens to add (default: 16)")

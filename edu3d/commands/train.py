@@ -35,6 +35,7 @@ from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.launch.cores import RANKS_PER_CORE
 from edu3d.production.torch_check import unsupported
 from edu3d.config.sections import ALIASES, FLAGS, Run
+from edu3d.train.axis_rules import AUX_SCOPES
 from edu3d.train.preflight import (ATTENTION, BATCHING, FAULT_KINDS, GRAD_REDUCE, MIN_VOCAB,
                                    PRESET_NAMES, RECOMPUTE, SCHEDULES, Checked, preflight)
 
@@ -116,13 +117,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     moe.add_argument("--capacity-factor", type=number(0, True, "1.0", 1024), default=0.0,
                      help="each expert takes at most ceil(T*k/E*C) of a micro-batch's T "
                           "tokens, the rest are dropped; 0: dropless" + D)
-    moe.add_argument("--aux-loss-coef", type=number(0, True, "1e-2", 1e3), default=1e-2,
-                     help="weight of the load-balancing loss E*sum(f_i*P_i)" + D)
+    moe.add_argument("--aux-loss-coef", type=number(0, True, "1e-2", 1e3), default=None,
+                     help="weight of the load-balancing loss E*sum(f_i*P_i) (default: 1e-2, "
+                          "or 0 with --balance bias; give both to use both)")
+    moe.add_argument("--aux-scope", choices=AUX_SCOPES, default="microbatch",
+                     help="the tokens the load-balancing loss counts f_i and P_i over. "
+                          "microbatch: each data rank's micro-batch (with its cp ranks), so "
+                          "--dp/--ep N runs equal the serial command with N x --microbatches; "
+                          "sequence: each sequence (DeepSeek-V3), the same in every layout; "
+                          "global: each micro-batch over every dp and cp rank, so a layout "
+                          "equals the serial command with the same --microbatches" + D)
     moe.add_argument("--z-loss-coef", type=number(0, True, "1e-3", 1e3), default=0.0,
                      help="weight of the router z-loss mean(logsumexp(logits)^2)" + D)
     moe.add_argument("--balance", choices=("aux", "bias"), default="aux",
                      help="bias: DeepSeek-V3's aux-loss-free balancing, a per-expert bias "
-                          "used only to choose experts, nudged after each step" + D)
+                          "used only to choose experts, nudged after each step (the aux loss "
+                          "is then off unless --aux-loss-coef is given)" + D)
+    moe.add_argument("--router-dtype", choices=("fp32", "fp64"), default="fp32",
+                     help="the router's logits, softmax and z-loss are computed in this dtype, "
+                          "outside autocast, whatever --precision says" + D)
     opt = parser.add_argument_group("training")
     opt.add_argument("--steps", type=count, default=60, help="training steps" + D)
     opt.add_argument("--seed", type=integer(0, "an integer >= 0", MAX_SEED), default=0,
@@ -131,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="peak learning rate" + D)
     opt.add_argument("--global-batch", type=integer(1, POSITIVE, WIDE), default=8,
                      help="sequences per step, whatever the layout" + D)
+    opt.add_argument("--data", default="synthetic", metavar="synthetic|stdlib|text:PATH",
+                     help="what to train on: the synthetic Markov corpus (known best loss; "
+                          "the parity tests' data), stdlib (the Python standard library's "
+                          "own sources, on every machine) or text:PATH (a UTF-8 file or a "
+                          "folder of them); real text is read as bytes (vocabulary 256), "
+                          "prepared once into a memory-mapped token file" + D)
     opt.add_argument("--warmup", type=integer(0, "an integer >= 0", MAX_COUNT), default=0,
                      help="steps of linear learning-rate warmup" + D)
     opt.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
@@ -166,7 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "(FSDP2's 2-D mesh; needs --zero)" + D)
     par.add_argument("--microbatches", type=integer(1, POSITIVE, WIDE), default=None,
                      help="micro-batches per step, for every layout: without --pp this is "
-                          "gradient accumulation (default: 1, or pp with --pp)")
+                          "gradient accumulation (default: 1, or pp with --pp); with --experts "
+                          "each micro-batch is a group the load balance counts (--aux-scope)")
     par.add_argument("--grad-accum", type=integer(1, POSITIVE, WIDE), default=None,
                      help="the same as --microbatches")
     par.add_argument("--dp-impl", choices=("naive", "flat", "overlap", "bucketed"),
@@ -188,7 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--ep", type=ranks, default=1,
                      help="expert-parallel degree: the experts are shared out over groups of "
                           "ep of the dp x cp ranks (adds no ranks; alone, --ep N means --dp N "
-                          "--ep N)" + D)
+                          "--ep N; the load balance then counts each data rank's micro-batch "
+                          "unless --aux-scope global)" + D)
     par.add_argument("--cp", type=ranks, default=1,
                      help="context-parallel degree: each sequence is split over cp ranks" + D)
     par.add_argument("--cp-impl", choices=("ring", "allgather", "ulysses"), default="ring",
@@ -327,8 +348,8 @@ def trainer_class(run: Run):
 def add_subcommand(sub) -> argparse.ArgumentParser:
     """Register ``train`` on ``edu3d``'s subcommands."""
     p = sub.add_parser("train", help=HELP,
-                       description="Train the reference GPT on the synthetic corpus, serially "
-                                   "or on a parallel layout (dp * tp * pp ranks). With --json, "
+                       description="Train the reference GPT on the synthetic corpus (or real "
+                                   "text, --data), serially or on a parallel layout (dp * tp * pp ranks). With --json, "
                                    "stdout holds exactly one JSON object per step.")
     add_arguments(p)
     p.set_defaults(func=lambda namespace: main_from_args(namespace, p))

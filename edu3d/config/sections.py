@@ -66,7 +66,8 @@ class Model:
     moe_every: int = 1  # block i is a mixture of experts when i % moe_every == 0
     shared_experts: int = 0  # always-on experts beside the routed ones (DeepSeek)
     capacity_factor: float = 0.0  # 0: dropless
-    aux_loss_coef: float = 1e-2  # Switch/GShard load-balancing loss
+    aux_loss_coef: float | None = None  # Switch/GShard loss; None: 1e-2, or 0 with bias
+    aux_scope: str = "microbatch"  # its tokens: "microbatch", "sequence" or "global"
     z_loss_coef: float = 0.0  # router z-loss
     balance: str = "aux"  # or "bias": DeepSeek-V3's aux-loss-free per-expert bias
     router_dtype: str = "fp32"  # "fp64": parity tests score routers in double (no near-tie flips)
@@ -98,6 +99,7 @@ class Batch:
     """The global batch (the same tokens whatever the layout) and how it is cut."""
 
     global_batch: int = 8  # sequences per step
+    data: str = "synthetic"  # or "stdlib", "text:PATH": real text as bytes (edu3d.train.text)
     microbatches: int | None = None  # None: 1, or pp for a pipeline (Run.microbatches)
     batching: str = "fixed"  # or "pad", "bucket", "tokens", "pack"
     max_tokens: int | None = None  # tokens: each micro-batch's rows x longest at most this
@@ -252,6 +254,9 @@ class Run:
         for name, value in flags.items():
             section, attr = FLAGS[name]
             changed.setdefault(section, {})[attr] = value
+        lay = {**dataclasses.asdict(self.layout), **changed.get("layout", {})}
+        if lay["ep"] > 1 and lay["dp"] * lay["cp"] == 1:  # --ep N alone is --dp N --ep N
+            changed["layout"] = {**changed["layout"], "dp": lay["ep"]}
         return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **kw)
                                             for s, kw in changed.items()})
 

@@ -10,9 +10,15 @@ which formula it is held against:
   the first MoE layer on one batch (every token's probabilities, chosen experts and gates);
 * :func:`balance_runs` trains the same model three ways (aux loss off, on, DeepSeek-V3's
   bias) and :func:`imbalance` scores each step by its busiest expert's load over the mean
-  (1 = perfect balance); the Switch loss is ``E · Σ_i f_i · P_i`` (1 when balanced);
+  (1 = perfect balance, ``E/k`` at collapse); the Switch loss is ``E · Σ_i f_i · P_i`` (1
+  when balanced, ``E/k`` at collapse), counted over a *group* of tokens;
+* :func:`scope_runs` launches expert parallelism twice, the load-balancing loss counted over
+  each data rank's micro-batch (``--aux-scope microbatch``) and over the whole step
+  (``global``), and :func:`scope_series` reads the balance of each rank's micro-batch and of
+  the whole step from both (:func:`scope_takeaway` says what they show);
 * :func:`capacity_runs` trains with several capacity factors; an expert keeps at most
   :func:`capacity` ``= ceil(T·k/E · C)`` assignments of a micro-batch's ``T`` tokens;
+  :func:`capacity_summary` reads each run's dropped share and final loss against dropless;
 * :func:`ep_worker` (launched by :func:`launch_ep`) trains the same model with expert
   parallelism: each step's ``ep_tokens`` is the rank-to-rank token matrix of the all-to-all;
   :func:`a2a_bytes` reads what each all-to-all carried from the trace and
@@ -21,7 +27,8 @@ which formula it is held against:
   again in backward; :func:`label_a2a` names the trace's exchanges (dispatch, combine);
 * :func:`memory_rows` sets every rank's measured bytes beside a dense model's: the same
   ``d_model`` (one MLP per block), and a dense model with the MoE's *active* parameters
-  (``16 Ψ_active`` bytes in fp32 AdamW), which is what the MoE costs per token in FLOPs.
+  (``16 Ψ_active`` bytes in fp32 AdamW), which is what the MoE costs per token in FLOPs;
+  :func:`memory_takeaway` compares the rows as drawn.
 """
 
 from __future__ import annotations
@@ -97,7 +104,9 @@ def router_view(model, corpus, step: int = 1, global_batch: int = 8) -> dict:
 
 
 def imbalance(counts: list[int]) -> float:
-    """The busiest expert's load over the mean load (1 = perfect balance, E = collapse)."""
+    """The busiest expert's load over the mean load: 1 at perfect balance, ``E/k`` at
+    collapse (a token sends its k assignments to k different experts, so one expert gets at
+    most every token, ``T``, against a mean of ``T·k/E``)."""
     mean = sum(counts) / len(counts)
     return max(counts) / mean if mean else 1.0
 
@@ -110,7 +119,8 @@ def cv(counts: list[int]) -> float:
 
 def switch_loss(counts: list[int], mean_probs: list[float], k: int) -> float:
     """``E · Σ_i f_i · P_i`` from the loads ``counts`` (``f_i = counts_i / (N·k)``) and the
-    mean probabilities ``P_i``: the Switch/GShard balance loss (1 when balanced)."""
+    mean probabilities ``P_i``: the Switch/GShard balance loss (1 when balanced, ``E/k`` at
+    collapse)."""
     total = sum(counts)
     return len(counts) * sum(c / total * p for c, p in zip(counts, mean_probs))
 
@@ -130,6 +140,31 @@ def capacity_runs(steps: int = 20, factors=FACTORS) -> dict[float, list[dict]]:
     return {c: train_serial(steps, capacity_factor=c)[0] for c in factors}
 
 
+def capacity_summary(runs: dict[float, list[dict]], tokens: int, k: int) -> dict[float, dict]:
+    """Per factor: ``dropped_pct`` (the mean share of the ``tokens·k`` assignments dropped
+    per step), ``final`` (the last step's loss) and ``gap`` (that loss minus dropless's)."""
+    base = runs[0.0][-1]["loss"]
+    return {c: {"dropped_pct": 100 * sum(r["dropped"] for r in recs) / (len(recs) * tokens * k),
+                "final": recs[-1]["loss"], "gap": recs[-1]["loss"] - base}
+            for c, recs in runs.items()}
+
+
+def capacity_takeaway(summary: dict[float, dict]) -> str:
+    """What the capacity runs show, read from :func:`capacity_summary`: the factors that
+    drop nothing, and which factor's final loss lies furthest from dropless."""
+    limited = {c: v for c, v in summary.items() if c > 0}
+    none = [c for c, v in limited.items() if v["dropped_pct"] == 0]
+    far = max(limited, key=lambda c: abs(limited[c]["gap"]))
+    most = max(limited, key=lambda c: limited[c]["dropped_pct"])
+    return (f"C = {most:g} drops the most ({limited[most]['dropped_pct']:.1f}% of the "
+            f"assignments); " + (f"C = {', '.join(f'{c:g}' for c in none)} "
+                                 f"{'drops' if len(none) == 1 else 'drop'} nothing; "
+                                 if none else "every factor drops something; ")
+            + f"the final loss lies furthest from dropless at C = {far:g} "
+            f"({limited[far]['gap']:+.3f} nats), the others within "
+            f"{max(abs(v['gap']) for c, v in limited.items() if c != far):.3f}")
+
+
 def tokens_per_microbatch(args) -> int:
     """``T``: the tokens one rank routes in one forward (its micro-batch of sequences)."""
     m = args.microbatches or 1
@@ -139,16 +174,23 @@ def tokens_per_microbatch(args) -> int:
 # ---- expert parallelism: a launched run --------------------------------------------------
 def ep_worker(mesh, overrides: dict) -> dict:
     """Every rank: train the lesson's MoE on the launched layout (``dp x ep``), each step in
-    the trace; return rank 0's records, this rank's measured bytes and the experts it holds."""
+    the trace; return rank 0's records, this rank's measured bytes, the experts it holds and
+    ``loads``: per step, the assignments its own micro-batch gave each expert (first MoE
+    layer), the group ``--aux-scope microbatch`` balances."""
     args = options(dp=mesh.layout.dp, ep=mesh.layout.ep, **overrides)
     config = model_config(args)
     corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed)
     trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
+    layer = trainer.moe[min(trainer.moe)]
+    loads, before = [], {}
+    layer.register_forward_pre_hook(lambda m, i: before.update(c=m.stats["counts"].clone()))
+    layer.register_forward_hook(
+        lambda m, i, o: loads.append((m.stats["counts"] - before["c"]).tolist()))
     records = loop(trainer, corpus, args)
     held = sorted({int(n.split(".experts.")[1].split(".")[0])
                    for n, _ in trainer.par.module.named_parameters() if ".experts." in n})
     return {"rank": mesh.rank, "records": records, "memory": meter.measure(trainer.tensors()),
-            "experts": held}
+            "experts": held, "loads": loads}
 
 
 def launch_ep(ep: int = 2, dp: int | None = None, steps: int = 3, timeout: float = 120,
@@ -157,6 +199,36 @@ def launch_ep(ep: int = 2, dp: int | None = None, steps: int = 3, timeout: float
     dp = dp or ep
     return launch(ep_worker, dp, args=(dict(steps=steps, **overrides),),
                   layout=Layout(dp=dp, ep=ep), timeout=timeout, echo=False, name=f"ch12-ep{ep}")
+
+
+def scope_runs(steps: int = 20, ep: int = 2, aux_loss_coef: float = 0.1) -> dict:
+    """``{scope: run}``: expert parallelism on ``ep`` ranks with the load-balancing loss
+    (``aux_loss_coef``) counted per data rank's micro-batch and over the whole step."""
+    return {scope: launch_ep(ep, steps=steps, aux_scope=scope, aux_loss_coef=aux_loss_coef)
+            for scope in ("microbatch", "global")}
+
+
+def scope_series(run) -> dict[str, list[float]]:
+    """From one :func:`scope_runs` run, per step: the imbalance of the whole step's
+    assignments (every rank's loads summed: what ``global`` balances) and of the busiest
+    data rank's own micro-batch (what ``microbatch`` balances)."""
+    per_rank = [r["loads"] for r in sorted(run.results, key=lambda r: r["rank"])]
+    steps = range(len(per_rank[0]))
+    whole = [[sum(col) for col in zip(*(loads[s] for loads in per_rank))] for s in steps]
+    return {"whole step": [imbalance(c) for c in whole],
+            "each rank's micro-batch (busiest)": [max(imbalance(loads[s]) for loads in per_rank)
+                                                 for s in steps]}
+
+
+def scope_takeaway(series: dict[str, dict[str, list[float]]], last: int = 10) -> str:
+    """Means over the last ``last`` steps of each scope's two curves, as drawn, one line per
+    scope (``<br>`` between them: the chart's takeaway takes two lines)."""
+    parts = []
+    for scope, curves in series.items():
+        means = {name.split(" (")[0]: sum(v[-last:]) / len(v[-last:])
+                 for name, v in curves.items()}
+        parts.append(f"{scope}: " + ", ".join(f"{name} {m:.2f}" for name, m in means.items()))
+    return f"busiest expert / mean, last {last} steps; " + "<br>".join(parts)
 
 
 def label_a2a(events: list[dict], n_experts: int) -> list[dict]:
@@ -246,3 +318,23 @@ def memory_rows(dense: dict, serial_moe: dict, ep_runs: dict[int, list[dict]],
                                  f"{','.join(map(str, r['experts']))})",
                          **{c: r["memory"][c] for c in cats}})
     return rows
+
+
+def memory_takeaway(rows: list[dict], counts: dict[str, int]) -> str:
+    """What the memory chart shows, read from its ``rows``: each row's bytes against the dense
+    model with the MoE's active parameters (``16 Ψ_active``), the fullest rank of each
+    expert-parallel degree, as the chart prints them (two decimals), on two lines (``<br>``)."""
+    same = 16 * counts["active"]
+    total = {r["name"]: r["params"] + r["grads"] + r["optimizer"] for r in rows}
+    one = next(v for n, v in total.items() if n.startswith("MoE, 1 rank"))
+    degrees = sorted({int(n.split("ep=")[1].split(",")[0]) for n in total if "ep=" in n})
+
+    def versus(x: float) -> str:
+        r = round(x / same, 2)
+        return f"{r:.2f}x (" + ("below" if r < 1 else "equal" if r == 1 else "above") + ")"
+
+    fullest = {ep: max(v for n, v in total.items() if n.startswith(f"MoE ep={ep},"))
+               for ep in degrees}
+    return (f"total {counts['total']:,} params, active {counts['active']:,}<br>a rank against "
+            f"the dense equivalent (16 Ψ_active): one rank {versus(one)}; "
+            + "; ".join(f"ep={ep} {versus(v)}" for ep, v in fullest.items()))

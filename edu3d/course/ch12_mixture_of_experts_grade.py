@@ -28,8 +28,9 @@ import math
 
 import torch
 
+from edu3d.model.balance import set_aux_scale
 from edu3d.model.gpt import MLP, GPTConfig
-from edu3d.model.moe import MoE, capacity_keep, route, set_aux_scale
+from edu3d.model.moe import MoE, capacity_keep, route
 
 LOSS_CASES = [(32, 4, 1, 0.0), (32, 4, 2, 0.0), (48, 8, 2, 0.0), (40, 8, 4, 0.0),
               (64, 4, 2, 3.0), (24, 8, 1, 3.0), (36, 8, 2, 6.0)]  # tokens, E, k, skew

@@ -10,12 +10,17 @@ After reading this file you should know where each of the chapter's numbers come
   the pairs [0, 1] and [2, 3]): the ring's work counter for both splits, a traced forward
   and backward of ring attention (the ring's steps) and of each implementation (bytes and
   step time), each checked against full causal attention;
-* :func:`ring_steps` reads the ring's sends out of that trace; :func:`impl_bytes` sums what
-  each implementation sent, :func:`impl_formulas` predicts it (DESIGN.md "Formulas"):
+* the ring's steps (the trace's sends, the work of each step, when a step hides its transfer)
+  are in :mod:`edu3d.course.ch13_context_parallelism_ring`; the lesson run also probes the
+  overlap condition there (``overlap``);
+* :func:`impl_bytes` sums what each implementation sent, :func:`impl_formulas` predicts it
+  (DESIGN.md "Formulas"):
   ring ``(cp-1)`` sends of K and V, ``2·b·(s/cp)·h`` values each, forward (and in backward
   again, with dK, dV ``cp`` times); all-gather the same K, V once (``(cp-1)/cp`` of
   ``2·b·s·h``), its backward a reduce-scatter of as much; Ulysses four all-to-alls of
-  ``b·s·h/cp`` values (``(cp-1)/cp`` of each leaves the rank), forward and backward;
+  ``b·s·h/cp`` values (``(cp-1)/cp`` of each leaves the rank), forward and backward; its
+  degree divides the heads and, under grouped-query attention, the K/V heads too unless K
+  and V are replicated (:func:`ulysses_degrees`);
 * :func:`merge_demo`: the log-sum-exp merge on one query's real numbers;
 * :func:`activation_sweep` (a launch target) measures what one layer of the GPT saves for
   backward under CP, against :func:`edu3d.plan.formulas.layer_activation_bytes` at
@@ -41,6 +46,7 @@ from edu3d.distributed.trace import wire_bytes
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.cp import (IMPLS, apply_cp, block_attention, cp_core, last_work, merge,
                                positions, split_tokens)
+from edu3d.course.ch13_context_parallelism_ring import overlap_probe
 from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
 
 SPLITS = ("zigzag", "plain")
@@ -135,6 +141,8 @@ def attention_lesson(mesh, repeats: int = 5, **shape) -> dict:
     * ``work[(cp, split)]``: the ring's counter (score entries computed) for cp = 2 and 4;
     * ``errors``: worst relative error against full attention, per impl and split;
     * ``step_ms[impl]``: median forward + backward time at cp = 4 (zigzag);
+    * ``overlap``: one ring step's attention against moving one K, V block, per sequence
+      length, at cp = 4 (:func:`~edu3d.course.ch13_context_parallelism_ring.overlap_probe`);
     * the trace holds step 1 (the ring, cp = 4, zigzag) and steps 2, 3, 4 (ring, allgather,
       ulysses, one each, ``case`` = impl) for :func:`ring_steps` and :func:`impl_bytes`.
     """
@@ -169,40 +177,10 @@ def attention_lesson(mesh, repeats: int = 5, **shape) -> dict:
     dist.barrier()
     with rec.context(step=1, case="ring steps"):
         _fwd_bwd("ring", group, cp_rank, cp, "zigzag", tensors, ref)
+    with trace.use(quiet):
+        res["overlap"] = overlap_probe(group, repeats=repeats)
     res["cp"] = cp
     return res
-
-
-# ---------------------------------------------------------------- section 2: the ring's steps
-
-def ring_steps(events: list[dict], step: int = 1) -> list[dict]:
-    """The ring's K/V transfers in ``step`` of the trace: per rank and phase, its sends in
-    order, numbered by ring step. Each step sends the K, V block it holds (and its
-    positions) to the next rank; in backward the dK, dV sums travel with it."""
-    rows: dict[tuple, list] = {}
-    for ev in sorted(events, key=lambda e: e["t0"]):
-        if ev.get("step") != step or ev.get("op") != "send" or ev.get("group") != "cp":
-            continue
-        rows.setdefault((ev["rank"], ev.get("phase", "forward")), []).append(ev)
-    out = []
-    for (rank, phase), sends in sorted(rows.items()):
-        per_step = 2 if phase == "forward" else 3  # K,V then positions (then dK,dV)
-        last = per_step * (len(sends) // per_step)
-        for i, ev in enumerate(sends):
-            step_i, kind = i // per_step, ("K,V", "positions", "dK,dV")[i % per_step]
-            if i >= last:  # backward's last step: only the sums travel, home
-                kind = "dK,dV"
-            out.append({"rank": rank, "phase": phase, "send": i, "ring_step": step_i,
-                        "kind": kind, "peer": ev["peer"], "bytes": ev["bytes"],
-                        "t0": ev["t0"], "t1": ev["t1"]})
-    return out
-
-
-def ring_schedule(cp: int) -> list[dict]:
-    """The theory: at ring step ``i`` rank ``r`` attends to the K, V block of rank
-    ``(r - i) mod cp`` and sends it on to ``r + 1`` (except after the last step)."""
-    return [{"rank": r, "step": i, "holds": (r - i) % cp, "sends_to": (r + 1) % cp
-             if i < cp - 1 else None} for i in range(cp) for r in range(cp)]
 
 
 # ---------------------------------------------------------------- section 3: the merge
@@ -266,9 +244,13 @@ def impl_formulas(seq_len: int, cp: int, hidden: int, batch: int = 1,
             "ulysses": {"forward": a2a + gathered, "backward": a2a}}
 
 
-def ulysses_degrees(heads: int) -> list[int]:
-    """The cp degrees Ulysses can use with ``heads`` heads per TP rank: the divisors."""
-    return [d for d in range(1, heads + 1) if heads % d == 0]
+def ulysses_degrees(heads: int, kv_heads: int | None = None) -> list[int]:
+    """The cp degrees Ulysses can use with ``heads`` query heads per TP rank: it hands each
+    rank whole heads, so the degree divides them; under grouped-query attention each rank
+    also needs whole K/V heads, so it divides ``kv_heads`` too unless K and V are replicated
+    (sent cp/kv_heads times over)."""
+    return [d for d in range(1, heads + 1)
+            if heads % d == 0 and (kv_heads is None or kv_heads % d == 0)]
 
 
 # ---------------------------------------------------------------- section 5: activation memory

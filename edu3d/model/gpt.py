@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from edu3d.model.config_schema import check_ranges, divisor_advice
+from edu3d.model.balance import SCOPES
 from edu3d.model.moe import MoE, active_params
 
 
@@ -49,6 +50,7 @@ class GPTConfig:
     shared_experts: int = 0     # always-on experts every token also goes through (DeepSeek)
     capacity_factor: float = 0.0  # 0: dropless; C > 0: each expert takes ceil(N*k/E*C)
     aux_loss_coef: float = 1e-2   # Switch/GShard load-balancing loss weight
+    aux_scope: str = "microbatch"  # the tokens it counts: "microbatch", "sequence", "global"
     z_loss_coef: float = 0.0      # ST-MoE router z-loss weight
     balance: str = "aux"        # "aux" (loss only) or "bias" (DeepSeek-V3 selection bias)
     bias_rate: float = 1e-3     # step of the "bias" balancer's update
@@ -71,6 +73,8 @@ class GPTConfig:
         if self.balance not in ("aux", "bias"):
             raise ValueError(f"balance={self.balance!r}: choose 'aux' (the loss alone) or "
                              f"'bias' (DeepSeek-V3's selection bias)")
+        if self.aux_scope not in SCOPES:
+            raise ValueError(f"aux_scope={self.aux_scope!r}: choose one of {', '.join(SCOPES)}")
         if self.router_dtype not in ("fp32", "fp64"):
             raise ValueError(f"router_dtype={self.router_dtype!r}: choose 'fp32' or 'fp64'")
 

@@ -45,14 +45,12 @@ import torch
 import torch.nn as nn
 
 from edu3d.config.sections import Run
-from edu3d.distributed import comm
 from edu3d.distributed.mesh import Mesh
-from edu3d.model.moe import MoE
 from edu3d.parallel.cp.sequence import apply_cp
-from edu3d.parallel.cp.zigzag import positions as cp_positions
 from edu3d.parallel.dp.compress import make_hook
 from edu3d.parallel.dp.data_parallel import DataParallel
-from edu3d.parallel.ep.placement import apply_ep, expert_param_names
+from edu3d.parallel.ep.placement import (apply_ep, apply_token_groups, expert_param_names,
+                                         token_groups)
 from edu3d.parallel.fp8 import apply_fp8, gathered_weights, install, split_units
 from edu3d.parallel.freeze import apply_freeze
 from edu3d.schedules.partition import partition
@@ -241,14 +239,11 @@ def parallelize(model: nn.Module, mesh: Mesh, run: Run, optimizer=None,
         apply_fp8(model, run.precision)
     layout = mesh.layout
     if layout.cp > 1:
-        cp_rank = mesh.index("cp")
-        apply_cp(model, mesh.group("cp"), cp_rank, layout.cp, run.parallel.cp_impl,
+        apply_cp(model, mesh.group("cp"), mesh.index("cp"), layout.cp, run.parallel.cp_impl,
                  run.parallel.cp_split)
-        here = cp_positions(model.config.seq_len, layout.cp, cp_rank, run.parallel.cp_split)
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            moe.seq_group = mesh.group("cp")  # its groups of tokens span the cp ranks
-            moe.positions = torch.tensor(here)
-            moe.collectives = comm  # traced
+    if layout.world_size > 1:  # a mixture of experts' token groups span these ranks
+        apply_token_groups(model, token_groups(mesh, model.config.seq_len,
+                                               run.parallel.cp_split))
     experts = set()
     if layout.ep > 1:
         experts = expert_param_names(model)

@@ -15,6 +15,8 @@ from edu3d.config.sections import Run
 CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
+AUX_SCOPES = ("microbatch", "sequence", "global")  # edu3d.model.balance.SCOPES, without torch
+AUX_COEF = 1e-2  # --aux-loss-coef's default with --balance aux
 
 
 def check_moe(run: Run) -> None:
@@ -22,10 +24,13 @@ def check_moe(run: Run) -> None:
     o, ep = run.model, run.layout.ep
     if o.balance not in BALANCE:
         raise LayoutError(f"--balance {o.balance!r}: choose one of {', '.join(BALANCE)}")
+    if o.aux_scope not in AUX_SCOPES:
+        raise LayoutError(f"--aux-scope {o.aux_scope!r}: choose one of {', '.join(AUX_SCOPES)}")
     if not o.experts:
         moe_only = [f for f, v in (("--ep", ep > 1), ("--shared-experts", o.shared_experts),
                                    ("--capacity-factor", o.capacity_factor),
-                                   ("--balance bias", o.balance == "bias")) if v]
+                                   ("--balance bias", o.balance == "bias"),
+                                   ("--aux-scope", o.aux_scope != "microbatch")) if v]
         if moe_only:
             raise LayoutError(f"{moe_only[0]} needs a mixture of experts: add --experts 4 "
                               "(or another count)")
@@ -47,6 +52,38 @@ def check_moe(run: Run) -> None:
     if run.parallel.sp:
         raise LayoutError("--sp with --experts: the mixture-of-experts layer routes whole "
                           "tokens and edu3d runs it on every tensor-parallel rank; drop --sp")
+
+
+def aux_coef(model) -> float:
+    """The load-balancing loss's weight: ``--aux-loss-coef`` when given, else 1e-2, or 0 with
+    ``--balance bias`` (DeepSeek-V3 balances by the bias alone; ask for both with a
+    coefficient)."""
+    if model.aux_loss_coef is not None:
+        return model.aux_loss_coef
+    return 0.0 if model.balance == "bias" else AUX_COEF
+
+
+def aux_scope_note(run: Run) -> str | None:
+    """One line saying which serial command a mixture-of-experts run equals, when that is
+    not simply the same command on one process: the balance statistics and the capacity
+    count groups of tokens, and a data rank's micro-batch is a group of its own."""
+    o, dp, m = run.model, run.layout.dp, run.microbatches
+    if not o.experts or dp * m == 1:
+        return None
+    capacity = " (--capacity-factor still counts each data rank's micro-batch)" \
+        if o.capacity_factor > 0 and dp > 1 else ""
+    if o.aux_scope == "microbatch":
+        return (f"--aux-scope microbatch counts the load balance over each data rank's "
+                f"micro-batch, {dp} x {m} groups a step: this run equals the serial command "
+                f"with --microbatches {dp * m} and no layout flags; --aux-scope global counts "
+                f"each micro-batch over every rank, as the serial command with --microbatches "
+                f"{m} does{capacity}")
+    if capacity:
+        return (f"--capacity-factor counts each data rank's micro-batch, {dp} x {m} groups a "
+                f"step, whatever --aux-scope says (an expert's buffer is one rank's): this run "
+                f"equals no serial command exactly; with --aux-scope microbatch it equals the "
+                f"serial command with --microbatches {dp * m}")
+    return None
 
 
 def check_cp(run: Run, config) -> None:

@@ -52,6 +52,7 @@ import torch
 from edu3d.config.layout import LayoutError
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.documents import DocumentCorpus
+from edu3d.train.text import TextCorpus
 
 MODES = ("fixed", "pad", "bucket", "tokens", "pack")
 BUCKET_STEPS = 8  # bucket: the documents of this many steps are sorted together
@@ -174,8 +175,11 @@ def check_options(run, config) -> None:
 
 
 # ---- building a step's batch ------------------------------------------------------------------
-def make_corpus(run, config) -> SyntheticCorpus | DocumentCorpus:
-    """The run's corpus: equal sequences (``fixed``) or documents (every other mode)."""
+def make_corpus(run, config) -> SyntheticCorpus | DocumentCorpus | TextCorpus:
+    """The run's corpus: equal sequences (``fixed``), real text (``--data``) or documents
+    (every other mode)."""
+    if run.batch.data != "synthetic":
+        return TextCorpus(run.batch.data, config.seq_len, seed=run.training.seed)
     if run.batch.batching == "fixed":
         return SyntheticCorpus(config.vocab_size, config.seq_len, seed=run.training.seed)
     return DocumentCorpus(config.vocab_size, config.seq_len, seed=run.training.seed,

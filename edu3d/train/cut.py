@@ -4,7 +4,10 @@ After reading this file you should understand the three cuts every step makes, a
 this order, and why the tokens trained on are the serial run's whatever the layout:
 
 1. **dp rows**: data-parallel rank ``i`` of ``dp`` takes rows ``[i·n/dp, (i+1)·n/dp)`` of the
-   global batch's ``n`` (:func:`shard_rows`); the replicas together hold every row once;
+   global batch's ``n`` (:func:`shard_rows`); the replicas together hold every row once.
+   With ``share_each`` (a mixture of experts balanced over the whole step, ``--aux-scope
+   global``) the batch is first cut into the ``m`` micro-batches and the rank takes its share
+   of each: micro-batch j of every rank is then a share of the serial run's micro-batch j;
 2. **cp pieces**: each context-parallel rank of that replica keeps its pieces of every row's
    sequence, the labels cut with their tokens (:func:`edu3d.parallel.cp.split_batch`, the
    zig-zag or plain split of :mod:`edu3d.parallel.cp.zigzag`); the pieces of the ``cp`` ranks
@@ -34,7 +37,8 @@ from edu3d.train.batching import IGNORE, StepBatch, collate, width
 
 
 def cut(x, y, m: int, *, dp_index: int = 0, dp_size: int = 1, cp_rank: int = 0,
-        cp_size: int = 1, split: str = "zigzag", device=None) -> list[tuple]:
+        cp_size: int = 1, split: str = "zigzag", device=None,
+        share_each: bool = False) -> list[tuple]:
     """This rank's ``m`` micro-batches of the global batch ``(x, y)``: ``(x, y)`` tensors
     each, or, for a :class:`~edu3d.train.batching.StepBatch` ``x`` (``y`` is None),
     ``(x, y, doc, weight)`` each (what :class:`~edu3d.parallel.pp.engine.PipelineEngine`
@@ -44,23 +48,27 @@ def cut(x, y, m: int, *, dp_index: int = 0, dp_size: int = 1, cp_rank: int = 0,
         return documents(x, m, dp_index, dp_size, cp_rank, cp_size, split, device)
     if device is not None and device.type == "cuda" and x.device.type == "cpu":
         x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
-    xs, ys = shard_rows(x, dp_index, dp_size), shard_rows(y, dp_index, dp_size)
+    pieces = m if share_each else 1  # its share of each micro-batch, or of the whole batch
+    xs, ys = shard_rows(x, dp_index, dp_size, pieces), shard_rows(y, dp_index, dp_size, pieces)
     if cp_size > 1:  # this rank's pieces of every sequence
         xs, ys = split_batch(xs, ys, cp_size, cp_rank, split)
     return microbatches(xs, ys, m)
 
 
-def shard_rows(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Rows ``[index * n/count, (index+1) * n/count)`` of ``t``: data-parallel rank ``index``'s
-    share of a global batch of ``n`` rows."""
+def shard_rows(t: torch.Tensor, index: int, count: int, pieces: int = 1) -> torch.Tensor:
+    """Data-parallel rank ``index``'s share of a global batch of ``n`` rows: rows ``[index ·
+    n/count, (index+1) · n/count)``. With ``pieces`` > 1 the batch is first cut into that many
+    equal pieces (the step's micro-batches) and the rank takes its share of each, in order."""
     rows = t.shape[0]
-    if rows % count:
-        raise ValueError(f"{rows} rows do not split evenly over {count} data-parallel ranks; "
-                         f"use a global batch that is a multiple of {count}")
+    if rows % (count * pieces):
+        raise ValueError(f"{rows} rows do not split evenly over {count} data-parallel ranks"
+                         + (f" x {pieces} micro-batches" if pieces > 1 else "")
+                         + f"; use a global batch that is a multiple of {count * pieces}")
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is outside 0..{count - 1}")
-    n = rows // count
-    return t[index * n:(index + 1) * n]
+    n = rows // (count * pieces)
+    shares = [p[index * n:(index + 1) * n] for p in t.chunk(pieces)]
+    return shares[0] if pieces == 1 else torch.cat(shares)
 
 
 def microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

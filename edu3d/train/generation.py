@@ -30,6 +30,7 @@ import torch.distributed as dist
 from edu3d.ckpt.export import state_dict
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import apply_tp
+from edu3d.train.text import encode, is_text
 
 
 def load_model(ckpt_dir, mesh=None, step: int | None = None):
@@ -76,8 +77,13 @@ def worker(mesh, options: dict) -> list[int]:
                     options["temperature"], options["seed"], mesh)
 
 
-def parse_prompt(text: str, vocab_size: int) -> list[int]:
-    """``"3 17 42"`` (or ``"3,17,42"``) -> token ids, checked against the vocabulary."""
+def parse_prompt(text: str, vocab_size: int, data: str = "synthetic") -> list[int]:
+    """``"3 17 42"`` (or ``"3,17,42"``) -> token ids, checked against the vocabulary; for a
+    model of real text (``data``: ``stdlib`` or ``text:PATH``), the prompt's UTF-8 bytes."""
+    if is_text(data):
+        if not text:
+            raise ValueError("--prompt is empty: give the start of a text, e.g. \"def \"")
+        return encode(text)
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:

@@ -35,7 +35,8 @@ from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch import live
 from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, node_args
 from edu3d.model.gpt import GPT
-from edu3d.model.moe import MoE, active_params, set_aux_scale, total_params
+from edu3d.model.balance import set_aux_scale
+from edu3d.model.moe import MoE, active_params, total_params
 from edu3d.model.shapes import num_params_from_config
 from edu3d.parallel.fp8 import end_step
 from edu3d.train import faults, memory_recorder
@@ -84,9 +85,9 @@ def serial_step(model, optimizer, x, y, step: int, run: Run,
 
     A dense model gives the same step whatever ``microbatches`` is (the batch's rows in that
     many equal pieces, each loss divided by their number). A mixture of experts does not:
-    its load-balancing loss and its capacity limit count the tokens of one forward, a
-    micro-batch. So the reference for a layout whose ranks each run ``b`` rows at a time
-    runs ``rows / b`` micro-batches (:func:`reference_microbatches`)."""
+    its load-balancing loss (``--aux-scope microbatch``) and its capacity limit count the
+    tokens of one forward, a micro-batch. So the reference for a layout whose ranks each run
+    ``b`` rows at a time runs ``rows / b`` micro-batches (:func:`reference_microbatches`)."""
     optimizer.zero_grad(set_to_none=True)
     set_aux_scale(1.0 / microbatches)
     total = 0.0
@@ -109,8 +110,12 @@ def serial_step(model, optimizer, x, y, step: int, run: Run,
 
 def reference_microbatches(run: Run) -> int:
     """How many micro-batches the serial reference of ``run``' layout runs: one per
-    micro-batch of every data-parallel rank (what a mixture of experts' token groups need)."""
-    return run.layout.dp * run.microbatches
+    micro-batch of every data-parallel rank (what a mixture of experts' token groups need),
+    or, under ``--aux-scope global`` without a capacity limit split over data ranks, the
+    layout's own count: each micro-batch is then one group over every rank, as serially."""
+    dp, m = run.layout.dp, run.microbatches
+    whole = run.model.aux_scope == "global" and (run.model.capacity_factor == 0 or dp == 1)
+    return m if whole else dp * m
 
 
 def train_step(model, optimizer, x, y, step: int, run: Run,
@@ -254,13 +259,21 @@ def _write_timeline(memory, run: Run, records: list[dict], out) -> None:
 
 
 def _describe(run, config, corpus) -> None:
+    """One line on stderr naming the model (not its whole config), its size and the losses
+    to expect."""
+    c = config
+    shape = (f"{c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, seq {c.seq_len}, "
+             f"vocab {c.vocab_size}")
     params = f"{num_params_from_config(config):,} parameters"
-    if getattr(config, "n_experts", 0):
+    if c.n_experts:
+        shape += f", {c.n_experts} experts top-{c.topk}"
         params = (f"{total_params(config):,} parameters, {active_params(config):,} active per "
                   "token")
-    print(f"{run.model.preset} {config}: {params}; loss at "
-          f"init ~ ln(vocab) = {math.log(config.vocab_size):.2f}, best possible "
-          f"{corpus.entropy_floor():.2f} nats", file=sys.stderr, flush=True)
+    floor = corpus.entropy_floor()
+    best = f"best possible {floor:.2f} nats" if floor is not None else \
+        f"{run.batch.data}: real text, no known floor"
+    print(f"{run.model.preset} ({shape}): {params}; loss at init ~ ln(vocab) = "
+          f"{math.log(config.vocab_size):.2f}, {best}", file=sys.stderr, flush=True)
 
 
 def run(job: Run | Checked, out=None, trainer_class=Trainer) -> list[dict]:

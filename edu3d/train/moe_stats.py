@@ -34,7 +34,7 @@ def router_stats(moe: dict, moe_layers: list[int], config, mesh) -> dict:
     capacity limit, over all ranks and micro-batches (they add up to tokens x topk);
     ``dropped``: that layer's assignments the capacity limit dropped; ``aux_loss`` and
     ``z_loss``: means over layers and micro-batches (the load-balancing loss is 1 at
-    perfect balance, E when every token picks the same experts); ``ep_tokens``: under
+    perfect balance, E/k when every token picks the same k experts); ``ep_tokens``: under
     expert parallelism, tokens each rank of the first expert-parallel group sent to each
     (row: sender, column: receiver), for the first MoE layer."""
     n, experts = len(moe_layers), config.n_experts

@@ -36,7 +36,7 @@ from edu3d.launch.api import check_launch, node_args
 from edu3d.model.shapes import COURSE_PRESETS
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
-from edu3d.train.axis_rules import check_cp, check_moe
+from edu3d.train.axis_rules import aux_coef, aux_scope_note, check_cp, check_moe
 from edu3d.train.fp8_rules import check_fp8
 from edu3d.train.pipeline_rules import check_pipeline
 
@@ -83,9 +83,8 @@ def preflight(run: Run, available: int | None = None) -> Checked:
         from edu3d.ckpt.format import check_ckpt_dir  # torch: the checkpoint's format
 
         resume_step = check_ckpt_dir(run, config)
-    warning = oversubscribed(lay)
-    return Checked(run, config, need, tuple(frozen), resume_step,
-                   (warning,) if warning else ())
+    warnings = tuple(w for w in (oversubscribed(lay), aux_scope_note(run)) if w)
+    return Checked(run, config, need, tuple(frozen), resume_step, warnings)
 
 
 def model_config(run: Run):
@@ -94,15 +93,18 @@ def model_config(run: Run):
     from edu3d.model.gpt import config_from  # torch: the model module
 
     m = run.model
+    vocab = m.vocab
+    if vocab is None and run.batch.data != "synthetic":  # real text: byte tokens
+        vocab = 256  # edu3d.train.text.VOCAB
     config = config_from(m.preset, layers=m.layers, heads=m.heads, d_model=m.d_model,
-                         seq=m.seq, vocab=m.vocab, tie=m.tie, vocab_pad=m.vocab_pad)
+                         seq=m.seq, vocab=vocab, tie=m.tie, vocab_pad=m.vocab_pad)
     if not m.experts:
         return config
     return dataclasses.replace(
         config, n_experts=m.experts, topk=m.topk, moe_every=m.moe_every,
         shared_experts=m.shared_experts, capacity_factor=m.capacity_factor,
-        aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef, balance=m.balance,
-        router_dtype=m.router_dtype)
+        aux_loss_coef=aux_coef(m), aux_scope=m.aux_scope, z_loss_coef=m.z_loss_coef,
+        balance=m.balance, router_dtype=m.router_dtype)
 
 
 # ---- the composition rules -----------------------------------------------------------------
@@ -184,8 +186,10 @@ def check_args(run: Run) -> tuple[object, Layout]:
     check_fast_path(run)
     check_nodes(run, lay)
     from edu3d.train.batching import check_options  # torch, as model_config
+    from edu3d.train.text import check_data  # torch and numpy: the token file
 
     check_options(run, config)
+    check_data(run, config)
     return config, lay
 
 

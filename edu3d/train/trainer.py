@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from edu3d.model.gpt import set_attention
-from edu3d.model.moe import MoE, set_aux_scale
+from edu3d.model.balance import set_aux_scale
+from edu3d.model.moe import MoE
 from edu3d.distributed import trace
 from edu3d.train import full_tensors, state_slots
 from edu3d.train.cut import cut
@@ -92,6 +93,9 @@ class Trainer:
         self.moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
         self.moe = {int(name.split(".")[-2]): m for name, m in self.par.module.named_modules()
                     if isinstance(m, MoE)}  # serial layer number -> this rank's MoE layer
+        # --aux-scope global: micro-batch j of the step is the serial run's micro-batch j,
+        # shared out over the data ranks, so its balance statistics are the serial ones
+        self._global_balance = bool(self.moe_layers) and config.aux_scope == "global"
 
     def _shard_optimizer(self, params: list) -> dict:
         """ZeRO's optimizer for ``params``: this run's rule, decay on matrices only."""
@@ -126,7 +130,8 @@ class Trainer:
         m = self.run.microbatches
         batch = cut(x, y, m, dp_index=self.dp_index, dp_size=self.dp_size,
                     cp_rank=self.mesh.index("cp"), cp_size=self.cp_size,
-                    split=self.run.parallel.cp_split, device=self.device)
+                    split=self.run.parallel.cp_split, device=self.device,
+                    share_each=self._global_balance)
         if self.moe:  # the balancing terms reach backward scaled like the loss
             set_aux_scale(float(self.precision.scale) / m)
         self.grads.zero_grad()

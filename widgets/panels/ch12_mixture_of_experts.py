@@ -3,13 +3,17 @@ expert-parallel degree against the all-to-all's token matrix and timeline.
 
 After reading this file you should know what the knobs change:
 
-* :class:`CapacityControls`: the capacity factor picks one of the recorded runs
+* :class:`CapacityControls`: the capacity-factor dropdown picks one of the recorded runs
   (:func:`edu3d.course.ch12_mixture_of_experts.capacity_runs`) and redraws its dropped
   share and loss over the dropless run at once, with the capacity ``ceil(T·k/E · C)``
   printed; "run it" retrains the chosen factor now (in this process, a few seconds);
-* :class:`ExpertParallelControls`: ``ep`` picks one of the recorded expert-parallel runs
-  and redraws its rank-to-rank token matrix and one step's timeline; "run it" launches that
-  degree again (``ep`` ranks).
+* :class:`TokenMatrixControls` (section 4): ``ep`` picks one of the recorded
+  expert-parallel runs and redraws its rank-to-rank token matrix; "run it" launches that
+  degree again (``ep`` ranks);
+* :class:`DispatchTimelineControls` (section 5): the same runs, one step's timeline with
+  each MoE layer's counts, dispatch and combine on the communication lane.
+
+Every takeaway that states a number is computed from the data the figure draws.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from edu3d.widgets.experts import capacity_chart, token_matrix
 from edu3d.widgets.panels.panel import Panel
 from edu3d.widgets.timeline import step_events, timeline_figure
 
-EP_OPS = ("F", "B", "optimizer", "counts", "dispatch", "combine", "combine (bwd)",
-          "dispatch (bwd)", "all_reduce", "broadcast")
+EP_OPS = ("F", "B", "optimizer", "counts", "dispatch", "combine", "all_reduce", "broadcast")
+BACKWARD = {"dispatch (bwd)": "dispatch", "combine (bwd)": "combine"}  # drawn as their op
+LEGEND_HEIGHT = 440  # px: idle and every op above stand in one column beside the lanes
 
 
 def capacity_series(runs: dict[float, list[dict]], tokens: int, k: int) -> dict:
@@ -32,7 +37,7 @@ def capacity_series(runs: dict[float, list[dict]], tokens: int, k: int) -> dict:
 
 
 class CapacityControls(Panel):
-    """A capacity-factor slider over recorded runs; "run it" retrains the chosen factor."""
+    """A capacity-factor dropdown over recorded runs; "run it" retrains the chosen factor."""
 
     FIGURES = ("figure",)
     tooltip = "train the chosen capacity factor again, now"
@@ -75,34 +80,17 @@ class CapacityControls(Panel):
 
 
 class ExpertParallelControls(Panel):
-    """``ep`` picks a recorded expert-parallel run: its token matrix and one step's timeline."""
-
-    FIGURES = ("matrix_fig", "timeline_fig")
+    """``ep`` picks one of the recorded expert-parallel runs (``{ep: run}``) and its record
+    of ``step``; "run it" launches that degree again. Subclasses draw it."""
 
     def __init__(self, runs: dict[int, object], step: int = 2, ep: int = 2):
         super().__init__({"ep": ep})
         self.runs, self.step = dict(runs), step
-        self.matrix_fig = self.timeline_fig = None
         self.redraw()
 
-    def redraw(self, **changes) -> None:
-        self.state.update(changes)
-        ep = self.state["ep"]
-        run = self.runs[ep]
-        rec = next(r for r in run.results if r["rank"] == 0)["records"][self.step - 1]
-        share = moe.leaving_share(rec["ep_tokens"])
-        self.matrix_fig = token_matrix(
-            rec["ep_tokens"], title=f"Tokens sent rank to rank, ep={ep}, step {self.step}",
-            takeaway=f"{100 * share:.0f}% of the tokens leave their rank (formula for balanced "
-                     f"routing: (EP-1)/EP = {100 * (ep - 1) / ep:.0f}%)")
-        events = moe.label_a2a(run.events(), len(rec["tokens_per_expert"]))
-        self.timeline_fig = timeline_figure(
-            step_events(events, self.step), ops=[o for o in EP_OPS if any(
-                e["op"] == o for e in events)],
-            title=f"One step on {ep} ranks with expert parallelism (step {self.step})",
-            takeaway="each MoE layer: dispatch and combine in forward, the same two "
-                     "exchanges in reverse in backward")
-        self.say("")
+    def record(self) -> dict:
+        run = self.runs[self.state["ep"]]
+        return next(r for r in run.results if r["rank"] == 0)["records"][self.step - 1]
 
     def run(self, timeout: float = 120):
         ep = self.state["ep"]
@@ -120,3 +108,46 @@ class ExpertParallelControls(Panel):
     def knobs(self) -> dict:
         return {"ep": w.Dropdown(options=sorted(self.runs), value=self.state["ep"],
                                  description="ep")}
+
+
+class TokenMatrixControls(ExpertParallelControls):
+    """Section 4: the all-to-all's rank-to-rank token matrix of the chosen run."""
+
+    FIGURES = ("matrix_fig",)
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        ep, rec = self.state["ep"], self.record()
+        share = moe.leaving_share(rec["ep_tokens"])
+        self.matrix_fig = token_matrix(
+            rec["ep_tokens"], title=f"Tokens sent rank to rank, ep={ep}, step {self.step}",
+            takeaway=f"{100 * share:.0f}% of the tokens leave their rank (formula for balanced "
+                     f"routing: (EP-1)/EP = {100 * (ep - 1) / ep:.0f}%)")
+        self.say("")
+
+
+class DispatchTimelineControls(ExpertParallelControls):
+    """Section 5: one step of the chosen run, every rank's compute and communication."""
+
+    FIGURES = ("timeline_fig",)
+
+    def events(self) -> list[dict]:
+        """The step's trace, each all-to-all named (backward's exchanges under their
+        forward name: the compute lane above says which pass they are in)."""
+        run = self.runs[self.state["ep"]]
+        labelled = moe.label_a2a(run.events(), len(self.record()["tokens_per_expert"]))
+        return [{**e, "op": BACKWARD.get(e["op"], e["op"])}
+                for e in step_events(labelled, self.step)]
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        ep, events = self.state["ep"], self.events()
+        shown = [o for o in EP_OPS if any(e["op"] == o for e in events)]
+        per_rank = sum(1 for e in events if e["op"] == "dispatch" and e["rank"] == 0)
+        self.timeline_fig = timeline_figure(
+            events, ops=shown, height=max(LEGEND_HEIGHT, 120 + 34 * 2 * ep),
+            title=f"One step on {ep} ranks with expert parallelism (step {self.step})",
+            takeaway=f"rank 0 dispatched {per_rank} times and combined "
+                     f"{sum(1 for e in events if e['op'] == 'combine' and e['rank'] == 0)} "
+                     "times: each MoE layer's pair in forward, again in backward")
+        self.say("")

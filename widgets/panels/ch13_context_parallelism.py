@@ -7,10 +7,15 @@ After reading this file you should know what the knobs change:
   "run it" launches ``cp`` ranks of ring attention and draws their counters beside them;
 * :class:`MergeControls` (section 3): where the keys are cut and which numbers redraw the
   merge of one query's two partial results; the button draws new numbers;
-* :class:`CostControls` (sections 4 and 5): cp, the sequence and the heads redraw the bytes
+* :class:`ExchangeControls` (section 4): cp, the sequence and the heads redraw the bytes
   ring, all-gather and Ulysses send per layer (formulas; Ulysses left out, with the reason,
-  when cp exceeds the heads) and, with tp, the activation memory of Llama 3 8B at 128k tokens
-  per GPU; "run it" launches the three exchanges on cp ranks and draws the measured bytes.
+  when cp does not divide the heads); "run it" launches the three exchanges on cp ranks and
+  draws the measured bytes;
+* :class:`ScaleControls` (section 5): one layer's measured activations against s and cp, and
+  the same law at Llama 3 8B's size: tp and the context length redraw its activations per GPU
+  for each cp degree; "run it" measures the layer again.
+
+Every takeaway that states a number or a comparison is computed from the data drawn.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import ipywidgets as w
 
 from edu3d.course import ch13_context_parallelism as ch13
 from edu3d.parallel.cp import IMPLS, check, positions, work
-from edu3d.widgets.context import (exchange_figure, merge_figure, scale_figure,
-                                   score_blocks_figure)
+from edu3d.widgets.context import (activation_figure, exchange_figure, merge_figure,
+                                   scale_figure, score_blocks_figure)
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel, choices
 
 HEAD_DIM = ch13.LESSON["head_dim"]
@@ -117,19 +122,18 @@ class MergeControls(Panel):
                                     description="numbers")}
 
 
-class CostControls(Panel):
-    """cp, sequence, heads, tp -> bytes per exchange and activation memory at scale."""
+class ExchangeControls(Panel):
+    """cp, sequence, heads -> the bytes each exchange sends per layer (section 4)."""
 
-    FIGURES = ("bytes_fig", "scale_fig")
-    knob_rows = (("cp", "seq_len", "heads"), ("tp", "run"))
+    FIGURES = ("bytes_fig",)
 
     def __init__(self, default: dict | None = None):
-        super().__init__({"cp": 4, "seq_len": 32, "heads": 4, "tp": 1, **(default or {})})
-        self.bytes_fig = self.scale_fig = None
+        super().__init__({"cp": 4, "seq_len": 32, "heads": 4, **(default or {})})
+        self.bytes_fig = None
         self.redraw()
 
     def impls(self) -> list[str]:
-        """The implementations the current cp can run (Ulysses needs cp <= heads)."""
+        """The implementations the current cp can run (Ulysses needs cp to divide heads)."""
         return [i for i in IMPLS if i != "ulysses" or self.state["heads"] % self.state["cp"]
                 == 0]
 
@@ -146,8 +150,6 @@ class CostControls(Panel):
             f"divide heads={s['heads']} (Ulysses degrees: "
             f"{ch13.ulysses_degrees(s['heads'])}); raise heads or lower cp")
         self.bytes_fig = exchange_figure(None, self.formulas(), cp=s["cp"])
-        self.scale_fig = scale_figure(ch13.playbook_scale(tp=s["tp"]),
-                                      name=f"Llama 3 8B, tp={s['tp']}")
         self.say(note)
 
     def run(self, timeout: float = 120):
@@ -180,9 +182,47 @@ class CostControls(Panel):
                 "seq_len": w.Dropdown(options=choices([32, 64, 128, 256], s["seq_len"]),
                                       value=s["seq_len"], description="seq_len"),
                 "heads": w.Dropdown(options=choices([1, 2, 4, 8], s["heads"]),
-                                    value=s["heads"], description="heads"),
-                "tp": w.Dropdown(options=choices([1, 2, 4, 8], s["tp"]), value=s["tp"],
-                                 description="8B's tp")}
+                                    value=s["heads"], description="heads")}
+
+
+class ScaleControls(Panel):
+    """Section 5: one layer's measured activations against s and cp (``sweep``, rows of
+    :func:`~edu3d.course.ch13_context_parallelism.activation_sweep`), and the same law at
+    Llama 3 8B's size: tp and the context length redraw its activations per GPU; "run it"
+    measures the tiny layer again on 4 ranks."""
+
+    FIGURES = ("memory_fig", "scale_fig")
+
+    def __init__(self, sweep: list[dict], default: dict | None = None):
+        super().__init__({"tp": 1, "context_k": 128, **(default or {})})
+        self.sweep = sweep
+        self.memory_fig = self.scale_fig = None
+        self.redraw()
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        tp, tokens = self.state["tp"], self.state["context_k"] * 1024
+        self.memory_fig = activation_figure(self.sweep, extra=ch13.ring_extra_bytes)
+        self.scale_fig = scale_figure(ch13.playbook_scale(tp=tp, model={"seq_len": tokens}),
+                                      name=f"Llama 3 8B, tp={tp}", seq_len=tokens)
+        self.say("")
+
+    def run(self, timeout: float = 120):
+        self.say("measuring one layer's activations on 4 ranks ...")
+        run = self.launch(ch13.activation_sweep, 4, timeout=timeout)
+        if run is None:
+            return None
+        self.result, self.sweep = run, run.results[0]
+        self.redraw()
+        self.say(f"measured {len(self.sweep)} settings in {run.elapsed_s:.0f} s")
+        return run
+
+    def knobs(self) -> dict:
+        s = self.state
+        return {"tp": w.Dropdown(options=choices([1, 2, 4, 8], s["tp"]), value=s["tp"],
+                                 description="8B's tp"),
+                "context_k": w.Dropdown(options=choices([32, 128, 512, 1024], s["context_k"]),
+                                        value=s["context_k"], description="8B's context (k)")}
 
 
 def block_controls(default: dict | None = None) -> BlockControls:
@@ -195,6 +235,11 @@ def merge_controls(default: dict | None = None) -> MergeControls:
     return MergeControls(default)
 
 
-def cost_controls(default: dict | None = None) -> CostControls:
-    """Sections 4 and 5's controls."""
-    return CostControls(default)
+def exchange_controls(default: dict | None = None) -> ExchangeControls:
+    """Section 4's controls."""
+    return ExchangeControls(default)
+
+
+def scale_controls(sweep: list[dict], default: dict | None = None) -> ScaleControls:
+    """Section 5's controls, drawn from the measured ``sweep`` first."""
+    return ScaleControls(sweep, default)

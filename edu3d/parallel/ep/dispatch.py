@@ -16,9 +16,9 @@ After reading this file you should understand:
   elements that belong to other ranks' experts, forward and again in backward.
 
 The source keeps the gates: :meth:`edu3d.model.moe.MoE.forward` sorts its assignments by
-expert, hands the rows to :class:`ExpertDispatcher` (installed by
-:func:`edu3d.parallel.ep.placement.apply_ep`) and weights what comes back, exactly as it does
-when every expert is local.
+expert, dispatches the rows through :class:`ExpertDispatcher` (installed by
+:func:`edu3d.parallel.ep.placement.apply_ep`), runs the experts it holds, combines, and
+weights what comes back, exactly as it does when every expert is local.
 """
 
 from __future__ import annotations
@@ -69,17 +69,33 @@ def combine(y_local: torch.Tensor, route: Route, group) -> torch.Tensor:
 
 
 class ExpertDispatcher:
-    """``MoE.dispatcher`` under expert parallelism: ``dispatcher(layer, xs, per_expert)``
-    runs every row on the rank holding its expert and returns the outputs in ``xs``'s order;
-    it adds the rows sent to each rank to the layer's ``matrix`` statistic (this rank's row)."""
+    """``MoE.dispatcher`` under expert parallelism, over ``group`` (this rank is ``ep_rank`` of
+    ``ep``): :meth:`dispatch` sends each row to the rank holding its expert, the layer runs
+    its own experts (global numbers from :attr:`first`), :meth:`combine` brings the outputs
+    home. It counts the rows it sent to each rank (this rank's row of the token matrix)."""
 
     def __init__(self, group, ep_rank: int, ep: int, n_experts: int):
         self.group, self.ep_rank, self.ep = group, ep_rank, ep
         self.first = ep_rank * (n_experts // ep)
+        self.sent = [0] * ep
 
-    def __call__(self, layer, xs: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        x_local, route = dispatch(xs, per_expert, self.group)
-        chunks = x_local.split(route.per_local)
-        y = torch.cat([layer.experts[str(self.first + e)](c) for e, c in enumerate(chunks)])
-        layer.record_traffic(route.send, self.ep_rank)
-        return combine(y, route, self.group)
+    def dispatch(self, rows: torch.Tensor, per_expert: torch.Tensor):
+        """-> (the rows for this rank's experts, expert-major; rows per local expert; the
+        :class:`Route` that :meth:`combine` undoes)."""
+        x_local, route = dispatch(rows, per_expert, self.group)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self.sent = [a + b for a, b in zip(self.sent, route.send)]
+        return x_local, route.per_local, route
+
+    def combine(self, y_local: torch.Tensor, route: Route) -> torch.Tensor:
+        return combine(y_local, route, self.group)
+
+    def take_traffic(self) -> torch.Tensor | None:
+        """The ``[ep, ep]`` matrix of rows sent since the last call, this rank's row filled
+        (a SUM over the group fills the others); None when nothing was sent."""
+        if not any(self.sent):
+            return None
+        matrix = torch.zeros(self.ep, self.ep, dtype=torch.int64)
+        matrix[self.ep_rank] = torch.tensor(self.sent, dtype=torch.int64)
+        self.sent = [0] * self.ep
+        return matrix

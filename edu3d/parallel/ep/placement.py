@@ -8,6 +8,9 @@ After reading this file you should understand:
   row to the rank holding its expert;
 * that the serial names survive: ``blocks.i.mlp.experts.5.fc.weight`` is still called that,
   it just exists on one rank of the group only, so checkpoints and parity tests line up;
+* that the layer's token statistics span other ranks too (:func:`apply_token_groups`): the
+  context-parallel ranks of the same sequences always, every data rank of the step under
+  ``--aux-scope global`` (:mod:`edu3d.model.balance`);
 * the gradient rule. Rank r's loss ``L_r`` is its own tokens' loss, and the trainer's loss is
   the mean over the D data-parallel (x context-parallel) ranks, ``L = (1/D) Σ_r L_r``:
 
@@ -23,10 +26,14 @@ After reading this file you should understand:
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import torch.nn as nn
 
 from edu3d.distributed import comm
-from edu3d.model.moe import MoE
+from edu3d.model.moe import MoE, TokenGroups
+from edu3d.parallel.cp.zigzag import positions
 from edu3d.parallel.ep.dispatch import ExpertDispatcher
 
 
@@ -36,8 +43,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 def apply_ep(model: nn.Module, group, ep_rank: int, ep: int) -> nn.Module:
     """In place: every MoE layer keeps only experts ``[ep_rank·E/ep, (ep_rank+1)·E/ep)`` and
-    exchanges tokens over ``group`` (whose rank ``ep_rank`` this process is). Its collectives
-    over ``seq_group`` are routed through :mod:`edu3d.distributed.comm` so they are traced."""
+    exchanges tokens over ``group`` (whose rank ``ep_rank`` this process is)."""
     for name, layer in moe_layers(model):
         E = layer.n_experts
         if E % ep:
@@ -48,7 +54,27 @@ def apply_ep(model: nn.Module, group, ep_rank: int, ep: int) -> nn.Module:
             if e not in mine and str(e) in layer.experts:
                 del layer.experts[str(e)]
         layer.dispatcher = ExpertDispatcher(group, ep_rank, ep, E)
-        layer.collectives = comm
+    return model
+
+
+def token_groups(mesh, seq_len: int, split: str = "zigzag") -> TokenGroups:
+    """The ranks a mixture-of-experts layer's token statistics span on ``mesh``: the
+    context-parallel group, with this rank's positions in a ``seq_len`` sequence cut by
+    ``split``, and every dp x cp rank of the step (``--aux-scope global``)."""
+    seq = TokenGroups()
+    if mesh.layout.cp > 1:
+        cp_rank = mesh.index("cp")
+        seq = TokenGroups(mesh.group("cp"), mesh.layout.cp, cp_rank,
+                          torch.tensor(positions(seq_len, mesh.layout.cp, cp_rank, split)))
+    return dataclasses.replace(seq, data=mesh.group("dpcp"), data_size=mesh.size("dpcp"))
+
+
+def apply_token_groups(model: nn.Module, groups: TokenGroups) -> nn.Module:
+    """In place: every MoE layer counts its tokens over ``groups`` (the context-parallel
+    group a micro-batch's sequences are cut over, and every data rank of the step for
+    ``--aux-scope global``); its collectives are :mod:`edu3d.distributed.comm`'s, traced."""
+    for _, layer in moe_layers(model):
+        layer.use_groups(dataclasses.replace(groups, collectives=comm))
     return model
 
 
