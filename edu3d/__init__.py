@@ -7,8 +7,8 @@ folders listed below it; README's "How the package is organised" says the rules)
     edu3d/      __init__ cli
                                      torch-free; ``from edu3d import comm``;
                                      the ``edu3d`` parser
-    commands/   run doctor train plan schedule ckpt generate grade bench tune run_folders
-                top course argtypes
+    commands/   run doctor train plan schedule ckpt generate grade bench tune calibrate
+                run_folders top course argtypes plan_validation
                                      one module per subcommand; the door to production/
     widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer
                 pipeline threed memory_plan checkpoint production perf review context
@@ -27,7 +27,8 @@ folders listed below it; README's "How the package is organised" says the rules)
                 ch08_checkpoints ch08_checkpoints_grade
                 ch08_checkpoints_incremental ch09_in_production ch09_in_production_grade
                 ch10_performance ch10_performance_grade ch10_performance_hangs ch10_performance_live
-                ch10_performance_verdicts ch11_review ch11_review_grade ch11_review_recipe
+                ch10_performance_verdicts ch10_performance_predict ch11_review
+                ch11_review_grade ch11_review_recipe
                 ch12_mixture_of_experts ch12_mixture_of_experts_grade ch13_context_parallelism
                 ch13_context_parallelism_capstone ch13_context_parallelism_grade
                 ch13_context_parallelism_ring ch00_launching_ranks_text grading nbtools
@@ -37,7 +38,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      edu3d grade's engine: notebooks in sealed kernels, scored
     bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute
                 bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals
-                records plot autotune ranking
+                records plot autotune ranking predicted calibration profile_fit bench_tune_model
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train
                 deepspeed_map
@@ -61,7 +62,8 @@ folders listed below it; README's "How the package is organised" says the rules)
     ckpt/       format checkpointer reshard export untrusted blobs bounds manifest_schema
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory hardware published
-                moe_presets
+                moe_presets kernels roofline links stage_costs step recipes validate cluster
+                cpu trainer_comm
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
     launch/     api agent supervise worker procs runs run_files heartbeat cores magic status

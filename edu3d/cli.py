@@ -12,6 +12,7 @@
     edu3d ckpt export DIR OUT           one consolidated file from a sharded checkpoint
     edu3d generate --ckpt DIR --prompt "1 2 3"   tokens from a trained checkpoint
     edu3d bench pp --json               edu3d vs PyTorch, side by side
+    edu3d calibrate                     measure this machine: its hardware profile
     edu3d grade [EXERCISE ...] --json   grade the exercises, a score table
     edu3d runs list                     the run folders launches left
     edu3d top [RUN]                     a run's ranks live: step time, communication, memory
@@ -50,6 +51,8 @@ SUBCOMMANDS = {  # name -> (help line, module with add_subcommand), in --help's 
                  "edu3d.commands.schedule"),
     "bench": ("benchmark edu3d against PyTorch's own implementations", "edu3d.commands.bench"),
     "tune": ("measure the planner's best layouts; keep the fastest", "edu3d.commands.tune"),
+    "calibrate": ("measure this machine (a minute): the hardware profile plan and tune use",
+                  "edu3d.commands.calibrate"),
     "runs": ("list or clean run folders ($EDU3D_RUNS, default ./runs)",
              "edu3d.commands.run_folders"),
     "top": ("watch a run's ranks live: step time, tokens/s, communication, memory",

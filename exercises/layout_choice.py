@@ -9,8 +9,9 @@ recomputation (``"none"``, ``"selective"`` or ``"full"``), so that
 * the fullest rank's memory fits (90 % of a GPU's, in bf16 mixed precision with AdamW,
   1F1B with sequence parallelism on when ``tp > 1``);
 * its step is within 10 % of the fastest layout that fits, by the planner's cost model
-  (``edu3d.plan.search``: compute at 45 % MFU, the bubble, each axis's traffic over NVLink
-  inside a node of 8 and InfiniBand across nodes).
+  (``edu3d.plan.search`` on the performance model, ``edu3d.plan.step``: each matmul at
+  the efficiency its size reaches on an H100, the bubble, each axis's collectives over
+  NVLink inside a node of 8 and InfiniBand across nodes, overlapped where they can be).
 
 Reason it out first (what must be sharded to fit? which axis may cross nodes?), then check
 with ``edu3d plan`` if you like. The jobs:

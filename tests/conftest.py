@@ -14,11 +14,13 @@ COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_zygote", "tes
 
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_machine(tmp_path_factory):
-    """One thread per rank, and run folders and prepared text in a temporary directory, not
-    the checkout or the home folder."""
+    """One thread per rank, run folders and prepared text in a temporary directory, not the
+    checkout or the home folder, and no calibration of this machine (edu3d calibrate's
+    profile would change predictions)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["EDU3D_RUNS"] = str(tmp_path_factory.mktemp("runs"))
     os.environ["EDU3D_DATA"] = str(tmp_path_factory.mktemp("data"))  # prepared text corpora
+    os.environ["EDU3D_PROFILES"] = str(tmp_path_factory.mktemp("profiles"))
     yield
 
 

@@ -16,6 +16,7 @@ from edu3d.course import ch13_context_parallelism_ring as ring
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.parallel.cp import work
+from edu3d.plan import formulas
 
 CHECKS = (grader.check_merge, grader.check_merge_is_safe, grader.check_positions,
           grader.check_ring)
@@ -87,6 +88,19 @@ def test_traced_bytes_equal_the_formulas_and_the_ring_steps_read_right():
     for r in range(4):
         assert kinds[(r, "forward", "K,V")] == 3 and kinds[(r, "backward", "dK,dV")] == 4
         assert kinds[(r, "backward", "K,V")] == 3
+
+
+def test_the_planners_ring_bytes_are_the_traced_ones():
+    """Issue 40, item 5: the planner (plan.formulas.cp_bytes) counts what the ring sends per
+    layer, 3cp-2 K,V chunks (cp-1 forward, cp-1 again and cp of dK,dV backward), measured on
+    every rank; the positions that travel with them are edu3d's own extra."""
+    _, events = _lesson()
+    s, cp, h = 32, 4, 32
+    positions = 2 * (cp - 1) * (s // cp) * 8
+    want = formulas.cp_bytes("ring", s, 1, h, cp, value_bytes=ch13.VALUE_BYTES)
+    for rank in range(cp):
+        sent = ch13.impl_bytes(events, rank)["ring"]
+        assert sent["forward"] + sent["backward"] - positions == want, rank
 
 
 def test_activation_sweep_equals_the_formula_plus_the_rings_extras():

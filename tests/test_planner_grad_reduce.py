@@ -147,19 +147,21 @@ def test_the_cost_models_dp_traffic_uses_the_mode(mode):
     assert ratio == pytest.approx(17 / 2 if mode == "per-microbatch" else 1)
 
 
-def test_the_search_weighs_zero2_and_3_per_microbatch():
-    """Per-step ZeRO-2 is ZeRO-1 plus a shard at ZeRO-1's traffic, per-step ZeRO-3 more of
-    both: the search leaves them out, every ZeRO-2/3 candidate reduces per micro-batch."""
+def test_the_search_weighs_both_modes_of_zero2_and_3():
+    """ZeRO-2/3 with several micro-batches: per-step holds the full gradients (more memory)
+    and reduces once (fewer bytes); which is faster is the performance model's call (it
+    overlaps the reductions), so the search weighs both."""
     spec = spec_for_params(7.5e9)
     rows = plan_search.search(spec, plan_search.Cluster(64), 1024)
-    zeros = [r["setup"] for r in rows if r["setup"].parallel.zero >= 2]
-    assert zeros and {st.parallel.grad_reduce for st in zeros} == {"per-microbatch"}
-    for st in zeros[:20]:
-        z1 = plan_search.step_time(spec, st.replace(zero=1), plan_search.Cluster(64))
+    zeros = [r["setup"] for r in rows if r["setup"].parallel.zero >= 2 and
+             r["setup"].microbatches > 1]
+    assert zeros and {st.parallel.grad_reduce for st in zeros} == {"per-microbatch", "per-step"}
+    for st in [z for z in zeros if z.parallel.grad_reduce == "per-microbatch"][:20]:
         per_step = st.replace(grad_reduce="per-step")
-        assert plan_search.step_time(spec, per_step, plan_search.Cluster(64))["dp"] >= z1["dp"]
+        assert (plan_search.traffic(spec, per_step)["dp"]
+                < plan_search.traffic(spec, st)["dp"])
         assert (plan_memory.estimate(spec, per_step)["state_bytes"]
-                >= plan_memory.estimate(spec, st.replace(zero=1))["state_bytes"])
+                > plan_memory.estimate(spec, st)["state_bytes"])
 
 
 def test_a_wrong_mode_is_refused(capsys):
@@ -207,18 +209,18 @@ def test_hsdp_holds_a_replica_groups_shards_and_splits_the_bytes(capsys):
 
 
 def test_hsdp_keeps_zero3_on_the_node_and_sends_less_across_nodes():
-    """64 GPUs in nodes of 8, ZeRO-3: plain, every gather and reduce-scatter crosses the
-    network; with ``--hsdp 8`` they stay inside a node (NVLink) and only the all-reduce of
-    the 1/8 gradient shard crosses, so the step's dp time falls (the search's cost model)."""
+    """64 GPUs in nodes of 8, ZeRO-3: plain, every gather and reduce-scatter spans 8 nodes;
+    with ``--hsdp 8`` they stay inside a node (NVLink) and only the all-reduce of the 1/8
+    gradient shard crosses the network, so the performance model's dp time falls, and the
+    optimizer steps a shard of 1/8 (not 1/64)."""
     spec, cl = _paper_spec(), plan_search.Cluster(64)
     flat = plan_memory.setup(dp=64, zero=3, microbatches=4, precision="bf16")
     hsdp = flat.replace(hsdp=8)
     t_flat, t_hsdp = (plan_search.step_time(spec, r, cl) for r in (flat, hsdp))
     sent = plan_search.traffic(spec, hsdp)
-    assert t_hsdp["dp"] == pytest.approx(sent["dp"] / (cl.intra_gbps * 1e9))
-    assert t_hsdp["dp_replicate"] == pytest.approx(sent["dp_replicate"] / (cl.inter_gbps * 1e9))
-    assert t_flat["dp"] == pytest.approx(plan_search.traffic(spec, flat)["dp"]
-                                         / (cl.inter_gbps * 1e9))
-    print(f"\nZeRO-3 dp64 m4: dp {t_flat['dp']:.2f} s; HSDP x8: in-node {t_hsdp['dp']:.2f} s "
-          f"+ across nodes {t_hsdp['dp_replicate']:.2f} s")
-    assert t_hsdp["dp"] + t_hsdp["dp_replicate"] < t_flat["dp"]
+    assert sent["dp"] < plan_search.traffic(spec, flat)["dp"] and sent["dp_replicate"] > 0
+    print(f"\nZeRO-3 dp64 m4 on nodes of 8: dp {t_flat['dp']:.3f} s, optimizer "
+          f"{t_flat['optimizer']:.3f} s; HSDP x8: dp {t_hsdp['dp']:.3f} s, optimizer "
+          f"{t_hsdp['optimizer']:.3f} s; step {t_flat['total']:.2f} -> {t_hsdp['total']:.2f} s")
+    assert t_hsdp["dp"] < t_flat["dp"]
+    assert t_hsdp["optimizer"] > 4 * t_flat["optimizer"]  # a shard 8x larger (plus fixed costs)

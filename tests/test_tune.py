@@ -60,12 +60,15 @@ def test_pick_varies_layouts_zero_micro_batches_and_recompute():
     assert autotune.pick(rows, 3) == [r for r in picked if r in autotune.pick(rows, 3)]
 
 
-def test_bucket_sizes_become_candidates_the_model_cannot_tell_apart():
+def test_bucket_sizes_become_candidates_the_model_weighs():
+    """Small buckets all-reduce while backward runs (edu3d's bucketed DDP); one 25 MB bucket
+    waits for its end: the model predicts the small ones faster."""
     base = Run.of(layers=2, d_model=32, seq=32)
     planned = autotune.plan(base, 2, top=3, steps=2, bucket_mb=(0.01, 25.0))
     dp = [c for c in planned["candidates"] if c["bucket_mb"] is not None]
     assert {c["bucket_mb"] for c in dp} == {0.01, 25.0}
-    assert len({c["predicted_step_s"] for c in dp if c["setup"] == dp[0]["setup"]}) == 1
+    step = {c["bucket_mb"]: c["predicted_step_s"] for c in dp if c["setup"] == dp[0]["setup"]}
+    assert step[0.01] < step[25.0]
     assert all("--bucket-mb 0.01" in c["command"] for c in dp if c["bucket_mb"] == 0.01)
 
 
@@ -179,3 +182,60 @@ def test_every_knob_position_redraws_the_chart():
     assert ctl.state["candidate"] == ""  # none ("" : a None value shows an empty box)
     with pytest.raises(ValueError):
         points(rep, "nope")
+
+
+# ---- the model's grade, with a stubbed predictor and stubbed measurements -----------------------
+class Stub:
+    """What edu3d.plan.step.predict returns, as far as the tuner reads it: a step time
+    that grows with the micro-batch count and tensor parallelism."""
+
+    def __init__(self, spec, run, profile):
+        self.step_time = 0.01 * run.microbatches * run.layout.tp + 0.001 * run.parallel.zero
+        self.parts = {"compute": self.step_time}
+
+
+def test_tune_grades_the_model_it_was_given(monkeypatch):
+    from edu3d.bench import bench_tune_model, predicted
+
+    monkeypatch.setattr(predicted, "predict", Stub)
+
+    def measure(cands, gpus, warmup, progress=None, timeout=600):
+        for c in cands:  # median: twice the prediction, one out of order; fastest: exact
+            step = 2 * c["predicted_step_s"] * (3 if c is cands[0] else 1)
+            c["measured"] = {"step_s": step, "fastest_s": c["predicted_step_s"],
+                             "tokens_per_s": 1.0,
+                             "peak_bytes": 1, "steps_timed": 1, "loss": 1.0}
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    rep = autotune.tune("tiny", 2, top=6, layers=2, d_model=32, seq=32)
+    cands = rep["candidates"]
+    assert rep["profile"] == "cpu-reference" and "run edu3d calibrate" in rep["profile_note"]
+    assert all(c["error"] == pytest.approx(-0.5) for c in cands[1:])
+    assert cands[0]["error"] == pytest.approx(1 / 6 - 1)
+    assert rep["median_error"] == pytest.approx(0.5)
+    table = ranking.format_table(rep)
+    assert "median error 50%" in table and "predicted with the cpu-reference profile" in table
+    fastest = bench_tune_model.grade(cands, "fastest_s")
+    assert fastest["median_error"] == pytest.approx(0.0) and fastest["met"]
+    assert not bench_tune_model.grade(cands, "step_s")["met"]  # 50 % off
+    assert "goal met" in bench_tune_model.verdict("fastest step", fastest, len(cands))
+
+
+def test_the_profile_a_tuner_predicts_with(monkeypatch, tmp_path):
+    from edu3d.bench import predicted
+    from edu3d.plan.hardware import HARDWARE_DIR, ProfileError
+
+    monkeypatch.setenv("EDU3D_PROFILES", str(tmp_path))
+    profile, note = predicted.profile_for(None, "cpu")
+    assert profile.name == "cpu-reference" and profile.cores and "edu3d calibrate" in note
+    assert predicted.profile_for(None, "cuda")[0].name == "h100-sxm"
+    mine = json.loads((HARDWARE_DIR / "cpu-reference.json").read_text())
+    mine["name"] = "this-machine"
+    (tmp_path / "this-machine.json").write_text(json.dumps(mine))
+    profile, note = predicted.profile_for(None, "cpu")
+    assert profile.name == "this-machine" and note is None
+    (tmp_path / "this-machine.json").write_text("{")
+    with pytest.raises(ProfileError, match="cannot read"):  # a broken calibration is said
+        predicted.profile_for(None, "cpu")
+    with pytest.raises(ProfileError, match="unknown hardware profile 'nope'"):
+        predicted.profile_for("nope", "cpu")

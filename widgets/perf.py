@@ -14,13 +14,20 @@ After reading this file you should know how to read chapter 10's charts:
 * :func:`scaling_figure` — tokens/s and step time per layout, measured, with the machine's
   core count marked: more ranks than cores share the cores;
 * :func:`bench_figure` — an ``edu3d bench`` report: edu3d's time against PyTorch's;
-* :func:`prediction_figure` — the cost model's predicted step of every layout.
+* :func:`prediction_figure` — the performance model's predicted step of every layout;
+* :func:`predicted_measured_figure` — this machine's layouts: the model's step (hatched)
+  beside the measured one (solid), the error above each pair;
+* :func:`published_figure` — the model against published runs of real clusters: predicted
+  over measured on log axes, one colour per source, the line ``y = x`` (a perfect
+  prediction) and the band of +-30 % around it; the known misses ringed and named.
 
 The chapter's knobs (layout, overlap, micro-batches) are
 :mod:`edu3d.widgets.panels.ch10_performance`.
 """
 
 from __future__ import annotations
+
+import math
 
 import plotly.graph_objects as go
 
@@ -188,4 +195,65 @@ def prediction_figure(preds: dict[str, dict], chosen: str, measured: dict | None
                 f"{p['exposed']:.1f} + bubble {p['idle']:.1f}",
                 y="time per step (ms)", height=380)
     fig.update_layout(barmode="stack")
+    return fig
+
+
+def predicted_measured_figure(rows: list[dict]):
+    """Measured (solid) and predicted (hatched) step time of each layout (``rows`` of
+    ``{"name", "predicted", "measured", "error"}``, ms), the error written above."""
+    names = [r["name"] for r in rows]
+    fig = go.Figure()
+    fig.add_bar(x=names, y=[r["measured"] for r in rows], name="measured",
+                marker=style.measured_marker(style.BLUE))
+    fig.add_bar(x=names, y=[r["predicted"] for r in rows], name="predicted",
+                marker=style.estimate_marker(style.BLUE),
+                text=[f"{round(r['error'], 2):+.0%}" for r in rows], textposition="outside")
+    worst = max(rows, key=lambda r: abs(r["error"])) if rows else None
+    errors = sorted(abs(r["error"]) for r in rows)
+    median = errors[len(errors) // 2] if errors else 0.0
+    style.frame(fig, "This machine: the performance model's step beside the measured one",
+                f"median error {median:.0%}" + (f"; worst {worst['name']} {worst['error']:+.0%}"
+                                                 if worst else ""),
+                y="time per step (ms)", height=380)
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def published_figure(published: dict, source: str | None = None):
+    """Predicted over measured for every published run (``points`` of
+    :func:`edu3d.course.ch10_performance_predict.published`), log axes, coloured by source
+    (``source`` highlighted, the others faded), ``y = x`` and the +-30 % band."""
+    points, summary = published["points"], published["summary"]
+    sources = sorted({p["framework"] for p in points})
+    fig = go.Figure()
+    lo = min(min(p["measured"], p["predicted"]) for p in points) / 1.5
+    hi = max(max(p["measured"], p["predicted"]) for p in points) * 1.5
+    for factor, name, dash in ((1.0, "y = x (perfect)", "solid"), (1.3, "+-30 %", "dot"),
+                               (1 / 1.3, None, "dot")):
+        fig.add_scatter(x=[lo, hi], y=[lo * factor, hi * factor], mode="lines", name=name,
+                        line={"color": style.GREY, "dash": dash, "width": 1},
+                        showlegend=name is not None, hoverinfo="skip")
+    for i, src in enumerate(sources):
+        mine = [p for p in points if p["framework"] == src]
+        faded = source is not None and src != source
+        fig.add_scatter(
+            x=[p["measured"] for p in mine], y=[p["predicted"] for p in mine], mode="markers",
+            name=src, text=[f"{p['id']}<br>{p['metric']}: {p['error']:+.0%}" for p in mine],
+            hoverinfo="text", opacity=0.25 if faded else 1.0,
+            marker={"color": style.group_color(i), "size": 9,
+                    "line": {"color": style.BLACK, "width": [2 if p["miss"] else 0
+                                                             for p in mine]}})
+    misses = [p for p in points if p["miss"]]
+    for i, p in enumerate(misses):  # a log axis places annotations in log10 units
+        fig.add_annotation(x=math.log10(p["measured"]), y=math.log10(p["predicted"]),
+                           text=p["id"], showarrow=True, arrowhead=0, ax=0,
+                           ay=-30 if i % 2 == 0 else 36, font={"size": 10})
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    s = summary[source]["throughput"] if source else summary["overall"]["throughput"]
+    style.frame(fig, "The model against published runs (each in its source's own unit: "
+                     "tokens/s/GPU, TFLOP/s/GPU or s per step)",
+                f"{source or 'all sources'}: {s['rows']} runs, median error {s['median']:.0%}, "
+                f"worst {s['worst']:.0%}; ringed: {len(misses)} known misses",
+                x="measured", y="predicted", height=520)
     return fig

@@ -10,16 +10,18 @@ into measurements, and how well the guesses ranked:
   takes the best row of every layout first, then of every ZeRO stage, micro-batch size and
   recomputation of those layouts: the tuner compares choices, not copies. With several
   ``bucket_mb`` sizes, every data-parallel candidate without ZeRO is tried at each (the
-  cost model overlaps nothing, so it cannot tell bucket sizes apart: a tie);
-* **this machine's cost model**: on GPUs the planner's cluster (H100 figures, one node of
-  ``N``); on CPU the same formulas with a core's rate and gloo's loopback bandwidth
-  (:data:`CPU`), rough figures on purpose: the ranking is what is graded;
+  model tells them apart: edu3d's buckets all-reduce while the backward runs, all but the
+  last);
+* **the performance model** (:mod:`edu3d.bench.predicted`): every candidate's step time
+  from :func:`edu3d.plan.step.predict` on this machine's profile (``edu3d calibrate`` writes
+  it; without one, a shipped stand-in and a note saying how to make one);
 * **measurement**: every candidate runs on the same ``N`` ranks, one after another, in
   **one launch** (start-up paid once): each builds its mesh's process groups
   (:meth:`~edu3d.distributed.mesh.Mesh.build`, reused by the candidates of the same layout),
   the library's :class:`~edu3d.train.trainer.Trainer` and :func:`edu3d.train.loop.loop`, as
   ``edu3d train`` does; the first ``warmup`` steps are dropped, a step's time is its slowest
-  rank's, and the candidate's time is the median step. Memory is the fullest rank's peak:
+  rank's, and the candidate's time is the median step (its fastest is kept too: what other
+  processes' load moves least). Memory is the fullest rank's peak:
   CUDA's ``max_memory_allocated`` on a GPU, the tracked tensors (weights, gradients,
   optimizer state, and the step's peak of activations: ``Trainer.stats``) on CPU. Rank 0
   reports each candidate as it finishes (one ``@tune`` JSON line), so the parent prints
@@ -27,10 +29,8 @@ into measurements, and how well the guesses ranked:
   one after it;
 * **the grade**: Spearman's rank correlation between predicted and measured step times
   (:mod:`edu3d.bench.ranking`: 1 = the model ordered them perfectly, 0 = no better than
-  chance, ties averaged), and the candidate it misranked most. Where it is wrong, the
-  reasons are what the model leaves out: per-message latency and per-operation overhead
-  (which small micro-batches and tensor parallelism's 4 all-reduces per layer pay),
-  overlap, and, on CPU, ranks sharing cores.
+  chance, ties averaged), each candidate's error (predicted over measured, minus 1) and their
+  median, and the candidate it misranked most.
 """
 
 from __future__ import annotations
@@ -55,14 +55,15 @@ from edu3d.model.gpt import GPT
 from edu3d.plan import fit
 from edu3d.plan import search as plan_search
 from edu3d.plan.estimate import setup_dict, spec_of
+from edu3d.plan.hardware import Profile
 from edu3d.config.sections import Run
 from edu3d.train.preflight import PRESET_NAMES, check_args, model_config
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import loop
 from edu3d.train.trainer import Trainer
+from edu3d.bench import predicted
 from edu3d.bench.ranking import grade
 
-CPU = {"peak_tflops": 0.05, "mfu": 0.3, "intra_gbps": 1.0}  # one core's fp32 rate; gloo on loopback
 MARK = "@tune "  # rank 0's report lines, read by :func:`measure`
 RANKS_PER_CORE = 4  # beyond this, ranks mostly wait for a core (train.preflight.oversubscribed)
 
@@ -85,14 +86,14 @@ def max_ranks() -> int:
 
 
 def cluster_for(gpus: int, gpu_mem_gb: float | None = None) -> plan_search.Cluster:
-    """The cost model's machine: ``gpus`` ranks on one node; the planner's H100 figures on
-    GPUs, :data:`CPU`'s on CPU; memory per rank ``gpu_mem_gb`` (default 80 GB on a GPU, the
-    available host memory shared by the ranks on CPU)."""
+    """The planner's machine for the candidates' memory: ``gpus`` ranks on one node, memory
+    per rank ``gpu_mem_gb`` (default 80 GB on a GPU, the available host memory shared by the
+    ranks on CPU). Their times come from the performance model (:mod:`.predicted`)."""
     if fit.on_gpus(gpus):
         return plan_search.Cluster(gpus, gpu_mem_gb or 80.0, gpus_per_node=gpus)
     if gpu_mem_gb is None:
         gpu_mem_gb = (fit.available_memory() or 8e9) / gpus / 1e9
-    return plan_search.Cluster(gpus, gpu_mem_gb, gpus_per_node=gpus, usable=1.0, **CPU)
+    return plan_search.Cluster(gpus, gpu_mem_gb, gpus_per_node=gpus, usable=1.0)
 
 
 def check_request(model: str, gpus: int, gpu_mem_gb: float | None = None, steps: int = 3,
@@ -178,14 +179,17 @@ def train_command(args: Run) -> str:
 
 
 def plan(base: Run, gpus: int, gpu_mem_gb: float | None = None, top: int = 8,
-         steps: int = 4, bucket_mb=(25.0,)) -> dict:
+         steps: int = 4, bucket_mb=(25.0,), profile: Profile | None = None) -> dict:
     """The candidates to run: ``{"cluster", "candidates": [...], "skipped": [...]}``; each
-    candidate has its label, setup, the planner's step time and bytes, and the options."""
+    candidate has its label, setup, the predicted step time (on ``profile``, default
+    :func:`.predicted.profile_for`'s) and bytes, and the options."""
     cluster = cluster_for(gpus, gpu_mem_gb)
     precision = "bf16" if fit.on_gpus(gpus) else "fp32"
     spec = spec_of(base)
-    rows = plan_search.search(spec, cluster, base.batch.global_batch, precision, "1f1b",
-                              base.parallel.cp_impl)
+    if profile is None:
+        profile, _ = predicted.profile_for(None, "cuda" if fit.on_gpus(gpus) else "cpu")
+    rows = predicted.rows(spec, cluster, base.batch.global_batch, precision,
+                          base.parallel.cp_impl, profile)
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         need = min((r["memory"]["total_bytes"] for r in rows), default=0.0)
@@ -213,15 +217,15 @@ def plan(base: Run, gpus: int, gpu_mem_gb: float | None = None, top: int = 8,
             except (LayoutError, ValueError) as err:
                 skipped.append({"label": name, "reason": str(err).splitlines()[0]})
                 continue
+            time = predicted.time_of(spec, args, profile) if size else r["time"]
             out.append({"label": name, "setup": setup_dict(st),
-                        "bucket_mb": size, "predicted_step_s": r["time"]["total"],
-                        "predicted_parts_s": {k: v for k, v in r["time"].items()
-                                              if k != "total"},
+                        "bucket_mb": size, "predicted_step_s": time["total"],
+                        "predicted_parts_s": {k: v for k, v in time.items() if k != "total"},
                         "predicted_bytes": r["memory"]["total_bytes"],
                         "planner_fits": r["fits"], "command": train_command(args),
                         "options": args.flat()})
     return {"cluster": dataclasses.asdict(cluster), "candidates": out, "skipped": skipped,
-            "layouts_searched": len(rows)}
+            "layouts_searched": len(rows), "profile": profile.name}
 
 
 # ---- the launched ranks ------------------------------------------------------------------------
@@ -275,10 +279,11 @@ def measure_one(i: int, args: Run, meshes: dict, warmup: int, cuda: bool) -> Non
                         dtype=torch.float64, device=runtime.device())
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # bookkeeping: the slowest rank's
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    step_s = statistics.median(seconds.tolist()[warmup:])
+    timed = seconds.tolist()[warmup:]
+    step_s = statistics.median(timed)
     if rank == 0:
         print(MARK + json.dumps({
-            "done": i, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "done": i, "step_s": step_s, "fastest_s": min(timed), "tokens_per_s": tokens / step_s,
             "peak_bytes": int(peak.item()), "steps_timed": len(records) - warmup,
             "loss": records[-1]["loss"]}), flush=True)
     del trainer, records
@@ -325,17 +330,22 @@ def measure(candidates: list[dict], gpus: int, warmup: int,
 def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, steps: int = 3,
          top: int = 8, warmup: int = 1, global_batch: int = 8, bucket_mb=(25.0,),
          progress: Callable[[str], None] | None = None, timeout: float = 600,
-         **model_overrides) -> dict:
-    """Plan, run and grade: the report ``edu3d tune --json`` prints. ``model_overrides``:
-    ``edu3d train``'s model options (``layers``, ``d_model``, ``seq``, ``experts`` ...)."""
+         hardware: str | None = None, **model_overrides) -> dict:
+    """Plan, run and grade: the report ``edu3d tune --json`` prints. ``hardware``: the
+    profile to predict with (a name or a file; default this machine's calibration, else a
+    stand-in, :func:`.predicted.profile_for`). ``model_overrides``: ``edu3d train``'s model
+    options (``layers``, ``d_model``, ``seq``, ``experts`` ...)."""
     check_request(model, gpus, gpu_mem_gb, steps, top, warmup)
     base = Run.of(model=model, global_batch=global_batch, **model_overrides)
     check_args(base)
-    planned = plan(base, gpus, gpu_mem_gb, top, warmup + steps, tuple(bucket_mb))
+    device = "cuda" if fit.on_gpus(gpus) else "cpu"
+    profile, note = predicted.profile_for(hardware, device)
+    planned = plan(base, gpus, gpu_mem_gb, top, warmup + steps, tuple(bucket_mb), profile)
     if not planned["candidates"]:
         raise ValueError(f"no layout of {model} runs on {gpus} rank(s) here: "
                          + "; ".join(s["reason"] for s in planned["skipped"][:2]))
-    device = "cuda" if fit.on_gpus(gpus) else "cpu"
+    if progress and note:
+        progress(note)
     if progress:
         progress(f"{len(planned['candidates'])} candidates of {planned['layouts_searched']} "
                  f"layouts, {gpus} rank(s) on {device}, {warmup} warm-up + {steps} timed "
@@ -348,7 +358,8 @@ def tune(model: str = "tiny", gpus: int = 2, gpu_mem_gb: float | None = None, st
             "device": device, "memory_measured": "cuda max_memory_allocated" if
             device == "cuda" else "tracked tensors (weights, grads, optimizer, peak "
             "activations)", "warmup": warmup, "steps": steps,
-            "global_batch": global_batch, **planned, **grade(planned["candidates"], budget)}
+            "global_batch": global_batch, "profile_note": note, **planned,
+            **grade(planned["candidates"], budget)}
 
 
 def main_progress(line: str) -> None:

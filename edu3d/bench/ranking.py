@@ -9,6 +9,9 @@ After reading this file you should understand how ``edu3d tune`` grades the plan
   lists. +1: the model ordered the candidates exactly as the clock did; 0: no better than
   chance; -1: reversed. Only the order counts, so a model wrong by a constant factor (every
   step 20x slower than predicted) can still score 1;
+* **the error** of each prediction is ``predicted / measured - 1`` (+0.25: predicted a
+  quarter too slow), and their **median** (of the absolute errors) says how far the step
+  times themselves are off, which Spearman cannot: a model 20x too fast can rank perfectly;
 * **the winner** is the fastest measured candidate whose peak memory fits; the **most
   misranked** is the one whose predicted and measured places differ most
   (:func:`grade`);
@@ -20,6 +23,7 @@ Nothing here imports torch: the chapter's panel redraws from recorded reports wi
 from __future__ import annotations
 
 import math
+import statistics
 
 
 def ranks(xs: list[float]) -> list[float]:
@@ -50,20 +54,23 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def grade(candidates: list[dict], budget_bytes: float | None) -> dict:
-    """Ranks, correlation, the winner (the fastest measured that fits ``budget_bytes``) and
-    the most misranked candidate, from the measured ones."""
+    """Ranks, correlation, each prediction's error and their median, the winner (the
+    fastest measured that fits ``budget_bytes``) and the most misranked candidate, from the
+    measured ones."""
     done = [c for c in candidates if "measured" in c]
     pred = [c["predicted_step_s"] for c in done]
     meas = [c["measured"]["step_s"] for c in done]
     for c, p, m in zip(done, ranks(pred), ranks(meas)):
         c["predicted_rank"], c["measured_rank"] = p, m
+        c["error"] = c["predicted_step_s"] / c["measured"]["step_s"] - 1
         c["fits"] = budget_bytes is None or c["measured"]["peak_bytes"] <= budget_bytes
     rho = spearman(pred, meas) if len(done) > 1 else math.nan
     fitting = [c for c in done if c["fits"]]
     winner = min(fitting, key=lambda c: c["measured"]["step_s"]) if fitting else None
     worst = max(done, key=lambda c: abs(c["predicted_rank"] - c["measured_rank"]),
                 default=None)
-    return {"spearman": rho, "winner": winner["label"] if winner else None,
+    return {"spearman": rho, "median_error": statistics.median(abs(c["error"]) for c in done)
+            if done else math.nan, "winner": winner["label"] if winner else None,
             "misranked": worst["label"] if worst else None}
 
 
@@ -77,11 +84,12 @@ def format_table(rep: dict) -> str:
     cost model's grade."""
     w = max([len(c["label"]) for c in rep["candidates"] + rep["skipped"]] + [9])
     rows = [f"{'#':>2} {'candidate':<{w}} {'pred ms':>8} {'pred MiB':>8} {'meas ms':>8} "
-            f"{'tok/s':>9} {'peak MiB':>8} {'rank p/m':>9}"]
+            f"{'error':>6} {'tok/s':>9} {'peak MiB':>8} {'rank p/m':>9}"]
     for i, c in enumerate(rep["candidates"], start=1):
         m = c.get("measured")
-        meas = (f"{m['step_s'] * 1e3:>8.1f} {m['tokens_per_s']:>9,.0f} {_mb(m['peak_bytes']):>8} "
-                f"{c['predicted_rank']:>4g}/{c['measured_rank']:<4g}" if m else
+        meas = (f"{m['step_s'] * 1e3:>8.1f} {c['error']:>+6.0%} {m['tokens_per_s']:>9,.0f} "
+                f"{_mb(m['peak_bytes']):>8} {c['predicted_rank']:>4g}/{c['measured_rank']:<4g}"
+                if m else
                 f"  failed: {c.get('error', 'not run')}")
         win = " <- winner" if c["label"] == rep["winner"] else ""
         rows.append(f"{i:>2} {c['label']:<{w}} {c['predicted_step_s'] * 1e3:>8.2f} "
@@ -92,6 +100,12 @@ def format_table(rep: dict) -> str:
     rows.append(f"memory measured: {rep['memory_measured']}; times: median of {rep['steps']} "
                 f"step(s) after {rep['warmup']} warm-up, slowest rank")
     rows.append(f"winner: {rep['winner'] or 'none fits'}")
+    if rep.get("profile"):
+        rows.append(f"predicted with the {rep['profile']} profile"
+                    + (f" ({rep['profile_note']})" if rep.get("profile_note") else ""))
+    err = rep.get("median_error")
+    if err is not None and not math.isnan(err):
+        rows.append(f"step times: median error {err:.0%} (|predicted / measured - 1|)")
     rows.append("cost model's ranking against the measured one: Spearman rho = "
                 + ("undefined (fewer than two distinct values)" if math.isnan(rho) else
                    f"{rho:+.2f} (1: same order, 0: unrelated, -1: reversed)"))

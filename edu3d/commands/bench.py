@@ -39,6 +39,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "overhead": "edu3d.bench.bench_overhead:run_benchmark",
     "mfu": "edu3d.bench.bench_mfu:run_benchmark",
     "goals": "edu3d.bench.bench_goals:run_benchmark",
+    "tune-model": "edu3d.bench.bench_tune_model:run_benchmark",
 }
 PLOT = "edu3d.bench.plot:draw"  # edu3d bench plot FILE -o OUT: (csv, out) -> panel titles
 

@@ -37,6 +37,8 @@ import json
 import sys
 
 from edu3d.commands.argtypes import between, number
+from edu3d.commands.plan_validation import (MFU_IS_PREDICTED, prediction_json, prediction_lines,
+                                            recipe_names, validation_main)
 from edu3d.commands.train import globs
 from edu3d.plan import search as plan_search
 from edu3d.plan import zero_modes
@@ -46,6 +48,8 @@ from edu3d.plan.estimate import (CATEGORIES, CP_IMPLS, MAX_EXPERTS, MAX_GPUS, MA
                                  PRECISIONS, RECOMPUTE, check_ep, estimate, setup, setup_dict,
                                  state_bytes, validate)
 from edu3d.plan.formulas import as_moe
+from edu3d.plan.hardware import ProfileError
+from edu3d.plan.step import predict
 from edu3d.plan.inventory import frozen_params
 from edu3d.plan.moe_presets import MOE_PRESETS
 from edu3d.model.shapes import PRESETS, ModelSpec, spec_for_params, spec_from
@@ -62,7 +66,7 @@ SHAPE = {"n_layers": between(1, MAX_LAYERS), "n_heads": between(1, 2**14),
 # ---- edu3d plan ----------------------------------------------------------------------------------
 def add_arguments(parser):
     """``edu3d plan``'s options."""
-    what = parser.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group()  # one of them, unless --validate
     what.add_argument("--model", choices=(*PRESETS, *MOE_PRESETS),
                       help="a preset: the course's or a real model")
     what.add_argument("--params", type=number(1e8, True, "7e9", MAX_PARAMS),
@@ -125,12 +129,24 @@ def add_arguments(parser):
     cl.add_argument("--gpu-mem", type=number(0, False, "80", 1e6), default=None,
                     help="GB per GPU (default with --gpus: 80)")
     cl.add_argument("--gpus-per-node", type=between(1, MAX_GPUS), default=8)
-    cl.add_argument("--peak-tflops", type=number(0, False, "989", 1e9), default=989.0)
-    cl.add_argument("--mfu", type=number(0, False, "0.45", 1), default=0.45)
-    cl.add_argument("--intra-gbps", type=number(0, False, "300", 1e9), default=300.0,
-                    help="GB/s inside a node (NVLink)")
-    cl.add_argument("--inter-gbps", type=number(0, False, "25", 1e9), default=25.0,
-                    help="GB/s per GPU across nodes (InfiniBand)")
+    cl.add_argument("--hardware", default=None, metavar="NAME|FILE.json",
+                    help="hardware profile (edu3d/plan/data/hardware: h100-sxm, h100-sxm-hf, "
+                         "h100-hbm2e-96gb, h200, a100-80gb, a100-40gb; or a profile file, e.g. "
+                         "one edu3d calibrate wrote); default h100-sxm")
+    cl.add_argument("--recipe", choices=recipe_names(), default="edu3d",
+                    help="memory and kernel recipe: edu3d's own (exact for its runs) or a "
+                         "framework's")
+    cl.add_argument("--peak-tflops", type=number(0, False, "989", 1e9), default=None,
+                    help="override the profile's bf16 peak")
+    cl.add_argument("--mfu", type=number(0, False, "0.45", 1), default=None,
+                    help="refused: MFU is predicted now (kept so old commands say why)")
+    cl.add_argument("--intra-gbps", type=number(0, False, "300", 1e9), default=None,
+                    help="override the profile's NVLink bus bandwidth, GB/s")
+    cl.add_argument("--inter-gbps", type=number(0, False, "25", 1e9), default=None,
+                    help="override the profile's inter-node bus bandwidth, GB/s")
+    cl.add_argument("--validate", action="store_true",
+                    help="predict every published run beside its measurement (with --hardware: "
+                         "the runs of that hardware) and print the errors")
     cl.add_argument("--top", type=between(1, 10**6), default=8, help="layouts listed")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return parser
@@ -236,6 +252,16 @@ def _json_setup(st: Run) -> dict:
 def main_from_args(args) -> int:
     """``edu3d plan``: 0 when it fits (or nothing was asked to fit), 1 when it does not,
     2 for options that cannot work together."""
+    args.hardware_given = args.hardware is not None
+    args.hardware = args.hardware or "h100-sxm"
+    if args.mfu is not None:
+        print(f"edu3d plan: {MFU_IS_PREDICTED}", file=sys.stderr)
+        return 2
+    if args.validate:
+        return validation_main(args)
+    if args.model is None and args.params is None:
+        print("edu3d plan: give --model NAME or --params N (or --validate)", file=sys.stderr)
+        return 2
 
     if args.gpus is not None and not any((args.dp, args.tp, args.pp)) and (args.ep or args.cp):
         print("edu3d plan: --ep and --cp belong to a layout (with --dp/--tp/--pp); with --gpus "
@@ -253,8 +279,14 @@ def main_from_args(args) -> int:
               "product is the GPU count, or leave --dp/--tp/--pp out to search",
               file=sys.stderr)
         return 2
-    cluster = plan_search.Cluster(args.gpus or st.world_size, mem_gb or 80.0, args.gpus_per_node,
-                                  args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
+    try:
+        cluster = plan_search.Cluster(args.gpus or st.world_size, mem_gb or 80.0,
+                                      args.gpus_per_node, args.peak_tflops, None,
+                                      args.intra_gbps, args.inter_gbps, hardware=args.hardware,
+                                      recipe=args.recipe)
+    except ProfileError as err:
+        print(f"edu3d plan: {err}", file=sys.stderr)
+        return 2
     out = {"model": dataclasses.asdict(spec), "num_params": spec.num_params()}
     moe = as_moe(spec)
     if searching:
@@ -275,7 +307,8 @@ def main_from_args(args) -> int:
         out["recommended"] = {**_json_setup(st), "reasons": why,
                               "step_time_s": best["time"]}
         out["candidates"] = [{**_json_setup(r["setup"]), "total_bytes": r["memory"]["total_bytes"],
-                              "step_time_s": r["time"]["total"], "fits": r["fits"]}
+                              "step_time_s": r["time"]["total"] if r["prediction"] else None,
+                              "fits": r["fits"], "predicted": r["prediction"] is not None}
                              for r in rows[:args.top]]
         out["cost_model"] = plan_search.__doc__.split("The cost model")[1].strip()
         out["cluster"] = dataclasses.asdict(cluster)
@@ -283,7 +316,14 @@ def main_from_args(args) -> int:
     out.update(est)
     out["setup"] = _json_setup(st)
     out["traffic_bytes"] = plan_search.traffic(spec, st)
-    fits = None if mem_gb is None else est["total_bytes"] <= cluster.usable * mem_gb * 1e9
+    try:
+        pred = predict(spec, st, plan_search.profile_of(cluster), cluster.recipe)
+    except ValueError as err:
+        print(f"edu3d plan: {err}", file=sys.stderr)
+        return 2
+    out["prediction"] = prediction_json(pred)
+    need = est["total_bytes"] if args.recipe == "edu3d" else pred.memory["device"] / cluster.usable
+    fits = None if mem_gb is None else need <= cluster.usable * mem_gb * 1e9
     out["fits"] = fits
     if args.json:
         print(json.dumps(out))
@@ -296,7 +336,8 @@ def main_from_args(args) -> int:
         print(f"cluster: {cluster.describe()}")
         print(f"{len(rows)} layouts, {sum(r['fits'] for r in rows)} fit; fastest first:")
         for r in rows[:args.top]:
-            print(f"  {r['time']['total']:9.2f} s/step  {r['memory']['total_bytes'] / 1e9:6.1f} GB"
+            took = f"{r['time']['total']:9.2f}" if r["prediction"] else f">={r['time']['floor']:7.2f}"
+            print(f"  {took} s/step  {r['memory']['total_bytes'] / 1e9:6.1f} GB"
                   f"  {'fits' if r['fits'] else 'too big'}  {describe(spec, r['setup'])}")
         print("recommended: " + describe(spec, st))
         for line in why:
@@ -319,6 +360,8 @@ def main_from_args(args) -> int:
               "no gradients, no optimizer state")
     sent = [f"{axis} {size_text(v, '.3f')}" for axis, v in out["traffic_bytes"].items() if v]
     print("sent per rank and step: " + (", ".join(sent) or "nothing (one rank)"))
+    for line in prediction_lines(spec, st, pred):
+        print(line)
     return 0 if fits is not False else 1
 
 

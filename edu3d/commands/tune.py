@@ -7,14 +7,16 @@ prints:
   ``--top`` of them (varied: every layout, then ZeRO stages, micro-batches, recomputation)
   on this machine, ``--warmup`` steps dropped and ``--steps`` timed, one progress line per
   candidate on stderr (:mod:`edu3d.bench.autotune`);
-* then a table: the planner's step time and memory beside the measured median step, tokens/s
-  and peak memory; the winner (the fastest whose peak fits ``--gpu-mem``); and the grade of
-  the planner's cost model: Spearman's rank correlation of predicted against measured step
-  times, and the candidate it misranked most (:mod:`edu3d.bench.ranking`). ``--json``
-  prints the whole report instead;
-* bad input (an unknown model, more ranks than this machine hosts, ``--gpu-mem 0``, a
-  model override outside the range a :class:`~edu3d.model.gpt.GPTConfig` accepts, such as
-  ``--d-model 1000000007``) is refused in one line, exit code 2, before any rank starts.
+* then a table: the performance model's step time (on ``--hardware``, default this
+  machine's profile from ``edu3d calibrate``) and the planner's memory beside the measured
+  median step, the error, tokens/s and peak memory; the winner (the fastest whose peak fits
+  ``--gpu-mem``); and the grade of the model: Spearman's rank correlation of predicted
+  against measured step times, the median error, and the candidate it misranked most
+  (:mod:`edu3d.bench.ranking`). ``--json`` prints the whole report instead;
+* bad input (an unknown model, more ranks than this machine hosts, ``--gpu-mem 0``, an
+  unknown or broken ``--hardware`` profile, a model override outside the range a
+  :class:`~edu3d.model.gpt.GPTConfig` accepts, such as ``--d-model 1000000007``) is refused
+  in one line, exit code 2, before any rank starts.
 
 Exit codes: 0 a winner, 1 none (every candidate failed or none fits), 2 bad options.
 
@@ -67,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag, field in OVERRIDES.items():  # each within the range a GPTConfig accepts
         model.add_argument(flag, type=integer(1, "a positive integer (1, 2, 3 ...)",
                                               INT_RANGES[field][1]), default=None)
+    parser.add_argument("--hardware", default=None, metavar="NAME|FILE.json",
+                        help="the profile to predict with (default: this machine's, written "
+                             "by edu3d calibrate; without one a stand-in and a note)")
     parser.add_argument("--timeout", type=number(0, False, "600"), default=600.0,
                         help="seconds for the whole tuning (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON "
@@ -100,12 +105,14 @@ def main_from_args(args) -> int:
                                args.warmup)
         rep = autotune.tune(args.model, args.gpus, args.gpu_mem, args.steps, args.top,
                             args.warmup, args.global_batch, args.bucket_mb,
-                            progress=autotune.main_progress, timeout=args.timeout, **overrides)
+                            progress=autotune.main_progress, timeout=args.timeout,
+                            hardware=args.hardware, **overrides)
     except ValueError as err:
         print(f"edu3d tune: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     if args.json:
         rep["spearman"] = _finite(rep["spearman"])
+        rep["median_error"] = _finite(rep["median_error"])
         print(json.dumps(rep))
     else:
         print(ranking.format_table(rep))

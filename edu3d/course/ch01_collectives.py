@@ -27,6 +27,7 @@ from edu3d.distributed import comm, trace
 from edu3d.distributed.algorithms import (hierarchical_all_reduce, ring_all_gather,
                                           ring_all_reduce, ring_plan, ring_reduce_scatter,
                                           tree_broadcast, tree_reduce)
+from edu3d.plan.links import Link, collective_time
 
 
 GALLERY = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -154,10 +155,10 @@ BETA_S_PER_BYTE = 1 / 1.0e9
 
 def ring_all_reduce_s(size_bytes: float, n: int, alpha: float = ALPHA_S,
                       beta: float = BETA_S_PER_BYTE) -> float:
-    """``t = 2(N-1)·α + 2(N-1)/N · S · β``: a ring all-reduce of ``size_bytes`` on ``n``."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * size_bytes * beta
+    """``t = 2(N-1)·α + 2(N-1)/N · S · β``: a ring all-reduce of ``size_bytes`` on ``n``, as
+    the performance model times it (:func:`edu3d.plan.links.collective_time`)."""
+    link = Link("gloo", alpha, 1 / beta, 1 / beta)
+    return collective_time("all_reduce", size_bytes, n, link)
 
 
 def chunk_bytes(numel: int, n: int, itemsize: int = 4) -> list[int]:

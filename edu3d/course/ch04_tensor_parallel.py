@@ -43,6 +43,7 @@ from edu3d.parallel.tp.apply import apply_tp
 from edu3d.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                                       vocab_parallel_cross_entropy)
 from edu3d.plan.formulas import activation_bytes_per_layer, layer_activation_bytes
+from edu3d.plan.links import wire_bytes
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.trainer import Trainer
 
@@ -326,8 +327,9 @@ TP_COLLECTIVES = {False: {"forward": {"all_reduce": 2}, "backward": {"all_reduce
                   True: {"forward": {"all_gather": 2, "reduce_scatter": 2},
                          "backward": {"all_gather": 4, "reduce_scatter": 2}}}
 
-#: bytes a rank sends on a ring, per byte of the full buffer S, times t/(t-1)
-RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+#: the collectives whose ring bytes per rank the performance model counts
+#: (:func:`edu3d.plan.links.wire_bytes`: ``2(t-1)/t`` of the buffer, ``(t-1)/t`` for the others)
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def tp_collectives_prediction(config, batch: int, t: int, sp: bool) -> dict:
@@ -339,7 +341,7 @@ def tp_collectives_prediction(config, batch: int, t: int, sp: bool) -> dict:
     out = {}
     for phase, counts in TP_COLLECTIVES[sp].items():
         out[phase] = {op: {"count": n, "bytes": n * s_bytes,
-                           "ring_bytes": n * RING_FACTOR[op] * (t - 1) / t * s_bytes}
+                           "ring_bytes": n * wire_bytes(op, s_bytes, t)}
                       for op, n in counts.items()}
     return out
 
@@ -371,7 +373,7 @@ def tp_panel_run(mesh, config, batch: int = 2, sp: bool = False) -> dict:
         counts = Counter(e["op"] for e in evs)
         collectives[phase] = {
             op: {"count": n, "bytes": sum(e["bytes"] for e in evs if e["op"] == op),
-                 "ring_bytes": sum(RING_FACTOR.get(op, 0) * (t - 1) / t * e["bytes"]
+                 "ring_bytes": sum(wire_bytes(op, e["bytes"], t) if op in RING_OPS else 0
                                    for e in evs if e["op"] == op)}
             for op, n in sorted(counts.items())}
     return {"split": split_demo(mesh, **SPLIT), "collectives": collectives,

@@ -9,7 +9,8 @@ bytes per step are predicted:
   GPT on the same batches, so the notebook can show both loss curves are one;
 * :func:`axis_bytes` sums what the trace says each rank sent per axis (tp, pp, dp) in one
   step (:func:`edu3d.distributed.trace.wire_bytes`: ring costs);
-* :func:`axis_formulas` predicts the same numbers from the model's shape:
+* :func:`axis_formulas` predicts the same numbers from the model's shape, with the
+  performance model's count (:func:`edu3d.plan.stage_costs.stage_bytes`):
 
   - **TP** (no sequence parallelism): per layer and micro-batch 2 all-reduces forward and 2
     backward of the activation ``b·s·h·4`` bytes, each costing ``2(t-1)/t`` of it per rank
@@ -33,6 +34,7 @@ from edu3d.distributed.trace import wire_bytes
 from edu3d.model.gpt import GPT
 from edu3d.model.shapes import num_params_from_config, spec_from_config
 from edu3d.plan.estimate import setup, estimate
+from edu3d.plan.stage_costs import stage_bytes
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
@@ -95,29 +97,12 @@ def axis_bytes(events: list[dict], step: int) -> dict[int, dict[str, float]]:
 
 def axis_formulas(config, layout, m: int, *, stage: int, rank_params: int,
                   global_batch: int = 8, dtype_bytes: int = 4) -> dict[str, float]:
-    """The formula's bytes one rank of pipeline ``stage`` sends per step on each axis.
-
-    ``config`` the GPT config, ``layout`` the mesh, ``m`` micro-batches, ``rank_params``
-    Ψ_rank (the parameters this rank holds: its stage's, cut by TP).
-
-    * TP: 4 all-reduces of ``b·s·h`` per layer and micro-batch; the first stage adds the
-      vocabulary-parallel embedding's forward all-reduce, the last stage the LM head's
-      backward all-reduce (one ``b·s·h`` each per micro-batch); each costs ``2(t-1)/t``.
-      Left out: the vocabulary-parallel loss's all-reduces of ``b·s`` numbers.
-    * PP: a first or last stage sends ``m`` messages of ``b·s·h`` (activations forward, or
-      gradients back); a middle stage both.
-    * DP, ZeRO-1: ``2 Ψ_rank · 4 · (N-1)/N`` (reduce-scatter the gradients, all-gather the
-      parameters).
-    """
-    b = global_batch // layout.dp // m
-    act = b * config.seq_len * config.d_model * dtype_bytes
-    t, n, p = layout.tp, layout.dp, layout.pp
-    ring = 2 * (t - 1) / t
-    per_mb = 4 * config.n_layers / p + (stage == 0) + (stage == p - 1)
-    tp = per_mb * m * act * ring
-    pp = m * act * ((stage > 0) + (stage < p - 1))
-    dp = 2 * rank_params * dtype_bytes * (n - 1) / n
-    return {"tp": tp, "pp": pp, "dp": dp}
+    """The formula's bytes one rank of pipeline ``stage`` sends per step on each axis: the
+    performance model's count (:func:`edu3d.plan.stage_costs.stage_bytes`) for ``config``'s
+    GPT on ``layout``, ``m`` micro-batches, ``rank_params`` Ψ_rank (the parameters this rank
+    holds: its stage's, cut by TP)."""
+    return stage_bytes(spec_from_config(config), layout, m, stage, rank_params, global_batch,
+                       dtype_bytes)
 
 
 def memory_estimate(config, dp: int, tp: int, pp: int, zero: int, m: int,

@@ -13,10 +13,10 @@ real run of the one :class:`~edu3d.train.trainer.Trainer`:
   each step from a barrier to the slowest rank (:func:`edu3d.bench.harness.time_once`);
 * :func:`breakdown` cuts a traced step into **compute**, **exposed communication** (the
   part of a collective no forward or backward runs under) and **idle** (bubble, waiting);
-* :func:`predict` is the cost model the control panel draws at once: compute split over
-  the ranks (but never over more ranks than cores), ring collectives in the alpha-beta
-  model, the pipeline bubble ``(p-1)/m`` of the compute, data-parallel traffic hidden
-  under backward when overlap is on.
+* :func:`calibrate` fits this machine's constants from the chapter's runs (the serial step,
+  gloo's alpha and bandwidth), which :mod:`edu3d.course.ch10_performance_predict` turns into
+  a profile for the course's one performance model (:func:`edu3d.plan.step.predict`): the
+  prediction the control panel draws.
 
 The chapter's debugging half, the three classic hangs, is :mod:`edu3d.course.ch10_performance_hangs`.
 """
@@ -34,14 +34,11 @@ from edu3d.bench import harness as bench
 from edu3d.bench.bench_comm import fit_alpha_beta
 from edu3d.bench.bench_dp import dp_worker
 from edu3d.course import lesson_args
-from edu3d.course.ch06_3d_parallelism import axis_formulas
 from edu3d.distributed import trace
 from edu3d.config.layout import Layout, LayoutError
 from edu3d.distributed.mesh import Mesh
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT
-from edu3d.model.shapes import spec_from_config
-from edu3d.plan import estimate as plan_memory
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.preflight import check_args, model_config
 from edu3d.train.trainer import Trainer
@@ -303,57 +300,10 @@ def session_four(mesh, steps: int = 3) -> dict:
     return {"sweep": measure_layouts(mesh, ["dp4", "dp2-tp2"], steps)}
 
 
-# ---- the cost model the controls draw -----------------------------------------------------------
-#: the model's constants until :func:`calibrate` fits them to a run: a serial tiny-GPT step
-#: on one laptop core, gloo's latency and bandwidth on loopback, in round numbers
+# ---- calibrating the model: this machine's constants from the chapter's runs -----------------
+#: the constants until :func:`calibrate` fits them to a run (the model that uses them is
+#: :mod:`edu3d.course.ch10_performance_predict`, on :func:`edu3d.plan.step.predict`)
 DEFAULT_COSTS = {"serial_ms": 25.0, "alpha_us": 100.0, "gb_per_s": 1.0}
-
-
-def predict(name: str, overlap: str = "on", microbatches: int | None = None,
-            costs: dict | None = None, cores: int | None = None) -> dict:
-    """The predicted step of layout ``name`` (ms): ``compute``, ``exposed`` communication,
-    ``bubble``, and their sum ``step``; ``comm`` is all communication, hidden or not.
-
-    * compute: the serial step's ``serial_ms`` split over the ranks, but ranks share the
-      machine's ``cores``: ``serial_ms / min(world, cores)``;
-    * communication per axis from :func:`edu3d.course.ch06_3d_parallelism.axis_formulas`' bytes, each
-      message paying the ring's latency ``2(n-1)·alpha`` and its bytes at ``gb_per_s``;
-      TP and PP are on the critical path; with overlap on, every DP bucket but the last
-      hides under backward (at most 2/3 of the compute), else it all waits for the end;
-    * bubble ``(p-1)/m`` of the compute (1F1B, DESIGN.md's ``(p-1)/(m+p-1)`` of the step).
-    """
-    c = {**DEFAULT_COSTS, **(costs or {})}
-    cores = cores or os.cpu_count() or 1
-    opts = layout_options(name, overlap, microbatches)
-    dp, tp, pp, m = opts["dp"], opts["tp"], opts["pp"], opts["microbatches"]
-    layout = Layout(dp=dp, tp=tp, pp=pp)
-    world = layout.world_size
-    config = model_config(lesson_args())
-    compute = c["serial_ms"] / min(world, cores)
-    spec, setup = spec_from_config(config), plan_memory.setup(dp=dp, tp=tp, pp=pp)
-    psi = [sum(n for _, tensors in plan_memory.units(spec, setup, r) for n, _ in tensors)
-           for r in range(pp)]  # parameters one rank of each stage holds (the planner's count)
-    worst: dict | None = None
-    for stage in range(pp):
-        bytes_ = axis_formulas(config, layout, m, stage=stage, rank_params=int(psi[stage]))
-        alpha, beta = c["alpha_us"] / 1e3, 1.0 / (c["gb_per_s"] * 1e6)  # ms, ms per byte
-        per_mb = 4 * config.n_layers / pp + (stage == 0) + (stage == pp - 1)
-        n_buckets = 1 if opts.get("dp_impl") == "flat" else max(
-            1, round(psi[stage] * 4 / 1e6 / opts.get("bucket_mb", 25.0)))
-        t = {"tp": (per_mb * m * 2 * (tp - 1) * alpha if tp > 1 else 0) + bytes_["tp"] * beta,
-             "pp": (m * ((stage > 0) + (stage < pp - 1)) * alpha if pp > 1 else 0)
-             + bytes_["pp"] * beta,
-             "dp": (n_buckets * 2 * (dp - 1) * alpha if dp > 1 else 0) + bytes_["dp"] * beta}
-        backward = compute * 2 / 3
-        hidden = min(t["dp"] - t["dp"] / n_buckets, backward) if overlap == "on" else 0.0
-        exposed = t["tp"] + t["pp"] + t["dp"] - hidden
-        row = {"compute": compute, "exposed": exposed, "bubble": compute * (pp - 1) / m,
-               "comm": t["tp"] + t["pp"] + t["dp"], "by_axis": t}
-        row["step"] = row["compute"] + row["exposed"] + row["bubble"]
-        if worst is None or row["step"] > worst["step"]:
-            worst = row
-    return {"name": name, "overlap": overlap, "microbatches": m, "world_size": world,
-            "cores": cores, **worst}
 
 
 def calibrate(events: list[dict], sweep: list[dict]) -> dict:

@@ -34,8 +34,10 @@ from edu3d.model.shapes import spec_from
 from edu3d.plan.estimate import setup, estimate, in_flight
 from edu3d.plan.formulas import activation_bytes_per_layer as act
 from edu3d.plan.formulas import zero_bytes
-from edu3d.plan.search import GB as GBPS
-from edu3d.plan.search import Cluster, search, step_time
+from edu3d.plan.kernels import layer
+from edu3d.plan.recipes import recipe_of
+from edu3d.plan.search import Cluster, search, traffic
+from edu3d.plan.stage_costs import cut_of
 from edu3d.schedules import bubble_formula, build, simulate
 
 GB = 1e9
@@ -79,10 +81,11 @@ def _llama(name: str = "llama2-13b"):
 
 
 def zero3_traffic_ratio() -> float:
-    """ZeRO-3's data-parallel traffic per step over plain DP's, in the planner's cost model,
-    at one micro-batch (the paper's count: reducing every one of m micro-batches, m times)."""
-    spec, cl = _llama("llama2-7b"), Cluster(8)
-    t = {z: step_time(spec, setup(dp=8, zero=z, microbatches=1, precision="bf16"), cl)["dp"]
+    """ZeRO-3's data-parallel traffic per step over plain DP's, in bytes the planner counts
+    (:func:`edu3d.plan.search.traffic`), at one micro-batch (the paper's count: reducing
+    every one of m micro-batches, m times)."""
+    spec = _llama("llama2-7b")
+    t = {z: traffic(spec, setup(dp=8, zero=z, microbatches=1, precision="bf16"))["dp"]
          for z in (0, 3)}
     return t[3] / t[0]
 
@@ -111,12 +114,12 @@ def selective_saving(name: str = "llama2-7b") -> float:
 
 
 def tp_all_reduces() -> int:
-    """All-reduces per layer and micro-batch (forward + backward) in the planner's TP cost:
-    its TP time divided by the time of one ring all-reduce of ``b·s·h`` 16-bit values."""
-    spec, cl, t, m = _llama("llama2-7b"), Cluster(8), 8, 4
-    st = setup(tp=t, microbatches=m, precision="bf16")
-    one = 2 * (t - 1) / t * 2 * spec.seq_len * spec.d_model / (cl.intra_gbps * GBPS)
-    return round(step_time(spec, st, cl)["tp"] / (one * spec.n_layers * m))
+    """All-reduces per layer and micro-batch (forward + backward) that the performance model
+    charges tensor parallelism (:func:`edu3d.plan.kernels.layer`'s collectives, tp 8)."""
+    spec = _llama("llama2-7b")
+    st = setup(tp=8, microbatches=4, precision="bf16")
+    _, comms = layer(cut_of(spec, st, recipe_of("edu3d")), "none")
+    return sum(c.steps for c in comms if c.axis == "tp" and c.kind == "all_reduce")
 
 
 @lru_cache(maxsize=1024)

@@ -350,14 +350,15 @@ def cp_bytes(impl: str, s: int, b: int, h: int, cp: int, kv_h: int | None = None
     ``kv_h`` is K's (and V's) width (``h`` without grouped KV heads), heads split ``t`` ways.
 
     ``ring``: forward passes its K and V chunk (``2·(s/CP)·b·kv_h`` values) CP-1 times;
-    backward passes K and V round again and their gradients dK, dV with them, home at the
-    end: 3x the forward's. ``allgather``: all-gather K and V once forward (CP-1 chunks out),
+    backward passes K and V round again (CP-1 times) and their gradients dK, dV with them,
+    CP times, the last hop bringing them home: ``3CP-2`` chunks (chapter 13's count, what the
+    trace measures). ``allgather``: all-gather K and V once forward (CP-1 chunks out),
     reduce-scatter dK, dV backward: 2x. ``ulysses``: 4 all-to-alls (Q, K, V in, the output
     back), each ``(CP-1)/CP`` of the rank's ``(s/CP)·b·width``; backward as many: 2x."""
     kv = h if kv_h is None else kv_h
     chunk = 2 * (s / cp) * b * kv / t
     if impl == "ring":
-        values = 3 * (cp - 1) * chunk
+        values = (3 * cp - 2) * chunk if cp > 1 else 0.0
     elif impl == "allgather":
         values = 2 * (cp - 1) * chunk
     elif impl == "ulysses":

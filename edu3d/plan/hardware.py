@@ -7,14 +7,33 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
                        sparsity", twice the dense figure);
 ``mem_bandwidth``      HBM bytes/s (datasheet) and ``memory`` bytes;
 ``matmul_efficiency``  the best fraction of bf16 peak a large GEMM reaches (a microbenchmark);
+``matmul_half_flops``  the FLOPs of a matmul that reaches half that rate (smaller ones do worse);
+``attention_efficiency`` the fraction of bf16 peak FlashAttention reaches at long sequences;
+``sustained``          the fraction of those microbenchmark rates a long training run sustains
+                       (clocks under the power cap, gaps between kernels): *fitted* to published
+                       single-node runs, the one constant here that is not a measurement;
 ``mem_efficiency``     the fraction of HBM bandwidth a streaming copy reaches (a microbenchmark);
 ``kernel_overhead``    seconds an eager PyTorch op costs before its kernel runs;
 ``runtime_memory``     bytes a rank loses before any tensor (CUDA context, library workspaces);
 ``allocator_factor``   peak reserved / peak allocated of PyTorch's caching allocator;
-``link.intra``         NVLink all-reduce: ``alpha`` seconds per algorithm step, ``bandwidth``
-                       bus bandwidth in bytes/s (nccl-tests' *busbw*);
-``link.inter``         the same across nodes for 2 nodes, and ``falloff``: the fraction of bus
-                       bandwidth lost each time the node count doubles (:meth:`Profile.inter_bandwidth_at`).
+``link.intra``         NVLink: ``alpha`` seconds per algorithm step, ``bandwidth`` the all-reduce
+                       bus bandwidth in bytes/s (nccl-tests' *busbw*), ``gather_bandwidth`` the
+                       all-gather / reduce-scatter one (also all-to-all's and a send's rate);
+``link.inter``         the same across 2 whole nodes, and ``falloff``: the fraction of bus
+                       bandwidth lost each time the node count doubles (:meth:`Profile.inter_bandwidth_at`);
+``cores``              optional, a CPU profile's cores (``edu3d calibrate`` writes it): ranks
+                       beyond it share them, and an op's launch and its work add up;
+``step_overhead``      optional (a CPU profile): seconds per parameter tensor per step of the
+                       eager loops over tensors (optimizer, norm, clip), :mod:`edu3d.plan.cpu`;
+``hook_overhead``      optional (a CPU profile): seconds per parameter tensor per micro-batch of
+                       data parallelism's gradient hooks, :mod:`edu3d.plan.cpu`;
+``collectives``        optional (a CPU profile): ``alpha`` and ``bandwidth`` of each of gloo's
+                       ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send_recv``, measured
+                       one by one (:mod:`edu3d.plan.cpu`).
+
+A CPU core reaches ~1e10-1e11 FLOP/s and ~1e10 B/s, so the ranges below start there.
+``edu3d calibrate`` writes ``this-machine`` to :func:`user_profiles` (``$EDU3D_PROFILES``, else
+``~/.cache/edu3d/profiles``), where :func:`load_profile` finds it by name.
 
 Every constant in a profile file is ``{"value", "unit", "source"}``: the source is a citation, or
 says that the value was borrowed or is a bound. Measured numbers are data, not code, because they
@@ -26,7 +45,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
@@ -35,9 +56,12 @@ PRECISIONS = ("bf16", "fp16", "fp32", "tf32", "fp8")
 
 # (dotted key, lowest, highest): a value outside the range is a typo or a wrong unit.
 CONSTANTS = (
-    ("mem_bandwidth", 1e11, 1e14),
+    ("mem_bandwidth", 1e9, 1e14),
     ("memory", 1e9, 1e12),
     ("matmul_efficiency", 0.05, 1.0),
+    ("matmul_half_flops", 1e3, 1e13),
+    ("attention_efficiency", 0.01, 1.0),
+    ("sustained", 0.2, 1.0),
     ("mem_efficiency", 0.05, 1.0),
     ("kernel_overhead", 1e-7, 1e-3),
     ("runtime_memory", 0.0, 2e10),
@@ -45,21 +69,26 @@ CONSTANTS = (
     ("gpus_per_node", 1, 64),
     ("link.intra.alpha", 1e-8, 1e-3),
     ("link.intra.bandwidth", 1e8, 1e13),
+    ("link.intra.gather_bandwidth", 1e8, 1e13),
     ("link.inter.alpha", 1e-8, 1e-2),
     ("link.inter.bandwidth", 1e8, 1e13),
+    ("link.inter.gather_bandwidth", 1e8, 1e13),
     ("link.inter.falloff", 0.0, 0.95),
 )
-PEAK_RANGE = (1e12, 1e17)
+PEAK_RANGE = (1e9, 1e17)
+USER_PROFILE = "this-machine"  # the name edu3d calibrate writes
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")  # a CPU profile's
 
 
 class ProfileError(ValueError):
     """A hardware profile that cannot be used; the message names the file and the key."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Profile:
     """One machine's constants (SI units: FLOP/s, B/s, B, s); ``sources`` maps each dotted key
-    to its citation. ``peak_flops[p]`` is ``None`` where the GPU has no such unit (A100 fp8)."""
+    to its citation. ``peak_flops[p]`` is ``None`` where the GPU has no such unit (A100 fp8).
+    Compared (and hashed) by identity: the planner caches costs per profile object."""
 
     name: str
     description: str
@@ -67,6 +96,9 @@ class Profile:
     mem_bandwidth: float
     memory: float
     matmul_efficiency: float
+    matmul_half_flops: float
+    attention_efficiency: float
+    sustained: float
     mem_efficiency: float
     kernel_overhead: float
     runtime_memory: float
@@ -74,22 +106,39 @@ class Profile:
     gpus_per_node: int
     intra_alpha: float
     intra_bandwidth: float
+    intra_gather_bandwidth: float
     inter_alpha: float
     inter_bandwidth: float
+    inter_gather_bandwidth: float
     inter_falloff: float
     sources: Mapping[str, str]
+    cores: int | None = None
+    step_overhead: float = 0.0
+    hook_overhead: float = 0.0
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
-    def inter_bandwidth_at(self, nodes: int) -> float:
-        """Bus bandwidth across ``nodes`` nodes: the 2-node figure, less ``inter_falloff`` per
-        doubling beyond 2 (the form the profiles' falloff was fitted with)."""
+    def inter_bandwidth_at(self, nodes: int, gather: bool = False) -> float:
+        """Bus bandwidth across ``nodes`` nodes: the 2-node figure (all-reduce's, or with
+        ``gather`` all-gather's), less ``inter_falloff`` per doubling beyond 2 (the form the
+        profiles' falloff was fitted with)."""
         if nodes < 2:
             raise ValueError(f"inter-node bandwidth needs at least 2 nodes, got {nodes}")
-        return self.inter_bandwidth * (1 - self.inter_falloff) ** math.log2(nodes / 2)
+        two = self.inter_gather_bandwidth if gather else self.inter_bandwidth
+        return two * (1 - self.inter_falloff) ** math.log2(nodes / 2)
 
 
 def profiles() -> list[str]:
     """The names of the shipped profiles (file stems under ``data/hardware``)."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.json"))
+
+
+def user_profiles() -> Path:
+    """Where a user's profiles live: ``$EDU3D_PROFILES``, else ``$XDG_CACHE_HOME/edu3d/profiles``
+    (``~/.cache/edu3d/profiles``)."""
+    if os.environ.get("EDU3D_PROFILES"):
+        return Path(os.environ["EDU3D_PROFILES"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "edu3d" / "profiles"
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
@@ -99,13 +148,26 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if path.suffix != ".json":
         path = HARDWARE_DIR / f"{name_or_path}.json"
         if not path.is_file():
-            raise ProfileError(f"unknown hardware profile {str(name_or_path)!r}; "
-                               f"choose one of {', '.join(profiles())} or give a .json path")
+            path = user_profiles() / f"{name_or_path}.json"
+        if not path.is_file():
+            hint = (" (run edu3d calibrate to measure this machine, about a minute)"
+                    if str(name_or_path) == USER_PROFILE else "")
+            raise ProfileError(f"unknown hardware profile {str(name_or_path)!r}{hint}; "
+                               f"choose one of {', '.join(profiles())}, {USER_PROFILE} (edu3d "
+                               "calibrate) or give a .json path")
     try:
-        data = json.loads(path.read_text())
+        return _load(str(path), path.stat().st_mtime_ns)
+    except OSError as err:
+        raise ProfileError(f"{path}: cannot read a JSON profile ({err})") from None
+
+
+@lru_cache(maxsize=64)
+def _load(path: str, mtime: int) -> Profile:  # one object per file version: costs cache by it
+    try:
+        data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ProfileError(f"{path}: cannot read a JSON profile ({err})") from None
-    return profile_from_dict(data, str(path))
+    return profile_from_dict(data, path)
 
 
 def profile_from_dict(data: dict, where: str) -> Profile:
@@ -126,6 +188,24 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         values[key] = in_range(constant(data, key, where, sources), low, high, key, where)
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node = {values['gpus_per_node']} is not a whole number")
+    cores = None
+    if "cores" in data:  # a CPU profile (edu3d calibrate)
+        cores = in_range(constant(data, "cores", where, sources), 1, 4096, "cores", where)
+        if cores != int(cores):
+            raise ProfileError(f"{where}: cores = {cores:g} is not a whole number")
+        cores = int(cores)
+    step_overhead, hook_overhead = (
+        in_range(constant(data, key, where, sources), 0.0, 1e-2, key, where) if key in data
+        else 0.0 for key in ("step_overhead", "hook_overhead"))
+    collectives = {}
+    if not isinstance(data.get("collectives", {}), dict):
+        raise ProfileError(f"{where}: collectives must be an object of {', '.join(COLLECTIVES)}")
+    for kind in COLLECTIVES:
+        if kind in data.get("collectives", {}):
+            collectives[kind] = tuple(
+                in_range(constant(data, f"collectives.{kind}.{k}", where, sources), low, high,
+                         f"collectives.{kind}.{k}", where)
+                for k, low, high in (("alpha", 1e-8, 1e-1), ("bandwidth", 1e6, 1e13)))
     for key in ("name", "description"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise ProfileError(f"{where}: missing {key!r} (a non-empty string)")
@@ -134,11 +214,16 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         peak_flops={p: values[f"peak_flops.{p}"] for p in PRECISIONS},
         mem_bandwidth=values["mem_bandwidth"], memory=values["memory"],
         matmul_efficiency=values["matmul_efficiency"], mem_efficiency=values["mem_efficiency"],
+        matmul_half_flops=values["matmul_half_flops"],
+        attention_efficiency=values["attention_efficiency"], sustained=values["sustained"],
         kernel_overhead=values["kernel_overhead"], runtime_memory=values["runtime_memory"],
         allocator_factor=values["allocator_factor"], gpus_per_node=int(values["gpus_per_node"]),
         intra_alpha=values["link.intra.alpha"], intra_bandwidth=values["link.intra.bandwidth"],
+        intra_gather_bandwidth=values["link.intra.gather_bandwidth"],
         inter_alpha=values["link.inter.alpha"], inter_bandwidth=values["link.inter.bandwidth"],
-        inter_falloff=values["link.inter.falloff"], sources=sources)
+        inter_gather_bandwidth=values["link.inter.gather_bandwidth"],
+        inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores,
+        step_overhead=step_overhead, hook_overhead=hook_overhead, collectives=collectives)
 
 
 def constant(data: dict, key: str, where: str, sources: dict[str, str],

@@ -159,6 +159,19 @@ def frozen_active(spec: ModelSpec, freeze: tuple) -> float:
 
 
 @lru_cache(maxsize=4096)
+def frozen_share(spec: ModelSpec, freeze: tuple, i: int) -> float:
+    """The fraction of block ``i``'s parameters (its routed experts left out) that ``freeze``
+    freezes: the share of its weight-gradient work a step skips."""
+    spec = as_moe(spec)
+    if not freeze:
+        return 0.0
+    cold = _frozen_names(spec, tuple(freeze))
+    tensors = spec.block_tensors(i)
+    total = sum(k for _, k, _ in tensors)
+    return sum(k for n, k, _ in tensors if block_name(i, n) in cold) / total if total else 0.0
+
+
+@lru_cache(maxsize=4096)
 def _split(spec: ModelSpec, shape: Shape, pp_rank: int, experts: bool) -> tuple:
     """(trainable units, their elements, frozen elements) of a rank: a sum of per-unit
     pieces, each cached, so that a search's thousands of layouts build each block once."""

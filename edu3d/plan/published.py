@@ -33,7 +33,7 @@ RUNS_FILE = Path(__file__).with_name("data") / "published_runs.json"
 
 PRECISIONS = ("bf16", "fp16", "fp8")
 RECOMPUTE = ("none", "selective", "full", "op")  # op = torchtitan's op-level selective AC
-RECIPES = ("torchtitan", "megatron", "nanotron", "deepspeed")
+RECIPES = ("torchtitan", "torchtitan-2025", "megatron", "nanotron", "deepspeed")
 SCHEDULES = ("1f1b", "interleaved", "afab", "zbv")
 MLPS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")

@@ -11,45 +11,41 @@ After reading this file you should understand the practitioners' decision tree a
   bubble), which more micro-batches shrink;
 * **data parallelism for the rest**, with the ZeRO stage chosen by memory: ZeRO-1 shards
   the 12 bytes per parameter of optimizer state at no extra traffic; ZeRO-2/3 save more but
-  are not combined with pipelines (DeepSpeed refuses), and reduce-scatter every micro-batch
+  are not combined with pipelines (DeepSpeed refuses). They reduce-scatter every micro-batch
   (``grad_reduce="per-microbatch"``: their saving kept, ``m`` reduce-scatters a step; ZeRO-3
-  also ``2m`` all-gathers). The search leaves ``"per-step"`` out: it keeps ZeRO-1's full
-  gradients, so ZeRO-1 (same traffic, ``2Ψ/N`` less) beats ZeRO-2 per-step, and ZeRO-3
-  per-step holds more and sends more than ZeRO-1;
+  also ``2m`` all-gathers) or once per step (``"per-step"``: full gradients held, one
+  reduce-scatter); the search weighs both, and the model's overlap decides;
 * **recomputation** trades compute for activation memory: selective (the attention core) is
-  almost free, full costs a third more compute.
+  almost free, full costs a third more compute;
+* **the micro-batch**: a bigger one makes bigger matmuls (closer to the GPU's peak) and fewer
+  kernel launches and messages per token, but holds more activations, and with a pipeline
+  fewer micro-batches mean a bigger bubble.
 
-The cost model (:func:`step_time`), stated so it can be argued with:
+The cost model (:func:`step_time`) is the performance model's (:func:`edu3d.plan.step.predict`
+on the cluster's hardware profile): each op's time from its shape on a roofline, each
+collective on its link with latency and bandwidth, the pipeline schedule replayed, gradient
+buckets overlapped with the backward. Its parts, in seconds on the slowest pipeline rank:
 
-``compute``  tokens per step x (6N + 12·L·h·s) FLOPs (PaLM's count, N without embeddings),
-             plus a forward again for recomputation (full: 2N + 4·L·h·s per token;
-             selective: the attention core, 4·L·h·s), over G GPUs at ``peak x MFU``;
-``bubble``   compute x (p-1)/m (1F1B, GPipe), (p-1)/(v·m) interleaved, a third of 1F1B's
-             for ZB-H1;
-``tp``       per micro-batch and layer of the stage, 4 ring all-reduces (6 with full
-             recomputation) of ``b·s·h`` 16-bit values: ``2(t-1)/t`` of it each, over NVLink
-             when the tp group fits in a node, else InfiniBand;
-``pp``       per micro-batch, one activation forward and one gradient back, ``b·s·h``
-             values (``/t`` with SP), over InfiniBand when stages sit on different nodes;
-``dp``       :func:`edu3d.plan.zero_modes.dp_wire_bytes` of the rank's 16-bit weights and
-             gradients (Ψ/(t·p)): ``2(N_d-1)/N_d`` of them a step (DDP, ZeRO-1),
-             ``(m+1)(N_d-1)/N_d`` (ZeRO-2) or ``3m(N_d-1)/N_d`` (ZeRO-3) reducing every
-             micro-batch, over InfiniBand when the dp group spans nodes. Frozen
-             parameters (``--freeze``) are neither reduced nor sharded: Ψ is the
-             trainable ones (:func:`~edu3d.plan.inventory.held`), and a token computes
-             no weight gradient for them: ``2·N_frozen`` fewer FLOPs per token
-             (:func:`~edu3d.plan.inventory.frozen_active`; their input gradients are
-             still counted, as autograd skips those only for a frozen prefix).
+``compute``   the kernels (matmuls at the efficiency their size reaches, attention,
+              memory-bound ops), recomputation included;
+``overhead``  host launches the kernels did not hide;
+``bubble``    idle time waiting for other pipeline stages;
+``tp``        tensor parallelism's exposed collectives (all of them, unless ``tp_overlap``);
+``pp``        what the sends between stages add to the pipeline (latency and bandwidth);
+``dp``        the gradient reduction (and ZeRO's gathers) the backward did not hide;
+``edp`` ``ep`` ``cp``  the experts' reduction, expert parallelism's all-to-alls, context
+              parallelism's K/V exchanges, exposed;
+``optimizer`` AdamW over this rank's shard (memory-bound).
 
-Nothing overlaps in this model (pessimistic for DP, whose buckets overlap backward in
-practice). A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`) is
-at most ``usable`` of the GPU's memory (the rest: CUDA context, allocator fragmentation).
+A layout fits when its fullest rank's peak (:func:`edu3d.plan.estimate.estimate`, or the
+cluster's recipe, :mod:`edu3d.plan.recipes`) is at most ``usable`` of the GPU's memory (the
+rest: CUDA context, allocator fragmentation). ``traffic`` gives the bytes each axis sends.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
 
 from edu3d.plan.fit import gb
 from edu3d.plan import formulas as memory
@@ -57,40 +53,19 @@ from edu3d.plan import zero_modes
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import MAX_GPUS, estimate, held, setup
 from edu3d.plan.formulas import as_moe, divisors
+from edu3d.plan.cluster import GB, Cluster, profile_of
+from edu3d.plan.recipes import memory as recipe_memory
 from edu3d.plan.inventory import frozen_active
+from edu3d.plan.roofline import peak
+from edu3d.plan.step import SEARCH_REPLAY, model_flops_per_token, predict
 from edu3d.model.shapes import ModelSpec
 
-GB = 1e9
 AXES = ("compute", "bubble", "tp", "pp", "dp")  # printed even when zero
 CP_MIN_TOKENS = 4096  # below this many tokens a rank, the search tries no context parallelism
 MAX_WORK = 2_500_000  # layouts x layers x (1 + experts/64) one search weighs: a few seconds
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The machine the cost model assumes (defaults: H100 SXM nodes of 8)."""
-
-    gpus: int
-    gpu_mem_gb: float = 80.0
-    gpus_per_node: int = 8
-    peak_tflops: float = 989.0  # H100 SXM dense bf16
-    mfu: float = 0.45
-    intra_gbps: float = 300.0  # NVLink, per GPU, GB/s of ring bandwidth
-    inter_gbps: float = 25.0  # one 200 Gb/s InfiniBand NIC per GPU
-    usable: float = 0.9
-
-    def describe(self) -> str:
-        return (f"{self.gpus} GPUs of {self.gpu_mem_gb:g} GB ({self.usable:.0%} usable), "
-                f"{self.gpus_per_node} per node; {self.peak_tflops:g} TFLOP/s peak at "
-                f"{self.mfu:.0%} MFU; NVLink {self.intra_gbps:g} GB/s inside a node, "
-                f"InfiniBand {self.inter_gbps:g} GB/s across nodes")
-
-
-def _flops_per_token(spec: ModelSpec) -> tuple[float, float]:
-    """(6N + 12·L·h·s, N): training FLOPs per token and the non-embedding parameters a token
-    uses (for a mixture of experts, the active ones: its ``k`` routed experts)."""
-    n = as_moe(spec).layer_params(active=True)
-    return 6 * n + 12 * spec.n_layers * spec.d_model * spec.seq_len, n
+KEEP = 8  # the fastest layouts a search predicts exactly (branch and bound below them)
+PREDICT_WORK = 100_000  # predictions x layers x (1 + experts/64): a prediction is ~0.1 ms a
+# layer, so a search predicts in a few seconds at most (from the lowest floors up)
 
 
 def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
@@ -110,8 +85,8 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
             (:func:`~edu3d.plan.zero_modes.hsdp_traffic`);
     ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
             recomputation: its forward runs again);
-    ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x4/3 ring, x3/2 others with
-            full recomputation)."""
+    ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x(4cp-3)/(3cp-2) ring, x3/2
+            others with full recomputation: the forward's exchanges run again)."""
     lay, par = run.layout, run.parallel
     spec = as_moe(spec)
     L, h, s, b, t, p, m = (spec.n_layers, spec.d_model, spec.seq_len, run.micro_batch, lay.tp,
@@ -131,46 +106,36 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
     k = memory.routed_per_token(spec)
     out["ep"] = (memory.ep_bytes(b * s // lay.cp, k, h, lay.ep) * (1.5 if full else 1)
                  * spec.moe_layers / p * m)
-    redo = (4 / 3 if par.cp_impl == "ring" else 1.5) if full else 1
+    c = lay.cp
+    redo = ((4 * c - 3) / (3 * c - 2) if par.cp_impl == "ring" else 1.5) if full else 1
     out["cp"] = (memory.cp_bytes(par.cp_impl, s, b, h, lay.cp, h * spec.kv_heads // spec.n_heads,
                                  t) * redo * L / p * m if lay.cp > 1 else 0.0)
     return out
 
 
-def step_time(spec: ModelSpec, run: Run, cl: Cluster) -> dict[str, float]:
-    """Seconds per step by part (``compute``, ``bubble``, and each axis of :func:`traffic`
-    over its links) and ``total``."""
-    lay, par = run.layout, run.parallel
-    L, h, s, p, m = spec.n_layers, spec.d_model, spec.seq_len, lay.pp, run.microbatches
-    per_token, n = _flops_per_token(spec)
-    per_token -= 2 * frozen_active(spec, tuple(run.memory.freeze))  # no weight gradients for them
-    attn_fwd = 4 * L * h * s
-    extra = {"none": 0, "selective": attn_fwd, "full": 2 * n + attn_fwd}[run.memory.recompute]
-    tokens = run.batch.global_batch * s
-    compute = tokens * (per_token + extra) / (run.world_size * cl.peak_tflops * 1e12 * cl.mfu)
-    v = lay.vpp if par.schedule == "interleaved" else 1
-    bubble = compute * (p - 1) / (v * m) / {"zb-h1": 3, "zbv": 6,
-                                             "dualpipev": 6}.get(par.schedule, 1)
-    node, t, dpc = cl.gpus_per_node, lay.tp, lay.dp * lay.cp
-    group = t * dpc // par.hsdp  # HSDP: a replica group is dp*cp/hsdp consecutive dp*cp ranks
-    inside = {"tp": t, "pp": t * dpc * p, "dp": group, "edp": group, "ep": t * lay.ep,
-              "cp": t * lay.cp, "dp_replicate": t * dpc, "edp_replicate": t * dpc
-              }  # ranks ordered pp, dp, cp, tp (tp fastest); ep inside dp*cp
-    out = {"compute": compute, "bubble": bubble}
-    for axis, sent in traffic(spec, run).items():
-        out[axis] = sent / ((cl.intra_gbps if inside[axis] <= node else cl.inter_gbps) * GB)
-    out["total"] = sum(out.values())
+def step_time(spec: ModelSpec, run: Run, cl: Cluster, prediction: bool = False) -> dict:
+    """Seconds per step by part (:data:`edu3d.plan.step.PARTS`: ``compute``, ``overhead``,
+    ``bubble`` and each axis's exposed communication, ``optimizer``) and ``total``, from
+    :func:`edu3d.plan.step.predict` on the cluster's profile and recipe (``prediction``:
+    also the :class:`~edu3d.plan.step.Prediction` itself, as ``"prediction"``)."""
+    pred = predict(spec, run, profile_of(cl), cl.recipe, memory=False,
+                   replay_limit=SEARCH_REPLAY)
+    out: dict = dict(pred.parts, total=pred.step_time)
+    if prediction:
+        out["prediction"] = pred
     return out
 
 
 def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str = "bf16",
                schedule: str = "1f1b", micro_batches=(1, 2, 4, 8), cp_impl: str = "ring",
                freeze: tuple = ()):
-    """Every (dp, cp, ep, tp, pp, zero, recompute, micro-batch) choice the model and batch
-    allow. Cheaply: ``cp > 1`` only while each rank keeps at least ``CP_MIN_TOKENS`` of a
-    sequence, and ``ep > 1`` only for a mixture of experts (every ``ep`` dividing both
-    ``E`` and ``dp·cp``)."""
+    """Every (dp, cp, ep, tp, pp, zero, grad-reduce, recompute, micro-batch) choice the model
+    and batch allow. Cheaply: ``cp > 1`` only while each rank keeps at least
+    ``CP_MIN_TOKENS`` of a sequence, ``ep > 1`` only for a mixture of experts (every ``ep``
+    dividing both ``E`` and ``dp·cp``), ``per-step`` only where it differs (ZeRO-2/3 with
+    several micro-batches), op-level recomputation only with a framework's recipe."""
     experts = as_moe(spec).experts
+    modes = ("none", "selective", "full") + (("op",) if cl.recipe != "edu3d" else ())
     for tp in divisors(cl.gpus):
         if spec.n_heads % tp:
             continue
@@ -188,19 +153,41 @@ def candidates(spec: ModelSpec, cl: Cluster, global_batch: int, precision: str =
                         continue
                     m = global_batch // (dp * b)
                     for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)) if dp * cp > 1 else (0,):
-                        for rec in ("none", "selective", "full"):
+                        reduce = ("per-microbatch", "per-step") if zero >= 2 and m > 1 else (
+                            "per-microbatch",)
+                        for rec, mode in itertools.product(modes, reduce):
                             yield setup(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
                                         micro_batch=b, schedule=schedule, sp=tp > 1,
                                         recompute=rec, precision=precision, ep=ep, cp=cp,
-                                        cp_impl=cp_impl, freeze=freeze)
+                                        cp_impl=cp_impl, freeze=freeze, grad_reduce=mode)
+
+
+def memory_of(spec: ModelSpec, run: Run, cl: Cluster) -> dict:
+    """The fullest rank's bytes as :func:`~edu3d.plan.estimate.estimate` gives them (its
+    ``*_bytes`` keys), from the cluster's recipe: edu3d's own estimate, or a framework's
+    (:func:`edu3d.plan.recipes.memory`: ``total_bytes`` is then what the device must hold)."""
+    if cl.recipe == "edu3d":
+        return estimate(spec, run)
+    mem = recipe_memory(spec, run, cl.recipe, profile_of(cl))
+    out = {f"{c}_bytes": mem[c] for c in ("params", "grads", "optimizer", "activations",
+                                          "comm", "transient")}
+    out.update(total_bytes=mem["device"], state_bytes=mem["params"] + mem["grads"] +
+               mem["optimizer"])
+    return out
 
 
 def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
            precision: str = "bf16", schedule: str = "1f1b", cp_impl: str = "ring",
            freeze: tuple = ()) -> list[dict]:
     """Every candidate with its peak memory and step time, those that fit first, fastest
-    first: ``{"setup", "memory", "time", "fits"}``; ``freeze``: the globs of ``--freeze``,
-    the same in every candidate (:mod:`edu3d.plan.inventory`)."""
+    first: ``{"setup", "memory", "time", "fits", "prediction"}``; ``freeze``: the globs of
+    ``--freeze``, the same in every candidate (:mod:`edu3d.plan.inventory`). Every layout
+    is predicted (:func:`step_time`), unless there are more than ``PREDICT_WORK`` / layers:
+    then the fastest ``KEEP`` that fit are, found by branch and bound over their floors (at
+    most that many predictions, lowest floors first, so a search of a huge cluster stays
+    bounded and its top is the best of those). A row left out (or that does not fit) has
+    ``"prediction": None``, ``time["total"]`` infinite and only its :func:`floor` as
+    ``time["floor"]``, and sorts after them (:func:`timed` predicts it on demand)."""
     if not 1 <= cl.gpus <= MAX_GPUS:
         raise ValueError(f"{cl.gpus} GPUs: the search takes 1 to {MAX_GPUS}")
     gb = global_batch or spec.global_batch
@@ -216,13 +203,63 @@ def search(spec: ModelSpec, cl: Cluster, global_batch: int | None = None,
     rows = []
     for run in every:
         try:
-            mem = estimate(spec, run)
+            mem = memory_of(spec, run, cl)
         except ValueError:
             continue
-        rows.append({"setup": run, "memory": mem, "time": step_time(spec, run, cl),
+        rows.append({"setup": run, "memory": mem, "prediction": None,
+                     "time": {"total": math.inf, "floor": floor(spec, run, cl)},
                      "fits": mem["total_bytes"] <= cl.usable * cl.gpu_mem_gb * GB})
+    # more fitting layouts than a search may predict: branch and bound, from the lowest
+    # floor up, until no floor left can enter the KEEP fastest (an exact top KEEP)
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["time"]["floor"])
+    best: list[float] = []
+    limit = max(KEEP, int(PREDICT_WORK / (spec.n_layers * (1 + as_moe(spec).experts / 64))))
+    bound = len(rows) > limit  # a small search predicts every layout, fitting or not
+    for count, row in enumerate(fitting if bound else rows):
+        if bound and (count >= limit or len(best) >= KEEP and row["time"]["floor"] >
+                      best[KEEP - 1]):
+            break
+        try:
+            timed(spec, row, cl)
+        except ValueError:
+            row["fits"] = False
+            continue
+        if not row["fits"]:
+            continue
+        best = sorted(best + [row["time"]["total"]])[:KEEP]
     rows.sort(key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total_bytes"]))
     return rows
+
+
+def floor(spec: ModelSpec, run: Run, cl: Cluster) -> float:
+    """A lower bound of a layout's step time: the matmul FLOPs each rank must do (``6N`` per
+    token, the head included, recomputation's extra forward) at the best matmul rate, the
+    causal attention core at FlashAttention's rate, stretched by the pipeline's ramp
+    (``(p-1)/(v·m)``, a third of it for ZB-H1). The search's branch and bound predicts no
+    layout whose floor is above the ones it keeps."""
+    prof = profile_of(cl)
+    moe, lay, mode = as_moe(spec), run.layout, run.memory.recompute
+    n = moe.layer_params(active=True) - frozen_active(spec, tuple(run.memory.freeze)) / 3
+    mats = 6 * (n + spec.d_model * spec.vocab_size) + {"op": 1, "full": 2}.get(mode, 0) * n
+    attn = 2 * spec.n_layers * spec.d_model * spec.seq_len * (
+        3.5 + (mode in ("selective", "full")))  # causal forward, 2.5x backward, recomputed
+    tokens = run.batch.global_batch * spec.seq_len / run.world_size
+    rate = peak(prof, run.precision.dtype) * prof.sustained
+    busy = tokens * (mats / (rate * prof.matmul_efficiency) + attn / (
+        rate * prof.attention_efficiency))
+    v = lay.vpp if run.parallel.schedule == "interleaved" else 1
+    ramp = (lay.pp - 1) / (v * run.microbatches) * (1 / 3 if run.parallel.schedule == "zb-h1"
+                                                     else 1)
+    return busy * (1 + ramp)
+
+
+def timed(spec: ModelSpec, row: dict, cl: Cluster) -> dict:
+    """``row`` with its predicted ``time`` and ``prediction`` (predicted now if not yet)."""
+    if row["prediction"] is None:
+        time = step_time(spec, row["setup"], cl, prediction=True)
+        row["prediction"] = time.pop("prediction")
+        row["time"] = dict(time, floor=row["time"]["floor"])
+    return row
 
 
 def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
@@ -235,7 +272,8 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
     state16 = 16 * spec.num_params()
 
     def other(**change):
-        return by_key.get(run.replace(**change))
+        row = by_key.get(run.replace(**change))
+        return timed(spec, row, cl) if row is not None else None
 
     out = [f"the model has {spec.num_params() / 1e9:.2f} B parameters: {gb(state16)} of "
            f"weights, gradients and Adam state at 16 bytes each, against {gb(budget)} usable "
@@ -252,6 +290,7 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                    f"activations {gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(lay.pp - 1) / (run.microbatches + lay.pp - 1):.1%} with "
                    f"m={run.microbatches} micro-batches of {run.micro_batch}")
+    out.append(micro_batch_reason(run, best, other))
     moe = as_moe(spec)
     if moe.experts:
         ep1 = other(ep=1)
@@ -290,7 +329,7 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                 + ("; ZeRO-2/3 are not combined with pipelines" if lay.pp > 1 else ""))
     rivals = [r for r in rows if r["fits"] and r["setup"].layout.tp != lay.tp]
     if rivals:
-        r, rl = rivals[0], rivals[0]["setup"].layout
+        r, rl = timed(spec, rivals[0], cl), rivals[0]["setup"].layout
         out.append(f"the fastest layout with tp={rl.tp} (pp={rl.pp}, dp={rl.dp}) takes "
                    f"{r['time']['total']:.2f} s: its tp traffic is "
                    f"{r['time']['tp']:.2f} s against {tm['tp']:.2f} s, because a GPU's share of "
@@ -307,6 +346,36 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                       else f", more than {gb(budget)}")
                    + (f"; it costs {tm['compute'] / max(none['time']['compute'], 1e-12) - 1:.1%}"
                       " more compute" if none else ""))
+    pred = best["prediction"]
     out.append(f"estimated step {tm['total']:.2f} s: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in tm.items() if k != "total" and (v or k in AXES)))
+        f"{k} {v:.2f}" for k, v in tm.items() if k != "total" and (v or k in AXES))
+        + f"; {pred.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {pred.mfu:.0%} "
+        f"(predicted, on {cl.hardware})")
     return out
+
+
+def micro_batch_reason(run: Run, best: dict, other) -> str:
+    """Why this micro-batch size, in the model's terms: its matmuls' efficiency, launches
+    and bubble against the neighbouring size (``other(**change)`` finds a row)."""
+    b, m, pred = run.micro_batch, run.microbatches, best["prediction"]
+    bubble = best["time"]["bubble"] / best["time"]["total"]
+    if b > 1:
+        base = other(microbatches=m * b)
+        if base is None:
+            return f"micro-batch {b}: matmuls at {pred.matmul_efficiency:.0%} of peak"
+        bp, bt = base["prediction"], base["time"]
+        return (f"micro-batch {b}: matmuls at {pred.matmul_efficiency:.0%} of peak instead of "
+                f"{bp.matmul_efficiency:.0%} at micro-batch 1, {bt['overhead']:.2f} s of "
+                f"launches not hidden there; the bubble goes from {bt['bubble'] / bt['total']:.0%}"
+                f" to {bubble:.0%} of the step ({bt['total']:.2f} s -> {best['time']['total']:.2f}"
+                " s)" + ("" if base["fits"] else "; micro-batch 1 would not even fit"))
+    bigger = other(microbatches=m // 2) if m % 2 == 0 else None
+    if bigger is None:
+        return (f"micro-batch 1: matmuls at {pred.matmul_efficiency:.0%} of peak; no larger "
+                "micro-batch divides the batch")
+    why = ("does not fit" if not bigger["fits"] else
+           f"takes {bigger['time']['total']:.2f} s: its bubble is "
+           f"{bigger['time']['bubble'] / bigger['time']['total']:.0%} of the step against "
+           f"{bubble:.0%}")
+    return (f"micro-batch 1: matmuls at {pred.matmul_efficiency:.0%} of peak; micro-batch 2 "
+            f"(matmuls at {bigger['prediction'].matmul_efficiency:.0%}) {why}")

@@ -1,8 +1,9 @@
 """Chapter 10's panel: a layout's step budget, predicted at once, then measured.
 
 After reading this file you should know what the knobs change: the layout, DP overlap and
-the micro-batches redraw the cost model's predicted step budget
-(:func:`edu3d.course.ch10_performance.predict`: compute, exposed communication, bubble) and
+the micro-batches redraw the performance model's predicted step budget on this machine's
+calibrated profile (:func:`edu3d.course.ch10_performance_predict.predict`, on
+:func:`edu3d.plan.step.predict`: compute, exposed communication, bubble) and
 every layout's predicted step, at once, for every position of every knob; choosing a layout
 sets the micro-batches to the number the chapter gives it. "run it" measures the layout live
 (:func:`edu3d.course.ch10_performance.run_layout`) and draws the measurement over the
@@ -17,8 +18,9 @@ import ipywidgets as w
 
 from edu3d.course import ch10_performance_live as watched
 from edu3d.course import lesson_args
-from edu3d.course.ch10_performance import (LAYOUTS, default_microbatches, predict, run_layout,
+from edu3d.course.ch10_performance import (LAYOUTS, default_microbatches, run_layout,
                                             runnable_microbatches)
+from edu3d.course.ch10_performance_predict import predict
 from edu3d.launch.runs import new_run_dir
 from edu3d.widgets import style
 from edu3d.widgets.panels.panel import Panel
@@ -29,7 +31,8 @@ class Controls(Panel):
     """Layout, overlap and micro-batches -> the cost model's predicted step budget at once;
     "run it" measures the layout live and draws it over the prediction.
 
-    ``costs`` calibrates the model (:func:`edu3d.course.ch10_performance.calibrate`);
+    ``costs`` calibrates the model to this machine (:func:`edu3d.course.ch10_performance.
+    calibrate`, :func:`edu3d.course.ch10_performance_predict.profile_for`);
     ``measured`` maps a layout name to its measured step (ms) from the chapter's sweep."""
 
     KNOB_LAYOUTS = ("dp1", "dp2", "tp2", "pp2", "dp4", "dp2-tp2", "dp2-pp2", "tp2-pp2")
