@@ -154,12 +154,14 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
         hook = make_hook(pl.compress) if pl.compress else None
         par.dp = DataParallel(par.module, mesh.group("dpcp"), pl.dp_impl, pl.bucket_mb,
                               reverse_buckets=pl.reverse_buckets, comm_hook=hook,
-                              params=[p for p in par.module.parameters() if p not in is_expert])
+                              params=[p for p in par.module.parameters() if p not in is_expert],
+                              average_in_backward=False)  # the trainer calls finish()
         if is_expert:
             par.expert_dp = DataParallel(par.module, mesh.group("edp"), pl.dp_impl,
                                          pl.bucket_mb, reverse_buckets=pl.reverse_buckets,
                                          params=[p for p in par.module.parameters()
-                                                 if p in is_expert], divisor=n)
+                                                 if p in is_expert], divisor=n,
+                                         average_in_backward=False)
 
 
 def zero_groups(mesh: Mesh, hsdp: int, experts: bool) -> tuple:

@@ -112,14 +112,17 @@ class DataParallel(nn.Module):
     parallelism averages its experts' gradients over the expert-data-parallel group but
     divides by the whole ``dp x cp`` size. ``find_unused_parameters`` and
     ``broadcast_buffers`` have torch DDP's meaning; a wrapper given its own ``params`` list
-    owns no buffers. (Not torch's single-process ``nn.DataParallel``: this is DDP's role.)
+    owns no buffers. ``average_in_backward=False`` is the explicit form only (the trainer's):
+    the end of backward averages nothing and :meth:`finish` completes the average, so a
+    trace shows the wait for the last all-reduces after the backward, where it is exposed. (Not torch's single-process ``nn.DataParallel``: this is DDP's role.)
     """
 
     def __init__(self, module: nn.Module, group=None, impl: str = "bucketed",
                  bucket_mb: float = 25.0, reverse_buckets: bool = True, comm_hook=None,
                  broadcast: bool = True, first_bucket_mb: float | None = 1.0,
                  params: list | None = None, divisor: int | None = None,
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True):
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 average_in_backward: bool = True):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"dp impl {impl!r} is not one of {', '.join(IMPLS)}")
@@ -130,6 +133,7 @@ class DataParallel(nn.Module):
         self.param_set = set(self.params)
         self.names = {p: name for name, p in module.named_parameters()}
         self.find_unused_parameters = find_unused_parameters
+        self.average_in_backward = average_in_backward  # False: only finish() averages
         self.broadcast_buffers = broadcast_buffers and params is None
         self.sync = True
         self.comm_hook = comm_hook
@@ -239,7 +243,7 @@ class DataParallel(nn.Module):
             return
         first = p not in self.synced  # a unit counts each parameter once
         self.synced.add(p)
-        if not self._callback_queued:
+        if not self._callback_queued and self.average_in_backward:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._callback_queued = True
