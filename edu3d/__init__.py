@@ -13,17 +13,19 @@ folders listed below it; README's "How the package is organised" says the rules)
     widgets/    style packing timeline collectives mesh3d overlap zero tensor_split tp_layer
                 pipeline threed memory_plan checkpoint production perf review context
                 experts monitor tuning ckpt_reuse memory_timeline grad_reduce fp8_numbers
+                offload_curve
                                      (``edu3d.widgets``, source in widgets/)
                                      charts: data in, figure out
       panels/   panel ch00_launching_ranks ch01_collectives ch02_data_parallel ch03_zero
                 ch04_tensor_parallel ch05_pipeline_parallel ch06_3d_parallelism ch07_memory
-                ch07_memory_fp8 ch08_checkpoints ch09_in_production ch10_performance ch11_review
-                ch12_mixture_of_experts ch13_context_parallelism
+                ch07_memory_fp8 ch07_memory_offload ch08_checkpoints ch09_in_production
+                ch10_performance ch11_review ch12_mixture_of_experts ch13_context_parallelism
                                      each chapter's knobs, on one Panel base
     course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching
                 ch03_zero ch03_zero_reduce ch03_zero_hsdp ch04_tensor_parallel
                 ch05_pipeline_parallel ch06_3d_parallelism ch06_3d_parallelism_grade ch07_memory
                 ch07_memory_plan ch07_memory_timeline ch07_memory_tune ch07_memory_fp8
+                ch07_memory_offload
                 ch08_checkpoints ch08_checkpoints_grade
                 ch08_checkpoints_incremental ch09_in_production ch09_in_production_grade
                 ch10_performance ch10_performance_grade ch10_performance_hangs ch10_performance_live
@@ -39,6 +41,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute
                 bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals
                 records plot autotune ranking predicted calibration profile_fit bench_tune_model
+                bench_offload
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train
                 deepspeed_map
@@ -47,7 +50,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                 pipeline_rules fp8_rules data text documents batching cut optim faults publish
                 step_stats memory_recorder cuda_memory generation
                                      one Trainer for every layout; one pre-flight; generation
-    parallel/   parallelize grads precision recompute optim_state freeze
+    parallel/   parallelize grads precision recompute optim_state freeze offload_activations
                                      the one place strategies compose; GradSync
       dp/       data_parallel buckets same_start step_guard compress
       zero/     units flat_unit gathering sharding reduction sharded_grads shard_optimizer
@@ -63,7 +66,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      sharded checkpoints, resharding
     plan/       formulas estimate search fit zero_modes inventory hardware published
                 moe_presets kernels roofline links stage_costs step recipes validate cluster
-                cpu trainer_comm
+                cpu trainer_comm host_pool
                                      every memory formula; the one estimator;
                                      hardware profiles and published runs (data)
     launch/     api agent supervise worker procs runs run_files heartbeat cores magic status

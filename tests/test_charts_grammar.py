@@ -367,6 +367,14 @@ BUILDERS.update({
          for mode, w, t in (("fixed", 0.0, 900), ("pad", 0.51, 700), ("bucket", 0.12, 850),
                             ("tokens", 0.03, 880), ("pack", 0.18, 870))], 0.58),
 })
+BUILDERS.update({  # chapter 07's offload curves: a device line per mode, a host line for two
+    "offload_curve.offload_figure": lambda m: m.offload_figure(
+        {mode: {"x": list(range(5)), "device": [0, d, 2 * d, d, 0], "host": [0, h, 2 * h, h, 0],
+                "phase": ["forward"] * 3 + ["backward"] * 2}
+         for mode, d, h in (("none", 900, 0), ("offload", 300, 600),
+                            ("full recompute", 200, 0), ("full + offload", 100, 100))},
+        title="Activations through one step", takeaway="Offloading moves them to the host."),
+})
 
 
 def _fp8_live() -> dict:

@@ -34,6 +34,7 @@ BENCHMARKS = {  # name -> "module:function(nprocs=, json_out=, reps=) -> report 
     "tp": "edu3d.bench.bench_tp:run_benchmark",
     "3d": "edu3d.bench.bench_3d:run_benchmark",
     "recompute": "edu3d.bench.bench_recompute:run_benchmark",
+    "offload": "edu3d.bench.bench_offload:run_benchmark",
     "ep": "edu3d.bench.bench_5d:run_ep_benchmark",
     "cp": "edu3d.bench.bench_5d:run_cp_benchmark",
     "overhead": "edu3d.bench.bench_overhead:run_benchmark",

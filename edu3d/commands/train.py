@@ -34,7 +34,7 @@ from edu3d.config.layout import LayoutError
 from edu3d.launch.api import LaunchError, LaunchTimeout
 from edu3d.launch.cores import RANKS_PER_CORE
 from edu3d.production.torch_check import unsupported
-from edu3d.config.sections import ALIASES, FLAGS, Run
+from edu3d.config.sections import ALIASES, FLAGS, OFFLOAD_HELP, Run
 from edu3d.train.axis_rules import AUX_SCOPES
 from edu3d.train.preflight import (ATTENTION, BATCHING, FAULT_KINDS, GRAD_REDUCE, MIN_VOCAB,
                                    PRESET_NAMES, RECOMPUTE, SCHEDULES, Checked, preflight)
@@ -231,6 +231,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     par.add_argument("--recompute", choices=RECOMPUTE, default="none",
                      help="activation recomputation: full recomputes each block in backward "
                           "(keeping its input), selective only the attention core" + D)
+    par.add_argument("--offload-activations", action="store_true", help=OFFLOAD_HELP[0])
+    par.add_argument("--offload-every", type=count, default=1, help=OFFLOAD_HELP[1] + D)
+    par.add_argument("--offload-last", action="store_true", help=OFFLOAD_HELP[2])
     par.add_argument("--freeze", type=globs, default=None, metavar="GLOB[,GLOB...]",
                      help="train without these parameters (serial names, e.g. 'tok_emb.*,"
                           "blocks.0.*'): no gradient, no optimizer state, in every layout")

@@ -122,14 +122,35 @@ class Precision:
 
 @dataclass(frozen=True, slots=True)
 class Memory:
-    """What is kept, where: recomputation, ZeRO's optimizer offload, frozen parameters."""
+    """What is kept, where: recomputation, ZeRO's optimizer offload, activation offload,
+    frozen parameters."""
 
     recompute: str = "none"  # or "selective", "full"
     offload: bool = False  # ZeRO: the optimizer state (and its update) on the CPU
+    offload_activations: bool = False  # blocks' saved tensors in host memory until backward
+    offload_every: int = 1  # ... of every k-th block (0, k, 2k, ...)
+    offload_last: bool = False  # ... the model's last block's too (kept on the device by default)
     freeze: tuple[str, ...] = ()  # globs over serial names: no gradient, no optimizer state
 
     def __post_init__(self):  # "a.*,b.*" or a list: a tuple, so that a run stays hashable
         object.__setattr__(self, "freeze", globs(self.freeze))
+
+    def offloaded(self, n_layers: int) -> tuple[int, ...]:
+        """The blocks whose saved tensors ``--offload-activations`` moves to host memory:
+        every ``offload_every``-th from block 0, the last one only with ``offload_last`` (its
+        backward follows its forward at once: moving it would only cost two copies)."""
+        if not self.offload_activations or self.offload_every < 1:
+            return ()
+        return tuple(i for i in range(0, n_layers, self.offload_every)
+                     if i < n_layers - 1 or self.offload_last)
+
+
+OFFLOAD_HELP = (  # --offload-activations, --offload-every, --offload-last (edu3d train's help)
+    "move the tensors each block saves for backward to host memory (pinned, copied on a side "
+    "stream on a GPU) and back for its backward: the same numbers, less device memory",
+    "with --offload-activations: only every k-th block (0, k, 2k ...)",
+    "with --offload-activations: the last block's too (by default it stays on the device: "
+    "its backward comes right after its forward)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,9 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
 4. **activation recomputation** wraps the blocks (``full``) or their attention cores
    (``selective``), after TP so that it wraps the parallel block (a recomputed block repeats
    its TP forward communication) and before the cut, which keeps the wrapped blocks
-   (:func:`~edu3d.parallel.recompute.apply_recompute`);
+   (:func:`~edu3d.parallel.recompute.apply_recompute`); **activation offloading** wraps the
+   chosen blocks outside it, so that it moves what recomputation keeps
+   (:func:`~edu3d.parallel.offload_activations.apply_offload`);
 5. **the pipeline cut** keeps this rank's stages, chosen by serial layer numbers
    (:func:`~edu3d.schedules.partition.partition`, :func:`~edu3d.parallel.pp.stage.split_model`);
    the schedule's action list for this rank is built alongside;
@@ -56,6 +58,7 @@ from edu3d.parallel.freeze import apply_freeze
 from edu3d.schedules.partition import partition
 from edu3d.schedules.actions import Action, build, chunks, placement, with_comms
 from edu3d.parallel.pp.stage import PipelineStage, split_model
+from edu3d.parallel.offload_activations import ActivationOffload, apply_offload
 from edu3d.parallel.recompute import apply_recompute
 from edu3d.parallel.tp.apply import apply_tp, partial_grad_names
 from edu3d.parallel.zero.sharding import Zero
@@ -83,6 +86,7 @@ class Parallel:
     experts: set = field(default_factory=set)  # serial names of expert weights (under EP)
     expert_dp: DataParallel | None = None  # averages the experts over edp (ep > 1)
     expert_zero: Zero | None = None
+    offload: ActivationOffload | None = None  # --offload-activations: its blocks and counts
 
     @property
     def wrappers(self) -> list:
@@ -253,13 +257,15 @@ def parallelize(model: nn.Module, mesh: Mesh, run: Run, optimizer=None,
     apply_recompute(model, run.memory.recompute)
     if run.precision.compile:
         apply_compile(model, ends=mesh.size("tp") == 1 and run.parallel.zero != 3)
+    offload = apply_offload(model, run.memory)
     names = {p: n for n, p in model.named_parameters()}
     apply_freeze(model, run.memory.freeze)  # serial names, after TP made its new parameters
     stages, parts, actions = apply_pipeline(model, mesh, run, compute)
     n_stages = len(parts)
     par = Parallel(mesh, run, stages, nn.ModuleDict({str(s): st for s, st in stages.items()}),
                    n_stages, parts, actions, specs, shapes, names,
-                   set(partial_grad_names(specs, run.parallel.sp)), experts=experts)
+                   set(partial_grad_names(specs, run.parallel.sp)), experts=experts,
+                   offload=offload)
     if tie and n_stages > 1:
         # first and last stage each keep a copy; their gradients are summed after the last
         # micro-batch over the "embed" group (Megatron's embedding group)

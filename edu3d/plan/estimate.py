@@ -48,11 +48,12 @@ in :mod:`edu3d.plan.search`, the command line (``edu3d plan``) in :mod:`edu3d.co
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from edu3d.config.sections import Batch, Memory, Precision, Run, Training
 from edu3d.plan import formulas as memory
 from edu3d.plan import zero_modes
+from edu3d.plan.host_pool import brought_back, split
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.plan.inventory import (check_freeze, frozen_held, held, named_units,  # noqa: F401
                                   shape_of, units)
@@ -200,8 +201,10 @@ def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -
 
 
 # ---- activations per rank ------------------------------------------------------------------------
-def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
-    """Bytes one micro-batch keeps for backward on each global stage (``/cp``)."""
+@lru_cache(maxsize=4096)
+def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
+    """Bytes one micro-batch keeps for backward on each global stage (``/cp``), on the device
+    or as :func:`edu3d.plan.host_pool.split` says (``"host"``); cached: read, never change."""
     lay, par = run.layout, run.parallel
     s, b, h, a, t = spec.seq_len, run.micro_batch, spec.d_model, spec.n_heads, lay.tp
     spec = as_moe(spec)
@@ -242,12 +245,10 @@ def stage_activation_bytes(spec: ModelSpec, run: Run) -> list[float]:
         moe = layer - memory.mlp_activation_bytes(s, b, h, spec.ff, 1 if sp else t, spec.mlp, vb,
                                                   drop) / (t if sp else 1)
         moe += memory.moe_mlp_activation_bytes(spec, s, b, vb, drop)
-    out = []
-    for i, (lo, hi) in enumerate(parts):
-        n_moe = sum(spec.is_moe(j) for j in range(lo, hi))
-        out.append(((hi - lo - n_moe) * layer + n_moe * moe + (first if i == 0 else 0) +
-                    (last if i == len(parts) - 1 else 0)) / lay.cp)
-    return out
+    kept = (4 if run.precision.dtype == "fp32" or _autocast(spec, run) else 2) * s * b * h / (
+        t if sp else 1)  # the stage's input (edu3d.plan.host_pool)
+    return list(p[where] for p in split(run, parts, [moe if spec.is_moe(j) else layer for j in
+                                                      range(spec.n_layers)], kept, first, last))
 
 
 @lru_cache(maxsize=512)
@@ -261,10 +262,10 @@ def in_flight(schedule: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
     return tuple(simulate(build(schedule, pp, replay, chunks(schedule, vpp)), pp).peak_in_flight)
 
 
-def activations_per_rank(spec: ModelSpec, run: Run) -> list[float]:
-    """Peak activation bytes of each pipeline rank over the step's schedule."""
+def activations_per_rank(spec: ModelSpec, run: Run, where: str = "device") -> list[float]:
+    """Peak activation bytes of each pipeline rank over the step's schedule (or ``"host"``)."""
     lay, par = run.layout, run.parallel
-    per_stage = stage_activation_bytes(spec, run)
+    per_stage = stage_activation_bytes(spec, run, where)
     v = chunks(par.schedule, lay.vpp)
     if v == 1:
         return [n * a for n, a in zip(in_flight(par.schedule, lay.pp, run.microbatches), per_stage)]
@@ -311,7 +312,8 @@ def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     # a V's last stage sits on rank 0
     last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))
     logit = (4 if _fp32_numbers(spec, run) else 2) * (pp_rank == last)
-    return float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp
+    return max(float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp,
+               brought_back(partial(stage_activation_bytes, spec, run), run, pp_rank))  # offload
 
 
 def activation_model(spec: ModelSpec, run: Run) -> str:
@@ -345,10 +347,10 @@ def estimate(spec: ModelSpec, run: Run, at: str = "peak") -> dict:
     one's at the top level (``params_bytes`` ... ``total_bytes``; ``state_bytes``: weights,
     gradients and optimizer state, the ZeRO paper's count)."""
     validate(spec, run)
-    acts = activations_per_rank(spec, run)
+    acts, host = activations_per_rank(spec, run), activations_per_rank(spec, run, "host")
     per_stage, states = [], _fullest_states(spec, _state_setup(run), at)
     for r in range(run.layout.pp):
-        row = {"pp_rank": r, **states[r], "activations": acts[r],
+        row = {"pp_rank": r, **states[r], "activations": acts[r], "host": host[r],
                "comm": comm_per_rank(spec, run, r) if at == "peak" else 0.0,
                "transient": transient_per_rank(spec, run, r) if at == "peak" else 0.0}
         row["total"] = sum(row[c] for c in CATEGORIES)
@@ -356,7 +358,7 @@ def estimate(spec: ModelSpec, run: Run, at: str = "peak") -> dict:
     top = max(per_stage, key=lambda row: row["total"])
     out = {f"{c}_bytes": top[c] for c in CATEGORIES}
     out.update(total_bytes=top["total"], state_bytes=sum(top[c] for c in CATEGORIES[:3]),
-               fullest_pp_rank=top["pp_rank"], per_stage=per_stage,
+               fullest_pp_rank=top["pp_rank"], per_stage=per_stage, host_bytes=top["host"],
                num_params=spec.num_params(), activation_model=activation_model(spec, run),
                active_params=as_moe(spec).active_params())
     return out

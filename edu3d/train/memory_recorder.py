@@ -20,6 +20,13 @@ without asking an allocator (a CPU run has none that reports):
   collective in progress the temporary its caller made (ZeRO's flattened gradient and output
   shard around a reduce-scatter, ZeRO-1/2's copy of the shard they all-gather after the
   step). DP's all-reduce and ZeRO-3's gather work in place on buffers counted already;
+* **offloaded activations** (``--offload-activations``): the blocks that move their saved
+  tensors to host memory hide them from these hooks (the innermost ``saved_tensors_hooks``
+  wins); their offloader counts them instead (:class:`~edu3d.parallel.offload_activations.
+  ActivationOffload`): what is on the device (a stage's input; a block's tensors during its
+  forward or brought back for its backward, also shown as ``offloaded``: the planner's
+  ``transient``) adds to ``activations``, what waits in the host pool is ``host``, outside
+  the device's total;
 * **off by default, free when off**: nothing is installed unless a recording is asked for
   (``edu3d train --memory-timeline FILE``), and then only around the one step recorded.
 
@@ -143,6 +150,8 @@ class MemoryRecorder(trace.Recorder):
         forward's saved tensors are counted."""
         self.samples, self.step, self._phase = [], step, "start"
         self._saved = SavedActivations(self._params)
+        if self.trainer.par.offload is not None:  # its bytes moved in this step only
+            self.trainer.par.offload.read(reset=True)
         self._t0 = time.perf_counter_ns()
         handles = self._unit_hooks()
         try:
@@ -197,6 +206,11 @@ class MemoryRecorder(trace.Recorder):
         row["activations"] = saved.bytes - sum(b for k, (_, b) in saved.live.items() if k in seen)
         seen |= set(saved.live)
         row["comm"] = meter.storage_bytes(self._comm_buffers(), seen) + sum(self._extra.values())
+        offload = self.trainer.par.offload
+        if offload is not None:  # its blocks' saved tensors on the device, and on the host
+            row["activations"] += offload.now["kept"] + offload.now["device"]
+            row["offloaded"] = offload.now["device"]  # of which: moved ones, back for now
+            row["host"] = offload.now["host"]
         out = {"t": (time.perf_counter_ns() - self._t0) / 1e3, "lane": lane, "op": op,
                "edge": edge, "phase": self._phase}
         out.update({k: v for k, v in {**self._ctx, **fields}.items()
@@ -288,8 +302,11 @@ class MemoryRecorder(trace.Recorder):
     # ---- the result ---------------------------------------------------------------------------
     def timeline(self) -> dict:
         """This rank's samples, its peak (the sample whose kinds add up to most) and the
-        activation peak the hooks saw (between two samples too)."""
+        activation peak the hooks saw (between two samples too); with offloaded
+        activations, what the offloader counted in the step (``offload``: bytes moved each
+        way, the host pool's peak, its blocks' device-side peak)."""
         totals = [sum(s[k] for k in KINDS) for s in self.samples]
+        offload = self.trainer.par.offload
         i = max(range(len(totals)), key=totals.__getitem__)
         coord = tuple(self.trainer.mesh.coord) if self.trainer.mesh.layout.world_size > 1 \
             else (0, 0, 0)
@@ -299,7 +316,8 @@ class MemoryRecorder(trace.Recorder):
                          "op": self.samples[i]["op"], "phase": self.samples[i]["phase"],
                          "t": self.samples[i]["t"]},
                 "peak_of": {k: max(s[k] for s in self.samples) for k in KINDS},
-                "activations_peak_between_samples": self._saved.peak}
+                "activations_peak_between_samples": self._saved.peak,
+                **({"offload": offload.read(reset=False)} if offload is not None else {})}
 
 
 def gather_timelines(recorder: MemoryRecorder) -> list[dict] | None:
@@ -324,7 +342,8 @@ def document(run: Run, timelines: list[dict], stats: dict | None = None) -> dict
     return {"kind": "edu3d memory timeline", "version": 1,
             "options": {k: options[k] for k in (
                 "model", "dp", "tp", "pp", "zero", "microbatches", "global_batch", "schedule",
-                "recompute", "precision", "optimizer", "grad_reduce", "freeze") if k in options},
+                "recompute", "offload_activations", "offload_every", "offload_last",
+                "precision", "optimizer", "grad_reduce", "freeze") if k in options},
             "step": timelines[0]["step"],
             "device": "cuda" if any("allocated" in t["samples"][0] for t in timelines) else "cpu",
             "planner": {at: {"per_stage": e["per_stage"], "total_bytes": e["total_bytes"],

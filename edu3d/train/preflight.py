@@ -159,6 +159,7 @@ def check_args(run: Run) -> tuple[object, Layout]:
     if run.memory.offload and not par.zero:
         raise LayoutError("--offload moves ZeRO's sharded optimizer state; add --zero 1 "
                           "(or 2, 3)")
+    check_offload(run, config.n_layers)
     if par.grad_reduce not in GRAD_REDUCE:
         raise LayoutError(f"grad_reduce={par.grad_reduce!r}: choose one of "
                           f"{', '.join(GRAD_REDUCE)}")
@@ -203,6 +204,27 @@ def check_hsdp(run: Run) -> None:
                           "parallelism (--zero 0) holds everything on every rank already: add "
                           "--zero 3 (or 2, 1), or drop --hsdp")
     run.layout.hsdp_sizes(r)
+
+
+def check_offload(run: Run, n_layers: int) -> None:
+    """``--offload-activations`` (:mod:`edu3d.parallel.offload_activations`): its two options
+    only with it, on edu3d's trainer, moving at least one block. It composes with every
+    layout and with recomputation (it offloads what recomputation keeps)."""
+    mem = run.memory
+    if not mem.offload_activations:
+        if mem.offload_every != 1 or mem.offload_last:
+            flag = "--offload-last" if mem.offload_last else f"--offload-every {mem.offload_every}"
+            raise LayoutError(f"{flag} chooses the blocks --offload-activations moves; add "
+                              "--offload-activations")
+        return
+    if mem.offload_every < 1:
+        raise LayoutError(f"--offload-every {mem.offload_every}: must be a positive integer")
+    if run.parallel.impl != "edu3d":
+        raise LayoutError("--offload-activations wraps edu3d's own blocks; drop --impl torch")
+    if not mem.offloaded(n_layers):
+        raise LayoutError(f"--offload-activations moves no block: the model's {n_layers} "
+                          f"block(s) leave only the last, which stays on the device; add "
+                          "--offload-last (or more --layers)")
 
 
 def check_fast_path(run: Run) -> None:

@@ -116,6 +116,8 @@ class Trainer:
         stack.callback(self.meter.sample)
         if action.kind == "F":
             stack.enter_context(self.precision.autocast())
+            if self.par.offload is not None:  # its blocks: one chain, prefetched in backward
+                stack.enter_context(self.par.offload.chain())
             if not last:
                 for z in self.par.zeros:
                     stack.enter_context(z.accumulating(forward=True))
