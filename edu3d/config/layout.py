@@ -109,10 +109,12 @@ class Layout:
         """Ranks holding the same experts: the expert-data-parallel degree ``dp*cp/ep``."""
         return self.dp * self.cp // self.ep
 
-    def hsdp_sizes(self, hsdp: int) -> tuple[int, int]:
+    def hsdp_sizes(self, hsdp: int, zero: int = 3) -> tuple[int, int]:
         """``(S, E)``: the ranks of one replica group under ``--hsdp hsdp``, dense (``dp·cp/R``)
         and expert (``edp/R``). Raises :class:`LayoutError` where ``hsdp`` does not divide
-        ``dp`` (or, with expert parallelism, ``edp``)."""
+        ``dp`` (or, with expert parallelism, ``edp``), or replicas come without ZeRO."""
+        if hsdp != 1 and not zero:
+            raise LayoutError(f"hsdp={hsdp} shards ZeRO's state in replica groups; add zero 1-3")
         if not isinstance(hsdp, int) or isinstance(hsdp, bool) or hsdp < 1 or self.dp % hsdp:
             ok = ", ".join(str(d) for d in divisors(self.dp))
             raise LayoutError(f"--hsdp {hsdp!r} must divide dp={self.dp} (replica groups of "

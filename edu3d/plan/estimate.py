@@ -112,9 +112,7 @@ def validate(spec: ModelSpec, run: Run) -> None:
     if par.zero and lay.dp * lay.cp == 1:
         raise ValueError(f"ZeRO-{par.zero} shards over dp*cp; use dp*cp >= 2")
     check_ep(spec, lay.dp * lay.cp, lay.ep)
-    if par.hsdp != 1 and not par.zero:
-        raise ValueError(f"hsdp={par.hsdp} shards ZeRO's state in replica groups; add zero 1-3")
-    lay.hsdp_sizes(par.hsdp)  # HSDP's R divides dp (and the experts' edp), or a ValueError
+    lay.hsdp_sizes(par.hsdp, par.zero)  # HSDP: ZeRO on, R divides dp (and edp), or refused
     if spec.seq_len % lay.cp:
         raise ValueError(f"cp={lay.cp} must divide seq={spec.seq_len}")
     if par.cp_impl == "ulysses" and spec.n_heads % (lay.cp * lay.tp):
