@@ -21,20 +21,20 @@ folders listed below it; README's "How the package is organised" says the rules)
                 ch07_memory_fp8 ch07_memory_offload ch08_checkpoints ch09_in_production
                 ch10_performance ch11_review ch12_mixture_of_experts ch13_context_parallelism
                                      each chapter's knobs, on one Panel base
-    course/     ch00_launching_ranks ch01_collectives ch02_data_parallel ch02_data_parallel_batching
-                ch03_zero ch03_zero_reduce ch03_zero_hsdp ch04_tensor_parallel
-                ch05_pipeline_parallel ch06_3d_parallelism ch06_3d_parallelism_grade ch07_memory
-                ch07_memory_plan ch07_memory_timeline ch07_memory_tune ch07_memory_fp8
-                ch07_memory_offload
-                ch08_checkpoints ch08_checkpoints_grade
-                ch08_checkpoints_incremental ch09_in_production ch09_in_production_grade
-                ch10_performance ch10_performance_grade ch10_performance_hangs ch10_performance_live
-                ch10_performance_verdicts ch10_performance_predict ch11_review
-                ch11_review_grade ch11_review_recipe
+    course/     ch00_launching_ranks ch00_launching_ranks_grade ch00_launching_ranks_text
+                ch01_collectives ch01_collectives_grade ch02_data_parallel
+                ch02_data_parallel_batching ch02_data_parallel_grade ch03_zero ch03_zero_grade
+                ch03_zero_reduce ch03_zero_hsdp ch04_tensor_parallel ch04_tensor_parallel_grade
+                ch05_pipeline_parallel ch05_pipeline_parallel_grade ch06_3d_parallelism
+                ch06_3d_parallelism_grade ch07_memory ch07_memory_fp8 ch07_memory_grade
+                ch07_memory_offload ch07_memory_plan ch07_memory_timeline ch07_memory_tune
+                ch08_checkpoints ch08_checkpoints_grade ch08_checkpoints_incremental
+                ch09_in_production ch09_in_production_grade ch10_performance ch10_performance_grade
+                ch10_performance_hangs ch10_performance_live ch10_performance_predict
+                ch10_performance_verdicts ch11_review ch11_review_grade ch11_review_recipe
                 ch12_mixture_of_experts ch12_mixture_of_experts_grade ch13_context_parallelism
                 ch13_context_parallelism_capstone ch13_context_parallelism_grade
-                ch13_context_parallelism_ring ch00_launching_ranks_text grading nbtools
-                verdict_channel
+                ch13_context_parallelism_ring grading nbtools targets verdict_channel
                                      what each chapter computes and runs; graders
       autograde/  scoring kernel channel hints processes isolate report
                                      edu3d grade's engine: notebooks in sealed kernels, scored
@@ -74,7 +74,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      start, watch (one loop), end ranks; torch-free
       warm/     pool zygote rank
                                      warm ranks for notebook cells
-    distributed/  mesh runtime comm algorithms trace meter
+    distributed/  mesh runtime comm algorithms trace coverage meter
                                      what every rank uses
     model/      gpt moe balance shapes param_globs config_schema
                                      the serial reference GPT, mixture of experts, model shapes

@@ -65,3 +65,30 @@ class BucketedDDP:
         raise NotImplementedError(
             "hint: after backward, every bucket started must be complete and averaged, "
             "and each parameter's gradient must hold its average")
+
+
+# ---- design: a micro-batch and a bucket size -----------------------------------------------
+def plan_step(job: str) -> tuple[int, float]:
+    """``(rows, bucket_mb)`` for one data-parallel step of GPT-2 small (124 M parameters) on
+    8 ranks, each with 32 sequences of 1024 tokens per step, cut into micro-batches of
+    ``rows`` sequences (``rows`` divides 32) that accumulate their gradients; only the last
+    micro-batch's backward runs your buckets' all-reduces (bucket size ``bucket_mb``).
+
+    =====  =====================================  ===========================
+    job    link (one all-reduce step: α + S·β)     memory for activations
+    =====  =====================================  ===========================
+    ``a``  NVLink: α 20 us, 50 GB/s                20 GB
+    ``b``  InfiniBand: α 100 us, 10 GB/s           12 GB
+    =====  =====================================  ===========================
+
+    A micro-batch costs 4 ms plus 6 ms per sequence (a third forward, two thirds backward)
+    and keeps 1.1 GB of activations per sequence. The step's time is chapter 02's bucket
+    timeline (``edu3d.course.ch02_data_parallel.simulate_dp_step``) after the other
+    micro-batches; the grader's model is ``cost`` in
+    ``edu3d/course/ch02_data_parallel_grade.py``. The target: the activations fit, and the
+    step is within 3 % of the best plan.
+    """
+    raise NotImplementedError(
+        "hint: what does a micro-batch cost besides its sequences, and what bounds its "
+        "size? Then: what does a bucket pay per all-reduce, and what is left to send "
+        "after backward ends?")

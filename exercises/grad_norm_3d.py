@@ -58,3 +58,28 @@ def sum_tied_embedding_grads(grad: torch.Tensor, group=None) -> None:
     raise NotImplementedError(
         "hint: each of the two stages holds half of the tied matrix's gradient; both "
         "copies must end with the whole of it")
+
+
+# ---- design: which layers go to which stage ---------------------------------------------------
+def split_layers(job: str) -> list[int]:
+    """How many transformer layers each of the ``pp`` pipeline stages holds (at least one
+    each, all the layers in all), for a GPT whose first stage also holds the embedding and
+    whose last stage holds the LM head and the loss (the tied embedding's two homes):
+
+    =====  ======  ===  ==============  ========  ============  ===================
+    job    layers  pp   micro-batches   memory    state/layer   activations/layer
+    =====  ======  ===  ==============  ========  ============  ===================
+    ``a``  24      4    16              40 GB     3.2 GB        1.0 GB
+    ``b``  32      4    32              30 GB     1.6 GB        0.5 GB
+    =====  ======  ===  ==============  ========  ============  ===================
+
+    A layer's forward and backward take one unit; the embedding 0.2 units and 1.6 GB of
+    state; the head and loss 6 units (a vocabulary's worth of logits), 1.6 GB of state and
+    3 GB of logits per micro-batch. The schedule is 1F1B: the step takes ``m + p - 1``
+    times the slowest stage, and stage ``s`` keeps ``p - s`` micro-batches of activations.
+    The target: every stage fits its GPU, and the step is within 2 % of the best cut (the
+    grader's model: ``cost`` in ``edu3d/course/ch06_3d_parallelism_grade.py``).
+    """
+    raise NotImplementedError(
+        "hint: the slowest stage sets the pace; which stages carry extra work, and which "
+        "keep the most micro-batches alive?")

@@ -45,3 +45,23 @@ def gradient_scale(pipeline_grads: dict, serial_grads: dict) -> float:
     raise NotImplementedError(
         "hint: compare the two models' gradients as a whole, by one number each (their "
         "global size), and return how many times larger the pipeline's is")
+
+
+# ---- design: beat 1F1B's bubble at 1F1B's memory ----------------------------------------------
+def faster_schedule(pp: int, m: int) -> list[list[str]]:
+    """Per rank, your own schedule (one stage per rank, as above) whose step is shorter
+    than 1F1B's while no rank keeps more micro-batches' activations than 1F1B's rank 0
+    does (``pp`` of them).
+
+    You may split a backward ``B`` into its two halves: ``I``, the input gradient the
+    previous stage is waiting for, and ``W``, the weight gradient nobody waits for
+    (``"1I3"``, ``"1W3"``: run both, ``I`` first, never together with ``B``). A
+    micro-batch's activations stay until its ``B`` or its ``W`` has run. The grader replays
+    your lists with edu3d's checker and simulator (``F``, ``I`` and ``W`` cost one unit each,
+    ``B`` two) on pp=4, m=8 and two smaller pipelines; the target is ZB-H1's step (pp=4,
+    m=8: 27 units against 1F1B's 33). Write the lists yourself: a module that calls one of
+    ``edu3d.schedules``' generators fails the check.
+    """
+    raise NotImplementedError(
+        "hint: where does 1F1B sit idle, and which work could fill those gaps without "
+        "anyone waiting for it? Mind what that work keeps alive")

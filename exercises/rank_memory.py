@@ -46,3 +46,30 @@ def in_flight(schedule: str, pp: int, m: int, pp_rank: int) -> int:
     raise NotImplementedError(
         "hint: a micro-batch's activations live from its forward until its backward: "
         "how many forwards has a rank run before its first backward?")
+
+
+# ---- design: ZeRO stage, micro-batch and recompute under a memory cap ----------------------------
+def memory_plan(job: str) -> dict:
+    """``{"zero": 0-3, "micro_batch": samples, "recompute": bool}`` for one rank of a
+    data-parallel job (dp = 8, 32 samples per rank per step, plain gradient accumulation,
+    fp32 AdamW: 16 bytes per parameter, 1.5e9 parameters):
+
+    =====  ==========  ========================  =============================
+    job    GPU memory  activations of a sample   with recompute (block inputs)
+    =====  ==========  ========================  =============================
+    ``a``  40 GB       3.0 GB                    0.5 GB
+    ``b``  16 GB       3.0 GB                    0.5 GB
+    =====  ==========  ========================  =============================
+
+    Time: 0.1 s of compute per sample (a third more with recompute) and 0.02 s per
+    micro-batch. Communication is not overlapped; one reduce-scatter or all-gather of the
+    fp32 model moves ``(dp - 1) / dp * 4 * params`` bytes at 100 GB/s. ZeRO-0 and ZeRO-1
+    all-reduce the gradients once per step (two of those), ZeRO-2 reduce-scatters them after
+    every micro-batch and all-gathers the weights once after the step, ZeRO-3 gathers the
+    weights for every micro-batch's forward and backward and reduce-scatters its gradients.
+    The micro-batch must divide the 32 samples. The target: the rank fits its GPU, and the
+    step is within 2 % of the best plan (the grader's model: ``cost`` in
+    ``edu3d/course/ch07_memory_grade.py``).
+    """
+    raise NotImplementedError(
+        "hint: what does each ZeRO stage save, and what does it cost per micro-batch?")

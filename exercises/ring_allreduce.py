@@ -35,3 +35,30 @@ def ring_all_reduce(t: torch.Tensor) -> torch.Tensor:
         "only about 2 buffers' worth in total: split the buffer into one chunk per "
         "rank, first accumulate each chunk around the ring, then pass the finished "
         "chunks around (the module docstring has the chunk of each step)")
+
+
+# ---- design: which all-reduce for this message? ----------------------------------------------
+def choose_all_reduce(size_bytes: float, n: int, alpha: float, beta: float,
+                      memory: float) -> str:
+    """The all-reduce to run for one message of ``size_bytes`` on ``n`` ranks (a power of
+    two): ``"ring"``, ``"halving-doubling"`` or ``"doubling"``, the fastest whose receive
+    buffer fits in ``memory`` bytes.
+
+    A step that sends ``b`` bytes to one peer (while receiving as much) costs
+    ``alpha + b * beta`` seconds; every algorithm below sends in steps:
+
+    * ``"ring"``: the one you just wrote;
+    * ``"halving-doubling"``: in step ``k`` of ``log2 n`` each rank swaps *half* of what it
+      still reduces with the rank ``n / 2**k`` away and adds the half it keeps; then the
+      same steps backwards, copying, rebuild the whole buffer (Rabenseifner's algorithm);
+    * ``"doubling"``: in step ``k`` of ``log2 n`` each rank swaps its *whole* buffer with the
+      rank ``2**k`` away and adds it.
+
+    The largest receive buffer each needs is what it receives in one step. Work out the
+    time and the buffer of each (the grader's model is ``cost`` in
+    ``edu3d/course/ch01_collectives_grade.py``); your choice is checked on messages from 4
+    bytes to 1 GB, on 4 and 64 ranks, over two links.
+    """
+    raise NotImplementedError(
+        "hint: count each algorithm's steps and the bytes of each step: which term wins "
+        "for a tiny message, and which for a huge one? Then keep only what fits")

@@ -92,3 +92,33 @@ def vocab_parallel_cross_entropy(logits_shard, target, group, start, vocab_size,
     raise NotImplementedError(
         "hint: turn the per-token losses into the mean PyTorch's cross entropy returns: which "
         "tokens count?")
+
+
+# ---- design: a tensor-parallel degree, with or without sequence parallelism -------------------
+def choose_tp(job: str) -> tuple[int, bool]:
+    """``(tp, sp)``: how many GPUs share one replica of the model by tensor parallelism
+    (``tp`` divides the heads), and whether sequence parallelism shares the activations
+    between the tensor-parallel layers too. One sequence per step, bf16 with AdamW:
+
+    =====  ==========  ======  =======  =====  ========  ===============
+    job    parameters  layers  d_model  heads  sequence  memory per GPU
+    =====  ==========  ======  =======  =====  ========  ===============
+    ``a``  2.7 B       32      2560     32     4096      40 GB
+    ``b``  2.7 B       32      2560     32     6144      40 GB
+    ``c``  6.7 B       32      4096     32     8192      40 GB
+    =====  ==========  ======  =======  =====  ========  ===============
+
+    A GPU holds 16 bytes per parameter over ``tp`` and every layer's activations, as
+    chapter 04 counted them (Korthikanti et al.: without sequence parallelism the
+    LayerNorms, dropouts and the layer's input stay whole on every tensor-parallel rank).
+    A step is the compute (6 FLOPs per parameter and token, 400 TFLOP/s per GPU, shared by
+    ``tp``) plus, at every layer, the collectives of the activations (forward and backward)
+    on a ring of ``tp``: NVLink (150 GB/s, 5 us per step) inside a node of 8 GPUs,
+    InfiniBand (25 GB/s) beyond. The target: within 90 % of the GPU's memory, and within
+    5 % of the fastest plan that fits (the grader's model: ``cost`` in
+    ``edu3d/course/ch04_tensor_parallel_grade.py``).
+    """
+    raise NotImplementedError(
+        "hint: more tensor parallelism shares the weights and the compute but talks at "
+        "every layer; which activations does plain TP leave whole on every rank, and "
+        "what does the link beyond a node cost?")

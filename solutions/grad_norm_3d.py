@@ -38,6 +38,18 @@ def sum_tied_embedding_grads(grad: torch.Tensor, group=None) -> None:
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
 
 
+
+
+# ---- design: which layers go to which stage ---------------------------------------------------
+def split_layers(job: str) -> list[int]:
+    """Balance the work, then the memory. The head weighs 6 layers: the last stage takes
+    fewer layers. The first stage keeps ``p`` micro-batches alive under 1F1B, the next
+    ``p - 1``, and so on: the early stages take fewer layers than the work alone would
+    give them. a: the uniform cut does not fit stage 0 (44.8 GB), [5, 6, 7, 6] does, at the
+    same pace; b: [7, 9, 11, 5] evens the middle and the head's stage at 11 units."""
+    return {"a": [5, 6, 7, 6], "b": [7, 9, 11, 5]}[job]
+
+
 # The deeper hints of exercises/grad_norm_3d.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'global_grad_norm': ('a replicated piece counts on tp index 0 only, the tied copy on the '
@@ -47,4 +59,9 @@ HINTS = {'global_grad_norm': ('a replicated piece counts on tp index 0 only, the
                       'op=dist.ReduceOp.SUM, group=group); return sq.sqrt().float()[0]'),
  'sum_tied_embedding_grads': ('one collective over the group you are given sums the two '
                               'halves, in place',
-                              'dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)')}
+                              'dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)'),
+ 'split_layers': ('the step is m + p - 1 times the slowest stage; the last stage also runs '
+                  'the head (6 layers of work); stage s keeps p - s micro-batches alive',
+                  'start from an even cut of the work (the head counted as 6 layers), then '
+                  'move layers from the first stages to later ones until stage 0 fits: try '
+                  'cuts with ch06_3d_parallelism_grade.describe')}

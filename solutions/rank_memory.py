@@ -57,6 +57,17 @@ def in_flight(schedule: str, pp: int, m: int, pp_rank: int) -> int:
     return min(m, pp - pp_rank)
 
 
+# ---- design: ZeRO stage, micro-batch and recompute under a memory cap ----------------------------
+def memory_plan(job: str) -> dict:
+    """a: ZeRO-1 leaves 13.5 GB of state, room for micro-batches of 8 (37.5 GB) and one
+    all-reduce a step; ZeRO-0 (24 GB) only fits 4, with twice the per-micro-batch overhead.
+    b (16 GB): ZeRO-0 and 1 leave no room without recompute; ZeRO-2's 8.25 GB fits
+    micro-batches of 2: 16 reduce-scatters (0.89 s) still cost less than recompute's third
+    more compute (1.07 s), and ZeRO-3 pays three collectives per micro-batch."""
+    return {"a": {"zero": 1, "micro_batch": 8, "recompute": False},
+            "b": {"zero": 2, "micro_batch": 2, "recompute": False}}[job]
+
+
 # The deeper hints of exercises/rank_memory.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'rank_params': ('per layer, tensor parallelism splits the four matrices and the two column '
@@ -72,4 +83,9 @@ HINTS = {'rank_params': ('per layer, tensor parallelism splits the four matrices
                  'optimizer 8n / (dp if zero >= 1 else 1)'),
  'in_flight': ('GPipe runs every forward before any backward; under 1F1B rank r starts its '
                'backwards after pp - r forwards',
-               'gpipe: m; 1f1b: min(m, pp - pp_rank)')}
+               'gpipe: m; 1f1b: min(m, pp - pp_rank)'),
+ 'memory_plan': ('ZeRO-2 and ZeRO-3 pay a collective per micro-batch, recompute a third more '
+                 'compute; a bigger micro-batch means fewer micro-batches but more activations',
+                 'for each ZeRO stage, find the largest micro-batch that fits with and '
+                 'without recompute, and compare the steps with '
+                 'ch07_memory_grade.describe(job, plan)')}

@@ -38,6 +38,16 @@ def piece_for(full: torch.Tensor, placement: dict) -> torch.Tensor:
     return full[_box(placement)].reshape(-1)[lo:hi].clone()
 
 
+# ---- design: how often to save, and whether asynchronously ---------------------------------------
+def checkpoint_plan(job: str) -> dict:
+    """a: the snapshot fits, so save asynchronously: 4 s blocked per save, and as long as
+    the interval outlasts the 60 s write (every >= 30 steps) nothing waits; the best balance
+    of 4 s per save against half an interval lost per failure is near sqrt(2 * 4 s * 6 h)
+    ~ 420 s. b: no room for the snapshot: save synchronously at Young's interval,
+    sqrt(2 * 60 s * 6 h) ~ 1610 s, about 800 steps."""
+    return {"a": {"every": 200, "async": True}, "b": {"every": 800, "async": False}}[job]
+
+
 # The deeper hints of exercises/reshard.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'full_tensor': ("a box is one slice per dimension; flat = [lo, hi] picks a run of the box's "
@@ -49,4 +59,10 @@ HINTS = {'full_tensor': ("a box is one slice per dimension; flat = [lo, hi] pick
                  'ValueError unless mask.all()'),
  'piece_for': ('the box of the full tensor, flattened row-major, then the run lo .. hi-1',
                'full[tuple(slice(a, b) for a, b in '
-               "placement['box'])].reshape(-1)[lo:hi].clone()")}
+               "placement['box'])].reshape(-1)[lo:hi].clone()"),
+ 'checkpoint_plan': ("each save costs its blocking time once per interval; each failure costs the "
+                     "restart and half an interval of work: the two balance near "
+                     "sqrt(2 x blocking time x MTBF) (Young's formula)",
+                     "a: async, every ~200 steps (the snapshot blocks 4 s); b: sync, every "
+                     "sqrt(2 * 60 * 6 * 3600) / 2 steps; compare with "
+                     "ch08_checkpoints_grade.describe(job, plan)")}

@@ -25,6 +25,16 @@ def ddp_zero1(model, group, groups: list, **adamw):
     return ddp, optimizer
 
 
+# ---- design: FSDP units and when they reshard -----------------------------------------------------
+def fsdp_plan(job: str) -> dict:
+    """a (48 GB): keeping every block whole after forward needs 25.6 GB more than fits, so
+    reshard; units of 4 blocks hide their gathers under 40 ms of forward, and 8 no longer
+    fit. b (80 GB): no reshard fits and saves the second gather of every unit; units of 2
+    balance the 5 ms latency against the exposed first gather."""
+    return {"a": {"blocks_per_unit": 4, "reshard": True},
+            "b": {"blocks_per_unit": 2, "reshard": False}}[job]
+
+
 # The deeper hints of exercises/torch_wrap.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'fsdp2': ('one fully_shard per block first, then one on the whole model (it takes '
@@ -37,4 +47,9 @@ HINTS = {'fsdp2': ('one fully_shard per block first, then one on the whole model
                        'state over a process group',
                        'ddp = DistributedDataParallel(model, process_group=group); opt = '
                        'ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, '
-                       'process_group=group, **adamw); return ddp, opt')}
+                       'process_group=group, **adamw); return ddp, opt'),
+         'fsdp_plan': ('time is compute plus what no compute hides: the first gather, and '
+                       'every gather (and regather) longer than the unit compute beside it',
+                       'list k in 1, 2, 4, 8, 16, 32 with reshard True and False, keep the '
+                       'ones that fit, and compare them with '
+                       'ch09_in_production_grade.describe(job, plan)')}

@@ -97,6 +97,18 @@ def vocab_parallel_cross_entropy(logits_shard, target, group, start, vocab_size,
     return per_token.sum() / (target != ignore_index).sum()
 
 
+
+
+# ---- design: a tensor-parallel degree, with or without sequence parallelism -------------------
+def choose_tp(job: str) -> tuple[int, bool]:
+    """The whole node (tp 8) while it fits: the compute shrinks with every GPU and NVLink's
+    all-reduces cost little. At 6144 tokens plain TP keeps ``10 sbh`` per layer whole on
+    every rank: only sequence parallelism fits in the node. At 8192 tokens and 6.7 B even
+    tp 8 with SP does not fit: tp 16 crosses a node (slow all-reduces) but is still faster
+    than tp 32."""
+    return {"a": (8, True), "b": (8, True), "c": (16, True)}[job]
+
+
 # The deeper hints of exercises/tp_layers.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'IdentityAllReduce': ('forward returns its input as is; backward sums the gradient over the '
@@ -128,4 +140,10 @@ HINTS = {'IdentityAllReduce': ('forward returns its input as is; backward sums t
                                   'not ignored',
                                   'VocabParallelCrossEntropy.apply(logits_shard, target, '
                                   'group, start, vocab_size, ignore_index).sum() / (target != '
-                                  'ignore_index).sum()')}
+                                  'ignore_index).sum()'),
+ 'choose_tp': ('the weights and the compute shrink with tp; plain TP leaves the LayerNorms, '
+               'dropouts and inputs whole on every rank; a ring that leaves the node runs on '
+               'the slow link',
+               'the largest tp inside the node (8) with SP where plain TP does not fit; cross '
+               'the node only when nothing inside fits: try plans with '
+               'ch04_tensor_parallel_grade.cost')}

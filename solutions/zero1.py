@@ -38,6 +38,18 @@ def zero1_sgd_step(params: list, lr: float, group=None) -> None:
         off += p.numel()
 
 
+
+
+# ---- design: a ZeRO stage and a bucket size ---------------------------------------------------
+def choose_zero(job: str) -> tuple[int, float]:
+    """The least sharding that fits (ZeRO-3 pays a third phase), with buckets big enough
+    that the latency of ``2(N-1)`` ring steps per bucket stops mattering, small enough to
+    fit and to leave a short last bucket: a, 112 GB of state over 64 ranks: ZeRO-1 (or 2),
+    2 GB buckets; b, 8 ranks of 40 GB: ZeRO-2, any bucket from a few MB; c, 208 GB over 16
+    ranks of 24 GB: only ZeRO-3 fits, 512 MB buckets."""
+    return {"a": (1, 2048), "b": (2, 64), "c": (3, 512)}[job]
+
+
 # The deeper hints of exercises/zero1.py (edu3d.course.grading.tiers): per function,
 # a nudge (a check's second failure), then the answer's shape (its third).
 HINTS = {'shard_range': ('pad numel up to a multiple of n; each rank then owns padded // n consecutive '
@@ -49,4 +61,9 @@ HINTS = {'shard_range': ('pad numel up to a multiple of n; each rank then owns p
                     'flat_grad = zeros(padded) with torch.cat of p.grad.reshape(-1); '
                     'comm.reduce_scatter(my_grad, flat_grad, group); my_grad /= n; my_param = '
                     'flat_param[lo:hi] - lr * my_grad; comm.all_gather(flat_param, my_param, '
-                    'group); p.copy_ each slice')}
+                    'group); p.copy_ each slice'),
+ 'choose_zero': ('take the lowest stage whose state, activations and buckets fit; a bucket '
+                 'pays the latency of every ring step, and the last one is never hidden',
+                 'a: ZeRO-1 (or 2) with ~2 GB buckets; b: ZeRO-2, buckets of tens of MB; c: '
+                 'ZeRO-3 (nothing else fits) with ~512 MB buckets: try them with '
+                 'ch03_zero_grade.cost')}

@@ -133,7 +133,35 @@ REFUSED = [  # (command line, the words of its one line)
     (["train", "--dp", "100", "--global-batch", "100", "--steps", "1"], "or add --oversubscribe"),
     (["train", "--steps", "2", "--memory-timeline", "{tmp}"], "{tmp} is a folder; name a file"),
     (["top", "/proc", "--once"], "/proc is not a run folder"),
+    # advice offers only degrees that pass every rule: 3 and 6 divide the heads, not seq 32
+    (["train", "--heads", "6", "--d-model", "48", "--cp", "4", "--cp-impl", "ulysses"],
+     "6 head(s); choose --cp in 1, 2 (see"),
+    (["train", "--heads", "6", "--d-model", "48", "--cp", "3", "--cp-impl", "ulysses"],
+     "does not divide; choose --cp in 1, 2 (see"),
+    # an option that would do nothing is refused, not silently accepted
+    (["train", "--cp-impl", "ulysses"], "--cp-impl ulysses chooses how context parallelism "
+                                        "works, and this run has none: add --cp 2"),
+    (["train", "--cp-split", "plain"], "--cp-split plain chooses how context parallelism"),
+    (["train", "--topk", "1"], "--topk 1 needs a mixture of experts: add --experts 4"),
 ]
+
+
+def test_a_cp_refusal_comes_before_torch_is_imported():
+    """The context-parallel rules need the model's heads and sequence, which the course's
+    presets give without torch (``edu3d.model.config_schema``): a refused ``--cp`` run never
+    waits the seconds torch's import takes (it once took 14-26 s on a loaded machine)."""
+    code = ("import sys\n"
+            "from edu3d.config.sections import from_flags\n"
+            "from edu3d.config.layout import LayoutError\n"
+            "from edu3d.train.preflight import check_args\n"
+            "try:\n"
+            "    argv = '--heads 6 --d-model 48 --cp 4 --cp-impl ulysses'.split()\n"
+            "    check_args(from_flags(argv))\n"
+            "except LayoutError as e:\n"
+            "    print('refused', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "refused False", out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("argv,words", REFUSED, ids=[" ".join(r[0])[:50] for r in REFUSED])

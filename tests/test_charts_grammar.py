@@ -180,6 +180,20 @@ BUILDERS = {
         {"dp2": {"compute": 10.0, "exposed": 3.0, "idle": 0.0, "step": 13.0},
          "pp2": {"compute": 10.0, "exposed": 1.0, "idle": 2.5, "step": 13.5}},
         "pp2", {"dp2": 30.0}),
+    "perf.predicted_measured_figure": lambda m: m.predicted_measured_figure(
+        [{"name": "dp2", "predicted": 30.0, "measured": 33.0, "error": -0.09},
+         {"name": "pp2", "predicted": 41.0, "measured": 36.0, "error": 0.14}]),
+    "perf.published_figure": lambda m: m.published_figure(
+        {"points": [{"id": "a-1", "framework": "megatron-lm", "metric": "mfu",
+                     "measured": 0.45, "predicted": 0.47, "error": 0.04, "miss": None},
+                    {"id": "b-1", "framework": "torchtitan", "metric": "tokens_per_s",
+                     "measured": 5600.0, "predicted": 5100.0, "error": -0.09, "miss": None},
+                    {"id": "b-2", "framework": "torchtitan", "metric": "tokens_per_s",
+                     "measured": 7000.0, "predicted": 12000.0, "error": 0.71,
+                     "miss": "host-bound"}],
+         "summary": {"overall": {"throughput": {"rows": 3, "median": 0.09, "worst": 0.71}},
+                     "torchtitan": {"throughput": {"rows": 2, "median": 0.4, "worst": 0.71}}}},
+        source="torchtitan"),
 }
 
 

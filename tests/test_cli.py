@@ -76,8 +76,9 @@ def test_train_json_is_exactly_one_object_per_step(capfd):
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(set(r) == {"step", "loss", "grad_norm", "lr", "tokens_per_s", "mem_bytes",
-                          "comm_s", "wire_bytes"} for r in records)
+                          "comm_s", "exposed_s", "comm_any_s", "wire_bytes"} for r in records)
     assert records[0]["comm_s"] == records[0]["wire_bytes"] == {}  # one process: no traffic
+    assert records[0]["exposed_s"] == records[0]["comm_any_s"] == {}
 
 
 def test_train_rejects_a_bad_model_before_starting(capsys, monkeypatch):

@@ -13,11 +13,11 @@ attack, each aimed at its own checked cell, so the report shows which defence he
 * **a write into the grade's output** while the grade runs (the path is no secret).
 
 Before issue 41 this submission scored 19/19, exit code 0, and the daemon left the forged
-report in the output file. Here: 0/19, every failure saying what happened, the output file
-holding the grader's report alone, the submission's home and folder gone, and no process of
-the grade left. With ``--isolate`` (where the machine allows namespaces) the same submission
-cannot write outside the grade's folder, see the grader or reach a port of the machine, and
-nothing of it survives either.
+report in the output file. Here: 0 of them all (21 since the design part), every failure saying
+what happened, the output file holding the grader's report alone, the submission's home and
+folder gone, and no process of the grade left. With ``--isolate`` (where the machine allows
+namespaces) the same submission cannot write outside the grade's folder, see the grader or
+reach a port of the machine, and nothing of it survives either.
 
 Plus the verdict channel's own rules, without a kernel: a forged or replayed line is
 rejected, and a process outside the grader's tree is turned away.
@@ -43,7 +43,8 @@ from edu3d.course.verdict_channel import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = nbformat.read(ROOT / "exercises" / "00_ranks.ipynb", as_version=4)
-CELL3 = grade.committed_titles(NOTEBOOK.cells[3])  # coords_of's 11 checks
+CELL3 = grade.declared_titles(NOTEBOOK.cells[3])  # coords_of's 11 checks
+TOTAL = sum(len(grade.declared_titles(c)) for _, c in grade.checked_cells(NOTEBOOK))  # 21
 
 EVIL = '''"""A submission that attacks the grader instead of computing anything."""
 import json
@@ -190,9 +191,9 @@ def attacked(tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_forged_pass_lines_count_for_nothing(attacked):
-    assert "00_ranks ... 0/19 passed" in attacked["err"], attacked["err"][-500:]
+    assert f"00_ranks ... 0/{TOTAL} passed" in attacked["err"], attacked["err"][-500:]
     ex = exercise(attacked)
-    assert attacked["code"] == 1 and ex["passed"] == 0 and ex["total"] == 19, ex
+    assert attacked["code"] == 1 and ex["passed"] == 0 and ex["total"] == TOTAL, ex
     assert ex["unreported_passes"] >= len(CELL3) == 11
     # the checker's own verdicts for cell 3: the stub's failure, whatever the cell printed
     assert all(h.startswith("not written yet (evil/ranks.py") for h in hints(attacked, 0, 11))
@@ -200,7 +201,7 @@ def test_forged_pass_lines_count_for_nothing(attacked):
 
 @pytest.mark.timeout(600)
 def test_a_patched_checker_passes_nothing(attacked):
-    assert "00_ranks ... 0/19 passed" in attacked["err"], attacked["err"][-500:]
+    assert f"00_ranks ... 0/{TOTAL} passed" in attacked["err"], attacked["err"][-500:]
     cell5, cell7, cell9 = hints(attacked, 11, 15), hints(attacked, 15, 18), hints(attacked, 18, 19)
     assert all("tampered with (check was called from ranks.py" in h for h in cell5), cell5
     assert all("the checker reported none to the grader" in h for h in cell7), cell7
@@ -236,7 +237,7 @@ def test_the_submission_runs_in_a_fresh_home_and_folder(attacked):
 def test_isolated_the_submission_cannot_write_out_nor_see_the_grader(tmp_path):
     r = attack(tmp_path, "--isolate")
     ex = exercise(r)
-    assert r["code"] == 1 and ex["passed"] == 0 and ex["total"] == 19, ex
+    assert r["code"] == 1 and ex["passed"] == 0 and ex["total"] == TOTAL, ex
     saw = hints(r, 0, 1)[0]
     assert "could not write the report: Read-only file system" in saw, saw
     assert "grader not visible" in saw and "daemon " in saw, saw

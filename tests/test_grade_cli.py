@@ -153,6 +153,13 @@ def _cell(source, *outputs):
     return nbformat.v4.new_code_cell(source, outputs=[nbformat.from_dict(o) for o in outputs])
 
 
+def _declaring(source, *titles):
+    """A check cell of the checkout's notebook: it declares its checks, stores no output."""
+    cell = nbformat.v4.new_code_cell(source)
+    cell.metadata["edu3d"] = {"checks": list(titles)}
+    return cell
+
+
 def _out(name, text):
     return {"output_type": "stream", "name": name, "text": text}
 
@@ -167,8 +174,8 @@ def test_a_cell_that_stops_fails_its_remaining_checks_with_the_reason():
     mark = grade.MARK + "\n"
     committed = nbformat.v4.new_notebook(cells=[
         _cell("setup"),
-        _cell(mark + "a", _out("stdout", "PASS one\nPASS two\nPASS three\n")),
-        _cell(mark + "b", _out("stdout", "PASS four\n"))])
+        _declaring(mark + "a", "one", "two", "three"),
+        _declaring(mark + "b", "four")])
     ran = nbformat.v4.new_notebook(cells=[
         _cell("setup"),
         _cell(mark + "a", _out("stdout", "PASS one\nPASS three\n"), _out("stdout", "FAIL two\n"),
@@ -190,7 +197,7 @@ def test_an_earlier_error_and_a_repeated_hint_are_reported():
     mark = grade.MARK + "\n"
     committed = nbformat.v4.new_notebook(cells=[
         _cell("ex = grading.load('x')"),
-        _cell(mark + "a", _out("stdout", "PASS one\nPASS two\n"))])
+        _declaring(mark + "a", "one", "two")])
     ran = nbformat.v4.new_notebook(cells=[
         _cell("ex = ...", {"output_type": "error", "ename": "SyntaxError",
                            "evalue": "invalid syntax (x.py, line 3)", "traceback": []}),
@@ -213,7 +220,7 @@ def test_printed_verdicts_count_for_nothing_without_a_record():
     replaced outright) fails those checks and says so; the lines are counted as unreported."""
     mark = grade.MARK + "\n"
     committed = nbformat.v4.new_notebook(cells=[
-        _cell(mark + "a", _out("stdout", "PASS one\nPASS two\nPASS three\n"))])
+        _declaring(mark + "a", "one", "two", "three")])
     ran = nbformat.v4.new_notebook(cells=[
         _cell(mark + "a", _out("stdout", "PASS one\nPASS two\nPASS three\n"))])
     s = grade.score(ran, committed, {0: [_rec("one", False, "write one")]})

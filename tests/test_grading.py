@@ -1,9 +1,10 @@
 """The grader is honest both ways, for every exercise notebook in exercises/.
 
 * with the reference solutions (``EDU3D_SOLUTIONS=1``) every checked cell prints only
-  ``PASS`` lines, and they are exactly the lines committed in the notebook (what nbval
-  compares; every exercise is executed and compared in tests/test_browser_exercises.py, and
-  ``pytest --nbval-lax`` itself runs one here, the command a learner may use);
+  ``PASS`` lines, exactly the checks the cell declares (its metadata: the committed notebooks
+  store no output, so a learner sees no green line before any work; every exercise is
+  executed and compared with its declarations in tests/test_browser_exercises.py, and
+  ``edu3d grade --solutions`` runs one here);
 * with the untouched stubs (``EDU3D_SOLUTIONS=0``) every check line is ``FAIL``: a learner
   can never pass by leaving the exercise as it is; and every failure says why in one hint
   line (no traceback through the grader, no stray ``True``/``False`` value). That run is
@@ -38,17 +39,6 @@ def checked(nb) -> list:
     return [c for c in nb.cells if nbtools.is_checked(c)]
 
 
-def stdout_lines(cell, name: str = "stdout") -> list[str]:
-    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
-                   if o.get("output_type") == "stream" and o.get("name") == name)
-    return text.splitlines()
-
-
-def values_shown(cell) -> list:
-    """Outputs other than the printed lines (a stray ``True``, a display, an error)."""
-    return [o for o in cell.get("outputs", []) if o.get("output_type") != "stream"]
-
-
 def edu3d_grade(*args: str, env: dict | None = None, timeout: float = 900):
     """``edu3d grade ARGS`` as a learner types it; (exit code, stdout, stderr)."""
     run = subprocess.run([sys.executable, "-m", "edu3d.cli", "grade", *args],
@@ -72,35 +62,31 @@ def test_there_are_exercise_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_solutions_pass_every_check(path):
-    """The committed outputs of every checked cell are the solutions passing: PASS lines,
-    nothing on stderr, no displayed value. Running the solutions is the browser test's
+def test_every_check_cell_declares_its_checks_and_shows_no_pass(path):
+    """Every checked cell of a committed exercise declares the checks it runs (the titles
+    ``edu3d grade`` counts against) and stores no output: no ``PASS`` line before the
+    learner wrote anything. Running the solutions is the browser test's
     (tests/test_browser_exercises.py executes every exercise with ``EDU3D_SOLUTIONS=1`` and
-    compares each checked cell's outputs with these as nbval does: a FAIL line, a hint on
+    compares each checked cell's printed lines with its declaration: a FAIL line, a hint on
     stderr or a value would differ), so the notebooks are not executed a second time here."""
-    committed = checked(nbformat.read(path, as_version=4))
-    for cell in committed:
-        lines = stdout_lines(cell)
-        assert lines, f"{path.name}: a checked cell has no committed output:\n{cell.source}"
-        assert all(line.startswith("PASS ") for line in lines), "\n".join(lines)
-        assert not stdout_lines(cell, "stderr"), stdout_lines(cell, "stderr")
-        assert not values_shown(cell), cell.source
+    for cell in checked(nbformat.read(path, as_version=4)):
+        titles = nbtools.declared(cell)
+        assert titles and all(isinstance(t, str) and t for t in titles), cell.source
+        assert len(set(titles)) == len(titles), f"{path.name}: a title repeats: {titles}"
+        assert not cell.outputs and cell.execution_count is None, cell.source
 
 
-def test_nbval_passes_an_exercise_with_the_solutions(tmp_path):
-    """``pytest --nbval-lax exercises/NN.ipynb``, the learner's other way to grade, passes
-    every cell of an exercise with the solutions in place (the smallest one: the comparison
-    itself is the same for all, and every exercise is compared in the browser test)."""
-    nb = ROOT / "exercises" / "08_checkpoints.ipynb"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "--nbval-lax", "-q", "--rootdir", str(tmp_path), str(nb)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "EDU3D_SOLUTIONS": "1",
-             "EDU3D_RUNS": str(tmp_path / "runs")})
-    cells = [c for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "code"]
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert f"{len(cells)} passed" in run.stdout, run.stdout[-2000:]
+def test_edu3d_grade_passes_an_exercise_with_the_solutions(tmp_path):
+    """``edu3d grade --solutions``, the instructor's check of the reference, passes every
+    declared check of an exercise (the smallest one launching no rank: the scoring is the
+    same for all, and every exercise's solutions run in the browser test)."""
+    code, out, err = edu3d_grade("08", "--solutions", "--json",
+                                 env={"EDU3D_RUNS": str(tmp_path / "runs")}, timeout=280)
+    assert code == 0, err[-2000:]
+    (result,) = json.loads(out)["exercises"].values()
+    declared = sum(len(nbtools.declared(c)) for c in checked(nbformat.read(
+        ROOT / "exercises" / "08_checkpoints.ipynb", as_version=4)))
+    assert result["passed"] == result["total"] == declared > 0, result
 
 
 # the first test to ask for ``stubs_graded`` waits for all the notebooks (about 30 s on an
@@ -121,12 +107,12 @@ def test_edu3d_grade_fails_the_untouched_stubs_with_exit_code_1(stubs_graded):
 @GRADE_ALL
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_untouched_stubs_fail_every_check(path, stubs_graded):
-    """Every check the solutions pass (the committed PASS lines) fails on the stubs, each
+    """Every check a cell declares (the ones the solutions pass) fails on the stubs, each
     failure with its own one-line hint printed under it by the notebook, and no checked
     cell shows anything but verdicts."""
     graded = stubs_graded[1]["exercises"][path.stem]
     committed = checked(nbformat.read(path, as_version=4))
-    assert graded["total"] == sum(len(stdout_lines(c)) for c in committed) > 0
+    assert graded["total"] == sum(len(nbtools.declared(c)) for c in committed) > 0
     assert graded["passed"] == 0 and len(graded["failures"]) == graded["total"], graded
     for cell in graded["cells"]:
         assert cell["error"] is None, cell  # the notebook ran; its checks said FAIL
@@ -322,11 +308,11 @@ def test_rank_memory_grader_catches_the_classic_mistakes():
     micro-batches on every rank each fail their check, with a message naming the case."""
     from types import SimpleNamespace
 
-    from edu3d.course import ch07_memory_plan as memory_plan
+    from edu3d.course import ch07_memory_grade as g
 
     sol = grading.load("rank_memory", solutions=True)
-    for check in (memory_plan.check_counts, memory_plan.check_state,
-                  memory_plan.check_in_flight):
+    for check in (g.check_counts, g.check_state,
+                  g.check_in_flight):
         check(sol)
 
     def all_split(L, h, V, s, tp, pp, r, tied=False):
@@ -338,8 +324,8 @@ def test_rank_memory_grader_catches_the_classic_mistakes():
     wrong = SimpleNamespace(rank_params=all_split, state_bytes=grads_whole,
                             in_flight=lambda s, pp, m, r: m if s == "gpipe" else min(m, pp))
     with pytest.raises(AssertionError, match=r"tp=2, pp=1, tied=False: pp rank 0 holds"):
-        memory_plan.check_counts(wrong)
+        g.check_counts(wrong)
     with pytest.raises(AssertionError, match=r"dp=2 ZeRO-2: grads should be about"):
-        memory_plan.check_state(wrong)
+        g.check_state(wrong)
     with pytest.raises(AssertionError, match=r"1f1b, pp=2, m=2: pp rank 1 keeps 1"):
-        memory_plan.check_in_flight(wrong)
+        g.check_in_flight(wrong)

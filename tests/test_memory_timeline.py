@@ -268,6 +268,7 @@ def test_the_panel_picks_from_the_sweep_and_names_what_it_lacks(docs):
     by_key = {timeline.key_of(SETTINGS[n]): d for n, d in docs.items()}
     ctl = timeline_controls(by_key)
     assert ctl.figure is not None and "rank" in ctl.message
+    assert ctl.widget is not None and ctl._knobs["rank"].label == "fullest"  # never a blank
     first = ctl.figure.layout.title.text
     ctl.redraw(zero=3)
     assert ctl.figure is not None and ctl.figure.layout.title.text != first

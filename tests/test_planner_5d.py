@@ -208,3 +208,14 @@ def test_estimate_for_train_options():
     got = est.estimate_for(moe, at="rest")
     assert got["num_params"] > got["active_params"] == spec.active_params()
     assert got["params_bytes"] == 4 * (est.held(spec, st, 0) + est.held(spec, st, 0, True))
+
+
+def test_the_reasons_name_the_stages_as_they_are_cut(capsys):
+    """DeepSeek-V3's 61 layers over 32 stages are 29 stages of 2 and 3 of 1; the reasons once
+    said "1 layers per stage" (61 // 32)."""
+    code, out, _ = _plan(capsys, "--model", "deepseek-v3", "--gpus", "2048")
+    pp = out["recommended"]["pp"]
+    q, r = divmod(61, pp)
+    want = f"{r} stages of {q + 1} layers and {pp - r} of {q}" if r else f"{q} layers per stage"
+    assert code == 0 and any(f"pp={pp}: {want}" in x for x in out["recommended"]["reasons"]), \
+        out["recommended"]["reasons"]

@@ -7,7 +7,7 @@ import pytest
 
 from edu3d.course import grading
 from edu3d.schedules import Action, check, one_f_one_b, with_comms
-from edu3d.course.ch05_pipeline_parallel import gradients
+from edu3d.course.ch05_pipeline_parallel_grade import gradients
 
 
 def test_solution_schedule_is_megatrons_1f1b():

@@ -51,7 +51,9 @@ def test_widgets_are_importable_as_edu3d_widgets():
 
 def test_notebooks_store_outputs_only_where_nbval_checks_them():
     """nbval compares only executed cells: a checked cell saved without output would pass
-    vacuously, and unchecked outputs bloat the repository."""
+    vacuously, and unchecked outputs bloat the repository. An exercise stores no output at
+    all: its check cells declare their checks instead (issue 42: no PASS line before the
+    learner wrote anything)."""
     import nbformat
 
     from edu3d.course.nbtools import problems
@@ -61,6 +63,10 @@ def test_notebooks_store_outputs_only_where_nbval_checks_them():
     assert notebooks
     found = {nb.name: problems(nbformat.read(nb, as_version=4)) for nb in notebooks}
     assert not {k: v for k, v in found.items() if v}
+    for nb in sorted((ROOT / "exercises").glob("*.ipynb")):
+        stored = [i for i, c in enumerate(nbformat.read(nb, as_version=4).cells)
+                  if c.cell_type == "code" and c.outputs]
+        assert not stored, f"{nb.name}: cells {stored} store outputs"
 
 
 def test_every_subpackage_is_declared_for_regular_installs():
@@ -98,6 +104,15 @@ def test_checked_outputs_are_compared_like_nbval():
     found = nbtools.differences(committed, notebook("FAIL a\n", ""))
     assert len(found) == 1 and found[0].startswith("cell 1:") and "FAIL a" in found[0]
     assert nbtools.differences(committed, nbformat.v4.new_notebook())
+    # an exercise's check cell stores nothing and declares its checks: the run must pass each
+    exercise = notebook("", "")
+    exercise.cells[1].outputs, exercise.cells[1].execution_count = [], None
+    exercise.cells[1].metadata["edu3d"] = {"checks": ["a", "b"]}
+    assert not [p for p in nbtools.problems(exercise) if "cell 1: a check cell" in p
+                or "declares no check" in p]
+    assert nbtools.differences(exercise, notebook("PASS a\nPASS b\n", "", "hint")) == []
+    for printed in ("PASS a\n", "PASS b\nPASS a\n", "PASS a\nFAIL b\n"):
+        assert nbtools.differences(exercise, notebook(printed, "")), printed
 
 
 def test_each_panel_is_shown_once():

@@ -24,6 +24,10 @@ def group_members(rank, dim, dp, tp, pp):
     return sorted(({**c, dim: i}["dp"] + dp * ({**c, dim: i}["tp"] + tp * ({**c, dim: i}["pp"]))
                    for i in range(size)))
 """, "groups"),
+        ("tensor parallelism over the whole job: every tp group crosses nodes", """
+def layout_for(job):
+    return {"a": (1, 16, 1), "b": (1, 32, 1)}[job]
+""", "design, job a"),
     ],
     "ring_allreduce": [
         ("the all-gather adds instead of copying", """
@@ -59,6 +63,20 @@ def ring_all_reduce(t):
     dist.all_reduce(t)
     return t
 """, "bytes"),
+        ("the receive buffer made in the default dtype (fp32), not the buffer's", """
+def ring_all_reduce(t):
+    n, i = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(t.view(-1), n)
+    for s in range(n - 1):
+        incoming = torch.empty(chunks[(i - s - 2) % n].numel())
+        exchange(chunks[(i - s - 1) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 2) % n].add_(incoming)
+    for s in range(n - 1):
+        incoming = torch.empty(chunks[(i - s - 1) % n].numel())
+        exchange(chunks[(i - s) % n], (i + 1) % n, incoming, (i - 1) % n)
+        chunks[(i - s - 1) % n].copy_(incoming)
+    return t
+""", "1003 bf16"),
     ],
     "bucketed_ddp": [
         ("sums the gradients without dividing by N", """
@@ -91,6 +109,18 @@ class BucketedDDP(BucketedDDP):
             self.launched_at.append(self.grads_seen)
         super().finish()
 """, "before backward has finished"),
+        ("finish() keeps the step's counts: the next step launches nothing", """
+class BucketedDDP(BucketedDDP):
+    def finish(self):
+        for i, flat, handle in self.pending:
+            handle.wait()
+            flat /= self.n
+            off = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        self.pending = []
+""", "two steps in a row"),
     ],
     "zero1": [
         ("slices of numel // n, no padding", """
@@ -111,6 +141,12 @@ def zero1_sgd_step(params, lr, group=None):
         comm.all_reduce(p.grad, group)
         p -= lr * p.grad / n
 """, "exactly one reduce-scatter"),
+        ("a whole extra row of padding when N already divides the buffer", """
+def shard_range(numel, n, rank):
+    padded = numel + n - numel % n
+    k = padded // n
+    return rank * k, (rank + 1) * k, padded
+""", "no padding where 8 divides"),
     ],
     "tp_layers": [
         ("f's backward does not all-reduce", """
@@ -130,6 +166,23 @@ class VocabParallelCrossEntropy(VocabParallelCrossEntropy):
         return VocabParallelCrossEntropy.__base__.forward(ctx, logits, target, group, start,
                                                           10**9, ignore_index)
 """, "vocab-parallel cross entropy"),
+        ("the loss without the maximum subtracted: e^z overflows for confident tokens", """
+class VocabParallelCrossEntropy(VocabParallelCrossEntropy):
+    @staticmethod
+    def forward(ctx, logits, target, group, start, vocab_size, ignore_index):
+        cols = start + torch.arange(logits.shape[-1])
+        z = logits.masked_fill(cols >= vocab_size, float("-inf"))  # no maximum subtracted
+        ignored = target == ignore_index
+        mine = (target >= start) & (target < start + logits.shape[-1]) & ~ignored
+        local = (target - start).masked_fill(~mine, 0)
+        z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = z.exp()
+        both = torch.stack([exp.sum(dim=-1), z_target])
+        comm.all_reduce(both, group)
+        sum_exp, z_target = both[0], both[1]
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, mine, ignored)
+        return (sum_exp.log() - z_target).masked_fill(ignored, 0.0)
+""", "logits near 100"),
     ],
     "pp_schedule": [
         ("pp - r warm-up forwards instead of pp - r - 1", """
@@ -153,6 +206,12 @@ def gradient_scale(pipeline_grads, serial_grads):
     sq = lambda g: float(sum(t.double().norm() ** 2 for t in g.values()))
     return sq(pipeline_grads) / sq(serial_grads)
 """, "measures the missing 1/m"),
+        ("the backward split, but each W run at once: 1F1B's bubble again", """
+def faster_schedule(pp, m):
+    return [[x for op in ops for x in ((op.replace("B", "I"), op.replace("B", "W"))
+                                       if "B" in op else (op,))]
+            for ops in one_f_one_b(pp, m)]
+""", "design"),
     ],
     "grad_norm_3d": [
         ("replicated tensors counted on every tp rank (the given bug)", """
@@ -174,6 +233,16 @@ def sum_tied_embedding_grads(grad, group=None):
     dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
     grad /= 2
 """, "sum_tied_embedding_grads"),
+        ("the squares summed over the whole world, not the model-parallel group", """
+def global_grad_norm(pieces, tp_index, group=None):
+    sq = torch.zeros(1, dtype=torch.float64)
+    for name, grad, replicated, tied_copy in pieces:
+        if (replicated and tp_index != 0) or tied_copy:
+            continue
+        sq += grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    return sq.sqrt().float()[0]
+""", "dp2-tp2"),
     ],
     "rank_memory": [
         ("the vocabulary split as vocab // tp, no padding", """
@@ -191,6 +260,10 @@ def state_bytes(n_params, dp, zero):
 def in_flight(schedule, pp, m, pp_rank):
     return m if schedule == "gpipe" else min(m, pp)
 """, "in_flight"),
+        ("the least memory first: ZeRO-3 and recompute, the whole batch at once", """
+def memory_plan(job):
+    return {"zero": 3, "micro_batch": 32, "recompute": True}
+""", "design, job a"),
     ],
     "reshard": [
         ("a ZeRO piece written from the start of its box", """
@@ -218,6 +291,15 @@ def full_tensor(pieces):
 def piece_for(full, placement):
     return full[_box(placement)].reshape(-1).clone()
 """, "piece_for"),
+        ("the full tensor made in the default dtype (fp32), not the pieces'", """
+_right = full_tensor
+def full_tensor(pieces):
+    return _right([(place, data.float()) for place, data in pieces])
+""", "bf16 tensor"),
+        ("a checkpoint every step, asynchronously", """
+def checkpoint_plan(job):
+    return {"every": 1, "async": True}
+""", "design, job a"),
     ],
     "moe_routing": [
         ("shares of tokens (N), not of assignments (N*k)", """
@@ -264,6 +346,15 @@ def zigzag_positions(seq_len, cp, rank):
     size = seq_len // (2 * cp)
     return [p for c in (rank, cp + rank) for p in range(c * size, (c + 1) * size)]
 """, "zigzag_positions"),
+        ("no cast to fp32: right while an fp32 lse promotes the arithmetic, off by 1e-2 "
+         "when everything is bf16", """
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a - ref).unsqueeze(-1)
+    wb = torch.exp(lse_b - ref).unsqueeze(-1)
+    return (wa * out_a + wb * out_b).float(), lse.float()
+""", "all-bf16"),
     ],
     "torch_wrap": [
         ("the blocks sharded, the root forgotten (embeddings and head whole, never averaged)", """
@@ -281,6 +372,10 @@ def fsdp2(model, mesh, zero=3):
 def ddp_zero1(model, group, groups, **adamw):
     return DistributedDataParallel(model, process_group=group), torch.optim.AdamW(groups, **adamw)
 """, "state is split"),
+        ("the least memory: one block a unit, resharded", """
+def fsdp_plan(job):
+    return {"blocks_per_unit": 1, "reshard": True}
+""", "design, job a"),
     ],
     "trace_overlap": [
         ("a nested span shortens the merged one", """
@@ -302,6 +397,10 @@ def exposed_time(comm, compute):
 def mfu(step_seconds, tokens, flops_per_token, peak_flops, gpus):
     return tokens * flops_per_token / (step_seconds * peak_flops)
 """, "mfu"),
+        ("one bucket a gradient: the latency paid 13 times", """
+def bucket_plan(job):
+    return [1] * 13
+""", "design, job a"),
     ],
     "layout_choice": [
         ("plain data parallelism everywhere (does not fit)", """

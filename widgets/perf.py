@@ -255,5 +255,5 @@ def published_figure(published: dict, source: str | None = None):
                      "tokens/s/GPU, TFLOP/s/GPU or s per step)",
                 f"{source or 'all sources'}: {s['rows']} runs, median error {s['median']:.0%}, "
                 f"worst {s['worst']:.0%}; ringed: {len(misses)} known misses",
-                x="measured", y="predicted", height=520)
+                x="measured (its source's unit, log)", y="predicted (same unit, log)", height=520)
     return fig

@@ -65,9 +65,11 @@ def theory(name: str, pp: int, m: int, vpp: int = 1, events: list[dict] | None =
     return simulate(build(name, pp, m, vpp), pp, costs)
 
 
-def add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show_legend: bool):
-    """Draw one schedule's lanes (ghost, idle, compute, comm) into subplot ``row``."""
-    where = lanes(ranks)
+def add_schedule(fig, evs: list[dict], ghost: list[dict], row: int, ranks, show_legend: bool,
+                 vpp: int = 1):
+    """Draw one schedule's lanes (ghost, idle, compute, comm) into subplot ``row``: one per
+    pipeline stage (a pipeline rank holding ``vpp`` of them when interleaved)."""
+    where = lanes(ranks, who="stage" if vpp == 1 else "pp rank")
     before = len(fig.data)
     chunks = 1 + max((e.get("chunk", 0) or 0 for e in evs + ghost), default=0)
     add_bars(fig, idle_gaps(evs), where, name="idle", color="rgba(0,0,0,0)",
@@ -123,7 +125,7 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
                       + (f"formula {label} = {formula:.1%}" if run["name"] != "zb-h1" else
                          f"1F1B formula {formula:.1%}, ZB-H1 simulated "
                          f"{bubble_of(ghost):.1%}"))
-        rows.append((evs, ghost, run["pp"]))
+        rows.append((evs, ghost, run["pp"], vpp))
         heights.append(0.2 + 0.5 * run["pp"])
         if memory:
             titles.append("activations held (MiB)")
@@ -132,9 +134,9 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
     fig = make_subplots(rows=len(heights), cols=1, shared_xaxes=True, subplot_titles=titles,
                         row_heights=heights, vertical_spacing=min(0.1, 0.32 / len(heights)))
     row = 1
-    for k, (evs, ghost, pp) in enumerate(rows):
+    for k, (evs, ghost, pp, vpp) in enumerate(rows):
         ranks = list(range(pp))
-        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=True)
+        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=True, vpp=vpp)
         fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext,
                          range=where.extent[::-1], showgrid=False, zeroline=False,
                          row=row, col=1)
@@ -207,7 +209,7 @@ def simulated_pipeline(pp: int, m: int, schedule: str, vpp: int = 1, measured=No
     sim = simulate_schedule(pp, m, schedule, vpp)
     evs = [{k: v for k, v in e.items() if k != "sim"} for e in sim.events]
     fig = go.Figure()
-    where = add_schedule(fig, evs, [], 1, list(range(pp)), show_legend=True)
+    where = add_schedule(fig, evs, [], 1, list(range(pp)), show_legend=True, vpp=vpp)
     style.frame(fig, title or f"Simulated {schedule}: pp={pp}, m={m}"
                 + (f", v={vpp}" if vpp > 1 else ""),
                 f"bubble simulated {sim.bubble:.1%}, " + (

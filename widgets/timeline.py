@@ -49,8 +49,9 @@ class Lanes:
     extent: tuple  # (y_min, y_max)
 
 
-def lanes(ranks, present=DRAWN_LANES) -> Lanes:
-    """Stack the lanes: for every rank its compute lane, then its comm sub-lane."""
+def lanes(ranks, present=DRAWN_LANES, who: str = "rank") -> Lanes:
+    """Stack the lanes: for every rank its compute lane, then its comm sub-lane; each named
+    ``who`` and its number (a pipeline's lanes are its stages: ``who="stage"``)."""
     present = [lane for lane in DRAWN_LANES if lane in set(present)]
     center, y = {}, 0.0
     tickvals, ticktext = [], []
@@ -59,7 +60,7 @@ def lanes(ranks, present=DRAWN_LANES) -> Lanes:
             h = LANE_HEIGHT[lane]
             center[(rank, lane)] = y + h / 2
             tickvals.append(y + h / 2)
-            ticktext.append(f"rank {rank}" if i == 0 else f"<span style='font-size:0.8em'>"
+            ticktext.append(f"{who} {rank}" if i == 0 else f"<span style='font-size:0.8em'>"
                             f"{lane}</span>")
             y += h + LANE_GAP
         y += RANK_GAP

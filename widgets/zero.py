@@ -101,8 +101,8 @@ def sharding_map_figure(units: list[tuple[str, int, int]], n: int, stage: int = 
                  "yref": "paper", "line": {"color": style.GREY, "width": 1, "dash": "dot"}}
                 for s0 in starts],
         annotations=[{"x": s0, "y": 1.0, "yref": "paper", "text": name, "showarrow": False,
-                      "xanchor": "left", "font": {"size": 10}}
-                     for (name, _, _), s0 in zip(units, starts)])
+                      "xanchor": "left", "yanchor": "bottom", "font": {"size": 10}}  # above
+                     for (name, _, _), s0 in zip(units, starts)])  # the bars, not on them
     return fig
 
 

@@ -160,5 +160,10 @@ def format_table(rep: dict) -> str:
         lines.append(f"{r['name']:<{w}} {r['edu3d_s'] * 1e3:>8.2f}ms {r['reference_s'] * 1e3:>8.2f}ms "
                      f"{r['ratio']:>7.3f}  {r['reference']}"
                      + ("" if "met" not in r else "  met" if r["met"] else "  MISSED"))
+        for key in (k for k in r if k.endswith("_bytes") and f"{k}_formula" in r):
+            got, want = r[key], r[f"{key}_formula"]  # what the trace counted, what theory says
+            lines.append(f"{'':<{w}} {key.replace('_', ' ')} per step: {got:,.0f} measured, "
+                         f"{want:,.0f} by the formula"
+                         + (f" ({got / want:.3f}x)" if want else ""))
     return "\n".join(lines)
 

@@ -1,5 +1,4 @@
-"""Chapter 01 (collectives): the live runs its notebook launches, its panel's numbers and
-exercise 01's grader.
+"""Chapter 01 (collectives): the live runs its notebook launches and its panel's numbers.
 
 After reading this file you should know where chapter 01's pictures come from: each function
 runs on every rank of a real launch, calls the hand-written algorithms of
@@ -22,7 +21,6 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from edu3d.course import grading
 from edu3d.distributed import comm, trace
 from edu3d.distributed.algorithms import (hierarchical_all_reduce, ring_all_gather,
                                           ring_all_reduce, ring_plan, ring_reduce_scatter,
@@ -121,28 +119,6 @@ def inter_node_bytes(events: list[dict], ranks_per_node: int, case: str | None =
     return sum(e["bytes"] for e in events if e["op"] == "send"
                and (case is None or e.get("case") == case)
                and e["rank"] // ranks_per_node != e["peer"] // ranks_per_node)
-
-
-# ---- grading exercise 01 -------------------------------------------------------------------------
-def grade_ring_exercise(mesh, sizes=(1001, 840)) -> dict:
-    """Run the learner's ``ring_all_reduce`` (exercises/ring_allreduce.py, or the solution)
-    on each size, traced as ``case=exercise/s{size}``; returns ``{size: equal to
-    dist.all_reduce}`` (False, never an exception, when the code is unfinished)."""
-
-    mod = grading.load("ring_allreduce")
-    out = {}
-    for size in sizes:
-        x = torch.randn(size, generator=torch.Generator().manual_seed(dist.get_rank()))
-        want = x.clone()
-        dist.all_reduce(want)
-        try:
-            with trace.current().context(case=f"exercise/s{size}"):
-                got = mod.ring_all_reduce(x)
-            out[size] = bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
-        except NotImplementedError:
-            out[size] = False
-            break  # an unfinished stub: the other ranks stop here too
-    return out
 
 
 # ---- the alpha-beta model and the ring step by step (the chapter's panel) ------------------------

@@ -1,9 +1,8 @@
-"""Chapters 02 and 03: data parallelism and ZeRO, run live, and exercise 02's grader.
+"""Chapters 02 and 03: data parallelism and ZeRO, run live.
 
 After reading this file you should know how the chapters' runs are made: every version is
 ``edu3d train``'s own :class:`~edu3d.train.trainer.Trainer` with a few options changed
-(:func:`compare_versions`), each traced as its own ``case``; the graders run the learner's
-code next to the serial model's gradient and answer with booleans; :func:`traffic_per_step`
+(:func:`compare_versions`), each traced as its own ``case``; :func:`traffic_per_step`
 reads the bytes a step moved back from the trace.
 
 Chapter 02's bucket panel: :func:`simulate_dp_step` cuts the model's gradients into buckets
@@ -24,13 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from edu3d.course import grading, lesson_args  # chapter 02 reads dp.lesson_args() too
+from edu3d.course import lesson_args  # chapter 02 reads dp.lesson_args() too
 from edu3d.course.ch01_collectives import ring_all_reduce_s
 from edu3d.distributed import meter, trace
-from edu3d.model.gpt import GPT, config_from, num_params
+from edu3d.model.gpt import GPT, num_params
 from edu3d.parallel.dp.compress import HOOKS
 from edu3d.parallel.dp.data_parallel import make_buckets
-from edu3d.train.cut import shard_rows
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import train_step
 from edu3d.train.optim import make_optimizer
@@ -71,46 +69,6 @@ def compare_versions(mesh, versions: dict[str, dict], steps: int = 3, **common) 
                      "memory": meter.measure(trainer.tensors())}
         if trainer.par.zero is not None:
             out[name]["units"] = [(u.name, u.numel, u.padded) for u in trainer.par.zero.units]
-    return out
-
-
-# ---- grading exercise 02 -------------------------------------------------------------------------
-def grade_ddp_exercise(mesh, bucket_mb: float = 0.02) -> dict:
-    """Run the learner's ``sync_gradients`` and ``BucketedDDP`` (exercises/bucketed_ddp.py)
-    against the serial gradient of the global batch; every verdict is a bool (an unfinished
-    or broken part is False, never an exception, so all ranks stay in step)."""
-    mod = grading.load("bucketed_ddp")
-    config = config_from("tiny", layers=2)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
-    x, y = corpus.batch(1, 8)
-    serial = GPT(config, seed=0)
-    serial(x, y)[1].backward()
-    want = [p.grad for p in serial.parameters()]
-    n, index = mesh.size("dp"), mesh.index("dp")
-    xs, ys = shard_rows(x, index, n), shard_rows(y, index, n)
-
-    def matches(model):
-        return all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7)
-                   for p, g in zip(model.parameters(), want))
-
-    out = {}
-    model = GPT(config, seed=0)
-    model(xs, ys)[1].backward()
-    try:
-        mod.sync_gradients(model, mesh.dp)
-        out["sync_gradients"] = matches(model)
-    except NotImplementedError:
-        out["sync_gradients"] = False
-    model = GPT(config, seed=0)
-    try:
-        ddp = mod.BucketedDDP(model, mesh.dp, bucket_mb)
-        model(xs, ys)[1].backward()
-        ddp.finish()
-        total = len(list(model.parameters()))
-        out["bucketed"] = matches(model)
-        out["overlap"] = bool(ddp.launched_at) and ddp.launched_at[0] < total
-    except NotImplementedError:
-        out["bucketed"] = out["overlap"] = False
     return out
 
 

@@ -1,4 +1,4 @@
-"""Chapter 03 (ZeRO): its panel's predictions, what a run measured, and exercise 03's grader.
+"""Chapter 03 (ZeRO): its panel's predictions and what a run measured.
 
 After reading this file you should know where every bar of chapter 03's panel comes from.
 Each knob setting (stage, N) has a **prediction** computed in this process in milliseconds:
@@ -7,26 +7,20 @@ Each knob setting (stage, N) has a **prediction** computed in this process in mi
 paper's formula :func:`edu3d.plan.formulas.zero_bytes`, the planner's exact count
 :func:`edu3d.plan.estimate.state_per_rank`, and the traffic per step 2Ψ / 3Ψ). The button's
 run is chapter 02's :func:`edu3d.course.ch02_data_parallel.compare_versions` at that stage,
-and :func:`zero_measured` reads what it held and moved. :func:`grade_zero1_exercise` runs the
-learner's ZeRO-1 step against one serial SGD step.
+and :func:`zero_measured` reads what it held and moved.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from edu3d.course import grading, lesson_args
+from edu3d.course import lesson_args
 from edu3d.course.ch02_data_parallel import traffic_per_step
-from edu3d.distributed import trace
-from edu3d.model.gpt import GPT, config_from
+from edu3d.model.gpt import GPT
 from edu3d.model.shapes import spec_from_config
 from edu3d.parallel.zero.units import model_units
 from edu3d.plan import estimate as plan_memory
 from edu3d.plan.formulas import zero_bytes
-from edu3d.train.cut import shard_rows
-from edu3d.train.data import SyntheticCorpus
 from edu3d.train.preflight import model_config
 
 #: traffic per step in units of Ψ parameters (the ZeRO paper's count, section 7)
@@ -109,29 +103,6 @@ def zero_measured(run, stage: int, steps: int) -> dict:
             "traffic": traffic_per_step(events, name, steps),
             "units": res[name].get("units"),
             "loss_rel_err": max(abs(a - b) / abs(b) for a, b in zip(losses, serial))}
-
-
-def grade_zero1_exercise(mesh, lr: float = 0.1) -> bool:
-    """Run the learner's ``zero1_sgd_step`` (exercises/zero1.py) on this rank's rows of a
-    global batch, traced as ``case=exercise``; True when the parameters equal one serial SGD
-    step on the whole batch (False, never an exception, when the code is unfinished)."""
-    mod = grading.load("zero1")
-    config = config_from("tiny", layers=1, d_model=35, heads=5, vocab=100)  # 23,345 = 3k + 2
-    x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0).batch(1, 6)
-    serial = GPT(config, seed=0)
-    serial(x, y)[1].backward()
-    with torch.no_grad():
-        want = [p - lr * p.grad for p in serial.parameters()]
-    model = GPT(config, seed=0)
-    n, index = mesh.size("dp"), mesh.index("dp")
-    model(shard_rows(x, index, n), shard_rows(y, index, n))[1].backward()
-    try:
-        with trace.current().context(case="exercise"):
-            mod.zero1_sgd_step(list(model.parameters()), lr, mesh.dp)
-    except NotImplementedError:
-        return False
-    return all(torch.allclose(p, w, rtol=1e-5, atol=1e-7)
-               for p, w in zip(model.parameters(), want))
 
 
 # ---- ZeRO-3's rhythm and prefetch, read from a run's trace --------------------------------

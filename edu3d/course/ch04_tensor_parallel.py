@@ -12,9 +12,7 @@ every rank and returns plain tensors and numbers; the charts only draw them:
 * :func:`train_demo` — a few training steps of the TP (and TP+SP) model next to the serial
   loop on the same batches;
 * :func:`memory_sweep` — activation memory of one layer for tp = 1, 2, 4 (sub-meshes of the
-  launched ranks), SP off and on, next to the formula;
-* :func:`grade` — exercise 04's grader: the learner's ``exercises/tp_layers.py`` run on real
-  ranks against the serial layers and hand-computed values.
+  launched ranks), SP off and on, next to the formula.
 
 The chapter's panel predicts at once what :func:`tp_panel_run` then measures on tp ranks:
 :func:`tp_split_prediction` (each rank's shards of one ``X·W``, cut in this process exactly
@@ -31,11 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from edu3d.course import grading, lesson_args
+from edu3d.course import lesson_args
 from edu3d.distributed import trace
 from edu3d.config.layout import Layout
 from edu3d.distributed.mesh import Mesh
-from edu3d.launch.api import LaunchError, launch
 from edu3d.model.gpt import GPT, GPTConfig
 from edu3d.parallel.tp import ops
 from edu3d.parallel.tp.activations import block_collectives, block_input, measure_layer, tp_block
@@ -156,132 +153,6 @@ def chapter_run(mesh, train_config: GPTConfig, layer_config: GPTConfig, steps: i
             "cross_entropy": cross_entropy_demo(mesh), "block": repr(block),
             "collectives": collectives(mesh, layer_config),
             "train": train_demo(mesh, train_config, steps)}
-
-
-# ---- grading exercise 04 (exercises/tp_layers.py) -----------------------------------------------
-def _layer_checks(ex, group) -> dict:
-    """name -> a function that raises (AssertionError with the reason) unless the learner's
-    code is right. Rank-valued inputs for the operators; serial layers for the rest."""
-    t, r = ops.group_size(group), ops.group_rank(group)
-
-    def close(what, got, want, tol):
-        err = (got.detach() - want.detach()).abs().max().item()
-        assert err <= tol, f"{what} differs by {err:.2e} on rank {r}"
-
-    def f_operator():
-        x = torch.full((3,), float(r + 1), requires_grad=True)
-        y = ex.IdentityAllReduce.apply(x, group)
-        y.backward(torch.full((3,), float(r + 1)))
-        close("forward", y, torch.full((3,), float(r + 1)), 0)
-        close("backward (expected the sum over ranks)", x.grad,
-              torch.full((3,), t * (t + 1) / 2), 0)
-
-    def g_operator():
-        x = torch.full((3,), float(r + 1), requires_grad=True)
-        y = ex.AllReduceIdentity.apply(x, group)
-        y.backward(torch.full((3,), float(r + 1)))
-        close("forward (expected the sum over ranks)", y, torch.full((3,), t * (t + 1) / 2), 0)
-        close("backward", x.grad, torch.full((3,), float(r + 1)), 0)
-        assert torch.equal(x.detach(), torch.full((3,), float(r + 1))), "x was changed in place"
-
-    def linear_case(kind):
-        torch.manual_seed(0)
-        lin = torch.nn.Linear(8, 6)
-        x = torch.randn(5, 8, requires_grad=True)
-        gy = torch.randn(5, 6)
-        (lin(x) * gy).sum().backward()
-        if kind == "column":
-            w = lin.weight.detach().chunk(t, 0)[r].clone().requires_grad_()
-            b = lin.bias.detach().chunk(t, 0)[r].clone().requires_grad_()
-            xs = x.detach().clone().requires_grad_()
-            y = ex.column_parallel_linear(xs, w, b, group)
-            (y * gy.chunk(t, -1)[r]).sum().backward()
-            close("output", y, lin(x).chunk(t, -1)[r], 1e-6)
-            close("input gradient", xs.grad, x.grad, 1e-6)
-            close("weight gradient", w.grad, lin.weight.grad.chunk(t, 0)[r], 1e-6)
-            close("bias gradient", b.grad, lin.bias.grad.chunk(t, 0)[r], 1e-6)
-        else:
-            w = lin.weight.detach().chunk(t, 1)[r].clone().requires_grad_()
-            b = lin.bias.detach().clone().requires_grad_()
-            xs = x.detach().chunk(t, -1)[r].clone().requires_grad_()
-            y = ex.row_parallel_linear(xs, w, b, group)
-            (y * gy).sum().backward()
-            close("output", y, lin(x), 1e-6)
-            close("input gradient", xs.grad, x.grad.chunk(t, -1)[r], 1e-6)
-            close("weight gradient", w.grad, lin.weight.grad.chunk(t, 1)[r], 1e-6)
-            close("bias gradient", b.grad, lin.bias.grad, 1e-6)
-
-    def mlp():
-        torch.manual_seed(1)
-        fc, proj = torch.nn.Linear(4, 16), torch.nn.Linear(16, 4)
-        x = torch.randn(3, 4, requires_grad=True)
-        proj(F.gelu(fc(x))).pow(2).sum().backward()
-        xs = x.detach().clone().requires_grad_()
-        h = ex.column_parallel_linear(xs, fc.weight.detach().chunk(t, 0)[r],
-                                      fc.bias.detach().chunk(t, 0)[r], group)
-        y = ex.row_parallel_linear(F.gelu(h), proj.weight.detach().chunk(t, 1)[r],
-                                   proj.bias.detach(), group)
-        y.pow(2).sum().backward()
-        close("MLP output", y, proj(F.gelu(fc(x))), 1e-6)
-        close("MLP input gradient", xs.grad, x.grad, 1e-6)
-
-    def cross_entropy(part):
-        torch.manual_seed(2)
-        vocab = 4 * t + 1  # padded: the last rank holds padding columns
-        per = -(-vocab // t)
-        logits = torch.randn(7, vocab) * 3
-        target = torch.randint(0, vocab, (7,))
-        target[2], target[5] = -100, vocab - 1
-        full = logits.clone().requires_grad_()
-        want = F.cross_entropy(full, target, ignore_index=-100)
-        want.backward()
-        padded = torch.cat([logits, torch.full((7, per * t - vocab), 5.0)], -1)
-        local = padded.chunk(t, -1)[r].clone().requires_grad_()
-        got = ex.vocab_parallel_cross_entropy(local, target, group, r * per, vocab)
-        if part == "loss":
-            close("loss", got, want, 1e-6 * want.item())
-            return
-        got.backward()
-        want_grad = torch.cat([full.grad, torch.zeros(7, per * t - vocab)], -1).chunk(t, -1)[r]
-        close("logits gradient", local.grad, want_grad, 1e-6)
-
-    return {"f": f_operator, "g": g_operator, "column": lambda: linear_case("column"),
-            "row": lambda: linear_case("row"), "mlp": mlp,
-            "ce_loss": lambda: cross_entropy("loss"), "ce_grad": lambda: cross_entropy("grad")}
-
-
-def grade_layers(mesh) -> dict:
-    """Launch target: run every check on the learner's ``tp_layers`` module (the solution
-    with ``EDU3D_SOLUTIONS=1``); ``{name: None or why it failed}``. Every rank runs the same
-    code, so a stub fails at the same point everywhere and no rank is left in a collective."""
-    ex = grading.load("tp_layers")
-    out = {}
-    for name, check in _layer_checks(ex, mesh.tp).items():
-        try:
-            check()
-            out[name] = None
-        except Exception as err:  # noqa: BLE001 - reported to the learner, not raised
-            out[name] = f"{type(err).__name__}: {err}"
-    return out
-
-
-def grade(nprocs: int = 2, timeout: float = 120) -> dict:
-    """Grade exercise 04 on ``nprocs`` tensor-parallel ranks; a run that fails or hangs fails
-    every check with its reason."""
-    try:
-        results = launch(grade_layers, nprocs, layout=Layout(tp=nprocs), timeout=timeout,
-                         echo=False).results
-    except LaunchError as err:
-        return {"run": f"the graded run failed: {str(err)[:400]}"}
-    return {name: next((r[name] for r in results if r[name]), None) for name in results[0]}
-
-
-def verdict(results: dict, name: str) -> None:
-    """Raise with the reason if check ``name`` failed (for :func:`edu3d.course.grading.check`)."""
-    if "run" in results:
-        raise AssertionError(results["run"])
-    if results[name]:
-        raise AssertionError(results[name])
 
 
 # ---- the chapter's panel: predictions at once, one launch to measure them ------------------------

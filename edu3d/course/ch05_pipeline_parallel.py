@@ -24,21 +24,17 @@ from functools import lru_cache
 
 import torch
 
-from edu3d.course import lesson_args, unscaled_loss
+from edu3d.course import lesson_args
 from edu3d.distributed import trace
-from edu3d.config.layout import Layout
-from edu3d.distributed.mesh import Mesh
 from edu3d.model.gpt import GPT, config_from
 from edu3d.parallel.pp.engine import PipelineEngine
 from edu3d.schedules.actions import build, chunks, placement, stages_of
 from edu3d.schedules.simulate import Costs, bubble_formula, bubble_of, simulate
 from edu3d.train.data import SyntheticCorpus
-from edu3d.train.loop import train_step
-from edu3d.train.optim import make_optimizer
 from edu3d.train.trainer import Trainer
 
 
-def _pipeline_args(schedule: str, m: int, vpp: int = 1, **overrides):
+def pipeline_args(schedule: str, m: int, vpp: int = 1, **overrides):
     """``edu3d train``'s options for a pipeline run of ``schedule`` with ``m`` micro-batches."""
     return lesson_args(schedule=schedule, microbatches=m, vpp=vpp, **overrides)
 
@@ -59,7 +55,7 @@ def run_schedules(mesh, runs: list[dict], *, layers: int = 4, d_model: int = 128
     out, step_id = [], 0
     for run in runs:
         model = GPT(config, seed=seed)
-        args = _pipeline_args(run["name"], run["m"], run.get("vpp", 1), lr=1e-3,
+        args = pipeline_args(run["name"], run["m"], run.get("vpp", 1), lr=1e-3,
                               weight_decay=0.0, optimizer="sgd")
         trainer = Trainer(model, mesh, args)
         x, y = corpus.batch(1, run["m"] * rows * mesh.size("dp"))
@@ -83,71 +79,6 @@ def measured_bubbles(events: list[dict], steps: list[int]) -> list[float]:
 def measured_bubble(events: list[dict], steps: list[int]) -> float:
     """Median bubble fraction over ``steps`` after the first (warm-up) one."""
     return statistics.median(measured_bubbles(events, steps[1:] or steps))
-
-
-# ---- exercise helpers: a learner's schedule and loss scale, checked against the serial GPT ----
-def _small_model(layers: int, seed: int = 0):
-    config = config_from("tiny", layers=layers, heads=2, d_model=32, seq=16, vocab=64)
-    return config, SyntheticCorpus(config.vocab_size, config.seq_len, seed=seed)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def schedule_parity(mesh, compute: list[list[str]], m: int, layers: int = 4) -> dict:
-    """Run per-rank compute lists (strings like ``"0F1"``) for one step; return this rank's
-    worst relative gradient error against the serial GPT and its peak in-flight count."""
-    config, corpus = _small_model(layers)
-    model, ref = GPT(config, seed=0), GPT(config, seed=0)
-    trainer = Trainer(model, mesh, _pipeline_args("1f1b", m), compute=compute)
-    x, y = corpus.batch(1, m * 2)
-    trainer.forward_backward(x, y)
-    ref(x, y)[1].backward()
-    mine = {id(p) for p in trainer.par.module.parameters()}
-    refs = dict(ref.named_parameters())
-    err = max(_rel(p.grad, refs[n].grad) for n, p in model.named_parameters() if id(p) in mine)
-    return {"grad_err": err, "peak_in_flight": trainer.engine.peak_in_flight}
-
-
-def local_mesh():
-    """A one-rank mesh for runs inside the notebook's own process (no messages needed)."""
-    return Mesh(Layout(), 0, {})
-
-
-def gradients(m: int = 4, microbatch_loss=None, scale_loss: bool = True, layers: int = 2,
-              chunks: int = 2) -> tuple[dict, dict]:
-    """``(pipeline_grads, serial_grads)`` by parameter name after one step on one batch.
-
-    Runs in this process: one rank holding ``chunks`` stages, ``m`` micro-batches."""
-    config, corpus = _small_model(layers)
-    model, ref = GPT(config, seed=0), GPT(config, seed=0)
-    trainer = Trainer(model, local_mesh(), _pipeline_args("interleaved", m, chunks),
-                      microbatch_loss=microbatch_loss or (None if scale_loss else unscaled_loss))
-    x, y = corpus.batch(1, m * 2)
-    trainer.forward_backward(x, y)
-    ref(x, y)[1].backward()
-    return ({n: p.grad.clone() for n, p in model.named_parameters()},
-            {n: p.grad.clone() for n, p in ref.named_parameters()})
-
-
-def loss_curves(steps: int = 30, m: int = 4, optimizer: str = "adamw", scale_loss: bool = True,
-                microbatch_loss=None, layers: int = 2, lr: float = 3e-3) -> dict:
-    """Losses of the serial model and of a one-rank pipeline, step by step, same data.
-
-    Uses the defaults of ``edu3d train`` (clipping at 1.0, weight decay 0.1)."""
-    config, corpus = _small_model(layers)
-    args = _pipeline_args("interleaved", m, 2, lr=lr, optimizer=optimizer)
-    model, ref = GPT(config, seed=0), GPT(config, seed=0)
-    trainer = Trainer(model, local_mesh(), args,
-                      microbatch_loss=microbatch_loss or (None if scale_loss else unscaled_loss))
-    opt = make_optimizer(ref, args)
-    out = {"serial": [], "pipeline": []}
-    for step in range(1, steps + 1):
-        x, y = corpus.batch(step, m * 2)
-        out["pipeline"].append(trainer.step(x, y, step)["loss"])
-        out["serial"].append(train_step(ref, opt, x, y, step, args)["loss"])
-    return out
 
 
 def replay_bubble(events: list[dict], step: int, name: str, pp: int, m: int,

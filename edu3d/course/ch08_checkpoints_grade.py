@@ -11,9 +11,12 @@ layout loads. Pure index arithmetic: no process is launched, each check takes mi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from edu3d.ckpt import reshard
+from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
 
 # (name, full shape, TP spec (dim, parts, true size)) of tensors of the course's GPT
 QKV = ("blocks.0.attn.qkv.weight", [96, 32], (0, 3, None))  # column-parallel, fused q|k|v
@@ -26,11 +29,12 @@ def serial(name: str, shape) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def saved_pieces(tensor, tp: int, dp: int = 1, zero: bool = False) -> list:
+def saved_pieces(tensor, tp: int, dp: int = 1, zero: bool = False,
+                 dtype: torch.dtype = torch.float32) -> list:
     """``(placement, data)`` of every rank of a ``tp`` x ``dp`` layout: each tp rank's shard,
-    cut into ``dp`` uneven ZeRO windows of its flattening when ``zero``."""
+    cut into ``dp`` uneven ZeRO windows of its flattening when ``zero``; in ``dtype``."""
     name, shape, spec = tensor
-    full = serial(name, shape)
+    full = serial(name, shape).to(dtype)
     out = []
     for t in range(tp):
         boxes = reshard.tp_boxes(shape, spec, t, tp)
@@ -43,11 +47,15 @@ def saved_pieces(tensor, tp: int, dp: int = 1, zero: bool = False) -> list:
     return out
 
 
-def rebuilds(mod, tensor, tp: int, dp: int = 1, zero: bool = False) -> bool:
-    got = mod.full_tensor(saved_pieces(tensor, tp, dp, zero))
-    want = serial(tensor[0], tensor[1])
+def rebuilds(mod, tensor, tp: int, dp: int = 1, zero: bool = False,
+             dtype: torch.dtype = torch.float32) -> bool:
+    got = mod.full_tensor(saved_pieces(tensor, tp, dp, zero, dtype))
+    want = serial(tensor[0], tensor[1]).to(dtype)
     assert tuple(got.shape) == tuple(want.shape), \
         f"full_tensor returned shape {tuple(got.shape)}, the tensor is {tuple(want.shape)}"
+    assert got.dtype == want.dtype, \
+        f"full_tensor returned {got.dtype} from {want.dtype} pieces: a bf16 checkpoint must " \
+        "load as bf16, not through the default dtype"
     wrong = int((got != want).sum())
     assert not wrong, f"{wrong} of {want.numel()} elements of {tensor[0]} differ from the serial tensor"
     return True
@@ -76,3 +84,71 @@ def loads_into(mod, tensor, tp_from: int, dp_from: int, tp_to: int, dp_to: int =
             f"piece_for gave the wrong numbers for box {place['box']}, flat {place['flat']} " \
             f"of tp{tp_to} x dp{dp_to}"
     return True
+
+
+# ---- the design: how often to save, and whether asynchronously ---------------------------------
+@dataclass(frozen=True)
+class Job:
+    step_s: float  # one training step
+    save_s: float  # writing one checkpoint to storage
+    snapshot_s: float  # copying the state to host memory (what an async save blocks for)
+    restart_s: float  # a failure: find it, restart every rank, load the last checkpoint
+    mtbf_h: float  # mean time between failures of the whole job
+    state_gb: float  # the state one node snapshots
+    host_gb: float  # host memory a node can spare for the snapshot
+
+
+JOBS = {"a": Job(step_s=2.0, save_s=60, snapshot_s=4, restart_s=300, mtbf_h=6, state_gb=800,
+                 host_gb=1000),
+        "b": Job(step_s=2.0, save_s=60, snapshot_s=4, restart_s=300, mtbf_h=6, state_gb=800,
+                 host_gb=512)}
+SLACK = 1.01
+MAX_EVERY = 4000
+
+
+def cost(job: str, plan) -> Cost:
+    """Expected seconds per step of useful work, and the host bytes of a node's snapshot."""
+    j = JOBS[job]
+    assert isinstance(plan, dict) and {"every", "async"} <= set(plan), \
+        f"job {job}: checkpoint_plan must return a dict with every and async"
+    every, asynchronous = int(plan["every"]), bool(plan["async"])
+    assert every >= 1, f"job {job}: save every {every} steps: choose at least 1"
+    if asynchronous:  # blocks for the snapshot, and waits when the last write is not done
+        blocking = j.snapshot_s + max(0.0, j.save_s - every * j.step_s)
+    else:
+        blocking = j.save_s
+    wall = j.step_s + blocking / every  # per step, without failures
+    # a failure loses the restart and, on average, half an interval of work; an async save
+    # is one write behind: the last finished checkpoint is older by its write
+    lost = j.restart_s + every * wall / 2 + (j.save_s if asynchronous else 0.0)
+    time = wall * (1 + lost / (j.mtbf_h * 3600))
+    return Cost(time=time, memory=j.state_gb * 1e9 if asynchronous else 0.0)
+
+
+def plans(job: str):
+    for every in range(1, MAX_EVERY + 1):
+        for asynchronous in (False, True):
+            yield {"every": every, "async": asynchronous}
+
+
+def target(job: str) -> Target:
+    memory = JOBS[job].host_gb * 1e9
+    _, top = best(plans(job), lambda p: cost(job, p), memory)
+    return Target(time=SLACK * top.time, memory=memory)
+
+
+def check_design(ex, job: str) -> None:
+    plan = ex.checkpoint_plan(job)
+    meet(f"job {job}: {plan}", cost(job, plan), target(job), fmt=lambda s: f"{s:.4g} s/step")
+
+
+def describe(job: str, plan) -> str:
+    """What ``plan`` costs next to the target, or why it is no plan."""
+    try:
+        c = cost(job, plan)
+    except AssertionError as why:
+        return str(why)
+    t = target(job)
+    return (f"job {job}: {plan}: {c.time:.4g} s per useful step (target {t.time:.4g}, "
+            f"{JOBS[job].step_s:g} without failures or saves), snapshot "
+            f"{fmt_bytes(c.memory)} per node (at most {fmt_bytes(t.memory)})")

@@ -19,11 +19,21 @@ same tiny GPT (3 blocks) and, for ZeRO-3, ZeRO-2 and ZeRO-1 in turn:
 Each verdict is a reason string (``None``: passed), the same on every rank: a learner's
 error (an unfinished stub, a wrong call) becomes a reason on the rank that raised it and is
 shared with the others, never a rank left waiting in a collective it skipped.
+
+The design: ``fsdp_plan(job)`` picks how many blocks one FSDP unit holds and whether units
+reshard after forward, for a 32-block model on 32 GPUs (:data:`JOBS`). :func:`fsdp_cost`
+prices it as chapter 09 teaches: every collective pays a fixed latency plus its bytes over
+the link; each unit's all-gather overlaps the previous unit's compute (the first is
+exposed); in backward a resharded unit is gathered again beside its reduce-scatter; the
+memory is the sharded state, the activations, two units' whole weights and gradients
+(prefetch), and with no reshard every block's weights whole from forward to backward. The
+target: it fits, and the step is within 2 % of the best plan (every plan is listed).
 """
 
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from edu3d.course import grading, lesson_args
 from edu3d.config.layout import Layout
+from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.train.cut import shard_rows
@@ -256,3 +267,65 @@ def verdict(results: dict, check: str) -> None:
     reason = results["verdicts"][check]
     if reason:
         raise AssertionError(reason)
+
+
+# ---- the design: FSDP units and when they reshard ------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    gpu_gb: float
+    act_gb: float  # the activations of one step's micro-batch
+
+
+BLOCKS, GPUS, BLOCK_PARAMS = 32, 32, 0.4e9
+LATENCY_S, LINK_GBS = 5e-3, 60.0  # per collective; each rank's share of the ring
+FORWARD_S, BACKWARD_S = 10e-3, 20e-3  # one block's compute
+JOBS = {"a": Job(gpu_gb=48, act_gb=20), "b": Job(gpu_gb=80, act_gb=20)}
+SLACK = 1.02
+
+
+def fsdp_cost(job: str, plan) -> Cost:
+    """One step's seconds and a rank's peak bytes for ``plan``."""
+    assert isinstance(plan, dict) and {"blocks_per_unit", "reshard"} <= set(plan), \
+        f"job {job}: fsdp_plan must return a dict with blocks_per_unit and reshard"
+    k, reshard = int(plan["blocks_per_unit"]), bool(plan["reshard"])
+    assert k >= 1 and BLOCKS % k == 0, \
+        f"job {job}: units of {k} blocks do not divide the {BLOCKS} blocks"
+    whole = 2 * BLOCK_PARAMS * k  # one unit's bf16 weights (or gradients), whole
+    move = LATENCY_S + whole * (GPUS - 1) / GPUS / (LINK_GBS * 1e9)  # gather or scatter
+    units = BLOCKS // k
+    forward = move + (units - 1) * max(0.0, move - FORWARD_S * k)
+    backward = units * max(0.0, (2 if reshard else 1) * move - BACKWARD_S * k) + move
+    time = BLOCKS * (FORWARD_S + BACKWARD_S) + forward + backward
+    state = 16 * BLOCK_PARAMS * BLOCKS / GPUS  # fp32 weights, gradients and Adam, sharded
+    held = 2 * whole + (2 * whole if reshard else 2 * BLOCK_PARAMS * BLOCKS)
+    return Cost(time=time, memory=state + JOBS[job].act_gb * 1e9 + held)
+
+
+def fsdp_plans(job: str):
+    for k in range(1, BLOCKS + 1):
+        if BLOCKS % k == 0:
+            for reshard in (True, False):
+                yield {"blocks_per_unit": k, "reshard": reshard}
+
+
+def target(job: str) -> Target:
+    memory = JOBS[job].gpu_gb * 1e9
+    _, top = best(fsdp_plans(job), lambda p: fsdp_cost(job, p), memory)
+    return Target(time=SLACK * top.time, memory=memory)
+
+
+def check_design(ex, job: str) -> None:
+    plan = ex.fsdp_plan(job)
+    meet(f"job {job}: {plan}", fsdp_cost(job, plan), target(job))
+
+
+def describe(job: str, plan) -> str:
+    """What ``plan`` costs next to the target, or why it is no plan."""
+    try:
+        c = fsdp_cost(job, plan)
+    except AssertionError as why:
+        return str(why)
+    t = target(job)
+    return (f"job {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}, compute "
+            f"alone {fmt_time(BLOCKS * (FORWARD_S + BACKWARD_S))}), peak {fmt_bytes(c.memory)} "
+            f"(at most {fmt_bytes(t.memory)})")

@@ -12,14 +12,26 @@ chapter's breakdown; MFU is checked against edu3d's FLOPs count of the course's 
 (:func:`edu3d.model.gpt.flops_per_token`).
 
 Each ``check_*`` raises ``AssertionError`` naming the first case that differs.
+
+The design: ``bucket_plan(job)`` cuts one backward's gradients into all-reduce buckets
+(layers in backward order, the embedding last) for a job of :data:`JOBS`. :func:`cost`
+replays it: each bucket's all-reduce starts when its last gradient is ready and the link is
+free, and costs a fixed latency plus its ring bytes; the step is the backward plus the
+communication no compute hides (chapter 10's ``minus`` of the two lanes), the memory the
+largest bucket's buffer. The target: the buffer fits, the step within 2 % of the best cut
+(every cut is listed: 2,048).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import random
+from dataclasses import dataclass
 
 from edu3d.course.ch10_performance import length, minus, union
+from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
 from edu3d.model.gpt import GPTConfig, flops_per_token
 
 EDGE = {  # name -> (comm spans, compute spans)
@@ -93,3 +105,84 @@ def check_mfu(ex) -> None:
         assert math.isclose(got, want, rel_tol=1e-9), \
             f"{tokens} tokens of {fpt:.3g} FLOPs in {step_s} s on {gpus} GPUs of " \
             f"{peak:.3g} FLOP/s: MFU {got:.4g}, expected {want:.4g}"
+
+
+# ---- the design: gradient buckets that hide their all-reduce --------------------------------------
+@dataclass(frozen=True)
+class Job:
+    buffer_mb: float  # the largest bucket buffer allowed
+
+
+LAYERS, LAYER_S, LAYER_MB = 12, 6e-3, 40.0  # backward of one block, its gradients
+EMB_S, EMB_MB = 1e-3, 120.0  # the embedding's backward comes last
+RANKS, LATENCY_S, LINK_GBS = 8, 6e-3, 25.0
+JOBS = {"a": Job(buffer_mb=400), "b": Job(buffer_mb=130)}
+SLACK = 1.02
+
+
+def spans(job: str, sizes) -> tuple[list, list]:
+    """The (comm, compute) lanes of one backward with buckets of ``sizes`` layers."""
+    n = LAYERS + 1
+    assert isinstance(sizes, (list, tuple)) and all(int(k) >= 1 for k in sizes) \
+        and sum(int(k) for k in sizes) == n, \
+        f"job {job}: bucket_plan must return bucket sizes of at least 1 layer adding up to " \
+        f"the {n} gradients ({LAYERS} blocks and the embedding)"
+    secs = [LAYER_S] * LAYERS + [EMB_S]
+    mbs = [LAYER_MB] * LAYERS + [EMB_MB]
+    at = done = 0.0
+    i, comm = 0, []
+    for k in (int(k) for k in sizes):
+        at += sum(secs[i:i + k])
+        size = sum(mbs[i:i + k]) * 1e6
+        start = max(at, done)
+        done = start + LATENCY_S + 2 * (RANKS - 1) / RANKS * size / (LINK_GBS * 1e9)
+        comm.append((start, done))
+        i += k
+    return comm, [(0.0, at)]
+
+
+def cost(job: str, sizes) -> Cost:
+    comm, compute = spans(job, sizes)
+    mbs = [LAYER_MB] * LAYERS + [EMB_MB]
+    edges = list(itertools.accumulate(int(k) for k in sizes))
+    largest = max(sum(mbs[a:b]) for a, b in zip([0] + edges[:-1], edges))
+    return Cost(time=compute[0][1] + length(minus(comm, compute)), memory=largest * 1e6)
+
+
+def cuts(job: str):
+    """Every cut of the gradients into contiguous buckets."""
+    n = LAYERS + 1
+    for marks in itertools.product((False, True), repeat=n - 1):
+        sizes, k = [], 1
+        for mark in marks:
+            if mark:
+                sizes.append(k)
+                k = 1
+            else:
+                k += 1
+        yield sizes + [k]
+
+
+@functools.cache
+def target(job: str) -> Target:
+    memory = JOBS[job].buffer_mb * 1e6
+    _, top = best(cuts(job), lambda c: cost(job, c), memory)
+    return Target(time=SLACK * top.time, memory=memory)
+
+
+def check_design(ex, job: str) -> None:
+    sizes = ex.bucket_plan(job)
+    meet(f"job {job}: buckets of {list(sizes)} layers", cost(job, sizes), target(job))
+
+
+def describe(job: str, sizes) -> str:
+    """What ``sizes`` costs next to the target, or why it is no plan."""
+    try:
+        c = cost(job, sizes)
+    except AssertionError as why:
+        return str(why)
+    t = target(job)
+    compute = LAYERS * LAYER_S + EMB_S
+    return (f"job {job}: {list(sizes)}: step {fmt_time(c.time)} (target {fmt_time(t.time)}, "
+            f"backward alone {fmt_time(compute)}), largest bucket {fmt_bytes(c.memory)} "
+            f"(at most {fmt_bytes(t.memory)})")

@@ -10,7 +10,16 @@ test plumbing in the cell itself). So a committed notebook must store exactly:
 * for every other cell, nothing: charts and logs are for the learner's own run, and outputs
   full of timings would only bloat the repository.
 
-``refresh`` executes a notebook top to bottom in its own folder and stores it that way;
+An exercise's check cells are the exception: a stored ``PASS`` under every check would show
+the learner green lines before any work (and which lines to print). They store no output;
+instead each **declares** the titles of the checks it runs, in order, in its metadata
+(``{"edu3d": {"checks": [...]}}``, :func:`declared`): what ``edu3d grade`` counts a cell's
+verdicts against, and what the browser test expects the solutions to pass
+(:func:`differences`). A cell's outputs are the learner's to change; its declaration comes
+from the course's checkout, like the notebook itself.
+
+``refresh`` executes a notebook top to bottom in its own folder and stores it that way (a
+checked cell that printed only verdict lines declares their titles and keeps no output);
 ``strip`` only removes outputs (checked cells keep theirs); ``retag`` moves the legacy
 in-source marker into the tag. ``check`` reports notebooks
 that break the rule (the test suite runs it on every notebook).
@@ -40,6 +49,33 @@ def is_checked(cell) -> bool:
     return TAG in cell.get("metadata", {}).get("tags", []) or cell.source.lstrip().startswith(MARK)
 
 
+def declared(cell) -> list[str] | None:
+    """The check titles an exercise's check cell declares (its metadata's
+    ``edu3d.checks``), or None for a cell that declares none."""
+    checks = cell.get("metadata", {}).get("edu3d", {}).get("checks")
+    return None if checks is None else [str(c) for c in checks]
+
+
+def verdict_lines(cell) -> list[str] | None:
+    """A cell's stdout as lines when each is a verdict (``PASS t``/``FAIL t``), else None."""
+    lines = _stdout(cell).splitlines()
+    return lines if lines and all(ln.startswith(("PASS ", "FAIL ")) for ln in lines) else None
+
+
+def declare(cell) -> None:
+    """Make a checked cell that printed only ``PASS`` lines declare those titles and keep no
+    output; refuses a ``FAIL`` (the reference solutions must pass every check)."""
+    lines = verdict_lines(cell)
+    if not is_checked(cell) or lines is None:
+        return
+    failed = [ln for ln in lines if ln.startswith("FAIL ")]
+    if failed:
+        raise ValueError(f"the reference solutions failed a check: {failed[0]!r}; fix it "
+                         "before refreshing")
+    cell.setdefault("metadata", {}).setdefault("edu3d", {})["checks"] = [ln[5:] for ln in lines]
+    cell.outputs, cell.execution_count = [], None
+
+
 def retag(nb) -> int:
     """Move every legacy ``# NBVAL_CHECK_OUTPUT`` first line into the cell tag, in place
     (outputs and counts untouched: the comment never printed anything). Returns how many."""
@@ -56,11 +92,11 @@ def retag(nb) -> int:
 
 
 def strip(nb) -> None:
-    """Remove outputs and counts from every unchecked code cell, and the widget state a run
-    saved (the widgets' outputs are gone with their cells), in place."""
+    """Remove outputs and counts from every unchecked code cell and every check cell that
+    declares its checks, and the widget state a run saved (the widgets' outputs are gone with their cells), in place."""
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
-        if cell.cell_type == "code" and not is_checked(cell):
+        if cell.cell_type == "code" and (not is_checked(cell) or declared(cell) is not None):
             cell.outputs, cell.execution_count = [], None
         cell.get("metadata", {}).pop("execution", None)
 
@@ -77,13 +113,25 @@ def problems(nb) -> list[str]:
         if cell.source.lstrip().startswith(MARK):
             out.append(f"cell {i}: shows the test marker {MARK!r} to the learner; "
                        "tag the cell instead (`python -m edu3d.course.nbtools retag`)")
-        if is_checked(cell):
+        if is_checked(cell) and declared(cell) is not None:
+            if cell.outputs or cell.execution_count is not None:
+                out.append(f"cell {i}: a check cell that declares its checks stores an "
+                           "output; strip it (`python -m edu3d.course.nbtools strip`)")
+            if not declared(cell):
+                out.append(f"cell {i}: declares no check; run `python -m edu3d.course.nbtools "
+                           "refresh`")
+        elif is_checked(cell):
             if not cell.outputs or cell.execution_count is None:
                 out.append(f"cell {i}: checked cell stores no output/execution count, so "
                            "nbval would not compare it; run `python -m edu3d.course.nbtools refresh`")
         elif cell.outputs:
             out.append(f"cell {i}: unchecked cell stores outputs; strip them")
     return out
+
+
+def _stdout(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
 def _shown(cell) -> list:
@@ -103,14 +151,17 @@ def _shown(cell) -> list:
 
 def differences(committed, executed) -> list[str]:
     """The checked cells of ``committed`` whose outputs ``executed`` (the same notebook,
-    run again) does not reproduce: what ``pytest --nbval-lax`` would report."""
+    run again) does not reproduce: what ``pytest --nbval-lax`` would report. A cell that
+    declares its checks must print ``PASS <title>`` for each, in order, and nothing else."""
     if len(committed.cells) != len(executed.cells):
         return [f"{len(executed.cells)} cells, the committed notebook has "
                 f"{len(committed.cells)}"]
     out = []
     for i, (old, new) in enumerate(zip(committed.cells, executed.cells)):
-        if is_checked(old) and _shown(old) != _shown(new):
-            out.append(f"cell {i}: expected {_shown(old)!r}\n  got {_shown(new)!r}")
+        checks = declared(old)
+        want = [("prints", "".join(f"PASS {c}\n" for c in checks))] if checks else _shown(old)
+        if is_checked(old) and want != _shown(new):
+            out.append(f"cell {i}: expected {want!r}\n  got {_shown(new)!r}")
     return out
 
 
@@ -159,7 +210,8 @@ def notebook_client(nb, **kwargs):
 
 
 def refresh(path: Path, timeout: int = 600) -> None:
-    """Execute with the reference solutions, keep checked outputs, strip the rest."""
+    """Execute with the reference solutions, keep checked outputs (a check cell: its
+    declared titles), strip the rest."""
     nb = nbformat.read(path, as_version=4)
     saved = os.environ.get("EDU3D_SOLUTIONS")
     os.environ["EDU3D_SOLUTIONS"] = "1"  # the kernel inherits it
@@ -171,6 +223,8 @@ def refresh(path: Path, timeout: int = 600) -> None:
             os.environ.pop("EDU3D_SOLUTIONS")
         else:
             os.environ["EDU3D_SOLUTIONS"] = saved
+    for cell in nb.cells:
+        declare(cell)
     strip(nb)
     nbformat.write(nb, path)
 

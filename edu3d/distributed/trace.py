@@ -17,15 +17,15 @@ After reading this file you should understand the event schema that all of edu3d
   collective's full buffer S (for all-gather the gathered output, for reduce-scatter the
   input); what actually crosses the wire follows from S, ``n`` and the algorithm (a ring
   all-reduce sends ``2(n-1)/n * S`` per rank), see :func:`wire_bytes`.
-* Simulated (theory) timelines use the same schema with ``"sim": true``, so one renderer draws
-  both. Fields that do not apply are left out.
+* Simulated (theory) timelines use the same schema with ``"sim": true``; fields that do not
+  apply are left out. :meth:`Recorder.comm_us` is each group's covered (never summed) time.
 
 Each rank appends to ``trace-rank{R}.jsonl`` in the run folder as events finish (and keeps
 ``flight/rank{R}.json``, the operation it is in right now); :func:`load` merges them and
 :func:`to_chrome` exports Chrome trace JSON, which opens in https://ui.perfetto.dev.
 
-torch comes in through imports inside functions: the launcher merges and exports traces, and
-it must start without torch (``edu3d run`` costs what a bare torchrun costs).
+torch comes in through imports inside functions: the launcher merges and exports traces
+without torch (``edu3d run`` costs what a bare torchrun costs).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from edu3d.distributed.coverage import COMPUTE, Coverage
 
 LANES = ("compute", "comm", "mem")
 FIELDS = ("rank", "lane", "op", "group", "n", "peer", "bytes", "t0", "t1",
@@ -138,7 +140,7 @@ class Recorder:
         self.cuda = cuda
         self.flight = flight
         self.events: list[dict] = []  # kept in memory only when there is no path
-        self.comm_us: dict[str, float] = {}  # time in communication so far, by group
+        self.coverage = Coverage()  # time in communication so far, by group, and exposed
         self.wire: dict[str, float] = {}  # bytes sent so far (ring costs), by collective kind
         self._pending: list[tuple] = []  # (start_event, end_event, event dict) on CUDA
         self._open: list[dict] = []  # spans entered and not yet left, innermost last
@@ -191,11 +193,17 @@ class Recorder:
             if self.flight is not None and self.flight.state != "failed":
                 self.flight.note(*(("in", self._open[-1]) if self._open else ("done", ev)))
         if ev["lane"] == "comm":
-            group = ev.get("group", "world")
-            self.comm_us[group] = self.comm_us.get(group, 0.0) + ev["t1"] - ev["t0"]
+            self.coverage.add(ev.get("group", "world"), ev["t0"], ev["t1"])
             self.wire[ev["op"]] = self.wire.get(ev["op"], 0.0) + wire_bytes(ev)
+        elif ev["lane"] == "compute":
+            self.coverage.add(COMPUTE, ev["t0"], ev["t1"])
         self._emit(ev)
         return ev
+
+    def comm_us(self, exposed: bool = False) -> dict[str, float]:
+        """Covered microseconds per group (and ``any``), or ``exposed`` ones (no compute beside)."""
+        self.coverage.fold(self.now())
+        return dict(self.coverage.exposed if exposed else self.coverage.covered)
 
     def record(self, lane: str, op: str, t0: float, t1: float, **fields) -> dict:
         """Store an event whose times (microseconds since origin) are already known."""

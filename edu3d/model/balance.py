@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-SCOPES = ("microbatch", "sequence", "global")
+from edu3d.model.config_schema import SCOPES  # noqa: F401 (its home: the config, torch-free)
+
 _SCALE = {"aux": 1.0}
 
 

@@ -1,4 +1,5 @@
-"""What a :class:`~edu3d.model.gpt.GPTConfig` may hold, and what it implies, without a model.
+"""The course GPT's description (:class:`GPTConfig`, its presets), what it may hold, and what
+it implies, without a model (no torch: a refused command line never waits for torch).
 
 After reading this file you should understand why a model's description is checked like any
 other input before a single multiplication is done with it, and what it fixes:
@@ -21,7 +22,9 @@ other input before a single multiplication is done with it, and what it fixes:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 INT_RANGES = {"n_layers": (1, 4096), "n_heads": (1, 2**20), "d_model": (1, 2**20),
               "seq_len": (1, 2**21), "vocab_size": (1, 2**24), "vocab_pad": (1, 2**16),
@@ -32,6 +35,7 @@ FLOAT_RANGES = {"capacity_factor": 1e6, "aux_loss_coef": 1e6, "z_loss_coef": 1e6
 BOOLS = ("tie_weights", "norm_topk")
 MAX_TENSORS = 2**16  # n_layers * (1 + n_experts + shared_experts): the parameter tensors
 MAX_SHOWN = 16  # divisors listed in an error; more are elided
+SCOPES = ("microbatch", "sequence", "global")  # the tokens the aux loss counts (model/balance)
 
 
 def _short(value) -> str:
@@ -114,3 +118,96 @@ def param_shapes(config) -> dict[str, tuple[int, ...]]:
     if not config.tie_weights:
         shapes["lm_head.weight"] = (vocab, d)
     return shapes
+
+
+@dataclass
+class GPTConfig:
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 64
+    seq_len: int = 32
+    vocab_size: int = 256
+    tie_weights: bool = False  # lm_head reuses the token embedding matrix (GPT-2 does)
+    vocab_pad: int = 1  # the tables get padded_vocab rows, a multiple of this (64: GPU tiles)
+    # Mixture of experts (edu3d.model.moe); n_experts = 0 keeps every block's dense MLP.
+    n_experts: int = 0          # routed experts per MoE layer
+    topk: int = 2               # experts each token is sent to
+    moe_every: int = 1          # block i is MoE iff i % moe_every == 0 (Megatron's moe_layer_freq)
+    shared_experts: int = 0     # always-on experts every token also goes through (DeepSeek)
+    capacity_factor: float = 0.0  # 0: dropless; C > 0: each expert takes ceil(N*k/E*C)
+    aux_loss_coef: float = 1e-2   # Switch/GShard load-balancing loss weight
+    aux_scope: str = "microbatch"  # the tokens it counts: "microbatch", "sequence", "global"
+    z_loss_coef: float = 0.0      # ST-MoE router z-loss weight
+    balance: str = "aux"        # "aux" (loss only) or "bias" (DeepSeek-V3 selection bias)
+    bias_rate: float = 1e-3     # step of the "bias" balancer's update
+    norm_topk: bool = True      # renormalise the k gates to sum to 1 (when k > 1)
+    router_dtype: str = "fp32"  # "fp32" or "fp64" (parity tests: near-ties do not flip)
+
+    def __post_init__(self):
+        check_ranges(self)  # every field in its range before any arithmetic on it
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
+                             f"choose one of {divisor_advice(self.d_model)}")
+        self.check_moe()
+
+    def check_moe(self) -> None:
+        """The mixture-of-experts fields that ranges alone do not settle (those are in
+        :func:`~edu3d.model.config_schema.check_ranges`), with what to change."""
+        if self.n_experts and self.topk > self.n_experts:
+            raise ValueError(f"topk={self.topk} is more than n_experts={self.n_experts}: a "
+                             f"token cannot pick more experts than there are")
+        if self.balance not in ("aux", "bias"):
+            raise ValueError(f"balance={self.balance!r}: choose 'aux' (the loss alone) or "
+                             f"'bias' (DeepSeek-V3's selection bias)")
+        if self.aux_scope not in SCOPES:
+            raise ValueError(f"aux_scope={self.aux_scope!r}: choose one of {', '.join(SCOPES)}")
+        if self.router_dtype not in ("fp32", "fp64"):
+            raise ValueError(f"router_dtype={self.router_dtype!r}: choose 'fp32' or 'fp64'")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture of experts instead of the dense MLP."""
+        return self.n_experts > 0 and layer % self.moe_every == 0
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the token embedding and the LM head: ``vocab_size`` rounded up to a
+        multiple of ``vocab_pad`` (nanoGPT's 50,257 -> 50,304). The extra rows are never a
+        token: their logits are -inf (:meth:`GPT.head`), so they never win and the loss is
+        the unpadded model's."""
+        return -(-self.vocab_size // self.vocab_pad) * self.vocab_pad
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block: qkv ``3d²+3d``, proj ``d²+d``, fc ``4d²+4d``, its proj
+        ``4d²+d``, two LayerNorms ``4d``."""
+        d = self.d_model
+        return 12 * d * d + 13 * d
+
+
+PRESETS = {
+    "tiny": GPTConfig(n_layers=4, n_heads=4, d_model=64, seq_len=32, vocab_size=256),
+    "small": GPTConfig(n_layers=6, n_heads=8, d_model=256, seq_len=128, vocab_size=1024),
+    "medium": GPTConfig(n_layers=8, n_heads=8, d_model=512, seq_len=256, vocab_size=4096),
+    "gpt2-small": GPTConfig(n_layers=12, n_heads=12, d_model=768, seq_len=1024,
+                            vocab_size=50257, tie_weights=True),
+}
+
+
+def config_from(preset: str = "tiny", *, layers: int | None = None, heads: int | None = None,
+                d_model: int | None = None, seq: int | None = None, vocab: int | None = None,
+                tie: bool | None = None, vocab_pad: int | None = None) -> GPTConfig:
+    """A preset with some fields overridden (``None`` keeps the preset's value)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    overrides = {"n_layers": layers, "n_heads": heads, "d_model": d_model, "seq_len": seq,
+                 "vocab_size": vocab, "tie_weights": tie, "vocab_pad": vocab_pad}
+    return dataclasses.replace(PRESETS[preset],
+                               **{k: v for k, v in overrides.items() if v is not None})

@@ -5,9 +5,9 @@ width, heads (and grouped KV heads), MLP width and kind (GELU's two matrices, Sw
 three), norms, biases, vocabulary, and whether the head is tied to the embedding. The real
 models' shapes are the published ones (GPT-2 small/medium/large/XL, LLaMA-2 7B/13B/70B,
 GPT-3 175B) and their parameter counts match the papers' within 1% (tests/test_planner.py);
-the course's presets are :data:`edu3d.model.gpt.PRESETS`, counted exactly. Those come in
-through imports inside functions: :mod:`edu3d.model.gpt` imports torch, and ``edu3d plan``
-and ``edu3d train``'s checks before launch must start without it.
+the course's presets are :data:`edu3d.model.config_schema.PRESETS`, counted exactly (that
+module has no torch: ``edu3d plan`` and ``edu3d train``'s checks before launch start without
+it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+
+from edu3d.model.config_schema import PRESETS as COURSE_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,7 @@ class ModelSpec:
 
 
 def _course(name: str, tie: bool | None = None) -> ModelSpec:
-    from edu3d.model.gpt import PRESETS
-
-    spec = spec_from_config(PRESETS[name], name)
+    spec = spec_from_config(COURSE_CONFIGS[name], name)
     return spec if tie is None else dataclasses.replace(spec, tied=tie)
 
 

@@ -285,7 +285,10 @@ def reasons(spec: ModelSpec, cl: Cluster, rows: list[dict]) -> list[str]:
                "parallelism the activations are split too" if lay.tp > 1 else
                "tp=1: the layers are small enough not to need tensor parallelism")
     if lay.pp > 1:
-        out.append(f"pp={lay.pp}: {spec.n_layers // lay.pp} layers per stage bring the fullest "
+        q, r = divmod(spec.n_layers, lay.pp)
+        cut = f"{q} layers per stage" if not r else \
+            f"{r} stages of {q + 1} layers and {lay.pp - r} of {q}"
+        out.append(f"pp={lay.pp}: {cut} bring the fullest "
                    f"rank to {gb(mem['total_bytes'])} (weights {gb(mem['params_bytes'])}, "
                    f"activations {gb(mem['activations_bytes'])}); the bubble "
                    f"(p-1)/(m+p-1) = {(lay.pp - 1) / (run.microbatches + lay.pp - 1):.1%} with "

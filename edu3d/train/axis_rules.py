@@ -9,14 +9,22 @@ you to change instead. :func:`edu3d.train.preflight.check_args` calls both, with
 
 from __future__ import annotations
 
+import dataclasses
+
 from edu3d.config.layout import LayoutError
-from edu3d.config.sections import Run
+from edu3d.config.sections import Model, Parallel, Run
 
 CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_SPLITS = ("zigzag", "plain")
 BALANCE = ("aux", "bias")
 AUX_SCOPES = ("microbatch", "sequence", "global")  # edu3d.model.balance.SCOPES, without torch
 AUX_COEF = 1e-2  # --aux-loss-coef's default with --balance aux
+
+
+def default(section, name: str):
+    """A field's default in a section of the run (the sections are slotted: the class
+    attribute is a descriptor, not the default)."""
+    return next(f.default for f in dataclasses.fields(section) if f.name == name)
 
 
 def check_moe(run: Run) -> None:
@@ -30,6 +38,9 @@ def check_moe(run: Run) -> None:
         moe_only = [f for f, v in (("--ep", ep > 1), ("--shared-experts", o.shared_experts),
                                    ("--capacity-factor", o.capacity_factor),
                                    ("--balance bias", o.balance == "bias"),
+                                   (f"--topk {o.topk}", o.topk != default(Model, "topk")),
+                                   (f"--moe-every {o.moe_every}",
+                                    o.moe_every != default(Model, "moe_every")),
                                    ("--aux-scope", o.aux_scope != "microbatch")) if v]
         if moe_only:
             raise LayoutError(f"{moe_only[0]} needs a mixture of experts: add --experts 4 "
@@ -94,18 +105,32 @@ def check_cp(run: Run, config) -> None:
                           f"in "
                           f"{', '.join(CP_IMPLS)} and --cp-split in {', '.join(CP_SPLITS)}")
     if cp == 1:
+        idle = [f"--{flag.replace('_', '-')} {getattr(par, flag)}" for flag in ("cp_impl", "cp_split")
+                if getattr(par, flag) != default(Parallel, flag)]
+        if idle:
+            raise LayoutError(f"{idle[0]} chooses how context parallelism works, and this run has "
+                              "none: add --cp 2 (or more), or drop it")
         return
     chunks = 2 * cp if par.cp_split == "zigzag" else cp
     if config.seq_len % chunks:
-        ok = [n for n in range(1, config.seq_len + 1)
-              if config.seq_len % (2 * n if par.cp_split == "zigzag" else n) == 0]
         raise LayoutError(f"--cp {cp} --cp-split {par.cp_split} cuts each sequence into "
                           f"{chunks} equal chunks, but --seq {config.seq_len} does not divide; "
-                          f"choose --cp in {', '.join(map(str, ok))}")
+                          f"choose --cp in {cp_choices(run, config)}")
     if par.sp:
         raise LayoutError("--sp with --cp: both split the sequence; use one of them")
     heads = config.n_heads // tp
     if par.cp_impl == "ulysses" and heads % cp:
-        ok = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
         raise LayoutError(f"--cp-impl ulysses gives each of the {cp} ranks whole heads, but "
-                          f"each tensor-parallel rank has {heads} head(s); choose --cp in {ok}")
+                          f"each tensor-parallel rank has {heads} head(s); choose --cp in "
+                          f"{cp_choices(run, config)}")
+
+
+def cp_choices(run: Run, config) -> str:
+    """The degrees of context parallelism that pass every rule of :func:`check_cp` for this
+    run's sequence, split, heads and implementation (advice never offers a value that the
+    next rule refuses)."""
+    par, seq, heads = run.parallel, config.seq_len, config.n_heads // run.layout.tp
+    ok = [n for n in range(1, seq + 1)
+          if seq % (2 * n if par.cp_split == "zigzag" else n) == 0
+          and (par.cp_impl != "ulysses" or heads % n == 0)]
+    return ", ".join(map(str, ok))

@@ -50,7 +50,8 @@ from edu3d.train.trainer import Trainer
 
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 MOE_KEYS = ("aux_loss", "z_loss", "tokens_per_expert", "dropped", "ep_tokens")  # --experts
-TRAINER_KEYS = ("mem_bytes", "comm_s", "wire_bytes")  # what edu3d train's records add (Trainer.stats)
+# what edu3d train's records add (Trainer.stats)
+TRAINER_KEYS = ("mem_bytes", "comm_s", "exposed_s", "comm_any_s", "wire_bytes")
 
 
 def worker(mesh, options: dict, trainer_class=Trainer) -> list[dict]:
@@ -152,9 +153,11 @@ def _is_terminal(out) -> bool:
     return bool(getattr(out, "isatty", lambda: False)())
 
 
-def summary(records: list[dict], seconds: list[float]) -> str:
+def summary(records: list[dict], seconds: list[float], wall: float | None = None) -> str:
     """The end of a run in words: throughput, the fullest rank's memory, and the share of
-    the step time rank 0 spent communicating on each axis (``seconds``: each step's)."""
+    the run's wall time (``wall``, else the steps' ``seconds``) some collective covered on
+    rank 0, in all and on each axis, with the part no compute hid (exposed). The wall time
+    is what ``--monitor``'s final table divides by: the same shares."""
     rate = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
     lines = [f"throughput: {rate:,.0f} tokens/s (median over {len(records)} steps)"]
     mem = records[-1].get("mem_bytes")
@@ -163,14 +166,21 @@ def summary(records: list[dict], seconds: list[float]) -> str:
                           ("params", "grads", "optimizer", "activations"))
         lines.append(f"memory of the fullest rank: {mem['total'] / 2**20:.2f} MiB ({parts})")
     comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
     for r in records:
-        for group, s in r.get("comm_s", {}).items():
-            comm[group] = comm.get(group, 0.0) + s
-    if comm:
-        total = sum(seconds)
-        share = ", ".join(f"{g} {100 * s / total:.0f}%" for g, s in sorted(comm.items()))
-        lines.append(f"time in communication on rank 0, share of the step time: {share} "
-                     "(overlapped collectives count whole)")
+        for into, key in ((comm, "comm_s"), (exposed, "exposed_s")):
+            for group, s in r.get(key, {}).items():
+                into[group] = into.get(group, 0.0) + s
+        for into, key in ((comm, "covered"), (exposed, "exposed")):
+            into["any"] = into.get("any", 0.0) + r.get("comm_any_s", {}).get(key, 0.0)
+    if comm.get("any"):
+        total = wall or sum(seconds)
+        pct = lambda s: f"{min(100.0, 100 * s / total):.0f}%"  # noqa: E731 - spans cross step edges
+        axes = ", ".join(f"{g} {pct(s)} ({pct(exposed.get(g, 0.0))} exposed)"
+                         for g, s in sorted(comm.items()) if g != "any")
+        lines.append(f"communication on rank 0: some collective runs during "
+                     f"{pct(comm.get('any', 0.0))} of the run's time, "
+                     f"{pct(exposed.get('any', 0.0))} with no compute beside it; by axis: {axes}")
     return "\n".join(lines)
 
 
@@ -195,6 +205,7 @@ def loop(trainer, corpus: SyntheticCorpus, run: Run, out=None) -> list[dict]:
     deferred = isinstance(trainer, Trainer)  # its step can leave the loss on the device
     memory = memory_recorder.MemoryRecorder(trainer) if run.launch.memory_timeline else None
     spent, steps_since, tokens = 0.0, 0, 0  # since the last logged step
+    began = time.perf_counter()  # the wall time the monitor's final table divides by
     for step in range(len(records) + 1, run.training.steps + 1):
         faults.maybe_inject(run.launch.inject_fault, rank, step, run.launch.attempt)
         x, y = global_batch(corpus, run, step)  # y is None under --batching
@@ -222,6 +233,7 @@ def loop(trainer, corpus: SyntheticCorpus, run: Run, out=None) -> list[dict]:
         if ckpt is not None:
             ckpt.after_step(step, records)  # saves when due; may add the time it blocked
         _emit(rec, run, out)
+    wall = time.perf_counter() - began
     if status is not None:
         status.close()
     if memory is not None and memory.samples:  # --memory-timeline: the last step's
@@ -229,7 +241,7 @@ def loop(trainer, corpus: SyntheticCorpus, run: Run, out=None) -> list[dict]:
     if ckpt is not None:
         ckpt.close()  # waits for an asynchronous save still in flight
     if out is not None and not run.launch.json and seconds:  # the steps this process ran
-        print(summary(records[-len(seconds):], seconds), file=out, flush=True)
+        print(summary(records[-len(seconds):], seconds, wall), file=out, flush=True)
         if ckpt is not None and ckpt.history:
             blocked = sum(r.get("ckpt_blocked_s", 0.0) for r in records[-len(seconds):])
             kept = ""

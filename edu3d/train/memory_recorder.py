@@ -135,9 +135,8 @@ class MemoryRecorder(trace.Recorder):
         self._t0 = 0
         self._saved: SavedActivations | None = None
 
-    @property
-    def comm_us(self) -> dict:
-        return self.inner.comm_us
+    def comm_us(self, exposed: bool = False) -> dict:
+        return self.inner.comm_us(exposed)
 
     @property
     def wire(self) -> dict:

@@ -33,6 +33,7 @@ from edu3d.config.layout import Layout, LayoutError
 from edu3d.config.sections import Run
 from edu3d.launch import cores as launch_cores
 from edu3d.launch.api import check_launch, node_args
+from edu3d.model.config_schema import config_from
 from edu3d.model.shapes import COURSE_PRESETS
 from edu3d.plan import fit
 from edu3d.plan.estimate import spec_of
@@ -90,8 +91,6 @@ def preflight(run: Run, available: int | None = None) -> Checked:
 def model_config(run: Run):
     """The model's :class:`~edu3d.model.gpt.GPTConfig`: the preset with the overrides (and
     the mixture of experts, when ``run.model.experts`` > 0)."""
-    from edu3d.model.gpt import config_from  # torch: the model module
-
     m = run.model
     vocab = m.vocab
     if vocab is None and run.batch.data != "synthetic":  # real text: byte tokens

@@ -8,9 +8,9 @@ each number comes from, and what it costs:
   over the steps since the last record. It includes everything the rank did in between
   (a straggler's sleep, the batch, the bookkeeping), so every rank of a synchronous run
   shows about the same step time: they wait for each other;
-* **communication per axis**: the microseconds the trace (:class:`edu3d.distributed.trace.Recorder`)
-  counted in each group's collectives (``dp``, ``tp``, ``pp`` ...) over the same steps,
-  per step. A waiting rank spends its wait there; that is how the straggler shows;
+* **communication per axis**: the microseconds some collective of each group (``dp``,
+  ``tp``, ``pp`` ...) covered (:meth:`edu3d.distributed.trace.Recorder.comm_us`: overlapping
+  ones once) over the same steps, per step. A waiting rank spends its wait there; that is how the straggler shows;
 * **memory**: on a GPU, CUDA's allocated and reserved bytes (and utilisation where torch can
   read it); on a CPU, which has no allocator to ask, the bytes of the tensors the rank holds
   (:func:`edu3d.distributed.meter.measure`) plus its pipeline engine's peak activations.
@@ -40,13 +40,13 @@ class Span:
 
     def __init__(self, now: float):
         self.t0, self.steps, self.tokens = now, 0, 0
-        self.comm0 = dict(trace.current().comm_us)
+        self.comm0 = trace.current().comm_us()
 
     def numbers(self, now: float) -> dict:
         """Mean step time, tokens/s and communication ms per step over the span."""
         steps, seconds = max(self.steps, 1), max(now - self.t0, 1e-9)
         comm = {g: (us - self.comm0.get(g, 0.0)) / 1e3 / steps
-                for g, us in trace.current().comm_us.items()}
+                for g, us in trace.current().comm_us().items() if g != "any"}
         return {"step_ms": 1e3 * seconds / steps, "tokens_per_s": self.tokens / seconds,
                 "comm_ms": {g: round(ms, 3) for g, ms in comm.items() if ms > 0},
                 "window_steps": self.steps}

@@ -46,7 +46,8 @@ class StepMeter:
         self.peak = dict.fromkeys(meter.CATEGORIES, 0)
         self.steps = 0
         self.wire_seen = dict(trace.current().wire)  # set-up traffic is no step's
-        self.comm_seen: dict[str, float] = {}
+        rec = trace.current()  # covered and exposed microseconds at the last read: set-up's
+        self.comm_seen = {"comm_s": rec.comm_us(), "exposed_s": rec.comm_us(exposed=True)}
 
     def sample(self) -> None:
         """Measure what is held now; keep each category's largest value."""
@@ -59,11 +60,14 @@ class StepMeter:
         self.steps += 1
 
     def read(self, activation_bytes: int) -> dict:
-        """``{"mem_bytes", "wire_bytes", "comm_s"}`` since the last read; collective.
+        """``{"mem_bytes", "wire_bytes", "comm_s", "exposed_s", "comm_any_s"}`` since the last
+        read; collective.
 
         ``mem_bytes``: peak bytes by category of the fullest rank (largest total) and their
         ``total``; ``wire_bytes``: bytes sent per step by kind (the busiest rank's);
-        ``comm_s``: this rank's seconds in collectives by group (overlapped ones whole)."""
+        ``comm_s``: the seconds some collective of each group covered on this rank
+        (overlapping collectives count once), ``exposed_s`` the part of those no compute ran
+        beside, ``comm_any_s`` both for any group (:mod:`edu3d.distributed.coverage`)."""
         if not any(self.peak.values()):
             self.sample()  # read before any step: what is held now
         row = torch.tensor([*(self.peak[c] for c in meter.CATEGORIES), activation_bytes],
@@ -79,10 +83,14 @@ class StepMeter:
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
         mem = dict(zip((*meter.CATEGORIES, "activations"), map(int, row.tolist())))
         mem["total"] = sum(mem.values())
-        now = dict(rec.comm_us)
-        comm = {g: (t - self.comm_seen.get(g, 0.0)) / 1e6 for g, t in now.items()}
+        now = {"comm_s": rec.comm_us(), "exposed_s": rec.comm_us(exposed=True)}
+        out = {key: {g: round((t - self.comm_seen.get(key, {}).get(g, 0.0)) / 1e6, 6)
+                     for g, t in now[key].items()} for key in now}
         self.comm_seen, self.wire_seen = now, dict(rec.wire)
         self.peak = dict.fromkeys(meter.CATEGORIES, 0)
         self.steps = 0
-        return {"mem_bytes": mem, "comm_s": {g: round(s, 6) for g, s in comm.items() if s},
+        any_ = {"covered": out["comm_s"].pop("any", 0.0),
+                "exposed": out["exposed_s"].pop("any", 0.0)}
+        return {"mem_bytes": mem, **{k: {g: s for g, s in v.items() if s} for k, v in out.items()},
+                "comm_any_s": any_ if any(any_.values()) else {},
                 "wire_bytes": {k: int(b) for k, b in zip(KINDS, sent.tolist()) if b}}

@@ -198,7 +198,8 @@ class Trainer:
         Since the last call (:class:`~edu3d.train.step_stats.StepMeter`): ``mem_bytes``, the
         fullest rank's peak bytes by category (parameters, gradients, optimizer state held
         between compute actions; the activations its pipeline engine kept); ``comm_s``, this
-        rank's seconds in communication by group; ``wire_bytes``, bytes sent per step by
+        rank's seconds some collective of each group covered (``exposed_s``: with no compute
+        beside it; ``comm_any_s``: any group's); ``wire_bytes``, bytes sent per step by
         collective kind."""
         return self.meter.read(self.engine.peak_activation_bytes)
 

@@ -273,7 +273,8 @@ class TuneControls(Panel):
         return {
             "metric": w.Dropdown(options=list(tuning.METRICS), value=s["metric"],
                                  description="metric"),
-            "view": w.ToggleButtons(options=list(VIEWS), value=s["view"], description="view"),
+            "view": w.ToggleButtons(options=list(VIEWS), value=s["view"], description="view",
+                                    style={"button_width": "70px"}),
             "candidate": w.Dropdown(options=[("none", ""), *((c, c) for c in self.labels())],
                                     value=s["candidate"], description="candidate",
                                     layout={"width": "420px"}),
@@ -288,7 +289,7 @@ def tune_controls(report: dict, default: dict | None = None) -> TuneControls:
 
 # ---- one step's memory as a timeline (section 9) -------------------------------------------
 TIMELINE_DEFAULT = dict(zero=0, microbatches=1, recompute="none", grad_reduce="per-microbatch",
-               x="time", rank=None)
+               x="time", rank="fullest")
 
 
 class TimelineControls(Panel):
@@ -319,7 +320,9 @@ class TimelineControls(Panel):
             self.say(f"{timeline.label(timeline.key_of(self.setting()))} is not in the sweep: "
                      "press 'record it' to run it")
             return
-        self.figure = step_memory_figure(doc, self.state["rank"], self.state["x"])
+        rank = self.state["rank"]  # "fullest": a Dropdown shows a None value as a blank
+        self.figure = step_memory_figure(doc, None if rank == "fullest" else rank,
+                                         self.state["x"])
         self.say(timeline.caption(doc))
 
     def run(self):
@@ -347,7 +350,7 @@ class TimelineControls(Panel):
                                          style={"button_width": "80px"}),
             "x": w.ToggleButtons(options=["time", "event"], value=s["x"], description="x axis",
                                  style={"button_width": "60px"}),
-            "rank": w.Dropdown(options=[("fullest", None), ("rank 0", 0), ("rank 1", 1)],
+            "rank": w.Dropdown(options=[("fullest", "fullest"), ("rank 0", 0), ("rank 1", 1)],
                                value=s["rank"], description="rank"),
         }
         if timeline.HAS_GRAD_REDUCE:

@@ -13,10 +13,12 @@ After reading this file you should know how a score is made:
 * the checks are what :func:`edu3d.course.grading.check` reports over the verdict channel
   (:mod:`edu3d.course.verdict_channel`, :mod:`edu3d.course.autograde.channel`), never the
   ``PASS``/``FAIL`` lines the checked cells (tag ``nbval-check-output``) print: those are the
-  submission's to forge. The committed notebook (outputs of the solutions) names each cell's
-  checks in order, so a record that is not the cell's next check is ignored, a check without
-  a record fails (one that printed a verdict anyway says so), and a cell that stops on an
-  error counts its missing checks as failed, with the error's one-line reason;
+  submission's to forge. Each checked cell of the checkout's notebook declares its checks'
+  titles in order (its metadata, :func:`edu3d.course.nbtools.declared`; the committed
+  notebooks store no ``PASS`` lines, which would show a learner green lines before any
+  work): a record that is not the cell's next check is ignored, a check without a record
+  fails (one that printed a verdict anyway says so), and a cell that stops on an error
+  counts its missing checks as failed, with the error's one-line reason;
 * hints are tiered (concept, nudge, the answer's shape): each run counts every check's
   failures in edu3d's own state file, so grading a still-failing exercise again shows a
   closer hint; ``--hint-level N`` asks for tier N at once (:mod:`edu3d.course.autograde.hints`);
@@ -142,11 +144,10 @@ def checked_cells(nb) -> list[tuple[int, object]]:
             if nbtools.is_checked(c)]
 
 
-def committed_titles(cell) -> list[str]:
-    """The check titles a committed cell passes (the solutions' ``PASS`` lines)."""
-    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
-    return [ln[5:] for ln in text.splitlines() if ln.startswith("PASS ")]
+def declared_titles(cell) -> list[str]:
+    """The check titles a checked cell of the checkout's notebook declares, in order (never
+    what a run printed: that is the submission's to write)."""
+    return nbtools.declared(cell) or []
 
 
 def error_reason(output) -> str:
@@ -168,7 +169,7 @@ def printed(cell) -> list[str]:
 def score_cell(cell, titles: list[str], records: list[dict], earlier_error: str | None,
                earlier_stop: bool = False, silent: str | None = None) -> dict:
     """Verdicts of one executed checked cell: its ``records`` from the verdict channel
-    against its committed ``titles``. A cell the grader stopped (a timeout, a dead kernel)
+    against its declared ``titles``. A cell the grader stopped (a timeout, a dead kernel)
     blames the check that was running and says so for the checks after it; ``earlier_stop``:
     ``earlier_error`` stopped an earlier cell, and every failure here says so too;
     ``silent``: why the channel said nothing (the kernel never opened it)."""
@@ -231,7 +232,7 @@ def score(ran, committed, records: dict[int, list[dict]], silent: str | None = N
                     first = (cell.source.strip().splitlines() or [""])[0][:80]
                     earlier = f"(cell {i}: {first}) {earlier}"
             continue
-        cells.append({"cell": i, **score_cell(cell, committed_titles(committed.cells[i]),
+        cells.append({"cell": i, **score_cell(cell, declared_titles(committed.cells[i]),
                                               records.get(i, []), earlier, stop, silent)})
     checks = [c for cell in cells for c in cell["checks"]]
     return {"passed": sum(c["passed"] for c in checks), "total": len(checks),
@@ -275,7 +276,7 @@ def grade_one(ex: Exercise, *, solutions: bool = False, submission: Path | None 
         "no verdict reached the grader: the kernel never opened its verdict channel"
         + (f" ({channel.refused[0]})" if channel.refused else ""))
     if stopped:  # cells the kernel never ran fail with that reason, naming where it died
-        died = [score_cell(c, committed_titles(committed.cells[i]), records.get(i, []),
+        died = [score_cell(c, declared_titles(committed.cells[i]), records.get(i, []),
                            None)["running"]
                 for i, c in checked_cells(ran) if any(o.get("ename") == EXITED
                                                       for o in c.get("outputs", []))]
