@@ -24,7 +24,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     course/     ch00_launching_ranks ch00_launching_ranks_grade ch00_launching_ranks_text
                 ch01_collectives ch01_collectives_grade ch02_data_parallel
                 ch02_data_parallel_batching ch02_data_parallel_grade ch03_zero ch03_zero_grade
-                ch03_zero_reduce ch04_tensor_parallel ch04_tensor_parallel_grade
+                ch03_zero_reduce ch03_zero_hsdp ch04_tensor_parallel ch04_tensor_parallel_grade
                 ch05_pipeline_parallel ch05_pipeline_parallel_grade ch06_3d_parallelism
                 ch06_3d_parallelism_grade ch07_memory ch07_memory_fp8 ch07_memory_grade
                 ch07_memory_offload ch07_memory_plan ch07_memory_timeline ch07_memory_tune
@@ -54,7 +54,7 @@ folders listed below it; README's "How the package is organised" says the rules)
                                      the one place strategies compose; GradSync
       dp/       data_parallel buckets same_start step_guard compress
       zero/     units flat_unit gathering sharding reduction sharded_grads shard_optimizer
-                whole_tensors mixed_precision holdings zero_state
+                whole_tensors mixed_precision holdings zero_state hybrid
       tp/       ops layers apply activations
       pp/       engine stage
       cp/       zigzag attention sequence

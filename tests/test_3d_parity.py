@@ -27,6 +27,9 @@ LAYOUTS = {
     "dp2 zero2 pp2 gpipe": "--dp 2 --zero 2 --pp 2 --schedule gpipe --microbatches 4",
     "dp2 zero3 tp2": "--dp 2 --zero 3 --tp 2",
     "dp4 zero3 tp2": "--dp 4 --zero 3 --tp 2",
+    # HSDP: ZeRO-3 within two replica groups of 2 dp ranks, all-reduced across them
+    "dp4 zero3 tp2 sp hsdp2 m2 per-step": "--dp 4 --zero 3 --tp 2 --sp --hsdp 2 "
+                                          "--microbatches 2 --grad-reduce per-step",
     "tp2 sp pp2 interleaved vpp2": "--tp 2 --sp --pp 2 --vpp 2 --schedule interleaved "
                                    "--microbatches 4",
     "dp2 pp2 zb-h1": "--dp 2 --pp 2 --schedule zb-h1 --microbatches 4",

@@ -48,6 +48,13 @@ LAYOUTS = {
     "dp2 cp2 tp2": "--dp 2 --cp 2 --tp 2",
     "cp2 pp2": "--cp 2 --pp 2 --microbatches 2",
     "dp2 cp2 zero3 recompute": "--dp 2 --cp 2 --zero 3 --recompute selective",
+    # HSDP: ZeRO within replica groups (a group: the cp pair; dp4's dp/2 x cp), all-reduced
+    # across; the experts' shards within edp/2 ranks
+    "dp2 cp2 zero3 hsdp2 m2": "--dp 2 --cp 2 --zero 3 --hsdp 2 --microbatches 2",
+    "dp4 ep2 zero2 hsdp2 m2 per-step": f"{MOE} --dp 4 --ep 2 --zero 2 --hsdp 2 --microbatches 2 "
+                                       "--grad-reduce per-step",
+    "dp4 cp2 ep2 zero3 hsdp2": f"{MOE} --dp 4 --cp 2 --ep 2 --zero 3 --hsdp 2",
+    "dp4 pp2 zero1 hsdp2 tied m2": "--dp 4 --pp 2 --zero 1 --hsdp 2 --tie --microbatches 2",
     "cp2 ep2 capacity1": f"{MOE} --cp 2 --ep 2 --capacity-factor 1.0",
     # four axes with experts
     "dp2 cp2 tp2 ep2": f"{MOE} --dp 2 --cp 2 --tp 2 --ep 2",

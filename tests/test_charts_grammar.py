@@ -208,6 +208,17 @@ def _tp_panel():
     return config, tp_collectives_prediction(config, 2, 2, True)
 
 
+def _hsdp_rows():
+    """Chapter 03's HSDP rows, the run's readings as the formula's (R = 4 not run)."""
+    from edu3d.course import ch03_zero_hsdp
+
+    rows = ch03_zero_hsdp.table()
+    for row in rows[:2]:
+        row.update({f"{k}_measured": row[k] for k in ("shard", "replicate", "params", "grads",
+                                                       "optimizer")})
+    return rows
+
+
 def _tp_activations():
     config = tp_layer_config()
     return {(k, on): tp_activation_prediction(config, 2, k, on)
@@ -217,6 +228,7 @@ def _tp_activations():
 BUILDERS.update({
     "zero.zero_memory_figure": lambda m: m.zero_memory_figure(*_zero_panel()),
     "zero.zero_traffic_figure": lambda m: m.zero_traffic_figure(*_zero_panel()),
+    "zero.hsdp_figure": lambda m: m.hsdp_figure(_hsdp_rows(), 2),
     "tp_layer.tp_collectives_figure": lambda m: m.tp_collectives_figure(
         _tp_panel()[1], 2, True, _tp_panel()[1]),
     "tp_layer.tp_memory_figure": lambda m: m.tp_memory_figure(

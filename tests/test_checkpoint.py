@@ -324,6 +324,37 @@ def test_resume_bit_exact_dp2_zero3_and_pp2_interleaved(tmp_path):
         assert row["param_err"] == 0.0 and diff <= 1e-6
 
 
+def test_hsdp_checkpoint_writes_each_number_once_resumes_and_reshards(tmp_path):
+    """dp4 ZeRO-3 with ``--hsdp 2``: both replica groups hold the same shards and only the
+    first writes them (every number of the checkpoint once, ranks 2 and 3 none); it resumes
+    bit for bit, and loads into ZeRO-2 without HSDP and into one process exactly."""
+    from tests.workers_ckpt import resume_then_reshard
+
+    folder = str(tmp_path / "hsdp")
+    cases = [(M + "--dp 4 --zero 3 --hsdp 2 --global-batch 8".split(), folder)]
+    into = [M + "--dp 4 --zero 2 --global-batch 8".split(), M + ["--global-batch", "8"]]
+    out = launch(resume_then_reshard, 4, args=(cases, 3, 2, into), layout=Layout(dp=4),
+                 timeout=300, name="ckpt-hsdp", echo=False).results[0]
+    res = out["resume"][0]
+    assert res["resumed"] == res["full"]  # (step, loss, grad_norm, lr), bit for bit
+    manifest = checkpoint.read_manifest(folder, 2)
+    assert manifest["layout"]["hsdp"] == 2
+    written: dict = {}
+    for name, info in manifest["files"].items():
+        for p in info["pieces"]:
+            key = (p["name"], p["kind"])
+            written[key] = written.get(key, 0) + p["flat"][1] - p["flat"][0]
+            assert name in ("rank-00000.pt", "rank-00001.pt"), (name, key)  # the first group
+    full = {(n, k): t.numel() for n, t in full_state(folder, 2)[1].items()
+            for k in ("param", "exp_avg", "exp_avg_sq")}
+    assert written == full
+    for row in out["reshard"]:
+        diff = abs(row["loss"] - res["full"][2][1])
+        print(f"\ndp4 ZeRO-3 HSDP x2 -> {' '.join(row['argv'][len(M):])}: params "
+              f"{row['param_err']:.1e}, next loss differs by {diff:.1e}")
+        assert row["param_err"] == 0.0 and diff <= 1e-6
+
+
 def test_generate_greedy_same_tokens_serial_and_tp2(tmp_path, capsys):
     """edu3d generate serially (the CLI) and under tp 2 (launched): the same greedy tokens,
     and with the same seed the same samples."""

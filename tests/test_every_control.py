@@ -106,6 +106,7 @@ def panels() -> dict:
         "02 buckets": lambda: ch02_data_parallel.bucket_controls(
             {"bucket_mb": 0.1, "overlap": True}),
         "03 zero": lambda: ch03_zero.zero_controls(stage=3, n=4),
+        "03 hsdp": lambda: ch03_zero.hsdp_controls(replicas=2, stage=3),
         "04 tp": lambda: ch04_tensor_parallel.tp_controls(tp=2, kind="row", sp=True),
         "05 pipeline": lambda: ch05_pipeline_parallel.pipeline_controls(
             schedule="1f1b", pp=4, m=8),

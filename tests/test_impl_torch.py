@@ -104,6 +104,27 @@ def test_torch_layout_equals_serial(name):
     assert res["losses_torch"][-1] < res["losses_torch"][0]  # it trains
 
 
+# HSDP: FSDP2 on the 2-D mesh (dp_replicate, dp_shard), against serial and edu3d's own run
+HSDP = {"dp4 zero3 hsdp2 m2": "--dp 4 --zero 3 --hsdp 2 --microbatches 2",
+        "dp4 zero2 hsdp2 m2 per-step": "--dp 4 --zero 2 --hsdp 2 --microbatches 2 "
+                                       "--grad-reduce per-step"}
+
+
+def test_hsdp_on_fsdp2s_2d_mesh_equals_serial_and_edu3d():
+    """``--hsdp 2`` on dp4: ``fully_shard(mesh=mesh["dp_replicate", "dp_shard"])`` of
+    ``init_device_mesh(..., (pp, 2, 2, tp))`` equals the serial run, and its AdamW losses
+    edu3d's own HSDP run (shards within the groups, one all-reduce across per step)."""
+    run = launch(parity_many, 4, args=([a.split() for a in HSDP.values()], ADAMW_STEPS, True),
+                 timeout=300, name="impl-torch-hsdp")
+    for name, res in zip(HSDP, run.results[0]):
+        errs = {k: res[k] for k in ("grad_err", "sgd_norm_err", "sgd_loss2_err",
+                                    "adam_loss_err_serial", "adam_norm_err_serial",
+                                    "adam_loss_err_edu3d")}
+        print(f"\n{name}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        assert max(errs.values()) < TOL, errs
+        assert res["losses_torch"][-1] < res["losses_torch"][0]
+
+
 @pytest.mark.parametrize("argv,flag", [
     ("--dp 2 --compress fp16", "--compress"),
     ("--dp 2 --dp-impl naive", "--dp-impl"),
@@ -119,6 +140,7 @@ def test_torch_layout_equals_serial(name):
     ("--model gpt2-small --pp 2", "--tie"),
     ("--dp 2 --tp 2 --zero 1", "--zero 1"),
     ("--dp 2 --pp 2 --zero 1", "--zero 1"),
+    ("--dp 4 --zero 1 --hsdp 2", "--hsdp"),
 ])
 def test_unsupported_flag_is_named(argv, flag):
     args = parse(argv.split())
@@ -128,7 +150,7 @@ def test_unsupported_flag_is_named(argv, flag):
 
 
 def test_supported_layouts_pass_the_check():
-    for argv in LAYOUTS.values():
+    for argv in [*LAYOUTS.values(), *HSDP.values()]:
         args = parse(argv.split())
         assert unsupported(args) is None, argv
 

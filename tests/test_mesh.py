@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from edu3d.launch import launch
 from edu3d.config.layout import Layout, LayoutError
@@ -57,3 +58,40 @@ def test_live_groups_match_layout_and_device_mesh():
             assert live[rank][dim] == lay.group_of(rank, dim), (rank, dim)
         for dim in ("tp", "dp", "pp"):
             assert torch_groups[rank][dim] == lay.group_of(rank, dim), (rank, dim)
+
+
+@pytest.mark.parametrize("lay,r", [(Layout(dp=4, cp=2, tp=2, pp=2), 2), (Layout(dp=4, tp=2), 4),
+                                   (Layout(dp=8, cp=2, ep=4), 2),
+                                   (Layout(dp=6, cp=2, ep=2, tp=2), 3)])
+def test_hsdp_groups_are_torchtitans_mesh_and_megatrons_slices(lay, r):
+    """``--hsdp r``: the shard groups are torchtitan's ``dp_shard x cp`` of the mesh
+    ``(pp, dp_replicate, dp_shard, cp, tp)`` and Megatron's consecutive slices of each dp x cp
+    group (its partial distributed optimizer); the replicate groups join the same places of
+    the slices. Experts split their edp groups the same way (Megatron's expert groups)."""
+    s = lay.dp // r * lay.cp
+    grid = torch.arange(lay.world_size).reshape(lay.pp, r, lay.dp // r, lay.cp, lay.tp)
+    assert lay.groups("shard", r) == sorted(grid.permute(0, 1, 4, 2, 3).reshape(-1, s).tolist())
+    assert lay.groups("replicate", r) == sorted(grid.permute(0, 2, 3, 4, 1).reshape(-1, r)
+                                                .tolist())
+    assert lay.groups("shard", r) == sorted(g[i * s:(i + 1) * s] for g in lay.groups("dpcp")
+                                            for i in range(r))
+    e = lay.edp // r
+    assert lay.groups("eshard", r) == sorted(g[i * e:(i + 1) * e] for g in lay.groups("edp")
+                                             for i in range(r))
+    assert lay.groups("ereplicate", r) == sorted(g[i::e] for g in lay.groups("edp")
+                                                 for i in range(e))
+    assert lay.groups("shard") == lay.groups("dpcp")  # one replica group: plain ZeRO
+    for dim in ("shard", "replicate", "eshard", "ereplicate"):
+        assert sorted(sum(lay.groups(dim, r), [])) == list(range(lay.world_size))
+
+
+def test_hsdp_groups_of_the_docstring_and_their_refusals():
+    lay = Layout(dp=4)
+    assert lay.groups("shard", 2) == [[0, 1], [2, 3]]
+    assert lay.groups("replicate", 2) == [[0, 2], [1, 3]]
+    assert lay.group_of(3, "replicate", 2) == [1, 3]
+    with pytest.raises(LayoutError, match=r"--hsdp 3 must divide dp=4 .* choose --hsdp in 1, 2, 4"):
+        lay.groups("shard", 3)
+    with pytest.raises(LayoutError, match=r"--hsdp 2 must divide the 1 ranks holding the same "
+                                          r"experts .* choose --hsdp in 1 \(or a smaller --ep\)"):
+        Layout(dp=2, ep=2).hsdp_sizes(2)

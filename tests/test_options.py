@@ -123,6 +123,8 @@ COMPOSE = [
     ["--tp", "2", "--pp", "3", "--layers", "5", "--microbatches", "4"],
     ["--precision", "bf16", "--lr-schedule", "cosine", "--warmup", "10"],
     ["--precision", "fp16", "--dp", "2", "--tp", "2", "--pp", "2"],
+    ["--dp", "4", "--zero", "3", "--hsdp", "2", "--tp", "2", "--pp", "2"],
+    ["--dp", "4", "--zero", "1", "--hsdp", "2", "--experts", "4", "--ep", "2"],
 ]
 
 
@@ -165,6 +167,13 @@ def test_an_unknown_option_is_refused_with_the_valid_names():
     (["--grad-accum", "2", "--microbatches", "4"], "--grad-accum 2 and --microbatches 4 are "
                                                    "the same option"),
     (["--heads", "5"], "n_heads=5 does not divide d_model=64"),
+    (["--dp", "4", "--hsdp", "2"], "--hsdp 2 shards ZeRO's state within replica groups; plain "
+                                   "data parallelism (--zero 0)"),
+    (["--dp", "4", "--zero", "3", "--hsdp", "3"], "--hsdp 3 must divide dp=4 (replica groups "
+                                                  "of dp/hsdp shard ranks); choose --hsdp in "
+                                                  "1, 2, 4"),
+    (["--dp", "2", "--zero", "3", "--hsdp", "2", "--experts", "4", "--ep", "2"],
+     "--hsdp 2 must divide the 1 ranks holding the same experts"),
 ])
 def test_what_cannot_work_is_refused_with_what_would(argv, message):
     with pytest.raises(ValueError) as err:

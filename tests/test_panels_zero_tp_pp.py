@@ -13,7 +13,7 @@ from edu3d.course import ch04_tensor_parallel as ch04  # noqa: E402
 from edu3d.course import ch05_pipeline_parallel as ch05  # noqa: E402
 from edu3d.plan.formulas import zero_bytes  # noqa: E402
 from edu3d.schedules.simulate import bubble_formula  # noqa: E402
-from edu3d.widgets.panels.ch03_zero import zero_controls  # noqa: E402
+from edu3d.widgets.panels.ch03_zero import hsdp_controls, zero_controls  # noqa: E402
 from edu3d.widgets.panels.ch04_tensor_parallel import tp_controls  # noqa: E402
 from edu3d.widgets.panels.ch05_pipeline_parallel import pipeline_controls  # noqa: E402
 from edu3d.widgets.zero import zero_memory_figure, zero_traffic_figure  # noqa: E402
@@ -165,3 +165,40 @@ def test_zero_measurement_is_read_from_the_run_and_drawn_over_the_prediction():
     assert [t.name for t in fig.data if "measured" in t.name] == [
         f"{c} (measured, rank 0)" for c in ("params", "grads", "optimizer")]
     assert "measured 2.000Ψ" in _title(zero_traffic_figure(pred, got))
+
+
+def test_pipeline_panel_draws_the_v_schedules():
+    """ZBV and DualPipeV in chapter 05's panel: their own formula (p-1)/(6m+p-1) printed,
+    DualPipeV's m moved up to 2p, and a live run given one layer per stage of the V."""
+    ctl = pipeline_controls(schedule="zbv", pp=2, m=4)
+    assert ctl.message == "" and len(ctl.figures) == 2
+    assert f"formula {bubble_formula('zbv', 2, 4):.1%}" in _title(ctl.gantt_fig)
+    assert "(p-1)/(6m+p-1)" in ctl.bubble_fig.data[0].name
+    assert ctl.widget is not None  # builds the knobs
+    ctl._knobs["schedule"].value = "dualpipev"
+    ctl._knobs["pp"].value = 4  # DualPipeV needs m >= 2p = 8
+    assert ctl.state["m"] == 8 and "4 -> 8" in ctl.message and len(ctl.figures) == 2
+    assert ch05.pp_run_kwargs("dualpipev", 4, 8, 1)["layers"] == 8
+    ctl.redraw(vpp=2)  # chunks bring interleaving, as for the other schedules
+    assert ctl.state["schedule"] == "interleaved" and len(ctl.figures) == 2
+
+
+def test_hsdp_panel_predicts_bytes_per_group_and_draws_its_groups():
+    """Chapter 03's HSDP panel on 4 ranks: R = 1 is ZeRO over all 4 (nothing across), R = 4
+    plain data parallelism (nothing inside a one-rank group, the state whole), R = 2 in
+    between: ZeRO over 2 and one all-reduce of the half shard across; the cube's groups are
+    the layout's."""
+    ctl = hsdp_controls(replicas=2, stage=3)
+    one, two, four = ctl.rows
+    assert one["replicate"] == 0 and four["shard"] == 0
+    # ZeRO-3 sends 3Ψ(N-1)/N, an all-reduce 2Ψ(N-1)/N (4 bytes a value; padding apart)
+    assert one["shard"] == pytest.approx(1.5 * four["replicate"], rel=1e-3)
+    assert two["shard"] == 3 * two["replicate"]  # 3Ψ/2 inside; 2Ψ/2 of the Ψ/2 shard across
+    assert two["replicate"] == pytest.approx(four["replicate"] / 3, rel=1e-3)
+    assert one["params"] * 4 == pytest.approx(four["params"], rel=1e-3)
+    names = [t.name for t in ctl.mesh_fig.data]
+    assert "SHARD group 0: [0, 1]" in names and "REPLICATE group 1: [1, 3]" in names
+    assert ctl.widget is not None  # builds the knobs
+    ctl._knobs["replicas"].value = 4
+    assert "SHARD group 3: [3]" in [t.name for t in ctl.mesh_fig.data]
+    assert "<b>R = 4 ◀</b>" in ctl.bytes_fig.data[0].x[2]

@@ -180,3 +180,47 @@ def test_closed_form_is_the_paper_per_microbatch():
             got = zero_modes.state_bytes_per_rank(7.5e9, 64, zero, "per-microbatch", m, **MIXED)
             assert round(got["total"] / 1e9, 1) == want
             assert got["total"] == zero_bytes(7.5e9, 64, zero, **MIXED)["total"]
+
+
+def test_hsdp_holds_a_replica_groups_shards_and_splits_the_bytes(capsys):
+    """``--hsdp 8`` over the paper's 64 ranks: a rank holds ZeRO's state over the 8 ranks of
+    its replica group (what dp=8 without HSDP holds, to the byte: 15 GB at ZeRO-3, (4+K)Ψ/8),
+    and sends ZeRO's bytes over 8 plus one all-reduce of its gradient shard across the 8
+    groups, ``2(R-1)/R·2Ψ/8`` whatever the micro-batches; ``edu3d plan`` prints both."""
+    spec = _paper_spec()
+    for zero in (1, 2, 3):
+        for m in (1, 4):
+            hsdp = plan_memory.setup(dp=64, zero=zero, hsdp=8, microbatches=m, precision="bf16")
+            eight = plan_memory.setup(dp=8, zero=zero, microbatches=m, precision="bf16")
+            assert (plan_memory.estimate(spec, hsdp)["state_bytes"] ==
+                    plan_memory.estimate(spec, eight)["state_bytes"])
+            psi = plan_memory.held(spec, hsdp, 0)
+            got = zero_modes.hsdp_traffic(spec, hsdp)
+            assert got["shard"] == zero_modes.dp_wire_bytes(psi, 8, zero, "per-microbatch", m)
+            assert got["replicate"] == pytest.approx(2 * 7 / 8 * 2 * psi / 8)
+            sent = plan_search.traffic(spec, hsdp)  # edu3d plan's bytes by axis
+            assert (sent["dp"], sent["dp_replicate"]) == (got["shard"], got["replicate"])
+    assert round(_printed_state_gb(["--params", "7.5e9", "--vocab", str(VOCAB), "--dp", "64",
+                                    "--zero", "3", "--hsdp", "8"], capsys), 1) == 15.0
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--zero", "3", "--hsdp", "8"]) == 0
+    assert re.search(r"dp \S+ GB, dp_replicate \S+ GB", capsys.readouterr().out)
+    assert plan_main(["--params", "7.5e9", "--dp", "64", "--hsdp", "8"]) == 2
+    assert "hsdp=8 shards ZeRO's state in replica groups" in capsys.readouterr().err
+
+
+def test_hsdp_keeps_zero3_on_the_node_and_sends_less_across_nodes():
+    """64 GPUs in nodes of 8, ZeRO-3: plain, every gather and reduce-scatter spans 8 nodes;
+    with ``--hsdp 8`` they stay inside a node (NVLink) and only the all-reduce of the 1/8
+    gradient shard crosses the network, so the performance model's dp time falls, and the
+    optimizer steps a shard of 1/8 (not 1/64)."""
+    spec, cl = _paper_spec(), plan_search.Cluster(64)
+    flat = plan_memory.setup(dp=64, zero=3, microbatches=4, precision="bf16")
+    hsdp = flat.replace(hsdp=8)
+    t_flat, t_hsdp = (plan_search.step_time(spec, r, cl) for r in (flat, hsdp))
+    sent = plan_search.traffic(spec, hsdp)
+    assert sent["dp"] < plan_search.traffic(spec, flat)["dp"] and sent["dp_replicate"] > 0
+    print(f"\nZeRO-3 dp64 m4 on nodes of 8: dp {t_flat['dp']:.3f} s, optimizer "
+          f"{t_flat['optimizer']:.3f} s; HSDP x8: dp {t_hsdp['dp']:.3f} s, optimizer "
+          f"{t_hsdp['optimizer']:.3f} s; step {t_flat['total']:.2f} -> {t_hsdp['total']:.2f} s")
+    assert t_hsdp["dp"] < t_flat["dp"]
+    assert t_hsdp["optimizer"] > 4 * t_flat["optimizer"]  # a shard 8x larger (plus fixed costs)

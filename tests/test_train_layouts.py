@@ -103,6 +103,9 @@ def test_cli_stdout_is_rank0_records_only():
     (["--grad-accum", "2", "--microbatches", "4"], "are the same option"),
     (["--dp", "2", "--zero", "2", "--grad-reduce", "per-batch"], "invalid choice: 'per-batch'"),
     (["--dp", "2", "--pp", "2", "--zero", "2", "--impl", "torch"], "add --grad-reduce per-step"),
+    (["--dp", "4", "--hsdp", "2"], "--hsdp 2 shards ZeRO's state within replica groups"),
+    (["--dp", "4", "--zero", "3", "--hsdp", "3"], "--hsdp 3 must divide dp=4"),
+    (["--dp", "4", "--zero", "1", "--hsdp", "2", "--impl", "torch"], "--hsdp with --zero 1"),
 ])
 def test_bad_layouts_fail_before_any_process(argv, message, capsys, monkeypatch):
     """Through ``edu3d.cli.main`` in this process (a new interpreter per case would only add

@@ -13,7 +13,13 @@ FSDP2's) or once per step (Megatron's distributed optimizer), issue 26.
   equal one process, and ``no_sync()`` refuses per micro-batch at stages 2-3;
 * ``--impl torch`` maps the modes onto FSDP2's calls and equals serial in both;
 * a bad ``--grad-reduce`` is refused before any process starts, and so is per micro-batch
-  under ``--impl torch --pp`` (torch's pipelining reduces once per step).
+  under ``--impl torch --pp`` (torch's pipelining reduces once per step);
+* HSDP (``--hsdp 2`` on dp4: two replica groups of 2, in the 4-rank launch): both modes at
+  ZeRO-1, 2, 3 equal the serial step; the bytes each rank sends per step over its shard
+  group and across the groups (from the trace) equal
+  :func:`edu3d.plan.zero_modes.hsdp_wire_bytes` to the byte, and the peak memory by category
+  the planner's (shards of 1/2, not 1/4); ``Zero(model, shard_group,
+  replicate_group=...)`` in a user's loop equals one process.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import pytest
 
 from edu3d.commands.train import parse
 from edu3d.config.layout import Layout
+from edu3d.distributed.trace import wire_bytes
 from edu3d.launch import launch
+from edu3d.plan import estimate as plan_memory
+from edu3d.plan.zero_modes import hsdp_wire_bytes
 from edu3d.production.torch_check import unsupported
 from edu3d.parallel.zero.sharding import GRAD_REDUCE
 from edu3d.train.preflight import GRAD_REDUCE as OPTION_VALUES
 from tests.test_impl_torch import rounding_spread
-from tests.workers_3d import serial_key, serial_reference
+from tests.workers_3d import options, serial_key, serial_reference
 from tests.workers_zero_grad_reduce import library_cases, torch_cases, trainer_cases
 
 TOL = 1e-5
@@ -48,11 +57,18 @@ def _cases(prefix: str, base: str, ms: tuple) -> dict:
     return out
 
 
+HSDP = "--dp 4 --hsdp 2"  # two replica groups of two ranks: [0,1][2,3], across [0,2][1,3]
 PARITY = {2: _cases("dp2", "--dp 2", (1, 2, 4)),
-          4: _cases("dp2 pp2", "--dp 2 --pp 2", (2, 4))}
-MEASURE = {f"zero{s} m{m} {mode}": f"--dp 2 --zero {s} --microbatches {m} --grad-reduce {mode}"
-           .split() for s in (1, 2, 3) for m in (1, 2, 4) for mode in MODES
-           if s > 1 or m == 2}
+          4: {**_cases("dp2 pp2", "--dp 2 --pp 2", (2, 4)),
+              **{f"dp4 hsdp2 zero{s} m2 {mode}": f"{HSDP} --zero {s} --microbatches 2 "
+                 f"--grad-reduce {mode}".split() for s in (1, 2, 3) for mode in MODES
+                 if s > 1 or mode == "per-step"}}}
+MEASURE = {2: {f"zero{s} m{m} {mode}": f"--dp 2 --zero {s} --microbatches {m} --grad-reduce "
+               f"{mode}".split() for s in (1, 2, 3) for m in (1, 2, 4) for mode in MODES
+               if s > 1 or m == 2},
+           4: {f"hsdp2 zero{s} m{m} {mode}": f"{HSDP} --zero {s} --microbatches {m} "
+               f"--grad-reduce {mode}".split() for s in (2, 3) for m in (1, 2)
+               for mode in (MODES if m > 1 else MODES[:1])}}
 
 _SERIAL: dict = {}
 
@@ -66,13 +82,16 @@ def _serial(argv):
 
 # 4 ranks first: the 2-rank launches then run on its idle warm pool (edu3d.launch.warm)
 @functools.lru_cache(maxsize=None)
-def results(world: int) -> dict:
+def launched(world: int):
     cases = list(PARITY[world].items())
-    measure = list(MEASURE.items()) if world == 2 else []
     layout = Layout(dp=2, pp=world // 2)
-    run = launch(trainer_cases, world, args=(cases, [_serial(a) for _, a in cases], measure),
-                 layout=layout, timeout=300, name="grad-reduce", echo=False)
-    return run.results[0]
+    return launch(trainer_cases, world, args=(cases, [_serial(a) for _, a in cases],
+                                              list(MEASURE[world].items()), world == 4),
+                  layout=layout, timeout=400, name="grad-reduce", echo=False)
+
+
+def results(world: int) -> dict:
+    return launched(world).results[0]
 
 
 @pytest.mark.parametrize("world", [4, 2])
@@ -110,6 +129,44 @@ def test_records_show_each_modes_memory_and_bytes_on_the_wire():
                 assert wire["all_gather"] == gathers * ring
     one = {mode: res[f"zero1 m2 {mode}"] for mode in MODES}
     assert one["per-microbatch"] == one["per-step"]  # ZeRO-1 has no choice
+
+
+def test_hsdp_bytes_per_group_and_memory_equal_the_planners():
+    """dp4 with two replica groups of 2, one step (fp32: 4 bytes a value): every rank sends
+    ZeRO's bytes over its 2-rank shard group (m reduce-scatters or one, ZeRO-3's gathers)
+    and one all-reduce of its gradient shard across the groups, to the byte; its peak memory
+    is the planner's, whose shards are 1/2 of the flat units (not 1/4)."""
+    run = launched(4)
+    sent: dict = {}
+    for e in run.events():
+        if e["lane"] == "comm" and e.get("group") in ("shard", "replicate") and "case" in e:
+            key = (e["case"], e["rank"], e["group"])
+            sent[key] = sent.get(key, 0.0) + wire_bytes(e)
+    cats = ("params", "grads", "optimizer")
+    for name, argv in MEASURE[4].items():
+        stage, m, mode = int(name.split()[1][4:]), int(name.split()[2][1:]), name.split()[3]
+        for rank in range(4):
+            r = run.results[rank][name]
+            want = hsdp_wire_bytes(r["padded"], 2, 2, stage, mode, m, 4, 4)
+            got = {g: sent.get((name, rank, g), 0.0) for g in ("shard", "replicate")}
+            print(f"\n{name} rank {rank}: measured {got} formula {want}")
+            assert got == pytest.approx(want, abs=0.5), (name, rank)
+            assert want["replicate"] == 4 * r["shard"]  # 2(R-1)/R = 1 of the 4-byte shard
+        st = options(argv)
+        spec = plan_memory.spec_of(st)
+        planned = max((plan_memory.state_per_rank(spec, st, 0, i, at="peak") for i in range(4)),
+                      key=lambda d: sum(d.values()))
+        mem = run.results[0][name]["mem"]  # the fullest rank's, on every rank
+        assert {c: mem[c] for c in cats} == {c: planned[c] for c in cats}, name
+
+
+def test_hsdp_as_a_library_equals_one_process():
+    """``Zero(model, shard_group, stage, replicate_group=...)`` in a user's loop of 2
+    micro-batches on 4 ranks, AdamW and SGD with momentum, every stage and mode."""
+    lib = results(4)["hsdp library"]
+    assert len(lib) == 2 * 3 * 2, sorted(lib)
+    print(f"\nlargest |HSDP zero - one process|: {max(lib.values()):.1e}")
+    assert max(lib.values()) < LIB_TOL, {k: v for k, v in lib.items() if v >= LIB_TOL}
 
 
 def test_zero_as_a_library_marks_microbatches_in_either_mode():

@@ -1,6 +1,6 @@
 """Rank workers for tests/test_zero_grad_reduce.py: ZeRO-2/3 reducing per micro-batch or per
 step, through the trainer (parity, peak memory, bytes on the wire), as a library, and on
-FSDP2 (``--impl torch``).
+FSDP2 (``--impl torch``); with HSDP (``--hsdp``, ``Zero(..., replicate_group=)``) too.
 
 Imports inside functions: :func:`torch_cases` alone needs ``torch.distributed.pipelining``
 (through the torch bridge), which the other workers' ranks need not import."""
@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from edu3d.distributed import trace
+from edu3d.distributed.mesh import Mesh
+from edu3d.config.layout import Layout
 from edu3d.model.gpt import GPT
 from edu3d.parallel.zero.sharding import Zero
 from edu3d.train.data import SyntheticCorpus
@@ -19,57 +22,75 @@ from tests.workers_3d import options, parity
 from tests.workers_library_zero import OPTIMIZERS, LibModel, batch, groups
 
 
-def measured(mesh, argv: list[str]) -> dict:
-    """One AdamW step of ``argv``: the trainer's record figures (peak memory by category,
-    bytes sent per collective kind) and the unit sizes they follow from."""
+def on_layout(meshes: dict, argv: list[str]) -> Mesh:
+    """The mesh of ``argv``'s layout from ``meshes`` (by layout), built there the first time
+    (by every rank: ``new_group`` is collective)."""
+    layout = options(argv).layout
+    if layout not in meshes:
+        meshes[layout] = Mesh.build(layout)
+    return meshes[layout]
+
+
+def measured(mesh, argv: list[str], name: str = "") -> dict:
+    """One AdamW step of ``argv`` (traced as ``case=name``): the trainer's record figures
+    (peak memory by category, bytes sent per collective kind) and the unit sizes they
+    follow from."""
     args = options(argv)
     config = model_config(args)
     x, y = SyntheticCorpus(config.vocab_size, config.seq_len, seed=args.training.seed).batch(1, 8)
     trainer = Trainer(GPT(config, seed=args.training.seed), mesh, args)
-    trainer.step(x, y, 1)
+    with trace.current().context(case=name):
+        trainer.step(x, y, 1)
     stats = trainer.stats()
     zero = trainer.par.zero
-    return {"mem": stats["mem_bytes"], "wire": stats["wire_bytes"],
+    return {"mem": stats["mem_bytes"], "wire": stats["wire_bytes"], "coord": mesh.index("dp"),
             "padded": sum(u.padded for u in zero.units) if zero else 0,
             "numel": sum(u.numel for u in zero.units) if zero else 0,
             "shard": sum(u.shard_numel for u in zero.units) if zero else 0}
 
 
-def trainer_cases(mesh, parity_cases: list, refs: list, measure_cases: list) -> dict:
+def trainer_cases(mesh, parity_cases: list, refs: list, measure_cases: list,
+                  hsdp_library: bool = False) -> dict:
     """:func:`tests.workers_3d.parity` for each ``(name, argv)`` of ``parity_cases`` against
-    its serial reference, and :func:`measured` for each of ``measure_cases``."""
-    out = {name: parity(mesh, argv, ref) for (name, argv), ref in zip(parity_cases, refs,
-                                                                     strict=True)}
-    out.update({name: measured(mesh, argv) for name, argv in measure_cases})
+    its serial reference, :func:`measured` for each of ``measure_cases`` (each on a mesh of
+    its layout), and with ``hsdp_library`` :func:`library_hsdp`."""
+    meshes = {mesh.layout: mesh}
+    out = {name: parity(on_layout(meshes, argv), argv, ref)
+           for (name, argv), ref in zip(parity_cases, refs, strict=True)}
+    out.update({name: measured(on_layout(meshes, argv), argv, name)
+                for name, argv in measure_cases})
+    if hsdp_library:
+        out["hsdp library"] = library_hsdp()
     return out
 
 
 # ---- Zero as a library: the model's own micro-batch loop ----------------------------------
-def _reference(opt: str, m: int) -> dict:
+def _reference(opt: str, m: int, world: int = 2) -> dict:
     model = LibModel()
     model.use_extra = True
     cls, kw = OPTIMIZERS[opt]
     optimizer = cls(groups(model), **kw)
     for step in range(1, 4):
         optimizer.zero_grad()
-        for part in batch(step).chunk(2 * m):  # rank r's micro-batch i: rows of part r*m+i
-            (model(part) / (2 * m)).backward()
+        for part in batch(step).chunk(world * m):  # rank r's micro-batch i: part r*m+i
+            (model(part) / (world * m)).backward()
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _zero_run(stage: int, mode: str, opt: str, m: int) -> dict:
+def _zero_run(stage: int, mode: str, opt: str, m: int, group=None, replicate=None) -> dict:
     """Three steps of ``m`` micro-batches per rank, the user marking nothing per micro-batch
-    (per-microbatch) or every backward but the last inside ``no_sync()`` (per-step)."""
+    (per-microbatch) or every backward but the last inside ``no_sync()`` (per-step); sharded
+    over ``group`` (and with HSDP across ``replicate``), each rank its own rows."""
     model = LibModel()
     cls, kw = OPTIMIZERS[opt]
-    zero = Zero(model, None, stage, optimizer_class=cls, params=groups(model),
-                grad_reduce=mode, **kw)
-    rank = dist.get_rank()
+    zero = Zero(model, group, stage, optimizer_class=cls, params=groups(model),
+                grad_reduce=mode, replicate_group=replicate, **kw)
+    rank, world = dist.get_rank(), dist.get_world_size()
     sent = []
     for step in range(1, 4):
         zero.zero_grad()
-        parts = batch(step).chunk(2 * m)[rank * m:(rank + 1) * m]
+        parts = batch(step).chunk(world * m)[rank * m:(rank + 1) * m]
         for i, part in enumerate(parts):
             quiet = zero.no_sync() if mode == "per-step" and i < m - 1 else None
             if quiet is None:
@@ -112,6 +133,24 @@ def library_cases(mesh) -> dict:
         Zero(LibModel(), None, 2, grad_reduce="per-batch")
     except ValueError as err:
         out["bad_mode"] = str(err)
+    return out
+
+
+def library_hsdp() -> dict:
+    """``Zero(model, shard_group, replicate_group=...)`` on 4 ranks (2 replica groups of 2)
+    with the user's own loop of 2 micro-batches, every stage and mode: the largest
+    difference from one process, by case."""
+    mesh = Mesh.build(Layout(dp=4), hsdp=2)
+    shard, across = mesh.group("shard"), mesh.group("replicate")
+    out = {}
+    for opt in ("adamw", "sgd"):
+        ref = _reference(opt, 2, world=4)
+        for stage in (1, 2, 3):
+            for mode in ("per-microbatch", "per-step"):
+                got = _zero_run(stage, mode, opt, 2, shard, across)
+                out[f"zero{stage}/{mode}/{opt}"] = max(
+                    float((got["state"][k].double() - v.double()).abs().max())
+                    for k, v in ref.items())
     return out
 
 

@@ -8,7 +8,12 @@ After reading this file you should be able to look at a layout ``Layout(dp, tp, 
 * the groups along one dimension as coloured lines joining their members (each rank takes
   its group's colour): a TP, DP or PP group is a line along that axis, a model-parallel
   (MP = tp x pp) group is a plane at one dp coordinate. A dropdown switches between the
-  dimensions.
+  dimensions;
+* under HSDP (``hsdp=R`` replica groups) the dp coordinate splits in two: the y axis is the
+  rank's place inside its replica group (the *shard* coordinate) and the z axis stacks the
+  replica groups (inside each pipeline stage), so a **shard** group (ZeRO shards over it) is
+  a line along y and a **replicate** group (the ranks holding the same shard, which
+  all-reduce it) a line along z.
 
 The cube is drawn from a *report*: what each rank of a live run said about itself (its
 coordinates, and the members of each of its groups as proven by an all-gather over that
@@ -26,14 +31,22 @@ from edu3d.config.layout import Layout
 from edu3d.widgets import style
 
 DIMS = ("tp", "dp", "pp", "mp")
+HSDP_DIMS = ("shard", "replicate")
 DIM_NAMES = {"tp": "TP groups", "dp": "DP groups", "pp": "PP groups",
-             "mp": "MP groups (tp x pp)"}
+             "mp": "MP groups (tp x pp)", "shard": "HSDP shard groups",
+             "replicate": "HSDP replicate groups"}
 
 
-def predicted_report(layout: Layout) -> list[dict]:
-    """What :func:`edu3d.course.ch00_launching_ranks.mesh_report` would return on every rank, from the layout alone."""
+def dims_of(hsdp: int = 1, dim: str = "tp") -> tuple[str, ...]:
+    """The dimensions drawn: HSDP's two groups too under replica groups (or when asked)."""
+    return DIMS + (HSDP_DIMS if hsdp > 1 or dim in HSDP_DIMS else ())
+
+
+def predicted_report(layout: Layout, hsdp: int = 1, dims: tuple = DIMS) -> list[dict]:
+    """What :func:`edu3d.course.ch00_launching_ranks.mesh_report` would return on every rank,
+    from the layout alone (``dims``: the groups listed, under ``hsdp`` replica groups)."""
     return [{"rank": r, "coords": layout.coords(r)._asdict(),
-             "groups": {d: layout.group_of(r, d) for d in DIMS}}
+             "groups": {d: layout.group_of(r, d, hsdp) for d in dims}}
             for r in range(layout.world_size)]
 
 
@@ -42,26 +55,39 @@ def groups_from(report: list[dict], dim: str) -> list[list[int]]:
     return sorted({tuple(r["groups"][dim]) for r in report}, key=lambda g: (g[0], g))
 
 
-def agreement(layout: Layout, report: list[dict]) -> tuple[int, int]:
+def agreement(layout: Layout, report: list[dict], hsdp: int = 1,
+              dims: tuple = DIMS) -> tuple[int, int]:
     """(predicted groups whose every member reported exactly that group, groups predicted),
     over every dimension: equal numbers mean the live groups are exactly the formula's."""
     said = {r["rank"]: r["groups"] for r in report}
     same = total = 0
-    for d in DIMS:
-        for members in groups_from(predicted_report(layout), d):
+    for d in dims:
+        for members in groups_from(predicted_report(layout, hsdp, dims), d):
             total += 1
             same += all(list(said.get(m, {}).get(d, [])) == list(members) for m in members)
     return same, total
 
 
+def _neighbours(pa: tuple, pb: tuple, points: list[tuple]) -> bool:
+    """Whether ``pa`` and ``pb`` differ along one axis with no other point between them."""
+    axes = [k for k in range(3) if pa[k] != pb[k]]
+    if len(axes) != 1:
+        return False
+    k = axes[0]
+    lo, hi = sorted((pa[k], pb[k]))
+    return not any(lo < c[k] < hi and all(c[j] == pa[j] for j in range(3) if j != k)
+                   for c in points)
+
+
 def _edges(members: list[int], pos: dict) -> tuple[list, list, list]:
-    """Line segments between members one grid step apart (a line for 1D groups, a grid for
-    MP planes), separated by ``None`` so one trace draws them all."""
+    """Line segments between neighbouring members (a line for 1D groups, a grid for MP
+    planes), separated by ``None`` so one trace draws them all."""
     xs, ys, zs = [], [], []
+    points = [pos[m] for m in members]
     for i, a in enumerate(members):
         for b in members[i + 1:]:
             pa, pb = pos[a], pos[b]
-            if sum(abs(u - v) for u, v in zip(pa, pb)) == 1:
+            if _neighbours(pa, pb, points):
                 for p in (pa, pb):
                     xs.append(p[0])
                     ys.append(p[1])
@@ -81,37 +107,50 @@ def _takeaway(layout: Layout, dim: str) -> str:
     if dim == "pp":
         return (f"PP partners are {layout.tp * layout.dp} rank(s) apart (stride tp*dp): "
                 f"they pass activations stage to stage.")
+    if dim == "shard":
+        return "ZeRO shards within a replica group (y): gathers and reduce-scatters stay there."
+    if dim == "replicate":
+        return ("The ranks holding the same shard across the replica groups (z): one "
+                "all-reduce of the gradient shard per step.")
     return "An MP group holds one whole model replica: all tp x pp ranks with the same dp."
 
 
 def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = "tp",
-                title: str | None = None):
-    """The dp x tp x pp cube with its groups; ``dim`` is the dimension shown first.
+                title: str | None = None, hsdp: int = 1):
+    """The dp x tp x pp cube with its groups; ``dim`` is the dimension shown first; under
+    ``hsdp`` replica groups, the dp axis split into shard (y) and replica (z) coordinates.
 
     ``report``: per-rank dicts ``{"rank", "coords": {"pp","dp","tp"}, "groups": {"tp": [...],
     "dp": [...], "pp": [...], "mp": [...]}}`` as returned by a live run of
     :func:`edu3d.course.ch00_launching_ranks.mesh_report` (``RunResult.results``).
     """
-    if dim not in DIMS:
-        raise ValueError(f"dim {dim!r} must be one of {', '.join(DIMS)}")
+    dims = dims_of(hsdp, dim)
+    if dim not in dims:
+        raise ValueError(f"dim {dim!r} must be one of {', '.join(dims)}")
     live = report is not None
-    report = sorted(report if live else predicted_report(layout), key=lambda r: r["rank"])
+    report = sorted(report if live else predicted_report(layout, hsdp, dims),
+                    key=lambda r: r["rank"])
     if len(report) != layout.world_size:
         raise ValueError(f"the report has {len(report)} ranks but {layout} has "
                          f"{layout.world_size}; pass the results of a run with this layout")
-    pos = {r["rank"]: (r["coords"]["tp"], r["coords"]["dp"], r["coords"]["pp"]) for r in report}
+    shard = layout.hsdp_sizes(hsdp)[0] // layout.cp  # dp ranks of one replica group
+
+    def where(c: dict) -> tuple:  # (tp, shard coordinate, pp x replica group)
+        return c["tp"], c["dp"] % shard, c["pp"] * hsdp + c["dp"] // shard
+
+    pos = {r["rank"]: where(r["coords"]) for r in report}
 
     fig = go.Figure()
     owner, line_colors = [], []  # per group trace: its dimension and colour
     rank_colors = {}  # dim -> colour of each rank's group along dim (for the rank markers)
     size = max(8, 20 - 2 * max(layout.shape))
     if live:  # the prediction as grey rings around where each rank should sit
-        predicted = {p["rank"]: p for p in predicted_report(layout)}
-        for d in DIMS:
+        predicted = {p["rank"]: p for p in predicted_report(layout, hsdp, dims)}
+        rings = [where(p["coords"]) for p in predicted.values()]
+        for d in dims:
             fig.add_trace(go.Scatter3d(
-                x=[c.tp for c in map(layout.coords, predicted)],
-                y=[c.dp for c in map(layout.coords, predicted)],
-                z=[c.pp for c in map(layout.coords, predicted)], mode="markers",
+                x=[c[0] for c in rings], y=[c[1] for c in rings], z=[c[2] for c in rings],
+                mode="markers",
                 name="predicted (grey rings)",
                 marker={"symbol": "circle-open", "size": size + 14,
                         "color": style.rgba(style.GREY, 0.8), "line": {"width": 4}},
@@ -119,7 +158,7 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
                            for r, p in predicted.items()], hoverinfo="text", visible=d == dim))
             owner.append(d)
             line_colors.append(style.rgba(style.GREY, 0.8))
-    for d in DIMS:
+    for d in dims:
         rank_colors[d] = [None] * len(report)
         for i, members in enumerate(groups_from(report, d)):
             color = style.group_color(i)
@@ -134,7 +173,7 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
 
     hover = [f"<b>rank {r['rank']}</b><br>pp={r['coords']['pp']} dp={r['coords']['dp']} "
              f"tp={r['coords']['tp']}<br>" +
-             "<br>".join(f"{d.upper()} {r['groups'][d]}" for d in DIMS) for r in report]
+             "<br>".join(f"{d.upper()} {r['groups'][d]}" for d in dims) for r in report]
     fig.add_trace(go.Scatter3d(
         x=[pos[r["rank"]][0] for r in report], y=[pos[r["rank"]][1] for r in report],
         z=[pos[r["rank"]][2] for r in report], mode="markers",
@@ -145,13 +184,14 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
     owner.append(None)
 
     if live:
-        same, total = agreement(layout, report)
+        same, total = agreement(layout, report, hsdp, dims)
         source = (f"reported by the live ranks, {same} of {total} as predicted (grey rings)"
                   if same == total else f"reported by the live ranks: only {same} of {total} "
                   "as predicted (grey rings)")
     else:
         source = "predicted from the layout"
-    head = title or f"{layout.world_size} ranks as {layout}: groups {source}"
+    head = title or (f"{layout.world_size} ranks as {layout}"
+                     + (f", {hsdp} replica groups" if hsdp > 1 else "") + f": groups {source}")
 
     def view(d):
         visible = [o is None or o == d for o in owner]
@@ -163,11 +203,14 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
                          {"title.text": style.title_text(head, _takeaway(layout, d))}]}
 
     style.frame(fig, head, _takeaway(layout, dim), height=560)
-    axis = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}
+    split = hsdp > 1 or dim in HSDP_DIMS
+    axis = {"x": ("tp", layout.tp), "y": ("dp shard" if split else "dp", shard),
+            "z": ("pp x replica group" if split and layout.pp > 1 else
+                  "replica group" if split else "pp", layout.pp * hsdp)}
     fig.update_layout(
-        scene={name: {"title": {"text": f"{label} coordinate"},
-                      "tickvals": list(range(axis[label])), "range": [-0.4, axis[label] - 0.6]}
-               for name, label in (("xaxis", "tp"), ("yaxis", "dp"), ("zaxis", "pp"))}
+        scene={f"{a}axis": {"title": {"text": f"{label} coordinate"},
+                            "tickvals": list(range(n)), "range": [-0.4, n - 0.6]}
+               for a, (label, n) in axis.items()}
         # an eye direction parallel to no cube diagonal, so no two ranks hide each other
         | {"aspectmode": "cube",
            # rank numbers as scene annotations: drawn over the 3D scene, never hidden by it
@@ -175,8 +218,8 @@ def mesh_figure(layout: Layout, report: list[dict] | None = None, *, dim: str = 
                             "showarrow": False, "font": {"color": "white", "size": 13}}
                            for rank, p in pos.items()],
            "camera": {"eye": {"x": 2.0, "y": -1.0, "z": 0.6}}},
-        updatemenus=[{"type": "dropdown", "buttons": [view(d) for d in DIMS],
-                      "active": DIMS.index(dim), "x": 0.0, "xanchor": "left",
+        updatemenus=[{"type": "dropdown", "buttons": [view(d) for d in dims],
+                      "active": dims.index(dim), "x": 0.0, "xanchor": "left",
                       "y": 1.0, "yanchor": "top"}],
         legend={"title": {"text": "groups"}},
     )

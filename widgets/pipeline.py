@@ -12,7 +12,9 @@ After reading this file you should know how to read the course's pipeline pictur
   (:func:`edu3d.schedules.simulate.simulate`) with the *measured* mean cost of each action,
   so any gap between ghost and bars is what the theory leaves out (message latency, Python
   overhead, an uneven stage);
-* the title prints the bubble fraction measured next to the formula ``(p-1)/(v·m+p-1)``;
+* the title prints the bubble fraction measured next to the formula ``(p-1)/(v·m+p-1)``
+  (:func:`formula_label`; the V-shaped ZBV and DualPipeV: ``(p-1)/(6m+p-1)`` with
+  ``F = I = W`` per chunk);
 * under the lanes, a strip per rank shows the bytes of activations held (measured by the
   engine): GPipe's grows to m micro-batches, 1F1B's stays at most p.
 
@@ -36,6 +38,12 @@ from edu3d.widgets import style
 from edu3d.widgets.timeline import add_bars, idle_gaps, lanes, step_events
 
 _COMPUTE = ("F", "B", "I", "W")
+
+
+def formula_label(name: str) -> str:
+    """The bubble formula a schedule's pictures print (ZB-H1 has none: 1F1B's is shown)."""
+    return {"interleaved": "(p-1)/(v·m+p-1)", "zbv": "(p-1)/(6m+p-1)",
+            "dualpipev": "(p-1)/(6m+p-1)"}.get(name, "(p-1)/(m+p-1)")
 
 
 def measured_costs(events: list[dict]) -> Costs:
@@ -110,7 +118,7 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
         vpp = run.get("vpp", 1)
         ghost = theory(run["name"], run["pp"], run["m"], vpp, evs).events
         measured, formula = bubble_of(evs), bubble_formula(run["name"], run["pp"], run["m"], vpp)
-        label = ("(p-1)/(v·m+p-1)" if run["name"] == "interleaved" else "(p-1)/(m+p-1)")
+        label = formula_label(run["name"])
         titles.append(f"{run['name']}  p={run['pp']} m={run['m']}"
                       + (f" v={vpp}" if vpp > 1 else "")
                       + f": bubble measured {measured:.1%}, "
@@ -128,7 +136,7 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
     row = 1
     for k, (evs, ghost, pp, vpp) in enumerate(rows):
         ranks = list(range(pp))
-        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=(k == 0), vpp=vpp)
+        where = add_schedule(fig, evs, ghost, row, ranks, show_legend=True, vpp=vpp)
         fig.update_yaxes(tickvals=where.tickvals, ticktext=where.ticktext,
                          range=where.extent[::-1], showgrid=False, zeroline=False,
                          row=row, col=1)
@@ -137,6 +145,12 @@ def compare_figure(runs: list[dict], *, title: str = "Pipeline schedules, measur
             _memory_strip(fig, evs, row, ranks, show_legend=(k == 0))
             fig.update_yaxes(title_text="MiB", rangemode="tozero", nticks=3, row=row, col=1)
             row += 1
+    named = set()  # each operation once in the legend, where it first appears (a V's I, W)
+    for trace in fig.data:
+        if trace.legendgroup in named:
+            trace.showlegend = False
+        elif trace.showlegend is not False:
+            named.add(trace.legendgroup)
     style.frame(fig, title, takeaway or "Bars: measured; translucent: the schedule simulated "
                 "with the measured costs; hatched: idle (the bubble).",
                 height=max(360, int(170 * sum(heights))) + 120)
@@ -217,8 +231,7 @@ def bubble_figure(curve: dict, schedule: str, pp: int, m: int, vpp: int = 1,
     simulation (markers), the chosen m ringed, and a run's measured bubble. ``curve`` is
     :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve`'s (``p2p``: a message's cost
     in forwards of 1 ms)."""
-    label = ("(p-1)/(v·m+p-1)" if schedule == "interleaved" else "(p-1)/(m+p-1)"
-             + (", 1F1B's" if schedule == "zb-h1" else ""))
+    label = formula_label(schedule) + (", 1F1B's" if schedule == "zb-h1" else "")
     p2p = curve.get("p2p", 0.0)
     fig = go.Figure([
         go.Scatter(x=curve["m"], y=curve["formula"], mode="lines", name=f"formula {label}",

@@ -16,12 +16,16 @@ After reading this file you should be able to read three pictures:
 * :func:`zero_memory_figure` and :func:`zero_traffic_figure` — the chapter panel's bars for
   all four stages at N ranks: memory per rank (the paper's formula as a ghost, the planner's
   exact count solid) and traffic per step (2Ψ, 3Ψ), the chosen stage marked, a run's
-  measurement beside it.
+  measurement beside it;
+* :func:`hsdp_figure` — HSDP (``--hsdp R``) on N ranks for each R: the bytes a rank sends per
+  step inside its replica group and across the groups (the formula's as ghosts, a run's
+  solid) and the state it holds (shards of ``1/(N/R)``), the chosen R marked.
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from edu3d.plan.formulas import zero_bytes
 from edu3d.widgets import style
@@ -214,4 +218,48 @@ def zero_traffic_figure(pred: dict, measured: dict | None = None):
     style.frame(fig, f"Traffic per rank per step, Ψ = {psi:,} parameters x 4 bytes", line,
                 x="ZeRO stage (◀ = chosen)", y="bytes per step (MB)", height=360)
     fig.update_yaxes(range=[0, max(pred["traffic"].values()) / MB * 1.25])
+    return fig
+
+
+HSDP_GROUPS = {"shard": ("inside a replica group", style.OLIVE),
+               "replicate": ("across the groups", style.PURPLE)}
+
+
+def hsdp_figure(rows: list[dict], chosen: int | None = None):
+    """HSDP on N ranks, one column per R: bytes one rank sends per step by group (left) and
+    the state it holds (right). ``rows``: :func:`edu3d.course.ch03_zero_hsdp.table`'s (the
+    formula's ``shard``, ``replicate``, ``params``...; a run's ``*_measured`` where run)."""
+    n = rows[0]["R"] * rows[0]["S"]
+    x = [f"<b>R = {r['R']} ◀</b><br>{r['R']} x {r['S']}" if r["R"] == chosen
+         else f"R = {r['R']}<br>{r['R']} x {r['S']}" for r in rows]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        "bytes sent per rank and step, by group", "training state held per rank"))
+    for g, (label, color) in HSDP_GROUPS.items():
+        fig.add_bar(x=x, y=[r[g] / MB for r in rows], name=f"{label}, formula",
+                    marker=style.estimate_marker(color), offsetgroup=f"{g}-formula",
+                    row=1, col=1)
+        got = [r.get(f"{g}_measured") for r in rows]
+        if any(v is not None for v in got):
+            fig.add_bar(x=x, y=[None if v is None else v / MB for v in got],
+                        name=f"{label}, measured", marker_color=color,
+                        offsetgroup=f"{g}-measured", row=1, col=1)
+    state = {"planner": [sum(r[c] for c in CATS) for r in rows],
+             "measured": [sum(r[f"{c}_measured"] for c in CATS) if "params_measured" in r
+                          else None for r in rows]}
+    for src, vals in state.items():
+        if any(v is not None for v in vals):
+            fig.add_bar(x=x, y=[None if v is None else v / MB for v in vals],
+                        name=f"params + grads + optimizer, {src}",
+                        marker=(style.estimate_marker(style.BLUE) if src == "planner" else
+                                {"color": style.BLUE}), offsetgroup=src, row=1, col=2)
+    done = [r for r in rows if "shard_measured" in r]
+    line = (f"{len(done)} runs measured; bytes per group equal the formula's to the byte in "
+            f"{sum(all(r[f'{g}_measured'] == r[g] for g in HSDP_GROUPS) for r in done)}"
+            if done else "the formula (ghosts); 'run it' measures")
+    style.frame(fig, f"HSDP on {n} ranks: R replica groups of N/R shards (ZeRO-"
+                f"{rows[0].get('zero', 3)})", line, height=420)
+    fig.update_layout(barmode="group", margin={"t": 130})  # room for the panels' titles
+    fig.update_xaxes(title_text="replica groups R (R x shards)")
+    fig.update_yaxes(title_text="sent per step (MB)", row=1, col=1)
+    fig.update_yaxes(title_text="held (MB)", row=1, col=2)
     return fig

@@ -183,10 +183,13 @@ class Checkpointer:
 
     def layout(self) -> dict:
         layout, run = self.trainer.mesh.layout, self.trainer.run
-        return {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
-                "zero": run.parallel.zero, "schedule": run.parallel.schedule,
-                "microbatches": run.microbatches,
-                "world_size": layout.world_size}
+        out = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+               "zero": run.parallel.zero, "schedule": run.parallel.schedule,
+               "microbatches": run.microbatches,
+               "world_size": layout.world_size}
+        if run.parallel.hsdp > 1:  # HSDP: the first replica group wrote the shards
+            out["hsdp"] = run.parallel.hsdp
+        return out
 
     def write(self, job: dict) -> None:
         """Write this rank's file and receipt; rank 0 then writes the manifest."""

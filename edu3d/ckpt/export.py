@@ -122,7 +122,9 @@ def describe(ckpt_dir, step: int | None = None, check: bool = True) -> tuple[str
     m = read_manifest(root, step if step is not None else good[-1])
     lay = m["layout"]
     lines.append(f"step {m['step']} written by dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
-                 f" vpp={lay['vpp']} zero={lay.get('zero')} ({lay['world_size']} ranks); model "
+                 f" vpp={lay['vpp']} zero={lay.get('zero')}"
+                 + (f" hsdp={lay['hsdp']}" if lay.get("hsdp", 1) != 1 else "")
+                 + f" ({lay['world_size']} ranks); model "
                  + " ".join(f"{k}={v}" for k, v in m["config"].items()))
     lines.append(f"optimizer {m['options']['optimizer']}, {m['optimizer_step']} updates; "
                  f"{len(m['records'])} records kept; {m['data_position']}")

@@ -96,6 +96,8 @@ def add_arguments(parser):
     lay.add_argument("--cp-impl", choices=CP_IMPLS, default="ring",
                      help="context parallelism: ring attention, all-gathered K/V, or Ulysses")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
+    lay.add_argument("--hsdp", type=between(1, MAX_GPUS), default=1,
+                     help="HSDP replica groups: ZeRO shards within dp*cp/HSDP ranks")
     lay.add_argument("--grad-reduce", choices=zero_modes.GRAD_REDUCE,
                      default=zero_modes.DEFAULT,
                      help="ZeRO-2/3 over micro-batches: reduce-scatter every micro-batch and "
@@ -194,7 +196,7 @@ def setup_from_args(args) -> tuple[ModelSpec, Run]:
                micro_batch=b, schedule=args.schedule, sp=args.sp, recompute=args.recompute,
                precision=precision, optimizer=args.optimizer, ep=args.ep or 1,
                cp=args.cp or 1, cp_impl=args.cp_impl, grad_reduce=args.grad_reduce,
-               freeze=args.freeze or ())
+               freeze=args.freeze or (), hsdp=args.hsdp)
     validate(spec, st)
     return spec, st
 
@@ -222,6 +224,7 @@ def describe(spec: ModelSpec, st: Run) -> str:
             + f" tp={st.layout.tp} pp={st.layout.pp}" + (f" vpp={st.layout.vpp}" if st.layout.vpp > 1 else "")
             + (f" ep={st.layout.ep}" if st.layout.ep > 1 else "")
             + f" ZeRO-{st.parallel.zero}" + (f" {st.parallel.grad_reduce}" if st.parallel.zero >= 2 else "")
+            + (f" HSDP x{st.parallel.hsdp}" if st.parallel.hsdp > 1 else "")
             + f", {st.microbatches} micro-batch(es) of {st.micro_batch} x "
             f"{spec.seq_len} tokens, {st.parallel.schedule}, recompute {st.memory.recompute}, {st.precision.dtype} "
             f"({pb}+{gb}+{ob} bytes/param)" + (", SP" if st.parallel.sp else ""))

@@ -175,10 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="--fp8-recipe delayed: steps of amax history" + D)
     par = parser.add_argument_group("parallelism (ranks = dp * cp * tp * pp, launched with "
                                     "torchrun)")
-    par.add_argument("--dp", type=ranks, default=1,
-                     help="data-parallel degree" + D)
-    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
-                     help="ZeRO stage over the data-parallel group" + D)
+    par.add_argument("--dp", type=ranks, default=1, help="data-parallel degree" + D)
+    par.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage" + D)
+    par.add_argument("--hsdp", type=ranks, default=1, help="HSDP replica groups: ZeRO shards "
+                     "within dp*cp/HSDP ranks, all-reduces across groups (needs --zero)" + D)
     par.add_argument("--microbatches", type=integer(1, POSITIVE, WIDE), default=None,
                      help="micro-batches per step, for every layout: without --pp this is "
                           "gradient accumulation (default: 1, or pp with --pp); with --experts "

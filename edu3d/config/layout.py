@@ -16,7 +16,19 @@ After reading this file you should understand:
   gradients are averaged over ``dpcp`` (all ``dp x cp`` ranks), expert ones over ``edp``;
 * a *group* along a dimension is the set of ranks that differ only in that coordinate. With
   tp=dp=pp=2 (8 ranks): TP groups [0,1][2,3][4,5][6,7], DP groups [0,2][1,3][4,6][5,7],
-  PP groups [0,4][1,5][2,6][3,7].
+  PP groups [0,4][1,5][2,6][3,7];
+* **HSDP** (hybrid sharding, ``--hsdp R``) cuts the dp coordinate in two: ``dp = R x dp/R``,
+  the shard coordinate ``dp % (dp/R)`` faster, the replica coordinate ``dp // (dp/R)``
+  slower, so the order reads ``tp-cp-dp_shard-dp_replicate-pp``: torchtitan's mesh
+  ``(pp, dp_replicate, dp_shard, cp, tp)`` and Megatron's partial distributed optimizer
+  (``num_distributed_optimizer_instances``), whose groups are consecutive slices of each
+  ``dp-cp`` group. A **shard** group is one slice: ``S = dp·cp/R`` consecutive ``e`` (the
+  ``dp/R`` shard ranks times every cp rank, torchtitan's ``dp_shard_cp``), over which ZeRO
+  shards; a **replicate** group joins the ranks at the same place of each slice (R of
+  them), which hold the same shard and all-reduce it. Experts split their ``edp`` group
+  the same way (``eshard``: consecutive slices of ``edp/R``, ``ereplicate`` across them, as
+  Megatron's expert groups). With dp=4 (and nothing else): shard groups [0,1][2,3],
+  replicate groups [0,2][1,3].
 
 This is arithmetic on integers, with no torch and no process: a layout is checked, and its
 groups listed, before any rank starts (the planner weighs a million layouts this way).
@@ -31,7 +43,8 @@ from typing import Any, NamedTuple
 
 DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
 # the groups a layout can name: the mesh's own dimensions, and the ones derived from them
-GROUP_NAMES = DIMS + ("mp", "embed", "dpcp", "ep", "edp", "world")
+HSDP_GROUPS = ("shard", "replicate", "eshard", "ereplicate")  # --hsdp R's, see above
+GROUP_NAMES = DIMS + ("mp", "embed", "dpcp", "ep", "edp", "world") + HSDP_GROUPS
 
 
 class LayoutError(ValueError):
@@ -95,6 +108,23 @@ class Layout:
     def edp(self) -> int:
         """Ranks holding the same experts: the expert-data-parallel degree ``dp*cp/ep``."""
         return self.dp * self.cp // self.ep
+
+    def hsdp_sizes(self, hsdp: int, zero: int = 3) -> tuple[int, int]:
+        """``(S, E)``: the ranks of one replica group under ``--hsdp hsdp``, dense (``dp·cp/R``)
+        and expert (``edp/R``). Raises :class:`LayoutError` where ``hsdp`` does not divide
+        ``dp`` (or, with expert parallelism, ``edp``), or replicas come without ZeRO."""
+        if hsdp != 1 and not zero:
+            raise LayoutError(f"hsdp={hsdp} shards ZeRO's state in replica groups; add zero 1-3")
+        if not isinstance(hsdp, int) or isinstance(hsdp, bool) or hsdp < 1 or self.dp % hsdp:
+            ok = ", ".join(str(d) for d in divisors(self.dp))
+            raise LayoutError(f"--hsdp {hsdp!r} must divide dp={self.dp} (replica groups of "
+                              f"dp/hsdp shard ranks); choose --hsdp in {ok}")
+        if self.ep > 1 and self.edp % hsdp:
+            ok = ", ".join(str(d) for d in divisors(self.edp) if self.dp % d == 0)
+            raise LayoutError(f"--hsdp {hsdp} must divide the {self.edp} ranks holding the same "
+                              f"experts (dp*cp/ep), whose ZeRO shards split the same way; "
+                              f"choose --hsdp in {ok} (or a smaller --ep)")
+        return self.dp * self.cp // hsdp, self.edp // hsdp
 
     def __str__(self) -> str:
         s = f"dp={self.dp} tp={self.tp} pp={self.pp}"
@@ -167,27 +197,31 @@ class Layout:
                 raise LayoutError(f"{name} coordinate {value} is outside 0..{size - 1} for {self}")
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
-    def groups(self, dim: str) -> list[list[int]]:
+    def groups(self, dim: str, hsdp: int = 1) -> list[list[int]]:
         """All groups along ``dim``: 'tp', 'cp', 'dp', 'pp'; 'mp' (tp x pp: the ranks holding
         distinct pieces of one model replica), 'embed' (the first and last pipeline stage,
         which share a tied embedding), 'dpcp' (dp x cp: every rank of a dense gradient's
-        average), 'ep' and 'edp' (expert parallelism's groups, see the module docstring) or
-        'world'.
+        average), 'ep' and 'edp' (expert parallelism's groups, see the module docstring),
+        'world', or HSDP's 'shard', 'replicate', 'eshard' and 'ereplicate' under ``hsdp``
+        replica groups (module docstring; with ``hsdp=1`` a shard group is a dpcp group).
 
         Each group lists ranks in increasing order; groups are sorted by their first rank.
         """
         if dim == "world":
             return [list(range(self.world_size))]
-        if dim in ("mp", "embed", "dpcp", "ep", "edp"):
+        if dim in ("mp", "embed", "dpcp", "ep", "edp") + HSDP_GROUPS:
+            s, es = self.hsdp_sizes(hsdp) if dim in HSDP_GROUPS else (1, 1)
             out: dict = {}
             for r in range(self.world_size):
                 c = self.coords_all(r)
                 e = c["cp"] + self.cp * c["dp"]  # the rank's place among the dp x cp ranks
-                pp, tp = c["pp"], c["tp"]
+                pp, tp, x = c["pp"], c["tp"], e // self.ep  # x: its place in its edp group
                 key = {"mp": (c["dp"], c["cp"]), "dpcp": (pp, tp),
                        "ep": (pp, tp, e // self.ep), "edp": (pp, tp, e % self.ep),
-                       "embed": (c["dp"], c["cp"], tp, pp if 0 < pp < self.pp - 1 else -1)
-                       }[dim]
+                       "embed": (c["dp"], c["cp"], tp, pp if 0 < pp < self.pp - 1 else -1),
+                       "shard": (pp, tp, e // s), "replicate": (pp, tp, e % s),
+                       "eshard": (pp, tp, e % self.ep, x // es),
+                       "ereplicate": (pp, tp, e % self.ep, x % es)}[dim]
                 out.setdefault(key, []).append(r)
             groups = sorted(out.values())
             if dim == "embed":  # first and last stage only; middle stages hold no copy
@@ -203,6 +237,6 @@ class Layout:
             out.setdefault(key, []).append(r)
         return sorted(out.values())
 
-    def group_of(self, rank: int, dim: str) -> list[int]:
-        """The group along ``dim`` that contains ``rank``."""
-        return next(g for g in self.groups(dim) if rank in g)
+    def group_of(self, rank: int, dim: str, hsdp: int = 1) -> list[int]:
+        """The group along ``dim`` (under ``hsdp`` replica groups) that contains ``rank``."""
+        return next(g for g in self.groups(dim, hsdp) if rank in g)

@@ -78,6 +78,7 @@ class Parallel:
     """How each axis of the layout does its work."""
 
     zero: int = 0
+    hsdp: int = 1  # replica groups: ZeRO shards within dp*cp/hsdp ranks, all-reduces across
     grad_reduce: str = "per-microbatch"  # or "per-step": ZeRO-2/3 only (ZeRO-1, DDP: per step)
     dp_impl: str = "bucketed"  # or "naive", "flat", "overlap"
     bucket_mb: float = 25.0

@@ -172,7 +172,7 @@ def run_timed(mesh, runs: list[dict], *, f_ms: float = 4.0, b_ms: float = 8.0,
 
 
 # ---- the chapter's panel ------------------------------------------------------------------------
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
 
 def pp_problem(schedule: str, pp: int, m: int, vpp: int) -> str | None:
@@ -184,7 +184,8 @@ def pp_problem(schedule: str, pp: int, m: int, vpp: int) -> str | None:
         return "pp, micro-batches and vpp must be at least 1"
     if vpp > 1 and schedule != "interleaved":
         return (f"vpp = {vpp} chunks per rank needs the interleaved schedule: {schedule} "
-                "runs one chunk per rank (set vpp = 1, or choose interleaved)")
+                f"runs {chunks(schedule, 1)} chunk(s) per rank, its own (set vpp = 1, or "
+                "choose interleaved)")
     if schedule == "interleaved" and vpp == 1:
         return ("interleaved with vpp = 1 is plain 1F1B: give each rank at least 2 chunks "
                 "(vpp >= 2)")
@@ -211,9 +212,9 @@ def pp_run_problem(schedule: str, pp: int, m: int, vpp: int, max_ranks: int = 8)
 
 def pp_run_kwargs(schedule: str, pp: int, m: int, vpp: int, steps: int = 2) -> dict:
     """Options of :func:`edu3d.course.ch05_pipeline_parallel.run_schedules` for one schedule: one layer per
-    global stage (at least 4), chapter 05's sizes (d = 128, s = 64, 2 rows per micro-batch),
+    global stage (at least 4; a V-shaped schedule has two per rank), chapter 05's sizes (d = 128, s = 64, 2 rows per micro-batch),
     so compute, not message overhead, fills most of a step."""
-    return {"layers": max(4, pp * vpp), "d_model": 128, "seq": 64, "rows": 2, "steps": steps}
+    return {"layers": max(4, pp * chunks(schedule, vpp)), "d_model": 128, "seq": 64, "rows": 2, "steps": steps}
 
 
 @lru_cache(maxsize=256)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edu3d.config.layout import Coord, Layout
+from edu3d.config.layout import HSDP_GROUPS, Coord, Layout
+
 
 @dataclass
 class Mesh:
@@ -23,15 +24,17 @@ class Mesh:
     Build it with :meth:`Mesh.build` after ``dist.init_process_group`` (see
     :func:`edu3d.distributed.runtime.init`). ``mesh.tp``, ``mesh.dp``, ``mesh.pp`` and ``mesh.mp`` are
     this rank's ``ProcessGroup`` objects; ``mesh.coord`` its coordinates; ``mesh.ranks(dim)``
-    the global ranks of its group along ``dim``.
+    the global ranks of its group along ``dim``. Under HSDP (``hsdp`` replica groups,
+    :meth:`add_hsdp`) ``mesh.group("shard")`` and ``mesh.group("replicate")`` too.
     """
 
     layout: Layout
     rank: int
     groups: dict = field(default_factory=dict, repr=False)
+    hsdp: int = 1  # replica groups the "shard"/"replicate" groups were built for
 
     @classmethod
-    def build(cls, layout: Layout, rank: int | None = None) -> "Mesh":
+    def build(cls, layout: Layout, rank: int | None = None, hsdp: int = 1) -> "Mesh":
         import torch.distributed as dist
 
         world = dist.get_world_size()
@@ -50,14 +53,16 @@ class Mesh:
                     mine[dim] = pg
         if len(dims) == 4:  # no cp, no ep: the dense and expert averages are dp's
             mine["dpcp"] = mine["edp"] = mine["dp"]
-        return cls(layout, rank, mine)
+        mesh = cls(layout, rank, mine)
+        mesh.add_hsdp(hsdp)
+        return mesh
 
     @property
     def coord(self) -> Coord:
         return self.layout.coords(self.rank)
 
     def ranks(self, dim: str) -> list[int]:
-        return self.layout.group_of(self.rank, dim)
+        return self.layout.group_of(self.rank, dim, self.hsdp)
 
     def size(self, dim: str) -> int:
         return len(self.ranks(dim))
@@ -77,10 +82,25 @@ class Mesh:
         if dim in self.groups:
             return
         self.groups[dim] = None
-        for ranks in self.layout.groups(dim):
+        for ranks in self.layout.groups(dim, self.hsdp):
             pg = dist.new_group(list(ranks), group_desc=dim)
             if self.rank in ranks:
                 self.groups[dim] = pg
+
+    def add_hsdp(self, replicas: int) -> None:
+        """HSDP's groups for ``replicas`` replica groups (every rank must call, in the same
+        order): ``shard`` (the ``dp·cp/replicas`` ranks one ZeRO shards over) and
+        ``replicate`` (the ranks holding the same shard), and the experts' ``eshard`` and
+        ``ereplicate`` under expert parallelism (:meth:`Layout.groups
+        <edu3d.config.layout.Layout.groups>`). With one replica group there is nothing to
+        build: ZeRO shards over ``dpcp``. Built again when ``replicas`` changes."""
+        if replicas == 1 or (replicas == self.hsdp and "shard" in self.groups):
+            return
+        self.layout.hsdp_sizes(replicas)  # a LayoutError before any group is made
+        self.hsdp = replicas
+        for dim in HSDP_GROUPS[:2] + (HSDP_GROUPS[2:] if self.layout.ep > 1 else ()):
+            self.groups.pop(dim, None)
+            self.add_groups(dim)
 
     def release(self) -> None:
         """Drop the process groups (before ``destroy_process_group``): a group object that

@@ -29,8 +29,10 @@ first stage only; under ZeRO its own slices. One all-reduce of that one number o
 ranks that hold distinct pieces (the model-parallel group, the whole world under ZeRO) gives
 the total. Under expert parallelism the experts differ between ep ranks, so each number is
 counted where it is owned once (dense on the first ``dp x cp`` rank, an expert on the first
-of its ``edp`` ranks) and summed over the world. ``clip_grad_norm_`` cannot do this: it only
-sees what one rank holds.
+of its ``edp`` ranks) and summed over the world. Under HSDP every replica group holds the same
+slices (:mod:`edu3d.parallel.zero.hybrid`): the first group's count, or the norm would be
+``sqrt(R)`` times too large. ``clip_grad_norm_`` cannot do this: it only sees what one rank
+holds.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class GradSync:
         # under EP, who counts a replicated number in the norm (see the module docstring)
         self.dense_owner = layout.ep == 1 or self.mesh.index("dpcp") == 0
         self.expert_owner = layout.ep == 1 or self.mesh.index("edp") == 0
+        # under HSDP the replica groups hold equal slices: the first group's count
+        self.first_replica = {experts: z is None or z.replica_index == 0
+                              for experts, z in ((False, par.zero), (True, par.expert_zero))}
 
     # ---- during backward ----------------------------------------------------------------------
     def no_sync(self):
@@ -117,6 +122,8 @@ class GradSync:
         if not self.par.zeros and not (self.expert_owner if p in self.expert_params
                                        else self.dense_owner):
             return False  # under EP without ZeRO: one replica of each counts
+        if self.par.zeros and not self.first_replica[p in self.expert_params]:
+            return False  # HSDP: another replica group counts this slice
         return not (p is self.par.tied and not self.par.is_first)  # tied copy: first stage
 
     def norm(self) -> torch.Tensor:

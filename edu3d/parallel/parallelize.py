@@ -28,6 +28,8 @@ this rank's piece of a 3D-parallel one (torchtitan's ``parallelize_llama``, made
    Dense parameters are averaged over every ``dp x cp`` rank; an expert's over the ranks
    holding the same experts (``edp``), divided by the same ``dp x cp``: each of those ranks
    routed its own tokens to every expert, so the sums cover all ``dp x cp`` ranks' tokens.
+   Under HSDP (``--hsdp R``) ZeRO shards over a replica group's ranks (``shard``, experts'
+   ``eshard``) and all-reduces across the groups (``replicate``, ``ereplicate``).
    Under ZeRO-3 the FP8 layers' tensorwise weights get units of their own, gathered in FP8
    (:mod:`edu3d.parallel.fp8.fp8_gather`).
 
@@ -137,17 +139,20 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
                               model_units(par.stages[s], _tied_in(par.stages[s], par.tied))])
         dense = [(name, mods, [p for p in ps if p not in is_expert]) for name, mods, ps in units]
         dense = [u for u in dense if u[2]]
+        group, across = zero_groups(mesh, pl.hsdp, experts=False)
         fp8 = gathered_weights(par.module) if pl.zero == 3 else {}
         dense = split_units(dense, set(fp8))
-        par.zero = Zero(par.module, mesh.group("dpcp"), pl.zero, prefetch=pl.prefetch,
-                        offload=offload, units=dense, grad_reduce=pl.grad_reduce,
-                        reduce_scatter=True, **options([p for _, _, ps in dense for p in ps]))
+        par.zero = Zero(par.module, group, pl.zero, prefetch=pl.prefetch, offload=offload,
+                        units=dense, grad_reduce=pl.grad_reduce, reduce_scatter=True,
+                        replicate_group=across,
+                        **options([p for _, _, ps in dense for p in ps]))
         install(par.zero, fp8)
         if is_expert:
             experts = _expert_units(par, is_expert)
-            par.expert_zero = Zero(par.module, mesh.group("edp"), pl.zero,
-                                   offload=offload, units=experts, divisor=n,
-                                   grad_reduce=pl.grad_reduce, reduce_scatter=True,
+            group, across = zero_groups(mesh, pl.hsdp, experts=True)
+            par.expert_zero = Zero(par.module, group, pl.zero, offload=offload,
+                                   units=experts, divisor=n, grad_reduce=pl.grad_reduce,
+                                   reduce_scatter=True, replicate_group=across,
                                    **options([p for _, _, ps in experts for p in ps]))
     elif n > 1:
         hook = make_hook(pl.compress) if pl.compress else None
@@ -161,6 +166,18 @@ def apply_data_parallel(par: Parallel, optimizer=None) -> None:
                                          params=[p for p in par.module.parameters()
                                                  if p in is_expert], divisor=n,
                                          average_in_backward=False)
+
+
+def zero_groups(mesh: Mesh, hsdp: int, experts: bool) -> tuple:
+    """``(group, replicate_group)`` of a :class:`Zero`: it shards over ``dp x cp`` (experts:
+    ``edp``) and all-reduces across nothing, or under HSDP (``hsdp`` replica groups) shards
+    over its replica group's ranks and all-reduces across the groups
+    (:meth:`Mesh.add_hsdp <edu3d.distributed.mesh.Mesh.add_hsdp>`)."""
+    if hsdp == 1:
+        return mesh.group("edp" if experts else "dpcp"), None
+    mesh.add_hsdp(hsdp)  # collective: every rank builds the groups (once)
+    e = "e" if experts else ""
+    return mesh.group(e + "shard"), mesh.group(e + "replicate")
 
 
 def _expert_units(par: Parallel, is_expert: set) -> list:

@@ -82,7 +82,7 @@ def setup(micro_batch: int = 1, microbatches: int = 1, **flags) -> Run:
 
 SETUP_KEYS = ("dp", "tp", "pp", "vpp", "zero", "microbatches", "micro_batch", "schedule", "sp",
               "recompute", "precision", "optimizer", "ep", "cp", "cp_impl", "grad_reduce",
-              "freeze")  # what the planner weighs of a run: edu3d plan's JSON "setup"
+              "freeze", "hsdp")  # what the planner weighs of a run: edu3d plan's JSON "setup"
 
 
 def setup_dict(run: Run) -> dict:
@@ -112,6 +112,7 @@ def validate(spec: ModelSpec, run: Run) -> None:
     if par.zero and lay.dp * lay.cp == 1:
         raise ValueError(f"ZeRO-{par.zero} shards over dp*cp; use dp*cp >= 2")
     check_ep(spec, lay.dp * lay.cp, lay.ep)
+    lay.hsdp_sizes(par.hsdp, par.zero)  # HSDP: ZeRO on, R divides dp (and edp), or refused
     if spec.seq_len % lay.cp:
         raise ValueError(f"cp={lay.cp} must divide seq={spec.seq_len}")
     if par.cp_impl == "ulysses" and spec.n_heads % (lay.cp * lay.tp):
@@ -168,7 +169,7 @@ def state_per_rank(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int = 0,
                    at: str = "peak") -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one rank (``at="rest"``: after the
     optimizer step, what ``Trainer.stats`` measures; ``"peak"``: during the step): the dense
-    units sharded over ``dp·cp`` ranks, the routed experts' over ``dp·cp/ep``."""
+    units sharded over ``dp·cp`` ranks, routed experts' over ``dp·cp/ep`` (``--hsdp R``: /R)."""
     return dict(_state_of(spec, _state_setup(run), pp_rank, dp_index, at))
 
 
@@ -183,17 +184,17 @@ def _state_setup(run: Run) -> Run:  # all the model's state depends on
 
 @lru_cache(maxsize=4096)
 def _state_of(spec: ModelSpec, run: Run, pp_rank: int, dp_index: int, at: str) -> dict:
-    lay, par = run.layout, run.parallel
+    par, (n, en) = run.parallel, run.layout.hsdp_sizes(run.parallel.hsdp)
     zero = (par.zero, zero_modes.holds_step(par.zero, par.grad_reduce, run.microbatches), at,
             *state_bytes(run.precision.dtype, run.training.optimizer, _autocast(spec, run)))
-    dense = memory.zero_unit_bytes(units(spec, run, pp_rank), lay.dp * lay.cp, dp_index, *zero)
+    dense = memory.zero_unit_bytes(units(spec, run, pp_rank), n, dp_index % n, *zero)
     # frozen weights: whole on every rank, in no unit; no gradient, no optimizer state
     dense["params"] += zero[3] * (frozen_held(spec, run, pp_rank) +
                                   frozen_held(spec, run, pp_rank, experts=True))
     ex = units(spec, run, pp_rank, experts=True)
     if not ex:
         return dense
-    expert = memory.zero_unit_bytes(ex, lay.edp, dp_index % lay.edp, *zero)
+    expert = memory.zero_unit_bytes(ex, en, dp_index % en, *zero)
     return {c: dense[c] + expert[c] for c in dense}
 
 
@@ -327,7 +328,7 @@ def _fullest_states(spec: ModelSpec, run: Run, at: str) -> tuple[dict, ...]:
     """Each pipeline rank's state on its fullest dp rank (ZeRO's shards differ by a few optimizer
     pieces): rank 0 or one in :func:`~edu3d.plan.formulas.shard_starts` (experts': per ``edp``)."""
     lay = run.layout
-    out, n, edp = [], lay.dp * lay.cp, lay.edp
+    (n, edp), out = lay.hsdp_sizes(run.parallel.hsdp), []
     for r in range(lay.pp):
         weigh = {0}  # for real models, rank 0 stands for all
         if run.parallel.zero and spec.course:

@@ -113,6 +113,20 @@ def group_link(profile: Profile, layout: Layout, axis: str) -> tuple[Link, int]:
     return link_for(profile, nodes, per_node), size
 
 
+def zero_links(profile: Profile, layout: Layout, axis: str,
+               hsdp: int = 1) -> tuple[Link, int, Link | None]:
+    """ZeRO's group along ``axis`` (``dpcp`` or ``edp``): its link and size, and under HSDP
+    (``hsdp`` replica groups) the replica group's (``size/hsdp`` consecutive members) and the
+    link of the all-reduce across the groups (``hsdp`` members, a replica group apart)."""
+    link, n = group_link(profile, layout, axis)
+    if hsdp == 1:
+        return link, n, None
+    stride, shard = stride_and_size(layout, axis)[0], n // hsdp
+    inside = link_for(profile, *placement(stride, shard, profile.gpus_per_node))
+    return inside, shard, link_for(profile, *placement(stride * shard, hsdp,
+                                                       profile.gpus_per_node))
+
+
 def pp_link(profile: Profile, layout: Layout) -> Link:
     """The link between neighbouring pipeline stages: across nodes when the ranks of one
     stage fill a node or more (every boundary crosses), else inside one (the common case

@@ -79,7 +79,10 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
             (``/t`` with SP);
     ``dp``  :func:`~edu3d.plan.zero_modes.dp_wire_bytes` of the rank's dense 16-bit
             weights and gradients, ``N = dp·cp``, for its ZeRO stage, ``grad_reduce`` and
-            ``m``; ``edp``: the routed experts' over ``dp·cp/ep``;
+            ``m``; ``edp``: the routed experts' over ``dp·cp/ep``; under HSDP (``--hsdp R``)
+            both within a replica group, and ``dp_replicate``/``edp_replicate`` the
+            all-reduce of the gradient shard across the groups
+            (:func:`~edu3d.plan.zero_modes.hsdp_traffic`);
     ``ep``  :func:`~edu3d.plan.formulas.ep_bytes` per MoE block (x1.5 with full
             recomputation: its forward runs again);
     ``cp``  :func:`~edu3d.plan.formulas.cp_bytes` per block (x(4cp-3)/(3cp-2) ring, x3/2
@@ -96,6 +99,10 @@ def traffic(spec: ModelSpec, run: Run) -> dict[str, float]:
     for axis, n, experts in (("dp", lay.dp * lay.cp, False), ("edp", lay.edp, True)):
         psi = max(held(spec, run, r, experts) for r in range(p))
         out[axis] = zero_modes.dp_wire_bytes(psi, n, par.zero, par.grad_reduce, m)
+    if par.hsdp > 1:  # ZeRO within a replica group, one all-reduce of the shard across them
+        by = zero_modes.hsdp_traffic(spec, run)
+        out.update({f"{e}dp": by.get(f"{e}shard", 0.0) for e in ("", "e")},
+                   dp_replicate=by["replicate"], edp_replicate=by.get("ereplicate", 0.0))
     k = memory.routed_per_token(spec)
     out["ep"] = (memory.ep_bytes(b * s // lay.cp, k, h, lay.ep) * (1.5 if full else 1)
                  * spec.moe_layers / p * m)

@@ -176,10 +176,11 @@ def zero3_cost(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe,
                stage: dict, layers: int) -> tuple[float, float]:
     """Exposed seconds per micro-batch of a stage's ZeRO-3 traffic, forward and backward:
     an all-gather of each layer's weights before its forward (and again before its
-    backward), a reduce-scatter of its gradients after, on the dp·cp group."""
+    backward), a reduce-scatter of its gradients after, on the dp·cp group (HSDP: a replica
+    group's)."""
     if run.parallel.zero < 3 or run.layout.dp * run.layout.cp == 1 or not layers:
         return 0.0, 0.0
-    link, n = links.group_link(profile, run.layout, "dpcp")
+    link, n, _ = links.zero_links(profile, run.layout, "dpcp", run.parallel.hsdp)
     psi = sum(k for _, k, _ in as_moe(spec).block_tensors(0, run.layout.tp))
     gather = links.collective_time("all_gather", rec.gather * psi, n, link)
     scatter = links.collective_time("reduce_scatter", rec.reduce * psi, n, link)

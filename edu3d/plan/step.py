@@ -15,7 +15,8 @@ After reading this file you should understand how a step's time is put together,
    pipelines than ``REPLAY_LIMIT`` (a search: ``SEARCH_REPLAY``) take that closed form whole;
 3. **data parallelism** (:func:`reduce_tail`): the gradients of the last micro-batch's
    backward are reduced in buckets on the communication stream while the backward runs;
-   only what outlasts it is exposed. Then the optimizer (memory-bound: it reads and writes
+   only what outlasts it is exposed (under HSDP inside a replica group, then the shard's
+   all-reduce across the groups). Then the optimizer (memory-bound: it reads and writes
    every state byte once) and, for ZeRO-1/2, the weight all-gather (hidden behind the next
    forward where the framework overlaps it).
 
@@ -85,9 +86,10 @@ def reduce_tail(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
     lay, par = run.layout, run.parallel
     out = {"dp": 0.0, "edp": 0.0}
     for axis, experts in (("dp", False), ("edp", True)):
-        link, n = links.group_link(profile, lay, "dpcp" if axis == "dp" else "edp")
+        link, n, across = links.zero_links(profile, lay, "dpcp" if axis == "dp" else "edp",
+                                           par.hsdp)
         psi = recipes.held(spec, run, pp_rank, experts)
-        if n == 1 or not psi:
+        if (n == 1 and not across) or not psi:
             continue
         per_micro = par.zero >= 2 and par.grad_reduce == "per-microbatch" and lay.pp == 1
         if par.zero >= 3 or (per_micro and par.zero == 2):
@@ -113,7 +115,9 @@ def reduce_tail(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
         if par.zero in (1, 2) and rec.name == "edu3d":  # unit by unit, in series
             tail, gather = trainer_comm.zero_reduce(spec, run, pp_rank, experts, rec.reduce,
                                                     rec.gather, n, link)
-        out[axis] = tail + gather
+        # HSDP: the gradient shard all-reduced across the replica groups, after its scatter
+        out[axis] = tail + gather + (links.collective_time(
+            "all_reduce", rec.reduce * psi / n, par.hsdp, across) if across else 0.0)
     return out
 
 
@@ -123,8 +127,9 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     gradient, master copy and moments and writing all but the gradient back (plus the
     16-bit weight copy), and reading the gradient again for its norm."""
     lay, zero = run.layout, run.parallel.zero
-    psi = (recipes.held(spec, run, pp_rank) / (lay.dp * lay.cp if zero else 1)
-           + recipes.held(spec, run, pp_rank, True) / (lay.edp if zero else 1))
+    hsdp = run.parallel.hsdp  # ZeRO shards within a replica group
+    psi = (recipes.held(spec, run, pp_rank) / (lay.dp * lay.cp // hsdp if zero else 1)
+           + recipes.held(spec, run, pp_rank, True) / (lay.edp // hsdp if zero else 1))
     state = rec.master + rec.moments + (4 if rec.name == "edu3d" else 0)
     per_param = 2 * state + 2 * rec.grad + (rec.weight if rec.master else 0)
     seconds = psi * per_param / (profile.mem_bandwidth * profile.mem_efficiency)
@@ -152,10 +157,9 @@ def check(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> None:
         run = run.replace(precision="bf16" if dtype == "fp8" else dtype, vpp=1,
                           recompute="selective" if mode == "op" else mode,
                           schedule="1f1b" if par.schedule == "interleaved" else par.schedule)
-    elif mode == "op" or dtype == "fp8":
-        raise ValueError(f"{'fp8' if dtype == 'fp8' else 'op-level recomputation'} is not "
-                         "something edu3d runs; weigh it with a framework recipe "
-                         "(--recipe torchtitan)")
+    elif mode == "op":  # fp8 edu3d runs (--precision fp8: the blocks' linears, edu3d.parallel.fp8)
+        raise ValueError("op-level recomputation is not something edu3d runs; weigh it with "
+                         "a framework recipe (--recipe torchtitan)")
     recipes.edu3d_estimate.validate(spec, run)
 
 

@@ -39,6 +39,12 @@ With 16-bit weights and gradients and ``m = 1`` these are the paper's ``2Ψ`` va
 (DDP, ZeRO-1, ZeRO-2) and ``3Ψ`` (ZeRO-3) times 2 bytes. Under FP8 (tensorwise) ZeRO-3
 gathers the blocks' linear weights in 1 byte (:func:`gather_bytes`): half of bf16's.
 
+**HSDP** (``--hsdp R``, :mod:`edu3d.parallel.zero.hybrid`) splits these bytes over two
+groups (:func:`hsdp_wire_bytes`): inside a replica group of ``S = N/R`` ranks, the table's
+row with ``S`` for ``N`` (every reduce-scatter and all-gather); across the groups, one
+all-reduce of this rank's gradient shard per step, ``2(R-1)/R·g_bΨ/S``, in either mode (the
+shard adds up the micro-batches first). Memory is the table's with ``S`` for ``N``.
+
 **Memory** (the planner's ``estimate`` at the peak, :mod:`edu3d.plan.estimate`): the state
 columns hold the sharded state (:func:`edu3d.plan.formulas.zero_bytes`) plus what a mode
 keeps for the whole step (:func:`step_extra`: per-step ZeRO-2/3 the full gradients ``g_bΨ``,
@@ -53,7 +59,10 @@ plus the ``2Ψ/N`` shard. No torch here.
 
 from __future__ import annotations
 
+from edu3d.config.sections import Run
+from edu3d.model.shapes import ModelSpec
 from edu3d.plan.formulas import zero_bytes
+from edu3d.plan.inventory import held
 
 GRAD_REDUCE = ("per-microbatch", "per-step")
 DEFAULT = "per-microbatch"  # DeepSpeed ZeRO-2/3 and FSDP2's default
@@ -98,6 +107,33 @@ def dp_wire_bytes(psi: float, n: int, zero: int, grad_reduce: str = DEFAULT, m: 
     if zero == 2:
         return ring * (each * grad_bytes + param_bytes)
     return each * ring * (2 * param_bytes + grad_bytes)
+
+
+def hsdp_wire_bytes(psi: float, n: int, replicas: int, zero: int, grad_reduce: str = DEFAULT,
+                    m: int = 1, param_bytes: int = 2, grad_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per step under HSDP, by group: ``"shard"`` (ZeRO over the ``n``
+    ranks of its replica group, :func:`dp_wire_bytes`) and ``"replicate"`` (the all-reduce
+    of its ``psi/n`` gradient shard across the ``replicas`` groups). ``psi``: this rank's
+    parameters (edu3d's padded flat units, a multiple of ``n``)."""
+    across = 2 * (replicas - 1) / replicas * grad_bytes * psi / n if zero else 0.0
+    return {"shard": dp_wire_bytes(psi, n, zero, grad_reduce, m, param_bytes, grad_bytes),
+            "replicate": across}
+
+
+def hsdp_traffic(spec: ModelSpec, run: Run, value_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per step under HSDP, by group, in ``value_bytes`` values (16-bit,
+    as :func:`edu3d.plan.search.traffic` counts): ``shard`` and ``replicate`` for the dense
+    units, ``eshard`` and ``ereplicate`` for the experts (:func:`hsdp_wire_bytes` of the
+    fullest pipeline rank's, over the replica groups of
+    :meth:`~edu3d.config.layout.Layout.hsdp_sizes`)."""
+    par, out = run.parallel, {}
+    sizes = run.layout.hsdp_sizes(par.hsdp)
+    for n, prefix, experts in zip(sizes, ("", "e"), (False, True)):
+        psi = max(held(spec, run, r, experts) for r in range(run.layout.pp))
+        got = hsdp_wire_bytes(psi, n, par.hsdp, par.zero, par.grad_reduce, run.microbatches,
+                              value_bytes, value_bytes)
+        out.update({prefix + k: v for k, v in got.items()} if psi else {})
+    return out
 
 
 def step_extra(psi: float, zero: int, grad_reduce: str, m: int, param_bytes: int = 2,

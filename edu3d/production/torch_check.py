@@ -69,6 +69,10 @@ def unsupported(args) -> str | None:
                 "turns FSDP2's gradient sync off for every backward and reduce-scatters once, "
                 "after the last (its stage's backward_maybe_with_nosync and "
                 "perform_reduce_grad); add --grad-reduce per-step or use --impl edu3d")
+    if args.parallel.hsdp > 1 and args.parallel.zero == 1:
+        return ("--hsdp with --zero 1: ZeroRedundancyOptimizer shards over one process group, "
+                "with no replica groups; use --zero 2 or 3 (FSDP2 on a 2-D mesh, replicate x "
+                "shard) or --impl edu3d")
     if args.parallel.zero == 1 and (tp > 1 or pp > 1):
         flag = "--tp" if tp > 1 else "--pp"
         return (f"--zero 1 with {flag} > 1: ZeroRedundancyOptimizer works beside DDP on plain "

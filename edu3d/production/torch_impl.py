@@ -27,6 +27,11 @@ ZeRO-2 / ZeRO-3                  FSDP2 ``fully_shard`` per block and per stage,
                                  (under ``--pp``, torch's pipelining does this itself)
 ZeRO-2's whole parameters        ``set_reshard_after_backward(False)`` but on the last
                                  micro-batch (gathered once per step, either mode)
+``--hsdp R`` (ZeRO-2/3)          FSDP2 on a 2-D mesh: ``init_device_mesh(dev, (pp, R, dp/R,
+                                 tp), ("pp", "dp_replicate", "dp_shard", "tp"))`` and
+                                 ``fully_shard(mesh=mesh["dp_replicate", "dp_shard"])``;
+                                 per micro-batch ``set_requires_all_reduce`` on the last
+                                 only (edu3d all-reduces the summed shard once per step)
 ``GradSync.norm`` + clip         the norm of DTensor gradients (``full_tensor``), summed
                                  over pp by hand as torchtitan does, then
                                  ``clip_grads_with_norm_``
@@ -65,9 +70,11 @@ from edu3d.production import torch_pp
 from edu3d.production.torch_tp import apply_tp, serial_qkv
 
 
-def _data_parallel(modules: dict, mesh, zero: int, layout: Layout) -> None:
-    """Wrap each stage module (in place in ``modules``) for data parallelism over dp."""
-    dp_mesh = mesh["dp"]
+def _data_parallel(modules: dict, mesh, zero: int, layout: Layout, hsdp: int) -> None:
+    """Wrap each stage module (in place in ``modules``) for data parallelism over dp (under
+    HSDP, FSDP2 over the 2-D mesh: replicate across its first dimension, shard along the
+    second)."""
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp > 1 else mesh["dp"]
     for s, module in list(modules.items()):
         if zero >= 2:
             for block in module.blocks.values():  # one FSDP unit per block, one for the rest
@@ -99,7 +106,12 @@ class TorchTrainer:
         self.device = next(model.parameters()).device
         self.distributed = layout.world_size > 1
         self.dmesh = None
-        if self.distributed:
+        self.hsdp = hsdp = args.parallel.hsdp
+        if self.distributed and hsdp > 1:  # the dp axis cut in two, the shard one faster
+            self.dmesh = init_device_mesh(
+                self.device.type, (layout.pp, hsdp, layout.dp // hsdp, layout.tp),
+                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        elif self.distributed:
             self.dmesh = init_device_mesh(self.device.type, (layout.pp, layout.dp, layout.tp),
                                           mesh_dim_names=("pp", "dp", "tp"))
         tie = model.lm_head.weight is model.tok_emb.weight
@@ -118,7 +130,7 @@ class TorchTrainer:
             stage.lm_head.weight = stage.tok_emb.weight
         self.zero = args.parallel.zero
         if layout.dp > 1:
-            _data_parallel(self.modules, self.dmesh, self.zero, layout)
+            _data_parallel(self.modules, self.dmesh, self.zero, layout, hsdp)
         self.is_first = 0 in self.modules
         self.is_last = self.n_stages - 1 in self.modules
         self.schedule = None
@@ -152,6 +164,8 @@ class TorchTrainer:
             module.set_reshard_after_backward(last)
         if self.zero >= 2 and self.args.parallel.grad_reduce == "per-microbatch":
             module.set_requires_gradient_sync(True)
+            if self.hsdp > 1:  # reduce-scatter every micro-batch, all-reduce the sum once
+                module.set_requires_all_reduce(last)
         elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2 and its replicate
             module.set_requires_gradient_sync(last)
             if self.zero == 3:

@@ -154,6 +154,7 @@ def check_args(run: Run) -> tuple[object, Layout]:
     if par.zero and lay.dp * lay.cp == 1:
         raise LayoutError(f"--zero {par.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")
+    check_hsdp(run)
     if run.memory.offload and not par.zero:
         raise LayoutError("--offload moves ZeRO's sharded optimizer state; add --zero 1 "
                           "(or 2, 3)")
@@ -190,6 +191,18 @@ def check_args(run: Run) -> tuple[object, Layout]:
     check_options(run, config)
     check_data(run, config)
     return config, lay
+
+
+def check_hsdp(run: Run) -> None:
+    """``--hsdp R``: ZeRO shards within R replica groups and all-reduces across them
+    (:mod:`edu3d.parallel.zero.hybrid`), so it needs ZeRO, and R must divide dp (and the
+    expert-data-parallel ranks): :meth:`~edu3d.config.layout.Layout.hsdp_sizes`."""
+    r = run.parallel.hsdp
+    if r != 1 and not run.parallel.zero:
+        raise LayoutError(f"--hsdp {r} shards ZeRO's state within replica groups; plain data "
+                          "parallelism (--zero 0) holds everything on every rank already: add "
+                          "--zero 3 (or 2, 1), or drop --hsdp")
+    run.layout.hsdp_sizes(r)
 
 
 def check_offload(run: Run, n_layers: int) -> None:

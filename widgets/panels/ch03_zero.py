@@ -11,6 +11,12 @@ and adds the measured bars (:func:`edu3d.course.ch03_zero.zero_measured`).
 ``--grad-reduce`` mode and a model: the planner's gradient bytes and bytes on the wire over
 m = 1, 2, 4, 8 micro-batches, every case at once, the chosen one lit; "run it" measures all
 of them in one launch (:mod:`edu3d.course.ch03_zero_reduce`).
+
+:class:`HsdpControls` (HSDP, ``--hsdp R``) picks R and the ZeRO stage: the cube of 4 ranks
+with its shard and replicate groups (:func:`edu3d.widgets.mesh3d.mesh_figure`) and the bytes
+per group and state per rank for every R, the chosen one marked; "run it" trains every R at
+that stage in one launch and draws what the ranks sent, held and joined
+(:mod:`edu3d.course.ch03_zero_hsdp`).
 """
 
 from __future__ import annotations
@@ -20,8 +26,12 @@ import ipywidgets as w
 from edu3d.course import ch03_zero as ch03
 from edu3d.course.ch02_data_parallel import compare_versions
 from edu3d.widgets.panels.panel import MAX_RUN_RANKS, Panel, choices
-from edu3d.widgets.zero import sharding_map_figure, zero_memory_figure, zero_traffic_figure
+from edu3d.widgets.zero import (hsdp_figure, sharding_map_figure, zero_memory_figure,
+                                zero_traffic_figure)
+from edu3d.course import ch03_zero_hsdp as ch03h
 from edu3d.course import ch03_zero_reduce as ch03r
+from edu3d.config.layout import Layout
+from edu3d.widgets.mesh3d import mesh_figure
 from edu3d.plan.zero_modes import GRAD_REDUCE
 from edu3d.widgets.grad_reduce import grad_reduce_figure
 
@@ -145,3 +155,56 @@ class GradReduceControls(Panel):
 def grad_reduce_controls(**default) -> GradReduceControls:
     """The panel; display ``.widget`` in JupyterLab (``.figure`` without one)."""
     return GradReduceControls(**default)
+
+
+# ---- HSDP: replica groups of ZeRO shards (issue 38) ---------------------------------------
+class HsdpControls(Panel):
+    """Chapter 03: HSDP's replica groups R on 4 ranks, and the ZeRO stage."""
+
+    title = "HSDP: choose R replica groups and a stage; 'run it' trains every R on 4 ranks"
+    FIGURES = ("mesh_fig", "bytes_fig")
+    DP = 4
+
+    def __init__(self, replicas: int = 2, stage: int = 3, measured=None):
+        super().__init__({"replicas": replicas, "stage": stage})
+        self.measured = {stage: measured} if measured is not None else {}
+        self.redraw()
+
+    def redraw(self, **changes) -> None:
+        self.state.update(changes)
+        s = self.state
+        run = self.measured.get(s["stage"])
+        self.rows = ch03h.table(run, ch03h.REPLICAS, self.DP, s["stage"])
+        row = next(r for r in self.rows if r["R"] == s["replicas"])
+        self.mesh_fig = mesh_figure(Layout(dp=self.DP), row.get("reports"), dim="shard",
+                                    hsdp=s["replicas"])
+        self.bytes_fig = hsdp_figure(self.rows, s["replicas"])
+        self.say(ch03h.agreement(self.rows) if run is not None else "")
+
+    def run(self, timeout: float = 300):
+        """Every R at the chosen stage, two steps each, in one launch of 4 ranks."""
+        s = self.state
+        self.say(f"running HSDP with R = {', '.join(map(str, ch03h.REPLICAS))} at ZeRO-"
+                 f"{s['stage']} on {self.DP} ranks (and the serial model on rank 0) ...")
+        res = self.launch(ch03h.measure, self.DP, args=(list(ch03h.REPLICAS), s["stage"]),
+                          layout=Layout(dp=self.DP), timeout=timeout, progress=False)
+        if res is None:
+            return None
+        self.measured[s["stage"]] = self.result = res
+        self.redraw()
+        return self.result
+
+    def knobs(self) -> dict:
+        s = self.state
+        wide = {"description_width": "initial"}
+        return {"replicas": w.Dropdown(options=[(f"{r} (groups of {self.DP // r})", r)
+                                                for r in ch03h.REPLICAS],
+                                       value=s["replicas"], description="R (--hsdp)",
+                                       style=wide),
+                "stage": w.Dropdown(options=[("1", 1), ("2", 2), ("3", 3)], value=s["stage"],
+                                    description="ZeRO stage", style=wide)}
+
+
+def hsdp_controls(**default) -> HsdpControls:
+    """The panel; display ``.widget`` in JupyterLab (``.figures`` without one)."""
+    return HsdpControls(**default)

@@ -60,6 +60,11 @@ class PipelineControls(Panel):
                 changes["schedule"] = "1f1b"
         s.update(changes)
         note = ""
+        if s["schedule"] == "dualpipev" and s["m"] < 2 * s["pp"]:
+            # DualPipeV feeds both ends of the V at once: one micro-batch per stage at least
+            note = (f"dualpipev needs m >= 2 x pp = {2 * s['pp']} micro-batches: "
+                    f"micro-batches {s['m']} -> {2 * s['pp']}")
+            s["m"] = 2 * s["pp"]
         if ch05.pp_problem(s["schedule"], s["pp"], s["m"], s["vpp"]) and s["m"] % s["pp"]:
             # interleaving (and ZB-H1) send micro-batches in groups of pp: snap to a group
             m = -(-s["m"] // s["pp"]) * s["pp"]

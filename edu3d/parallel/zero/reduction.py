@@ -13,6 +13,8 @@ After reading this file you should understand the collectives behind
   backward accumulated: an **all-reduce** (``p.grad`` the average everywhere, DDP +
   ``ZeroRedundancyOptimizer``'s) or, with ``reduce_scatter=True``, a reduce-scatter (the
   paper's 2Ψ: each rank averages only its slice);
+* under HSDP every sum over the group is then summed across the replica groups
+  (:func:`edu3d.parallel.zero.hybrid.across_replicas`) before it is divided;
 * :func:`agree_on_stepped`: which parameters the optimizer steps: every one (each must
   have a gradient), or with ``find_unused_parameters`` those some rank gave a gradient (one
   summed mask): a parameter nobody used keeps ``p.grad is None``, as torch would.
@@ -27,7 +29,7 @@ import torch
 
 from edu3d.distributed import comm, trace
 from edu3d.distributed.meter import storage_bytes
-from edu3d.parallel.dp.data_parallel import used_by_any_rank
+from edu3d.parallel.zero import hybrid
 
 
 def reduce_scatter_into(zero, u, flat: torch.Tensor) -> None:
@@ -42,6 +44,7 @@ def reduce_scatter_into(zero, u, flat: torch.Tensor) -> None:
     with trace.current().context(chunk=zero.units.index(u)):
         comm.reduce_scatter(out, flat, zero.group)
     if u.averaged:  # after finish(): what this backward adds is averaged on its own
+        hybrid.across_replicas(zero, out, zero.units.index(u))
         out.div_(zero.divisor)
     u.shard_grad += out
 
@@ -77,11 +80,13 @@ def average_full_gradients(zero, u, k: int) -> None:
         flat = u.flat_grad.to(dtype, copy=True)
         u.shard_grad.zero_()
         reduce_scatter_into(zero, u, flat)
+        hybrid.across_replicas(zero, u.shard_grad, k)
         u.shard_grad.div_(zero.divisor)
         return
     flat = u.flat_grad if u.flat_grad.dtype == dtype else u.flat_grad.to(dtype)
     with trace.current().context(chunk=k):
         comm.all_reduce(flat, zero.group)
+    hybrid.across_replicas(zero, flat, k)
     flat.div_(zero.divisor)
     if flat is not u.flat_grad:
         u.flat_grad.copy_(flat)
@@ -92,7 +97,7 @@ def agree_on_stepped(zero) -> set:
     gradient and ``find_unused_parameters`` is off."""
     params = list(zero.got)
     if zero.find_unused:
-        return used_by_any_rank(params, {p for p in params if zero.got[p]}, zero.group)
+        return hybrid.used_by_any(zero, params, {p for p in params if zero.got[p]})
     missing = [zero.names.get(p, tuple(p.shape)) for p in params if not zero.got[p]]
     if missing:
         raise RuntimeError(f"ZeRO-{zero.stage}: parameters {missing[:4]} received no "

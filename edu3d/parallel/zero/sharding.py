@@ -22,7 +22,9 @@ After reading this file you should understand where each byte of training state 
   (:mod:`edu3d.parallel.zero.mixed_precision`);
 * **with micro-batches**, stages 2-3 reduce-scatter every micro-batch
   (``grad_reduce="per-microbatch"``, DeepSpeed's and FSDP2's) or accumulate full gradients
-  inside :meth:`Zero.no_sync` and reduce once (``"per-step"``, Megatron's).
+  inside :meth:`Zero.no_sync` and reduce once (``"per-step"``, Megatron's);
+* **HSDP** (``replicate_group=``): shards within ``group``, the same shards held once per
+  replica group, their gradients all-reduced across (:mod:`edu3d.parallel.zero.hybrid`).
 
 Memory per rank in fp32 (4-byte params and grads, 8 bytes of Adam moments; K=8):
 stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
@@ -51,8 +53,8 @@ import torch.distributed as dist
 
 from edu3d.parallel.dp import same_start, step_guard
 from edu3d.parallel.dp.data_parallel import switched
-from edu3d.parallel.zero import (holdings, mixed_precision, reduction, shard_optimizer,
-                                zero_state)
+from edu3d.parallel.zero import (holdings, hybrid, mixed_precision, reduction,
+                                shard_optimizer, zero_state)
 from edu3d.parallel.zero.flat_unit import FlatUnit
 from edu3d.parallel.zero.gathering import Gathering
 from edu3d.parallel.zero.sharded_grads import ShardedGrad, clip, placeholder
@@ -73,7 +75,8 @@ class Zero:
     parameters, and owns no buffers). ``shard_by`` (``"element"`` or ``"tensor"``) overrides
     the choice by optimizer class. ``broadcast_buffers=True`` broadcasts the buffers before
     every forward that follows a synchronising one, as DDP; the default is FSDP2's (buffers
-    broadcast once, at wrap time, then each rank's own).
+    broadcast once, at wrap time, then each rank's own). ``replicate_group`` (HSDP, FSDP2's
+    replicate mesh dimension): the ranks holding this rank's shard in the other groups.
 
     **With micro-batches**, stages 2-3 per micro-batch need nothing marked (traffic per step
     ``(m + 1)Ψ`` at stage 2, ``3mΨ`` at stage 3); per step, every backward but the last runs
@@ -88,7 +91,7 @@ class Zero:
                  find_unused_parameters: bool = False, grad_reduce: str = "per-microbatch",
                  reduce_scatter: bool = False, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, broadcast_buffers: bool = False,
-                 shard_by: str | None = None, **defaults):
+                 shard_by: str | None = None, replicate_group=None, **defaults):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage} is not one of 1, 2, 3 (0 is plain DP)")
         if grad_reduce not in GRAD_REDUCE:
@@ -100,14 +103,14 @@ class Zero:
         self.param_dtype = param_dtype
         self.sync = True
         self.n = dist.get_world_size(group)
-        self.divisor = divisor or self.n  # experts: the whole dp x cp size (see grads.py)
+        self.replicate = replicate_group
+        self.replicas, self.replica_index = hybrid.place(replicate_group)
+        self.divisor = divisor or self.n * self.replicas  # experts: dp x cp (see grads.py)
         self.index = dist.get_group_rank(group, dist.get_rank()) if group else dist.get_rank()
         self.collective_wait_s = 60.0  # model.state_dict() waits this long for every rank
         mine = model_units(model) if units is None else units
-        same_start.broadcast_parameters(model.parameters() if units is None else
-                                        [p for _, _, ps in mine for p in ps], group)
-        if units is None:
-            same_start.broadcast_buffers(model, group)
+        hybrid.same_start(self, model.parameters() if units is None else
+                          [p for _, _, ps in mine for p in ps], buffers=units is None)
         self.names = {p: n for n, p in model.named_parameters()}
         self.keys = dict(model.named_parameters(remove_duplicate=False))
         originals = {p: p.detach().clone() for _, _, ps in mine for p in ps} if whole else {}
@@ -142,8 +145,8 @@ class Zero:
         self.optimizer = self.whole.optimizer if whole else shard_optimizer.build(
             self.units, groups, optimizer_class, defaults, offload)
         zero_state.install_hooks(self)  # model.state_dict / load_state_dict and the shards
-        self.buffer_sync = same_start.BufferSync(model, group, lambda: self.sync) \
-            if broadcast_buffers and units is None else None
+        self.buffer_sync = [same_start.BufferSync(model, g, lambda: self.sync)
+                            for g in hybrid.groups(self) if broadcast_buffers and units is None]
         step_guard.watch(self)
 
     @property
@@ -275,6 +278,7 @@ class Zero:
             if self.stage == 1:
                 reduction.average_full_gradients(self, u, k)
             elif not u.averaged:
+                hybrid.across_replicas(self, u.shard_grad, k)
                 u.shard_grad.div_(self.divisor)
                 u.averaged = True
         for u in self.units:  # what p.grad shows now

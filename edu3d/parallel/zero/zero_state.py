@@ -177,22 +177,24 @@ def state_pieces(zero):
     and ``views``, a list of ``(kind, tensor, owned)``: the shard's parameters (``"param"``;
     a master copy too, loaded but written once: the one in the parameters' own dtype) and
     the optimizer's state for them (AdamW's ``"exp_avg"``, ``"exp_avg_sq"``, created as zeros
-    when the optimizer has not stepped yet, so a checkpoint can be loaded)."""
+    when the optimizer has not stepped yet, so a checkpoint can be loaded). Under HSDP the
+    first replica group owns (writes) them; the others hold equal copies, loaded only."""
     if zero.whole is not None:
         raise ValueError("a checkpoint by shard pieces needs an element-wise optimizer; with "
                          "whole-tensor sharding save zero.state_dict(full=True)")
     adam = isinstance(zero.optimizer, torch.optim.AdamW)
+    own = zero.replica_index == 0
     for u in zero.units:
         for (p, a, b, at), piece in zip(u.pieces(), u.opt_params):
             shard = u.shard_param[at:at + b - a]
-            views = [("param", shard, True)]
+            views = [("param", shard, own)]
             if u.master_param is not None:  # written once: in the parameters' own dtype
-                master = ("param", u.master_param[at:at + b - a], True)
+                master = ("param", u.master_param[at:at + b - a], own)
                 views = [master, ("param", shard, False)] if u.master_init is not None \
                     else [views[0], master[:2] + (False,)]
             if adam and piece is not None:
                 state = adam_state(zero.optimizer, piece)
-                views += [(kind, state[kind].reshape(-1), True)
+                views += [(kind, state[kind].reshape(-1), own)
                           for kind in ("exp_avg", "exp_avg_sq")]
             yield p, a, b, views
 
