@@ -32,14 +32,18 @@ def test_every_published_row_is_predicted():
 
 def test_throughput_errors():
     """Issue 35 asks for 15 % median and 30 % worst: the median holds with room to spare;
-    the worst does not, and the rows beyond 30 % are exactly the named ones."""
+    the worst holds but for one named row (Llama 3's long-context run, just over 30 %), and
+    nanotron's host-bound and one-GPU-per-node rows are within 20 %."""
     summary = validate.summary(list(rows()))
-    assert summary["overall"]["throughput"]["median"] <= 0.12
+    assert summary["overall"]["throughput"]["median"] <= 0.09
+    assert summary["overall"]["throughput"]["worst"] <= 0.32
     for framework, s in summary.items():
-        assert s["throughput"]["median"] <= 0.32, framework
+        assert s["throughput"]["median"] <= 0.30, framework
+    assert summary["nanotron"]["throughput"]["median"] <= 0.07
+    assert summary["nanotron"]["throughput"]["worst"] <= 0.20
     beyond = {r.id for r in rows() if abs(r.error) > 0.30}
     assert beyond <= set(validate.KNOWN_MISSES), beyond - set(validate.KNOWN_MISSES)
-    assert len(beyond) <= 3
+    assert len(beyond) <= 1
 
 
 def test_memory_errors_where_published():

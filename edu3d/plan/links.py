@@ -15,8 +15,12 @@ After reading this file you should be able to time any collective of a layout by
   nodes, and only its members on each node share that node's network cards: a data-parallel
   group of tp=8 layouts has one GPU per node, so one NIC's share of the node's bandwidth;
 * **bandwidth falls with scale**: the inter-node figures are for 2 whole nodes, and lose
-  ``inter_falloff`` per doubling of the node count (measured on one cluster; another
-  network falls differently, which is why it is a profile's constant);
+  ``inter_falloff`` per doubling (measured on one cluster; another network falls
+  differently, which is why it is a profile's constant). What falls is the *ring*: its
+  latency grows linearly with the ranks in it (NVIDIA's blog post "Massively Scale Your Deep
+  Learning Training with NCCL 2.4", 2019, why NCCL added trees), and the measured series
+  had 8 ranks per node. So a ring is charged the falloff of as many ranks on whole nodes: a
+  data-parallel ring of one GPU on each of 32 nodes is 32 ranks, what 4 whole nodes hold;
 * **all-reduce is not two collectives' worth everywhere**: NVLink SHARP (H100) reduces
   inside the switch, so its all-reduce bus bandwidth exceeds its all-gather's; a profile
   gives both (``bandwidth``, ``gather_bandwidth``).
@@ -100,10 +104,11 @@ def link_for(profile: Profile, nodes: int, per_node: int) -> Link:
                     profile.intra_gather_bandwidth, {k: m for k in KINDS if (
                         m := cpu.collective(k, profile))})
     share = min(1.0, per_node / profile.gpus_per_node)
+    ring = max(2.0, nodes * per_node / profile.gpus_per_node)  # whole nodes of as many ranks
     return Link(f"inter-node ({nodes} nodes)", profile.inter_alpha,
-                min(profile.intra_bandwidth, share * profile.inter_bandwidth_at(nodes)),
+                min(profile.intra_bandwidth, share * profile.inter_bandwidth_at(ring)),
                 min(profile.intra_gather_bandwidth,
-                    share * profile.inter_bandwidth_at(nodes, gather=True)))
+                    share * profile.inter_bandwidth_at(ring, gather=True)))
 
 
 def group_link(profile: Profile, layout: Layout, axis: str) -> tuple[Link, int]:

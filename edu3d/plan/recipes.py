@@ -87,8 +87,8 @@ RECIPES = {
                        grad=4, reduce=4, fused=True, overlap_gather=True),
     "nanotron": Recipe("nanotron", "nanotron: bf16 weights and gradients plus an fp32 "
                        "accumulation buffer and master copy, ZeRO-0/1, eager kernels but a "
-                       "fused (Triton) RMSNorm; ~40 us of Python around each kernel (fitted)",
-                       grad=6, reduce=4, fused_norm=True, host=40e-6),
+                       "fused (Triton) RMSNorm; ~90 us of Python around each kernel (fitted)",
+                       grad=6, reduce=4, fused_norm=True, host=90e-6),
     "torchtitan": Recipe("torchtitan", "torchtitan (FSDP2): fp32 sharded weights, gradients and "
                          "moments, bf16 compute copies, fp32 gradient reduce-scatter",
                          weight=4, grad=4, master=0, reduce=4, root_unit=True),

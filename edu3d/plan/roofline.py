@@ -18,8 +18,9 @@ hand from a hardware profile (:mod:`edu3d.plan.hardware`):
   PyTorch, more in a framework with Python around each op). On a GPU the host runs ahead
   and the GPU runs a kernel once it is launched and the previous one is done: big kernels hide
   the launches, a stretch of tiny ones waits for the host (a micro-batch of one sequence split
-  eight ways is such a stretch). On a CPU the same core does both, so the two add, and ranks
-  that outnumber the cores share them (``cores``).
+  eight ways is such a stretch). Layer after layer, a step runs at the slower of the two
+  rates: the GPU's work or the host's launches. On a CPU the same core does both, so the two
+  add, and ranks that outnumber the cores share them (``cores``).
 
 Precisions pick the peak: bf16/fp16 their tensor-core peak, fp8 its own (twice), fp32 TF32's
 on a GPU that has it (PyTorch's matmul default in edu3d) and fp32's on a CPU.
@@ -66,17 +67,17 @@ def stretch_time(ops, profile: Profile, dtype: str, ranks_per_core: float = 1.0,
     profile's ``kernel_overhead`` plus ``framework`` seconds (the framework's own Python) on
     each kernel it launches. On a GPU it runs ahead: a kernel starts when it has been launched
     and the one before it is done, so big kernels hide the launches and a stretch of tiny ones
-    waits for the host. On a CPU one core does both, so the two add, and ranks beyond the
-    cores share them (``ranks_per_core``)."""
+    waits for the host. A stretch is one layer's phase, repeated layer after layer, and the
+    host's lead carries from one layer to the next (a stream queues about a thousand launches
+    before the host waits: Stack Overflow question 53970187), so in the steady state a layer
+    costs the slower of the two: its device time or its launches. On a CPU one core does
+    both, so the two add, and ranks beyond the cores share them (``ranks_per_core``)."""
     per_kernel = profile.kernel_overhead + framework
     if profile.cores is not None:
         device = sum(op_time(o, profile, dtype) for o in ops)
         return (device + per_kernel * sum(o.kernels for o in ops)) * max(1.0, ranks_per_core)
-    launched = done = 0.0
-    for o in ops:
-        launched += per_kernel * o.kernels
-        done = max(done, launched) + op_time(o, profile, dtype)
-    return done
+    device = sum(op_time(o, profile, dtype) for o in ops)
+    return max(device, per_kernel * sum(o.kernels for o in ops))
 
 
 def achieved(ops, profile: Profile, dtype: str) -> float:
