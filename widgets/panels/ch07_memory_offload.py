@@ -38,6 +38,7 @@ class OffloadControls(Panel):
             {k: v for k, v in offload.curves(self.res, m).items() if k in shown},
             title=f"Activations through one step, {m} micro-batch(es), fullest rank",
             takeaway=offload.takeaway(offload.table(self.res), m))
+        self.show()  # the widget's output area: without it a turned knob changes nothing seen
 
     def run(self):
         self.say(f"recording every mode at {self.state['microbatches']} micro-batch(es) ...")
