@@ -605,7 +605,7 @@ class Session:
         self.page.on("console", lambda m: self.console.append(
             {"type": m.type, "text": m.text[:300]}))
         self.page.on("pageerror", lambda e: self.console.append(
-            {"type": "pageerror", "text": str(e)[:300]}))
+            {"type": "pageerror", "text": str(e)[:300], "stack": (e.stack or "")[:1500]}))
         try:
             load_app(self.page, self.lab)
         except Exception:
