@@ -191,7 +191,7 @@ GOALS = [
            f"main({['plan', *argv, '--json']!r})") for argv in PLANS),
     Goal("a 5000-digit number refused", 2.0, "cpu", "from edu3d.cli import main",
          _caught("main(['train', '--global-batch', '9' * 5000])", "SystemExit"), says="2"),
-    Goal("divisors of a billion", 0.5, "cpu", "from edu3d.distributed.mesh import divisors",
+    Goal("divisors of a billion", 0.5, "cpu", "from edu3d.config.layout import divisors",
          "divisors(10**9)"),
     Goal("timeline, 8 ranks x 2000 events", 2.0, "cpu", TIMELINE,
          "timeline_figure(events, title='big').to_json()"),
