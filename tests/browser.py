@@ -388,12 +388,26 @@ MAX_OPTIONS = 6  # a longer dropdown is sampled: its ends and options evenly bet
 # plotly rejects that promise with this message: the old div is gone, the new one is drawn,
 # nothing is lost. It can arrive in any phase, a little after the redraw that caused it.
 PLOTLY_DETACHED = "Resize must be passed a displayed plot div element"
+# The same race met from the other side: the renderer purges the chart it is about to redraw
+# (Plotly.purge -> cleanPlot -> destroy), and when the output area has already taken that
+# div out of the page, plotly's destroy reads the parent of a detached node. Forgiven only
+# with a stack that lies wholly in plotly's purge inside jupyterlab-plotly's bundle: the same
+# message from anywhere else still fails the chapter.
+PLOTLY_PURGED = "Cannot read properties of null (reading 'removeChild')"
+
+
+def _plotly_purge_race(entry: dict) -> bool:
+    stack = entry.get("stack", "")
+    frames = [line for line in stack.splitlines()[1:] if line.strip().startswith("at ")]
+    return (entry["type"] == "pageerror" and entry["text"].startswith(PLOTLY_PURGED)
+            and ".purge (" in stack and bool(frames)
+            and all("jupyterlab-plotly" in f or "<anonymous>" in f for f in frames))
 
 
 def console_errors(entries: list) -> list:
-    """The console's errors and page errors, less the one harmless plotly race above."""
+    """The console's errors and page errors, less the two harmless plotly races above."""
     return [c for c in entries if c["type"] in ("error", "pageerror")
-            and not c["text"].startswith(PLOTLY_DETACHED)]
+            and not c["text"].startswith(PLOTLY_DETACHED) and not _plotly_purge_race(c)]
 
 
 def panel_state(page, box) -> dict:
