@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import re
+
 import pytest
 
 from edu3d.course import ch10_performance as perf
 from edu3d.course import ch10_performance_predict as pm
+from edu3d.course import ch10_performance_verdicts as verdicts
 from edu3d.course.ch10_performance_hangs import stack_lines
 from edu3d.widgets import perf as wp
 from edu3d.course.ch10_performance_live import predict as predict_straggler
@@ -56,8 +59,61 @@ def test_breakdown_median_skips_the_warmup_step_and_filters_cases():
            _ev(0, "compute", "F", 0, 1000, step=2, case="a"),
            _ev(0, "compute", "F", 0, 3000, step=3, case="a"),
            _ev(0, "compute", "F", 0, 50000, step=2, case="b")]
-    med = perf.breakdown(evs, "a")["median"]
-    assert med["step_ms"] == pytest.approx(2.0)
+    brk = perf.breakdown(evs, "a")
+    assert brk["median_step"] == 2 and brk["median"]["step_ms"] == pytest.approx(1.0)
+
+
+def _overlap_events() -> list[dict]:
+    """dp2 traced with overlap off and on, 2 ranks, 6 steps each (us): per step a forward of
+    ``c`` with ``h`` of all-reduce under it, then ``i`` idle and ``e`` of exposed all-reduce.
+    The parts vary so that each part's own median (12 + 1 + 0 = 13 ms off) is no step's:
+    the median step (20 + 1 + 0) is 21 ms."""
+    parts = {"off": [(50, 9, 9, 0), (10, 1, 5, 0), (20, 1, 0, 0), (12, 8, 0, 0), (11, 2, 9, 0),
+                     (30, 0, 0, 0)],
+             "on": [(50, 9, 9, 4), (9, 1, 0, 6), (11, 0, 3, 5), (14, 2, 0, 7), (8, 3, 9, 3),
+                    (10, 4, 4, 2)]}
+    evs = []
+    for mode, steps in parts.items():
+        for step, (c, e, i, h) in enumerate(steps, start=1):
+            for rank in (0, 1):
+                kw = {"step": step, "case": f"overlap {mode}"}
+                evs.append(_ev(rank, "compute", "F", 0, c * 1000, **kw))
+                if h:
+                    evs.append(_ev(rank, "comm", "all_reduce", 0, h * 1000, **kw))
+                if e:
+                    evs.append(_ev(rank, "comm", "all_reduce", (c + i) * 1000,
+                                   (c + i + e) * 1000, **kw))
+                elif i:
+                    evs.append(_ev(rank, "compute", "optimizer", (c + i) * 1000,
+                                   (c + i) * 1000 + 1, **kw))
+    return evs
+
+
+def test_overlap_caption_and_printed_lines_are_the_bars_drawn():
+    """Chapter 10 section 2 (issue 42: it printed 36.6 / 72.5 ms beside bars of 35.0 /
+    73.9 ms): the takeaway's steps and hidden all-reduce, and the lines the notebook prints,
+    are the drawn bars' lengths and labels."""
+    verdict = verdicts.overlap_verdict(_overlap_events())
+    rows = {f"overlap {m}": verdict[m]["budget"] for m in ("off", "on")}
+    fig = wp.budget_figure(rows, title="t", takeaway=verdict["text"])
+    bars = [t for t in fig.data if t.type == "bar"]
+    drawn = {n: sum(t.x[i] for t in bars) for i, n in enumerate(bars[0].y)}
+    ends = fig.data[-1]
+    assert dict(zip(ends.y, ends.x)) == pytest.approx(drawn)
+    assert drawn["overlap off"] == pytest.approx(21.0)  # the median step, not 12 + 1 + 0
+    said = re.search(r"overlap hid ([\d.]+) of ([\d.]+) ms .*step ([\d.]+) ms \(.*\) off, "
+                     r"([\d.]+) ms \(.*\) on", fig.layout.title.text)
+    assert said, fig.layout.title.text
+    hidden, comm, off, on = said.groups()
+    assert (off, on) == (f"{drawn['overlap off']:.1f}", f"{drawn['overlap on']:.1f}")
+    label = dict(zip(ends.y, ends.text))["overlap on"]
+    assert f"comm {comm} ms in all, {hidden} hidden" in label
+    for name, row in rows.items():
+        line = verdicts.budget_line(name, row)
+        step, compute, all_comm, exposed, idle = re.findall(r"\d+\.\d", line)
+        assert step == f"{drawn[name]:.1f}" and f"  {step} ms;" in dict(zip(ends.y, ends.text))[name]
+        assert [compute, exposed, idle] == [f"{t.x[list(t.y).index(name)]:.1f}" for t in bars]
+        assert f"comm {all_comm} ms" in dict(zip(ends.y, ends.text))[name]
 
 
 # ---- the profiler's events on the course's lanes ------------------------------------------------
@@ -265,3 +321,23 @@ def test_live_profile_and_timings(live):
         assert med["compute_ms"] > 0 and med["step_ms"] >= med["compute_ms"]
     assert perf.breakdown(events, "dp1")["median"]["comm_ms"] == 0
     assert perf.breakdown(events, "overlap off")["median"]["exposed_ms"] > 0
+
+
+def test_panel_captions_are_its_bars_at_every_knob_position():
+    """Chapter 10's panel: at each layout, overlap and micro-batch count, the budget's
+    takeaway is its bar's length and the layouts chart's takeaway the chosen layout's bars."""
+    ctl = controls(COSTS, {"dp2": 30.0})
+    turns = [{"layout": n, "overlap": o} for n in ctl.KNOB_LAYOUTS for o in ("on", "off")]
+    turns += [{"layout": "pp2", "microbatches": m} for m in range(1, 9)]
+    for turn in turns:
+        ctl.redraw(**turn)
+        ends = ctl.budget_fig.data[-1]
+        said = re.search(r"predicted ([\d.]+) ms per step", ctl.budget_fig.layout.title.text)
+        assert said and said.group(1) == f"{dict(zip(ends.y, ends.x))['predicted']:.1f}", turn
+        layouts = ctl.layouts_fig
+        at = list(layouts.data[0].x).index(ctl.state["layout"])
+        parts = [t.y[at] for t in layouts.data if t.type == "bar"]
+        said = re.search(r": ([\d.]+) ms = compute ([\d.]+) \+ exposed comm ([\d.]+) \+ bubble "
+                         r"([\d.]+)", layouts.layout.title.text)
+        assert said, layouts.layout.title.text
+        assert list(said.groups()) == [f"{v:.1f}" for v in [sum(parts)] + parts], turn

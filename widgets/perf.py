@@ -97,6 +97,11 @@ def profile_timeline(events: list[dict]):
                  "step); yellow: the collectives, on gloo's own thread")
 
 
+def bar_length(row: dict) -> float:
+    """A budget bar's length (ms): its compute, exposed communication and idle, stacked."""
+    return sum(row.get(key, 0.0) for key, _, _ in BUDGET)
+
+
 def budget_figure(rows: dict[str, dict], *, title: str, takeaway: str,
                   ghosts: tuple = ()):
     """Stacked horizontal bars, one per configuration (keys of ``rows``): compute, exposed
@@ -112,7 +117,7 @@ def budget_figure(rows: dict[str, dict], *, title: str, takeaway: str,
                     textposition="inside",
                     marker_pattern=style.IDLE_PATTERN if key == "idle" else None,
                     hovertemplate=f"{label}: " + "%{x:.1f} ms<extra>%{y}</extra>")
-    ends = [sum(rows[n].get(k, 0.0) for k, _, _ in BUDGET) for n in names]
+    ends = [bar_length(rows[n]) for n in names]
     fig.add_scatter(y=names, x=ends, mode="text", textposition="middle right",
                     text=[f"  {e:.1f} ms; comm {rows[n].get('comm', 0.0):.1f} ms in all, "
                           f"{max(rows[n].get('comm', 0.0) - rows[n].get('exposed', 0.0), 0):.1f}"
@@ -190,8 +195,9 @@ def prediction_figure(preds: dict[str, dict], chosen: str, measured: dict | None
                         name="measured step", marker={"symbol": "diamond", "size": 12,
                                                       "color": style.BLACK})
     p = preds[chosen]
+    drawn = sum(p[key] for key, _, _ in BUDGET)  # the caption adds up the bar it sits over
     style.frame(fig, f"Predicted step time per layout; {chosen} highlighted",
-                f"{chosen}: {p['step']:.1f} ms = compute {p['compute']:.1f} + exposed comm "
+                f"{chosen}: {drawn:.1f} ms = compute {p['compute']:.1f} + exposed comm "
                 f"{p['exposed']:.1f} + bubble {p['idle']:.1f}",
                 y="time per step (ms)", height=380)
     fig.update_layout(barmode="stack")

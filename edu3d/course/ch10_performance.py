@@ -13,6 +13,8 @@ real run of the one :class:`~edu3d.train.trainer.Trainer`:
   each step from a barrier to the slowest rank (:func:`edu3d.bench.harness.time_once`);
 * :func:`breakdown` cuts a traced step into **compute**, **exposed communication** (the
   part of a collective no forward or backward runs under) and **idle** (bubble, waiting);
+  :func:`budget` is the median step's, whole: the bar the chapter draws, and the numbers it
+  prints;
 * :func:`calibrate` fits this machine's constants from the chapter's runs (the serial step,
   gloo's alpha and bandwidth), which :mod:`edu3d.course.ch10_performance_predict` turns into
   a profile for the course's one performance model (:func:`edu3d.plan.step.predict`): the
@@ -121,8 +123,9 @@ def breakdown(events: list[dict], case: str | None = None) -> dict:
     ``compute_ms`` (F, B, I, W, optimizer), ``comm_ms`` (every collective and send, whole),
     ``exposed_ms`` (communication no F/B/I/W runs under) and ``idle_ms`` (the rest: the
     bubble, and waiting, a pipeline receive's included). Returns
-    ``{"steps": {step: {...}}, "median": {...}}`` (median over the steps after the first,
-    which warms up)."""
+    ``{"steps": {step: {...}}, "median": {...}, "median_step": step}``: ``median`` is the
+    median step of those after the first (which warms up), whole, so its parts add up to its
+    step; the median of each part alone would not (one step's compute, another's idle)."""
     sel = [e for e in events if (case is None or e.get("case") == case) and not e.get("sim")
            and e.get("lane") in ("compute", "comm") and e.get("step") is not None]
     per: dict[int, list[dict]] = {}
@@ -140,9 +143,21 @@ def breakdown(events: list[dict], case: str | None = None) -> dict:
         per.setdefault(step, []).append(row)
     steps = {s: {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
              for s, rows in per.items()}
-    later = [steps[s] for s in sorted(steps)[1:]] or list(steps.values())
-    median = {k: statistics.median(r[k] for r in later) for k in (later[0] if later else {})}
-    return {"steps": steps, "median": median}
+    later = sorted(steps)[1:] or sorted(steps)
+    ranked = sorted(later, key=lambda s: steps[s]["step_ms"])  # the lower middle if even
+    middle = ranked[(len(ranked) - 1) // 2] if ranked else None
+    return {"steps": steps, "median": steps.get(middle, {}), "median_step": middle}
+
+
+def budget(events: list[dict], case: str | None = None) -> dict:
+    """The step budget chapter 10 draws and prints for ``case`` (ms): ``compute``,
+    ``exposed``, ``idle`` of the median step (:func:`breakdown`), ``comm`` (its whole
+    communication) and ``step``, their sum: the length of the bar."""
+    med = breakdown(events, case)["median"]
+    row = {"compute": med["compute_ms"], "exposed": med["exposed_ms"], "idle": med["idle_ms"],
+           "comm": med["comm_ms"]}
+    row["step"] = row["compute"] + row["exposed"] + row["idle"]
+    return row
 
 
 # ---- the runs -----------------------------------------------------------------------------------
@@ -333,7 +348,7 @@ def measure_one(mesh, name: str, overlap: str = "on", microbatches: int | None =
 
 def run_layout(name: str, overlap: str = "on", microbatches: int | None = None,
                steps: int = 3, timeout: float = 300):
-    """Launch :func:`measure_one` for ``name``; returns ``(row, breakdown)``."""
+    """Launch :func:`measure_one` for ``name``; returns ``(row, budget)`` (:func:`budget`)."""
     dp, tp, pp = LAYOUTS[name]
     layout = Layout(dp=dp, tp=tp, pp=pp)
     if layout.world_size == 1:
@@ -341,4 +356,4 @@ def run_layout(name: str, overlap: str = "on", microbatches: int | None = None,
     run = launch(measure_one, max(layout.world_size, 2), kwargs={
         "name": name, "overlap": overlap, "microbatches": microbatches, "steps": steps},
         layout=layout, timeout=timeout, echo=False, name=f"perf-{name}")
-    return run.results[0][0], breakdown(run.events(), name)
+    return run.results[0][0], budget(run.events(), name)

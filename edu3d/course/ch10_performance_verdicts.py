@@ -8,7 +8,10 @@ over its repeated steps, and says what it would be on a GPU where a 2-core CPU c
   two settings differ only when their ranges do not overlap;
 * :func:`overlap_verdict` compares dp2 with DP overlap off and on
   (:func:`edu3d.course.ch10_performance.breakdown` of each step): how much all-reduce the
-  overlap hid, and whether the step got faster, slower, or neither, beyond the noise;
+  overlap hid, and whether the step got faster, slower, or neither, beyond the noise; the
+  numbers it prints are the median step's budget, the bars the chart draws
+  (:func:`edu3d.course.ch10_performance.budget`), so text and picture cannot disagree;
+* :func:`budget_line` prints one drawn budget bar;
 * :func:`scaling_verdict` says whether more ranks made the tiny model faster on this
   machine, from the sweep's tokens/s;
 * :func:`profile_verdict` says how much of a profiled step its costliest operator took.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-from edu3d.course.ch10_performance import breakdown
+from edu3d.course.ch10_performance import breakdown, budget
 
 GPU_OVERLAP = "on a GPU (its own stream, its own network card) hidden time is won back"
 
@@ -36,16 +39,21 @@ def _differ(a: tuple, b: tuple) -> int:
 
 def overlap_verdict(events: list[dict]) -> dict:
     """dp2 with overlap off and on, from the steps after the first of each traced case:
-    ``step`` and ``exposed`` spreads per mode, the all-reduce ``hidden`` (median), and
-    ``text``: one sentence for the chart's takeaway."""
+    per mode its ``budget`` (:func:`edu3d.course.ch10_performance.budget`, the bar the chart
+    draws) and ``step``, ``exposed``, ``comm`` as (that bar's value, lowest, highest over
+    the steps); the all-reduce ``hidden`` under overlap; and ``text``: the chart's takeaway,
+    whose every number is the drawn bar's."""
     out: dict = {}
     for mode in ("off", "on"):
-        steps = breakdown(events, f"overlap {mode}")["steps"]
+        case = f"overlap {mode}"
+        steps = breakdown(events, case)["steps"]
         later = [steps[s] for s in sorted(steps)[1:]] or list(steps.values())
-        out[mode] = {k: spread(r[f"{k}_ms"] for r in later) for k in ("step", "exposed", "comm")}
-        out[mode]["n"] = len(later)
+        row = budget(events, case)
+        out[mode] = {k: (row[k],) + spread(r[f"{k}_ms"] for r in later)[1:]
+                     for k in ("step", "exposed", "comm")}
+        out[mode]["n"], out[mode]["budget"] = len(later), row
     on, off = out["on"], out["off"]
-    out["hidden"] = on["comm"][0] - on["exposed"][0]
+    out["hidden"] = max(on["comm"][0] - on["exposed"][0], 0.0)  # as the chart writes it
     faster = _differ(on["step"], off["step"])
     effect = {-1: "overlap made the step faster", 1: "overlap made the step SLOWER",
               0: "the step did not change beyond the spread of its repetitions"}[faster]
@@ -56,6 +64,14 @@ def overlap_verdict(events: list[dict]) -> dict:
                    f"<br>{effect}.<br>Here gloo's thread shares the cores with the backward it "
                    f"hides under; {GPU_OVERLAP}.")
     return out
+
+
+def budget_line(name: str, row: dict) -> str:
+    """One printed line of a drawn budget bar (:func:`edu3d.course.ch10_performance.budget`):
+    its length (the step), its parts and its whole communication."""
+    return (f"{name:<12} step {row['step']:6.1f} ms: compute {row['compute']:5.1f}, "
+            f"communication {row['comm']:5.1f} of which exposed {row['exposed']:5.1f}, "
+            f"idle {row['idle']:5.1f} ms")
 
 
 def scaling_verdict(sweep: list[dict], cores: int) -> str:

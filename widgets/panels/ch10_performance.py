@@ -24,7 +24,7 @@ from edu3d.course.ch10_performance_predict import predict
 from edu3d.launch.runs import new_run_dir
 from edu3d.widgets import style
 from edu3d.widgets.panels.panel import Panel
-from edu3d.widgets.perf import budget_figure, prediction_figure
+from edu3d.widgets.perf import bar_length, budget_figure, prediction_figure
 
 
 class Controls(Panel):
@@ -73,9 +73,9 @@ class Controls(Panel):
             title=f"{s['layout']}, overlap {s['overlap']}, "
                   f"{style.plural(m, 'micro-batch', 'micro-batches')}"
                   f": {'measured against ' if live else ''}predicted step budget",
-            takeaway=f"predicted {self.predicted['step']:.1f} ms per step on "
+            takeaway=f"predicted {bar_length(self.predicted):.1f} ms per step on "
                      f"{style.plural(self.predicted['cores'], 'core')}"
-                     + (f"; measured {self.live['budget']['step']:.1f} ms" if live else
+                     + (f"; measured {bar_length(self.live['budget']):.1f} ms" if live else
                         f"; {self.run_problem() or 'press run it to measure'}"))
         self.layouts_fig = prediction_figure(preds, s["layout"], self.measured)
         self.show()
@@ -99,10 +99,7 @@ class Controls(Panel):
         if self.refuse(self.run_problem()):
             return None
         self.say(f"running {s['layout']} ...")
-        row, brk = run_layout(s["layout"], s["overlap"], s["microbatches"], steps, timeout)
-        med = brk["median"]
-        budget = {"compute": med["compute_ms"], "exposed": med["exposed_ms"],
-                  "idle": med["idle_ms"], "comm": med["comm_ms"], "step": med["step_ms"]}
+        row, budget = run_layout(s["layout"], s["overlap"], s["microbatches"], steps, timeout)
         self.live = self.result = {"key": (s["layout"], s["overlap"], s["microbatches"]),
                                    "budget": budget, "row": row}
         self.measured[s["layout"]] = row["median_s"] * 1e3
@@ -158,7 +155,7 @@ class Straggler(Panel):
         if live:
             rows.update({f"rank {r} (measured)": b for r, b in self.live["budget"].items()})
         who = "no straggler" if key[0] is None else f"rank {key[0]} sleeping {key[1]:g} s"
-        step = max(b["step"] for b in pred.values())
+        step = max(bar_length(b) for b in pred.values())
         waits = [r for r, b in pred.items() if b["comm"] > 0.5 * b["step"]]
         self.straggler_fig = budget_figure(
             rows, ghosts=tuple(n for n in rows if n.endswith("(predicted)")) if live else (),
@@ -167,7 +164,7 @@ class Straggler(Panel):
             takeaway=f"predicted step {step:.0f} ms for every rank; "
                      + (f"rank {', '.join(map(str, waits))} waits most of it"
                         if waits else "nobody waits long")
-                     + (f"; measured {max(b['step'] for b in self.live['budget'].values()):.0f}"
+                     + (f"; measured {max(map(bar_length, self.live['budget'].values())):.0f}"
                         " ms" if live else "; press 'run it' to measure"))
         self.show()
 
