@@ -165,3 +165,25 @@ def test_the_recipe_is_read_from_the_planners_code():
     lines = [line.strip() for line in inspect.getsource(search.candidates).splitlines()]
     guards = [a for a, b in zip(lines, lines[1:]) if b == "continue"]  # each guard, drawn
     assert sum(d["kind"] == "skip" for d in found) >= len(guards) > 0
+
+
+def test_each_question_sits_under_its_own_picture():
+    """Issue 42: Q2 (what DDP communicates, and when) sat under Q1's ring picture, titled with
+    Q1's answer. Every question's picture, in the notebook (``question_picture``) and in the
+    quiz panel when it is picked, says the question's subject in its title or takeaway, and
+    no picture says another question's subject unless both questions share that picture."""
+    from edu3d.widgets.panels.ch11_review import controls, question_picture
+
+    ctl = controls()
+    titles = {}
+    for q in review.QUESTIONS:
+        assert q.subject, f"{q.key} names no subject"
+        ctl.redraw(question=q.key)
+        titles[q.key] = ctl.figure.layout.title.text.lower()
+        assert question_picture(q.key).layout.title.text.lower() == titles[q.key], q.key
+        assert q.subject.lower() in titles[q.key], (q.key, titles[q.key])
+    for q in review.QUESTIONS:
+        for other in review.QUESTIONS:
+            if other.picture.get("picture") != q.picture.get("picture"):
+                assert other.subject.lower() not in titles[q.key], (q.key, other.key)
+    assert "1.75" not in titles["dp_when"]  # Q1's answer stays under Q1

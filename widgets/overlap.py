@@ -25,12 +25,13 @@ def overlap_figure(events: list[dict], case: str, step: int, takeaway: str | Non
 
 
 def bucket_timeline_figure(sim: dict, measured: list[dict] | None = None, *, bucket_mb: float,
-                           reverse: bool):
+                           reverse: bool, title: str | None = None):
     """One DP step with gradient buckets: the simulation
     (:func:`edu3d.course.ch02_data_parallel.simulate_dp_step`), solid alone and a ghost under a
     run's step (:func:`~edu3d.widgets.timeline.step_events`). A simulated all-reduce
     is the bucket's time on the link; a measured one runs from its launch to the moment the
-    step waited for it. Tint = bucket (later buckets lighter)."""
+    step waited for it. Tint = bucket (later buckets lighter). ``title`` replaces the one
+    that names the buckets' size and order."""
     def exposed(evs):
         b_end = max(e["t1"] for e in evs if e["op"] == "B")
         end = max(e["t1"] for e in evs)
@@ -51,7 +52,7 @@ def bucket_timeline_figure(sim: dict, measured: list[dict] | None = None, *, buc
                      " simulation with the run's compute times; a measured bar ends when the "
                      "step waited for it)")
         events += measured
-    fig = timeline_figure(events, title=f"Buckets of {bucket_mb:g} MB in {order} order, "
+    fig = timeline_figure(events, title=title or f"Buckets of {bucket_mb:g} MB in {order} order, "
                           + ("measured over the simulation" if measured else "simulated"),
                           takeaway=takeaway, idle=False, ops=["F", "B", "all_reduce"])
     if measured:

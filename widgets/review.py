@@ -7,6 +7,8 @@ numbers come from (all of them computed by edu3d at once, no run needed):
   plan);
 * :func:`zero_figure` — the model state per GPU under ZeRO stages 0-3 over N ranks
   (``16Ψ`` ...);
+* :func:`zero_traffic_figure` — what one rank sends per step under each ZeRO stage (the
+  planner's count);
 * :func:`activations_figure` — one layer's activations against the TP degree: TP, TP+SP,
   TP+SP with selective recomputation (Korthikanti et al.);
 * :func:`tp_figure` — the planner's step time by part for the fastest layout at each TP
@@ -20,7 +22,8 @@ numbers come from (all of them computed by edu3d at once, no run needed):
   :func:`edu3d.course.ch11_review_recipe.decisions` (read from the planner's code).
 
 The bubble against the micro-batches is chapter 05's chart
-(:func:`edu3d.widgets.pipeline.bubble_figure`); the quiz panel that puts every picture behind
+(:func:`edu3d.widgets.pipeline.bubble_figure`), DDP's step chapter 02's
+(:func:`edu3d.widgets.overlap.bucket_timeline_figure`); the quiz panel that puts every picture behind
 one set of knobs is :mod:`edu3d.widgets.panels.ch11_review`.
 """
 
@@ -61,7 +64,24 @@ def zero_figure(model: str = "llama2-7b", n: int = 8, gpu_mem_gb: float = 80):
     psi = spec_from(model).num_params()
     return zero_stages(psi, n, gpu_mem_gb=gpu_mem_gb,
                        title=f"{model} ({psi / 1e9:.2f} B parameters) over dp = {n}: "
-                             "state per GPU")
+                             f"state per GPU; one GPU holds {gpu_mem_gb:g} GB")
+
+
+def zero_traffic_figure(gb: dict[int, float], model: str = "llama2-7b", n: int = 8):
+    """GB one rank sends per step over the data-parallel group, per ZeRO stage (``gb``:
+    :func:`edu3d.course.ch11_review.zero_traffic_gb`, the planner's count)."""
+    x = ["no ZeRO" if z == 0 else f"ZeRO-{z}" for z in gb]
+    fig = go.Figure()
+    fig.add_bar(x=x, y=list(gb.values()), marker_color=style.YELLOW, name="sent per rank",
+                text=[f"{v:.1f} GB" for v in gb.values()], textposition="outside",
+                hovertemplate="%{x}: %{y:.2f} GB per step<extra></extra>")
+    base = gb[0]
+    said = (f"ZeRO-3 moves {gb[3] / base:.2f}x plain DP's bytes: it gathers the weights again "
+            "for the backward" if base else "one rank alone: nothing to send")
+    fig.update_yaxes(range=[0, max(list(gb.values()) + [1e-9]) * 1.25])
+    return style.frame(fig, f"{model} over dp = {n}: data-parallel traffic per rank and step, "
+                            "by ZeRO stage", said, x="ZeRO stage",
+                       y="sent per rank and step (GB, 16-bit)")
 
 
 def activations_figure(model: str = "gpt3-175b"):
@@ -98,9 +118,10 @@ def _label(st) -> str:
             + ("" if st.memory.recompute == "none" else f" {st.memory.recompute[:3]}") + f" b{st.micro_batch}")
 
 
-def tp_figure(rows, model: str = "llama2-7b", gpus: int = 16):
+def tp_figure(rows, model: str = "llama2-7b", gpus: int = 16, all_reduces: int = 4):
     """The fastest layout (that fits, if any does) at each TP degree, step time by part, from
-    the planner's ranking ``rows`` (:func:`edu3d.course.ch11_review.plan`)."""
+    the planner's ranking ``rows`` (:func:`edu3d.course.ch11_review.plan`); ``all_reduces``
+    per layer and micro-batch (:func:`edu3d.course.ch11_review.tp_all_reduces`)."""
     best = {}
     for r in rows:  # sorted: fitting first, fastest first
         best.setdefault(r["setup"].layout.tp, r)
@@ -109,7 +130,8 @@ def tp_figure(rows, model: str = "llama2-7b", gpus: int = 16):
     _parts_bars(fig, [best[t] for t in tps], [f"tp={t}" + ("" if best[t]["fits"] else
                                                             " (no fit)") for t in tps])
     return style.frame(fig, f"{model} on {gpus} GPUs: the fastest layout at each TP degree",
-                       "TP's 4 all-reduces per layer ride NVLink inside a node of 8; beyond "
+                       f"TP's {all_reduces} all-reduces per layer ride NVLink inside a node "
+                       "of 8; beyond "
                        "it they cross InfiniBand and dominate the step.",
                        x="tensor-parallel degree (best layout for it)", y="step time (s)")
 

@@ -17,8 +17,9 @@ asks about distributed training, and know where in edu3d each answer comes from:
   request). The notebook ships its answers blank (``...``); with ``EDU3D_SOLUTIONS=1`` the
   reference answers of ``solutions/review_answers.py`` are graded instead, as the exercises'
   solutions are (:func:`edu3d.course.grading.load`);
-* every question names its ``chapter`` and its ``picture``: the knobs of the quiz panel
-  (``widgets/panels/ch11_review.py``) that draw it.
+* every question names its ``chapter``, its ``picture``: the knobs of the quiz panel
+  (``widgets/panels/ch11_review.py``) that draw it, and its ``subject``: what that picture's
+  title (or takeaway) says, so a question never sits under another question's picture.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Question:
     why: str  # what to reconsider (the hint of a wrong answer)
     chapter: str  # notebook file of the chapter that shows it
     picture: dict = field(default_factory=dict)  # the quiz panel's knobs for it
+    subject: str = ""  # what the question is about: the words its picture's title says
     tol: float = 0.02  # relative tolerance of numbers
     wrong: object = None  # a classic wrong answer (the tests check it fails)
 
@@ -80,13 +82,18 @@ def _llama(name: str = "llama2-13b"):
     return spec_from(name)
 
 
+def zero_traffic_gb(name: str = "llama2-7b", n: int = 8) -> dict[int, float]:
+    """GB one rank sends per step over the data-parallel group of ``n`` for ZeRO stages 0-3,
+    in bytes the planner counts (:func:`edu3d.plan.search.traffic`), at one micro-batch (the
+    paper's count: reducing every one of m micro-batches, m times)."""
+    spec = _llama(name)
+    return {z: traffic(spec, setup(dp=n, zero=z, microbatches=1, precision="bf16"))["dp"] / GB
+            for z in range(4)}
+
+
 def zero3_traffic_ratio() -> float:
-    """ZeRO-3's data-parallel traffic per step over plain DP's, in bytes the planner counts
-    (:func:`edu3d.plan.search.traffic`), at one micro-batch (the paper's count: reducing
-    every one of m micro-batches, m times)."""
-    spec = _llama("llama2-7b")
-    t = {z: traffic(spec, setup(dp=8, zero=z, microbatches=1, precision="bf16"))["dp"]
-         for z in (0, 3)}
+    """ZeRO-3's data-parallel traffic per step over plain DP's (:func:`zero_traffic_gb`)."""
+    t = zero_traffic_gb("llama2-7b", 8)
     return t[3] / t[0]
 
 
@@ -169,7 +176,8 @@ QUESTIONS: tuple[Question, ...] = (
         ring_gb_sent,
         "a ring all-reduce is a reduce-scatter then an all-gather, each N-1 steps of one "
         "chunk of S/N: 2(N-1)/N·S per rank, almost independent of N",
-        "01_collectives.ipynb", {"picture": "ring", "n": 8}, wrong=1.0),
+        "01_collectives.ipynb", {"picture": "ring", "n": 8}, wrong=1.0,
+        subject="ring all-reduce"),
     Question(
         "dp_when", "DP", "Q2 what DDP communicates, and when",
         "What does DDP communicate, and when? **a** the parameters, before each forward; "
@@ -179,7 +187,8 @@ QUESTIONS: tuple[Question, ...] = (
         lambda: "b",
         "every replica holds the whole model; only the gradients differ, and each bucket is "
         "all-reduced as soon as its gradients are ready, overlapping the rest of the backward",
-        "02_data_parallel.ipynb", {"picture": "ring", "n": 8}, wrong="a"),
+        "02_data_parallel.ipynb", {"picture": "ddp", "n": 8}, wrong="a",
+        subject="what DDP communicates, and when"),
     Question(
         "zero_gb", "ZeRO", "Q3 ZeRO stages 0-3: GB per GPU of the model state",
         "The ZeRO paper's example: **Ψ = 7.5 B** parameters, **N = 64** data-parallel GPUs, "
@@ -189,7 +198,7 @@ QUESTIONS: tuple[Question, ...] = (
         "16Ψ without ZeRO; stage 1 shards the optimizer state (4Ψ + 12Ψ/N), stage 2 also the "
         "gradients (2Ψ + 14Ψ/N), stage 3 also the weights (16Ψ/N)",
         "03_zero.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 64},
-        wrong={0: 120.0, 1: 30.0, 2: 15.0, 3: 1.9}),
+        wrong={0: 120.0, 1: 30.0, 2: 15.0, 3: 1.9}, subject="state per GPU"),
     Question(
         "zero_shards", "ZeRO", "Q4 what each ZeRO stage shards",
         "Which of `\"params\"`, `\"grads\"`, `\"optimizer\"` does each ZeRO stage divide over the "
@@ -197,7 +206,8 @@ QUESTIONS: tuple[Question, ...] = (
         zero_sharded,
         "the stages add up: 1 the optimizer state, 2 also the gradients, 3 also the weights",
         "03_zero.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 8},
-        wrong={1: {"optimizer"}, 2: {"grads"}, 3: {"params"}}),
+        wrong={1: {"optimizer"}, 2: {"grads"}, 3: {"params"}},
+        subject="each stage shards one more category"),
     Question(
         "zero_traffic", "ZeRO", "Q5 ZeRO-3's traffic over plain DP's",
         "Per step, how many times the data-parallel traffic of plain DP does ZeRO-3 move? "
@@ -205,7 +215,8 @@ QUESTIONS: tuple[Question, ...] = (
         zero3_traffic_ratio,
         "DP, ZeRO-1 and ZeRO-2 move 2Ψ (a reduce-scatter and an all-gather); ZeRO-3 gathers "
         "the weights again for the backward: 3Ψ",
-        "03_zero.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 8}, wrong=2.0),
+        "03_zero.ipynb", {"picture": "zero_traffic", "model": "llama2-7b", "n": 8},
+        wrong=2.0, subject="data-parallel traffic"),
     Question(
         "state_16psi", "memory", "Q6 LLaMA-2 7B's training state in GB",
         "How many GB do LLaMA-2 7B's weights, gradients and Adam state take in mixed "
@@ -213,7 +224,8 @@ QUESTIONS: tuple[Question, ...] = (
         state_gb,
         "2 + 2 + 12 = 16 bytes per parameter (bf16 weights and gradients, fp32 master weights "
         "and two moments) times its 6.74 B parameters",
-        "07_memory.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 1}, wrong=13.5),
+        "07_memory.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 1}, wrong=13.5,
+        subject="state per GPU"),
     Question(
         "activations", "TP/SP", "Q7 a GPT-3 layer's activations: serial, TP, TP+SP",
         "One GPT-3 175B layer (s = 2048, b = 1, h = 12288, a = 96, 16-bit): MB of activations "
@@ -223,7 +235,8 @@ QUESTIONS: tuple[Question, ...] = (
         "Korthikanti et al.: sbh(34 + 5as/h) serially, sbh(10 + 24/t + 5as/(ht)) with TP (10 "
         "stay whole: LayerNorm, QKV and MLP inputs, dropout masks), sbh/t(34 + 5as/h) with SP",
         "07_memory.ipynb", {"picture": "activations", "model": "gpt3-175b"},
-        wrong={"none": 2869.0, "tp": 358.6, "tp+sp": 358.6}),
+        wrong={"none": 2869.0, "tp": 358.6, "tp+sp": 358.6},
+        subject="one layer's activations"),
     Question(
         "selective", "memory", "Q8 what selective recomputation saves",
         "LLaMA-2 7B at s = 4096: which share of a layer's activations does selective "
@@ -231,7 +244,8 @@ QUESTIONS: tuple[Question, ...] = (
         selective_saving,
         "selective recomputation drops the 5as/h term (scores, softmax, its mask), which grows "
         "with s: at 4096 tokens it is most of the layer",
-        "07_memory.ipynb", {"picture": "activations", "model": "llama2-7b"}, wrong=0.1),
+        "07_memory.ipynb", {"picture": "activations", "model": "llama2-7b"}, wrong=0.1,
+        subject="selective recomputation"),
     Question(
         "tp_comm", "TP/SP", "Q9 TP's all-reduces per layer and micro-batch",
         "Megatron tensor parallelism without SP: how many all-reduces does one layer issue per "
@@ -240,7 +254,7 @@ QUESTIONS: tuple[Question, ...] = (
         "one after attention's row-parallel projection and one after the MLP's in the forward "
         "(the conjugate f/g operators), and their two mirrors in the backward",
         "04_tensor_parallel.ipynb", {"picture": "tp", "model": "llama2-7b", "gpus": 16},
-        tol=0.0, wrong=2),
+        tol=0.0, wrong=2, subject="all-reduces per layer"),
     Question(
         "bubble_1f1b", "PP", "Q10 1F1B's bubble at p=4, m=8",
         "1F1B with **p = 4** stages and **m = 8** micro-batches: which fraction of the step is "
@@ -249,7 +263,7 @@ QUESTIONS: tuple[Question, ...] = (
         "the bubble is (p-1)/(m+p-1) of the step for GPipe and 1F1B: p-1 slots of warm-up and "
         "cool-down beside m of work",
         "05_pipeline_parallel.ipynb", {"picture": "bubble", "schedule": "1f1b", "pp": 4, "m": 8},
-        wrong=3 / 8),
+        wrong=3 / 8, subject="1f1b, p = 4"),
     Question(
         "bubble_interleaved", "PP", "Q11 interleaved 1F1B's bubble at p=4, m=8, v=2",
         "Interleaved 1F1B with **v = 2** chunks per rank, p = 4, m = 8: the bubble fraction? "
@@ -258,7 +272,8 @@ QUESTIONS: tuple[Question, ...] = (
         "v chunks per rank make every slot v times shorter: (p-1)/(v·m+p-1), paid for with v "
         "times more point-to-point messages",
         "05_pipeline_parallel.ipynb",
-        {"picture": "bubble", "schedule": "interleaved", "pp": 4, "m": 8}, wrong=3 / 11),
+        {"picture": "bubble", "schedule": "interleaved", "pp": 4, "m": 8}, wrong=3 / 11,
+        subject="interleaved, p = 4"),
     Question(
         "zb_ratio", "PP", "Q12 ZB-H1's bubble over 1F1B's",
         "Zero-bubble ZB-H1 splits each backward into its input gradient (I) and its weight "
@@ -269,7 +284,7 @@ QUESTIONS: tuple[Question, ...] = (
         "(p-1)(F+B-2W) instead of (p-1)(F+B), a third of the time; as a share of a shorter "
         "step, (3/27)/(9/33) here",
         "05_pipeline_parallel.ipynb", {"picture": "bubble", "schedule": "zb-h1", "pp": 4, "m": 8},
-        tol=0.05, wrong=0.0),
+        tol=0.05, wrong=0.0, subject="zb-h1, p = 4"),
     Question(
         "in_flight", "PP", "Q13 micro-batches the first stage keeps alive",
         "p = 4, m = 8: at its peak, how many micro-batches' activations does the first stage "
@@ -279,7 +294,7 @@ QUESTIONS: tuple[Question, ...] = (
         "p-1 warm-up forwards: at most p on the first stage, fewer down the pipe",
         "05_pipeline_parallel.ipynb", {"picture": "in_flight", "schedule": "1f1b", "pp": 4,
                                        "m": 8},
-        tol=0.0, wrong={"gpipe": 8, "1f1b": 8}),
+        tol=0.0, wrong={"gpipe": 8, "1f1b": 8}, subject="micro-batches kept alive"),
     Question(
         "microbatches", "PP", "Q14 micro-batches for a 10% bubble at p=8",
         "With p = 8 stages and 1F1B, how many micro-batches at least keep the bubble at or "
@@ -289,7 +304,7 @@ QUESTIONS: tuple[Question, ...] = (
         "larger global batch or smaller micro-batches",
         "05_pipeline_parallel.ipynb", {"picture": "bubble", "schedule": "1f1b", "pp": 8,
                                        "m": 63},
-        tol=0.0, wrong=8),
+        tol=0.0, wrong=8, subject="1f1b, p = 8"),
     Question(
         "fits", "layout", "Q15 LLaMA-2 7B on one 80 GB GPU",
         "Does LLaMA-2 7B train on one 80 GB GPU (bf16, selective recomputation, 8 "
@@ -297,7 +312,8 @@ QUESTIONS: tuple[Question, ...] = (
         "(`True` or `False`)",
         fits_one_gpu,
         "the state alone is 16 bytes per parameter, about 108 GB, before any activation",
-        "07_memory.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 1}, wrong=True),
+        "07_memory.ipynb", {"picture": "zero", "model": "llama2-7b", "n": 1}, wrong=True,
+        subject="one GPU holds 80 GB"),
     Question(
         "layout", "layout", "Q16 the planner's layout for LLaMA-2 13B on 16 GPUs",
         "LLaMA-2 13B on 16 H100s of 80 GB (2 nodes of 8, NVLink inside, InfiniBand between), "
@@ -310,7 +326,7 @@ QUESTIONS: tuple[Question, ...] = (
         "at m = 128, while TP would pay seconds of all-reduces per step; `edu3d plan` prints "
         "the planner's reasons",
         "06_3d_parallelism.ipynb", {"picture": "layout", "model": "llama2-13b", "gpus": 16},
-        tol=0.0, wrong={"dp": 2, "tp": 8, "pp": 1}),
+        tol=0.0, wrong={"dp": 2, "tp": 8, "pp": 1}, subject="the planner's fastest layouts"),
 )
 BANK = {q.key: q for q in QUESTIONS}
 

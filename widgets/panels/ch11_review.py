@@ -4,11 +4,12 @@ After reading this file you should know how the quiz panel works: the first knob
 question of :data:`edu3d.course.ch11_review.BANK` and sets the other knobs to that question's
 case; :func:`picture` draws the picture of the current knobs (the charts of
 :mod:`edu3d.widgets.review`, the planner's ranking from :func:`edu3d.course.ch11_review.plan`,
-the bubble curve from :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve`); "measure
+the bubble curve from :func:`edu3d.course.ch05_pipeline_parallel.pp_bubble_curve`, DDP's step
+simulated as chapter 02 does, :func:`edu3d.course.ch02_data_parallel.simulate_dp_step`); "measure
 it" launches the tiny GPT on the CPU for the pipeline and ZeRO pictures
 (:func:`edu3d.course.ch06_3d_parallelism.capstone`) and draws the measurement over the theory.
-:func:`tp_picture`, :func:`bubble_picture` and :func:`layout_picture` are the pictures the
-chapter shows beside its questions. Every position of every knob draws a picture: a number
+:func:`question_picture` is the picture the chapter shows under a question (each question's
+``subject`` is what its picture's title says). Every position of every knob draws a picture: a number
 of micro-batches the chosen schedule cannot build on p stages (interleaved and ZB-H1 group
 them by p, :func:`edu3d.course.ch05_pipeline_parallel.pp_problem`) moves the slider to the
 nearest one it can (:func:`buildable_m`), and the panel says why.
@@ -19,27 +20,36 @@ from __future__ import annotations
 import ipywidgets as w
 
 from edu3d.course import lesson_args
+from edu3d.course.ch02_data_parallel import backward_sizes, simulate_dp_step
 from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve, pp_problem
 from edu3d.course.ch06_3d_parallelism import capstone, memory_estimate
-from edu3d.course.ch11_review import BANK, plan
+from edu3d.course.ch11_review import BANK, plan, tp_all_reduces, zero_traffic_gb
 from edu3d.config.layout import Layout
 from edu3d.schedules.simulate import bubble_of
 from edu3d.train.preflight import model_config
 from edu3d.widgets.panels.panel import Panel, choices
+from edu3d.widgets.overlap import bucket_timeline_figure, launched_during_backward
 from edu3d.widgets.pipeline import bubble_figure
 from edu3d.widgets.review import (activations_figure, in_flight_figure, layout_figure,
-                                  ring_figure, tp_figure, zero_figure, zero_measured_figure)
+                                  ring_figure, tp_figure, zero_figure, zero_measured_figure,
+                                  zero_traffic_figure)
 from edu3d.widgets.threed import pipeline_view
 
-PICTURES = ("ring", "zero", "activations", "tp", "bubble", "in_flight", "layout")
+PICTURES = ("ring", "ddp", "zero", "zero_traffic", "activations", "tp", "bubble", "in_flight",
+            "layout")
 MODELS = ("gpt2-xl", "llama2-7b", "llama2-13b", "llama2-70b", "gpt3-175b")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 STATE = ("params", "grads", "optimizer")
 # the pictures each knob changes: under any other picture the knob is greyed out (a knob that
 # redraws nothing would tell the learner it does not matter when it simply does not apply)
 USED_BY = {"schedule": ("bubble", "in_flight"), "pp": ("bubble", "in_flight"),
-           "m": ("bubble", "in_flight"), "n": ("ring", "zero"),
-           "model": ("zero", "activations", "tp", "layout"), "gpus": ("tp", "layout")}
+           "m": ("bubble", "in_flight"), "n": ("ring", "ddp", "zero", "zero_traffic"),
+           "model": ("zero", "zero_traffic", "activations", "tp", "layout"),
+           "gpus": ("tp", "layout")}
+#: the bucket size of DDP's picture (chapter 02's panel's default)
+DDP_BUCKET_MB = 0.1
+#: DDP's picture draws this many ranks' lanes: every rank's step is the same
+DDP_LANES = 2
 DEFAULT = {"question": "bubble_1f1b", "picture": "bubble", "schedule": "1f1b", "pp": 4, "m": 8,
            "n": 8, "model": "llama2-7b", "gpus": 16}
 
@@ -47,7 +57,26 @@ DEFAULT = {"question": "bubble_1f1b", "picture": "bubble", "schedule": "1f1b", "
 # ---- the pictures ------------------------------------------------------------------------------
 def tp_picture(model: str = "llama2-7b", gpus: int = 16):
     """The fastest layout at each TP degree for ``model`` on ``gpus`` GPUs (the planner's)."""
-    return tp_figure(plan(model, gpus), model, gpus)
+    return tp_figure(plan(model, gpus), model, gpus, tp_all_reduces())
+
+
+def ddp_picture(n: int = 8, bucket_mb: float = DDP_BUCKET_MB):
+    """What DDP communicates, and when: one step of the tiny GPT over ``n`` data-parallel
+    ranks, simulated as chapter 02 simulates edu3d's bucketed DDP
+    (:func:`edu3d.course.ch02_data_parallel.simulate_dp_step`), the first ranks' lanes."""
+    sim = simulate_dp_step(backward_sizes(model_config(lesson_args())), bucket_mb, True, n)
+    shown = min(n, DDP_LANES)
+    sim = {**sim, "events": [e for e in sim["events"] if e["rank"] < shown]}
+    during = launched_during_backward(sim["launch_log"], sim["grads"])
+    title = (f"What DDP communicates, and when: each of {n} ranks all-reduces its gradients "
+             f"in {len(sim['buckets'])} buckets, {during} launched during the backward"
+             + (f" ({shown} of {n} ranks drawn)" if shown < n else ""))
+    return bucket_timeline_figure(sim, bucket_mb=bucket_mb, reverse=True, title=title)
+
+
+def zero_traffic_picture(model: str = "llama2-7b", n: int = 8):
+    """What one rank sends per step under each ZeRO stage (the planner's count)."""
+    return zero_traffic_figure(zero_traffic_gb(model, n), model, n)
 
 
 def layout_picture(model: str = "llama2-13b", gpus: int = 16):
@@ -88,8 +117,12 @@ def picture(state: dict):
     kind = state["picture"]
     if kind == "ring":
         return ring_figure(state["n"])
+    if kind == "ddp":
+        return ddp_picture(state["n"])
     if kind == "zero":
         return zero_figure(state["model"], state["n"])
+    if kind == "zero_traffic":
+        return zero_traffic_picture(state["model"], state["n"])
     if kind == "activations":
         return activations_figure(state["model"])
     if kind == "tp":
@@ -101,6 +134,11 @@ def picture(state: dict):
     if kind == "layout":
         return layout_picture(state["model"], state["gpus"])
     raise ValueError(f"unknown picture {kind!r}; choose one of {', '.join(PICTURES)}")
+
+
+def question_picture(key: str):
+    """The picture of question ``key`` at its own case (what the quiz draws when it is picked)."""
+    return picture({**DEFAULT, **BANK[key].picture})
 
 
 # ---- the panel ---------------------------------------------------------------------------------
