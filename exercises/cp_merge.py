@@ -41,24 +41,25 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
 # ---- design: the cp degree and implementation for a sequence and a memory budget ----------------
 def cp_plan(job: str) -> dict:
     """``{"cp": degree, "cp_impl": "ring" | "allgather" | "ulysses", "recompute": "none" |
-    "selective" | "full"}`` for a long-sequence job of llama2-7b's shape (32 layers, d_model
-    4096, 32 query heads) with grouped-query attention (8 KV heads), bf16 with AdamW,
-    ZeRO-3 over ``dp x cp`` (``dp = GPUs / cp``), one sequence a micro-batch, 90 % of a GPU
-    usable:
+    "selective" | "full"}`` for a long-sequence job of llama2-7b (32 layers, d_model 4096,
+    32 heads, each with its own K and V), bf16 with AdamW, ZeRO-3 over ``dp x cp``
+    (``dp = GPUs / cp``), one sequence a micro-batch, 90 % of a GPU usable:
 
-    ======  ==============  ========================  =====================
-    job     sequence        GPUs                      sequences a step
-    ======  ==============  ========================  =====================
-    ``a``   16,384 tokens   8 of 40 GB (one node)     8
-    ``b``   32,768 tokens   16 of 24 GB (2 nodes)     16
-    ======  ==============  ========================  =====================
+    ======  ==============  ========================================  =====================
+    job     sequence        GPUs                                      sequences a step
+    ======  ==============  ========================================  =====================
+    ``a``   32,768 tokens   8 of 24 GB, one node (NVLink)             8
+    ``b``   65,536 tokens   8 of 24 GB, two nodes of 4 GPUs, NVLink   8
+                            inside, 25 GB/s per GPU between them
+    ======  ==============  ========================================  =====================
 
     ``cp`` divides the GPUs; Ulysses hands each rank whole heads, so its ``cp`` divides the
-    32 heads. The target: the fullest rank fits, and the planner's step is within 2 % of the
-    best plan it accepts (the grader: ``cost`` in
+    32 heads. The target: the fullest rank fits, and the planner's step on the job's nodes
+    and links is within 2 % of the best plan it accepts (the grader: ``cost`` in
     ``edu3d/course/ch13_context_parallelism_grade.py``; try plans with
     ``g.describe(job, plan)``).
     """
     raise NotImplementedError(
         "hint: what does each doubling of cp save, and what does it cost once the sequence "
-        "already fits? which implementation's sends can hide under the attention?")
+        "already fits? which implementation's sends can hide under the attention, and which "
+        "sends the fewest bytes over a slow link?")

@@ -38,15 +38,17 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> list[int]:
 
 # ---- design: the cp degree and implementation for a sequence and a memory budget ----------------
 def cp_plan(job: str) -> dict:
-    """a (16k tokens, 40 GB): without cp only full recomputation fits (21 GB, 3.57 s);
-    cp = 4 with selective recomputation fits too (34 GB) and is faster (3.49 s): the ring
-    hides its K,V sends under each block's attention, and the extra forward is gone.
-    cp = 8 is slower again (4.0 s): every rank's matmuls shrink with its tokens.
-    b (32k tokens, 24 GB): selective recomputation fits only at cp = 16 (17.6 GB, 11.2 s);
-    full recomputation fits from cp = 2 (15.2 GB, 10.2 s), the smallest degree and so the
-    largest matmuls."""
-    return {"a": {"cp": 4, "cp_impl": "ring", "recompute": "selective"},
-            "b": {"cp": 2, "cp_impl": "ring", "recompute": "full"}}[job]
+    """a (32k tokens, 8 x 24 GB, one node): only full recomputation fits, from cp = 4 (19 GB);
+    cp = 8 is slower (every rank's matmuls shrink with its tokens). On NVLink the ring hides
+    its K,V sends under each block's attention: 11.0 s, where Ulysses' all-to-alls (11.3 s)
+    and the all-gather (11.6 s) wait in the open.
+    b (64k tokens, 8 x 24 GB in two nodes of 4 at 25 GB/s): only cp = 8 with full
+    recomputation fits, so the cp group spans both nodes. The ring sends this rank's K,V
+    cp - 1 times forward and again backward, across the slow link, far longer than the
+    attention it could hide under (65 s); Ulysses' four all-to-alls move each token's q, k, v
+    and output once, (cp-1)/cp of them: about five times fewer bytes (53 s)."""
+    return {"a": {"cp": 4, "cp_impl": "ring", "recompute": "full"},
+            "b": {"cp": 8, "cp_impl": "ulysses", "recompute": "full"}}[job]
 
 
 # The deeper hints of exercises/cp_merge.py (edu3d.course.grading.tiers): per function,
@@ -61,7 +63,9 @@ HINTS = {'merge': ('lse = log(e^lse_a + e^lse_b); each output weighs e^(lse_x - 
                       'chunks r and 2*cp - 1 - r, each range(c * size, (c + 1) * size), front '
                       'one first'),
  'cp_plan': ('first find what fits: each doubling of cp halves the activations, full '
-             'recomputation keeps only block inputs; then compare the smallest cp that fits '
-             'with each recomputation: a rank with fewer tokens runs smaller matmuls',
-             'a: cp 4 with selective recomputation; b: cp 2 with full recomputation; the ring '
-             'hides its sends (compare every plan with g.describe(job, plan))')}
+             'recomputation keeps only block inputs; then compare the implementations at the '
+             'smallest cp that fits: which one hides its sends, which sends the fewest bytes '
+             'over a slow link?',
+             'a: cp 4, the ring, full recomputation (on NVLink its sends hide); b: cp 8, '
+             'Ulysses, full recomputation (across the slow link it moves far fewer bytes than '
+             'the ring); compare every plan with g.describe(job, plan)')}

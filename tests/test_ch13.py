@@ -13,6 +13,7 @@ import torch
 from edu3d.course import ch13_context_parallelism as ch13
 from edu3d.course import ch13_context_parallelism_grade as grader, grading
 from edu3d.course import ch13_context_parallelism_ring as ring
+from edu3d.course.targets import best
 from edu3d.config.layout import Layout
 from edu3d.launch import launch
 from edu3d.parallel.cp import work
@@ -221,3 +222,29 @@ def _off_by_one(s, cp, r):
 def test_classic_mistakes_fail_their_check(wrong, check, message):
     with pytest.raises(AssertionError, match=message):
         check(_wrong(**wrong))
+
+
+def test_the_design_turns_on_the_implementation():
+    """Exercise 13's design: the reference passes both jobs; keeping one implementation for
+    both fails one, whatever degree and recomputation go with it (the planner's best plan of
+    that implementation misses the target), and the reference with its implementation
+    swapped for another fails its job."""
+    sol = grading.load("cp_merge", solutions=True)
+    for job in grader.JOBS:
+        grader.check_design(sol, job)
+    for impl in grader.IMPLS:
+        missed = []
+        for job in grader.JOBS:
+            mine = [p for p in grader.plans(job) if p["cp_impl"] == impl]
+            try:
+                plan, _ = best(mine, lambda p, job=job: grader.cost(job, p),
+                               grader.target(job).memory)
+                grader.check_design(SimpleNamespace(cp_plan=lambda j, p=plan: p), job)
+            except (AssertionError, ValueError):
+                missed.append(job)
+        assert missed, f"{impl} on every job passes: the implementation does not matter"
+    for job in grader.JOBS:
+        for impl in set(grader.IMPLS) - {sol.cp_plan(job)["cp_impl"]}:
+            plan = {**sol.cp_plan(job), "cp_impl": impl}
+            with pytest.raises(AssertionError, match="slower than the target"):
+                grader.check_design(SimpleNamespace(cp_plan=lambda j, p=plan: p), job)

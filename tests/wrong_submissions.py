@@ -361,8 +361,13 @@ def merge(out_a, lse_a, out_b, lse_b):
 """, "all-bf16"),
         ("the most cp there is, to be safe: every rank's work shrinks with its tokens", """
 def cp_plan(job):
-    return {"cp": {"a": 8, "b": 16}[job], "cp_impl": "ring", "recompute": "selective"}
+    return {"cp": 8, "cp_impl": "ring", "recompute": "full"}
 """, "design, job a"),
+        ("the implementation left at the ring, the default, on both jobs: the right degree "
+         "and recomputation, but across job b's slow link the ring's sends are exposed", """
+def cp_plan(job):
+    return {"cp": {"a": 4, "b": 8}[job], "cp_impl": "ring", "recompute": "full"}
+""", "design, job b"),
     ],
     "torch_wrap": [
         ("the blocks sharded, the root forgotten (embeddings and head whole, never averaged)", """
