@@ -133,3 +133,33 @@ def test_the_takeaways_say_what_their_data_shows():
             {"name": "MoE ep=2, rank 1 (experts 2,3)", "params": 20, "grads": 20, "optimizer": 40}]
     said = moe.memory_takeaway(rows, {"total": 10, "active": 8})
     assert said.endswith("one rank 1.25x (above); ep=2 0.78x (below)"), said
+
+
+def test_the_memory_takeaway_reads_the_drawn_bars():
+    """Issue 42: the memory takeaway said ep = 2 goes below the dense equivalent where its
+    bar equals it. Each ratio it states is the drawn bar (the fullest rank of its degree)
+    over the hatched dense-equivalent bar, with the word that comparison earns."""
+    import re
+
+    from edu3d.widgets.experts import memory_bars
+
+    mem = lambda p: {"params": p, "grads": p, "optimizer": 2 * p}  # noqa: E731
+    active = 1000
+    runs = {2: [{"rank": 0, "experts": [0, 1], "memory": mem(4000)},
+                {"rank": 1, "experts": [2, 3], "memory": mem(3990)}],
+            4: [{"rank": r, "experts": [r], "memory": mem(3000 + r)} for r in range(4)]}
+    rows = moe.memory_rows(mem(900), mem(7000), runs, active)
+    fig = memory_bars(rows, title="t", takeaway=moe.memory_takeaway(rows, {"total": 9000,
+                                                                          "active": active}))
+    drawn = {}
+    for bar in fig.data:
+        for name, kib in zip(bar.y, bar.x):
+            drawn[name] = drawn.get(name, 0.0) + kib
+    same = next(v for n, v in drawn.items() if "16 Ψ_active" in n)
+    said = dict(re.findall(r"(one rank|ep=\d+) ([\d.]+x \(\w+\))", fig.layout.title.text))
+    assert set(said) == {"one rank", "ep=2", "ep=4"}, fig.layout.title.text
+    for who, pick in (("one rank", "MoE, 1 rank"), ("ep=2", "MoE ep=2,"), ("ep=4", "MoE ep=4,")):
+        r = round(max(v for n, v in drawn.items() if n.startswith(pick)) / same, 2)
+        word = "below" if r < 1 else "equal" if r == 1 else "above"
+        assert said[who] == f"{r:.2f}x ({word})", (who, said[who])
+    assert said["ep=2"] == "1.00x (equal)"  # 16,000 bytes, the dense equivalent's, drawn equal

@@ -248,3 +248,46 @@ def test_the_design_turns_on_the_implementation():
             plan = {**sol.cp_plan(job), "cp_impl": impl}
             with pytest.raises(AssertionError, match="slower than the target"):
                 grader.check_design(SimpleNamespace(cp_plan=lambda j, p=plan: p), job)
+
+
+def test_the_panels_captions_are_their_bars_at_every_knob_position():
+    """Issue 42: chapter 13's cost panel said "Ulysses sends least" after leaving Ulysses out
+    (cp=8, 4 heads), and a printed imbalance of 1.67 stood beside a subtitle of 1.73. At
+    every position of the exchange and block panels' knobs, the takeaway names only drawn
+    implementations, the least and most by the drawn bars, and the block panel's ratios are
+    its bars' busiest over their mean, each labelled with what it measures."""
+    import re
+
+    from edu3d.widgets.panels import ch13_context_parallelism as panels
+
+    ctl = panels.exchange_controls()
+    for cp in (2, 4, 8, 16):
+        for heads in (1, 2, 4, 8):
+            for seq_len in (32, 256):
+                ctl.redraw(cp=cp, heads=heads, seq_len=seq_len)
+                fig = ctl.bytes_fig
+                drawn = {}
+                for bar in fig.data:  # the formula's forward and backward bars
+                    for impl, kib in zip(bar.x, bar.y):
+                        drawn[impl] = drawn.get(impl, 0.0) + kib
+                said = fig.layout.title.text
+                named = re.search(r"(\w+) sends least per rank \(([\d.]+) KiB.*\), (\w+) the "
+                                  r"most \(([\d.]+) KiB\)", said)
+                assert named, said
+                least, low, most, high = named.groups()
+                assert {least, most} <= set(drawn), (cp, heads, said)
+                assert ("ulysses" in drawn) == (heads % cp == 0), (cp, heads)
+                assert least == min(drawn, key=drawn.get) and low == f"{drawn[least]:.1f}"
+                assert most == max(drawn, key=drawn.get) and high == f"{drawn[most]:.1f}"
+    blocks = panels.block_controls()
+    for cp in (2, 4, 8):
+        for split in ("plain", "zigzag"):
+            for seq_len in (32, 64):
+                blocks.redraw(cp=cp, split=split, seq_len=seq_len)
+                bars = {b.name: list(b.y) for b in blocks.fig.data if b.type == "bar"}
+                said = re.search(r"([\d.]+)x the causal entries, ([\d.]+)x what the ring "
+                                 r"computes", blocks.fig.layout.title.text)
+                assert said, blocks.fig.layout.title.text
+                ratio = lambda ys: max(ys) / (sum(ys) / len(ys))  # noqa: E731
+                assert said.groups() == (f"{ratio(bars['causal entries (formula)']):.2f}",
+                                         f"{ratio(bars['ring computes (theory)']):.2f}")
