@@ -230,7 +230,9 @@ class TuneControls(Panel):
     title = "The auto-tuner: the planner's prediction against the clock"
     button = "tune again"
     tooltip = "run every candidate again on 2 ranks (about 20 s) and redraw"
-    knob_rows = (("metric", "view", "candidate"),)
+    # the view's two buttons side by side: in one row with both dropdowns and the button
+    # the row ran out of width and the toggle, the only item that shrinks, stacked them
+    knob_rows = (("metric", "view"), ("candidate", "run"))
     FIGURES = ("figure",)
 
     def __init__(self, report: dict, default: dict | None = None):
@@ -274,7 +276,8 @@ class TuneControls(Panel):
             "metric": w.Dropdown(options=list(tuning.METRICS), value=s["metric"],
                                  description="metric"),
             "view": w.ToggleButtons(options=list(VIEWS), value=s["view"], description="view",
-                                    style={"button_width": "70px"}),
+                                    style={"button_width": "70px"},
+                                    layout={"flex": "0 0 auto"}),
             "candidate": w.Dropdown(options=[("none", ""), *((c, c) for c in self.labels())],
                                     value=s["candidate"], description="candidate",
                                     layout={"width": "420px"}),
