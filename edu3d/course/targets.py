@@ -8,10 +8,11 @@ target and meets the time target (:class:`Target`, :func:`meet`).
 
 Where the plans can be listed, the time target is the best feasible plan's time times a
 small slack (:func:`best`, :func:`target_of`): a target the model proves reachable, never a
-hand-picked number, so it moves with the model. Many plans may pass; the point is the reasoning, and the
-failure says how far off the plan is and which way (too slow, too big), never which plan to
-write. The notebook shows a plan next to its target in one line (:func:`plan_line`, most
-often in the usual words of :func:`step_line`), or why the plan is no plan.
+hand-picked number, so it moves with the model. Many plans may pass; the point is the
+reasoning, and the failure says how far off the plan is and which way (too slow, too big),
+never which plan to write. The notebook shows a plan next to its target in one line
+(:func:`plan_line`, most often in the usual words of :func:`step_line`), or why the plan is
+no plan.
 """
 
 from __future__ import annotations
