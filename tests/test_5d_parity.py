@@ -21,7 +21,7 @@ import functools
 
 import pytest
 
-from tests.workers_5d import MODEL, MOE, assert_parity, launch_parity, world_size
+from tests.workers_5d import MOE, argv_of, assert_parity, launch_parity, world_size
 
 TOL = 1e-5
 ADAM_STEPS = 5
@@ -59,18 +59,14 @@ LAYOUTS = {
 }
 
 
-def _argv(name: str) -> list[str]:
-    return f"{MODEL} {LAYOUTS[name]}".split()
-
-
 def _world(name: str) -> int:
-    return world_size(_argv(name))
+    return world_size(argv_of(LAYOUTS[name]))
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict[str, dict]:
     """Every layout of ``world`` ranks, in one launch."""
-    return launch_parity({n: _argv(n) for n in LAYOUTS}, world, ADAM_STEPS, TOL, "parity5d")
+    return launch_parity(LAYOUTS, world, ADAM_STEPS, TOL, "parity5d")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

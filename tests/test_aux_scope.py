@@ -24,7 +24,7 @@ from edu3d.config.sections import Run
 from edu3d.train.cut import shard_rows
 from edu3d.train.loop import reference_microbatches
 from edu3d.train.preflight import preflight
-from tests.workers_5d import (MODEL, MOE, assert_parity, launch_parity, options, rel,
+from tests.workers_5d import (MOE, argv_of, assert_parity, launch_parity, options, rel,
                               serial_reference, world_size)
 
 TOL = 1e-5
@@ -37,22 +37,18 @@ LAYOUTS = {
 }
 
 
-def _argv(name: str) -> list[str]:
-    return f"{MODEL} {LAYOUTS[name]}".split()
-
-
 def _world(name: str) -> int:
-    return world_size(_argv(name))
+    return world_size(argv_of(LAYOUTS[name]))
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict[str, dict]:
-    return launch_parity({n: _argv(n) for n in LAYOUTS}, world, 5, TOL, "aux-scope")
+    return launch_parity(LAYOUTS, world, 5, TOL, "aux-scope")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_the_plain_serial_command(name):
-    run = options(_argv(name))
+    run = options(argv_of(LAYOUTS[name]))
     plain = 1 if "sequence" in name else run.microbatches
     # the reference is the serial command itself: no extra micro-batches for the data ranks
     assert reference_microbatches(run) in (plain, run.layout.dp * run.microbatches)
@@ -64,7 +60,7 @@ def test_layout_equals_the_plain_serial_command(name):
 def test_sequence_scope_needs_no_extra_microbatches():
     """A sequence never spans data ranks or micro-batches: the plain serial run (one
     micro-batch) and the dp x m reference give the same step."""
-    argv = f"{MODEL} {MOE} --aux-scope sequence".split()
+    argv = argv_of(f"{MOE} --aux-scope sequence")
     one = serial_reference(argv, 1, TOL)
     run = options(argv).replace(dp=2, microbatches=2)
     assert reference_microbatches(run) == 4

@@ -34,6 +34,11 @@ def options(argv: list[str]) -> Run:
     return args
 
 
+def argv_of(flags: str) -> list[str]:
+    """The command line of the tests' model (:data:`MODEL`) with a layout's ``flags``."""
+    return f"{MODEL} {flags}".split()
+
+
 def world_size(argv: list[str]) -> int:
     """How many ranks ``argv``'s layout runs on."""
     return check_args(options(argv))[1].world_size
@@ -132,11 +137,12 @@ def parity_all(mesh, cases: list[tuple[list[str], dict]]) -> list[dict]:
     return out
 
 
-def launch_parity(argvs: dict[str, list[str]], world: int, steps: int, tol: float,
+def launch_parity(layouts: dict[str, str], world: int, steps: int, tol: float,
                   name: str) -> dict[str, dict]:
-    """Every layout of ``argvs`` (its name to its argv) that runs on ``world`` ranks, in one
-    launch called ``name``, against its serial reference of ``steps`` AdamW steps: each
-    layout's name to :func:`parity`'s errors."""
+    """Every layout of ``layouts`` (its name to its flags, :func:`argv_of`) that runs on
+    ``world`` ranks, in one launch called ``name``, against its serial reference of ``steps``
+    AdamW steps: each layout's name to :func:`parity`'s errors."""
+    argvs = {n: argv_of(flags) for n, flags in layouts.items()}
     names = [n for n, argv in argvs.items() if world_size(argv) == world]
     cases = [(argvs[n], serial_reference(argvs[n], steps, tol)) for n in names]
     first = check_args(options(cases[0][0]))[1]
