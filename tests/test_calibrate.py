@@ -215,9 +215,12 @@ def test_zero_reduces_unit_by_unit_and_zero2_every_microbatch():
     two = trainer_comm.zero_reduce(spec, setup(dp=2, zero=2, microbatches=4), 0, False, 2, 2, n,
                                    link)
     assert one[0] >= 6 * ALPHA and two[0] == pytest.approx(4 * one[0]) and two[1] == one[1]
-    assert trainer_comm.bookkeeping(setup(), prof) == 0.0
-    assert trainer_comm.bookkeeping(setup(dp=2), prof) == pytest.approx(
-        2 * links.collective_time("all_reduce", 8, 2, link))
+    assert trainer_comm.bookkeeping(spec, setup(), prof) == 0.0
+    assert trainer_comm.bookkeeping(spec, setup(dp=2), prof) == pytest.approx(  # the loss only
+        links.collective_time("all_reduce", 4, 2, link))
+    assert trainer_comm.bookkeeping(spec, setup(dp=2, zero=1), prof) == pytest.approx(
+        links.collective_time("all_reduce", 4, 2, link)  # and the norm of the shards
+        + links.collective_time("all_reduce", 8, 2, link))
     steps = {z: predict(spec, setup(precision="fp32", dp=2, zero=z, microbatches=2), prof)
              for z in (0, 1, 2)}
     assert steps[0].step_time < steps[1].step_time < steps[2].step_time  # as measured
