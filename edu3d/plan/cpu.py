@@ -1,6 +1,6 @@
 """What a CPU adds to the performance model: the costs a GPU hides, and gloo's own collectives.
 
-After reading this file you should understand why the same model needs three more terms to
+After reading this file you should understand why the same model needs a few more terms to
 predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profile with
 ``cores`` is a CPU one; a GPU profile leaves every term here at zero or unused):
 
