@@ -1,9 +1,9 @@
 """The collectives the performance model counts are the ones a traced edu3d step issues.
 
 On a CPU each gloo collective costs a latency of its own (a few hundred microseconds), so the
-model's step time is only as good as its *count* of them. Two real 2-rank runs of the tiny
-model (tensor parallelism with sequence parallelism, and ZeRO-3, 2 micro-batches each) are
-traced; the collectives of one step, by group and kind, must be what
+model's step time is only as good as its *count* of them. One 2-rank launch trains the tiny
+model twice (tensor parallelism with sequence parallelism, and ZeRO-3, 2 micro-batches each)
+with its trace on; the collectives of one step, by group and kind, must be what
 :func:`edu3d.plan.trainer_comm.count` lists for them. Nothing here times anything.
 """
 
@@ -11,33 +11,30 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
+from edu3d.config.layout import Layout
 from edu3d.config.sections import Run
 from edu3d.distributed import trace
 from edu3d.launch import launch
 from edu3d.plan import recipes, trainer_comm
 from edu3d.plan.estimate import spec_of
 from edu3d.plan.stage_costs import cut_of
-from edu3d.train import loop
 
-RUNS = {"tp+sp": dict(tp=2, sp=True, microbatches=2),
-        "zero3": dict(dp=2, zero=3, microbatches=2)}
+from tests import workers_trainer_comm as workers
 
-
-def traced(run: Run, run_dir) -> Counter:
-    """``{(group, kind): calls}`` of step 2 of ``run`` on rank 0, from its trace."""
-    launch(loop.worker, run.world_size, args=(run.flat(),), layout=run.layout, timeout=300,
-           echo=False, run_dir=run_dir, pool=False)
-    return Counter((e["group"], e["op"]) for e in trace.load(run_dir)
-                   if e["lane"] == "comm" and e["rank"] == 0 and e.get("step") == 2)
+RUNS = [dict(tp=2, sp=True, microbatches=2), dict(dp=2, zero=3, microbatches=2)]
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_counted_collectives_are_the_traced_ones(name, tmp_path):
-    run = Run.of(model="tiny", global_batch=8, steps=2, precision="fp32", **RUNS[name])
-    spec = spec_of(run)
-    cut = cut_of(spec, run, recipes.recipe_of("edu3d"))
-    counted = trainer_comm.count(spec, run, cut, 0, spec.n_layers, True, True)
-    assert sum(counted.values()) > 16  # more than the textbook's 4 per layer, for this test
-    assert traced(run, tmp_path) == counted
+def test_counted_collectives_are_the_traced_ones(tmp_path):
+    options = [dict(model="tiny", global_batch=8, precision="fp32", **r) for r in RUNS]
+    launch(workers.traced_steps, 2, args=(options,), layout=Layout(dp=2), timeout=300,
+           echo=False, run_dir=tmp_path, pool=False)
+    events = trace.load(tmp_path)
+    for case, opts in enumerate(options):
+        run = Run.of(**opts)
+        spec = spec_of(run)
+        cut = cut_of(spec, run, recipes.recipe_of("edu3d"))
+        counted = trainer_comm.count(spec, run, cut, 0, spec.n_layers, True, True)
+        assert sum(counted.values()) > 4 * spec.n_layers * run.microbatches  # the textbook's
+        traced = Counter((e["group"], e["op"]) for e in events if e["lane"] == "comm"
+                         and e["rank"] == 0 and e.get("case") == case and e.get("step") == 2)
+        assert traced == counted, opts
