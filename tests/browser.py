@@ -9,11 +9,13 @@ the kernel, then checks what a learner would see:
 * every Plotly chart rendered with at least one trace and a title;
 * every ipywidgets view rendered; every control of every panel (``.edu3d-controls``) is turned
   through its range (each option of a dropdown, sampled past six, each toggle, a checkbox
-  both ways, a slider's ends and a few steps): each position must redraw without an error in
-  the panel or in the console, and each panel must change under its controls;
-* a screenshot of the *whole* notebook (JupyterLab scrolls inside the page, so the notebook's
-  own scroller is walked and the viewports stitched) in ``$EDU3D_SCREENSHOTS`` (default
-  ``<pytest tmp>/screenshots``), taken before the controls are turned.
+  both ways, a slider's two ends; a move to where the control already is, which
+  redraws nothing, is not made): each position must redraw without an error in the panel or
+  in the console, and each panel must change under its controls;
+* for a person to look at, a screenshot of the *whole* notebook (JupyterLab scrolls inside
+  the page, so the notebook's own scroller is walked and the viewports stitched) in
+  ``$EDU3D_SCREENSHOTS``, taken before the controls are turned: only when that is set (or
+  run by hand), since nothing checks a picture and it costs 10-20 s a notebook.
 
 Chromium is the distribution's package (``/usr/bin/chromium``, or ``$EDU3D_CHROMIUM``),
 driven by Python Playwright with ``executable_path``: nothing is downloaded at run time.
@@ -379,7 +381,8 @@ CONTROLS_JS = """(box) => {
       (el.closest('.widget-slider')?.querySelector('label')?.textContent) || '']));
   return found;
 }"""
-SLIDER_KEYS = ("End", "Home", "PageUp")  # the ends, then a few steps up
+SLIDER_KEYS = ("End", "Home")  # both ends: every step between is turned headless, in seconds
+# (tests/test_every_control.py); here each control must redraw in the page without an error
 MAX_OPTIONS = 6  # a longer dropdown is sampled: its ends and options evenly between
 # (every option of every knob is turned headless, in seconds: tests/test_every_control.py)
 # jupyterlab-plotly's renderer redraws a chart and then, once the redraw's promise resolves,
@@ -425,12 +428,26 @@ def wait_redrawn(page, box, before: str, limit_s: float = 3.0) -> dict:
     return now
 
 
+def _slider_stays(handle, key: str) -> bool:
+    """Whether ``key`` leaves the slider where it is (End at its top, Home or PageDown at
+    its bottom, PageUp at its top), read from the handle's ARIA values."""
+    now, low, high = (handle.get_attribute(a) for a in
+                      ("aria-valuenow", "aria-valuemin", "aria-valuemax"))
+    try:
+        now, low, high = float(now), float(low), float(high)
+    except (TypeError, ValueError):
+        return False  # not readable: make the move
+    return (key in ("End", "PageUp") and now >= high) or (key in ("Home", "PageDown")
+                                                           and now <= low)
+
+
 def turn_every_control(page, box) -> dict:
     """Turn every control of one panel through its range: each option of a dropdown (a
     sample of :data:`MAX_OPTIONS` past that), each toggle button, a checkbox both ways, a
-    slider's ends and a few steps (keys on its handle). Return the positions turned, how many
-    changed the panel, and what failed."""
-    positions, changed, failed = 0, 0, []
+    slider's two ends (keys on its handle). Return the positions turned, how many
+    changed the panel, what failed, and the slowest positions (seconds until redrawn: where
+    the browser test's time goes)."""
+    positions, changed, failed, took = 0, 0, [], []
     for kind, i, label in page.evaluate(CONTROLS_JS, box.element_handle()):
         moves = []
         if kind == "select":
@@ -455,17 +472,27 @@ def turn_every_control(page, box) -> dict:
                     continue  # there already, or greyed out (it does not apply now)
                 select.select_option(index=arg)
             elif how == "toggle":
-                box.locator(".widget-toggle-buttons").nth(i).locator("button").nth(arg).click()
+                button = box.locator(".widget-toggle-buttons").nth(i).locator("button").nth(arg)
+                if button.evaluate("(b) => b.classList.contains('mod-active') || b.disabled"):
+                    continue  # there already (drawn), or greyed out
+                button.click()
             elif how == "checkbox":
                 box.locator(".widget-checkbox input").nth(i).click()
             else:
-                box.locator(".noUi-handle").nth(i).press(arg)
+                handle = box.locator(".noUi-handle").nth(i)
+                if _slider_stays(handle, arg):
+                    continue  # already at that end: the key would redraw nothing
+                handle.press(arg)
             positions += 1
+            start = time.monotonic()
             now = wait_redrawn(page, box, before)
             changed += now["sig"] != before
+            took.append((round(time.monotonic() - start, 1), f"{label.strip() or kind} {arg}",
+                         now["sig"] != before))
             if now["failed"]:
                 failed.append(f"{label.strip() or kind} {arg}: {now['failed']}")
-    return {"positions": positions, "changed": changed, "failed": failed}
+    return {"positions": positions, "changed": changed, "failed": failed,
+            "slowest": sorted(took, reverse=True)[:3]}
 
 
 def turn_every_panel(page) -> list[dict]:
@@ -537,7 +564,8 @@ def execute_without_browser(nb: Path, workdir: Path) -> list[str]:
                                                           executed)
 
 
-def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> dict:
+def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list,
+                   shots: bool = True) -> dict:
     rel = nb.relative_to(ROOT).as_posix()
     console.clear()
     phases, mark = {}, time.monotonic()
@@ -564,8 +592,9 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
              not p["title"] or p["height"] < 50]
     if empty:
         problems.append(f"empty or untitled charts: {empty}")
-    screenshot_whole(page, out_dir / f"{name}.png")  # as the learner first sees it
-    phase("screenshot")
+    if shots:
+        screenshot_whole(page, out_dir / f"{name}.png")  # as the learner first sees it
+        phase("screenshot")
     turned = None
     if report["controls"]:
         console_before = len(console)
@@ -593,16 +622,18 @@ def check_notebook(page, lab: Lab, nb: Path, out_dir: Path, console: list) -> di
     return {"notebook": rel, "seconds": round(seconds, 1), "plots": len(report["plots"]),
             "widgets": report["widgets"], "controls": report["controls"],
             "turned": turned and sum(t["positions"] for t in turned), "phases": phases,
+            "slowest": turned and sorted((x for t in turned for x in t["slowest"]),
+                                         reverse=True)[:3],
             "problems": problems}
 
 
 class Session:
     """One JupyterLab server and one headless Chromium page for many notebooks."""
 
-    def __init__(self, workdir: Path, out_dir: Path):
+    def __init__(self, workdir: Path, out_dir: Path, shots: bool = True):
         from playwright.sync_api import sync_playwright
 
-        self.out_dir = out_dir
+        self.out_dir, self.shots = out_dir, shots
         out_dir.mkdir(parents=True, exist_ok=True)
         self.lab = Lab(course_copy(workdir / "course"), workdir)
         self.results: list[dict] = []
@@ -628,7 +659,8 @@ class Session:
 
     def check(self, nb: Path) -> dict:
         try:
-            result = check_notebook(self.page, self.lab, nb, self.out_dir, self.console)
+            result = check_notebook(self.page, self.lab, nb, self.out_dir, self.console,
+                                    self.shots)
         finally:
             start = time.monotonic()
             try:
@@ -679,11 +711,12 @@ def session_fixture(tmp_path_factory, label: str):
         return
     work = tmp_path_factory.mktemp(f"browser-{label}")
     shots = os.environ.get("EDU3D_SCREENSHOTS")
-    out_dir = Path(shots) / label if shots else work / "screenshots"
-    s = Session(work, out_dir)
+    out_dir = Path(shots) / label if shots else work / "report"
+    s = Session(work, out_dir, shots=bool(shots))
     yield s
     s.close()
-    print(f"\nscreenshots in {out_dir}; seconds per notebook (all cells, in the browser):")
+    print(f"\n{'screenshots' if shots else 'report'} in {out_dir}; seconds per notebook "
+          "(all cells, in the browser):")
     for r in s.results:
         print(f"{r['seconds']:6.1f} s  {r['notebook']}: {r['plots']} charts, "
               f"{r['widgets']} widget views, control positions turned: {r['turned']}; "

@@ -21,14 +21,10 @@ import functools
 
 import pytest
 
-from edu3d.launch import launch
-from tests.workers_5d import options, parity_all, serial_reference
-from edu3d.train.preflight import check_args
+from tests.workers_5d import MOE, argv_of, assert_parity, launch_parity, world_size
 
 TOL = 1e-5
 ADAM_STEPS = 5
-MODEL = "--layers 2 --d-model 32 --heads 4 --seq 16 --vocab 64 --global-batch 8"
-MOE = "--experts 4 --topk 2"
 
 LAYOUTS = {
     # expert parallelism: dropless and capacity 1.0, each balancing mode
@@ -63,32 +59,20 @@ LAYOUTS = {
 }
 
 
-def _argv(name: str) -> list[str]:
-    return f"{MODEL} {LAYOUTS[name]}".split()
-
-
 def _world(name: str) -> int:
-    return check_args(options(_argv(name)))[1].world_size
+    return world_size(argv_of(LAYOUTS[name]))
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict[str, dict]:
     """Every layout of ``world`` ranks, in one launch."""
-    names = [n for n in LAYOUTS if _world(n) == world]
-    cases = [(_argv(n), serial_reference(_argv(n), ADAM_STEPS, TOL)) for n in names]
-    first = check_args(options(cases[0][0]))[1]
-    run = launch(parity_all, world, args=(cases,), layout=first, timeout=400, name="parity5d")
-    return dict(zip(names, run.results[0]))
+    return launch_parity(LAYOUTS, world, ADAM_STEPS, TOL, "parity5d")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_serial(name):
     res = _results(_world(name))[name]
-    print(f"\n{name} (ws {_world(name)}): grad {res['grad_err']:.1e} norm {res['norm0_err']:.1e} "
-          f"param {res['param_err']:.1e} loss {res['loss_err']:.1e} "
-          f"final {res['final_err']:.1e} (before the allowance {res['final_raw']:.1e})")
-    for key in ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err", "final_err"):
-        assert res[key] < TOL, (key, res[key])
+    assert_parity(f"{name} (ws {_world(name)})", res, TOL)
     if "--experts" in LAYOUTS[name]:
         rec = res["record"]
         tokens = 8 * 16  # the global batch's tokens

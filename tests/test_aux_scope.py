@@ -21,15 +21,13 @@ import torch
 
 from edu3d.config.layout import LayoutError
 from edu3d.config.sections import Run
-from edu3d.launch import launch
 from edu3d.train.cut import shard_rows
 from edu3d.train.loop import reference_microbatches
-from edu3d.train.preflight import check_args, preflight
-from tests.workers_5d import options, parity_all, rel, serial_reference
+from edu3d.train.preflight import preflight
+from tests.workers_5d import (MOE, argv_of, assert_parity, launch_parity, options, rel,
+                              serial_reference, world_size)
 
 TOL = 1e-5
-MODEL = "--layers 2 --d-model 32 --heads 4 --seq 16 --vocab 64 --global-batch 8"
-MOE = "--experts 4 --topk 2"
 LAYOUTS = {
     "ep2 global": f"{MOE} --ep 2 --aux-scope global",
     "ep2 m2 global": f"{MOE} --ep 2 --microbatches 2 --aux-scope global",
@@ -39,44 +37,30 @@ LAYOUTS = {
 }
 
 
-def _argv(name: str) -> list[str]:
-    return f"{MODEL} {LAYOUTS[name]}".split()
-
-
 def _world(name: str) -> int:
-    return check_args(options(_argv(name)))[1].world_size
+    return world_size(argv_of(LAYOUTS[name]))
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict[str, dict]:
-    names = [n for n in LAYOUTS if _world(n) == world]
-    cases = [(_argv(n), serial_reference(_argv(n), 5, TOL)) for n in names]
-    first = check_args(options(cases[0][0]))[1]
-    run = launch(parity_all, world, args=(cases,), layout=first, timeout=400,
-                 name="aux-scope")
-    return dict(zip(names, run.results[0]))
+    return launch_parity(LAYOUTS, world, 5, TOL, "aux-scope")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_the_plain_serial_command(name):
-    run = options(_argv(name))
+    run = options(argv_of(LAYOUTS[name]))
     plain = 1 if "sequence" in name else run.microbatches
     # the reference is the serial command itself: no extra micro-batches for the data ranks
     assert reference_microbatches(run) in (plain, run.layout.dp * run.microbatches)
     if "global" in name:
         assert reference_microbatches(run) == run.microbatches
-    res = _results(_world(name))[name]
-    print(f"\n{name}: grad {res['grad_err']:.1e} norm {res['norm0_err']:.1e} "
-          f"param {res['param_err']:.1e} loss {res['loss_err']:.1e} "
-          f"final {res['final_err']:.1e} (before the allowance {res['final_raw']:.1e})")
-    for key in ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err", "final_err"):
-        assert res[key] < TOL, (key, res[key])
+    assert_parity(name, _results(_world(name))[name], TOL)
 
 
 def test_sequence_scope_needs_no_extra_microbatches():
     """A sequence never spans data ranks or micro-batches: the plain serial run (one
     micro-batch) and the dp x m reference give the same step."""
-    argv = f"{MODEL} {MOE} --aux-scope sequence".split()
+    argv = argv_of(f"{MOE} --aux-scope sequence")
     one = serial_reference(argv, 1, TOL)
     run = options(argv).replace(dp=2, microbatches=2)
     assert reference_microbatches(run) == 4

@@ -24,6 +24,7 @@ from edu3d.plan.step import predict
 RATE, FIXED, DISPATCH = 90e9, 50e-6, 44e-6  # FLOP/s, s per linear layer, s of it at 1x1x1
 KERNEL, TENSOR, HOOK = 20e-6, 30e-6, 8e-6  # s per kernel, per tensor per step, per mb
 ALPHA, BUSBW = 200e-6, 1.5e9
+WRAP, CALLS, INSIDE = 150e-6, 48, 100e-6  # s around a collective, per micro-batch, inside one
 TENSORS, KERNELS = 53, 109
 ABOUT = "measured by edu3d calibrate on 2026-01-01, test, torch 0"
 
@@ -34,7 +35,7 @@ def linear_times(shapes, rate=RATE, fixed=FIXED):
 
 def ring_times(kind, sizes, n=2, alpha=ALPHA, busbw=BUSBW):
     steps, factor = profile_fit.ring(kind, n)
-    return [[s, alpha * steps + s * factor / busbw, alpha * steps / 2] for s in sizes]
+    return [[s, alpha * steps + s * factor / busbw, alpha * steps / 2, INSIDE] for s in sizes]
 
 
 def measurements() -> dict:
@@ -45,6 +46,9 @@ def measurements() -> dict:
              "seconds": [TENSORS * TENSOR + m * KERNELS * KERNEL for m in (1, 2, 4)]}
     dp = {"microbatches": [1, 2, 4],
           "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + TENSORS * HOOK)
+                      for m in (1, 2, 4)]}
+    tp = {"microbatches": [1, 2, 4], "collectives": CALLS,
+          "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + CALLS * (WRAP + INSIDE))
                       for m in (1, 2, 4)]}
     block = {"shape": "b=4 s=32 d=64 heads=4", "ops": [["matmul", 3e6, 1e5, 1],
                                                        ["memory", 0.0, 4e6, 2]]}
@@ -58,7 +62,7 @@ def measurements() -> dict:
         "attention": {"shape": "b=4", "flops": 1e9, "seconds": 1e9 / (0.3 * RATE)},
         "eager": eager, "layers": [block],
         "collectives": {"ranks": 2, "backend": "gloo", "runtime_bytes": 3e8,
-                        "data_parallel": dp,
+                        "data_parallel": dp, "tensor_parallel": tp,
                         "ops": {k: ring_times(k, calibration.COLLECTIVE_SIZES)
                                 for k in calibration.OPS}},
         "name": "this-machine", "description": "a test machine", "memory_bytes": 16e9,
@@ -90,6 +94,15 @@ def test_fits_recover_known_constants():
     hook = profile_fit.hook_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
                                 e["per_microbatch"], TENSORS)
     assert hook == pytest.approx(HOOK)
+    tp = m["collectives"]["tensor_parallel"]
+    wrap = profile_fit.collective_fit([1, 2, 4], tp["seconds"], e["per_microbatch"], CALLS,
+                                      INSIDE)
+    assert wrap == pytest.approx(WRAP)
+    assert profile_fit.profile_from(m, ABOUT)["collective_overhead"]["value"] == pytest.approx(
+        WRAP)
+    # what calibrate's tensor-parallel steps issue per micro-batch, as the model counts them
+    assert profile_fit.collectives_per_microbatch(Run.of(**calibration.EAGER, global_batch=1,
+                                                         microbatches=1, tp=2, sp=True)) == 48
     w = profile_fit.elementwise_fit(m["layers"], RATE, 0.0, 0.3, KERNEL)
     assert w["bandwidth"] == pytest.approx(8e9)
 
@@ -201,7 +214,9 @@ def test_cpu_terms_add_what_a_real_step_spends():
     assert set(link.kinds) == set(links.KINDS) - {"all_to_all"}  # all-to-all: not measured
     assert not links.link_for(gpu, 1, 8).kinds
     assert links.collective_time("send", 0.0, 2, link) == 0.0
-    assert links.collective_time("send", 1.0, 2, link) == pytest.approx(ALPHA + 1 / BUSBW)
+    assert links.collective_time("send", 1.0, 2, link) == pytest.approx(ALPHA + 1 / BUSBW
+                                                                         + WRAP)
+    assert links.link_for(gpu, 1, 8).host == 0.0  # a GPU profile: no host term
 
 
 def test_zero_reduces_unit_by_unit_and_zero2_every_microbatch():
@@ -215,9 +230,12 @@ def test_zero_reduces_unit_by_unit_and_zero2_every_microbatch():
     two = trainer_comm.zero_reduce(spec, setup(dp=2, zero=2, microbatches=4), 0, False, 2, 2, n,
                                    link)
     assert one[0] >= 6 * ALPHA and two[0] == pytest.approx(4 * one[0]) and two[1] == one[1]
-    assert trainer_comm.bookkeeping(setup(), prof) == 0.0
-    assert trainer_comm.bookkeeping(setup(dp=2), prof) == pytest.approx(
-        2 * links.collective_time("all_reduce", 8, 2, link))
+    assert trainer_comm.bookkeeping(spec, setup(), prof) == 0.0
+    assert trainer_comm.bookkeeping(spec, setup(dp=2), prof) == pytest.approx(  # the loss only
+        links.collective_time("all_reduce", 4, 2, link))
+    assert trainer_comm.bookkeeping(spec, setup(dp=2, zero=1), prof) == pytest.approx(
+        links.collective_time("all_reduce", 4, 2, link)  # and the norm of the shards
+        + links.collective_time("all_reduce", 8, 2, link))
     steps = {z: predict(spec, setup(precision="fp32", dp=2, zero=z, microbatches=2), prof)
              for z in (0, 1, 2)}
     assert steps[0].step_time < steps[1].step_time < steps[2].step_time  # as measured

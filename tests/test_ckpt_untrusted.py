@@ -307,6 +307,8 @@ def test_a_rank_stuck_in_fsync_is_the_one_named_never_those_waiting_for_it(tmp_p
 # ---- issue 41 item 1, issue 44 items 1-2: tampered checkpoints, refused in bounded memory ------
 GIB6 = 6 * 2**30
 RSS_MB = 500  # the most a refusing process may hold, torch and edu3d's imports included
+READ_MB = 1024  # a good checkpoint is read AND trained on (model, optimizer, ranks): CI
+                # measured 501 MB for the plain resume; a tampered 4 GiB shape stays far above
 HANG_S = 120  # a refusal takes about a second; before the fixes some took minutes
 
 
@@ -466,7 +468,7 @@ def test_an_untouched_checkpoint_reads_in_every_command(refusals, case):
     """The baseline: the harness runs the real commands, which read a good checkpoint."""
     for command, r in refusals["results"][case].items():
         assert r["rc"] == 0 and not r["hung"], (command, r["err"])
-        assert r["rss_mb"] < RSS_MB, (command, r["rss_mb"])
+        assert r["rss_mb"] < READ_MB, (command, r["rss_mb"])
 
 
 @pytest.mark.parametrize("case", [*INC_CASES, *PLAIN_CASES])

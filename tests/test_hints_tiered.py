@@ -130,7 +130,8 @@ def test_edu3d_grade_deepens_from_run_to_run_and_on_request(tmp_path):
         code, out, err = edu3d_grade("11", "--json", *extra, env=env, timeout=300)
         assert code == 1, err
         report = json.loads(out)["exercises"]["11_layout_choice"]
-        assert report["passed"] == 0 and len(report["failures"]) == 3, report
+        # every declared check fails on the stubs (job checks a-c and the tuning checks)
+        assert report["passed"] == 0 and len(report["failures"]) == report["total"] >= 3, report
         hints.append(report["failures"][0]["hint"])
     assert "not written yet" in hints[0] and nudge not in hints[0]
     assert nudge in hints[1] and answer not in hints[1]  # the second run: a closer hint

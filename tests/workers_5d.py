@@ -1,5 +1,8 @@
 """Rank functions for the 5D parity tests (context and expert parallelism, launched with
-edu3d.launch.api): every layout of a world size runs in one launch, on its own mesh."""
+edu3d.launch.api): every layout of a world size runs in one launch, on its own mesh
+(:func:`launch_parity`), against the serial reference computed in the test process
+(:func:`serial_reference`); :func:`assert_parity` is the comparison both
+``tests/test_5d_parity.py`` and ``tests/test_aux_scope.py`` make."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import torch
 
 from edu3d.commands.train import parse
 from edu3d.distributed.mesh import Mesh
+from edu3d.launch import launch
 from edu3d.model.gpt import GPT
 from edu3d.train.data import SyntheticCorpus
 from edu3d.train.loop import reference_microbatches, train_step
@@ -17,6 +21,9 @@ from edu3d.train.trainer import Trainer
 from tests.adamw_noise import beyond, beyond_records, serial_and_control, without_key_bias
 
 SGD = ["--optimizer", "sgd", "--lr", "0.1", "--clip", "0"]
+MODEL = "--layers 2 --d-model 32 --heads 4 --seq 16 --vocab 64 --global-batch 8"
+MOE = "--experts 4 --topk 2"
+ERRORS = ("grad_err", "norm0_err", "param_err", "loss_err", "norm_err", "final_err")
 
 
 def options(argv: list[str]) -> Run:
@@ -25,6 +32,16 @@ def options(argv: list[str]) -> Run:
     args = parse(argv).replace(router_dtype="fp64")
     check_args(args)
     return args
+
+
+def argv_of(flags: str) -> list[str]:
+    """The command line of the tests' model (:data:`MODEL`) with a layout's ``flags``."""
+    return f"{MODEL} {flags}".split()
+
+
+def world_size(argv: list[str]) -> int:
+    """How many ranks ``argv``'s layout runs on."""
+    return check_args(options(argv))[1].world_size
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,3 +135,26 @@ def parity_all(mesh, cases: list[tuple[list[str], dict]]) -> list[dict]:
         here = mesh if layout == mesh.layout else Mesh.build(layout)
         out.append(parity(here, argv, ref))
     return out
+
+
+def launch_parity(layouts: dict[str, str], world: int, steps: int, tol: float,
+                  name: str) -> dict[str, dict]:
+    """Every layout of ``layouts`` (its name to its flags, :func:`argv_of`) that runs on
+    ``world`` ranks, in one launch called ``name``, against its serial reference of ``steps``
+    AdamW steps: each layout's name to :func:`parity`'s errors."""
+    argvs = {n: argv_of(flags) for n, flags in layouts.items()}
+    names = [n for n, argv in argvs.items() if world_size(argv) == world]
+    cases = [(argvs[n], serial_reference(argvs[n], steps, tol)) for n in names]
+    first = check_args(options(cases[0][0]))[1]
+    run = launch(parity_all, world, args=(cases,), layout=first, timeout=400, name=name)
+    return dict(zip(names, run.results[0]))
+
+
+def assert_parity(label: str, res: dict, tol: float) -> None:
+    """Print a layout's errors (``res``, from :func:`parity`) after ``label`` and assert each
+    is below ``tol``."""
+    print(f"\n{label}: grad {res['grad_err']:.1e} norm {res['norm0_err']:.1e} "
+          f"param {res['param_err']:.1e} loss {res['loss_err']:.1e} "
+          f"final {res['final_err']:.1e} (before the allowance {res['final_raw']:.1e})")
+    for key in ERRORS:
+        assert res[key] < tol, (key, res[key])

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
                                                                          checkpoint_wrapper)
 
-from edu3d.bench.harness import interleaved_medians, layout_name, report, result
+from edu3d.bench.harness import layout_name, report, result, timed_blocks
 from edu3d.bench.bench_recompute import CONFIG
 from edu3d.config.layout import Layout
 from edu3d.config.sections import Memory
@@ -78,16 +78,6 @@ def _model(config: GPTConfig, mesh, side: str, ours: bool):
     return model.blocks, None
 
 
-def _run(blocks, x: torch.Tensor) -> torch.Tensor:
-    inp = x.detach().requires_grad_()
-    y = inp
-    for block in blocks:
-        y = block(y)
-    y.sum().backward()
-    blocks.zero_grad(set_to_none=True)
-    return inp.grad
-
-
 def device_bytes(blocks, offload: ActivationOffload | None, x: torch.Tensor) -> int:
     """Bytes the blocks' forward leaves on this rank's device for backward: what it saves
     outside an offloader (parameters left out) and what the offloader keeps there."""
@@ -109,15 +99,8 @@ def offload_benchmark(mesh, reps: int = 7, batch: int = 4, config: GPTConfig = C
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, config.seq_len, config.d_model, generator=g)
     sides = {(s, ours): _model(config, mesh, s, ours) for s in SIDES for ours in (True, False)}
-    want = _run(sides[("none", True)][0], x)
-    for key, (blocks, _) in sides.items():
-        if not torch.equal(_run(blocks, x), want):
-            raise RuntimeError(f"{key}: the input gradient differs from the plain blocks'; "
-                               "not timing")
-    times = interleaved_medians({f"{s}/{'edu3d' if ours else 'torch'}":
-                                 functools.partial(_run, blocks, x)
-                                 for (s, ours), (blocks, _) in sides.items()},
-                                reps=reps, warmup=1, group=mesh.tp)
+    times = timed_blocks({key: blocks for key, (blocks, _) in sides.items()}, x, reps,
+                         group=mesh.tp)
     n, rows = config.n_layers, []
     for s in SIDES:
         blocks, offload = sides[(s, True)]

@@ -29,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
                                                                          checkpoint_wrapper)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from edu3d.bench.harness import interleaved_medians, layout_name, report, result
+from edu3d.bench.harness import layout_name, report, result, timed_blocks
 from edu3d.config.layout import Layout
 from edu3d.distributed.meter import measure_activations
 from edu3d.launch import launch
@@ -82,26 +82,8 @@ def recompute_benchmark(mesh, reps: int = 7, batch: int = 4, config: GPTConfig =
     """Launch target: every mode both ways, timed in one interleaved round; rank 0 reports."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, config.seq_len, config.d_model, generator=g)
-
-    def step(blocks):
-        inp = x.detach().requires_grad_()
-        y = inp
-        for block in blocks:
-            y = block(y)
-        y.sum().backward()
-        blocks.zero_grad(set_to_none=True)
-        return inp.grad
-
     sides = {(m, ours): _blocks(config, mesh, m, ours) for m in MODES for ours in (True, False)}
-    want = step(sides[("none", True)])
-    for key, blocks in sides.items():
-        diff = (step(blocks) - want).abs().max().item()
-        if diff > 0:
-            raise RuntimeError(f"{key}: input gradient differs by {diff:.2e}; not timing")
-    times = interleaved_medians({f"{m}/{'edu3d' if ours else 'torch'}":
-                                 functools.partial(step, blocks)
-                                 for (m, ours), blocks in sides.items()},
-                                reps=reps, warmup=1, group=mesh.tp)
+    times = timed_blocks(sides, x, reps, group=mesh.tp)
     rows = []
     for m in MODES:
         ours, theirs = times[f"{m}/edu3d"], times[f"{m}/torch"]

@@ -17,19 +17,17 @@ machine and how each number is measured so that a busy machine disturbs it least
 * **collectives** (:func:`collectives`): one real 2-rank launch through edu3d's launcher,
   timing edu3d's traced all-reduce, all-gather, reduce-scatter and send/recv
   (:mod:`edu3d.distributed.comm`, what the trainer calls) from 4 bytes to 4 MiB, between
-  slices of arithmetic as in a step, and the eager Trainer steps again on the 2
-  data-parallel ranks (what data parallelism's hooks add);
+  slices of arithmetic as in a step, and the eager Trainer steps again on the 2 ranks,
+  data-parallel (what its hooks add) and tensor-parallel with SP (what a rank's host spends
+  around each of its collectives);
 * the **cores** this process may use and the host's memory.
 
-**Load.** Other processes steal time at random and never give it back: so a compute kernel
-is timed by this thread's CPU time (what another process's load moves least) and its
-*minimum* over repetitions. A collective waits for its peer, so it is timed on the wall
-clock; the fit takes the *median* of its repetitions (what a training step meets: every
-rank that loses its core for a moment makes the other wait) and the source records what the
-minimum gives (the same machine with nothing else running; on an idle machine the two
-agree). Each part has a share of the time budget and stops repeating when it is spent (at
-least 3 repetitions each). On a GPU everything runs on the GPU with a synchronised wall
-clock instead, and collectives use NCCL when there are two GPUs.
+**Load.** Other processes steal time at random: so a compute kernel is timed by this thread's
+CPU time (what their load moves least), its *minimum* over repetitions. A collective waits
+for its peer, so it is timed on the wall clock; the fit takes the *median* (what a step
+meets: a rank that loses its core makes the other wait) and the source records the minimum's
+(an idle machine's). Each part has a share of the budget (at least 3 repetitions each). On
+a GPU everything runs there with a synchronised wall clock, collectives on NCCL.
 
 :mod:`edu3d.bench.profile_fit` turns the measurements into the profile file that ``edu3d
 plan --hardware this-machine`` and ``edu3d tune`` read (:func:`edu3d.plan.hardware.user_profiles`).
@@ -53,6 +51,7 @@ from edu3d.bench import autotune, profile_fit, records
 from edu3d.config.layout import Layout
 from edu3d.config.sections import Run
 from edu3d.distributed import comm, runtime
+from edu3d.distributed.mesh import Mesh
 from edu3d.launch import LaunchError, launch
 from edu3d.model.gpt import GPT, Block
 from edu3d.plan import hardware, kernels, recipes
@@ -106,13 +105,8 @@ def fastest(fn: Callable[[], object], clock: Clock, budget_s: float,
     ``reps`` (ranks whose ``fn`` calls collectives must agree on the count)."""
     fn()
     best, done, end = float("inf"), 0, time.perf_counter() + budget_s
-
-    def more() -> bool:
-        if reps is not None:
-            return done < reps
-        return done < MIN_REPS or (time.perf_counter() < end and done < MAX_REPS)
-
-    while more():
+    while done < reps if reps is not None else done < MIN_REPS or (
+            time.perf_counter() < end and done < MAX_REPS):
         t0 = clock.now()
         fn()
         best = min(best, clock.now() - t0)
@@ -204,13 +198,14 @@ class Dispatches(TorchDispatchMode):
 
 def eager(device: str, clock: Clock, budget_s: float, mesh=None, reps: int | None = None) -> dict:
     """Trainer steps of :data:`EAGER` with :data:`MICROBATCHES` micro-batches of one sequence
-    each (serial, or on ``mesh``'s data-parallel layout, each rank its own sequences): the
-    fastest step of each, and what a micro-batch launches."""
-    dp = mesh.layout.dp if mesh is not None else 1
+    each (serial, or on ``mesh``'s layout: data-parallel, each rank its own sequences, or
+    tensor-parallel with SP): the fastest step of each, and what a micro-batch launches."""
+    dp, tp = (mesh.layout.dp, mesh.layout.tp) if mesh is not None else (1, 1)
     out = {"microbatches": list(MICROBATCHES), "seconds": [], "model": ", ".join(
         f"{k}={v}" for k, v in EAGER.items())}
     for m in MICROBATCHES:
-        run = Run.of(**EAGER, global_batch=m * dp, microbatches=m, steps=1, dp=dp)
+        run = Run.of(**EAGER, global_batch=m * dp, microbatches=m, steps=1, dp=dp, tp=tp,
+                     sp=tp > 1)
         config, _ = check_args(run)
         model = GPT(config, seed=0).to(device)
         trainer = Trainer(model, mesh, run)
@@ -220,6 +215,7 @@ def eager(device: str, clock: Clock, budget_s: float, mesh=None, reps: int | Non
         out["seconds"].append(fastest(lambda: trainer.step(x, y, next(step)), clock,
                                       budget_s / len(MICROBATCHES), reps))
         if mesh is not None:
+            out["collectives"] = profile_fit.collectives_per_microbatch(run)
             continue
         if m == 1:
             with Dispatches() as one:
@@ -287,15 +283,16 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
 
-            seconds = []
+            seconds, cpu = [], []
             end = time.perf_counter() + budget_s / (len(OPS) * len(sizes))
             once()
             while True:  # every rank repeats as often as rank 0 says
                 for _ in range(STEP_WORK):
                     a @ w
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 once()
                 seconds.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)  # this thread's part of the wall time
                 go = torch.tensor([len(seconds) < MIN_REPS or time.perf_counter() < end],
                                   dtype=torch.int32)
                 dist.broadcast(go, 0)
@@ -304,16 +301,19 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
             half = 2 if op == "send_recv" else 1
             out[op].append([numel * 4 * (1 if op == "all_reduce" else n)
                             if op != "send_recv" else numel * 4,
-                            statistics.median(seconds) / half, min(seconds) / half])
+                            statistics.median(seconds) / half, min(seconds) / half,
+                            min(cpu) / half])
     hooks = eager(dev.type, Clock(dev.type), 0.0, mesh, reps=DP_REPS)  # data parallel: hooks
+    tp = Mesh.build(Layout(tp=n))  # tensor parallel + SP: dozens of collectives a micro-batch
+    wrapped = eager(dev.type, Clock(dev.type), 0.0, tp, reps=DP_REPS)
+    tp.release()
     return {"ops": out, "runtime_bytes": rss, "ranks": n, "backend": dist.get_backend(),
-            "data_parallel": hooks} if rank == 0 else None
+            "data_parallel": hooks, "tensor_parallel": wrapped} if rank == 0 else None
 
 
 def collectives(budget_s: float, ranks: int) -> dict:
-    """One real launch of ``ranks`` ranks (edu3d's launcher, ``OMP_NUM_THREADS=1``) running
-    :func:`collectives_worker`; ``budget_s`` bounds its timing loops (the launch adds its
-    start-up)."""
+    """One real launch of ``ranks`` ranks running :func:`collectives_worker`; ``budget_s``
+    bounds its timing loops (the launch adds its start-up)."""
     try:
         run = launch(collectives_worker, ranks, args=(budget_s,), timeout=max(120.0, 6 * budget_s),
                      layout=Layout(dp=ranks), echo=False, name="calibrate", pool=False)

@@ -28,9 +28,10 @@ not depend on how busy the machine is.
 This module is the one harness; each benchmark is a module beside it: :mod:`.bench_comm`
 (collectives and the alpha-beta fit), :mod:`.bench_dp` (DDP, ZeRO-1, ZeRO-3), :mod:`.bench_tp`
 (DTensor tensor parallelism), :mod:`.bench_pp` (``Schedule1F1B``), :mod:`.bench_3d` (the
-composed dp x tp x pp stack), :mod:`.bench_recompute` (activation recomputation against
-``checkpoint_wrapper``) and :mod:`.bench_launch` (``edu3d run`` against a bare torchrun, and a
-warm pool's cell against a cold one). :mod:`.bench_gpu` is the one that needs CUDA: the
+composed dp x tp x pp stack), :mod:`.bench_recompute` and :mod:`.bench_offload` (activation
+recomputation and offloading against PyTorch's wrappers, both timed by :func:`timed_blocks`)
+and :mod:`.bench_launch` (``edu3d run`` against a bare torchrun, and a warm pool's cell
+against a cold one). :mod:`.bench_gpu` is the one that needs CUDA: the
 memory planner against ``torch.cuda.max_memory_allocated``, tokens/s and MFU on one device
 (``python -m edu3d.bench.bench_gpu``). :mod:`edu3d.commands.bench` maps ``edu3d bench NAME``
 to them.
@@ -41,6 +42,7 @@ command formats reports with this module (:func:`format_table`) and must start t
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -91,6 +93,36 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int = 5, war
             times[name].append(time_once(fn, group))
         progress_rep(i, reps, times)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def input_grad(blocks, x) -> object:
+    """One forward of ``blocks`` in sequence on ``x`` and the backward of the output's sum:
+    the input's gradient (the blocks' own gradients are dropped)."""
+    inp = x.detach().requires_grad_()
+    y = inp
+    for block in blocks:
+        y = block(y)
+    y.sum().backward()
+    blocks.zero_grad(set_to_none=True)
+    return inp.grad
+
+
+def timed_blocks(sides: dict[tuple[str, bool], object], x, reps: int,
+                 group=None) -> dict[str, float]:
+    """Median seconds of one forward and backward (:func:`input_grad`) of each side's blocks
+    on ``x``, in one interleaved round: ``sides`` maps ``(mode, ours)`` to blocks, the answer
+    ``"<mode>/edu3d"`` or ``"<mode>/torch"`` to seconds. First every side's input gradient must
+    equal that of ``("none", True)``, the plain blocks, bit for bit, or nothing is timed."""
+    want = input_grad(sides[("none", True)], x)
+    for key, blocks in sides.items():
+        got = input_grad(blocks, x)
+        if not got.equal(want):
+            raise RuntimeError(f"{key}: the input gradient differs from the plain blocks' by "
+                               f"{(got - want).abs().max().item():.2e}; not timing")
+    return interleaved_medians({f"{mode}/{'edu3d' if ours else 'torch'}":
+                                functools.partial(input_grad, blocks, x)
+                                for (mode, ours), blocks in sides.items()},
+                               reps=reps, warmup=1, group=group)
 
 
 def traced(fn: Callable[[], object]) -> tuple[list[dict], float, object]:

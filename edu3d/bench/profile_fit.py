@@ -24,7 +24,9 @@ constants a performance model needs, each with its source:
   kernels one micro-batch launches (as :mod:`edu3d.plan.kernels` counts them) is the launch
   overhead per kernel, the intercept over the parameter tensors the per-step cost (the
   optimizer, the norm and the clip loop over tensors in eager PyTorch); the same steps on
-  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`);
+  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`),
+  and on tensor-parallel ranks with SP, shared by the collectives a micro-batch issues, what
+  the host spends around each beyond the call itself (:func:`collective_fit`);
 * **elementwise ops** (:func:`elementwise_fit`): whole blocks timed, less what the model
   already counts for their matmuls, attention and launches, leave the norms, GELU and residual
   adds: the rate at which they moved the model's bytes, as a fraction of the streaming copy's.
@@ -42,7 +44,11 @@ import math
 import os
 from pathlib import Path
 
+from edu3d.config.sections import Run
+from edu3d.plan import recipes, trainer_comm
+from edu3d.plan.estimate import spec_of
 from edu3d.plan.hardware import PRECISIONS
+from edu3d.plan.stage_costs import cut_of
 
 
 class CalibrationError(ValueError):
@@ -162,6 +168,27 @@ def hook_fit(microbatches: list[int], seconds: list[float], serial_per_microbatc
     return max(0.0, (per_mb - serial_per_microbatch) / tensors)
 
 
+def collectives_per_microbatch(run: Run) -> int:
+    """Collectives one more micro-batch of ``run`` (of one sequence per rank) issues on
+    rank 0, as the model counts them (:func:`edu3d.plan.trainer_comm.count`)."""
+    spec, calls = spec_of(run), []
+    for m in (1, 2):
+        one = run.replace(global_batch=m * run.layout.dp, microbatches=m)
+        cut = cut_of(spec, one, recipes.recipe_of("edu3d"))
+        calls.append(sum(trainer_comm.count(spec, one, cut, 0, spec.n_layers, True,
+                                            True).values()))
+    return calls[1] - calls[0]
+
+
+def collective_fit(microbatches: list[int], seconds: list[float], serial_per_microbatch: float,
+                   collectives: int, inside: float) -> float:
+    """Host seconds per collective beyond its own: the slope of tensor-parallel steps over
+    ``microbatches`` beyond the serial one, shared by the ``collectives`` each micro-batch
+    issues, less the CPU time ``inside`` a call (already in its measured time); never below 0."""
+    _, per_mb = line([float(m) for m in microbatches], seconds)
+    return max(0.0, (per_mb - serial_per_microbatch) / max(1, collectives) - inside)
+
+
 def dp_text(dp: dict) -> str:
     return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"], dp["seconds"]))
 
@@ -188,6 +215,11 @@ def profile_from(m: dict, about: str) -> dict:
     hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
                      m["eager"]["tensors"])
     n = m["collectives"]["ranks"]
+    tp = m["collectives"].get("tensor_parallel")  # absent: measured before it was
+    inside = [p[3] for k in ("all_reduce", "all_gather", "reduce_scatter")
+              for p in m["collectives"]["ops"].get(k, [])[:1] if len(p) > 3]
+    wrap = collective_fit(tp["microbatches"], tp["seconds"], eager["per_microbatch"],
+                          tp["collectives"], sum(inside) / max(1, len(inside))) if tp else None
     comm = {k: alpha_beta(k, n, [p[0] for p in v], [p[1] for p in v])
             for k, v in m["collectives"]["ops"].items()}
     idle = {k: alpha_beta(k, n, [p[0] for p in v], [p[2] for p in v])
@@ -266,6 +298,14 @@ def profile_from(m: dict, about: str) -> dict:
                                   f" us per micro-batch against {eager['per_microbatch'] * 1e6:.0f} "
                                   f"serially, over {m['eager']['tensors']} parameter tensors "
                                   "(the gradient hooks data parallelism adds to every backward)"),
+        **({"collective_overhead": constant(wrap, "s per collective", (
+            f"{about}: the same Trainer steps on {n} tensor-parallel ranks with sequence "
+            f"parallelism ({dp_text(tp)}): the slope beyond the serial one, shared by the "
+            f"{tp['collectives']} collectives a micro-batch issues (edu3d.plan.trainer_comm."
+            f"count), less the {sum(inside) / max(1, len(inside)) * 1e6:.0f} us of this "
+            "thread's CPU inside a small call (in its measured time already): what a rank's "
+            "host spends around each collective (autograd wrappers, copies, waking up)"))}
+           if tp else {}),
         "runtime_memory": constant(m["collectives"]["runtime_bytes"], "B", f"{about}: resident "
                                    f"memory of a {backend} rank after init_process_group "
                                    "(VmRSS: Python, torch, the backend), before any tensor"),

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from edu3d.config.layout import Layout
 from edu3d.course.ch00_launching_ranks import mesh_report
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import (Cost, Target, fmt_bytes, fmt_time, meet, plan_line,
+                                   target_of)
 from edu3d.launch import launch
 
 LAYOUTS = [Layout(dp=2, tp=2, pp=2), Layout(), Layout(dp=4), Layout(tp=4), Layout(pp=4),
@@ -95,9 +96,7 @@ def layouts(job: str):
 
 
 def target(job: str) -> Target:
-    memory = USABLE * JOBS[job].gpu_gb * 1e9
-    _, fastest = best(layouts(job), lambda p: cost(job, p), memory)
-    return Target(time=SLACK * fastest.time, memory=memory)
+    return target_of(layouts(job), lambda p: cost(job, p), USABLE * JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -107,13 +106,10 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, plan) -> str:
     """One line for the notebook: the plan's step, memory and crossing axes, and the target."""
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    dp, tp, pp = (int(x) for x in plan)
-    cross = [d for d in ("tp", "dp", "pp") if crosses(Layout(dp=dp, tp=tp, pp=pp), d)]
-    t = target(job)
-    return (f"job {job}: dp {dp} tp {tp} pp {pp}: {fmt_bytes(c.memory)} per GPU (at most "
-            f"{fmt_bytes(t.memory)}), step {fmt_time(c.time)} (target {fmt_time(t.time)}); "
-            f"crossing nodes: {', '.join(cross) or 'none'}")
+    def line(c: Cost, t: Target) -> str:
+        dp, tp, pp = (int(x) for x in plan)
+        cross = [d for d in ("tp", "dp", "pp") if crosses(Layout(dp=dp, tp=tp, pp=pp), d)]
+        return (f"job {job}: dp {dp} tp {tp} pp {pp}: {fmt_bytes(c.memory)} per GPU (at most "
+                f"{fmt_bytes(t.memory)}), step {fmt_time(c.time)} (target {fmt_time(t.time)}); "
+                f"crossing nodes: {', '.join(cross) or 'none'}")
+    return plan_line(lambda: cost(job, plan), lambda: target(job), line)

@@ -28,7 +28,7 @@ import torch
 
 from edu3d.course import grading
 from edu3d.course.ch02_data_parallel import StepCosts, backward_sizes, simulate_dp_step
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, meet, plan_line, step_line, target_of
 from edu3d.model.gpt import GPT, config_from
 from edu3d.train.cut import shard_rows
 from edu3d.train.data import SyntheticCorpus
@@ -128,8 +128,7 @@ def cost(job: str, plan) -> Cost:
 @lru_cache(maxsize=None)
 def target(job: str) -> Target:
     plans = [(r, b) for r in ROWS for b in BUCKETS]
-    _, top = best(plans, lambda p: cost(job, p), JOBS[job].memory)
-    return Target(time=SLACK * top.time, memory=JOBS[job].memory)
+    return target_of(plans, lambda p: cost(job, p), JOBS[job].memory, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -139,11 +138,5 @@ def check_design(ex, job: str) -> None:
 
 
 def describe(job: str, plan) -> str:
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: rows {plan[0]}, buckets {plan[1]} MB: step {fmt_time(c.time)} "
-            f"(target {fmt_time(t.time)}), activations {fmt_bytes(c.memory)} (at most "
-            f"{fmt_bytes(t.memory)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job), lambda c, t: step_line(
+        f"job {job}: rows {plan[0]}, buckets {plan[1]} MB", c, t, "activations {}"))

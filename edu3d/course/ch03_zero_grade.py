@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from edu3d.course import grading
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import (Cost, Target, fmt_bytes, fmt_time, meet, plan_line,
+                                   target_of)
 from edu3d.distributed import trace
 from edu3d.model.gpt import GPT, config_from
 from edu3d.train.cut import shard_rows
@@ -109,10 +110,8 @@ def cost(job: str, plan) -> Cost:
 
 
 def target(job: str) -> Target:
-    memory = USABLE * JOBS[job].gpu_gb * 1e9
     plans = [(s, b) for s in range(4) for b in BUCKETS]
-    _, top = best(plans, lambda p: cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(plans, lambda p: cost(job, p), USABLE * JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -121,10 +120,6 @@ def check_design(ex, job: str) -> None:
 
 
 def describe(job: str, plan) -> str:
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: ZeRO-{plan[0]}, buckets {plan[1]} MB: {fmt_bytes(c.memory)} (at most "
-            f"{fmt_bytes(t.memory)}), step {fmt_time(c.time)} (target {fmt_time(t.time)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job), lambda c, t: (
+        f"job {job}: ZeRO-{plan[0]}, buckets {plan[1]} MB: {fmt_bytes(c.memory)} (at most "
+        f"{fmt_bytes(t.memory)}), step {fmt_time(c.time)} (target {fmt_time(t.time)})"))

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from edu3d.config.layout import Layout
 from edu3d.course import grading
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import (Cost, Target, fmt_bytes, fmt_time, meet, plan_line,
+                                   target_of)
 from edu3d.launch.api import LaunchError, launch
 from edu3d.parallel.tp import ops
 
@@ -212,10 +213,8 @@ def cost(job: str, plan) -> Cost:
 
 
 def target(job: str) -> Target:
-    memory = USABLE * JOBS[job].gpu_gb * 1e9
     plans = [(t, sp) for t in (1, 2, 4, 8, 16, 32) for sp in (False, True)]
-    _, top = best(plans, lambda p: cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(plans, lambda p: cost(job, p), USABLE * JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -225,11 +224,7 @@ def check_design(ex, job: str) -> None:
 
 
 def describe(job: str, plan) -> str:
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: tp {plan[0]}, sp {bool(plan[1])}: {fmt_bytes(c.memory)} per GPU (at "
-            f"most {fmt_bytes(t.memory)}), {fmt_time(c.time)} per sequence (target "
-            f"{fmt_time(t.time)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job), lambda c, t: (
+        f"job {job}: tp {plan[0]}, sp {bool(plan[1])}: {fmt_bytes(c.memory)} per GPU (at "
+        f"most {fmt_bytes(t.memory)}), {fmt_time(c.time)} per sequence (target "
+        f"{fmt_time(t.time)})"))

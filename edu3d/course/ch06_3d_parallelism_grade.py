@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from edu3d.course import grading, lesson_args
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, meet
+from edu3d.course.targets import Cost, Target, fmt_bytes, meet, target_of
 from edu3d.config.layout import Layout
 from edu3d.distributed.mesh import Mesh
 from edu3d.distributed.runtime import all_ok
@@ -207,9 +207,7 @@ def splits(job: str):
 
 
 def target(job: str) -> Target:
-    memory = JOBS[job].gpu_gb * 1e9
-    _, top = best(splits(job), lambda s: cost(job, s), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(splits(job), lambda s: cost(job, s), JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:

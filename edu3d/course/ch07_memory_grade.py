@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edu3d.course.ch07_memory_plan import STATE, measure_many, options
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, meet, plan_line, step_line, target_of
 from edu3d.launch import launch
 from edu3d.model.shapes import spec_from
 from edu3d.plan import estimate as plan_memory
@@ -174,9 +174,7 @@ def plans(job: str):
 
 
 def target(job: str) -> Target:
-    memory = JOBS[job].gpu_gb * 1e9
-    _, top = best(plans(job), lambda p: cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(plans(job), lambda p: cost(job, p), JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -186,10 +184,5 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, plan) -> str:
     """What ``plan`` costs next to the target, or why it is no plan."""
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}), "
-            f"{fmt_bytes(c.memory)} per rank (at most {fmt_bytes(t.memory)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job),
+                     lambda c, t: step_line(f"job {job}: {plan}", c, t, "{} per rank"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from edu3d.ckpt import reshard
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, fmt_bytes, meet, plan_line, target_of
 
 # (name, full shape, TP spec (dim, parts, true size)) of tensors of the course's GPT
 QKV = ("blocks.0.attn.qkv.weight", [96, 32], (0, 3, None))  # column-parallel, fused q|k|v
@@ -132,9 +132,7 @@ def plans(job: str):
 
 
 def target(job: str) -> Target:
-    memory = JOBS[job].host_gb * 1e9
-    _, top = best(plans(job), lambda p: cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(plans(job), lambda p: cost(job, p), JOBS[job].host_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -144,11 +142,7 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, plan) -> str:
     """What ``plan`` costs next to the target, or why it is no plan."""
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: {plan}: {c.time:.4g} s per useful step (target {t.time:.4g}, "
-            f"{JOBS[job].step_s:g} without failures or saves), snapshot "
-            f"{fmt_bytes(c.memory)} per node (at most {fmt_bytes(t.memory)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job), lambda c, t: (
+        f"job {job}: {plan}: {c.time:.4g} s per useful step (target {t.time:.4g}, "
+        f"{JOBS[job].step_s:g} without failures or saves), snapshot "
+        f"{fmt_bytes(c.memory)} per node (at most {fmt_bytes(t.memory)})"))

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from edu3d.course import grading, lesson_args
 from edu3d.config.layout import Layout
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, fmt_time, meet, plan_line, step_line, target_of
 from edu3d.launch import launch
 from edu3d.model.gpt import GPT, config_from
 from edu3d.train.cut import shard_rows
@@ -309,9 +309,7 @@ def fsdp_plans(job: str):
 
 
 def target(job: str) -> Target:
-    memory = JOBS[job].gpu_gb * 1e9
-    _, top = best(fsdp_plans(job), lambda p: fsdp_cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(fsdp_plans(job), lambda p: fsdp_cost(job, p), JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -321,11 +319,6 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, plan) -> str:
     """What ``plan`` costs next to the target, or why it is no plan."""
-    try:
-        c = fsdp_cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}, compute "
-            f"alone {fmt_time(BLOCKS * (FORWARD_S + BACKWARD_S))}), peak {fmt_bytes(c.memory)} "
-            f"(at most {fmt_bytes(t.memory)})")
+    alone = f", compute alone {fmt_time(BLOCKS * (FORWARD_S + BACKWARD_S))}"
+    return plan_line(lambda: fsdp_cost(job, plan), lambda: target(job),
+                     lambda c, t: step_line(f"job {job}: {plan}", c, t, "peak {}", alone))

@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 
 from edu3d.course.ch10_performance import length, minus, union
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, fmt_time, meet, plan_line, step_line, target_of
 from edu3d.model.gpt import GPTConfig, flops_per_token
 
 EDGE = {  # name -> (comm spans, compute spans)
@@ -165,9 +165,7 @@ def cuts(job: str):
 
 @functools.cache
 def target(job: str) -> Target:
-    memory = JOBS[job].buffer_mb * 1e6
-    _, top = best(cuts(job), lambda c: cost(job, c), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(cuts(job), lambda c: cost(job, c), JOBS[job].buffer_mb * 1e6, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -177,12 +175,6 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, sizes) -> str:
     """What ``sizes`` costs next to the target, or why it is no plan."""
-    try:
-        c = cost(job, sizes)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    compute = LAYERS * LAYER_S + EMB_S
-    return (f"job {job}: {list(sizes)}: step {fmt_time(c.time)} (target {fmt_time(t.time)}, "
-            f"backward alone {fmt_time(compute)}), largest bucket {fmt_bytes(c.memory)} "
-            f"(at most {fmt_bytes(t.memory)})")
+    alone = f", backward alone {fmt_time(LAYERS * LAYER_S + EMB_S)}"
+    return plan_line(lambda: cost(job, sizes), lambda: target(job), lambda c, t: step_line(
+        f"job {job}: {list(sizes)}", c, t, "largest bucket {}", alone))

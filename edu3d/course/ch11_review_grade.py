@@ -23,8 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from edu3d.course import targets
-from edu3d.course.targets import Cost, Target, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, meet, plan_line, step_line, target_of
 from edu3d.model.shapes import spec_from
 from edu3d.config.sections import Run
 from edu3d.plan.estimate import setup, estimate
@@ -165,9 +164,8 @@ def tune_plans(job: str):
 @lru_cache(maxsize=None)
 def tune_target(job: str) -> Target:
     cl = TUNING[job].cluster
-    memory = cl.usable * cl.gpu_mem_gb * 1e9
-    _, top = targets.best(tune_plans(job), lambda p: tune_cost(job, p), memory)
-    return Target(time=TUNE_SLACK * top.time, memory=memory)
+    return target_of(tune_plans(job), lambda p: tune_cost(job, p),
+                     cl.usable * cl.gpu_mem_gb * 1e9, TUNE_SLACK)
 
 
 def check_tuning(ex, job: str) -> None:
@@ -177,10 +175,5 @@ def check_tuning(ex, job: str) -> None:
 
 def describe_tuning(job: str, plan) -> str:
     """What ``plan`` costs next to the target, or why it is no plan."""
-    try:
-        c = tune_cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = tune_target(job)
-    return (f"tuning {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}), "
-            f"{fmt_bytes(c.memory)} on the fullest rank (at most {fmt_bytes(t.memory)})")
+    return plan_line(lambda: tune_cost(job, plan), lambda: tune_target(job), lambda c, t:
+                     step_line(f"tuning {job}: {plan}", c, t, "{} on the fullest rank"))

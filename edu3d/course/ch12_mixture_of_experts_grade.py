@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import (Cost, Target, fmt_bytes, fmt_time, meet, plan_line,
+                                   target_of)
 from edu3d.model.balance import set_aux_scale
 from edu3d.model.gpt import MLP, GPTConfig
 from edu3d.model.moe import MoE, capacity_keep, route
@@ -227,9 +228,7 @@ def plans(job: str):
 
 @functools.cache
 def target(job: str) -> Target:
-    memory = JOBS[job].memory_gb * 1e9
-    _, top = best(plans(job), lambda p: cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(plans(job), lambda p: cost(job, p), JOBS[job].memory_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
@@ -244,13 +243,10 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, plan) -> str:
     """What ``plan`` costs next to the target, or why it is no plan."""
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t, j = target(job), JOBS[job]
-    factor = float(plan["capacity_factor"])
-    return (f"job {job}: {plan}: capacity {capacity(factor)} a rank, drops "
-            f"{dropped(factor):.2%} (at most {j.drop:.0%}); experts' step {fmt_time(c.time)} "
-            f"(target {fmt_time(t.time)}), {fmt_bytes(c.memory)} a rank (at most "
-            f"{fmt_bytes(t.memory)})")
+    def line(c: Cost, t: Target) -> str:
+        factor = float(plan["capacity_factor"])
+        return (f"job {job}: {plan}: capacity {capacity(factor)} a rank, drops "
+                f"{dropped(factor):.2%} (at most {JOBS[job].drop:.0%}); experts' step "
+                f"{fmt_time(c.time)} (target {fmt_time(t.time)}), {fmt_bytes(c.memory)} a rank "
+                f"(at most {fmt_bytes(t.memory)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job), line)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from edu3d.config.sections import Run
-from edu3d.course.targets import Cost, Target, best, fmt_bytes, fmt_time, meet
+from edu3d.course.targets import Cost, Target, best, meet, plan_line, step_line
 from edu3d.model.shapes import spec_from
 from edu3d.parallel.cp import block_attention, merge, positions
 from edu3d.plan.estimate import estimate, setup
@@ -232,10 +232,5 @@ def check_design(ex, job: str) -> None:
 
 def describe(job: str, plan) -> str:
     """What ``plan`` costs next to the target, or why it is no plan."""
-    try:
-        c = cost(job, plan)
-    except AssertionError as why:
-        return str(why)
-    t = target(job)
-    return (f"job {job}: {plan}: step {fmt_time(c.time)} (target {fmt_time(t.time)}), "
-            f"{fmt_bytes(c.memory)} on the fullest rank (at most {fmt_bytes(t.memory)})")
+    return plan_line(lambda: cost(job, plan), lambda: target(job),
+                     lambda c, t: step_line(f"job {job}: {plan}", c, t, "{} on the fullest rank"))

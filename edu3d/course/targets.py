@@ -7,10 +7,12 @@ of the fullest device (:class:`Cost`). It passes when it is a valid plan, fits t
 target and meets the time target (:class:`Target`, :func:`meet`).
 
 Where the plans can be listed, the time target is the best feasible plan's time times a
-small slack (:func:`best`): a target the model proves reachable, never a hand-picked number,
-so it moves with the model. Many plans may pass; the point is the reasoning, and the
-failure says how far off the plan is and which way (too slow, too big), never which plan to
-write.
+small slack (:func:`best`, :func:`target_of`): a target the model proves reachable, never a
+hand-picked number, so it moves with the model. Many plans may pass; the point is the
+reasoning, and the failure says how far off the plan is and which way (too slow, too big),
+never which plan to write. The notebook shows a plan next to its target in one line
+(:func:`plan_line`, most often in the usual words of :func:`step_line`), or why the plan is
+no plan.
 """
 
 from __future__ import annotations
@@ -74,3 +76,29 @@ def meet(what: str, got: Cost, target: Target, fmt: Callable[[float], str] = fmt
     assert got.time <= target.time, \
         f"{what}: it fits ({fmt_bytes(got.memory)}), but takes {fmt(got.time)}, slower than " \
         f"the target {fmt(target.time)} ({got.time / target.time:.2f}x)"
+
+
+def target_of(plans: Iterable, cost: Callable[[object], Cost], memory: float,
+              slack: float) -> Target:
+    """The target of a job whose ``plans`` can be listed: ``memory``, and the time of the
+    fastest plan that fits it (:func:`best`) times ``slack``."""
+    _, top = best(plans, cost, memory)
+    return Target(time=slack * top.time, memory=memory)
+
+
+def plan_line(cost: Callable[[], Cost], target: Callable[[], Target],
+              line: Callable[[Cost, Target], str]) -> str:
+    """``line(cost(), target())``: a plan next to its target, for the notebook; or, when
+    ``cost`` raises ``AssertionError`` (the plan is no plan), the reason it gives."""
+    try:
+        got = cost()
+    except AssertionError as why:
+        return str(why)
+    return line(got, target())
+
+
+def step_line(label: str, got: Cost, target: Target, memory: str = "{}", note: str = "") -> str:
+    """The usual line: ``<label>: step 1.2 s (target 1.1 s<note>), <memory> (at most 40 GB)``,
+    where ``memory`` places the plan's bytes in its words (``"{} per rank"``, ``"peak {}"``)."""
+    return (f"{label}: step {fmt_time(got.time)} (target {fmt_time(target.time)}{note}), "
+            f"{memory.format(fmt_bytes(got.memory))} (at most {fmt_bytes(target.memory)})")

@@ -1,6 +1,6 @@
 """What a CPU adds to the performance model: the costs a GPU hides, and gloo's own collectives.
 
-After reading this file you should understand why the same model needs three more terms to
+After reading this file you should understand why the same model needs a few more terms to
 predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profile with
 ``cores`` is a CPU one; a GPU profile leaves every term here at zero or unused):
 
@@ -17,6 +17,12 @@ predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profil
   data-parallel rank runs a Python hook per parameter tensor (ZeRO's and DDP's buckets):
   ``hook_overhead`` seconds per tensor per micro-batch, measured on 2 data-parallel ranks
   against the serial Trainer (+35 % of a width-8 micro-batch here);
+* **the host around each collective** (``collective_overhead``, charged once per call by
+  :func:`edu3d.plan.links.collective_time`): edu3d wraps every collective in Python (the
+  autograd function of a tensor-parallel f/g, the flattening copies, the trace's event) and
+  the rank wakes up cold after waiting in it; measured on tensor-parallel Trainer steps
+  (:mod:`edu3d.bench.profile_fit`): ~0.14-0.3 ms a call here, which at tp=2 with SP (48
+  collectives a micro-batch of the tiny model) is as much as its arithmetic;
 * **gloo's collectives** (:func:`collective`): each kind is timed by itself, because gloo's
   differ more than a ring's counts say: its reduce-scatter runs as a full all-reduce (and a
   copy), its all-gather and send/recv have latencies of their own. ``edu3d calibrate``

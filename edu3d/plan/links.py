@@ -27,7 +27,8 @@ After reading this file you should be able to time any collective of a layout by
 
 On a CPU the "link" is gloo on loopback, measured by ``edu3d calibrate`` in the same form, each
 kind of collective by itself (:func:`edu3d.plan.cpu.collective`: gloo's reduce-scatter is a
-full all-reduce, its latencies differ by kind).
+full all-reduce, its latencies differ by kind), plus the host's own seconds around each call
+(``collective_overhead``: a rank's Python and copies around it, its wake-up after the wait).
 No torch.
 """
 
@@ -52,6 +53,7 @@ class Link:
     allreduce: float
     gather: float
     kinds: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # measured per kind
+    host: float = 0.0  # a CPU rank's own seconds around each collective (0 on a GPU)
 
 
 def steps_and_factor(kind: str, n: int) -> tuple[int, float]:
@@ -72,7 +74,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     steps, factor = steps_and_factor(kind, n)
     alpha, bandwidth = link.kinds.get(kind) or (
         link.alpha, link.allreduce if kind == "all_reduce" else link.gather)
-    return alpha * steps + nbytes * factor / bandwidth
+    return alpha * steps + nbytes * factor / bandwidth + link.host
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
@@ -102,7 +104,7 @@ def link_for(profile: Profile, nodes: int, per_node: int) -> Link:
     if nodes <= 1:
         return Link("intra-node", profile.intra_alpha, profile.intra_bandwidth,
                     profile.intra_gather_bandwidth, {k: m for k in KINDS if (
-                        m := cpu.collective(k, profile))})
+                        m := cpu.collective(k, profile))}, profile.collective_overhead)
     share = min(1.0, per_node / profile.gpus_per_node)
     ring = max(2.0, nodes * per_node / profile.gpus_per_node)  # whole nodes of as many ranks
     return Link(f"inter-node ({nodes} nodes)", profile.inter_alpha,

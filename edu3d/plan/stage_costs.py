@@ -36,7 +36,7 @@ from functools import lru_cache
 from edu3d.config.layout import Layout
 from edu3d.config.sections import Batch, Run
 from edu3d.model.shapes import ModelSpec
-from edu3d.plan import cpu, links, recipes, roofline
+from edu3d.plan import cpu, links, recipes, roofline, trainer_comm
 from edu3d.plan.formulas import as_moe, routed_per_token
 from edu3d.plan.hardware import Profile
 from edu3d.plan.inventory import frozen_share
@@ -91,15 +91,21 @@ def phase_time(ops, comms, phase: str, profile: Profile, mesh: Layout, tp_overla
 
 @lru_cache(maxsize=8192)
 def piece_cost(c: Cut, what: tuple, recompute: str, profile: Profile, mesh: Layout,
-               tp_overlap: bool, dtype: str, per_core: float, framework: float) -> dict:
+               tp_overlap: bool, dtype: str, per_core: float, framework: float,
+               trainer: bool = False) -> dict:
     """One piece of a stage per micro-batch (``what``: ``("layer", moe, frozen)``,
-    ``("embedding",)`` or ``("head", fused_loss)``): phase seconds, exposed communication by
-    axis, pure device time, matmul FLOPs and their time. Cached: a search's layouts share
-    their layers."""
+    ``("embedding", learned_pos)`` or ``("head", fused_loss)``): phase seconds, exposed
+    communication by axis, pure device time, matmul FLOPs and their time; ``trainer``: with
+    the collectives edu3d's Trainer issues beyond the textbook's (:mod:`.trainer_comm`).
+    Cached: a search's layouts share their layers."""
     if what[0] == "layer":
         ops, comms = layer(c, recompute, *what[1:])
+        comms = comms + tuple(trainer_comm.layer_extra(c, comms) if trainer else ())
+    elif what[0] == "embedding":
+        ops, comms = embedding_ops(c), tuple(
+            trainer_comm.embedding_comms(c, what[1]) if trainer else ())
     else:
-        ops, comms = (embedding_ops(c) if what[0] == "embedding" else head_ops(c, what[1])), ()
+        ops, comms = head_ops(c, what[1]), tuple(trainer_comm.head_comms(c) if trainer else ())
     row = {"exposed": {}}
     for phase in ("F", "R", "I", "W"):
         row[phase] = phase_time(ops, comms, phase, profile, mesh, tp_overlap, dtype, per_core,
@@ -141,13 +147,13 @@ def _stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recip
                    frozen_share(spec, run.memory.freeze, i))
             kinds[key] = kinds.get(key, 0) + 1
         pieces = [(("layer",) + key, n) for key, n in kinds.items()]
-        pieces += [(("embedding",), 1)] if s == 0 else []
+        pieces += [(("embedding", spec.learned_pos), 1)] if s == 0 else []
         pieces += [(("head", rec.fused_loss), 1)] if s == len(parts) - 1 else []
         row = {"F": 0.0, "R": 0.0, "I": 0.0, "W": 0.0, "exposed": {}, "kernels": 0.0,
                "flops": 0.0, "matmul_time": 0.0}
         for what, n in pieces:
             cost = piece_cost(c, what, recompute, profile, mesh, par.tp_overlap,
-                              run.precision.dtype, per_core, rec.host)
+                              run.precision.dtype, per_core, rec.host, rec.name == "edu3d")
             for k in ("F", "R", "I", "W", "kernels", "flops", "matmul_time"):
                 row[k] += n * cost[k]
             for axis, v in cost["exposed"].items():

@@ -115,6 +115,9 @@ def reduce_tail(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recipe
         if par.zero in (1, 2) and rec.name == "edu3d":  # unit by unit, in series
             tail, gather = trainer_comm.zero_reduce(spec, run, pp_rank, experts, rec.reduce,
                                                     rec.gather, n, link)
+        if par.zero >= 3 and rec.name == "edu3d" and not experts:  # its other units, exposed
+            size = 4 if spec.course else rec.gather
+            tail += trainer_comm.zero3_units(spec, run, pp_rank, size, size, n, link)
         # HSDP: the gradient shard all-reduced across the replica groups, after its scatter
         out[axis] = tail + gather + (links.collective_time(
             "all_reduce", rec.reduce * psi / n, par.hsdp, across) if across else 0.0)
@@ -135,7 +138,7 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     seconds = psi * per_param / (profile.mem_bandwidth * profile.mem_efficiency)
     return (seconds * (run.world_size / profile.cores if profile.cores else 1.0)
             + cpu.step_overhead(spec, run, profile, pp_rank)  # CPU: loops over tensors
-            + (trainer_comm.bookkeeping(run, profile) if rec.name == "edu3d" else 0.0))
+            + (trainer_comm.bookkeeping(spec, run, profile) if rec.name == "edu3d" else 0.0))
 
 
 # ---- 2. the pipeline, and the step --------------------------------------------------------------
