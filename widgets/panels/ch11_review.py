@@ -28,7 +28,8 @@ from edu3d.config.layout import Layout
 from edu3d.schedules.simulate import bubble_of
 from edu3d.train.preflight import model_config
 from edu3d.widgets.panels.panel import Panel, choices
-from edu3d.widgets.overlap import bucket_timeline_figure, launched_during_backward
+from edu3d.widgets.overlap import bucket_timeline_figure
+from edu3d.widgets import style
 from edu3d.widgets.pipeline import bubble_figure
 from edu3d.widgets.review import (activations_figure, in_flight_figure, layout_figure,
                                   ring_figure, tp_figure, zero_figure, zero_measured_figure,
@@ -67,10 +68,9 @@ def ddp_picture(n: int = 8, bucket_mb: float = DDP_BUCKET_MB):
     sim = simulate_dp_step(backward_sizes(model_config(lesson_args())), bucket_mb, True, n)
     shown = min(n, DDP_LANES)
     sim = {**sim, "events": [e for e in sim["events"] if e["rank"] < shown]}
-    during = launched_during_backward(sim["launch_log"], sim["grads"])
-    title = (f"What DDP communicates, and when: each of {n} ranks all-reduces its gradients "
-             f"in {len(sim['buckets'])} buckets, {during} launched during the backward"
-             + (f" ({shown} of {n} ranks drawn)" if shown < n else ""))
+    # the takeaway under it counts the buckets and those launched during the backward
+    title = (f"What DDP communicates, and when: its gradients, over {style.plural(n, 'rank')}"
+             + (f" ({shown} drawn)" if shown < n else ""))
     return bucket_timeline_figure(sim, bucket_mb=bucket_mb, reverse=True, title=title)
 
 
