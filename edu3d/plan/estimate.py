@@ -307,11 +307,11 @@ def transient_per_rank(spec: ModelSpec, run: Run, pp_rank: int) -> float:
     (``4sbV/t`` bytes in fp32, ``2sbV/t`` in 16-bit): on an H100, GPT-2-small in bf16, the
     allocator's peak rose exactly ``2sbV`` above what was held then (``edu3d.bench.bench_gpu``)."""
     lay = run.layout
-    # a V's last stage sits on rank 0
-    last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))
+    last = stage_rank(2 * lay.pp - 1, lay.pp, placement(run.parallel.schedule))  # V: rank 0
     logit = (4 if _fp32_numbers(spec, run) else 2) * (pp_rank == last)
-    return max(float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp,
-               brought_back(partial(stage_activation_bytes, spec, run), run, pp_rank))  # offload
+    held = float(logit * spec.seq_len * run.micro_batch * spec.vocab_rows(lay.tp)) / lay.cp
+    return held if not run.memory.offload_activations else max(  # else nothing comes back
+        held, brought_back(partial(stage_activation_bytes, spec, run), run, pp_rank))
 
 
 def activation_model(spec: ModelSpec, run: Run) -> str:
