@@ -9,6 +9,7 @@ prediction the way the trace of a real step says. Nothing here times anything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from edu3d.plan.step import predict
 
 RATE, FIXED, DISPATCH = 90e9, 50e-6, 44e-6  # FLOP/s, s per linear layer, s of it at 1x1x1
 KERNEL, TENSOR, HOOK = 20e-6, 30e-6, 8e-6  # s per kernel, per tensor per step, per mb
+SYNC = 16e-6  # s per tensor per step beyond the serial step, under data parallelism
 ALPHA, BUSBW = 200e-6, 1.5e9
 WRAP, CALLS, INSIDE = 150e-6, 48, 100e-6  # s around a collective, per micro-batch, inside one
 TENSORS, KERNELS = 53, 109
@@ -45,7 +47,7 @@ def measurements() -> dict:
              "kernels": KERNELS, "dispatches": 442,
              "seconds": [TENSORS * TENSOR + m * KERNELS * KERNEL for m in (1, 2, 4)]}
     dp = {"microbatches": [1, 2, 4],
-          "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + TENSORS * HOOK)
+          "seconds": [TENSORS * (TENSOR + SYNC) + m * (KERNELS * KERNEL + TENSORS * HOOK)
                       for m in (1, 2, 4)]}
     tp = {"microbatches": [1, 2, 4], "collectives": CALLS,
           "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + CALLS * (WRAP + INSIDE))
@@ -94,6 +96,9 @@ def test_fits_recover_known_constants():
     hook = profile_fit.hook_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
                                 e["per_microbatch"], TENSORS)
     assert hook == pytest.approx(HOOK)
+    sync = profile_fit.sync_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
+                                e["per_step"], TENSORS)
+    assert sync == pytest.approx(SYNC)
     tp = m["collectives"]["tensor_parallel"]
     wrap = profile_fit.collective_fit([1, 2, 4], tp["seconds"], e["per_microbatch"], CALLS,
                                       INSIDE)
@@ -133,6 +138,7 @@ def test_profile_is_valid_sourced_written_and_read_back_by_name(profile_dir):
     assert loaded.kernel_overhead == pytest.approx(KERNEL)
     assert loaded.step_overhead == pytest.approx(TENSOR)
     assert loaded.hook_overhead == pytest.approx(HOOK)
+    assert loaded.sync_overhead == pytest.approx(SYNC)
     assert loaded.cores == 2 and loaded.intra_alpha == pytest.approx(ALPHA)
     assert loaded.collectives["reduce_scatter"] == pytest.approx((ALPHA, BUSBW))
     assert all(s.startswith(ABOUT) for s in loaded.sources.values())
@@ -208,6 +214,16 @@ def test_cpu_terms_add_what_a_real_step_spends():
     assert cpu.step_overhead(spec, serial, gpu, 0) == 0.0
     assert cpu.microbatch_overhead(spec, serial, prof, 0) == 0.0  # no data parallelism
     assert cpu.microbatch_overhead(spec, dp2, prof, 0) == pytest.approx(TENSORS * HOOK)
+    # data parallelism's once-a-step cost: charged to a data-parallel step, on a CPU only
+    assert cpu.sync_overhead(spec, serial, prof, 0) == 0.0
+    assert cpu.sync_overhead(spec, dp2, prof, 0) == pytest.approx(TENSORS * SYNC)
+    assert cpu.sync_overhead(spec, dp2, gpu, 0) == 0.0
+    without = dataclasses.replace(prof, sync_overhead=0.0)
+    assert (predict(spec, dp2, prof, memory=False).parts["optimizer"]
+            - predict(spec, dp2, without, memory=False).parts["optimizer"]) == pytest.approx(
+                TENSORS * SYNC)
+    assert predict(spec, serial, prof, memory=False).step_time == pytest.approx(
+        predict(spec, serial, without, memory=False).step_time)
     assert cpu.ranks_per_core(prof, 8) == 4 and cpu.ranks_per_core(gpu, 8) == 1
     # gloo by kind: a reduce-scatter costs what was measured for it, not all-gather's figure
     link = links.link_for(prof, 1, 2)

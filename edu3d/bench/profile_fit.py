@@ -24,7 +24,8 @@ constants a performance model needs, each with its source:
   kernels one micro-batch launches (as :mod:`edu3d.plan.kernels` counts them) is the launch
   overhead per kernel, the intercept over the parameter tensors the per-step cost (the
   optimizer, the norm and the clip loop over tensors in eager PyTorch); the same steps on
-  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`),
+  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`)
+  and, less the serial intercept, what the step costs once beyond them (:func:`sync_fit`),
   and on tensor-parallel ranks with SP, shared by the collectives a micro-batch issues, what
   the host spends around each beyond the call itself (:func:`collective_fit`);
 * **elementwise ops** (:func:`elementwise_fit`): whole blocks timed, less what the model
@@ -168,6 +169,14 @@ def hook_fit(microbatches: list[int], seconds: list[float], serial_per_microbatc
     return max(0.0, (per_mb - serial_per_microbatch) / tensors)
 
 
+def sync_fit(microbatches: list[int], seconds: list[float], serial_per_step: float,
+             tensors: int) -> float:
+    """Seconds per parameter tensor per step that data parallelism adds once per step: the
+    intercept of data-parallel steps over ``microbatches`` beyond the serial one, never below 0."""
+    per_step, _ = line([float(m) for m in microbatches], seconds)
+    return max(0.0, (per_step - serial_per_step) / tensors)
+
+
 def collectives_per_microbatch(run: Run) -> int:
     """Collectives one more micro-batch of ``run`` (of one sequence per rank) issues on
     rank 0, as the model counts them (:func:`edu3d.plan.trainer_comm.count`)."""
@@ -214,6 +223,7 @@ def profile_from(m: dict, about: str) -> dict:
     dp = m["collectives"]["data_parallel"]
     hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
                      m["eager"]["tensors"])
+    sync = sync_fit(dp["microbatches"], dp["seconds"], eager["per_step"], m["eager"]["tensors"])
     n = m["collectives"]["ranks"]
     tp = m["collectives"].get("tensor_parallel")  # absent: measured before it was
     inside = [p[3] for k in ("all_reduce", "all_gather", "reduce_scatter")
@@ -298,6 +308,12 @@ def profile_from(m: dict, about: str) -> dict:
                                   f" us per micro-batch against {eager['per_microbatch'] * 1e6:.0f} "
                                   f"serially, over {m['eager']['tensors']} parameter tensors "
                                   "(the gradient hooks data parallelism adds to every backward)"),
+        "sync_overhead": constant(sync, "s per parameter tensor per step", (
+            f"{about}: the same data-parallel Trainer steps ({dp_text(dp)}): the intercept of "
+            f"t = per_step + m x per_microbatch, {(sync * m['eager']['tensors'] + eager['per_step']) * 1e6:.0f}"
+            f" us against {eager['per_step'] * 1e6:.0f} serially, over {m['eager']['tensors']} "
+            "parameter tensors (what a data-parallel step costs once per step beyond its "
+            "hooks: the last buckets reduced, the main thread's share of the collectives)")),
         **({"collective_overhead": constant(wrap, "s per collective", (
             f"{about}: the same Trainer steps on {n} tensor-parallel ranks with sequence "
             f"parallelism ({dp_text(tp)}): the slope beyond the serial one, shared by the "

@@ -17,6 +17,12 @@ predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profil
   data-parallel rank runs a Python hook per parameter tensor (ZeRO's and DDP's buckets):
   ``hook_overhead`` seconds per tensor per micro-batch, measured on 2 data-parallel ranks
   against the serial Trainer (+35 % of a width-8 micro-batch here);
+* **data parallelism's step** (:func:`sync_overhead`): beyond its hooks, a data-parallel
+  step costs more than the serial one once per step, however many micro-batches it runs
+  (the last micro-batch's buckets flattened and reduced, the main thread's share of the
+  collective calls, the wait for the peer): ``sync_overhead`` seconds per parameter tensor,
+  the intercept of the same data-parallel steps beyond the serial steps' intercept
+  (~0.9 ms a step of a 53-tensor model here);
 * **the host around each collective** (``collective_overhead``, charged once per call by
   :func:`edu3d.plan.links.collective_time`): edu3d wraps every collective in Python (the
   autograd function of a tensor-parallel f/g, the flattening copies, the trace's event) and
@@ -73,6 +79,15 @@ def microbatch_overhead(spec: ModelSpec, run: Run, profile: Profile, pp_rank: in
     if not profile.hook_overhead or run.layout.dp * run.layout.cp == 1:
         return 0.0
     return (profile.hook_overhead * tensors_held(spec, run, pp_rank)
+            * ranks_per_core(profile, run.world_size))
+
+
+def sync_overhead(spec: ModelSpec, run: Run, profile: Profile, pp_rank: int) -> float:
+    """Seconds a data-parallel step costs once per step beyond the serial step and its hooks
+    (zero without data parallelism, or on a profile without ``sync_overhead``)."""
+    if not profile.sync_overhead or run.layout.dp * run.layout.cp == 1:
+        return 0.0
+    return (profile.sync_overhead * tensors_held(spec, run, pp_rank)
             * ranks_per_core(profile, run.world_size))
 
 

@@ -138,6 +138,7 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     seconds = psi * per_param / (profile.mem_bandwidth * profile.mem_efficiency)
     return (seconds * (run.world_size / profile.cores if profile.cores else 1.0)
             + cpu.step_overhead(spec, run, profile, pp_rank)  # CPU: loops over tensors
+            + cpu.sync_overhead(spec, run, profile, pp_rank)  # CPU: data parallelism's step
             + (trainer_comm.bookkeeping(spec, run, profile) if rec.name == "edu3d" else 0.0))
 
 
