@@ -15,7 +15,7 @@ import json
 import pytest
 
 from edu3d import cli
-from edu3d.bench import calibration, profile_fit
+from edu3d.bench import calibration, profile_fit, trainer_steps
 from edu3d.config.sections import Run
 from edu3d.plan import cpu, hardware, links, trainer_comm
 from edu3d.plan.estimate import setup, spec_of
@@ -106,7 +106,7 @@ def test_fits_recover_known_constants():
     assert profile_fit.profile_from(m, ABOUT)["collective_overhead"]["value"] == pytest.approx(
         WRAP)
     # what calibrate's tensor-parallel steps issue per micro-batch, as the model counts them
-    assert profile_fit.collectives_per_microbatch(Run.of(**calibration.EAGER, global_batch=1,
+    assert profile_fit.collectives_per_microbatch(Run.of(**trainer_steps.EAGER, global_batch=1,
                                                          microbatches=1, tp=2, sp=True)) == 48
     w = profile_fit.elementwise_fit(m["layers"], RATE, 0.0, 0.3, KERNEL)
     assert w["bandwidth"] == pytest.approx(8e9)

@@ -199,7 +199,8 @@ def collective_fit(microbatches: list[int], seconds: list[float], serial_per_mic
 
 
 def dp_text(dp: dict) -> str:
-    return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"], dp["seconds"]))
+    return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"],
+                                                               dp["seconds"])) + fastest_text(dp)
 
 
 # ---- the profile -------------------------------------------------------------------------------
@@ -355,11 +356,19 @@ def elementwise_source(m: dict, fit: dict, stream: float, about: str) -> str:
             "bound by arithmetic on a CPU core, not by memory); kept within [0.05, 1]")
 
 
+def fastest_text(steps: dict) -> str:
+    """The fastest of the same steps, for the record (absent from older measurements)."""
+    if "fastest" not in steps:
+        return ""
+    return "; fastest " + ", ".join(f"{t * 1e3:.2f}" for t in steps["fastest"]) + " ms"
+
+
 def eager_source(m: dict, eager: dict, about: str) -> str:
     e = m["eager"]
     return (f"{about}: serial edu3d Trainer steps of {e['model']} (arithmetic nil), "
             f"{', '.join(f'm={k}: {t * 1e3:.2f} ms' for k, t in zip(e['microbatches'], e['seconds']))}"
-            f" ({m['clock']}, minimum of repetitions), fitted t = per_step + m x per_microbatch: "
+            f" ({m['clock']}, median of the steps of edu3d.train.loop.loop, as edu3d train "
+            f"runs them{fastest_text(e)}), fitted t = per_step + m x per_microbatch: "
             f"{eager['per_microbatch'] * 1e6:.0f} us per micro-batch over the {e['kernels']:g} "
             f"kernels edu3d.plan.kernels counts in it = {eager['per_kernel'] * 1e6:.2f} us per kernel "
             f"(it launches {e['dispatches']} aten ops: {eager['per_microbatch'] / e['dispatches'] * 1e6:.2f}"
