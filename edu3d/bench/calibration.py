@@ -18,7 +18,8 @@ machine and how each number is measured so that a busy machine disturbs it least
 * **collectives** (:func:`collectives`): one real 2-rank launch through edu3d's launcher,
   timing edu3d's traced all-reduce, all-gather, reduce-scatter and send/recv
   (:mod:`edu3d.distributed.comm`, what the trainer calls) from 4 bytes to 4 MiB, between
-  slices of arithmetic as in a step, and the eager Trainer steps again on the 2 ranks,
+  slices of arithmetic as in a step, and the eager Trainer steps again on the 2 ranks:
+  serial on both at once, on the wall clock (what ranks beside each other cost one another),
   data-parallel (what its hooks add) and tensor-parallel with SP (what a rank's host spends
   around each of its collectives);
 * the **cores** this process may use and the host's memory.
@@ -82,16 +83,18 @@ MIN_REPS, MAX_REPS = 3, 200
 
 class Clock:
     """Seconds of work on this device: this thread's CPU time on a CPU (other processes'
-    load moves it least), a synchronised wall clock on a GPU."""
+    load moves it least), a synchronised wall clock on a GPU; with ``wall``, the wall clock
+    on a CPU too (what ranks running at once lose to each other)."""
 
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-        self.name = ("CUDA-synchronised wall clock" if self.cuda else
-                     "this thread's CPU time, one thread")
+    def __init__(self, device: str, wall: bool = False):
+        self.cuda, self.wall = device == "cuda", wall or device == "cuda"
+        self.name = ("CUDA-synchronised wall clock" if self.cuda else "the wall clock" if wall
+                     else "this thread's CPU time, one thread")
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.wall:
+            if self.cuda:
+                torch.cuda.synchronize()
             return time.perf_counter()
         return time.thread_time()
 
@@ -241,12 +244,15 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
                             if op != "send_recv" else numel * 4,
                             statistics.median(seconds) / half, min(seconds) / half,
                             min(cpu) / half])
+    together = eager(dev.type, Clock(dev.type, wall=True), 0.0, None, reps=DP_REPS)  # serial,
+    # every rank at once: what ranks running beside each other cost one another
     hooks = eager(dev.type, Clock(dev.type), 0.0, mesh, reps=DP_REPS)  # data parallel: hooks
     tp = Mesh.build(Layout(tp=n))  # tensor parallel + SP: dozens of collectives a micro-batch
     wrapped = eager(dev.type, Clock(dev.type), 0.0, tp, reps=DP_REPS)
     tp.release()
     return {"ops": out, "runtime_bytes": rss, "ranks": n, "backend": dist.get_backend(),
-            "data_parallel": hooks, "tensor_parallel": wrapped} if rank == 0 else None
+            "data_parallel": hooks, "tensor_parallel": wrapped, "together": together} \
+        if rank == 0 else None
 
 
 def collectives(budget_s: float, ranks: int) -> dict:

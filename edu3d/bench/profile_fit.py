@@ -177,6 +177,12 @@ def sync_fit(microbatches: list[int], seconds: list[float], serial_per_step: flo
     return max(0.0, (per_step - serial_per_step) / tensors)
 
 
+def corun_fit(together: list[float], alone: list[float]) -> float:
+    """How much slower the same steps run on every rank at once (``together``, wall clock)
+    than in one process alone (``alone``, its CPU time): the ratio of their sums, at least 1."""
+    return max(1.0, sum(together) / sum(alone))
+
+
 def collectives_per_microbatch(run: Run) -> int:
     """Collectives one more micro-batch of ``run`` (of one sequence per rank) issues on
     rank 0, as the model counts them (:func:`edu3d.plan.trainer_comm.count`)."""
@@ -225,6 +231,8 @@ def profile_from(m: dict, about: str) -> dict:
     hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
                      m["eager"]["tensors"])
     sync = sync_fit(dp["microbatches"], dp["seconds"], eager["per_step"], m["eager"]["tensors"])
+    together = m["collectives"].get("together")  # absent: measured before it was
+    shared = corun_fit(together["seconds"], m["eager"]["seconds"]) if together else None
     n = m["collectives"]["ranks"]
     tp = m["collectives"].get("tensor_parallel")  # absent: measured before it was
     inside = [p[3] for k in ("all_reduce", "all_gather", "reduce_scatter")
@@ -315,6 +323,13 @@ def profile_from(m: dict, about: str) -> dict:
             f" us against {eager['per_step'] * 1e6:.0f} serially, over {m['eager']['tensors']} "
             "parameter tensors (what a data-parallel step costs once per step beyond its "
             "hooks: the last buckets reduced, the main thread's share of the collectives)")),
+        **({"corun": constant(shared, "ratio", (
+            f"{about}: the same serial Trainer steps run on all {n} ranks of that launch at "
+            f"once, on the wall clock ({dp_text(together)}), against one process alone ("
+            f"{', '.join(f'{t * 1e3:.2f}' for t in m['eager']['seconds'])} ms, its CPU time): "
+            "how much slower a rank's work runs beside the others (shared caches and memory, "
+            "the cores' time with their helper threads and whatever else runs here)"))}
+           if together else {}),
         **({"collective_overhead": constant(wrap, "s per collective", (
             f"{about}: the same Trainer steps on {n} tensor-parallel ranks with sequence "
             f"parallelism ({dp_text(tp)}): the slope beyond the serial one, shared by the "

@@ -27,6 +27,8 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
                        eager loops over tensors (optimizer, norm, clip), :mod:`edu3d.plan.cpu`;
 ``hook_overhead``      optional (a CPU profile): seconds per parameter tensor per micro-batch of
                        data parallelism's gradient hooks, :mod:`edu3d.plan.cpu`;
+``corun``              optional (a CPU profile): how much slower a rank's work runs while
+                       the other ranks run beside it (>= 1), :mod:`edu3d.plan.cpu`;
 ``sync_overhead``      optional (a CPU profile): seconds per parameter tensor per step that a
                        data-parallel step costs beyond the serial one once per step (the
                        gradient synchronisation's set-up and wait), :mod:`edu3d.plan.cpu`;
@@ -122,6 +124,7 @@ class Profile:
     step_overhead: float = 0.0
     hook_overhead: float = 0.0
     sync_overhead: float = 0.0
+    corun: float = 1.0
     collective_overhead: float = 0.0
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -206,6 +209,8 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         in_range(constant(data, key, where, sources), 0.0, 1e-2, key, where) if key in data
         else 0.0 for key in ("step_overhead", "hook_overhead", "sync_overhead",
                              "collective_overhead"))
+    corun = (in_range(constant(data, "corun", where, sources), 1.0, 10.0, "corun", where)
+             if "corun" in data else 1.0)
     collectives = {}
     if not isinstance(data.get("collectives", {}), dict):
         raise ProfileError(f"{where}: collectives must be an object of {', '.join(COLLECTIVES)}")
@@ -233,7 +238,7 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         inter_gather_bandwidth=values["link.inter.gather_bandwidth"],
         inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores,
         step_overhead=step_overhead, hook_overhead=hook_overhead, sync_overhead=sync_overhead,
-        collective_overhead=collective_overhead, collectives=collectives)
+        corun=corun, collective_overhead=collective_overhead, collectives=collectives)
 
 
 def constant(data: dict, key: str, where: str, sources: dict[str, str],
