@@ -178,8 +178,7 @@ def sync_fit(microbatches: list[int], seconds: list[float], serial_per_step: flo
 
 
 def corun_fit(together: list[float], alone: list[float]) -> float:
-    """How much slower the same steps run on every rank at once (``together``, wall clock)
-    than in one process alone (``alone``, its CPU time): the ratio of their sums, at least 1."""
+    """``together`` (wall clock, every rank at once) over ``alone`` (CPU time), at least 1."""
     return max(1.0, sum(together) / sum(alone))
 
 
@@ -373,9 +372,8 @@ def elementwise_source(m: dict, fit: dict, stream: float, about: str) -> str:
 
 def fastest_text(steps: dict) -> str:
     """The fastest of the same steps, for the record (absent from older measurements)."""
-    if "fastest" not in steps:
-        return ""
-    return "; fastest " + ", ".join(f"{t * 1e3:.2f}" for t in steps["fastest"]) + " ms"
+    return ("; fastest " + ", ".join(f"{t * 1e3:.2f}" for t in steps["fastest"]) + " ms"
+            if "fastest" in steps else "")
 
 
 def eager_source(m: dict, eager: dict, about: str) -> str:
