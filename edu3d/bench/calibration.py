@@ -25,12 +25,11 @@ machine and how each number is measured so that a busy machine disturbs it least
 * the **cores** this process may use and the host's memory.
 
 **Load.** Other processes steal time at random: so a compute kernel is timed by this thread's
-CPU time (what their load moves least), its *median* over repetitions: what ``edu3d tune``
-reports of a candidate is its median step, and the fastest repetition of a kernel is one
-that found its data in the caches. A collective waits for its peer, so it is timed on the
-wall clock; the fit takes the *median* too (what a step meets: a rank that loses its core
-makes the other wait) and the source records the minimum's (an idle machine's). Each part
-has a share of the budget (at least 3 repetitions each). On a GPU everything runs there with a synchronised wall clock, collectives on NCCL.
+CPU time (what their load moves least), its *minimum* over repetitions. A collective waits
+for its peer, so it is timed on the wall clock; the fit takes the *median* (what a step
+meets: a rank that loses its core makes the other wait) and the source records the minimum's
+(an idle machine's). Each part has a share of the budget (at least 3 repetitions each). On
+a GPU everything runs there with a synchronised wall clock, collectives on NCCL.
 
 :mod:`edu3d.bench.profile_fit` turns the measurements into the profile file that ``edu3d
 plan --hardware this-machine`` and ``edu3d tune`` read (:func:`edu3d.plan.hardware.user_profiles`).
@@ -99,24 +98,25 @@ class Clock:
         return time.thread_time()
 
 
-def typical(fn: Callable[[], object], clock: Clock, budget_s: float,
+def fastest(fn: Callable[[], object], clock: Clock, budget_s: float,
             reps: int | None = None) -> float:
-    """The median time of ``fn`` over repetitions after one warm-up call: until ``budget_s``
+    """The minimum time of ``fn`` over repetitions after one warm-up call: until ``budget_s``
     of wall time is spent (at least :data:`MIN_REPS`, at most :data:`MAX_REPS`), or exactly
     ``reps`` (ranks whose ``fn`` calls collectives must agree on the count)."""
     fn()
-    times, end = [], time.perf_counter() + budget_s
-    while len(times) < reps if reps is not None else len(times) < MIN_REPS or (
-            time.perf_counter() < end and len(times) < MAX_REPS):
+    best, done, end = float("inf"), 0, time.perf_counter() + budget_s
+    while done < reps if reps is not None else done < MIN_REPS or (
+            time.perf_counter() < end and done < MAX_REPS):
         t0 = clock.now()
         fn()
-        times.append(clock.now() - t0)
-    return statistics.median(times)
+        best = min(best, clock.now() - t0)
+        done += 1
+    return best
 
 
 # ---- one process ---------------------------------------------------------------------------------
 def linears(device: str, dtype: torch.dtype, clock: Clock, budget_s: float) -> dict:
-    """The median forward + backward of a linear layer ``Y = X·Wᵀ + b`` at each of
+    """The fastest forward + backward of a linear layer ``Y = X·Wᵀ + b`` at each of
     :data:`SHAPES` (``(M, N, K)``: three matmuls, in the layouts autograd runs them), and at
     1x1x1 (no arithmetic: what the same calls cost in dispatch alone)."""
     shapes = SHAPES[device]
@@ -131,7 +131,7 @@ def linears(device: str, dtype: torch.dtype, clock: Clock, budget_s: float) -> d
             x.grad = w.grad = b.grad = None
             F.linear(x, w, b).backward(g)
 
-        out.append(typical(step, clock, budget_s / (len(shapes) + 1)))
+        out.append(fastest(step, clock, budget_s / (len(shapes) + 1)))
     return {"shapes": [list(s) for s in shapes], "seconds": out[1:], "dispatch_s": out[0]}
 
 
@@ -139,7 +139,7 @@ def stream(device: str, clock: Clock, budget_s: float) -> dict:
     """A copy of :data:`STREAM_BYTES` (far beyond the caches): read once, written once."""
     n = STREAM_BYTES[device] // 4
     src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
-    return {"bytes": n * 4, "seconds": typical(lambda: dst.copy_(src), clock, budget_s)}
+    return {"bytes": n * 4, "seconds": fastest(lambda: dst.copy_(src), clock, budget_s)}
 
 
 def attention(device: str, dtype: torch.dtype, clock: Clock, budget_s: float) -> dict:
@@ -153,11 +153,11 @@ def attention(device: str, dtype: torch.dtype, clock: Clock, budget_s: float) ->
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     return {"shape": f"b={b} heads={h} s={s} head_dim={d} {str(dtype).split('.')[-1]}",
-            "flops": 3.5 * 2.0 * b * s * s * h * d, "seconds": typical(step, clock, budget_s)}
+            "flops": 3.5 * 2.0 * b * s * s * h * d, "seconds": fastest(step, clock, budget_s)}
 
 
 def layers(device: str, clock: Clock, budget_s: float) -> list[dict]:
-    """One block of edu3d's GPT forward and backward at each of :data:`LAYERS`: the median
+    """One block of edu3d's GPT forward and backward at each of :data:`LAYERS`: the fastest
     time, and its ops as :mod:`edu3d.plan.kernels` lists them (what the fit splits it into)."""
     out = []
     for b, s, d, heads in LAYERS[device]:
@@ -178,7 +178,7 @@ def layers(device: str, clock: Clock, budget_s: float) -> list[dict]:
         cut = cut_of(spec_of(run), run, recipes.recipe_of("edu3d"))
         layer, _ = kernels.layer(cut, "none")
         out.append({"shape": f"b={b} s={s} d={d} heads={heads}",
-                    "seconds": typical(step, clock, budget_s / len(LAYERS[device])),
+                    "seconds": fastest(step, clock, budget_s / len(LAYERS[device])),
                     "ops": [[o.kind, o.flops, o.bytes, o.kernels] for o in layer]})
     return out
 

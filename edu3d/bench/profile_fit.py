@@ -250,7 +250,7 @@ def profile_from(m: dict, about: str) -> dict:
                 f"{len(m['matmul'][p]['shapes'])} {p} linear layers, forward + backward (three "
                 f"matmuls each, as autograd runs them), M x N x K = "
                 f"{', '.join('x'.join(map(str, s)) for s in m['matmul'][p]['shapes'])} "
-                f"({m['clock']}, median of repetitions): R = {f['rate'] / 1e9:.1f} GFLOP/s, "
+                f"({m['clock']}, minimum of repetitions): R = {f['rate'] / 1e9:.1f} GFLOP/s, "
                 f"c = {f['fixed'] * 1e6:.1f} us, worst shape off by {f['worst']:.0%}")
 
     peaks = {}
@@ -285,7 +285,7 @@ def profile_from(m: dict, about: str) -> dict:
         "peak_flops": peaks,
         "mem_bandwidth": constant(stream, "B/s", f"{about}: a streaming copy of "
                                   f"{m['stream']['bytes'] / 2**20:.0f} MiB, read + write over the "
-                                  f"median of repetitions ({m['clock']})"),
+                                  f"minimum of repetitions ({m['clock']})"),
         "memory": constant(m["memory_bytes"], "B", f"{about}: {m['memory_from']}"),
         "matmul_efficiency": constant(1.0, f"fraction of {main} peak", f"{about}: the peak "
                                       f"is the measured asymptote of {main} matmuls, so large "
@@ -299,7 +299,7 @@ def profile_from(m: dict, about: str) -> dict:
                                          "3.5 x 2·b·s²·heads·head_dim FLOPs (edu3d.plan.kernels' "
                                          f"count) in {m['attention']['seconds'] * 1e3:.2f} ms "
                                          f"({m['clock']})"),
-        "sustained": constant(1.0, "fraction", f"{about}: every rate here is the median "
+        "sustained": constant(1.0, "fraction", f"{about}: every rate here is the minimum "
                               "time of repeated real kernels on this machine, which is what a "
                               "run sustains (a GPU profile's fraction is fitted to published "
                               "runs instead)"),
