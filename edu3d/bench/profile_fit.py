@@ -205,7 +205,7 @@ def collective_fit(microbatches: list[int], seconds: list[float], serial_per_mic
 
 def dp_text(dp: dict) -> str:
     return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"],
-                                                               dp["seconds"])) + fastest_text(dp)
+                                                               dp["seconds"])) + median_text(dp)
 
 
 # ---- the profile -------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def profile_from(m: dict, about: str) -> dict:
                      m["eager"]["tensors"])
     sync = sync_fit(dp["microbatches"], dp["seconds"], eager["per_step"], m["eager"]["tensors"])
     together = m["collectives"].get("together")  # absent: measured before it was
-    shared = corun_fit(together["seconds"], m["eager"]["seconds"]) if together else None
+    shared = together and corun_fit(together.get("median", together["seconds"]), m["eager"]["seconds"])
     n = m["collectives"]["ranks"]
     tp = m["collectives"].get("tensor_parallel")  # absent: measured before it was
     inside = [p[3] for k in ("all_reduce", "all_gather", "reduce_scatter")
@@ -324,10 +324,10 @@ def profile_from(m: dict, about: str) -> dict:
             "hooks: the last buckets reduced, the main thread's share of the collectives)")),
         **({"corun": constant(shared, "ratio", (
             f"{about}: the same serial Trainer steps run on all {n} ranks of that launch at "
-            f"once, on the wall clock ({dp_text(together)}), against one process alone ("
-            f"{', '.join(f'{t * 1e3:.2f}' for t in m['eager']['seconds'])} ms, its CPU time): "
-            "how much slower a rank's work runs beside the others (shared caches and memory, "
-            "the cores' time with their helper threads and whatever else runs here)"))}
+            f"once, on the wall clock ({dp_text(together)}): their median against the fastest "
+            f"alone ({', '.join(f'{t * 1e3:.2f}' for t in m['eager']['seconds'])} ms, CPU time): "
+            "what a rank's work meets beside the others (shared caches, the cores' time with "
+            "their helper threads, the loop's steps' spread, whatever else runs here)"))}
            if together else {}),
         **({"collective_overhead": constant(wrap, "s per collective", (
             f"{about}: the same Trainer steps on {n} tensor-parallel ranks with sequence "
@@ -370,18 +370,18 @@ def elementwise_source(m: dict, fit: dict, stream: float, about: str) -> str:
             "bound by arithmetic on a CPU core, not by memory); kept within [0.05, 1]")
 
 
-def fastest_text(steps: dict) -> str:
-    """The fastest of the same steps, for the record (absent from older measurements)."""
-    return ("; fastest " + ", ".join(f"{t * 1e3:.2f}" for t in steps["fastest"]) + " ms"
-            if "fastest" in steps else "")
+def median_text(steps: dict) -> str:
+    """The median of the same steps, for the record (absent from older measurements)."""
+    return ("; median " + ", ".join(f"{t * 1e3:.2f}" for t in steps["median"]) + " ms"
+            if "median" in steps else "")
 
 
 def eager_source(m: dict, eager: dict, about: str) -> str:
     e = m["eager"]
     return (f"{about}: serial edu3d Trainer steps of {e['model']} (arithmetic nil), "
             f"{', '.join(f'm={k}: {t * 1e3:.2f} ms' for k, t in zip(e['microbatches'], e['seconds']))}"
-            f" ({m['clock']}, median of the steps of edu3d.train.loop.loop, as edu3d train "
-            f"runs them{fastest_text(e)}), fitted t = per_step + m x per_microbatch: "
+            f" ({m['clock']}, the fastest of the steps of edu3d.train.loop.loop, as edu3d train "
+            f"runs them{median_text(e)}), fitted t = per_step + m x per_microbatch: "
             f"{eager['per_microbatch'] * 1e6:.0f} us per micro-batch over the {e['kernels']:g} "
             f"kernels edu3d.plan.kernels counts in it = {eager['per_kernel'] * 1e6:.2f} us per kernel "
             f"(it launches {e['dispatches']} aten ops: {eager['per_microbatch'] / e['dispatches'] * 1e6:.2f}"

@@ -10,9 +10,12 @@ meet:
   ``trainer.step`` repeated on one batch keeps everything in the caches and is ~0.5-1 ms
   (5-10 %) cheaper a step of the tiny model than the loop's own; the loop's time between two
   steps is not counted (``edu3d train`` does not count it either);
-* **the median step** (:func:`eager`): what ``edu3d tune`` reports for a candidate is its
-  median step, so the model's constants are fitted to median steps (of this thread's CPU
-  time, which other processes' load moves least); the fastest is kept for the record;
+* **the fastest step, and the median** (:func:`eager`): the constants are fitted to the
+  fastest step of this thread's CPU time (what other processes' load moves least: a median
+  under load would make a block look faster than its own launches); the median is kept too,
+  because what ``edu3d tune`` reports of a candidate is its median step: the same serial
+  steps on every rank at once, their median on the wall clock against the fastest alone,
+  give the model's ``corun`` (:mod:`edu3d.plan.cpu`);
 * **three micro-batch counts** (:data:`MICROBATCHES`): ``t = per_step + m·per_microbatch``
   separates what a step costs once (the optimizer and the norm over the parameter tensors)
   from what each micro-batch costs (its kernels' launches), serially, then on data-parallel
@@ -88,10 +91,10 @@ def looped(trainer: Trainer, corpus: SyntheticCorpus, run: Run, clock, budget_s:
 def eager(device: str, clock, budget_s: float, mesh=None, reps: int | None = None) -> dict:
     """Trainer steps of :data:`EAGER` with :data:`MICROBATCHES` micro-batches of one sequence
     each (serial, or on ``mesh``'s layout: data-parallel, each rank its own sequences, or
-    tensor-parallel with SP), through the training loop: the median and the fastest step of
-    each, and what a micro-batch launches."""
+    tensor-parallel with SP), through the training loop: the fastest (``seconds``) and the
+    median step of each, and what a micro-batch launches."""
     dp, tp = (mesh.layout.dp, mesh.layout.tp) if mesh is not None else (1, 1)
-    out = {"microbatches": list(MICROBATCHES), "seconds": [], "fastest": [], "model": ", ".join(
+    out = {"microbatches": list(MICROBATCHES), "seconds": [], "median": [], "model": ", ".join(
         f"{k}={v}" for k, v in EAGER.items())}
     for m in MICROBATCHES:
         run = Run.of(**EAGER, global_batch=m * dp, microbatches=m, steps=1, dp=dp, tp=tp,
@@ -101,8 +104,8 @@ def eager(device: str, clock, budget_s: float, mesh=None, reps: int | None = Non
         trainer = Trainer(model, mesh, run)
         corpus = SyntheticCorpus(config.vocab_size, config.seq_len, seed=0)
         times = looped(trainer, corpus, run, clock, budget_s / len(MICROBATCHES), reps)
-        out["seconds"].append(statistics.median(times))
-        out["fastest"].append(min(times))
+        out["seconds"].append(min(times))
+        out["median"].append(statistics.median(times))
         if mesh is not None:
             out["collectives"] = profile_fit.collectives_per_microbatch(run)
             continue
