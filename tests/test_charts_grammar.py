@@ -25,7 +25,7 @@ from edu3d.course.ch04_tensor_parallel import (tp_activation_prediction,
                                                tp_collectives_prediction, tp_layer_config)
 from edu3d.course.ch05_pipeline_parallel import pp_bubble_curve
 from edu3d.course import ch11_review_recipe as recipe
-from edu3d.course.ch11_review import plan
+from edu3d.course.ch11_review import plan, zero_traffic_gb
 from edu3d.config.layout import Layout
 from edu3d.widgets import style
 
@@ -150,6 +150,7 @@ BUILDERS = {
         _bucket_sim(), _bucket_sim()["events"], bucket_mb=0.1, reverse=True),
     "review.ring_figure": lambda m: m.ring_figure(8),
     "review.zero_figure": lambda m: m.zero_figure("llama2-7b", 64),
+    "review.zero_traffic_figure": lambda m: m.zero_traffic_figure(zero_traffic_gb()),
     "review.activations_figure": lambda m: m.activations_figure("gpt3-175b"),
     "review.tp_figure": lambda m: m.tp_figure(plan("llama2-7b", 16), "llama2-7b", 16),
     "review.in_flight_figure": lambda m: m.in_flight_figure(4, 8, ("gpipe", "1f1b", "zb-h1")),
