@@ -9,12 +9,13 @@ prediction the way the trace of a real step says. Nothing here times anything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from edu3d import cli
-from edu3d.bench import calibration, profile_fit
+from edu3d.bench import calibration, profile_fit, trainer_steps
 from edu3d.config.sections import Run
 from edu3d.plan import cpu, hardware, links, trainer_comm
 from edu3d.plan.estimate import setup, spec_of
@@ -23,6 +24,8 @@ from edu3d.plan.step import predict
 
 RATE, FIXED, DISPATCH = 90e9, 50e-6, 44e-6  # FLOP/s, s per linear layer, s of it at 1x1x1
 KERNEL, TENSOR, HOOK = 20e-6, 30e-6, 8e-6  # s per kernel, per tensor per step, per mb
+SYNC = 16e-6  # s per tensor per step beyond the serial step, under data parallelism
+CORUN = 1.25  # how much slower the serial steps run on both ranks at once
 ALPHA, BUSBW = 200e-6, 1.5e9
 WRAP, CALLS, INSIDE = 150e-6, 48, 100e-6  # s around a collective, per micro-batch, inside one
 TENSORS, KERNELS = 53, 109
@@ -45,7 +48,7 @@ def measurements() -> dict:
              "kernels": KERNELS, "dispatches": 442,
              "seconds": [TENSORS * TENSOR + m * KERNELS * KERNEL for m in (1, 2, 4)]}
     dp = {"microbatches": [1, 2, 4],
-          "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + TENSORS * HOOK)
+          "seconds": [TENSORS * (TENSOR + SYNC) + m * (KERNELS * KERNEL + TENSORS * HOOK)
                       for m in (1, 2, 4)]}
     tp = {"microbatches": [1, 2, 4], "collectives": CALLS,
           "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + CALLS * (WRAP + INSIDE))
@@ -63,6 +66,8 @@ def measurements() -> dict:
         "eager": eager, "layers": [block],
         "collectives": {"ranks": 2, "backend": "gloo", "runtime_bytes": 3e8,
                         "data_parallel": dp, "tensor_parallel": tp,
+                        "together": {"microbatches": [1, 2, 4], "seconds": [
+                            CORUN * t for t in eager["seconds"]]},
                         "ops": {k: ring_times(k, calibration.COLLECTIVE_SIZES)
                                 for k in calibration.OPS}},
         "name": "this-machine", "description": "a test machine", "memory_bytes": 16e9,
@@ -94,6 +99,12 @@ def test_fits_recover_known_constants():
     hook = profile_fit.hook_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
                                 e["per_microbatch"], TENSORS)
     assert hook == pytest.approx(HOOK)
+    sync = profile_fit.sync_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
+                                e["per_step"], TENSORS)
+    assert sync == pytest.approx(SYNC)
+    assert profile_fit.corun_fit(m["collectives"]["together"]["seconds"],
+                                 m["eager"]["seconds"]) == pytest.approx(CORUN)
+    assert profile_fit.corun_fit([1.0], [2.0]) == 1.0  # never faster together than alone
     tp = m["collectives"]["tensor_parallel"]
     wrap = profile_fit.collective_fit([1, 2, 4], tp["seconds"], e["per_microbatch"], CALLS,
                                       INSIDE)
@@ -101,7 +112,7 @@ def test_fits_recover_known_constants():
     assert profile_fit.profile_from(m, ABOUT)["collective_overhead"]["value"] == pytest.approx(
         WRAP)
     # what calibrate's tensor-parallel steps issue per micro-batch, as the model counts them
-    assert profile_fit.collectives_per_microbatch(Run.of(**calibration.EAGER, global_batch=1,
+    assert profile_fit.collectives_per_microbatch(Run.of(**trainer_steps.EAGER, global_batch=1,
                                                          microbatches=1, tp=2, sp=True)) == 48
     w = profile_fit.elementwise_fit(m["layers"], RATE, 0.0, 0.3, KERNEL)
     assert w["bandwidth"] == pytest.approx(8e9)
@@ -133,6 +144,8 @@ def test_profile_is_valid_sourced_written_and_read_back_by_name(profile_dir):
     assert loaded.kernel_overhead == pytest.approx(KERNEL)
     assert loaded.step_overhead == pytest.approx(TENSOR)
     assert loaded.hook_overhead == pytest.approx(HOOK)
+    assert loaded.sync_overhead == pytest.approx(SYNC)
+    assert loaded.corun == pytest.approx(CORUN)
     assert loaded.cores == 2 and loaded.intra_alpha == pytest.approx(ALPHA)
     assert loaded.collectives["reduce_scatter"] == pytest.approx((ALPHA, BUSBW))
     assert all(s.startswith(ABOUT) for s in loaded.sources.values())
@@ -207,8 +220,27 @@ def test_cpu_terms_add_what_a_real_step_spends():
     assert cpu.step_overhead(spec, serial, prof, 0) == pytest.approx(TENSORS * TENSOR)
     assert cpu.step_overhead(spec, serial, gpu, 0) == 0.0
     assert cpu.microbatch_overhead(spec, serial, prof, 0) == 0.0  # no data parallelism
-    assert cpu.microbatch_overhead(spec, dp2, prof, 0) == pytest.approx(TENSORS * HOOK)
-    assert cpu.ranks_per_core(prof, 8) == 4 and cpu.ranks_per_core(gpu, 8) == 1
+    assert cpu.microbatch_overhead(spec, dp2, prof, 0) == pytest.approx(TENSORS * HOOK * CORUN)
+    # data parallelism's once-a-step cost: charged to a data-parallel step, on a CPU only
+    assert cpu.sync_overhead(spec, serial, prof, 0) == 0.0
+    assert cpu.sync_overhead(spec, dp2, prof, 0) == pytest.approx(TENSORS * SYNC * CORUN)
+    assert cpu.sync_overhead(spec, dp2, gpu, 0) == 0.0
+    without = dataclasses.replace(prof, sync_overhead=0.0)
+    assert (predict(spec, dp2, prof, memory=False).parts["optimizer"]
+            - predict(spec, dp2, without, memory=False).parts["optimizer"]) == pytest.approx(
+                TENSORS * SYNC * CORUN)
+    assert predict(spec, serial, prof, memory=False).step_time == pytest.approx(
+        predict(spec, serial, without, memory=False).step_time)
+    assert cpu.ranks_per_core(prof, 8) == 4 * CORUN and cpu.ranks_per_core(gpu, 8) == 1
+    # ranks beside each other: a multi-rank step's host and compute terms stretch by corun,
+    # a serial step's and a GPU's not at all
+    assert cpu.corun(prof, 1) == 1.0 and cpu.corun(prof, 2) == CORUN and cpu.corun(gpu, 2) == 1
+    alone = dataclasses.replace(prof, corun=1.0)
+    assert predict(spec, serial, prof, memory=False).step_time == pytest.approx(
+        predict(spec, serial, alone, memory=False).step_time)
+    two, one = (predict(spec, dp2, p, memory=False).parts for p in (prof, alone))
+    for part in ("compute", "overhead"):
+        assert two[part] == pytest.approx(CORUN * one[part])
     # gloo by kind: a reduce-scatter costs what was measured for it, not all-gather's figure
     link = links.link_for(prof, 1, 2)
     assert set(link.kinds) == set(links.KINDS) - {"all_to_all"}  # all-to-all: not measured

@@ -9,15 +9,17 @@ machine and how each number is measured so that a busy machine disturbs it least
   same calls cost with no arithmetic);
 * **memory bandwidth** (:func:`stream`): a copy of a buffer far larger than the caches;
 * **the attention core** (:func:`attention`): PyTorch's fused kernel, forward and backward;
-* **eager overhead** (:func:`eager`): Trainer steps of a GPT so narrow that its arithmetic
-  is nil, with 1, 2 and 4 micro-batches: what Python, the dispatcher and autograd cost per
-  kernel and per step, which is most of a step of the course's tiny models on a CPU;
+* **eager overhead** (:func:`edu3d.bench.trainer_steps.eager`): Trainer steps of a GPT so
+  narrow that its arithmetic is nil, with 1, 2 and 4 micro-batches, through the real training
+  loop: what Python, the dispatcher and autograd cost per kernel and per step, which is most
+  of a step of the course's tiny models on a CPU (their median: what tune reports);
 * **whole blocks** (:func:`layers`): one GPT block forward and backward at the tiny and
   small presets' sizes, which the fit splits into the model's own ops;
 * **collectives** (:func:`collectives`): one real 2-rank launch through edu3d's launcher,
   timing edu3d's traced all-reduce, all-gather, reduce-scatter and send/recv
   (:mod:`edu3d.distributed.comm`, what the trainer calls) from 4 bytes to 4 MiB, between
-  slices of arithmetic as in a step, and the eager Trainer steps again on the 2 ranks,
+  slices of arithmetic as in a step, and the eager Trainer steps again on the 2 ranks:
+  serial on both at once, on the wall clock (what ranks beside each other cost one another),
   data-parallel (what its hooks add) and tensor-parallel with SP (what a rank's host spends
   around each of its collectives);
 * the **cores** this process may use and the host's memory.
@@ -45,21 +47,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from edu3d.bench import autotune, profile_fit, records
+from edu3d.bench.trainer_steps import eager
 from edu3d.config.layout import Layout
 from edu3d.config.sections import Run
 from edu3d.distributed import comm, runtime
 from edu3d.distributed.mesh import Mesh
 from edu3d.launch import LaunchError, launch
-from edu3d.model.gpt import GPT, Block
+from edu3d.model.gpt import Block
 from edu3d.plan import hardware, kernels, recipes
 from edu3d.plan.estimate import spec_of
 from edu3d.plan.stage_costs import cut_of
-from edu3d.train.data import SyntheticCorpus
 from edu3d.train.preflight import check_args
-from edu3d.train.trainer import Trainer
 
 SHAPES = {  # (M, N, K): tokens x out x in, from the course's models (d 64-768, b·s 32-4096)
     "cpu": [(32, 64, 64), (128, 192, 64), (256, 256, 64), (128, 256, 256), (512, 1024, 256),
@@ -71,8 +71,6 @@ ATTENTION = {"cpu": (4, 8, 128, 32), "cuda": (8, 16, 2048, 128)}  # b, heads, s,
 LAYERS = {  # one GPT block, forward and backward: (b, s, d_model, heads), the tiny and small presets'
     "cpu": [(4, 32, 64, 4), (2, 128, 256, 8)], "cuda": [(4, 1024, 1024, 16), (2, 2048, 2048, 16)]}
 STREAM_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
-EAGER = dict(model="tiny", layers=4, d_model=8, heads=2, seq=8, vocab=16)  # arithmetic nil
-MICROBATCHES = (1, 2, 4)
 COLLECTIVE_SIZES = (4, 4096, 65536, 2**20, 4 * 2**20)  # bytes
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 STEP_WORK = 3  # small matmuls between two collectives (~0.1 ms of a step's arithmetic)
@@ -84,16 +82,18 @@ MIN_REPS, MAX_REPS = 3, 200
 
 class Clock:
     """Seconds of work on this device: this thread's CPU time on a CPU (other processes'
-    load moves it least), a synchronised wall clock on a GPU."""
+    load moves it least), a synchronised wall clock on a GPU; with ``wall``, the wall clock
+    on a CPU too (what ranks running at once lose to each other)."""
 
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-        self.name = ("CUDA-synchronised wall clock" if self.cuda else
-                     "this thread's CPU time, one thread")
+    def __init__(self, device: str, wall: bool = False):
+        self.cuda, self.wall = device == "cuda", wall or device == "cuda"
+        self.name = ("CUDA-synchronised wall clock" if self.cuda else "the wall clock" if wall
+                     else "this thread's CPU time, one thread")
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.wall:
+            if self.cuda:
+                torch.cuda.synchronize()
             return time.perf_counter()
         return time.thread_time()
 
@@ -183,65 +183,6 @@ def layers(device: str, clock: Clock, budget_s: float) -> list[dict]:
     return out
 
 
-class Dispatches(TorchDispatchMode):
-    """Counts the aten operations run under it (for the record: how many ops a kernel of
-    the model stands for)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def eager(device: str, clock: Clock, budget_s: float, mesh=None, reps: int | None = None) -> dict:
-    """Trainer steps of :data:`EAGER` with :data:`MICROBATCHES` micro-batches of one sequence
-    each (serial, or on ``mesh``'s layout: data-parallel, each rank its own sequences, or
-    tensor-parallel with SP): the fastest step of each, and what a micro-batch launches."""
-    dp, tp = (mesh.layout.dp, mesh.layout.tp) if mesh is not None else (1, 1)
-    out = {"microbatches": list(MICROBATCHES), "seconds": [], "model": ", ".join(
-        f"{k}={v}" for k, v in EAGER.items())}
-    for m in MICROBATCHES:
-        run = Run.of(**EAGER, global_batch=m * dp, microbatches=m, steps=1, dp=dp, tp=tp,
-                     sp=tp > 1)
-        config, _ = check_args(run)
-        model = GPT(config, seed=0).to(device)
-        trainer = Trainer(model, mesh, run)
-        x, y = (t.to(device) for t in SyntheticCorpus(config.vocab_size, config.seq_len,
-                                                       seed=0).batch(1, m * dp))
-        step = iter(range(1, 10**9))
-        out["seconds"].append(fastest(lambda: trainer.step(x, y, next(step)), clock,
-                                      budget_s / len(MICROBATCHES), reps))
-        if mesh is not None:
-            out["collectives"] = profile_fit.collectives_per_microbatch(run)
-            continue
-        if m == 1:
-            with Dispatches() as one:
-                trainer.step(x, y, next(step))
-            out["tensors"] = sum(1 for _ in model.parameters())
-        elif m == MICROBATCHES[-1]:
-            with Dispatches() as many:
-                trainer.step(x, y, next(step))
-    if mesh is None:
-        out["dispatches"] = round((many.count - one.count) / (MICROBATCHES[-1] - 1))
-        out["kernels"] = host_kernels(Run.of(**EAGER, global_batch=1, microbatches=1))
-    return out
-
-
-def host_kernels(run: Run) -> int:
-    """Kernels one micro-batch of ``run`` launches, forward and backward, as the model counts
-    them (:mod:`edu3d.plan.kernels`: every layer, the embedding, the head and the loss)."""
-    spec = spec_of(run)
-    rec = recipes.recipe_of("edu3d")
-    cut = cut_of(spec, run, rec)
-    layer, _ = kernels.layer(cut, run.memory.recompute)
-    return (spec.n_layers * sum(o.kernels for o in layer)
-            + sum(o.kernels for o in kernels.embedding_ops(cut)
-                  + kernels.head_ops(cut, rec.fused_loss)))
-
-
 # ---- two processes -------------------------------------------------------------------------------
 def resident_bytes() -> int:
     """This process's resident memory (``VmRSS``), 0 where ``/proc`` has none."""
@@ -303,12 +244,15 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
                             if op != "send_recv" else numel * 4,
                             statistics.median(seconds) / half, min(seconds) / half,
                             min(cpu) / half])
+    together = eager(dev.type, Clock(dev.type, wall=True), 0.0, None, reps=DP_REPS)  # serial,
+    # every rank at once: what ranks running beside each other cost one another
     hooks = eager(dev.type, Clock(dev.type), 0.0, mesh, reps=DP_REPS)  # data parallel: hooks
     tp = Mesh.build(Layout(tp=n))  # tensor parallel + SP: dozens of collectives a micro-batch
     wrapped = eager(dev.type, Clock(dev.type), 0.0, tp, reps=DP_REPS)
     tp.release()
     return {"ops": out, "runtime_bytes": rss, "ranks": n, "backend": dist.get_backend(),
-            "data_parallel": hooks, "tensor_parallel": wrapped} if rank == 0 else None
+            "data_parallel": hooks, "tensor_parallel": wrapped, "together": together} \
+        if rank == 0 else None
 
 
 def collectives(budget_s: float, ranks: int) -> dict:

@@ -24,7 +24,8 @@ constants a performance model needs, each with its source:
   kernels one micro-batch launches (as :mod:`edu3d.plan.kernels` counts them) is the launch
   overhead per kernel, the intercept over the parameter tensors the per-step cost (the
   optimizer, the norm and the clip loop over tensors in eager PyTorch); the same steps on
-  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`),
+  data-parallel ranks, less the serial slope, give the hooks' cost per tensor (:func:`hook_fit`)
+  and, less the serial intercept, what the step costs once beyond them (:func:`sync_fit`),
   and on tensor-parallel ranks with SP, shared by the collectives a micro-batch issues, what
   the host spends around each beyond the call itself (:func:`collective_fit`);
 * **elementwise ops** (:func:`elementwise_fit`): whole blocks timed, less what the model
@@ -168,6 +169,19 @@ def hook_fit(microbatches: list[int], seconds: list[float], serial_per_microbatc
     return max(0.0, (per_mb - serial_per_microbatch) / tensors)
 
 
+def sync_fit(microbatches: list[int], seconds: list[float], serial_per_step: float,
+             tensors: int) -> float:
+    """Seconds per parameter tensor per step that data parallelism adds once per step: the
+    intercept of data-parallel steps over ``microbatches`` beyond the serial one, never below 0."""
+    per_step, _ = line([float(m) for m in microbatches], seconds)
+    return max(0.0, (per_step - serial_per_step) / tensors)
+
+
+def corun_fit(together: list[float], alone: list[float]) -> float:
+    """``together`` (wall clock, every rank at once) over ``alone`` (CPU time), at least 1."""
+    return max(1.0, sum(together) / sum(alone))
+
+
 def collectives_per_microbatch(run: Run) -> int:
     """Collectives one more micro-batch of ``run`` (of one sequence per rank) issues on
     rank 0, as the model counts them (:func:`edu3d.plan.trainer_comm.count`)."""
@@ -190,7 +204,8 @@ def collective_fit(microbatches: list[int], seconds: list[float], serial_per_mic
 
 
 def dp_text(dp: dict) -> str:
-    return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"], dp["seconds"]))
+    return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"],
+                                                               dp["seconds"])) + median_text(dp)
 
 
 # ---- the profile -------------------------------------------------------------------------------
@@ -214,6 +229,9 @@ def profile_from(m: dict, about: str) -> dict:
     dp = m["collectives"]["data_parallel"]
     hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
                      m["eager"]["tensors"])
+    sync = sync_fit(dp["microbatches"], dp["seconds"], eager["per_step"], m["eager"]["tensors"])
+    together = m["collectives"].get("together")  # absent: measured before it was
+    shared = together and corun_fit(together.get("median", together["seconds"]), m["eager"]["seconds"])
     n = m["collectives"]["ranks"]
     tp = m["collectives"].get("tensor_parallel")  # absent: measured before it was
     inside = [p[3] for k in ("all_reduce", "all_gather", "reduce_scatter")
@@ -298,6 +316,19 @@ def profile_from(m: dict, about: str) -> dict:
                                   f" us per micro-batch against {eager['per_microbatch'] * 1e6:.0f} "
                                   f"serially, over {m['eager']['tensors']} parameter tensors "
                                   "(the gradient hooks data parallelism adds to every backward)"),
+        "sync_overhead": constant(sync, "s per parameter tensor per step", (
+            f"{about}: the same data-parallel Trainer steps ({dp_text(dp)}): the intercept of "
+            f"t = per_step + m x per_microbatch, {(sync * m['eager']['tensors'] + eager['per_step']) * 1e6:.0f}"
+            f" us against {eager['per_step'] * 1e6:.0f} serially, over {m['eager']['tensors']} "
+            "parameter tensors (what a data-parallel step costs once per step beyond its "
+            "hooks: the last buckets reduced, the main thread's share of the collectives)")),
+        **({"corun": constant(shared, "ratio", (
+            f"{about}: the same serial Trainer steps run on all {n} ranks of that launch at "
+            f"once, on the wall clock ({dp_text(together)}): their median against the fastest "
+            f"alone ({', '.join(f'{t * 1e3:.2f}' for t in m['eager']['seconds'])} ms, CPU time): "
+            "what a rank's work meets beside the others (shared caches, the cores' time with "
+            "their helper threads, the loop's steps' spread, whatever else runs here)"))}
+           if together else {}),
         **({"collective_overhead": constant(wrap, "s per collective", (
             f"{about}: the same Trainer steps on {n} tensor-parallel ranks with sequence "
             f"parallelism ({dp_text(tp)}): the slope beyond the serial one, shared by the "
@@ -339,11 +370,18 @@ def elementwise_source(m: dict, fit: dict, stream: float, about: str) -> str:
             "bound by arithmetic on a CPU core, not by memory); kept within [0.05, 1]")
 
 
+def median_text(steps: dict) -> str:
+    """The median of the same steps, for the record (absent from older measurements)."""
+    return ("; median " + ", ".join(f"{t * 1e3:.2f}" for t in steps["median"]) + " ms"
+            if "median" in steps else "")
+
+
 def eager_source(m: dict, eager: dict, about: str) -> str:
     e = m["eager"]
     return (f"{about}: serial edu3d Trainer steps of {e['model']} (arithmetic nil), "
             f"{', '.join(f'm={k}: {t * 1e3:.2f} ms' for k, t in zip(e['microbatches'], e['seconds']))}"
-            f" ({m['clock']}, minimum of repetitions), fitted t = per_step + m x per_microbatch: "
+            f" ({m['clock']}, the fastest of the steps of edu3d.train.loop.loop, as edu3d train "
+            f"runs them{median_text(e)}), fitted t = per_step + m x per_microbatch: "
             f"{eager['per_microbatch'] * 1e6:.0f} us per micro-batch over the {e['kernels']:g} "
             f"kernels edu3d.plan.kernels counts in it = {eager['per_kernel'] * 1e6:.2f} us per kernel "
             f"(it launches {e['dispatches']} aten ops: {eager['per_microbatch'] / e['dispatches'] * 1e6:.2f}"

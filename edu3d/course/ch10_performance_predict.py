@@ -72,7 +72,7 @@ def _profile(serial_ms: float, alpha_us: float, gb_per_s: float, cores: int) -> 
         peak_flops={p: v / k if v else v for p, v in linked.peak_flops.items()},
         mem_bandwidth=linked.mem_bandwidth / k, kernel_overhead=linked.kernel_overhead * k,
         step_overhead=linked.step_overhead * k, hook_overhead=linked.hook_overhead * k,
-        collective_overhead=linked.collective_overhead * k)
+        sync_overhead=linked.sync_overhead * k, collective_overhead=linked.collective_overhead * k)
 
 
 def predict(name: str, overlap: str = "on", microbatches: int | None = None,

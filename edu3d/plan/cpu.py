@@ -7,6 +7,11 @@ predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profil
 * **ranks share cores** (:func:`ranks_per_core`): a rank is a process with one thread
   (``OMP_NUM_THREADS=1``); with more ranks than cores, each computes only part of the time,
   so its compute and its launches stretch by ``ranks / cores``;
+* **ranks beside each other** (:func:`corun`): even with a core each, ranks that run at
+  once share the caches, the memory bus and the cores' time with their own helper threads
+  (gloo's, the launcher's): ``edu3d calibrate`` times the same serial Trainer steps on every
+  rank of a launch at once, on the wall clock, against the same steps alone in its CPU time,
+  and every host and compute term of a multi-rank step stretches by that ratio;
 * **the step's loops over tensors** (:func:`step_overhead`): on a GPU, AdamW is one fused
   kernel and the norm and clip are a handful; on a CPU, ``foreach`` AdamW still runs each of
   its dozen operations tensor by tensor, and the global norm, the clip and ``zero_grad``
@@ -17,6 +22,12 @@ predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profil
   data-parallel rank runs a Python hook per parameter tensor (ZeRO's and DDP's buckets):
   ``hook_overhead`` seconds per tensor per micro-batch, measured on 2 data-parallel ranks
   against the serial Trainer (+35 % of a width-8 micro-batch here);
+* **data parallelism's step** (:func:`sync_overhead`): beyond its hooks, a data-parallel
+  step costs more than the serial one once per step, however many micro-batches it runs
+  (the last micro-batch's buckets flattened and reduced, the main thread's share of the
+  collective calls, the wait for the peer): ``sync_overhead`` seconds per parameter tensor,
+  the intercept of the same data-parallel steps beyond the serial steps' intercept
+  (~0.9 ms a step of a 53-tensor model here);
 * **the host around each collective** (``collective_overhead``, charged once per call by
   :func:`edu3d.plan.links.collective_time`): edu3d wraps every collective in Python (the
   autograd function of a tensor-parallel f/g, the flattening copies, the trace's event) and
@@ -47,9 +58,16 @@ KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
          "reduce_scatter": "reduce_scatter", "send": "send_recv"}  # links' kind -> measured
 
 
+def corun(profile: Profile, ranks: int) -> float:
+    """How much slower a rank's work runs while other ranks run beside it (1 for one rank,
+    on a GPU, or on a profile without ``corun``)."""
+    return profile.corun if profile.cores and profile.corun and ranks > 1 else 1.0
+
+
 def ranks_per_core(profile: Profile, ranks: int) -> float:
-    """How many ranks take turns on each core (1 when each has its own, or on a GPU)."""
-    return max(1.0, ranks / profile.cores) if profile.cores else 1.0
+    """How much a rank's host work stretches: how many ranks take turns on each core, times
+    :func:`corun` (1 when a rank runs alone on its core, or on a GPU)."""
+    return max(1.0, ranks / profile.cores) * corun(profile, ranks) if profile.cores else 1.0
 
 
 def tensors_held(spec: ModelSpec, run: Run, pp_rank: int) -> int:
@@ -73,6 +91,15 @@ def microbatch_overhead(spec: ModelSpec, run: Run, profile: Profile, pp_rank: in
     if not profile.hook_overhead or run.layout.dp * run.layout.cp == 1:
         return 0.0
     return (profile.hook_overhead * tensors_held(spec, run, pp_rank)
+            * ranks_per_core(profile, run.world_size))
+
+
+def sync_overhead(spec: ModelSpec, run: Run, profile: Profile, pp_rank: int) -> float:
+    """Seconds a data-parallel step costs once per step beyond the serial step and its hooks
+    (zero without data parallelism, or on a profile without ``sync_overhead``)."""
+    if not profile.sync_overhead or run.layout.dp * run.layout.cp == 1:
+        return 0.0
+    return (profile.sync_overhead * tensors_held(spec, run, pp_rank)
             * ranks_per_core(profile, run.world_size))
 
 

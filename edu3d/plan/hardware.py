@@ -27,6 +27,11 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
                        eager loops over tensors (optimizer, norm, clip), :mod:`edu3d.plan.cpu`;
 ``hook_overhead``      optional (a CPU profile): seconds per parameter tensor per micro-batch of
                        data parallelism's gradient hooks, :mod:`edu3d.plan.cpu`;
+``corun``              optional (a CPU profile): how much slower a rank's work runs while
+                       the other ranks run beside it (>= 1), :mod:`edu3d.plan.cpu`;
+``sync_overhead``      optional (a CPU profile): seconds per parameter tensor per step that a
+                       data-parallel step costs beyond the serial one once per step (the
+                       gradient synchronisation's set-up and wait), :mod:`edu3d.plan.cpu`;
 ``collective_overhead`` optional (a CPU profile): host seconds each collective edu3d issues
                        costs its rank beyond the collective's own time (wrapping, copies,
                        waking up), :mod:`edu3d.plan.cpu`;
@@ -118,6 +123,8 @@ class Profile:
     cores: int | None = None
     step_overhead: float = 0.0
     hook_overhead: float = 0.0
+    sync_overhead: float = 0.0
+    corun: float = 1.0
     collective_overhead: float = 0.0
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -198,9 +205,12 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         if cores != int(cores):
             raise ProfileError(f"{where}: cores = {cores:g} is not a whole number")
         cores = int(cores)
-    step_overhead, hook_overhead, collective_overhead = (
+    step_overhead, hook_overhead, sync_overhead, collective_overhead = (
         in_range(constant(data, key, where, sources), 0.0, 1e-2, key, where) if key in data
-        else 0.0 for key in ("step_overhead", "hook_overhead", "collective_overhead"))
+        else 0.0 for key in ("step_overhead", "hook_overhead", "sync_overhead",
+                             "collective_overhead"))
+    corun = (in_range(constant(data, "corun", where, sources), 1.0, 10.0, "corun", where)
+             if "corun" in data else 1.0)
     collectives = {}
     if not isinstance(data.get("collectives", {}), dict):
         raise ProfileError(f"{where}: collectives must be an object of {', '.join(COLLECTIVES)}")
@@ -227,8 +237,8 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         inter_alpha=values["link.inter.alpha"], inter_bandwidth=values["link.inter.bandwidth"],
         inter_gather_bandwidth=values["link.inter.gather_bandwidth"],
         inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores,
-        step_overhead=step_overhead, hook_overhead=hook_overhead,
-        collective_overhead=collective_overhead, collectives=collectives)
+        step_overhead=step_overhead, hook_overhead=hook_overhead, sync_overhead=sync_overhead,
+        corun=corun, collective_overhead=collective_overhead, collectives=collectives)
 
 
 def constant(data: dict, key: str, where: str, sources: dict[str, str],
