@@ -119,7 +119,7 @@ def budget_figure(rows: dict[str, dict], *, title: str, takeaway: str,
                     hovertemplate=f"{label}: " + "%{x:.1f} ms<extra>%{y}</extra>")
     ends = [bar_length(rows[n]) for n in names]
     fig.add_scatter(y=names, x=ends, mode="text", textposition="middle right",
-                    text=[f"  {e:.1f} ms; comm {rows[n].get('comm', 0.0):.1f} ms in all, "
+                    text=[f"  {e:.1f} ms<br>  comm {rows[n].get('comm', 0.0):.1f} ms in all, "
                           f"{max(rows[n].get('comm', 0.0) - rows[n].get('exposed', 0.0), 0):.1f}"
                           " hidden" for n, e in zip(names, ends)],
                     hoverinfo="skip", showlegend=False)
