@@ -111,7 +111,7 @@ def test_overlap_caption_and_printed_lines_are_the_bars_drawn():
     for name, row in rows.items():
         line = verdicts.budget_line(name, row)
         step, compute, all_comm, exposed, idle = re.findall(r"\d+\.\d", line)
-        assert step == f"{drawn[name]:.1f}" and f"  {step} ms;" in dict(zip(ends.y, ends.text))[name]
+        assert step == f"{drawn[name]:.1f}" and f"  {step} ms<br>" in dict(zip(ends.y, ends.text))[name]
         assert [compute, exposed, idle] == [f"{t.x[list(t.y).index(name)]:.1f}" for t in bars]
         assert f"comm {all_comm} ms" in dict(zip(ends.y, ends.text))[name]
 
