@@ -429,16 +429,15 @@ def wait_redrawn(page, box, before: str, limit_s: float = 3.0) -> dict:
 
 
 def _slider_stays(handle, key: str) -> bool:
-    """Whether ``key`` leaves the slider where it is (End at its top, Home or PageDown at
-    its bottom, PageUp at its top), read from the handle's ARIA values."""
+    """Whether ``key`` (one of :data:`SLIDER_KEYS`) leaves the slider where it is: End at
+    its top, Home at its bottom, read from the handle's ARIA values."""
     now, low, high = (handle.get_attribute(a) for a in
                       ("aria-valuenow", "aria-valuemin", "aria-valuemax"))
     try:
         now, low, high = float(now), float(low), float(high)
     except (TypeError, ValueError):
         return False  # not readable: make the move
-    return (key in ("End", "PageUp") and now >= high) or (key in ("Home", "PageDown")
-                                                           and now <= low)
+    return now >= high if key == "End" else now <= low
 
 
 def turn_every_control(page, box) -> dict:

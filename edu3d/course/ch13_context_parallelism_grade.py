@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from edu3d.config.sections import Run
-from edu3d.course.targets import Cost, Target, best, meet, plan_line, step_line
+from edu3d.course.targets import Cost, Target, meet, plan_line, step_line, target_of
 from edu3d.model.shapes import spec_from
 from edu3d.parallel.cp import block_attention, merge, positions
 from edu3d.plan.estimate import estimate, setup
@@ -220,9 +220,7 @@ def plans(job: str):
 
 @lru_cache(maxsize=None)
 def target(job: str) -> Target:
-    memory = 0.9 * JOBS[job].gpu_gb * 1e9
-    _, top = best(plans(job), lambda p: cost(job, p), memory)
-    return Target(time=SLACK * top.time, memory=memory)
+    return target_of(plans(job), lambda p: cost(job, p), 0.9 * JOBS[job].gpu_gb * 1e9, SLACK)
 
 
 def check_design(ex, job: str) -> None:
