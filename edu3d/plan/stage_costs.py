@@ -137,8 +137,7 @@ def _stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recip
     moe = as_moe(spec)
     recompute = run.memory.recompute
     parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
-    per_core = (run.world_size / profile.cores * cpu.corun(profile, run.world_size)
-                if profile.cores else 1.0)
+    per_core = cpu.ranks_per_core(profile, run.world_size)
     mesh = Layout(dp=lay.ep, tp=lay.tp, cp=lay.cp, ep=lay.ep)  # what the layer's groups need
     out = []
     for s, (lo, hi) in enumerate(parts):

@@ -136,8 +136,7 @@ def optimizer_time(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Rec
     state = rec.master + rec.moments + (4 if rec.name == "edu3d" else 0)
     per_param = 2 * state + 2 * rec.grad + (rec.weight if rec.master else 0)
     seconds = psi * per_param / (profile.mem_bandwidth * profile.mem_efficiency)
-    return (seconds * (run.world_size / profile.cores * cpu.corun(profile, run.world_size)
-                       if profile.cores else 1.0)
+    return (seconds * cpu.ranks_per_core(profile, run.world_size)
             + cpu.step_overhead(spec, run, profile, pp_rank)  # CPU: loops over tensors
             + cpu.sync_overhead(spec, run, profile, pp_rank)  # CPU: data parallelism's step
             + (trainer_comm.bookkeeping(spec, run, profile) if rec.name == "edu3d" else 0.0))
