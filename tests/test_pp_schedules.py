@@ -210,6 +210,27 @@ def test_partition_uniform_and_balanced():
     assert len(part.partition(cfg, 2, vpp=3)) == 6
 
 
+def test_partition_ends_is_weighed_by_the_planner_and_refused_by_the_trainer():
+    """'ends': the embedding and the head each take a layer's place (Llama 3, DeepSpeed)."""
+    assert part.uniform(10, 4, ends=True) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert part.uniform(2, 4, ends=True) == [(0, 0), (0, 1), (1, 2), (2, 2)]
+    with pytest.raises(ValueError, match="layer, the embedding or the head"):
+        part.uniform(2, 5, ends=True)
+    from edu3d.config.layout import LayoutError
+    from edu3d.config.sections import Run
+    from edu3d.plan.estimate import estimate_for as estimate
+    from edu3d.train.preflight import check_args
+    run = Run.of(model="tiny", layers=4, pp=2, global_batch=4, microbatches=2, partition="ends")
+    with pytest.raises(LayoutError, match="'ends' .* is a cut the planner weighs"):
+        check_args(run)
+    with pytest.raises(LayoutError, match="partition 'middle': the trainer cuts"):
+        check_args(run.replace(partition="middle"))
+    assert estimate(run)  # the planner weighs it
+    with pytest.raises(ValueError, match="partition='middle': choose one of uniform, "
+                                         "balanced, ends"):
+        estimate(run.replace(partition="middle"))
+
+
 def test_schedule_command(capsys):
     assert schedule_main(["--name", "1f1b", "--pp", "2", "--microbatches", "4",
                           "--format", "torch"]) == 0

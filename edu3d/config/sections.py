@@ -88,7 +88,7 @@ class Parallel:
     sp: bool = False
     tp_overlap: bool = False
     schedule: str = "1f1b"
-    partition: str = "uniform"
+    partition: str = "uniform"  # or "balanced"; "ends": the planner only (schedules.partition)
     cp_impl: str = "ring"  # or "allgather", "ulysses"
     cp_split: str = "zigzag"  # or "plain" (shows causal attention's imbalance)
     impl: str = "edu3d"  # or "torch": PyTorch's own APIs

@@ -57,7 +57,7 @@ from edu3d.plan.host_pool import brought_back, split
 from edu3d.plan.formulas import MoESpec, as_moe, divisors
 from edu3d.plan.inventory import (check_freeze, frozen_held, held, named_units,  # noqa: F401
                                   shape_of, units)
-from edu3d.schedules.partition import uniform
+from edu3d.schedules.partition import planner_cut
 from edu3d.schedules.actions import build, chunks, placement, stage_rank
 from edu3d.schedules.simulate import simulate
 from edu3d.model.param_globs import frozen
@@ -107,8 +107,7 @@ def validate(spec: ModelSpec, run: Run) -> None:
     if spec.n_heads % lay.tp or spec.kv_heads % lay.tp and lay.tp % spec.kv_heads:
         raise ValueError(f"tp={lay.tp} must divide n_heads={spec.n_heads} (and KV heads "
                          f"{spec.kv_heads} split or replicate evenly)")
-    if lay.pp * chunks(par.schedule, lay.vpp) > spec.n_layers:
-        raise ValueError(f"pp*vpp = {lay.pp * lay.vpp} stages for {spec.n_layers} layers")
+    planner_cut(spec.n_layers, lay, par)  # an unknown partition, or more stages than layers
     if par.zero and lay.dp * lay.cp == 1:
         raise ValueError(f"ZeRO-{par.zero} shards over dp*cp; use dp*cp >= 2")
     check_ep(spec, lay.dp * lay.cp, lay.ep)
@@ -207,7 +206,7 @@ def stage_activation_bytes(spec: ModelSpec, run: Run, where: str = "device") -> 
     s, b, h, a, t = spec.seq_len, run.micro_batch, spec.d_model, spec.n_heads, lay.tp
     spec = as_moe(spec)
     rec = None if run.memory.recompute == "none" else run.memory.recompute
-    parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
+    parts = planner_cut(spec.n_layers, lay, par)
     sp = par.sp and t > 1
     if spec.course and _fp32_numbers(spec, run):
         layer = memory.layer_activation_bytes(s, b, h, a, t, sp, run.memory.recompute)

@@ -54,6 +54,7 @@ class Shape:
     schedule: str = "1f1b"
     ep: int = 1
     freeze: tuple[str, ...] = ()
+    ends: bool = False  # the embedding and head take a layer's place in the cut (partition)
 
 
 def shape_of(run: Run | Shape) -> Shape:
@@ -62,7 +63,8 @@ def shape_of(run: Run | Shape) -> Shape:
     if isinstance(run, Shape):
         return run
     lay = run.layout
-    return Shape(lay.tp, lay.pp, lay.vpp, run.parallel.schedule, lay.ep, run.memory.freeze)
+    return Shape(lay.tp, lay.pp, lay.vpp, run.parallel.schedule, lay.ep, run.memory.freeze,
+                 run.parallel.partition == "ends")
 
 
 def block_name(i: int, short: str) -> str:
@@ -220,7 +222,7 @@ def _walk(spec: ModelSpec, st: Shape, pp_rank: int, experts: bool) -> list[tuple
     ``("experts", i)`` (block ``i``'s routed experts) or ``("tensors", ((name, elements,
     matrix), ...))`` for the embeddings and the head."""
     spec = as_moe(spec)
-    parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp))
+    parts = uniform(spec.n_layers, st.pp * chunks(st.schedule, st.vpp), ends=st.ends)
     n_stages, h = len(parts), spec.d_model
     tok = ("tok_emb.weight", spec.vocab_rows(st.tp) * h, True)
     norm = (("ln_f.weight", h, False),) + ((("ln_f.bias", h, False),)

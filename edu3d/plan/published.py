@@ -24,7 +24,7 @@ data-parallel rank) and refuses a bad one in one line naming its id and the fiel
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 from edu3d.plan.hardware import profiles
@@ -35,6 +35,7 @@ PRECISIONS = ("bf16", "fp16", "fp8")
 RECOMPUTE = ("none", "selective", "full", "op")  # op = torchtitan's op-level selective AC
 RECIPES = ("torchtitan", "torchtitan-2025", "megatron", "nanotron", "deepspeed")
 SCHEDULES = ("1f1b", "interleaved", "afab", "zbv")
+PARTITIONS = ("uniform", "ends")  # edu3d.schedules.partition.uniform; absent: uniform
 MLPS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 MEMORY_KINDS = ("max reserved", "max allocated")
@@ -77,6 +78,7 @@ class Layout:
     zero: int | None
     sp: bool | None
     schedule: str | None
+    partition: str = "uniform"  # "ends": the embedding and head each take a layer's place
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,12 @@ def layout_of(data: object, check: Checker) -> Layout:
     check.choice(node, "schedule", SCHEDULES, nullable=True, prefix="layout.")
     if degrees["pp"] == 1 and node["schedule"] is not None:
         check.fail(f"layout.schedule {node['schedule']!r} given but pp = 1; use null")
-    return Layout(vpp=vpp, zero=zero, sp=node["sp"], schedule=node["schedule"], **degrees)
+    part = node.get("partition", "uniform")
+    if part not in PARTITIONS:
+        check.fail(f"layout.partition {part!r}: choose one of {', '.join(PARTITIONS)} (absent: "
+                   "uniform)")
+    return Layout(vpp=vpp, zero=zero, sp=node["sp"], schedule=node["schedule"], partition=part,
+                  **degrees)
 
 
 def measured_of(data: object, check: Checker) -> Measured:
@@ -251,7 +258,8 @@ class Checker:
         fields = list(shape.__dataclass_fields__)
         if not isinstance(data, dict):
             self.fail(f"{name} must be an object with {', '.join(fields)}")
-        missing = [f for f in fields if f not in data]
+        missing = [f for f, spec in shape.__dataclass_fields__.items()
+                   if f not in data and spec.default is MISSING]
         if missing:
             self.fail(f"{name} lacks {', '.join(missing)} (null where unknown)")
         return data

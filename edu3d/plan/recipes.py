@@ -46,7 +46,7 @@ from edu3d.plan.formulas import as_moe
 from edu3d.plan.hardware import Profile
 from edu3d.plan.inventory import held
 from edu3d.schedules.actions import chunks, placement, stages_of
-from edu3d.schedules.partition import uniform
+from edu3d.schedules.partition import planner_cut
 
 GIB = 2**30
 
@@ -135,7 +135,7 @@ def activations(spec: ModelSpec, run: Run, recipe: Recipe, recompute: str) -> li
     schedule keeps in flight (:func:`edu3d.plan.estimate.in_flight`)."""
     lay, par = run.layout, run.parallel
     v = chunks(par.schedule, lay.vpp)
-    parts = uniform(spec.n_layers, lay.pp * v)
+    parts = planner_cut(spec.n_layers, lay, par)
     layer = layer_activations(spec, run, recompute)
     t, sp = lay.tp, par.sp and lay.tp > 1
     tokens = run.micro_batch * spec.seq_len / lay.cp

@@ -42,7 +42,7 @@ from edu3d.plan.hardware import Profile
 from edu3d.plan.inventory import frozen_share
 from edu3d.plan.kernels import Cut, embedding_ops, head_ops, layer
 from edu3d.schedules.actions import chunks, placement, stage_rank
-from edu3d.schedules.partition import uniform
+from edu3d.schedules.partition import planner_cut
 
 
 def cut_of(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> Cut:
@@ -136,7 +136,7 @@ def _stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recip
     c = cut_of(spec, run, rec)
     moe = as_moe(spec)
     recompute = run.memory.recompute
-    parts = uniform(spec.n_layers, lay.pp * chunks(par.schedule, lay.vpp))
+    parts = planner_cut(spec.n_layers, lay, par)
     per_core = cpu.ranks_per_core(profile, run.world_size)
     mesh = Layout(dp=lay.ep, tp=lay.tp, cp=lay.cp, ep=lay.ep)  # what the layer's groups need
     out = []

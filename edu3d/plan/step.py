@@ -41,7 +41,7 @@ from edu3d.plan.formulas import as_moe
 from edu3d.plan.hardware import Profile, load_profile
 from edu3d.plan.stage_costs import cut_of, stage_costs, zero3_cost
 from edu3d.schedules.actions import build, chunks, placement, stages_of
-from edu3d.schedules.partition import uniform
+from edu3d.schedules.partition import planner_cut
 from edu3d.schedules.simulate import Costs, simulate
 
 PARTS = ("compute", "overhead", "bubble", "tp", "pp", "dp", "edp", "cp", "ep", "optimizer")
@@ -155,9 +155,7 @@ def check(spec: ModelSpec, run: Run, rec: recipes.Recipe) -> None:
         if par.schedule == "interleaved" and run.microbatches % run.layout.pp:
             raise ValueError(f"interleaved: microbatches={run.microbatches} must be a "
                              f"multiple of pp={run.layout.pp}")
-        stages = run.layout.pp * chunks(par.schedule, run.layout.vpp)
-        if stages > spec.n_layers:
-            raise ValueError(f"pp*vpp = {stages} stages for {spec.n_layers} layers")
+        planner_cut(spec.n_layers, run.layout, par)  # more stages than the cut has pieces
         run = run.replace(precision="bf16" if dtype == "fp8" else dtype, vpp=1,
                           recompute="selective" if mode == "op" else mode,
                           schedule="1f1b" if par.schedule == "interleaved" else par.schedule)
@@ -210,7 +208,7 @@ def predict(spec: ModelSpec, run: Run, profile: Profile | str, recipe: str = "ed
     check(spec, run, rec)
     lay, par = run.layout, run.parallel
     v = chunks(par.schedule, lay.vpp)
-    parts = uniform(spec.n_layers, lay.pp * v)
+    parts = planner_cut(spec.n_layers, lay, par)
     costs = []
     for (lo, hi), st in zip(parts, stage_costs(spec, run, prof, rec)):
         fwd, bwd = zero3_cost(spec, run, prof, rec, st, hi - lo)

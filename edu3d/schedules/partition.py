@@ -5,7 +5,8 @@ After reading this file you should understand:
 * a pipeline is only as fast as its slowest stage, so the cut matters: every rank waits for
   the most expensive stage at every step;
 * **uniform**: ``L`` layers over ``S`` stages, ``L // S`` each, the remainder going to the
-  first stages (10 layers on 4 stages: 3, 3, 2, 2);
+  first stages (10 layers on 4 stages: 3, 3, 2, 2); the planner also weighs **ends**, where
+  the embedding and the head each count as a layer (Llama 3's and DeepSpeed's cut);
 * **balanced**: the first stage also runs the embedding and the last the final LayerNorm and
   the LM head, whose ``d x vocab`` matrix can cost as much as several layers. Given a cost per
   piece, the contiguous cut that minimises the most expensive stage is found by a small
@@ -25,19 +26,45 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from edu3d.schedules.actions import chunks
 
-def uniform(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """``n_layers // n_stages`` layers per stage, one more for the first ``n_layers % n_stages``."""
-    if not 1 <= n_stages <= n_layers:
+PLANNER_PARTITIONS = ("uniform", "balanced", "ends")  # partition() runs the first two
+
+
+def uniform(n_layers: int, n_stages: int, ends: bool = False) -> list[tuple[int, int]]:
+    """``n_layers // n_stages`` layers per stage, one more for the first ``n_layers % n_stages``.
+
+    ``ends``: the embedding and the head each take a layer's place in the cut, so the first
+    and last stages hold one layer fewer (Llama 3's pipeline, whose first chunk holds only the
+    embedding and last only the head and loss; DeepSpeed's ``type:transformer|embedding``).
+    A stage may then hold no layer at all. The planner weighs this cut; the trainer runs
+    ``uniform`` and ``balanced`` (:func:`partition`)."""
+    units = n_layers + (2 if ends else 0)
+    if not 1 <= n_stages <= units:
         raise ValueError(f"{n_stages} stages for {n_layers} layers: each stage needs at least "
-                         f"one layer, so use between 1 and {n_layers} stages (pp * vpp)")
-    q, rem = divmod(n_layers, n_stages)
+                         f"one {'layer, the embedding or the head' if ends else 'layer'}, so "
+                         f"use between 1 and {units} stages (pp * vpp)")
+    q, rem = divmod(units, n_stages)
     out, start = [], 0
     for s in range(n_stages):
         end = start + q + (1 if s < rem else 0)
         out.append((start, end))
         start = end
+    if ends:  # unit 0 is the embedding, unit n_layers + 1 the head
+        out = [(max(a - 1, 0), min(b - 1, n_layers)) for a, b in out]
     return out
+
+
+def planner_cut(n_layers: int, layout, parallel) -> list[tuple[int, int]]:
+    """The cut the planner weighs for a run's ``layout`` and ``parallel`` sections: ``pp x
+    chunks`` stages, :func:`uniform` (``ends`` where the run's partition says so; it weighs
+    ``balanced`` as ``uniform``). Raises ``ValueError`` for an unknown partition or more
+    stages than the cut has pieces."""
+    if parallel.partition not in PLANNER_PARTITIONS:
+        raise ValueError(f"partition={parallel.partition!r}: choose one of "
+                         f"{', '.join(PLANNER_PARTITIONS)}")
+    return uniform(n_layers, layout.pp * chunks(parallel.schedule, layout.vpp),
+                   ends=parallel.partition == "ends")
 
 
 def layer_costs(config) -> tuple[float, list[float], float]:

@@ -151,6 +151,11 @@ def check_args(run: Run) -> tuple[object, Layout]:
         raise LayoutError(f"interleaved 1F1B groups micro-batches by pp: --microbatches {m} "
                           f"must be a multiple of --pp {lay.pp}")
     check_pipeline(run, config.n_layers, m)
+    if par.partition not in ("uniform", "balanced"):
+        raise LayoutError(f"partition {par.partition!r}: the trainer cuts 'uniform' or "
+                          "'balanced'" + ("; 'ends' (the embedding and head each in a layer's "
+                                          "place) is a cut the planner weighs, not one edu3d "
+                                          "runs" if par.partition == "ends" else ""))
     if par.zero and lay.dp * lay.cp == 1:
         raise LayoutError(f"--zero {par.zero} shards over the data-parallel group; "
                           "add --dp 2 (or more)")
