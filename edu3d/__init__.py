@@ -41,7 +41,7 @@ folders listed below it; README's "How the package is organised" says the rules)
     bench/      harness bench_comm bench_dp bench_tp bench_pp bench_3d bench_recompute
                 bench_5d bench_launch bench_gpu bench_overhead bench_mfu bench_goals
                 records plot autotune ranking predicted calibration trainer_steps
-                profile_fit bench_tune_model bench_offload
+                profile_fit cpu_fit bench_tune_model bench_offload
                                      edu3d timed against PyTorch's own implementations
     production/ torch_impl torch_tp torch_pp torch_check compare accelerate_train
                 deepspeed_map

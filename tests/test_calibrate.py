@@ -15,7 +15,7 @@ import json
 import pytest
 
 from edu3d import cli
-from edu3d.bench import calibration, profile_fit, trainer_steps
+from edu3d.bench import calibration, cpu_fit, profile_fit, trainer_steps
 from edu3d.config.sections import Run
 from edu3d.plan import cpu, hardware, links, trainer_comm
 from edu3d.plan.estimate import setup, spec_of
@@ -29,6 +29,7 @@ CORUN = 1.25  # how much slower the serial steps run on both ranks at once
 ALPHA, BUSBW = 200e-6, 1.5e9
 WRAP, CALLS, INSIDE = 150e-6, 48, 100e-6  # s around a collective, per micro-batch, inside one
 TENSORS, KERNELS = 53, 109
+CHECKPOINT, REGIONS, RECOMPUTED = 350e-6, 4, 4  # s per checkpointed block, blocks, kernels
 ABOUT = "measured by edu3d calibrate on 2026-01-01, test, torch 0"
 
 
@@ -37,8 +38,11 @@ def linear_times(shapes, rate=RATE, fixed=FIXED):
 
 
 def ring_times(kind, sizes, n=2, alpha=ALPHA, busbw=BUSBW):
+    """``[bytes, median, minimum, CPU inside, mean]``: a heavy tail puts the mean (what the
+    profile takes: a step sums dozens of collectives) above the median."""
     steps, factor = profile_fit.ring(kind, n)
-    return [[s, alpha * steps + s * factor / busbw, alpha * steps / 2, INSIDE] for s in sizes]
+    return [[s, 0.7 * (alpha * steps + s * factor / busbw), alpha * steps / 2, INSIDE,
+             alpha * steps + s * factor / busbw] for s in sizes]
 
 
 def measurements() -> dict:
@@ -53,6 +57,9 @@ def measurements() -> dict:
     tp = {"microbatches": [1, 2, 4], "collectives": CALLS,
           "seconds": [TENSORS * TENSOR + m * (KERNELS * KERNEL + CALLS * (WRAP + INSIDE))
                       for m in (1, 2, 4)]}
+    rec = {"microbatches": [1, 2, 4], "kernels": KERNELS + RECOMPUTED, "regions": REGIONS,
+           "seconds": [TENSORS * TENSOR + m * ((KERNELS + RECOMPUTED) * KERNEL
+                                               + REGIONS * CHECKPOINT) for m in (1, 2, 4)]}
     block = {"shape": "b=4 s=32 d=64 heads=4", "ops": [["matmul", 3e6, 1e5, 1],
                                                        ["memory", 0.0, 4e6, 2]]}
     block["seconds"] = 3 * KERNEL + 3e6 / RATE + 4e6 / 8e9  # 8 GB/s elementwise
@@ -63,7 +70,7 @@ def measurements() -> dict:
                    for p, rate in (("fp32", RATE), ("bf16", 2 * RATE))},
         "stream": {"bytes": 2**26, "seconds": 2 * 2**26 / 16e9},
         "attention": {"shape": "b=4", "flops": 1e9, "seconds": 1e9 / (0.3 * RATE)},
-        "eager": eager, "layers": [block],
+        "eager": eager, "recompute": rec, "layers": [block],
         "collectives": {"ranks": 2, "backend": "gloo", "runtime_bytes": 3e8,
                         "data_parallel": dp, "tensor_parallel": tp,
                         "together": {"microbatches": [1, 2, 4], "seconds": [
@@ -83,7 +90,7 @@ def profile_dir(tmp_path, monkeypatch):
 
 # ---- the fits give back the constants they were made from -----------------------------------------
 def test_fits_recover_known_constants():
-    a, b = profile_fit.line([1, 2, 4], [3.0, 5.0, 9.0])
+    a, b = cpu_fit.line([1, 2, 4], [3.0, 5.0, 9.0])
     assert (a, b) == pytest.approx((1.0, 2.0))
     shapes = calibration.SHAPES["cpu"]
     mm = profile_fit.matmul_fit(shapes, linear_times(shapes), DISPATCH)
@@ -91,28 +98,37 @@ def test_fits_recover_known_constants():
     assert mm["half_flops"] == pytest.approx((FIXED - DISPATCH) / 3 * RATE)
     for kind in calibration.OPS:
         pts = ring_times(kind, calibration.COLLECTIVE_SIZES)
-        f = profile_fit.alpha_beta(kind, 2, [p[0] for p in pts], [p[1] for p in pts])
+        f = profile_fit.alpha_beta(kind, 2, [p[0] for p in pts], [p[4] for p in pts])
         assert (f["alpha"], f["bandwidth"]) == pytest.approx((ALPHA, BUSBW)), kind
     m = measurements()
     e = profile_fit.eager_fit([1, 2, 4], m["eager"]["seconds"], KERNELS, TENSORS)
     assert (e["per_kernel"], e["per_tensor"]) == pytest.approx((KERNEL, TENSOR))
-    hook = profile_fit.hook_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
+    hook = cpu_fit.hook_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
                                 e["per_microbatch"], TENSORS)
     assert hook == pytest.approx(HOOK)
-    sync = profile_fit.sync_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
+    sync = cpu_fit.sync_fit([1, 2, 4], m["collectives"]["data_parallel"]["seconds"],
                                 e["per_step"], TENSORS)
     assert sync == pytest.approx(SYNC)
-    assert profile_fit.corun_fit(m["collectives"]["together"]["seconds"],
+    assert cpu_fit.corun_fit(m["collectives"]["together"]["seconds"],
                                  m["eager"]["seconds"]) == pytest.approx(CORUN)
-    assert profile_fit.corun_fit([1.0], [2.0]) == 1.0  # never faster together than alone
+    assert cpu_fit.corun_fit([1.0], [2.0]) == 1.0  # never faster together than alone
     tp = m["collectives"]["tensor_parallel"]
-    wrap = profile_fit.collective_fit([1, 2, 4], tp["seconds"], e["per_microbatch"], CALLS,
+    wrap = cpu_fit.collective_fit([1, 2, 4], tp["seconds"], e["per_microbatch"], CALLS,
                                       INSIDE)
     assert wrap == pytest.approx(WRAP)
-    assert profile_fit.profile_from(m, ABOUT)["collective_overhead"]["value"] == pytest.approx(
-        WRAP)
+    prof = profile_fit.profile_from(m, ABOUT)
+    assert prof["collective_overhead"]["value"] == pytest.approx(WRAP)
+    # a checkpointed block: its recomputing steps' slope less the kernels it re-launches
+    rec = m["recompute"]
+    assert cpu_fit.checkpoint_fit([1, 2, 4], rec["seconds"], e["per_microbatch"], RECOMPUTED,
+                                  KERNEL, REGIONS) == pytest.approx(CHECKPOINT)
+    assert prof["checkpoint_overhead"]["value"] == pytest.approx(CHECKPOINT)
+    assert "4 regions a micro-batch" in prof["checkpoint_overhead"]["source"]
+    old = dict(m)
+    del old["recompute"]  # measured before calibrate timed the checkpoints: no term
+    assert "checkpoint_overhead" not in profile_fit.profile_from(old, ABOUT)
     # what calibrate's tensor-parallel steps issue per micro-batch, as the model counts them
-    assert profile_fit.collectives_per_microbatch(Run.of(**trainer_steps.EAGER, global_batch=1,
+    assert cpu_fit.collectives_per_microbatch(Run.of(**trainer_steps.EAGER, global_batch=1,
                                                          microbatches=1, tp=2, sp=True)) == 48
     w = profile_fit.elementwise_fit(m["layers"], RATE, 0.0, 0.3, KERNEL)
     assert w["bandwidth"] == pytest.approx(8e9)
@@ -122,15 +138,15 @@ def test_noisy_measurements_fall_back_or_are_refused_in_one_line():
     # a large message no slower than a small one: alpha from the smallest, bandwidth after it
     f = profile_fit.alpha_beta("all_reduce", 2, [4, 2**20, 2**22], [3e-4, 2e-4, 4e-3])
     assert f["alpha"] > 0 and f["bandwidth"] > 0
-    for call in (lambda: profile_fit.line([1, 1], [1.0, 2.0]),
-                 lambda: profile_fit.line([1, 2], [1.0, 0.0]),
+    for call in (lambda: cpu_fit.line([1, 1], [1.0, 2.0]),
+                 lambda: cpu_fit.line([1, 2], [1.0, 0.0]),
                  lambda: profile_fit.matmul_fit([(1, 1, 1), (64, 64, 64)], [1e-3, 1e-4], 0.0),
                  lambda: profile_fit.eager_fit([1, 4], [5e-3, 4e-3], 100, 10),
                  lambda: profile_fit.elementwise_fit(
                      [{"shape": "b=1", "seconds": 1e-6, "ops": [["matmul", 1e9, 0, 1]]}],
                      RATE, 0.0, 0.3, KERNEL),
                  lambda: profile_fit.ring("all_to_all", 2)):
-        with pytest.raises(profile_fit.CalibrationError) as err:
+        with pytest.raises(cpu_fit.CalibrationError) as err:
             call()
         assert "\n" not in str(err.value)
 
@@ -146,10 +162,20 @@ def test_profile_is_valid_sourced_written_and_read_back_by_name(profile_dir):
     assert loaded.hook_overhead == pytest.approx(HOOK)
     assert loaded.sync_overhead == pytest.approx(SYNC)
     assert loaded.corun == pytest.approx(CORUN)
+    assert loaded.checkpoint_overhead == pytest.approx(CHECKPOINT)
     assert loaded.cores == 2 and loaded.intra_alpha == pytest.approx(ALPHA)
     assert loaded.collectives["reduce_scatter"] == pytest.approx((ALPHA, BUSBW))
     assert all(s.startswith(ABOUT) for s in loaded.sources.values())
-    assert "the minimum of the same repetitions" in loaded.sources["link.intra.alpha"]
+    alpha = loaded.sources["link.intra.alpha"]
+    assert "mean of the repetitions" in alpha and "their minimum" in alpha
+    assert f"the median of the same repetitions gives {0.7 * ALPHA * 1e6:.1f} us" in alpha
+    old = measurements()  # a measurement from before the mean was kept: fitted on the median
+    for pts in old["collectives"]["ops"].values():
+        for p in pts:
+            del p[4]
+    before = profile_from_dict(profile_fit.profile_from(old, ABOUT), "synthetic")
+    assert before.intra_alpha == pytest.approx(0.7 * ALPHA)
+    assert "median of the repetitions" in before.sources["link.intra.alpha"]
     with pytest.raises(ProfileError, match="run edu3d calibrate"):
         load_profile(hardware.USER_PROFILE)
     profile_fit.write(prof, hardware.user_profiles() / "this-machine.json")
@@ -193,7 +219,7 @@ def test_bad_options_are_refused_before_measuring(argv, message, capsys, monkeyp
 def test_the_command_writes_the_profile_or_says_in_one_line_why_not(profile_dir, capsys,
                                                                     monkeypatch):
     def spoiled(*a, **k):
-        raise profile_fit.CalibrationError("matmul times do not grow with their FLOPs")
+        raise cpu_fit.CalibrationError("matmul times do not grow with their FLOPs")
 
     monkeypatch.setattr(calibration, "measure", spoiled)
     assert cli.main(["calibrate"]) == 1
@@ -249,6 +275,17 @@ def test_cpu_terms_add_what_a_real_step_spends():
     assert links.collective_time("send", 1.0, 2, link) == pytest.approx(ALPHA + 1 / BUSBW
                                                                          + WRAP)
     assert links.link_for(gpu, 1, 8).host == 0.0  # a GPU profile: no host term
+    # recomputation: each checkpointed block costs its host machinery, on a CPU only
+    sel = setup(precision="fp32", recompute="selective")
+    assert cpu.checkpoint_overhead(prof, "none", 1) == 0.0
+    assert cpu.checkpoint_overhead(gpu, "selective", 1) == 0.0
+    assert cpu.checkpoint_overhead(prof, "selective", 2) == pytest.approx(CHECKPOINT * CORUN)
+    bare = dataclasses.replace(prof, checkpoint_overhead=0.0)
+    assert (predict(spec, sel, prof, memory=False).step_time
+            - predict(spec, sel, bare, memory=False).step_time) == pytest.approx(
+                spec.n_layers * CHECKPOINT)  # one region a block, one micro-batch
+    assert predict(spec, serial, prof, memory=False).step_time == pytest.approx(
+        predict(spec, serial, bare, memory=False).step_time)
 
 
 def test_zero_reduces_unit_by_unit_and_zero2_every_microbatch():

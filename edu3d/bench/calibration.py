@@ -13,6 +13,10 @@ machine and how each number is measured so that a busy machine disturbs it least
   narrow that its arithmetic is nil, with 1, 2 and 4 micro-batches, through the real training
   loop: what Python, the dispatcher and autograd cost per kernel and per step, which is most
   of a step of the course's tiny models on a CPU (their median: what tune reports);
+* **recomputation's checkpoints**: the same Trainer steps with every block's attention
+  core checkpointed (``torch.utils.checkpoint``: the saved-tensor hooks, the region's inputs
+  and RNG state kept, its forward re-run from Python): what a checkpointed region costs
+  beyond the kernels it recomputes;
 * **whole blocks** (:func:`layers`): one GPT block forward and backward at the tiny and
   small presets' sizes, which the fit splits into the model's own ops;
 * **collectives** (:func:`collectives`): one real 2-rank launch through edu3d's launcher,
@@ -26,9 +30,11 @@ machine and how each number is measured so that a busy machine disturbs it least
 
 **Load.** Other processes steal time at random: so a compute kernel is timed by this thread's
 CPU time (what their load moves least), its *minimum* over repetitions. A collective waits
-for its peer, so it is timed on the wall clock; the fit takes the *median* (what a step
-meets: a rank that loses its core makes the other wait) and the source records the minimum's
-(an idle machine's). Each part has a share of the budget (at least 3 repetitions each). On
+for its peer, so it is timed on the wall clock; the fit takes the *mean* (what a step meets:
+a step sums dozens of collectives, and a sum follows their mean, which the heavy tail of a
+rank woken late puts well above the median: on the 2-core VM a 64-byte all-reduce has a
+median of 0.45-0.8 ms and a 90th percentile of 2.7-4.5 ms) and the source records the
+median's and the minimum's (an idle machine's). Each part has a share of the budget (at least 3 repetitions each). On
 a GPU everything runs there with a synchronised wall clock, collectives on NCCL.
 
 :mod:`edu3d.bench.profile_fit` turns the measurements into the profile file that ``edu3d
@@ -48,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from edu3d.bench import autotune, profile_fit, records
+from edu3d.bench import autotune, cpu_fit, records
 from edu3d.bench.trainer_steps import eager
 from edu3d.config.layout import Layout
 from edu3d.config.sections import Run
@@ -75,7 +81,7 @@ COLLECTIVE_SIZES = (4, 4096, 65536, 2**20, 4 * 2**20)  # bytes
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 STEP_WORK = 3  # small matmuls between two collectives (~0.1 ms of a step's arithmetic)
 DP_REPS = 10  # data-parallel Trainer steps per micro-batch count (the ranks must agree)
-SHARES = {"matmul": 0.2, "stream": 0.03, "attention": 0.05, "eager": 0.12,
+SHARES = {"matmul": 0.2, "stream": 0.03, "attention": 0.05, "eager": 0.12, "recompute": 0.05,
           "layers": 0.08}  # the rest: the 2-rank launch
 MIN_REPS, MAX_REPS = 3, 200
 
@@ -243,7 +249,7 @@ def collectives_worker(mesh, budget_s: float, sizes=COLLECTIVE_SIZES) -> dict | 
             out[op].append([numel * 4 * (1 if op == "all_reduce" else n)
                             if op != "send_recv" else numel * 4,
                             statistics.median(seconds) / half, min(seconds) / half,
-                            min(cpu) / half])
+                            min(cpu) / half, statistics.fmean(seconds) / half])
     together = eager(dev.type, Clock(dev.type, wall=True), 0.0, None, reps=DP_REPS)  # serial,
     # every rank at once: what ranks running beside each other cost one another
     hooks = eager(dev.type, Clock(dev.type), 0.0, mesh, reps=DP_REPS)  # data parallel: hooks
@@ -262,7 +268,7 @@ def collectives(budget_s: float, ranks: int) -> dict:
         run = launch(collectives_worker, ranks, args=(budget_s,), timeout=max(120.0, 6 * budget_s),
                      layout=Layout(dp=ranks), echo=False, name="calibrate", pool=False)
     except LaunchError as err:
-        raise profile_fit.CalibrationError(f"the {ranks}-rank launch failed: "
+        raise cpu_fit.CalibrationError(f"the {ranks}-rank launch failed: "
                                            f"{str(err).splitlines()[0]}") from None
     return run.results[0]
 
@@ -331,6 +337,9 @@ def measure(budget_s: float = 60.0, progress: Callable[[str], None] | None = Non
                                                clock, b)),
          "eager": part("eager overhead (Trainer steps of a GPT of width 8)", SHARES["eager"],
                        lambda b: eager(device, clock, b)),
+         "recompute": part("recomputation's checkpoints (the same steps, every block "
+                           "recomputed)", SHARES["recompute"],
+                           lambda b: eager(device, clock, b, recompute="selective")),
          "layers": part(f"{len(LAYERS[device])} GPT blocks, forward and backward",
                         SHARES["layers"], lambda b: layers(device, clock, b))}
     gpus = torch.cuda.device_count() if device == "cuda" else 0

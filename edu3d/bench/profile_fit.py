@@ -41,36 +41,15 @@ on synthetic measurements.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
-from edu3d.config.sections import Run
-from edu3d.plan import recipes, trainer_comm
-from edu3d.plan.estimate import spec_of
+from edu3d.bench import cpu_fit
+from edu3d.bench.cpu_fit import CalibrationError, line, median_text
 from edu3d.plan.hardware import PRECISIONS
-from edu3d.plan.stage_costs import cut_of
-
-
-class CalibrationError(ValueError):
-    """Measurements a fit cannot use; the message says which and what to do."""
 
 
 # ---- fits --------------------------------------------------------------------------------------
-def line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """``(a, b)`` of ``y = a + b·x`` minimising the relative residuals ``(y - a - b·x) / y``."""
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise CalibrationError(f"a line needs two or more distinct x, got {sorted(set(xs))}")
-    if any(not (math.isfinite(y) and y > 0) for y in ys):
-        raise CalibrationError(f"times must be finite and > 0, got {ys}")
-    w = [1 / y**2 for y in ys]
-    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    return (sy - b * sx) / sw, b
-
-
 def matmul_fit(shapes: list[tuple[int, int, int]], seconds: list[float],
                dispatch: float) -> dict:
     """``{"rate", "fixed", "half_flops", "worst"}`` of ``t = fixed + 6MNK / rate`` over linear
@@ -161,53 +140,6 @@ def eager_fit(microbatches: list[int], seconds: list[float], kernels: float,
             "per_microbatch": per_mb, "per_step": per_step}
 
 
-def hook_fit(microbatches: list[int], seconds: list[float], serial_per_microbatch: float,
-             tensors: int) -> float:
-    """Seconds per parameter tensor per micro-batch that data parallelism adds: the slope of
-    data-parallel steps over ``microbatches`` beyond the serial one, never below 0."""
-    _, per_mb = line([float(m) for m in microbatches], seconds)
-    return max(0.0, (per_mb - serial_per_microbatch) / tensors)
-
-
-def sync_fit(microbatches: list[int], seconds: list[float], serial_per_step: float,
-             tensors: int) -> float:
-    """Seconds per parameter tensor per step that data parallelism adds once per step: the
-    intercept of data-parallel steps over ``microbatches`` beyond the serial one, never below 0."""
-    per_step, _ = line([float(m) for m in microbatches], seconds)
-    return max(0.0, (per_step - serial_per_step) / tensors)
-
-
-def corun_fit(together: list[float], alone: list[float]) -> float:
-    """``together`` (wall clock, every rank at once) over ``alone`` (CPU time), at least 1."""
-    return max(1.0, sum(together) / sum(alone))
-
-
-def collectives_per_microbatch(run: Run) -> int:
-    """Collectives one more micro-batch of ``run`` (of one sequence per rank) issues on
-    rank 0, as the model counts them (:func:`edu3d.plan.trainer_comm.count`)."""
-    spec, calls = spec_of(run), []
-    for m in (1, 2):
-        one = run.replace(global_batch=m * run.layout.dp, microbatches=m)
-        cut = cut_of(spec, one, recipes.recipe_of("edu3d"))
-        calls.append(sum(trainer_comm.count(spec, one, cut, 0, spec.n_layers, True,
-                                            True).values()))
-    return calls[1] - calls[0]
-
-
-def collective_fit(microbatches: list[int], seconds: list[float], serial_per_microbatch: float,
-                   collectives: int, inside: float) -> float:
-    """Host seconds per collective beyond its own: the slope of tensor-parallel steps over
-    ``microbatches`` beyond the serial one, shared by the ``collectives`` each micro-batch
-    issues, less the CPU time ``inside`` a call (already in its measured time); never below 0."""
-    _, per_mb = line([float(m) for m in microbatches], seconds)
-    return max(0.0, (per_mb - serial_per_microbatch) / max(1, collectives) - inside)
-
-
-def dp_text(dp: dict) -> str:
-    return ", ".join(f"m={k}: {t * 1e3:.2f} ms" for k, t in zip(dp["microbatches"],
-                                                               dp["seconds"])) + median_text(dp)
-
-
 # ---- the profile -------------------------------------------------------------------------------
 def constant(value: float, unit: str, source: str) -> dict:
     return {"value": value, "unit": unit, "source": source}
@@ -226,20 +158,13 @@ def profile_from(m: dict, about: str) -> dict:
                       m["eager"]["kernels"], m["eager"]["tensors"])
     elementwise = elementwise_fit(m["layers"], peak, mm[main]["half_flops"], attention,
                                   eager["per_kernel"])
-    dp = m["collectives"]["data_parallel"]
-    hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
-                     m["eager"]["tensors"])
-    sync = sync_fit(dp["microbatches"], dp["seconds"], eager["per_step"], m["eager"]["tensors"])
-    together = m["collectives"].get("together")  # absent: measured before it was
-    shared = together and corun_fit(together.get("median", together["seconds"]), m["eager"]["seconds"])
     n = m["collectives"]["ranks"]
-    tp = m["collectives"].get("tensor_parallel")  # absent: measured before it was
-    inside = [p[3] for k in ("all_reduce", "all_gather", "reduce_scatter")
-              for p in m["collectives"]["ops"].get(k, [])[:1] if len(p) > 3]
-    wrap = collective_fit(tp["microbatches"], tp["seconds"], eager["per_microbatch"],
-                          tp["collectives"], sum(inside) / max(1, len(inside))) if tp else None
-    comm = {k: alpha_beta(k, n, [p[0] for p in v], [p[1] for p in v])
+    # a step sums dozens of collectives: its time follows their mean, which a heavy tail (a
+    # rank woken late) puts well above the median; profiles measured before kept no mean
+    comm = {k: alpha_beta(k, n, [p[0] for p in v], [p[4] if len(p) > 4 else p[1] for p in v])
             for k, v in m["collectives"]["ops"].items()}
+    typical = {k: alpha_beta(k, n, [p[0] for p in v], [p[1] for p in v])
+               for k, v in m["collectives"]["ops"].items()}
     idle = {k: alpha_beta(k, n, [p[0] for p in v], [p[2] for p in v])
             for k, v in m["collectives"]["ops"].items()}
     stream = 2 * m["stream"]["bytes"] / m["stream"]["seconds"]
@@ -266,15 +191,21 @@ def profile_from(m: dict, about: str) -> dict:
     backend = m["collectives"]["backend"]
 
     def link_source(kind):
-        f, pts, best = comm[kind], m["collectives"]["ops"][kind], idle[kind]
+        f, pts, best, mid = comm[kind], m["collectives"]["ops"][kind], idle[kind], typical[kind]
+        mean = len(pts[0]) > 4
         return (f"{about}: {backend} {kind} on {n} ranks of one real edu3d launch, repeated "
-                "between slices of arithmetic as in a step (no barrier), median of the "
-                f"repetitions at {', '.join(f'{p[0]:,.0f}' for p in pts)} bytes, fitted as "
+                "between slices of arithmetic as in a step (no barrier), "
+                f"{'mean' if mean else 'median'} of the repetitions at "
+                f"{', '.join(f'{p[0]:,.0f}' for p in pts)} bytes, fitted as "
                 f"t = alpha x steps + S x factor / busbw (ring counts): alpha = "
                 f"{f['alpha'] * 1e6:.1f} us per step, busbw = {f['bandwidth'] / 1e9:.3f} GB/s, "
-                f"worst size off by {f['worst']:.0%}; the minimum of the same repetitions "
-                f"(the machine with nothing else running) gives {best['alpha'] * 1e6:.1f} us "
-                f"and {best['bandwidth'] / 1e9:.3f} GB/s")
+                f"worst size off by {f['worst']:.0%}"
+                + (f"; the mean, because a step sums dozens of collectives and a sum follows "
+                   f"their mean: the median of the same repetitions gives "
+                   f"{mid['alpha'] * 1e6:.1f} us and {mid['bandwidth'] / 1e9:.3f} GB/s"
+                   if mean else "")
+                + f"; their minimum (the machine with nothing else running) gives "
+                f"{best['alpha'] * 1e6:.1f} us and {best['bandwidth'] / 1e9:.3f} GB/s")
 
     link = {"alpha": constant(ar["alpha"], "s", link_source("all_reduce")),
             "bandwidth": constant(ar["bandwidth"], "B/s", link_source("all_reduce")),
@@ -309,34 +240,7 @@ def profile_from(m: dict, about: str) -> dict:
         "kernel_overhead": constant(eager["per_kernel"], "s", eager_source(m, eager, about)),
         "step_overhead": constant(eager["per_tensor"], "s per parameter tensor",
                                   eager_source(m, eager, about)),
-        "hook_overhead": constant(hooks, "s per parameter tensor per micro-batch",
-                                  f"{about}: the same Trainer steps on {n} data-parallel ranks "
-                                  f"of that launch ({dp_text(dp)}): "
-                                  f"{(hooks * m['eager']['tensors'] + eager['per_microbatch']) * 1e6:.0f}"
-                                  f" us per micro-batch against {eager['per_microbatch'] * 1e6:.0f} "
-                                  f"serially, over {m['eager']['tensors']} parameter tensors "
-                                  "(the gradient hooks data parallelism adds to every backward)"),
-        "sync_overhead": constant(sync, "s per parameter tensor per step", (
-            f"{about}: the same data-parallel Trainer steps ({dp_text(dp)}): the intercept of "
-            f"t = per_step + m x per_microbatch, {(sync * m['eager']['tensors'] + eager['per_step']) * 1e6:.0f}"
-            f" us against {eager['per_step'] * 1e6:.0f} serially, over {m['eager']['tensors']} "
-            "parameter tensors (what a data-parallel step costs once per step beyond its "
-            "hooks: the last buckets reduced, the main thread's share of the collectives)")),
-        **({"corun": constant(shared, "ratio", (
-            f"{about}: the same serial Trainer steps run on all {n} ranks of that launch at "
-            f"once, on the wall clock ({dp_text(together)}): their median against the fastest "
-            f"alone ({', '.join(f'{t * 1e3:.2f}' for t in m['eager']['seconds'])} ms, CPU time): "
-            "what a rank's work meets beside the others (shared caches, the cores' time with "
-            "their helper threads, the loop's steps' spread, whatever else runs here)"))}
-           if together else {}),
-        **({"collective_overhead": constant(wrap, "s per collective", (
-            f"{about}: the same Trainer steps on {n} tensor-parallel ranks with sequence "
-            f"parallelism ({dp_text(tp)}): the slope beyond the serial one, shared by the "
-            f"{tp['collectives']} collectives a micro-batch issues (edu3d.plan.trainer_comm."
-            f"count), less the {sum(inside) / max(1, len(inside)) * 1e6:.0f} us of this "
-            "thread's CPU inside a small call (in its measured time already): what a rank's "
-            "host spends around each collective (autograd wrappers, copies, waking up)"))}
-           if tp else {}),
+        **cpu_fit.terms(m, eager, about),
         "runtime_memory": constant(m["collectives"]["runtime_bytes"], "B", f"{about}: resident "
                                    f"memory of a {backend} rank after init_process_group "
                                    "(VmRSS: Python, torch, the backend), before any tensor"),
@@ -368,12 +272,6 @@ def elementwise_source(m: dict, fit: dict, stream: float, about: str) -> str:
             f"{fit['bandwidth'] / 1e9:.2f} GB/s: this fraction of the streaming copy's "
             f"{stream / 1e9:.1f} GB/s (eager elementwise kernels, GELU's erf above all, are "
             "bound by arithmetic on a CPU core, not by memory); kept within [0.05, 1]")
-
-
-def median_text(steps: dict) -> str:
-    """The median of the same steps, for the record (absent from older measurements)."""
-    return ("; median " + ", ".join(f"{t * 1e3:.2f}" for t in steps["median"]) + " ms"
-            if "median" in steps else "")
 
 
 def eager_source(m: dict, eager: dict, about: str) -> str:

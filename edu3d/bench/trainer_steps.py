@@ -31,7 +31,7 @@ import time
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edu3d.bench import autotune, profile_fit
+from edu3d.bench import autotune, cpu_fit
 from edu3d.config.sections import Run
 from edu3d.model.gpt import GPT
 from edu3d.plan import kernels, recipes
@@ -88,17 +88,19 @@ def looped(trainer: Trainer, corpus: SyntheticCorpus, run: Run, clock, budget_s:
     return times[1:]  # the loop's first step: a new batch's first touch
 
 
-def eager(device: str, clock, budget_s: float, mesh=None, reps: int | None = None) -> dict:
+def eager(device: str, clock, budget_s: float, mesh=None, reps: int | None = None,
+          recompute: str = "none") -> dict:
     """Trainer steps of :data:`EAGER` with :data:`MICROBATCHES` micro-batches of one sequence
     each (serial, or on ``mesh``'s layout: data-parallel, each rank its own sequences, or
-    tensor-parallel with SP), through the training loop: the fastest (``seconds``) and the
-    median step of each, and what a micro-batch launches."""
+    tensor-parallel with SP; ``recompute``: every block checkpointed), through the training
+    loop: the fastest (``seconds``) and the median step of each, and what a micro-batch
+    launches."""
     dp, tp = (mesh.layout.dp, mesh.layout.tp) if mesh is not None else (1, 1)
     out = {"microbatches": list(MICROBATCHES), "seconds": [], "median": [], "model": ", ".join(
         f"{k}={v}" for k, v in EAGER.items())}
     for m in MICROBATCHES:
         run = Run.of(**EAGER, global_batch=m * dp, microbatches=m, steps=1, dp=dp, tp=tp,
-                     sp=tp > 1)
+                     sp=tp > 1, recompute=recompute)
         config, _ = check_args(run)
         model = GPT(config, seed=0).to(device)
         trainer = Trainer(model, mesh, run)
@@ -107,7 +109,9 @@ def eager(device: str, clock, budget_s: float, mesh=None, reps: int | None = Non
         out["seconds"].append(min(times))
         out["median"].append(statistics.median(times))
         if mesh is not None:
-            out["collectives"] = profile_fit.collectives_per_microbatch(run)
+            out["collectives"] = cpu_fit.collectives_per_microbatch(run)
+            continue
+        if recompute != "none":
             continue
         x, y = (t.to(device) for t in corpus.batch(1, m))
         if m == 1:
@@ -118,8 +122,11 @@ def eager(device: str, clock, budget_s: float, mesh=None, reps: int | None = Non
             with Dispatches() as many:
                 trainer.step(x, y, 10**6)
     if mesh is None:
+        out["kernels"] = host_kernels(Run.of(**EAGER, global_batch=1, microbatches=1,
+                                             recompute=recompute))
+        out["regions"] = EAGER["layers"] if recompute != "none" else 0  # one checkpoint a block
+    if mesh is None and recompute == "none":
         out["dispatches"] = round((many.count - one.count) / (MICROBATCHES[-1] - 1))
-        out["kernels"] = host_kernels(Run.of(**EAGER, global_batch=1, microbatches=1))
     return out
 
 

@@ -84,7 +84,7 @@ def rows(profile: dict, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def main_from_args(args) -> int:
-    from edu3d.bench import calibration, profile_fit
+    from edu3d.bench import calibration, cpu_fit, profile_fit
 
     path = args.output or hardware.user_profiles() / f"{hardware.USER_PROFILE}.json"
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def main_from_args(args) -> int:
         profile = profile_fit.profile_from(measured, calibration.about())
         hardware.profile_from_dict(profile, str(path))  # refused here, not when plan reads it
         profile_fit.write(profile, path)
-    except (profile_fit.CalibrationError, hardware.ProfileError) as err:
+    except (cpu_fit.CalibrationError, hardware.ProfileError) as err:
         print(f"edu3d calibrate: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
     except OSError as err:
@@ -107,7 +107,7 @@ def main_from_args(args) -> int:
     else:
         width = max(len(k) for k, _ in rows(profile))
         print("\n".join(f"{k:<{width}}  {v}" for k, v in rows(profile)))
-        print(f"(each constant's source, with its fit, is in the file)")
+        print("(each constant's source, with its fit, is in the file)")
     say(f"wrote {path} in {time.perf_counter() - t0:.0f} s; use it with edu3d plan --hardware "
         f"{path.stem if args.output is None else path} or edu3d tune")
     return 0

@@ -34,6 +34,11 @@ predict edu3d's runs on a laptop, each measured by ``edu3d calibrate`` (a profil
   the rank wakes up cold after waiting in it; measured on tensor-parallel Trainer steps
   (:mod:`edu3d.bench.profile_fit`): ~0.14-0.3 ms a call here, which at tp=2 with SP (48
   collectives a micro-batch of the tiny model) is as much as its arithmetic;
+* **recomputation's checkpoints** (:func:`checkpoint_overhead`): ``torch.utils.checkpoint``
+  keeps each region's inputs and RNG state, swaps every saved tensor for a placeholder
+  through Python hooks and re-runs the forward from Python: ~0.3-0.4 ms a block and
+  micro-batch here, several times the kernels a tiny model's attention core recomputes;
+  measured on the same Trainer steps with every block checkpointed;
 * **gloo's collectives** (:func:`collective`): each kind is timed by itself, because gloo's
   differ more than a ring's counts say: its reduce-scatter runs as a full all-reduce (and a
   copy), its all-gather and send/recv have latencies of their own. ``edu3d calibrate``
@@ -101,6 +106,14 @@ def sync_overhead(spec: ModelSpec, run: Run, profile: Profile, pp_rank: int) -> 
         return 0.0
     return (profile.sync_overhead * tensors_held(spec, run, pp_rank)
             * ranks_per_core(profile, run.world_size))
+
+
+def checkpoint_overhead(profile: Profile, recompute: str, ranks: int) -> float:
+    """Host seconds a checkpointed block costs each micro-batch beyond the kernels it
+    recomputes (zero without recomputation, or on a profile without ``checkpoint_overhead``)."""
+    if recompute == "none" or not profile.checkpoint_overhead:
+        return 0.0
+    return profile.checkpoint_overhead * ranks_per_core(profile, ranks)
 
 
 def collective(kind: str, profile: Profile) -> tuple[float, float] | None:

@@ -35,6 +35,9 @@ about a machine, and that each one is either a datasheet figure or a *measuremen
 ``collective_overhead`` optional (a CPU profile): host seconds each collective edu3d issues
                        costs its rank beyond the collective's own time (wrapping, copies,
                        waking up), :mod:`edu3d.plan.cpu`;
+``checkpoint_overhead`` optional (a CPU profile): host seconds each checkpointed region
+                       (one a block under ``--recompute``) costs a micro-batch beyond the
+                       kernels it recomputes, :mod:`edu3d.plan.cpu`;
 ``collectives``        optional (a CPU profile): ``alpha`` and ``bandwidth`` of each of gloo's
                        ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send_recv``, measured
                        one by one (:mod:`edu3d.plan.cpu`).
@@ -126,6 +129,7 @@ class Profile:
     sync_overhead: float = 0.0
     corun: float = 1.0
     collective_overhead: float = 0.0
+    checkpoint_overhead: float = 0.0
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def inter_bandwidth_at(self, nodes: int, gather: bool = False) -> float:
@@ -205,10 +209,10 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         if cores != int(cores):
             raise ProfileError(f"{where}: cores = {cores:g} is not a whole number")
         cores = int(cores)
-    step_overhead, hook_overhead, sync_overhead, collective_overhead = (
+    step_overhead, hook_overhead, sync_overhead, collective_overhead, checkpoint_overhead = (
         in_range(constant(data, key, where, sources), 0.0, 1e-2, key, where) if key in data
         else 0.0 for key in ("step_overhead", "hook_overhead", "sync_overhead",
-                             "collective_overhead"))
+                             "collective_overhead", "checkpoint_overhead"))
     corun = (in_range(constant(data, "corun", where, sources), 1.0, 10.0, "corun", where)
              if "corun" in data else 1.0)
     collectives = {}
@@ -238,7 +242,8 @@ def profile_from_dict(data: dict, where: str) -> Profile:
         inter_gather_bandwidth=values["link.inter.gather_bandwidth"],
         inter_falloff=values["link.inter.falloff"], sources=sources, cores=cores,
         step_overhead=step_overhead, hook_overhead=hook_overhead, sync_overhead=sync_overhead,
-        corun=corun, collective_overhead=collective_overhead, collectives=collectives)
+        corun=corun, collective_overhead=collective_overhead,
+        checkpoint_overhead=checkpoint_overhead, collectives=collectives)
 
 
 def constant(data: dict, key: str, where: str, sources: dict[str, str],

@@ -158,6 +158,7 @@ def _stage_costs(spec: ModelSpec, run: Run, profile: Profile, rec: recipes.Recip
                 row[k] += n * cost[k]
             for axis, v in cost["exposed"].items():
                 row["exposed"][axis] = row["exposed"].get(axis, 0.0) + n * v
+        row["R"] += (hi - lo) * cpu.checkpoint_overhead(profile, recompute, run.world_size)
         rank = stage_rank(s, lay.pp, placement(par.schedule))
         row["W"] += (cpu.microbatch_overhead(spec, run, profile, rank)  # CPU: DP hooks
                      / chunks(par.schedule, lay.vpp))
