@@ -121,6 +121,8 @@ class Lab:
                "JUPYTER_CONFIG_DIR": str(workdir / "jupyter-config"),
                "JUPYTER_RUNTIME_DIR": str(workdir / "jupyter-runtime"),
                "EDU3D_SOLUTIONS": os.environ.get("EDU3D_SOLUTIONS", "1"),
+               # chapter 00 trains on text for a minute; a quarter of it shows the same page
+               "EDU3D_TEXT_SECONDS": os.environ.get("EDU3D_TEXT_SECONDS", "15"),
                "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
                    p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
         self.log = open(workdir / "jupyterlab.log", "w")
@@ -417,12 +419,40 @@ def panel_state(page, box) -> dict:
     return page.evaluate(PANEL_STATE_JS, box.element_handle())
 
 
-def wait_redrawn(page, box, before: str, limit_s: float = 3.0) -> dict:
-    """Wait until the panel's output changed from ``before`` and its charts are drawn (at
-    most ``limit_s``: a position may draw what the last one drew)."""
+# counts the kernel's "idle" status messages: a widget's change reaches the kernel as a comm
+# message, which it answers busy, runs the panel's handler, then idle
+IDLE_COUNTER_JS = """() => {
+  const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  if (!k.__edu3dCounted) {
+    k.__edu3dCounted = true;
+    window.__edu3dIdle = 0;
+    k.iopubMessage.connect((_, msg) => {
+      if (msg.header.msg_type === 'status' && msg.content.execution_state === 'idle')
+        window.__edu3dIdle += 1;
+    });
+  }
+  return window.__edu3dIdle;
+}"""
+
+
+def idle_count(page) -> int:
+    """The kernel's idle messages so far (the counter is installed on first call)."""
+    return page.evaluate(IDLE_COUNTER_JS)
+
+
+def wait_redrawn(page, box, before: str, idle_before: int, limit_s: float = 3.0,
+                 quiet_s: float = 0.4) -> dict:
+    """Wait until the panel's output changed from ``before`` and its charts are drawn; or,
+    for a position that draws what the last one drew, until the kernel has gone idle after
+    the move (its handler ran: ``idle_before`` idle messages were counted before it) and the
+    panel stayed the same, drawn, for ``quiet_s``; at most ``limit_s``."""
     deadline = time.monotonic() + limit_s
-    now = panel_state(page, box)
+    now, quiet_since = panel_state(page, box), None
     while time.monotonic() < deadline and (now["sig"] == before or not now["drawn"]):
+        if now["drawn"] and idle_count(page) > idle_before:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= quiet_s:
+                break
         page.wait_for_timeout(80)
         now = panel_state(page, box)
     return now
@@ -462,7 +492,7 @@ def turn_every_control(page, box) -> dict:
         else:
             moves = [("slider", key) for key in SLIDER_KEYS]
         for how, arg in moves:
-            before = panel_state(page, box)["sig"]
+            before, idle_before = panel_state(page, box)["sig"], idle_count(page)
             if how == "select":
                 select = box.locator("select").nth(i)
                 if arg >= select.locator("option").count():  # a redraw narrowed the options
@@ -484,7 +514,7 @@ def turn_every_control(page, box) -> dict:
                 handle.press(arg)
             positions += 1
             start = time.monotonic()
-            now = wait_redrawn(page, box, before)
+            now = wait_redrawn(page, box, before, idle_before)
             changed += now["sig"] != before
             took.append((round(time.monotonic() - start, 1), f"{label.strip() or kind} {arg}",
                          now["sig"] != before))

@@ -153,3 +153,14 @@ def test_chapter_00_trains_the_tiny_model_on_text_with_progress_and_samples_text
     assert chapter.sample(got["model"], "def ", new_tokens=8) == written  # seeded
     said = chapter.sample_takeaway("def f(self): return x", prompt="def ")
     assert "return" in said and "self" in said and "def" not in said.split(": ")[-1]
+
+
+def test_chapter_00_trains_for_a_minute_unless_told(monkeypatch):
+    monkeypatch.delenv("EDU3D_TEXT_SECONDS", raising=False)
+    assert chapter.text_seconds() == 60.0
+    monkeypatch.setenv("EDU3D_TEXT_SECONDS", "15")
+    assert chapter.text_seconds() == 15.0
+    for bad in ("0", "-3", "soon", "nan", "7200"):
+        monkeypatch.setenv("EDU3D_TEXT_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"EDU3D_TEXT_SECONDS={bad!r}: give the seconds"):
+            chapter.text_seconds()

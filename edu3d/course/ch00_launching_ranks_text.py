@@ -18,6 +18,7 @@ smallest honest form, and that it is the same machinery the rest of the course p
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
@@ -35,12 +36,27 @@ PYTHON_WORDS = ("def", "return", "self", "import", "if", "for", "in", "None", "c
 TEXT = dict(data="stdlib", seq=64, global_batch=16, lr=3e-3)  # the tiny preset otherwise
 
 
-def train_on_text(seconds: float = 60.0, min_steps: int = 60, max_steps: int = 5000,
+def text_seconds() -> float:
+    """How long the chapter trains on text: ``$EDU3D_TEXT_SECONDS``, else 60 (an instructor
+    on a slow laptop may shorten it; the browser test runs 15)."""
+    raw = os.environ.get("EDU3D_TEXT_SECONDS", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:
+        raise ValueError(f"EDU3D_TEXT_SECONDS={raw!r}: give the seconds to train, between 0 "
+                         "and 3600 (unset: 60)")
+    return value
+
+
+def train_on_text(seconds: float | None = None, min_steps: int = 60, max_steps: int = 5000,
                   every: float = 10.0, out=print, **overrides) -> dict:
-    """Train the tiny GPT on the standard library for about ``seconds`` (between
-    ``min_steps`` and ``max_steps`` steps), calling ``out`` with a progress line every
-    ``every`` seconds. Returns ``model``, ``losses`` (one per step), ``seconds`` spent and
-    ``tokens`` trained on."""
+    """Train the tiny GPT on the standard library for about ``seconds`` (default
+    :func:`text_seconds`; between ``min_steps`` and ``max_steps`` steps), calling ``out``
+    with a progress line every ``every`` seconds. Returns ``model``, ``losses`` (one per
+    step), ``seconds`` spent and ``tokens`` trained on."""
+    seconds = text_seconds() if seconds is None else seconds
     torch.set_num_threads(1)  # as edu3d train does
     run = lesson_args(**{**TEXT, "steps": max_steps, **overrides})
     config = model_config(run)
