@@ -22,9 +22,9 @@ driven by Python Playwright with ``executable_path``: nothing is downloaded at r
 Where Chromium or Playwright is missing the test skips and says so loudly; ``.ci/run``
 installs both, and sets ``EDU3D_REQUIRE_BROWSER=1`` so that CI fails instead of skipping.
 
-The machinery lives here; ``tests/test_browser.py`` checks the chapters and
-``tests/test_browser_exercises.py`` the exercises (two files, so that pytest-xdist can give
-them to two workers). Run notebooks by hand, every one without arguments:
+The machinery lives here; ``tests/test_browser.py`` checks chapters 00-06,
+``tests/test_browser_late.py`` chapters 07-13 and ``tests/test_browser_exercises.py`` the
+exercises (three files of 3 to 6 minutes, so that pytest-xdist's two workers share them). Run notebooks by hand, every one without arguments:
 ``python tests/browser.py notebooks/06_3d_parallelism.ipynb``.
 """
 
@@ -45,6 +45,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+EARLY = 7  # chapters 00-06 in tests/test_browser.py, 07-13 in tests/test_browser_late.py
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 NOTEBOOKS = CHAPTERS + EXERCISES
 CHROMIUM = os.environ.get("EDU3D_CHROMIUM", "/usr/bin/chromium")
@@ -763,6 +764,15 @@ def check_or_execute(session, nb: Path, tmp_path_factory) -> dict | None:
     r = session.check(nb)
     assert not r["problems"], "\n".join(r["problems"])
     return r
+
+
+def check_chapter(session, nb: Path, tmp_path_factory) -> None:
+    """A chapter checked (:func:`check_or_execute`): with a browser, it also drew a chart and
+    has a control panel."""
+    r = check_or_execute(session, nb, tmp_path_factory)
+    if r is not None:
+        assert r["plots"], f"{r['notebook']} drew no chart"
+        assert r["controls"], f"{r['notebook']} has no control panel (.edu3d-controls)"
 
 
 def main(argv: list[str]) -> int:

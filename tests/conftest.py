@@ -9,7 +9,8 @@ from edu3d.launch.warm import pool
 # ranks through warm pools (edu3d.launch.warm.pool), the path every notebook cell takes: the same
 # results and errors, without importing torch again in every rank of every launch.
 COLD = {"test_launch", "test_launch_hardening", "test_pool", "test_zygote", "test_cli",
-        "test_failures", "test_browser", "test_browser_exercises", "test_multinode"}
+        "test_failures", "test_browser", "test_browser_late", "test_browser_exercises",
+        "test_multinode"}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -58,31 +59,40 @@ def _warm_ranks(request):
 # order, one more to a worker as it runs dry, so running the longest first is what keeps
 # both workers busy to the end instead of one of them finishing a long file alone. Files not
 # named keep their order after these.
-SLOWEST_FIRST = (
-    "tests/test_browser.py",            # 362: every chapter in Chromium
-    "tests/test_browser_exercises.py",  # 122: every exercise in Chromium
-    "tests/test_fp8_parity.py",         # 123 loaded: 13 FP8 layouts, four serial references
-    "tests/test_fp8.py",                # 78 loaded: ZeRO-3's FP8 bytes, the planner's run
-    "tests/test_multinode.py",          # 60 idle (160 loaded): two 4-rank nodes, twice
-    "tests/test_launch_hardening.py",   # 66
-    "tests/test_failures.py",           # 60
-    "tests/test_grading.py",            # 60: edu3d grade on every untouched stub
-    "tests/test_pool.py",               # 58
-    "tests/test_3d_parity.py",          # 42
-    "tests/test_launch.py",             # 40
+SLOWEST_FIRST = (  # seconds from stop 48's full run, the other worker busy
+    "tests/test_browser.py",            # 363: chapters 00-06 in Chromium
+    "tests/test_browser_late.py",       # 359: chapters 07-13 in Chromium
+    "tests/test_every_control.py",      # 201: every knob of every panel, headless
+    "tests/test_browser_exercises.py",  # 167: every exercise in Chromium
+    "tests/test_launch_safety.py",      # 131
+    "tests/test_multinode.py",          # 93: two 4-rank nodes, twice
+    "tests/test_bad_input.py",          # 85
+    "tests/test_failures.py",           # 81
+    "tests/test_grading.py",            # 81: edu3d grade on every untouched stub
+    "tests/test_launch_hardening.py",   # 72
+    "tests/test_zygote.py",             # 68
+    "tests/test_pool.py",               # 61
+    "tests/test_grade_robust.py",       # 59
+    "tests/test_5d_parity.py",          # 55
+    "tests/test_panels_ch08_11.py",     # 52
+    "tests/test_batching.py",           # 49
+    "tests/test_planner_5d.py",         # 49
+    "tests/test_zero_grad_reduce.py",   # 46
+    "tests/test_3d_parity.py",          # 39
+    "tests/test_wrong_answers.py",      # 36
+    "tests/test_launch.py",             # 35
     "tests/test_cli.py",                # 34
-    "tests/test_zygote.py",             # 34
-    "tests/test_recompute.py",          # 32
-    "tests/test_library_parity.py",     # 27: one 2-rank launch, 70 plain-loop cases
+    "tests/test_ckpt_untrusted.py",     # 34
+    "tests/test_zero.py",               # 33
+    "tests/test_impl_torch.py",         # 32
+    "tests/test_library_parity.py",     # 32: one 2-rank launch, 70 plain-loop cases
+    "tests/test_recompute.py",          # 31
+    "tests/test_train_layouts.py",      # 28
+    "tests/test_charts_grammar.py",     # 28
     "tests/test_pp_parity.py",          # 27
-    "tests/test_impl_torch.py",         # 24
-    "tests/test_train_layouts.py",      # 24
-    "tests/test_dp.py",                 # 21
-    "tests/test_zero.py",               # 21
-    "tests/test_tp_parity.py",          # 18
-    "tests/test_grade_cli.py",          # 18
-    "tests/test_pp_bubble.py",          # 18
-    "tests/test_checkpoint.py",         # 17
+    "tests/test_pp_bubble.py",          # 27
+    "tests/test_hints_tiered.py",       # 27
+    "tests/test_validation.py",         # 26
 )
 
 
@@ -97,7 +107,7 @@ def pytest_configure(config):
 # launcher, the pools and the grader that wait for failures. `-m "not slow"` leaves them out:
 # README's quick check of an install (Tests), every other file in a few minutes.
 SLOW_FILES = {
-    "tests/test_browser.py", "tests/test_browser_exercises.py",
+    "tests/test_browser.py", "tests/test_browser_late.py", "tests/test_browser_exercises.py",
     "tests/test_3d_parity.py", "tests/test_5d_parity.py", "tests/test_pp_parity.py",
     "tests/test_tp_parity.py", "tests/test_dp.py", "tests/test_zero.py",
     "tests/test_impl_torch.py", "tests/test_freeze.py", "tests/test_batching.py",

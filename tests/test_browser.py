@@ -1,7 +1,8 @@
-"""Every chapter in a real browser (JupyterLab + the distribution's headless Chromium):
-executed once, its checked outputs equal to the committed ones, rendered without errors, and
-every control of its panels turned through its range. The machinery and what is checked:
-``tests/browser.py``."""
+"""The first half of the chapters (00-06) in a real browser (JupyterLab + the distribution's
+headless Chromium): executed once, its checked outputs equal to the committed ones, rendered
+without errors, and every control of its panels turned through its range. The machinery and
+what is checked: ``tests/browser.py``; chapters 07-13: ``tests/test_browser_late.py`` (two
+halves of about 6 minutes each, so that the two pytest-xdist workers share them)."""
 
 import pytest
 
@@ -14,14 +15,19 @@ def session(tmp_path_factory):
 
 
 @pytest.mark.timeout(browser.CELL_TIMEOUT_S + 300)  # + every control turned
-@pytest.mark.parametrize("nb", browser.CHAPTERS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("nb", browser.CHAPTERS[:browser.EARLY], ids=lambda p: p.stem)
 def test_chapter_renders_in_chromium(session, nb, tmp_path_factory):
     """A chapter: no error output, every chart drawn with a title, control panels whose
     every control redraws without an error, checked outputs as committed."""
-    r = browser.check_or_execute(session, nb, tmp_path_factory)
-    if r is not None:
-        assert r["plots"], f"{r['notebook']} drew no chart"
-        assert r["controls"], f"{r['notebook']} has no control panel (.edu3d-controls)"
+    browser.check_chapter(session, nb, tmp_path_factory)
+
+
+def test_the_two_halves_hold_every_chapter():
+    from tests import test_browser_late
+
+    early = browser.CHAPTERS[:browser.EARLY]
+    assert early + test_browser_late.LATE == browser.CHAPTERS
+    assert [p.stem[:2] for p in early] == [f"{i:02d}" for i in range(7)]
 
 
 def test_chromium_is_available():

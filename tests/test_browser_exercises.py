@@ -1,7 +1,8 @@
 """Every exercise notebook in a real browser (JupyterLab + headless Chromium), with the
 solutions in place: executed once, its checks as committed, rendered without errors. The
 machinery and what is checked: ``tests/browser.py``; the chapters: ``tests/test_browser.py``
-(a file of its own, so that the two halves can run on two pytest-xdist workers)."""
+and ``tests/test_browser_late.py`` (files of their own, so that the two pytest-xdist workers
+share them)."""
 
 import pytest
 

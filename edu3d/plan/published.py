@@ -14,7 +14,11 @@ why it is data, not a constant:
   ``notes`` say which; a model should compare tokens/s where it can.
 * Where the source left a detail out (micro-batch size, pipeline engine) the field is ``None``
   and ``assumptions`` says so; a framework default is filled in only where the source implies
-  it, and then ``assumptions`` cites the default.
+  it, and then ``assumptions`` cites the default. A detail the source's *text* fixes is
+  entered with the derivation in ``assumptions`` (Llama 3's 8 chunks per rank).
+* ``layout.partition`` (optional, absent: ``"uniform"``) is ``"ends"`` where the framework cuts
+  the pipeline with the embedding and the head each in a layer's place (Llama 3, DeepSpeed's
+  ``type:transformer|embedding``).
 
 :func:`load_runs` checks every row (ranges, a known hardware profile, the layout's product
 equal to the GPU count, a global batch that is a whole number of micro-batches per
