@@ -18,7 +18,8 @@ import time
 
 from edu3d import __version__
 from edu3d.commands.argtypes import seconds
-from edu3d.launch.api import LaunchError, launch
+from edu3d.launch import api
+from edu3d.launch.api import LaunchError
 
 HELP = "check the installation and a 2-rank gloo run"
 
@@ -75,7 +76,7 @@ def main_from_args(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        res = launch(smoke, 2, env={"EDU3D_BACKEND": "gloo"}, timeout=args.timeout, echo=False,
+        res = api.launch(smoke, 2, env={"EDU3D_BACKEND": "gloo"}, timeout=args.timeout, echo=False,
                      name="doctor")
     except LaunchError as err:
         print(f"gloo smoke run on 2 ranks: FAILED\n{err}")

@@ -24,7 +24,8 @@ from edu3d.ckpt.format import CheckpointError, read_manifest
 from edu3d.commands.argtypes import (MAX_NEW_TOKENS, MAX_SEED, between, integer, ranks, seconds,
                                      step_number)
 from edu3d.config.layout import Layout, LayoutError
-from edu3d.launch.api import LaunchError, launch
+from edu3d.launch import api
+from edu3d.launch.api import LaunchError
 from edu3d.model.gpt import GPTConfig
 from edu3d.train.generation import generate, load_model, parse_prompt, worker
 from edu3d.train.text import decode, is_text
@@ -52,7 +53,7 @@ def main_from_args(args) -> int:
         tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.seed)
     else:
         try:
-            tokens = launch(worker, args.tp, args=(options,), layout=layout, echo=False,
+            tokens = api.launch(worker, args.tp, args=(options,), layout=layout, echo=False,
                             name="generate", timeout=args.timeout).results[0]
         except LaunchError as err:
             print(f"edu3d generate: {err}", file=sys.stderr)

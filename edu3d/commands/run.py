@@ -17,7 +17,8 @@ from pathlib import Path
 
 from edu3d.commands.argtypes import (checked, integer, non_negative_int, positive_int, ranks,
                                      seconds)
-from edu3d.launch.api import NODE_OPTIONS, LaunchError, LaunchTimeout, endpoint, launch, node_args
+from edu3d.launch import api
+from edu3d.launch.api import NODE_OPTIONS, LaunchError, LaunchTimeout, endpoint, node_args
 
 HELP = "run a script or module on N ranks"
 NODE_HELP = {
@@ -81,7 +82,7 @@ def main_from_args(args) -> int:
         print(f"edu3d run: {err}", file=sys.stderr)
         return 2
     try:
-        launch(args.target, args.nprocs, args=args.args, module=args.module,
+        api.launch(args.target, args.nprocs, args=args.args, module=args.module,
                timeout=args.timeout, torchrun_args=torchrun_args, name=Path(args.target).stem)
     except LaunchTimeout as err:
         print(f"edu3d run: {err}", file=sys.stderr)

@@ -33,7 +33,8 @@ from edu3d.ckpt.checkpointer import Checkpointer
 from edu3d.ckpt.format import resume_from
 from edu3d.ckpt.format import steps as complete_steps
 from edu3d.launch import live
-from edu3d.launch.api import LaunchError, LaunchTimeout, launch, new_run_dir, node_args
+from edu3d.launch import api
+from edu3d.launch.api import LaunchError, LaunchTimeout, new_run_dir, node_args
 from edu3d.model.gpt import GPT
 from edu3d.model.balance import set_aux_scale
 from edu3d.model.moe import MoE, active_params, total_params
@@ -366,7 +367,7 @@ def _run_parallel(run: Run, layout, out, trainer_class) -> list[dict]:
         view = live.Terminal(new_run_dir("train"), layout.world_size) if run.launch.monitor else None
         echoing = view.launch_options(echo) if view is not None else {"echo": echo}
         try:
-            res = launch(worker, layout.world_size // (run.launch.nnodes or 1),  # ranks on this node
+            res = api.launch(worker, layout.world_size // (run.launch.nnodes or 1),  # on this node
                          args=(options, trainer_class), layout=layout,
                          timeout=run.launch.timeout, name="train", heartbeat=run.launch.heartbeat,
                          torchrun_args=node_args(**node_options(run)), **echoing)
