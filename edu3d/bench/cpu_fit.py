@@ -121,7 +121,6 @@ def terms(m: dict, eager: dict, about: str) -> dict:
     were measured ``corun``, ``collective_overhead``, ``checkpoint_overhead``), each with its
     source, from :func:`edu3d.bench.calibration.measure`'s ``m`` and the serial fit ``eager``
     (:func:`edu3d.bench.profile_fit.eager_fit`)."""
-    constant = _constant
     n, dp = m["collectives"]["ranks"], m["collectives"]["data_parallel"]
     hooks = hook_fit(dp["microbatches"], dp["seconds"], eager["per_microbatch"],
                      m["eager"]["tensors"])
@@ -176,7 +175,8 @@ def terms(m: dict, eager: dict, about: str) -> dict:
     }
 
 
-def _constant(value: float, unit: str, source: str) -> dict:
+def constant(value: float, unit: str, source: str) -> dict:
+    """A profile constant: ``{"value", "unit", "source"}``."""
     return {"value": value, "unit": unit, "source": source}
 
 

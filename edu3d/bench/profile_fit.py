@@ -45,7 +45,7 @@ import os
 from pathlib import Path
 
 from edu3d.bench import cpu_fit
-from edu3d.bench.cpu_fit import CalibrationError, line, median_text
+from edu3d.bench.cpu_fit import CalibrationError, constant, line, median_text
 from edu3d.plan.hardware import PRECISIONS
 
 
@@ -141,10 +141,6 @@ def eager_fit(microbatches: list[int], seconds: list[float], kernels: float,
 
 
 # ---- the profile -------------------------------------------------------------------------------
-def constant(value: float, unit: str, source: str) -> dict:
-    return {"value": value, "unit": unit, "source": source}
-
-
 def profile_from(m: dict, about: str) -> dict:
     """The profile (:mod:`edu3d.plan.hardware`'s schema, plus ``cores`` and ``step_overhead``)
     from the measurements ``m`` that :func:`edu3d.bench.calibration.measure` returns; ``about``
