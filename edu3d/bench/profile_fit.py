@@ -157,12 +157,11 @@ def profile_from(m: dict, about: str) -> dict:
     n = m["collectives"]["ranks"]
     # a step sums dozens of collectives: its time follows their mean, which a heavy tail (a
     # rank woken late) puts well above the median; profiles measured before kept no mean
-    comm = {k: alpha_beta(k, n, [p[0] for p in v], [p[4] if len(p) > 4 else p[1] for p in v])
-            for k, v in m["collectives"]["ops"].items()}
-    typical = {k: alpha_beta(k, n, [p[0] for p in v], [p[1] for p in v])
-               for k, v in m["collectives"]["ops"].items()}
-    idle = {k: alpha_beta(k, n, [p[0] for p in v], [p[2] for p in v])
-            for k, v in m["collectives"]["ops"].items()}
+    def fitted(i: int) -> dict:  # each kind fitted on column i: 1 median, 2 minimum, 4 mean
+        return {k: alpha_beta(k, n, [p[0] for p in v], [p[i if i < len(p) else 1] for p in v])
+                for k, v in m["collectives"]["ops"].items()}
+
+    comm, typical, idle = fitted(4), fitted(1), fitted(2)
     stream = 2 * m["stream"]["bytes"] / m["stream"]["seconds"]
 
     def mm_source(p):
